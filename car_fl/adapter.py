@@ -1,0 +1,38 @@
+"""The soft-embedding adapter ADP: a trainable d×d matrix between TKN and TRF.
+
+``TRF(ADP(TKN(x)))``: token embeddings ``(batch, seq, d)`` are multiplied by ``W`` (d×d,
+initialised to the identity, no bias), so that an untrained adapter leaves the frozen model's
+hidden states exactly unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class SoftEmbeddingAdapter(nn.Module):
+    """``x ↦ x Wᵀ`` on the last dimension; ``W`` starts as the d×d identity.
+
+    The weight is kept in float32 (it is trained); inputs of another dtype are computed in
+    float32 and cast back, so a bf16/fp16 encoder sees its own dtype.
+    """
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        if dim < 1:
+            raise ValueError(f"adapter dimension must be >= 1, got {dim}")
+        self.weight = nn.Parameter(torch.eye(dim, dtype=torch.float32))
+
+    @property
+    def dim(self) -> int:
+        return int(self.weight.shape[0])
+
+    def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
+        """``(batch, seq, d)`` → ``(batch, seq, d)``."""
+        out = embeddings.to(self.weight.dtype) @ self.weight.T
+        return out.to(embeddings.dtype)
+
+    def is_identity(self) -> bool:
+        eye = torch.eye(self.dim, dtype=self.weight.dtype, device=self.weight.device)
+        return bool(torch.equal(self.weight.detach(), eye))

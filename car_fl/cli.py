@@ -1,0 +1,95 @@
+"""The ``car-fl`` command. ``car-fl retrieve``: top-K labels for queries from a checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from car_fl.checkpoint import load_checkpoint
+from car_fl.head import retrieve
+from car_fl.model import build_retriever
+from car_fl.train import LocalData, predict_logits
+
+
+def _read_queries(args: argparse.Namespace) -> list[str]:
+    queries = list(args.queries)
+    if args.file is not None:
+        path = Path(args.file)
+        if not path.is_file():
+            raise SystemExit(f"error: query file {path} not found")
+        queries += [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not queries:
+        raise SystemExit("error: give queries as arguments or with --file (one per line)")
+    return queries
+
+
+def cmd_retrieve(args: argparse.Namespace) -> int:
+    """Load a checkpoint and its encoder; print the top-K labels and scores per query."""
+    ckpt = load_checkpoint(args.checkpoint)
+    settings = ckpt.settings
+    if args.model is not None:
+        settings.model.name_or_path = args.model
+    if args.device is not None:
+        settings.device = args.device
+    queries = _read_queries(args)
+    model = build_retriever(settings, len(ckpt.label_map))
+    model.load_trainable_state_dict(ckpt.state)
+    data = LocalData(
+        labels=torch.zeros(len(queries), dtype=torch.long),
+        input_ids=model.encoder.tokenize(queries).input_ids,
+    )
+    logits = predict_logits(model, data, batch_size=settings.train.eval_batch_size)
+    k = args.k or max(settings.eval.top_k)
+    results = retrieve(logits, k, ckpt.label_map.names)
+    if args.json:
+        payload = [
+            {"query": q, "results": [{"label": r.label, "score": r.score} for r in res]}
+            for q, res in zip(queries, results, strict=True)
+        ]
+        print(json.dumps(payload, indent=2))
+    else:
+        for query, res in zip(queries, results, strict=True):
+            print(query)
+            for rank, item in enumerate(res, start=1):
+                print(f"  {rank:>2d}. {item.label}\t{item.score:.4f}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="car-fl", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    ret = sub.add_parser("retrieve", help="top-K labels for queries, from a checkpoint")
+    ret.add_argument("queries", nargs="*", help="query texts")
+    ret.add_argument(
+        "--checkpoint",
+        required=True,
+        help="checkpoint folder, e.g. outputs/<date>/<time>/checkpoints/best",
+    )
+    ret.add_argument("--file", help="text file with one query per line")
+    ret.add_argument("-k", type=int, default=None, help="how many labels (default: largest eval K)")
+    ret.add_argument(
+        "--model",
+        default=None,
+        help="encoder hub id or folder, if not the one the checkpoint was trained with",
+    )
+    ret.add_argument("--device", default=None, choices=["auto", "cpu", "cuda", "mps"])
+    ret.add_argument("--json", action="store_true", help="print JSON instead of text")
+    ret.set_defaults(func=cmd_retrieve)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,289 @@
+"""Configuration: Hydra composition from ``conf/`` plus typed, validated settings.
+
+One function, :func:`compose_config`, turns ``conf/`` and a list of Hydra overrides into a
+resolved :class:`omegaconf.DictConfig`; :func:`to_settings` turns that into typed dataclasses
+(:class:`Settings`) whose ``__post_init__`` rejects impossible values with a message naming the
+key and the fix. Every entry point (centralised run, Flower apps, sweeps) goes through both.
+"""
+
+from __future__ import annotations
+
+import importlib
+import shlex
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class Mode(StrEnum):
+    """What is trained: the head alone on cached features, or the adapter and the head."""
+
+    CLASSIFIER = "classifier"
+    ADAPTER_CLASSIFIER = "adapter+classifier"
+
+
+class Pooling(StrEnum):
+    """How a sequence's final hidden states become one vector."""
+
+    EOS = "eos"
+    MEAN = "mean"
+
+
+class Reader(StrEnum):
+    """File formats understood by :mod:`car_fl.data.readers`."""
+
+    SMS_SPAM = "sms_spam"
+    AG_NEWS = "ag_news"
+    ARXIV = "arxiv"
+    TABLE = "table"
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda", "mps")
+OPTIMIZERS = ("adamw", "adam", "sgd")
+PADDING_SIDES = ("auto", "left", "right")
+
+
+def _one_of(key: str, value: str, valid: tuple[str, ...] | list[str]) -> None:
+    if value not in valid:
+        raise ValueError(f"{key}={value!r} is not valid; choose one of {', '.join(valid)}")
+
+
+def _positive(key: str, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{key} must be > 0, got {value!r}")
+
+
+@dataclass
+class DatasetConfig:
+    """Where the examples come from and how they are split.
+
+    ``path`` (a local file or folder) takes precedence over ``hub_id``. ``text_column`` and
+    ``label_column`` name the fields of the hub dataset or of a ``table`` file.
+    """
+
+    name: str = "sms_spam"
+    reader: str = "sms_spam"
+    hub_id: str | None = "ucirvine/sms_spam"
+    hub_config: str | None = None
+    path: str | None = None
+    test_path: str | None = None
+    text_column: str = "text"
+    label_column: str = "label"
+    test_fraction: float = 0.2
+    stratify: bool = True
+    min_examples_per_label: int = 1
+    max_examples: int | None = None
+    label_texts: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _one_of("dataset.reader", self.reader, [r.value for r in Reader])
+        if self.path is None and self.hub_id is None:
+            raise ValueError(
+                f"dataset {self.name!r} has neither dataset.path (a local file) nor "
+                "dataset.hub_id (a Hugging Face dataset); set one of them"
+            )
+        if not 0.0 < self.test_fraction < 1.0:
+            raise ValueError(f"dataset.test_fraction must be in (0, 1), got {self.test_fraction!r}")
+        if self.min_examples_per_label < 1:
+            raise ValueError(
+                f"dataset.min_examples_per_label must be >= 1, got {self.min_examples_per_label}"
+            )
+        if self.max_examples is not None and self.max_examples < 2:
+            raise ValueError(f"dataset.max_examples must be >= 2 or null, got {self.max_examples}")
+
+
+@dataclass
+class ModelConfig:
+    """The frozen encoder: which model, where it runs, how its output is pooled."""
+
+    name: str = "tinyllama"
+    name_or_path: str = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
+    revision: str | None = None
+    dtype: str = "auto"
+    pooling: str = "eos"
+    max_length: int = 128
+    padding_side: str = "auto"
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        _one_of("model.dtype", self.dtype, DTYPES)
+        _one_of("model.pooling", self.pooling, [p.value for p in Pooling])
+        _one_of("model.padding_side", self.padding_side, PADDING_SIDES)
+        if self.max_length < 2:
+            raise ValueError(f"model.max_length must be >= 2, got {self.max_length}")
+
+
+@dataclass
+class HeadConfig:
+    """The classifier head: optional linear pre-classifier with dropout, then a linear layer."""
+
+    pre_classifier_dim: int | None = None
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.pre_classifier_dim is not None and self.pre_classifier_dim < 1:
+            raise ValueError(
+                f"head.pre_classifier_dim must be a positive size or null, "
+                f"got {self.pre_classifier_dim}"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"head.dropout must be in [0, 1), got {self.dropout}")
+
+
+@dataclass
+class TrainConfig:
+    """Local optimisation: mode, epochs, batch size, optimiser."""
+
+    mode: str = "classifier"
+    epochs: int = 10
+    batch_size: int = 4
+    lr: float = 1e-3
+    adapter_lr: float | None = None
+    optimizer: str = "adamw"
+    weight_decay: float = 0.0
+    momentum: float = 0.0
+    eval_batch_size: int = 64
+    feature_batch_size: int = 32
+
+    def __post_init__(self) -> None:
+        _one_of("train.mode", self.mode, [m.value for m in Mode])
+        _one_of("train.optimizer", self.optimizer, OPTIMIZERS)
+        for key in ("epochs", "batch_size", "eval_batch_size", "feature_batch_size"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"train.{key} must be >= 1, got {getattr(self, key)}")
+        _positive("train.lr", self.lr)
+        if self.adapter_lr is not None:
+            _positive("train.adapter_lr", self.adapter_lr)
+        if self.weight_decay < 0:
+            raise ValueError(f"train.weight_decay must be >= 0, got {self.weight_decay}")
+
+    @property
+    def mode_enum(self) -> Mode:
+        return Mode(self.mode)
+
+
+@dataclass
+class EvalConfig:
+    """Which top-K accuracies are reported; the largest K is the retrieval K by default."""
+
+    top_k: list[int] = field(default_factory=lambda: [1, 3, 5, 10])
+
+    def __post_init__(self) -> None:
+        if not self.top_k or any(k < 1 for k in self.top_k):
+            raise ValueError(f"eval.top_k must be a non-empty list of K >= 1, got {self.top_k}")
+        self.top_k = sorted(set(self.top_k))
+
+
+@dataclass
+class Settings:
+    """The whole resolved configuration of a run, typed and validated."""
+
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    head: HeadConfig = field(default_factory=HeadConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    seed: int = 42
+    device: str = "auto"
+    cache_dir: str | None = None
+    output_dir: str | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        _one_of("device", self.device, DEVICES)
+
+
+# --------------------------------------------------------------------------------------------
+# Hydra composition
+# --------------------------------------------------------------------------------------------
+
+
+def conf_dir() -> Path:
+    """The ``conf/`` folder: inside the installed package, or beside it in a source checkout."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "conf", here.parent / "conf"):
+        if (candidate / "config.yaml").is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"car-fl's Hydra configuration was not found in {here / 'conf'} or "
+        f"{here.parent / 'conf'}; reinstall the package (pip install -e .) from a full checkout"
+    )
+
+
+def _package_model_dir(package: str) -> str:
+    """OmegaConf resolver: the model folder shipped inside a Python package (offline models)."""
+    try:
+        module = importlib.import_module(package)
+    except ImportError as err:
+        raise ValueError(
+            f"model folder package {package!r} is not installed; "
+            f"pip install {package.replace('_', '-')}"
+        ) from err
+    getter = getattr(module, "get_model_path", None)
+    path = Path(getter()) if callable(getter) else Path(module.__file__ or "").parent / "model"
+    return str(path)
+
+
+if not OmegaConf.has_resolver("package_model_dir"):
+    OmegaConf.register_new_resolver("package_model_dir", _package_model_dir)
+
+
+def parse_overrides(overrides: str | list[str] | tuple[str, ...] | None) -> list[str]:
+    """Turn ``"dataset=ag_news model=llama32_3b"`` (shell-quoted) into a list of overrides."""
+    if overrides is None:
+        return []
+    if isinstance(overrides, str):
+        return shlex.split(overrides)
+    return list(overrides)
+
+
+def compose_config(overrides: str | list[str] | tuple[str, ...] | None = None) -> DictConfig:
+    """Compose ``conf/config.yaml`` with Hydra overrides, without resolving interpolations."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+
+    items = parse_overrides(overrides)
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+            return compose(config_name="config", overrides=items)
+    except HydraException as err:
+        raise ValueError(f"bad configuration override in {items}: {err}") from err
+
+
+def to_settings(cfg: DictConfig | dict[str, Any]) -> Settings:
+    """Validate a composed config against :class:`Settings` and return typed dataclasses.
+
+    Unknown keys and values of the wrong type raise ``ValueError`` naming the key.
+    """
+    container = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg)
+    container = OmegaConf.masked_copy(container, [str(k) for k in container if k != "hydra"])
+    schema = OmegaConf.structured(Settings)
+    try:
+        merged = OmegaConf.merge(schema, container)
+        obj = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        raise ValueError(f"invalid configuration: {err}") from err
+    assert isinstance(obj, Settings)
+    return obj
+
+
+def settings_to_yaml(settings: Settings) -> str:
+    """The resolved configuration as YAML, for logs and for saving beside results."""
+    return OmegaConf.to_yaml(OmegaConf.structured(settings))
+
+
+def settings_from_yaml(text: str) -> Settings:
+    """Inverse of :func:`settings_to_yaml`."""
+    loaded = OmegaConf.create(text)
+    assert isinstance(loaded, DictConfig)
+    return to_settings(loaded)
+
+
+def load_settings(overrides: str | list[str] | tuple[str, ...] | None = None) -> Settings:
+    """Compose and validate in one step: the single way entry points read configuration."""
+    return to_settings(compose_config(overrides))

@@ -1,0 +1,62 @@
+"""Client shards: IID or Dirichlet(α) non-IID, with flwr-datasets partitioners.
+
+Partitioning happens after the global label map and the train/test split are fixed, so every
+shard shares one label map. Each example lands in exactly one shard.
+"""
+
+from __future__ import annotations
+
+from datasets import Dataset
+from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, Partitioner
+
+
+def make_partitioner(
+    *,
+    num_partitions: int,
+    scheme: str = "iid",
+    alpha: float = 1.0,
+    seed: int = 42,
+    min_partition_size: int = 1,
+) -> Partitioner:
+    """A flwr-datasets partitioner by name: ``iid`` or ``dirichlet`` (over the label column)."""
+    if num_partitions < 1:
+        raise ValueError(f"number of partitions must be >= 1, got {num_partitions}")
+    if scheme == "iid":
+        return IidPartitioner(num_partitions=num_partitions)
+    if scheme == "dirichlet":
+        if alpha <= 0:
+            raise ValueError(f"Dirichlet alpha must be > 0, got {alpha}")
+        return DirichletPartitioner(
+            num_partitions=num_partitions,
+            partition_by="label",
+            alpha=alpha,
+            min_partition_size=min_partition_size,
+            self_balancing=False,
+            shuffle=True,
+            seed=seed,
+        )
+    raise ValueError(f"unknown partitioning {scheme!r}; choose one of iid, dirichlet")
+
+
+def partition(
+    dataset: Dataset,
+    *,
+    partition_id: int,
+    num_partitions: int,
+    scheme: str = "iid",
+    alpha: float = 1.0,
+    seed: int = 42,
+) -> Dataset:
+    """Shard ``partition_id`` of ``num_partitions`` of ``dataset``."""
+    if not 0 <= partition_id < num_partitions:
+        raise ValueError(
+            f"partition-id {partition_id} is outside [0, {num_partitions}); give each node a "
+            "distinct partition-id from 0 to num-partitions - 1"
+        )
+    if num_partitions > len(dataset):
+        raise ValueError(f"cannot split {len(dataset)} examples into {num_partitions} partitions")
+    partitioner = make_partitioner(
+        num_partitions=num_partitions, scheme=scheme, alpha=alpha, seed=seed
+    )
+    partitioner.dataset = dataset
+    return partitioner.load_partition(partition_id)

@@ -1,0 +1,177 @@
+"""Loading a configured dataset into one label map and a seeded train/test split.
+
+The label map is fixed here, before any partitioning, from the whole dataset (train and test);
+every client derives the same one from the same configuration.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from datasets import ClassLabel, Dataset
+
+from car_fl.config import DatasetConfig, Reader
+from car_fl.data.labels import LabelMap
+from car_fl.data.readers import (
+    DataFormatError,
+    Example,
+    read_ag_news,
+    read_arxiv,
+    read_sms_spam,
+    read_table,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DataSplits:
+    """Train and test sets as ``datasets.Dataset`` with columns ``text`` (str), ``label`` (int)."""
+
+    train: Dataset
+    test: Dataset
+    label_map: LabelMap
+
+
+def read_local(cfg: DatasetConfig, path: str | Path) -> list[Example]:
+    """Read one local file with the reader the dataset config names."""
+    reader = Reader(cfg.reader)
+    if reader is Reader.SMS_SPAM:
+        return read_sms_spam(path)
+    if reader is Reader.AG_NEWS:
+        return read_ag_news(path)
+    if reader is Reader.ARXIV:
+        return read_arxiv(path)
+    return read_table(path, text_column=cfg.text_column, label_column=cfg.label_column)
+
+
+def read_hub(cfg: DatasetConfig) -> dict[str, list[Example]]:
+    """Download a dataset from the Hugging Face hub; returns examples per split."""
+    import datasets
+
+    assert cfg.hub_id is not None
+    try:
+        loaded = datasets.load_dataset(cfg.hub_id, cfg.hub_config)
+    except Exception as err:
+        raise RuntimeError(
+            f"could not load dataset {cfg.hub_id!r} from the Hugging Face hub ({err}). "
+            f"Without network access, point at a local copy instead: dataset.path=/path/to/file"
+        ) from err
+    out = {}
+    for split, table in loaded.items():
+        for column in (cfg.text_column, cfg.label_column):
+            if column not in table.column_names:
+                raise ValueError(
+                    f"hub dataset {cfg.hub_id!r} split {split!r} has no column {column!r} "
+                    f"(columns: {table.column_names}); set dataset.text_column/label_column"
+                )
+        feature = table.features[cfg.label_column]
+        labels = table[cfg.label_column]
+        if isinstance(feature, ClassLabel):
+            labels = [feature.int2str(int(i)) for i in labels]
+        out[split] = [
+            Example(text=str(t), label=str(lab))
+            for t, lab in zip(table[cfg.text_column], labels, strict=True)
+        ]
+    return out
+
+
+def _filter_rare(examples: list[Example], minimum: int) -> list[Example]:
+    if minimum <= 1:
+        return examples
+    counts = Counter(e.label for e in examples)
+    return [e for e in examples if counts[e.label] >= minimum]
+
+
+def stratified_split(
+    labels: list[int], *, test_fraction: float, seed: int, stratify: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
+    """Seeded train/test indices. Stratified: each label keeps its share in both parts."""
+    rng = np.random.default_rng(seed)
+    n = len(labels)
+    if not stratify:
+        order = rng.permutation(n)
+        n_test = max(1, round(n * test_fraction))
+        return np.sort(order[n_test:]), np.sort(order[:n_test])
+    array = np.asarray(labels)
+    train_idx, test_idx = [], []
+    for label in np.unique(array):
+        members = rng.permutation(np.flatnonzero(array == label))
+        n_test = round(len(members) * test_fraction)
+        if len(members) >= 2:
+            n_test = min(max(n_test, 1), len(members) - 1)
+        test_idx.append(members[:n_test])
+        train_idx.append(members[n_test:])
+    return np.sort(np.concatenate(train_idx)), np.sort(np.concatenate(test_idx))
+
+
+def _subsample(examples: list[Example], limit: int | None, seed: int) -> list[Example]:
+    if limit is None or len(examples) <= limit:
+        return examples
+    keep = np.sort(np.random.default_rng(seed + 1).choice(len(examples), limit, replace=False))
+    return [examples[i] for i in keep]
+
+
+def _to_dataset(examples: list[Example], label_map: LabelMap, source: str) -> Dataset:
+    return Dataset.from_dict(
+        {
+            "text": [e.text for e in examples],
+            "label": label_map.encode([e.label for e in examples], source=source),
+        }
+    )
+
+
+def load_splits(cfg: DatasetConfig, *, seed: int) -> DataSplits:
+    """Read the configured dataset, fix the label map, split it (seeded)."""
+    test: list[Example] | None = None
+    if cfg.path is not None:
+        train = read_local(cfg, cfg.path)
+        if cfg.test_path is not None:
+            test = read_local(cfg, cfg.test_path)
+        source = str(cfg.path)
+    else:
+        per_split = read_hub(cfg)
+        train = per_split.get("train") or next(iter(per_split.values()))
+        test = per_split.get("test")
+        source = str(cfg.hub_id)
+
+    train = _filter_rare(_subsample(train, cfg.max_examples, seed), cfg.min_examples_per_label)
+    if test is not None:
+        limit = None if cfg.max_examples is None else max(1, round(cfg.max_examples / 4))
+        test = _subsample(test, limit, seed)
+        kept = {e.label for e in train}
+        test = [e for e in test if e.label in kept]
+    all_examples = train + (test or [])
+    if not train:
+        raise DataFormatError(
+            source,
+            f"no examples left after dropping labels with fewer than "
+            f"{cfg.min_examples_per_label} examples (dataset.min_examples_per_label)",
+        )
+    label_map = LabelMap.from_labels(e.label for e in all_examples)
+    if len(label_map) < 2:
+        raise DataFormatError(source, f"needs at least 2 labels, found {label_map.to_list()}")
+
+    if test is None:
+        ids = label_map.encode([e.label for e in train], source=source)
+        train_idx, test_idx = stratified_split(
+            ids, test_fraction=cfg.test_fraction, seed=seed, stratify=cfg.stratify
+        )
+        train, test = [train[i] for i in train_idx], [train[i] for i in test_idx]
+
+    log.info(
+        "dataset %s: %d train, %d test examples, %d labels",
+        cfg.name,
+        len(train),
+        len(test),
+        len(label_map),
+    )
+    return DataSplits(
+        train=_to_dataset(train, label_map, source),
+        test=_to_dataset(test, label_map, source),
+        label_map=label_map,
+    )

@@ -1,0 +1,69 @@
+"""The classifier head and top-K retrieval.
+
+``ClassifierHead``: pooled states ``(batch, d)`` → logits ``(batch, labels)``, either one linear
+layer or a linear pre-classifier, ReLU, dropout, then the linear classifier. The K largest
+logits of a query are the K retrieved labels (documents).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+class ClassifierHead(nn.Module):
+    """``(batch, d)`` → ``(batch, num_labels)``."""
+
+    def __init__(
+        self,
+        dim: int,
+        num_labels: int,
+        *,
+        pre_classifier_dim: int | None = None,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if num_labels < 2:
+            raise ValueError(f"a classifier needs at least 2 labels, got {num_labels}")
+        self.pre_classifier = (
+            nn.Linear(dim, pre_classifier_dim) if pre_classifier_dim is not None else None
+        )
+        self.dropout = nn.Dropout(dropout)
+        width = pre_classifier_dim if pre_classifier_dim is not None else dim
+        self.classifier = nn.Linear(width, num_labels)
+
+    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+        x = pooled.to(self.classifier.weight.dtype)
+        if self.pre_classifier is not None:
+            x = torch.relu(self.pre_classifier(x))
+        logits: torch.Tensor = self.classifier(self.dropout(x))
+        return logits
+
+
+@dataclass(frozen=True)
+class Retrieved:
+    """One retrieved label (document) with its softmax score."""
+
+    label: str
+    score: float
+
+
+def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax scores and indices of the ``k`` best labels: two ``(batch, min(k, labels))``."""
+    if k < 1:
+        raise ValueError(f"K must be >= 1, got {k}")
+    probs = torch.softmax(logits.float(), dim=-1)
+    scores, indices = probs.topk(min(k, logits.shape[-1]), dim=-1)
+    return scores, indices
+
+
+def retrieve(logits: torch.Tensor, k: int, label_names: Sequence[str]) -> list[list[Retrieved]]:
+    """For each query, its ``k`` best labels with scores, best first."""
+    scores, indices = top_k(logits, k)
+    return [
+        [Retrieved(label_names[i], float(s)) for s, i in zip(row_s, row_i, strict=True)]
+        for row_s, row_i in zip(scores.tolist(), indices.tolist(), strict=True)
+    ]

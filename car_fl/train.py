@@ -1,0 +1,235 @@
+"""Local training and evaluation of the CaR retriever, in both modes.
+
+``classifier``: the head trains on cached pooled features (one encoder pass, ever).
+``adapter+classifier``: the adapter and the head train through the frozen encoder; each batch
+is padded to its own length. The order of examples in epoch ``e`` depends only on
+``(seed, e)``, so a run split into rounds of local epochs sees the same order as one long run.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from car_fl.config import Mode, ModelConfig, TrainConfig
+from car_fl.features import FeatureCache, extract_features, feature_key
+from car_fl.metrics import retrieval_metrics
+from car_fl.model import CaRRetriever
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LocalData:
+    """Examples ready for training: labels, and cached features or token ids by mode."""
+
+    labels: torch.Tensor  # (n,) int64
+    features: torch.Tensor | None = None  # (n, d), classifier mode
+    input_ids: list[list[int]] | None = None  # adapter mode
+
+    def __post_init__(self) -> None:
+        if self.features is None and self.input_ids is None:
+            raise ValueError("LocalData needs features or input_ids")
+        n = len(self.labels)
+        if self.features is not None and len(self.features) != n:
+            raise ValueError(f"{len(self.features)} feature rows for {n} labels")
+        if self.input_ids is not None and len(self.input_ids) != n:
+            raise ValueError(f"{len(self.input_ids)} token sequences for {n} labels")
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+def prepare_data(
+    texts: Sequence[str],
+    labels: Sequence[int],
+    *,
+    mode: Mode,
+    model_cfg: ModelConfig,
+    device: str,
+    get_model: Callable[[], CaRRetriever],
+    cache: FeatureCache | None,
+    batch_size: int,
+    progress: bool = True,
+    desc: str = "features",
+) -> LocalData:
+    """Features (classifier mode, from the cache when possible) or token ids (adapter mode).
+
+    ``get_model`` is only called when the encoder is really needed: a fully cached
+    classifier-mode dataset never loads it.
+    """
+    label_tensor = torch.tensor(list(labels), dtype=torch.long)
+    if mode is Mode.ADAPTER_CLASSIFIER:
+        tokens = get_model().encoder.tokenize(list(texts))
+        return LocalData(labels=label_tensor, input_ids=tokens.input_ids)
+    key = feature_key(model_cfg, texts, device=device)
+    cached = cache.get(key) if cache is not None else None
+    if cached is not None:
+        log.info("%s: %d cached feature rows (key %s)", desc, len(cached), key)
+        return LocalData(labels=label_tensor, features=cached)
+    model = get_model()
+    features = features_for(model, texts, batch_size=batch_size, progress=progress, desc=desc)
+    if cache is not None:
+        cache.put(key, features)
+    return LocalData(labels=label_tensor, features=features)
+
+
+def features_for(
+    model: CaRRetriever,
+    texts: Sequence[str],
+    *,
+    batch_size: int,
+    progress: bool = True,
+    desc: str = "features",
+    bucket: bool = True,
+) -> torch.Tensor:
+    """Pooled vectors ``(n, d)`` through the current adapter, batched by length."""
+    tokens = model.encoder.tokenize(list(texts))
+    return extract_features(
+        model.encode,
+        model.encoder.pad,
+        tokens.input_ids,
+        batch_size=batch_size,
+        bucket=bucket,
+        progress=progress,
+        desc=desc,
+    )
+
+
+def make_optimizer(model: CaRRetriever, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """Optimizer over the trainable parameters only (no state for frozen weights)."""
+    params = model.trainable_parameters()
+    head = [p for name, p in params.items() if not name.startswith("adapter")]
+    groups: list[dict[str, object]] = [{"params": head, "lr": cfg.lr}]
+    if "adapter.weight" in params:
+        groups.append({"params": [params["adapter.weight"]], "lr": cfg.adapter_lr or cfg.lr})
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(
+            groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        )
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The RNG seed of global epoch ``epoch`` (0-based): data order and dropout."""
+    return (seed * 1_000_003 + epoch * 7_919) % (2**63 - 1)
+
+
+def epoch_order(n: int, *, seed: int, epoch: int) -> torch.Tensor:
+    """A permutation of ``range(n)`` that depends only on ``(seed, epoch)``."""
+    generator = torch.Generator().manual_seed(epoch_seed(seed, epoch))
+    return torch.randperm(n, generator=generator)
+
+
+@dataclass
+class EpochResult:
+    loss: float
+    accuracy: float
+    examples: int
+    steps: int
+
+
+StepHook = Callable[[CaRRetriever], None]
+
+
+def train_epoch(
+    model: CaRRetriever,
+    data: LocalData,
+    optimizer: torch.optim.Optimizer,
+    *,
+    batch_size: int,
+    seed: int,
+    epoch: int,
+    progress: bool = True,
+    desc: str = "train",
+    after_step: StepHook | None = None,
+) -> EpochResult:
+    """One pass over ``data`` in the order of ``epoch_order(seed, epoch)``.
+
+    ``after_step`` runs after every optimizer step (per-step DP uses it).
+    """
+    if len(data) == 0:
+        raise ValueError("cannot train on an empty dataset")
+    model.train()
+    torch.manual_seed(epoch_seed(seed, epoch))  # dropout
+    device = model.encoder.device
+    order = epoch_order(len(data), seed=seed, epoch=epoch)
+    features = data.features.to(device) if data.features is not None else None
+    labels_all = data.labels.to(device)
+    total_loss, correct, steps = 0.0, 0, 0
+    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    for batch in tqdm(batches, desc=desc, disable=not progress, unit="step", leave=False):
+        labels = labels_all[batch.to(device)]
+        if features is not None:
+            logits, loss = model(features=features[batch.to(device)], labels=labels)
+        else:
+            assert data.input_ids is not None
+            ids, mask = model.encoder.pad([data.input_ids[i] for i in batch.tolist()])
+            logits, loss = model(ids, mask, labels=labels)
+        assert loss is not None
+        if not torch.isfinite(loss):
+            raise FloatingPointError(
+                f"training loss became {loss.item()} at step {steps}; lower train.lr"
+            )
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if after_step is not None:
+            after_step(model)
+        total_loss += float(loss.detach()) * len(batch)
+        correct += int((logits.detach().argmax(dim=1) == labels).sum())
+        steps += 1
+    model.eval()
+    return EpochResult(
+        loss=total_loss / len(data), accuracy=correct / len(data), examples=len(data), steps=steps
+    )
+
+
+@torch.inference_mode()
+def predict_logits(
+    model: CaRRetriever, data: LocalData, *, batch_size: int, progress: bool = False
+) -> torch.Tensor:
+    """Logits ``(n, labels)`` for every example, in order."""
+    model.eval()
+    if data.features is not None:
+        features = data.features
+    else:
+        assert data.input_ids is not None
+        features = extract_features(
+            model.encode,
+            model.encoder.pad,
+            data.input_ids,
+            batch_size=batch_size,
+            progress=progress,
+            desc="eval",
+        )
+    device = model.encoder.device
+    chunks = [
+        model.head(features[i : i + batch_size].to(device)).float().cpu()
+        for i in range(0, len(features), batch_size)
+    ]
+    return torch.cat(chunks)
+
+
+def evaluate(
+    model: CaRRetriever,
+    data: LocalData,
+    *,
+    batch_size: int,
+    top_k: list[int],
+    progress: bool = False,
+) -> dict[str, float]:
+    """Loss, top-1 and top-K accuracy, MRR and macro-F1 on ``data``."""
+    logits = predict_logits(model, data, batch_size=batch_size, progress=progress)
+    loss = float(F.cross_entropy(logits, data.labels))
+    if not math.isfinite(loss):
+        log.warning("evaluation loss is %s", loss)
+    return retrieval_metrics(logits, data.labels, top_k=top_k, loss=loss)
