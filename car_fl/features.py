@@ -124,7 +124,11 @@ def default_cache_dir() -> Path:
 
 
 class FeatureCache:
-    """Features by content key: a process-wide memory cache in front of a folder on disk."""
+    """Features by content key: a process-wide memory cache in front of a folder on disk.
+
+    Memory entries are keyed by their disk path, so two caches in different folders never
+    answer for each other.
+    """
 
     _memory: ClassVar[dict[str, torch.Tensor]] = {}
 
@@ -138,24 +142,24 @@ class FeatureCache:
         return self.directory / f"{key}.safetensors"
 
     def get(self, key: str) -> torch.Tensor | None:
-        if key in self._memory:
-            self.hits += 1
-            return self._memory[key]
         path = self.path(key)
+        if str(path) in self._memory:
+            self.hits += 1
+            return self._memory[str(path)]
         if self.disk and path.is_file():
             try:
                 tensor = load_file(str(path))["features"]
             except Exception as err:  # a corrupt cache file is recomputed, not fatal
                 log.warning("ignoring unreadable feature cache %s: %s", path, err)
             else:
-                self._memory[key] = tensor
+                self._memory[str(path)] = tensor
                 self.hits += 1
                 return tensor
         self.misses += 1
         return None
 
     def put(self, key: str, features: torch.Tensor) -> None:
-        self._memory[key] = features
+        self._memory[str(self.path(key))] = features
         if not self.disk:
             return
         self.directory.mkdir(parents=True, exist_ok=True)

@@ -143,8 +143,9 @@ def load_splits(cfg: DatasetConfig, *, seed: int) -> DataSplits:
     if test is not None:
         limit = None if cfg.max_examples is None else max(1, round(cfg.max_examples / 4))
         test = _subsample(test, limit, seed)
-        kept = {e.label for e in train}
-        test = [e for e in test if e.label in kept]
+        if cfg.min_examples_per_label > 1:  # labels dropped as rare go from the test set too
+            kept = {e.label for e in train}
+            test = [e for e in test if e.label in kept]
     all_examples = train + (test or [])
     if not train:
         raise DataFormatError(

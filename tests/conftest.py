@@ -1,0 +1,81 @@
+"""Shared fixtures: tiny offline models and data; strict settings for the whole suite."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import sys
+from pathlib import Path
+
+# No network anywhere in the suite: the hub code paths must fail fast instead of downloading.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny import build_bert, build_llama, synthetic_examples, write_tsv
+
+from car_fl.config import Settings, load_settings
+
+SHARED_SMS = (
+    Path(__file__).resolve().parents[2] / "shared" / "data" / "sms_spam" / ("SMSSpamCollection.tsv")
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _seed_everything() -> None:
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_transformers() -> None:
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_bert(tmp_path_factory.mktemp("models") / "tiny-bert")
+
+
+@pytest.fixture(scope="session")
+def synthetic_tsv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """400 examples of a 4-label learnable task, in the SMS Spam Collection's format."""
+    return write_tsv(tmp_path_factory.mktemp("data") / "synthetic.tsv", synthetic_examples(400))
+
+
+@pytest.fixture
+def make_settings(tmp_path: Path, tiny_llama: Path, synthetic_tsv: Path):  # type: ignore[no-untyped-def]
+    """Settings for the tiny Llama and the synthetic data, plus any overrides."""
+
+    def make(*overrides: str, model_dir: Path | None = None) -> Settings:
+        base = [
+            "model=local",
+            f"model.name_or_path={model_dir or tiny_llama}",
+            f"dataset.path={synthetic_tsv}",
+            f"cache_dir={tmp_path / 'cache'}",
+            "progress=false",
+            "device=cpu",
+        ]
+        return load_settings([*base, *overrides])
+
+    return make

@@ -1,0 +1,183 @@
+"""Centralised training on a learnable synthetic task, results files, checkpoints, retrieve."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from car_fl import encoder as encoder_module
+from car_fl.centralized import run_centralized
+from car_fl.checkpoint import load_checkpoint
+from car_fl.cli import main as cli_main
+from car_fl.config import Mode
+from car_fl.data import load_splits
+from car_fl.features import FeatureCache
+from car_fl.model import build_retriever
+from car_fl.train import epoch_order, evaluate, make_optimizer, prepare_data, train_epoch
+
+
+@pytest.mark.parametrize(
+    ("mode", "pooling", "which"),
+    [
+        ("classifier", "mean", "llama"),
+        ("classifier", "eos", "llama"),
+        ("adapter", "eos", "llama"),
+        ("adapter", "mean", "llama"),
+        ("classifier", "mean", "bert"),
+        ("adapter", "mean", "bert"),
+    ],
+)
+def test_training_reaches_high_accuracy(  # type: ignore[no-untyped-def]
+    make_settings, tmp_path: Path, tiny_bert: Path, mode: str, pooling: str, which: str
+) -> None:
+    settings = make_settings(
+        f"mode={mode}",
+        f"model.pooling={pooling}",
+        "train.lr=0.01",
+        # Cached-feature epochs are nearly free; the adapter needs fewer passes.
+        "train.epochs=25" if mode == "classifier" else "train.epochs=8",
+        model_dir=tiny_bert if which == "bert" else None,
+    )
+    summary = run_centralized(settings, tmp_path / "run")
+    assert summary["final"]["test_top1"] >= 0.9, summary["final"]
+    assert summary["final"]["test_top3"] >= summary["final"]["test_top1"]
+
+
+def test_centralized_run_writes_config_metrics_plot_and_checkpoints(  # type: ignore[no-untyped-def]
+    make_settings, tmp_path: Path
+) -> None:
+    settings = make_settings("train.epochs=3")
+    out = tmp_path / "run"
+    summary = run_centralized(settings, out)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["kind"] == "centralized"
+    assert [row["round"] for row in metrics["history"]] == [1, 2, 3]
+    assert {
+        "train_loss",
+        "test_loss",
+        "test_top1",
+        "test_top5",
+        "test_mrr",
+        "test_macro_f1",
+        "seconds",
+    } <= set(metrics["history"][0])
+    assert (out / "metrics.csv").read_text().splitlines()[0].startswith("round,")
+    assert (out / "curves.png").stat().st_size > 1000
+    assert "pooling: eos" in (out / "config.yaml").read_text()
+    final = load_checkpoint(out / "checkpoints" / "final")
+    assert final.round == 3 and final.settings == settings
+    assert final.label_map.names == ("topic0", "topic1", "topic2", "topic3")
+    assert set(final.state) == {"head.classifier.weight", "head.classifier.bias"}
+    best = load_checkpoint(out / "checkpoints" / "best")
+    assert best.metrics["test_top1"] == summary["best"]["test_top1"]
+
+
+def test_retrieve_command_prints_top_k_labels(  # type: ignore[no-untyped-def]
+    make_settings, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    settings = make_settings("train.epochs=6", "train.lr=0.01", "model.pooling=mean")
+    run_centralized(settings, tmp_path / "run")
+    queries = tmp_path / "queries.txt"
+    queries.write_text("w3 k2 w4\n\nk0 w1\n")
+    ckpt = str(tmp_path / "run" / "checkpoints" / "final")
+    assert (
+        cli_main(["retrieve", "--checkpoint", ckpt, "--file", str(queries), "-k", "2", "--json"])
+        == 0
+    )
+    payload = json.loads(capsys.readouterr().out)
+    assert [p["query"] for p in payload] == ["w3 k2 w4", "k0 w1"]
+    assert [p["results"][0]["label"] for p in payload] == ["topic2", "topic0"]
+    assert all(len(p["results"]) == 2 for p in payload)
+    assert cli_main(["retrieve", "--checkpoint", ckpt, "k1"]) == 0
+    assert "topic1" in capsys.readouterr().out.splitlines()[1]
+
+
+def test_retrieve_rejects_a_folder_that_is_not_a_checkpoint(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="not a car-fl checkpoint"):
+        cli_main(["retrieve", "--checkpoint", str(tmp_path), "hello"])
+
+
+def test_epoch_order_depends_only_on_seed_and_epoch() -> None:
+    a = epoch_order(50, seed=1, epoch=3)
+    assert torch.equal(a, epoch_order(50, seed=1, epoch=3))
+    assert not torch.equal(a, epoch_order(50, seed=1, epoch=4))
+    assert sorted(a.tolist()) == list(range(50))
+
+
+def test_cached_classifier_features_do_not_load_the_encoder(make_settings) -> None:  # type: ignore[no-untyped-def]
+    settings = make_settings()
+    splits = load_splits(settings.dataset, seed=settings.seed)
+    texts, labels = splits.train["text"], splits.train["label"]
+    model = build_retriever(settings, len(splits.label_map))
+    cache = FeatureCache(settings.cache_dir)
+    common = dict(
+        mode=Mode.CLASSIFIER, model_cfg=settings.model, device="cpu", batch_size=16, progress=False
+    )
+    first = prepare_data(texts, labels, get_model=lambda: model, cache=cache, **common)
+    FeatureCache.clear_memory()  # a new process: only the disk cache is left
+    loads = encoder_module.LOAD_COUNT
+
+    def must_not_load():  # type: ignore[no-untyped-def]
+        raise AssertionError("the encoder was loaded although every feature was cached")
+
+    second = prepare_data(
+        texts, labels, get_model=must_not_load, cache=FeatureCache(settings.cache_dir), **common
+    )
+    assert loads == encoder_module.LOAD_COUNT
+    assert first.features is not None and second.features is not None
+    assert torch.equal(first.features, second.features)
+    changed = prepare_data(
+        [*texts[:-1], texts[-1] + " w1"], labels, get_model=lambda: model, cache=cache, **common
+    )
+    assert changed.features is not None
+    assert not torch.equal(changed.features[-1], first.features[-1])
+
+
+def test_bucketed_extraction_returns_features_in_the_original_order(make_settings) -> None:  # type: ignore[no-untyped-def]
+    from car_fl.features import extract_features
+
+    settings = make_settings("model.pooling=eos")
+    model = build_retriever(settings, 4)
+    texts = ["w1", "w1 w2 w3 w4 w5 w6 w7", "k1 w2", "w9 w8 w7 w6", "k3"] * 3
+    ids = model.encoder.tokenize(texts).input_ids
+    kwargs = dict(batch_size=4, progress=False)
+    bucketed = extract_features(model.encode, model.encoder.pad, ids, bucket=True, **kwargs)
+    arrival = extract_features(model.encode, model.encoder.pad, ids, bucket=False, **kwargs)
+    one_by_one = torch.cat([model.encode(*model.encoder.pad([s])).detach() for s in ids])
+    torch.testing.assert_close(bucketed, arrival, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(bucketed, one_by_one, rtol=1e-5, atol=1e-5)
+
+
+def test_training_in_adapter_mode_changes_adapter_not_encoder(make_settings) -> None:  # type: ignore[no-untyped-def]
+    settings = make_settings("mode=adapter", "train.epochs=1")
+    splits = load_splits(settings.dataset, seed=settings.seed)
+    model = build_retriever(settings, len(splits.label_map))
+    frozen = {k: v.clone() for k, v in model.encoder.state_dict().items()}
+    data = prepare_data(
+        splits.train["text"][:40],
+        splits.train["label"][:40],
+        mode=Mode.ADAPTER_CLASSIFIER,
+        model_cfg=settings.model,
+        device="cpu",
+        get_model=lambda: model,
+        cache=None,
+        batch_size=8,
+        progress=False,
+    )
+    train_epoch(
+        model,
+        data,
+        make_optimizer(model, settings.train),
+        batch_size=4,
+        seed=0,
+        epoch=0,
+        progress=False,
+    )
+    assert not model.adapter.is_identity()
+    for name, value in model.encoder.state_dict().items():
+        assert torch.equal(value, frozen[name]), name
+    metrics = evaluate(model, data, batch_size=16, top_k=[1, 2])
+    assert 0.0 <= metrics["top1"] <= metrics["top2"] <= 1.0
