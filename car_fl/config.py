@@ -8,8 +8,10 @@ key and the fix. Every entry point (centralised run, Flower apps, sweeps) goes t
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -180,6 +182,29 @@ class EvalConfig:
 
 
 @dataclass
+class FLConfig:
+    """The federation: clients, rounds, local epochs, partitioning, timeouts."""
+
+    clients: int = 2
+    rounds: int = 5
+    local_epochs: int = 2
+    partitioning: str = "iid"
+    alpha: float = 1.0
+    round_timeout: float = 3600.0
+    wait_for_nodes: float = 120.0
+
+    def __post_init__(self) -> None:
+        for key in ("clients", "rounds", "local_epochs"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"fl.{key} must be >= 1, got {getattr(self, key)}")
+        _one_of("fl.partitioning", self.partitioning, ("iid", "dirichlet"))
+        _positive("fl.alpha", self.alpha)
+        _positive("fl.round_timeout", self.round_timeout)
+        if self.wait_for_nodes < 0:
+            raise ValueError(f"fl.wait_for_nodes must be >= 0, got {self.wait_for_nodes}")
+
+
+@dataclass
 class Settings:
     """The whole resolved configuration of a run, typed and validated."""
 
@@ -188,6 +213,7 @@ class Settings:
     head: HeadConfig = field(default_factory=HeadConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    fl: FLConfig = field(default_factory=FLConfig)
     seed: int = 42
     device: str = "auto"
     cache_dir: str | None = None
@@ -282,6 +308,64 @@ def settings_from_yaml(text: str) -> Settings:
     loaded = OmegaConf.create(text)
     assert isinstance(loaded, DictConfig)
     return to_settings(loaded)
+
+
+#: Settings that may legitimately differ between the machines of one federation.
+NODE_LOCAL_KEYS = (
+    "device",
+    "cache_dir",
+    "output_dir",
+    "progress",
+    "dataset.path",
+    "dataset.test_path",
+    "model.name_or_path",
+)
+
+
+def fingerprint(settings: Settings) -> str:
+    """A short hash of everything that server and clients must agree on.
+
+    Node-local values (:data:`NODE_LOCAL_KEYS`: data and model locations, device, cache) are
+    left out, so that each machine can point at its own copies.
+    """
+    conf = OmegaConf.create(OmegaConf.to_container(OmegaConf.structured(settings)))
+    for key in NODE_LOCAL_KEYS:
+        OmegaConf.update(conf, key, None)
+    text = OmegaConf.to_yaml(conf, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+#: Flower ``--node-config`` keys a SuperNode may set, and the settings they override.
+NODE_CONFIG_KEYS = {
+    "data-path": "dataset.path",
+    "test-data-path": "dataset.test_path",
+    "model-path": "model.name_or_path",
+    "device": "device",
+    "cache-dir": "cache_dir",
+}
+
+
+def apply_node_config(settings: Settings, node_config: Mapping[str, Any]) -> Settings:
+    """Return a copy of ``settings`` with this node's local paths and device applied."""
+    conf = OmegaConf.structured(settings)
+    for key, target in NODE_CONFIG_KEYS.items():
+        value = node_config.get(key)
+        if value not in (None, ""):
+            OmegaConf.update(conf, target, str(value))
+    return to_settings(conf)
+
+
+def settings_from_run_config(run_config: Mapping[str, Any]) -> Settings:
+    """Settings from Flower's run config: its ``overrides`` value holds Hydra overrides.
+
+    ``flwr run . --run-config 'overrides="dataset=ag_news mode=adapter fl.rounds=10"'``
+    """
+    overrides = run_config.get("overrides", "")
+    if not isinstance(overrides, str):
+        raise ValueError(
+            f"run config 'overrides' must be a string of Hydra overrides, got {overrides!r}"
+        )
+    return load_settings(overrides)
 
 
 def load_settings(overrides: str | list[str] | tuple[str, ...] | None = None) -> Settings:

@@ -15,7 +15,7 @@ from torch import nn
 
 from car_fl.adapter import SoftEmbeddingAdapter
 from car_fl.config import HeadConfig, Mode, Settings
-from car_fl.encoder import Encoder, load_encoder
+from car_fl.encoder import Encoder, load_encoder, pick_device
 from car_fl.head import ClassifierHead
 
 log = logging.getLogger(__name__)
@@ -25,13 +25,27 @@ class CaRRetriever(nn.Module):
     """Encoder (frozen), adapter and head, trained in one of the two :class:`Mode` s."""
 
     def __init__(
-        self, encoder: Encoder, num_labels: int, *, head: HeadConfig, mode: Mode | str
+        self,
+        encoder: Encoder | None,
+        num_labels: int,
+        *,
+        head: HeadConfig,
+        mode: Mode | str,
+        hidden_size: int | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
+        """Without an ``encoder`` (classifier mode on cached features) give ``hidden_size``."""
         super().__init__()
-        self.encoder = encoder
+        self._encoder = encoder
         self.mode = Mode(mode)
-        dim = encoder.hidden_size
-        device = encoder.device
+        if encoder is not None:
+            dim, device = encoder.hidden_size, encoder.device
+        elif hidden_size is None:
+            raise ValueError("a retriever without an encoder needs hidden_size")
+        else:
+            dim = hidden_size
+        if encoder is None and self.mode is Mode.ADAPTER_CLASSIFIER:
+            raise ValueError("adapter+classifier mode needs the encoder")
         self.adapter = SoftEmbeddingAdapter(dim).to(device)
         self.head = ClassifierHead(
             dim, num_labels, pre_classifier_dim=head.pre_classifier_dim, dropout=head.dropout
@@ -45,6 +59,21 @@ class CaRRetriever(nn.Module):
             f"{trainable:,}",
             f"{frozen:,}",
         )
+
+    @property
+    def encoder(self) -> Encoder:
+        """The frozen encoder; raises if this retriever was built on cached features only."""
+        if self._encoder is None:
+            raise RuntimeError("this retriever was built without its encoder (cached features)")
+        return self._encoder
+
+    @property
+    def has_encoder(self) -> bool:
+        return self._encoder is not None
+
+    @property
+    def device(self) -> torch.device:
+        return self.head.classifier.weight.device
 
     @property
     def uses_adapter(self) -> bool:
@@ -118,10 +147,26 @@ class CaRRetriever(nn.Module):
 
 
 def build_retriever(
-    settings: Settings, num_labels: int, *, encoder: Encoder | None = None
+    settings: Settings,
+    num_labels: int,
+    *,
+    encoder: Encoder | None = None,
+    hidden_size: int | None = None,
 ) -> CaRRetriever:
-    """Load the encoder (unless given) and build a retriever whose head init depends on the seed."""
-    if encoder is None:
+    """A retriever whose head initialisation depends only on ``settings.seed``.
+
+    With ``hidden_size`` and no ``encoder`` in classifier mode, the encoder is not loaded
+    (training on cached features); otherwise it is loaded unless given.
+    """
+    mode = Mode(settings.train.mode)
+    if encoder is None and (hidden_size is None or mode is Mode.ADAPTER_CLASSIFIER):
         encoder = load_encoder(settings.model, device=settings.device)
     torch.manual_seed(settings.seed)
-    return CaRRetriever(encoder, num_labels, head=settings.head, mode=settings.train.mode)
+    return CaRRetriever(
+        encoder,
+        num_labels,
+        head=settings.head,
+        mode=mode,
+        hidden_size=hidden_size,
+        device=pick_device(settings.device),
+    )

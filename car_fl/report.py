@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 METRICS_JSON = "metrics.json"
 METRICS_CSV = "metrics.csv"
 PLOT_PNG = "curves.png"
+CLIENTS_CSV = "clients.csv"
 
 
 def write_metrics(
@@ -27,14 +28,19 @@ def write_metrics(
     """``metrics.json`` (kind, history, summary) and ``metrics.csv`` (the history)."""
     folder = Path(folder)
     atomic_write_json(folder / METRICS_JSON, {"kind": kind, "history": history, "summary": summary})
+    write_csv(folder / METRICS_CSV, history)
+
+
+def write_csv(path: str | Path, rows: list[dict[str, Any]]) -> None:
+    """Rows of dicts as CSV; the columns are the union of keys in first-seen order."""
     columns: list[str] = []
-    for row in history:
+    for row in rows:
         columns.extend(k for k in row if k not in columns)
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=columns)
     writer.writeheader()
-    writer.writerows(history)
-    atomic_write_text(folder / METRICS_CSV, buffer.getvalue())
+    writer.writerows(rows)
+    atomic_write_text(path, buffer.getvalue())
 
 
 def plot_curves(

@@ -160,7 +160,7 @@ def train_epoch(
         raise ValueError("cannot train on an empty dataset")
     model.train()
     torch.manual_seed(epoch_seed(seed, epoch))  # dropout
-    device = model.encoder.device
+    device = model.device
     order = epoch_order(len(data), seed=seed, epoch=epoch)
     features = data.features.to(device) if data.features is not None else None
     labels_all = data.labels.to(device)
@@ -211,7 +211,7 @@ def predict_logits(
             progress=progress,
             desc="eval",
         )
-    device = model.encoder.device
+    device = model.device
     chunks = [
         model.head(features[i : i + batch_size].to(device)).float().cpu()
         for i in range(0, len(features), batch_size)

@@ -1,0 +1,166 @@
+"""Client-side work of one federated round: shard, features, E local epochs, reply.
+
+The encoder is loaded at most once per process and kept (simulation reuses processes across
+rounds). In ``classifier`` mode the shard's features come from the memory or disk cache, so a
+round that only needs cached features never loads the encoder at all.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from car_fl import encoder as encoder_module
+from car_fl.config import Mode, Settings, apply_node_config, fingerprint
+from car_fl.data import load_splits, partition
+from car_fl.data.labels import LabelMap
+from car_fl.encoder import Encoder, load_encoder
+from car_fl.features import FeatureCache
+from car_fl.model import CaRRetriever, build_retriever
+from car_fl.train import LocalData, make_optimizer, prepare_data, train_epoch
+
+log = logging.getLogger(__name__)
+
+_ENCODERS: dict[str, Encoder] = {}
+_SHARDS: dict[tuple[str, int, int], tuple[LocalData, LabelMap]] = {}
+
+
+def cached_encoder(settings: Settings) -> Encoder:
+    """The frozen encoder for these settings, loaded once per process."""
+    key = repr((settings.model, settings.device))
+    if key not in _ENCODERS:
+        _ENCODERS[key] = load_encoder(settings.model, device=settings.device)
+    return _ENCODERS[key]
+
+
+def client_seed(seed: int, partition_id: int) -> int:
+    """Client ``i``'s training seed; client 0 uses the run seed, like a centralised run."""
+    return seed + 1000 * partition_id
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """Where this node sits in the federation, from Flower's node config."""
+
+    partition_id: int
+    num_partitions: int
+
+    @classmethod
+    def from_node_config(cls, node_config: Mapping[str, Any], settings: Settings) -> NodeInfo:
+        try:
+            pid, num = int(node_config["partition-id"]), int(node_config["num-partitions"])
+        except KeyError as err:
+            raise ValueError(
+                f"this SuperNode's --node-config has no {err.args[0]!r}; start it with "
+                "--node-config 'partition-id=<i> num-partitions=<n>'"
+            ) from None
+        if num != settings.fl.clients:
+            raise ValueError(
+                f"this node says num-partitions={num} but the run is configured for "
+                f"fl.clients={settings.fl.clients}; set fl.clients={num} in the run's overrides "
+                f"or start {settings.fl.clients} SuperNodes (simulation: --federation-config "
+                f"'num-supernodes={settings.fl.clients}')"
+            )
+        if not 0 <= pid < num:
+            raise ValueError(f"partition-id={pid} is outside [0, {num})")
+        return cls(partition_id=pid, num_partitions=num)
+
+
+def node_settings(
+    base: Settings, node_config: Mapping[str, Any], server_fingerprint: str | None
+) -> Settings:
+    """This node's settings: the run's, plus its local paths; checked against the server's."""
+    settings = apply_node_config(base, node_config)
+    mine = fingerprint(settings)
+    if server_fingerprint is not None and server_fingerprint != mine:
+        raise ValueError(
+            f"this client resolved a different configuration (fingerprint {mine}) from the "
+            f"server's ({server_fingerprint}); install the same car-fl version and conf/ on "
+            "every machine and pass the same --run-config overrides"
+        )
+    return settings
+
+
+def shard_data(settings: Settings, node: NodeInfo) -> tuple[LocalData, LabelMap]:
+    """This node's training shard as features (classifier) or token ids (adapter)."""
+    key = (fingerprint(settings) + repr(settings.dataset), node.partition_id, node.num_partitions)
+    if key in _SHARDS:
+        return _SHARDS[key]
+    splits = load_splits(settings.dataset, seed=settings.seed)
+    shard = partition(
+        splits.train,
+        partition_id=node.partition_id,
+        num_partitions=node.num_partitions,
+        scheme=settings.fl.partitioning,
+        alpha=settings.fl.alpha,
+        seed=settings.seed,
+    )
+    mode = Mode(settings.train.mode)
+
+    def get_model() -> CaRRetriever:
+        return CaRRetriever(
+            cached_encoder(settings), len(splits.label_map), head=settings.head, mode=mode
+        )
+
+    data = prepare_data(
+        shard["text"],
+        shard["label"],
+        mode=mode,
+        model_cfg=settings.model,
+        device=settings.device,
+        get_model=get_model,
+        cache=FeatureCache(settings.cache_dir),
+        batch_size=settings.train.feature_batch_size,
+        progress=settings.progress,
+        desc=f"client {node.partition_id} features",
+    )
+    _SHARDS[key] = (data, splits.label_map)
+    return data, splits.label_map
+
+
+def local_retriever(settings: Settings, data: LocalData, num_labels: int) -> CaRRetriever:
+    """A retriever to train locally; without the encoder when features are all cached."""
+    if data.features is not None:
+        return build_retriever(settings, num_labels, hidden_size=int(data.features.shape[1]))
+    return build_retriever(settings, num_labels, encoder=cached_encoder(settings))
+
+
+def train_round(
+    settings: Settings, node: NodeInfo, global_state: dict[str, torch.Tensor], server_round: int
+) -> tuple[dict[str, torch.Tensor], dict[str, int | float]]:
+    """E local epochs from the global state; returns the new state and the reply metrics."""
+    tick = time.perf_counter()
+    data, label_map = shard_data(settings, node)
+    model = local_retriever(settings, data, len(label_map))
+    model.load_trainable_state_dict(global_state)
+    optimizer = make_optimizer(model, settings.train)
+    seed = client_seed(settings.seed, node.partition_id)
+    epochs = settings.fl.local_epochs
+    losses, accuracies = [], []
+    for local in range(epochs):
+        result = train_epoch(
+            model,
+            data,
+            optimizer,
+            batch_size=settings.train.batch_size,
+            seed=seed,
+            epoch=(server_round - 1) * epochs + local,
+            progress=settings.progress,
+            desc=f"client {node.partition_id} round {server_round} epoch {local + 1}",
+        )
+        losses.append(result.loss)
+        accuracies.append(result.accuracy)
+    metrics: dict[str, int | float] = {
+        "num-examples": len(data),
+        "train-loss": losses[-1],
+        "train-accuracy": accuracies[-1],
+        "train-seconds": time.perf_counter() - tick,
+        "partition-id": node.partition_id,
+        "encoder-loads": encoder_module.LOAD_COUNT,
+    }
+    return model.trainable_state_dict(), metrics

@@ -1,0 +1,287 @@
+"""Server-side orchestration of a federated run: nodes, initial model, rounds, results.
+
+The ServerApp calls :func:`run_federation`. It checks that the number of connected nodes
+matches ``fl.clients``, builds the initial trainable state (same seed and initialisation as a
+centralised run), runs :class:`~car_fl.strategy.CaRFedAvg` for ``fl.rounds`` rounds and, after
+every round, evaluates the global model on the held-out split, logs one line, and writes the
+metrics files, the plot and a checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+from flwr.serverapp import Grid
+
+from car_fl.centralized import round_line, test_row
+from car_fl.checkpoint import Checkpoint, save_checkpoint
+from car_fl.config import Mode, Settings, fingerprint, settings_to_yaml
+from car_fl.data import load_splits
+from car_fl.data.labels import LabelMap
+from car_fl.features import FeatureCache
+from car_fl.io import atomic_write_text
+from car_fl.model import CaRRetriever, build_retriever
+from car_fl.records import from_record, to_record
+from car_fl.report import CLIENTS_CSV, plot_curves, write_csv, write_metrics
+from car_fl.strategy import CaRFedAvg, RoundStats
+from car_fl.train import LocalData, evaluate, prepare_data
+
+log = logging.getLogger(__name__)
+
+
+def wait_for_nodes(grid: Grid, expected: int, *, timeout: float, poll: float = 0.5) -> list[int]:
+    """Wait until ``expected`` nodes are connected; fail clearly on too many or too few."""
+    deadline = time.monotonic() + timeout
+    while True:
+        nodes = sorted(grid.get_node_ids())
+        if len(nodes) > expected:
+            raise ValueError(
+                f"{len(nodes)} SuperNodes are connected but the run is configured for "
+                f"fl.clients={expected}: set fl.clients={len(nodes)} (e.g. --run-config "
+                f"'overrides=\"fl.clients={len(nodes)}\"') or run {expected} nodes "
+                f"(simulation: --federation-config 'num-supernodes={expected}')"
+            )
+        if len(nodes) == expected:
+            return nodes
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"only {len(nodes)} of fl.clients={expected} SuperNodes connected within "
+                f"{timeout:.0f}s (fl.wait_for_nodes); start the missing nodes or set "
+                f"fl.clients={len(nodes)}"
+            )
+        time.sleep(poll)
+
+
+@dataclass
+class ServerEvaluator:
+    """The global model's evaluation on the held-out split, on the server."""
+
+    settings: Settings
+    label_map: LabelMap
+    test: LocalData
+    model: CaRRetriever
+
+    @classmethod
+    def build(cls, settings: Settings) -> ServerEvaluator:
+        splits = load_splits(settings.dataset, seed=settings.seed)
+        mode = Mode(settings.train.mode)
+        holder: dict[str, CaRRetriever] = {}
+
+        def get_model() -> CaRRetriever:
+            if "model" not in holder:
+                holder["model"] = build_retriever(settings, len(splits.label_map))
+            return holder["model"]
+
+        test = prepare_data(
+            splits.test["text"],
+            splits.test["label"],
+            mode=mode,
+            model_cfg=settings.model,
+            device=settings.device,
+            get_model=get_model,
+            cache=FeatureCache(settings.cache_dir),
+            batch_size=settings.train.feature_batch_size,
+            progress=settings.progress,
+            desc="server test features",
+        )
+        if "model" in holder:
+            model = holder["model"]
+        else:  # classifier mode with cached test features: no encoder needed on the server
+            assert test.features is not None
+            model = build_retriever(
+                settings, len(splits.label_map), hidden_size=int(test.features.shape[1])
+            )
+        return cls(settings=settings, label_map=splits.label_map, test=test, model=model)
+
+    def __call__(self, arrays: ArrayRecord) -> dict[str, float]:
+        self.model.load_trainable_state_dict(from_record(arrays))
+        return evaluate(
+            self.model,
+            self.test,
+            batch_size=self.settings.train.eval_batch_size,
+            top_k=self.settings.eval.top_k,
+        )
+
+
+@dataclass
+class RoundRecorder:
+    """``evaluate_fn`` for ``FedAvg.start``: evaluates, logs, writes files after each round."""
+
+    settings: Settings
+    output_dir: Path
+    evaluator: ServerEvaluator
+    strategy: CaRFedAvg
+    history: list[dict[str, Any]] = field(default_factory=list)
+    client_rows: list[dict[str, Any]] = field(default_factory=list)
+    initial: dict[str, float] = field(default_factory=dict)
+    best: dict[str, Any] | None = None
+    started: float = field(default_factory=time.perf_counter)
+
+    def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        metrics = self.evaluator(arrays)
+        if server_round == 0:
+            self.initial = metrics
+            log.info(
+                "round   0 | initial global model: test loss %.4f top1 %.4f",
+                metrics["loss"],
+                metrics["top1"],
+            )
+            return MetricRecord({k: float(v) for k, v in metrics.items()})
+        stats = self.strategy.history[-1]
+        row: dict[str, Any] = {
+            "round": server_round,
+            "epochs": server_round * self.settings.fl.local_epochs,
+            "train_loss": stats.weighted("train-loss"),
+            "train_accuracy": stats.weighted("train-accuracy"),
+            **test_row(metrics),
+            "seconds": time.perf_counter() - stats.started,
+            "bytes_sent": sum(stats.bytes_sent.values()),
+            "bytes_received": sum(stats.bytes_received.values()),
+            "bytes_sent_per_client": max(stats.bytes_sent.values(), default=0),
+            "clients_ok": len(stats.client_metrics),
+            "clients_rejected": len(stats.rejected),
+            "clients_failed": len(stats.failed),
+            "skipped": int(not stats.aggregated),
+            "max_client_train_seconds": max(
+                (m.get("train-seconds", 0.0) for m in stats.client_metrics.values()), default=0.0
+            ),
+        }
+        self.history.append(row)
+        self.client_rows.extend(client_rows(stats))
+        log.info(round_line(row))
+        checkpoint = Checkpoint(
+            state=from_record(arrays),
+            label_map=self.evaluator.label_map,
+            settings=self.settings,
+            round=server_round,
+            metrics=row,
+        )
+        save_checkpoint(self.output_dir / "checkpoints" / f"round-{server_round:03d}", checkpoint)
+        if self.best is None or row["test_top1"] > self.best["test_top1"]:
+            self.best = row
+            save_checkpoint(self.output_dir / "checkpoints" / "best", checkpoint)
+        self.write(final=False)
+        return MetricRecord({k: float(v) for k, v in metrics.items()})
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "kind": "federated",
+            "clients": self.settings.fl.clients,
+            "mode": self.settings.train.mode,
+            "rounds": self.settings.fl.rounds,
+            "local_epochs": self.settings.fl.local_epochs,
+            "initial": self.initial,
+            "final": self.history[-1] if self.history else None,
+            "best": self.best,
+            "total_seconds": time.perf_counter() - self.started,
+            "test_examples": len(self.evaluator.test),
+            "skipped_rounds": [r["round"] for r in self.history if r["skipped"]],
+        }
+
+    def write(self, *, final: bool) -> None:
+        write_metrics(
+            self.output_dir,
+            kind="federated",
+            history=self.history,
+            summary={**self.summary(), "complete": final},
+        )
+        write_csv(self.output_dir / CLIENTS_CSV, self.client_rows)
+        plot_curves(
+            self.output_dir,
+            self.history,
+            title=f"FL {self.settings.dataset.name}, {self.settings.fl.clients} clients",
+        )
+
+
+def client_rows(stats: RoundStats) -> list[dict[str, Any]]:
+    """One row per client of a round: status, examples, train metrics, bytes, seconds."""
+    rows = []
+    nodes = sorted({*stats.bytes_sent, *stats.client_metrics, *stats.rejected, *stats.failed})
+    for node in nodes:
+        metrics = stats.client_metrics.get(node, {})
+        if node in stats.client_metrics:
+            status = "ok"
+        else:
+            status = "rejected" if node in stats.rejected else "failed"
+        rows.append(
+            {
+                "round": stats.round,
+                "node": node,
+                "status": status,
+                "reason": stats.rejected.get(node) or stats.failed.get(node) or "",
+                "partition_id": metrics.get("partition-id"),
+                "num_examples": metrics.get("num-examples"),
+                "train_loss": metrics.get("train-loss"),
+                "train_accuracy": metrics.get("train-accuracy"),
+                "train_seconds": metrics.get("train-seconds"),
+                "encoder_loads": metrics.get("encoder-loads"),
+                "bytes_sent": stats.bytes_sent.get(node, 0),
+                "bytes_received": stats.bytes_received.get(node, 0),
+            }
+        )
+    return rows
+
+
+def default_output_dir(settings: Settings) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    name = f"{stamp}-{settings.dataset.name}-{settings.model.name}-{settings.train.mode}"
+    return Path("runs") / name.replace("+", "-")
+
+
+def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
+    """The whole federated run on the server side; returns the summary."""
+    output_dir = Path(settings.output_dir or default_output_dir(settings)).resolve()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    config_yaml = settings_to_yaml(settings)
+    log.info("resolved configuration (fingerprint %s):\n%s", fingerprint(settings), config_yaml)
+    atomic_write_text(output_dir / "config.yaml", config_yaml)
+    log.info("results: %s", output_dir)
+
+    # Nodes, test data, initial global model
+    wait_for_nodes(grid, settings.fl.clients, timeout=settings.fl.wait_for_nodes)
+    evaluator = ServerEvaluator.build(settings)
+    initial = to_record(evaluator.model.trainable_state_dict())
+    strategy = CaRFedAvg(num_clients=settings.fl.clients, spec=CaRFedAvg.spec_of(initial))
+    recorder = RoundRecorder(
+        settings=settings, output_dir=output_dir, evaluator=evaluator, strategy=strategy
+    )
+
+    # Rounds
+    result = strategy.start(
+        grid=grid,
+        initial_arrays=initial,
+        num_rounds=settings.fl.rounds,
+        timeout=settings.fl.round_timeout,
+        train_config=ConfigRecord({"fingerprint": fingerprint(settings)}),
+        evaluate_fn=recorder,
+    )
+
+    # Final results
+    final = Checkpoint(
+        state=from_record(result.arrays or initial),
+        label_map=evaluator.label_map,
+        settings=settings,
+        round=settings.fl.rounds,
+        metrics=recorder.history[-1],
+    )
+    save_checkpoint(output_dir / "checkpoints" / "final", final)
+    recorder.write(final=True)
+    summary = recorder.summary()
+    if len(summary["skipped_rounds"]) == settings.fl.rounds:
+        raise RuntimeError(
+            f"every round failed: no client sent a valid update in {settings.fl.rounds} rounds; "
+            f"see the errors above (results in {output_dir})"
+        )
+    log.info(
+        "final test top1 %.4f (best %.4f in round %d); results in %s",
+        summary["final"]["test_top1"],
+        summary["best"]["test_top1"],
+        summary["best"]["round"],
+        output_dir,
+    )
+    return summary

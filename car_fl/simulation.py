@@ -1,0 +1,119 @@
+"""Run one complete Flower simulation in this process, for a given set of Hydra overrides.
+
+Flower's ``run_simulation`` hands the apps an empty run config, so the project's own ServerApp
+and ClientApp handlers (``server_app.main``, ``client_app.train``) are wrapped: each call gets a
+``Context`` whose run config carries the overrides, and everything else (node config, state)
+is Flower's. The result is read back from the run's ``metrics.json``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+
+from car_fl.config import load_settings, parse_overrides
+from car_fl.report import METRICS_JSON
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _import_app_module(name: str) -> Any:
+    """``server_app`` / ``client_app`` live beside the package, at the project root."""
+    if str(PROJECT_ROOT) not in sys.path:
+        sys.path.insert(0, str(PROJECT_ROOT))
+    return importlib.import_module(name)
+
+
+def _with_overrides(context: Context, overrides: str) -> Context:
+    return Context(
+        run_id=context.run_id,
+        node_id=context.node_id,
+        node_config=context.node_config,
+        state=context.state,
+        run_config={**context.run_config, "overrides": overrides},
+    )
+
+
+def wrapped_apps(
+    overrides: str,
+    *,
+    server_main: Callable[[Grid, Context], None] | None = None,
+    client_train: Callable[[Message, Context], Message] | None = None,
+) -> tuple[ServerApp, ClientApp]:
+    """A ServerApp and a ClientApp that run the project's handlers with these overrides."""
+    server_main = server_main or _import_app_module("server_app").main
+    client_train = client_train or _import_app_module("client_app").train
+    server, client = ServerApp(), ClientApp()
+
+    @server.main()
+    def _main(grid: Grid, context: Context) -> None:
+        assert server_main is not None
+        server_main(grid, _with_overrides(context, overrides))
+
+    @client.train()
+    def _train(msg: Message, context: Context) -> Message:
+        assert client_train is not None
+        return client_train(msg, _with_overrides(context, overrides))
+
+    return server, client
+
+
+def run_simulation(
+    overrides: str | list[str] | None = None,
+    *,
+    num_supernodes: int | None = None,
+    cpus_per_client: float | None = None,
+    server_main: Callable[[Grid, Context], None] | None = None,
+    client_train: Callable[[Message, Context], Message] | None = None,
+) -> dict[str, Any]:
+    """Run a whole federated simulation and return its ``metrics.json`` content.
+
+    ``num_supernodes`` defaults to ``fl.clients``; each client gets an equal share of this
+    machine's CPUs unless ``cpus_per_client`` is given. Raises ``RuntimeError`` when the run
+    did not complete (the ServerApp's error is in the log).
+    """
+    from flwr.simulation import run_simulation as flower_run_simulation
+
+    items = parse_overrides(overrides)
+    settings = load_settings(items)
+    if settings.output_dir is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        items.append(f"output_dir={Path('runs', f'sim-{stamp}-{os.getpid()}').resolve()}")
+        settings = load_settings(items)
+    assert settings.output_dir is not None
+    output_dir = Path(settings.output_dir)
+    nodes = num_supernodes or settings.fl.clients
+    cpus = cpus_per_client or max(1.0, (os.cpu_count() or 1) / nodes)
+    server, client = wrapped_apps(
+        " ".join(_quote(i) for i in items), server_main=server_main, client_train=client_train
+    )
+    flower_run_simulation(
+        server_app=server,
+        client_app=client,
+        num_supernodes=nodes,
+        backend_config={"client_resources": {"num_cpus": cpus, "num_gpus": 0.0}},
+    )
+    metrics_path = output_dir / METRICS_JSON
+    if not metrics_path.is_file():
+        raise RuntimeError(f"the simulation wrote no {metrics_path}; see the ServerApp's log")
+    metrics: dict[str, Any] = json.loads(metrics_path.read_text(encoding="utf-8"))
+    if not metrics["summary"].get("complete"):
+        raise RuntimeError(f"the simulation did not complete; partial results in {output_dir}")
+    metrics["output_dir"] = str(output_dir)
+    return metrics
+
+
+def _quote(item: str) -> str:
+    import shlex
+
+    return shlex.quote(item)

@@ -1,0 +1,190 @@
+"""Server-side aggregation: FedAvg over the trainable tensors, with reply validation.
+
+:class:`CaRFedAvg` extends Flower's Message-API ``FedAvg``:
+
+- every train reply is validated (tensor names, shapes and dtypes of the global model, finite
+  values, a positive integer example count) before it can touch the global model; a rejected
+  reply is logged with its node and reason and counted;
+- the global model is θ = Σ nᵢ/n · θᵢ over the valid replies, computed in float64;
+- a round without a valid reply keeps the previous global model and is marked as skipped;
+- per round it records client train metrics (weighted by examples), bytes sent to and received
+  from each client, and the wall time, for the round recorder to log and save.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg
+
+from car_fl.records import ARRAYS_KEY, CONFIG_KEY, NUM_EXAMPLES, payload_bytes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RoundStats:
+    """What the strategy saw in one training round."""
+
+    round: int
+    started: float
+    bytes_sent: dict[int, int] = field(default_factory=dict)
+    bytes_received: dict[int, int] = field(default_factory=dict)
+    client_metrics: dict[int, dict[str, float]] = field(default_factory=dict)
+    rejected: dict[int, str] = field(default_factory=dict)
+    failed: dict[int, str] = field(default_factory=dict)
+    aggregated: bool = False
+
+    def weighted(self, key: str) -> float:
+        rows = [m for m in self.client_metrics.values() if key in m]
+        total = sum(m[NUM_EXAMPLES] for m in rows)
+        if not rows or total <= 0:
+            return float("nan")
+        return sum(m[key] * m[NUM_EXAMPLES] for m in rows) / total
+
+
+def validate_reply(
+    content: Any,
+    spec: dict[str, tuple[tuple[int, ...], np.dtype[Any]]],
+    *,
+    max_examples: int | None = None,
+) -> str | None:
+    """``None`` if a train reply may be aggregated, else the reason it may not."""
+    arrays = content.array_records
+    metrics = content.metric_records
+    if len(arrays) != 1 or len(metrics) != 1:
+        return (
+            f"expected one ArrayRecord and one MetricRecord, got {len(arrays)} and {len(metrics)}"
+        )
+    record = next(iter(arrays.values()))
+    missing, extra = sorted(set(spec) - set(record)), sorted(set(record) - set(spec))
+    if missing or extra:
+        return f"tensor names differ from the global model: missing {missing}, extra {extra}"
+    for name, (shape, dtype) in spec.items():
+        array = record[name]
+        if tuple(array.shape) != shape:
+            return f"tensor {name!r} has shape {tuple(array.shape)}, expected {shape}"
+        values = array.numpy()
+        if values.dtype != dtype:
+            return f"tensor {name!r} has dtype {values.dtype}, expected {dtype}"
+        if not np.isfinite(values).all():
+            return f"tensor {name!r} has non-finite values"
+    count = next(iter(metrics.values())).get(NUM_EXAMPLES)
+    if not isinstance(count, int) or isinstance(count, bool):
+        return f"'{NUM_EXAMPLES}' must be an integer, got {count!r}"
+    if count <= 0:
+        return f"'{NUM_EXAMPLES}' must be positive, got {count}"
+    if max_examples is not None and count > max_examples:
+        return f"'{NUM_EXAMPLES}' = {count} exceeds the cap of {max_examples}"
+    return None
+
+
+def weighted_average(records: list[ArrayRecord], weights: list[int]) -> ArrayRecord:
+    """θ = Σ nᵢ/n · θᵢ, accumulated in float64, returned in each tensor's own dtype."""
+    total = float(sum(weights))
+    out: dict[str, Array] = {}
+    for name in records[0]:
+        acc = np.zeros(records[0][name].shape, dtype=np.float64)
+        for record, weight in zip(records, weights, strict=True):
+            acc += record[name].numpy().astype(np.float64) * (weight / total)
+        out[name] = Array(acc.astype(records[0][name].numpy().dtype))
+    return ArrayRecord(array_dict=out)
+
+
+class CaRFedAvg(FedAvg):
+    """FedAvg over adapter + head tensors, weighted by examples, with validated replies."""
+
+    def __init__(
+        self,
+        *,
+        num_clients: int,
+        spec: dict[str, tuple[tuple[int, ...], np.dtype[Any]]],
+        max_examples: int | None = None,
+    ) -> None:
+        super().__init__(
+            fraction_train=1.0,
+            fraction_evaluate=0.0,
+            min_train_nodes=num_clients,
+            min_evaluate_nodes=0,
+            min_available_nodes=num_clients,
+            arrayrecord_key=ARRAYS_KEY,
+            configrecord_key=CONFIG_KEY,
+        )
+        self.spec = spec
+        self.max_examples = max_examples
+        self.current: RoundStats | None = None
+        self.history: list[RoundStats] = []
+
+    @classmethod
+    def spec_of(cls, record: ArrayRecord) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]:
+        """Expected name → (shape, dtype) of every reply, from the global model."""
+        return {k: (tuple(v.shape), v.numpy().dtype) for k, v in record.items()}
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        messages = list(super().configure_train(server_round, arrays, config, grid))
+        self.current = RoundStats(round=server_round, started=time.perf_counter())
+        size = payload_bytes(arrays)
+        for message in messages:
+            self.current.bytes_sent[message.metadata.dst_node_id] = size
+        return messages
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        stats = self.current or RoundStats(round=server_round, started=time.perf_counter())
+        valid: list[tuple[int, ArrayRecord, int]] = []
+        for message in replies:
+            node = message.metadata.src_node_id
+            if message.has_error():
+                stats.failed[node] = str(message.error.reason)
+                log.error("round %d: node %d failed: %s", server_round, node, message.error.reason)
+                continue
+            reason = validate_reply(message.content, self.spec, max_examples=self.max_examples)
+            if reason is not None:
+                stats.rejected[node] = reason
+                log.error("round %d: rejected the reply of node %d: %s", server_round, node, reason)
+                continue
+            record = next(iter(message.content.array_records.values()))
+            reported = {
+                k: float(v)
+                for k, v in next(iter(message.content.metric_records.values())).items()
+                if isinstance(v, int | float)
+            }
+            stats.bytes_received[node] = payload_bytes(record)
+            stats.client_metrics[node] = reported
+            valid.append((node, record, int(reported[NUM_EXAMPLES])))
+        self.history.append(stats)
+        if not valid:
+            log.error(
+                "round %d: no valid reply (%d failed, %d rejected); the global model is kept "
+                "unchanged",
+                server_round,
+                len(stats.failed),
+                len(stats.rejected),
+            )
+            return None, None
+        valid.sort(key=lambda item: item[0])  # arrival order must not matter
+        arrays = weighted_average([r for _, r, _ in valid], [n for _, _, n in valid])
+        stats.aggregated = True
+        summary = MetricRecord(
+            {
+                NUM_EXAMPLES: sum(n for _, _, n in valid),
+                "train-loss": _finite(stats.weighted("train-loss")),
+                "train-accuracy": _finite(stats.weighted("train-accuracy")),
+            }
+        )
+        return arrays, summary
+
+
+def _finite(value: float) -> float:
+    return value if math.isfinite(value) else 0.0

@@ -1,0 +1,27 @@
+"""car-fl ClientApp: E local epochs of CaR training on this node's shard."""
+
+from __future__ import annotations
+
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
+
+from car_fl.client import NodeInfo, node_settings, train_round
+from car_fl.config import settings_from_run_config
+from car_fl.logs import setup_logging
+from car_fl.records import read_train_message, train_reply
+
+app = ClientApp()
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    setup_logging()
+    instruction = read_train_message(msg.content)
+    # Configuration: the run's, with this node's data/model paths, checked against the server's
+    run_settings = settings_from_run_config(context.run_config)
+    settings = node_settings(run_settings, context.node_config, instruction.fingerprint)
+    node = NodeInfo.from_node_config(context.node_config, settings)
+    # E local epochs from the global parameters
+    state, metrics = train_round(settings, node, instruction.global_state, instruction.server_round)
+    # Reply with the new parameters, the number of examples and the train metrics
+    return Message(content=train_reply(state, metrics), reply_to=msg)

@@ -1,0 +1,116 @@
+"""Federated pieces without a simulation: aggregation, what travels, node configuration."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from fl_helpers import reply
+
+from car_fl.client import NodeInfo, node_settings
+from car_fl.config import fingerprint
+from car_fl.model import build_retriever
+from car_fl.records import from_record, payload_bytes, to_record
+from car_fl.strategy import CaRFedAvg
+
+
+def spec() -> dict:  # type: ignore[type-arg]
+    return {"w": ((2, 3), np.dtype("float32")), "b": ((3,), np.dtype("float32"))}
+
+
+def test_weighted_fedavg_is_sum_of_n_i_over_n_theta_i() -> None:
+    rng = np.random.default_rng(0)
+    clients = {
+        node: (
+            {
+                "w": rng.normal(size=(2, 3)).astype(np.float32),
+                "b": rng.normal(size=3).astype(np.float32),
+            },
+            n,
+        )
+        for node, n in ((11, 10), (12, 30), (13, 60))
+    }
+    strategy = CaRFedAvg(num_clients=3, spec=spec())
+    replies = [
+        reply(node, arrays, n, **{"train-loss": float(node)})
+        for node, (arrays, n) in clients.items()
+    ]
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    assert arrays is not None and metrics is not None
+    for name in ("w", "b"):
+        expected = sum(n / 100 * a[name].astype(np.float64) for a, n in clients.values())
+        np.testing.assert_allclose(arrays[name].numpy(), expected, rtol=1e-6)
+    assert metrics["num-examples"] == 100
+    assert metrics["train-loss"] == pytest.approx((11 * 10 + 12 * 30 + 13 * 60) / 100)
+
+
+def test_aggregation_does_not_depend_on_arrival_order() -> None:
+    rng = np.random.default_rng(1)
+    parts = [
+        (
+            n,
+            {
+                "w": rng.normal(size=(2, 3)).astype(np.float32),
+                "b": rng.normal(size=3).astype(np.float32),
+            },
+            k,
+        )
+        for n, k in ((1, 3), (2, 5), (3, 7))
+    ]
+    results = []
+    for order in ([0, 1, 2], [2, 0, 1], [1, 2, 0]):
+        strategy = CaRFedAvg(num_clients=3, spec=spec())
+        arrays, _ = strategy.aggregate_train(1, [reply(*parts[i]) for i in order])
+        assert arrays is not None
+        results.append(arrays["w"].numpy())
+    assert all(np.array_equal(results[0], r) for r in results[1:])
+
+
+def test_a_round_without_valid_replies_keeps_the_model() -> None:
+    strategy = CaRFedAvg(num_clients=1, spec=spec())
+    bad = reply(5, {"w": np.full((2, 3), np.nan, np.float32), "b": np.zeros(3, np.float32)}, 4)
+    assert strategy.aggregate_train(1, [bad]) == (None, None)
+    assert strategy.history[-1].rejected == {5: "tensor 'w' has non-finite values"}
+
+
+def test_only_trainable_tensors_travel(make_settings) -> None:  # type: ignore[no-untyped-def]
+    clf = build_retriever(make_settings("mode=classifier"), 4)
+    adp = build_retriever(make_settings("mode=adapter"), 4)
+    d = clf.encoder.hidden_size
+    clf_record, adp_record = (
+        to_record(clf.trainable_state_dict()),
+        to_record(adp.trainable_state_dict()),
+    )
+    assert list(clf_record) == ["head.classifier.weight", "head.classifier.bias"]
+    assert list(adp_record) == ["adapter.weight", "head.classifier.weight", "head.classifier.bias"]
+    # Each tensor travels as its raw bytes plus a small .npy header (128 bytes here).
+    for record, raw in ((clf_record, (4 * d + 4) * 4), (adp_record, (d * d + 4 * d + 4) * 4)):
+        assert raw < payload_bytes(record) <= raw + 128 * len(record)
+    round_trip = from_record(adp_record)
+    for name, value in adp.trainable_state_dict().items():
+        assert torch.equal(round_trip[name], value)
+
+
+def test_node_config_paths_apply_and_fingerprints_must_match(make_settings, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    settings = make_settings()
+    local = node_settings(
+        settings, {"data-path": str(tmp_path / "mine.tsv"), "device": "cpu"}, fingerprint(settings)
+    )
+    assert local.dataset.path == str(tmp_path / "mine.tsv")
+    assert fingerprint(local) == fingerprint(settings)  # node-local paths do not count
+    other = make_settings("fl.rounds=9")
+    with pytest.raises(ValueError, match=r"different configuration.*same --run-config"):
+        node_settings(other, {}, fingerprint(settings))
+
+
+def test_node_info_rejects_a_client_count_mismatch(make_settings) -> None:  # type: ignore[no-untyped-def]
+    settings = make_settings("fl.clients=2")
+    assert NodeInfo.from_node_config(
+        {"partition-id": 1, "num-partitions": 2}, settings
+    ) == NodeInfo(1, 2)
+    with pytest.raises(ValueError, match=r"num-partitions=3.*fl.clients=2.*num-supernodes=2"):
+        NodeInfo.from_node_config({"partition-id": 0, "num-partitions": 3}, settings)
+    with pytest.raises(ValueError, match=r"no 'partition-id'.*--node-config"):
+        NodeInfo.from_node_config({}, settings)
