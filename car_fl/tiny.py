@@ -1,7 +1,10 @@
-"""Tiny models, tokenizers and data built offline, for tests and benchmarks.
+"""Tiny models, tokenizers and data built offline: for tests, benchmarks and trying things.
 
 The models are real transformers classes (``LlamaModel``, ``BertModel``) with small configs,
-saved with ``save_pretrained`` and loaded back through car-fl's own loader.
+saved with ``save_pretrained`` and loaded back through car-fl's own loader, so the code path
+is the one real models take. Randomly initialised: they learn the synthetic task, nothing else.
+
+    python -m car_fl.tiny /tmp/car-fl-tiny   # writes llama/, bert/ and synthetic.tsv there
 """
 
 from __future__ import annotations
@@ -77,12 +80,12 @@ def build_llama(folder: Path, *, hidden: int = 64, layers: int = 2, seed: int = 
 def build_bert(folder: Path, *, hidden: int = 64, layers: int = 2, seed: int = 0) -> Path:
     """A 2-layer BERT (hidden 64) with a WordPiece vocabulary: [CLS] ... [SEP], no EOS token."""
     import torch
-    from transformers import BertConfig, BertModel, BertTokenizerFast
+    from transformers import BertConfig, BertModel, BertTokenizer
 
     folder.mkdir(parents=True, exist_ok=True)
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
     (folder / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
-    tokenizer = BertTokenizerFast(vocab={tok: i for i, tok in enumerate(vocab)}, do_lower_case=True)
+    tokenizer = BertTokenizer(vocab={tok: i for i, tok in enumerate(vocab)}, do_lower_case=True)
     config = BertConfig(
         vocab_size=len(vocab),
         hidden_size=hidden,
@@ -117,3 +120,21 @@ def write_tsv(path: Path, examples: list[tuple[str, str]]) -> Path:
     """``label<TAB>text`` lines, the SMS Spam Collection's format."""
     path.write_text("".join(f"{label}\t{text}\n" for text, label in examples), encoding="utf-8")
     return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder", type=Path, help="where to write llama/, bert/, synthetic.tsv")
+    parser.add_argument("--examples", type=int, default=400)
+    args = parser.parse_args(argv)
+    build_llama(args.folder / "llama")
+    build_bert(args.folder / "bert")
+    write_tsv(args.folder / "synthetic.tsv", synthetic_examples(args.examples))
+    print(f"wrote {args.folder}/llama, {args.folder}/bert and {args.folder}/synthetic.tsv")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,122 @@
+"""Whole Flower simulations in this process (Ray), with the tiny offline Llama."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from car_fl.centralized import run_centralized
+from car_fl.checkpoint import load_checkpoint
+from car_fl.config import settings_to_yaml
+from car_fl.simulation import run_simulation
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def base(tmp_path: Path, tiny_llama: Path, synthetic_tsv: Path) -> list[str]:
+    return [
+        "model=local",
+        f"model.name_or_path={tiny_llama}",
+        f"dataset.path={synthetic_tsv}",
+        f"cache_dir={tmp_path / 'cache'}",
+        "progress=false",
+        "device=cpu",
+    ]
+
+
+def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_checkpoint(run_dir / "checkpoints" / "final").state
+
+
+@pytest.mark.parametrize(
+    ("fl", "central"),
+    [
+        # One round of E = 2 local epochs (AdamW) = 2 centralised epochs.
+        (["fl.rounds=1", "fl.local_epochs=2"], ["train.epochs=2"]),
+        # Plain SGD has no optimizer state: R = 3 rounds x E = 1 epoch = 3 centralised epochs.
+        (
+            ["fl.rounds=3", "fl.local_epochs=1", "train.optimizer=sgd", "train.lr=0.05"],
+            ["train.epochs=3", "train.optimizer=sgd", "train.lr=0.05"],
+        ),
+    ],
+)
+def test_one_client_federation_equals_centralised_training(
+    base: list[str], tmp_path: Path, fl: list[str], central: list[str]
+) -> None:
+    from car_fl.config import load_settings
+
+    fed = run_simulation([*base, "fl.clients=1", *fl, f"output_dir={tmp_path / 'fl'}"])
+    run_centralized(load_settings([*base, *central]), tmp_path / "central")
+    fed_state, central_state = final_state(tmp_path / "fl"), final_state(tmp_path / "central")
+    assert set(fed_state) == set(central_state)
+    for name, value in central_state.items():
+        torch.testing.assert_close(fed_state[name], value, rtol=1e-5, atol=1e-6)
+    central_metrics = json.loads((tmp_path / "central" / "metrics.json").read_text())
+    assert fed["history"][-1]["test_top1"] == pytest.approx(
+        central_metrics["history"][-1]["test_top1"]
+    )
+    # Same metrics format: every centralised column is also in the federated rows.
+    assert set(central_metrics["history"][0]) <= set(fed["history"][0])
+
+
+@pytest.mark.parametrize("mode", ["classifier", "adapter"])
+def test_two_client_simulation_learns_and_ships_only_trainable_tensors(
+    base: list[str], tmp_path: Path, mode: str
+) -> None:
+    out = tmp_path / "fl"
+    rounds = 4 if mode == "classifier" else 3
+    metrics = run_simulation(
+        [*base, f"mode={mode}", "train.lr=0.01", f"fl.rounds={rounds}", f"output_dir={out}"]
+    )
+    history = metrics["history"]
+    assert [r["round"] for r in history] == list(range(1, rounds + 1))
+    assert history[-1]["test_top1"] > metrics["summary"]["initial"]["top1"] + 0.2
+    assert history[-1]["test_top1"] >= 0.75
+    # Results people can read, and the resolved config the clients agreed on.
+    for name in ("config.yaml", "metrics.csv", "clients.csv", "curves.png"):
+        assert (out / name).is_file(), name
+    for r in range(1, rounds + 1):
+        assert (out / "checkpoints" / f"round-{r:03d}" / "weights.safetensors").is_file()
+    assert (out / "checkpoints" / "best").is_dir() and (out / "checkpoints" / "final").is_dir()
+    # Bytes per client = the trainable tensors (+ 128-byte .npy headers), nothing else.
+    d = 64
+    raw = (4 * d + 4) * 4 + (d * d * 4 if mode == "adapter" else 0)
+    tensors = 3 if mode == "adapter" else 2
+    rows = list(csv.DictReader((out / "clients.csv").open()))
+    assert len(rows) == 2 * rounds and {r["status"] for r in rows} == {"ok"}
+    for row in rows:
+        assert raw < int(row["bytes_sent"]) <= raw + 128 * tensors
+        assert int(row["bytes_received"]) == int(row["bytes_sent"])
+    # The encoder is loaded once per client process (for the shard's features in classifier
+    # mode, for training in adapter mode), never again in later rounds.
+    assert {int(float(r["encoder_loads"])) for r in rows} == {1}
+    assert sum(float(r["num_examples"]) for r in rows if r["round"] == "1") == 320
+
+
+def test_server_and_clients_resolve_the_same_configuration(base: list[str], tmp_path: Path) -> None:
+    from car_fl.config import load_settings
+
+    out = tmp_path / "fl"
+    run_simulation([*base, "fl.rounds=1", "fl.local_epochs=1", f"output_dir={out}"])
+    saved = (out / "config.yaml").read_text()
+    assert saved == settings_to_yaml(
+        load_settings([*base, "fl.rounds=1", "fl.local_epochs=1", f"output_dir={out}"])
+    )
+    # Clients check the server's fingerprint on every message; a mismatch fails the round,
+    # so a completed run means every client resolved the same configuration.
+    rows = list(csv.DictReader((out / "clients.csv").open()))
+    assert {r["status"] for r in rows} == {"ok"}
+
+
+def test_client_count_mismatch_fails_with_instructions(base: list[str], tmp_path: Path) -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"3 SuperNodes are connected.*fl.clients=2.*"
+        r"num-supernodes=2",
+    ):
+        run_simulation([*base, f"output_dir={tmp_path / 'fl'}"], num_supernodes=3)
