@@ -21,7 +21,9 @@ def train(msg: Message, context: Context) -> Message:
     run_settings = settings_from_run_config(context.run_config)
     settings = node_settings(run_settings, context.node_config, instruction.fingerprint)
     node = NodeInfo.from_node_config(context.node_config, settings)
-    # E local epochs from the global parameters
-    state, metrics = train_round(settings, node, instruction.global_state, instruction.server_round)
+    # E local epochs from the global parameters, then local DP (its state in context.state)
+    state, metrics = train_round(
+        settings, node, instruction.global_state, instruction.server_round, context.state
+    )
     # Reply with the new parameters, the number of examples and the train metrics
     return Message(content=train_reply(state, metrics), reply_to=msg)

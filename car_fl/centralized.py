@@ -36,6 +36,7 @@ def round_line(row: dict[str, Any], *, unit: str = "round") -> str:
         f"acc {row.get('train_accuracy', float('nan')):.4f} | test loss {row['test_loss']:.4f} "
         f"top1 {row['test_top1']:.4f} | {row['seconds']:.1f}s | "
         f"sent {row.get('bytes_sent', 0):,} B recv {row.get('bytes_received', 0):,} B"
+        + (f" | ε {row['epsilon']:.4g}" if row.get("dp_active") else "")
     )
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from flwr.app import RecordDict
 
 from car_fl import encoder as encoder_module
 from car_fl.config import Mode, Settings, apply_node_config, fingerprint
@@ -22,6 +23,8 @@ from car_fl.data.labels import LabelMap
 from car_fl.encoder import Encoder, load_encoder
 from car_fl.features import FeatureCache
 from car_fl.model import CaRRetriever, build_retriever
+from car_fl.privacy.client import STATE_KEY, ClientPrivacy, DPState, StepPrivatizer
+from car_fl.privacy.mechanism import check_finite, difference
 from car_fl.train import LocalData, make_optimizer, prepare_data, train_epoch
 
 log = logging.getLogger(__name__)
@@ -131,17 +134,28 @@ def local_retriever(settings: Settings, data: LocalData, num_labels: int) -> CaR
 
 
 def train_round(
-    settings: Settings, node: NodeInfo, global_state: dict[str, torch.Tensor], server_round: int
+    settings: Settings,
+    node: NodeInfo,
+    global_state: dict[str, torch.Tensor],
+    server_round: int,
+    node_state: RecordDict,
 ) -> tuple[dict[str, torch.Tensor], dict[str, int | float]]:
-    """E local epochs from the global state; returns the new state and the reply metrics."""
+    """E local epochs from the global state, then local DP if configured.
+
+    Returns what the client sends (never an un-noised update once DP is active) and the reply
+    metrics. ``node_state`` is Flower's persistent per-node state; the DP state lives there.
+    """
     tick = time.perf_counter()
     data, label_map = shard_data(settings, node)
     model = local_retriever(settings, data, len(label_map))
     model.load_trainable_state_dict(global_state)
     optimizer = make_optimizer(model, settings.train)
     seed = client_seed(settings.seed, node.partition_id)
+    privacy = load_privacy(settings, node, node_state)
+    private = privacy.active(server_round)
+    per_step = private and settings.dp.granularity == "step"
+    hook = StepPrivatizer(privacy, model.trainable_parameters(), server_round) if per_step else None
     epochs = settings.fl.local_epochs
-    losses, accuracies = [], []
     for local in range(epochs):
         result = train_epoch(
             model,
@@ -152,15 +166,38 @@ def train_round(
             epoch=(server_round - 1) * epochs + local,
             progress=settings.progress,
             desc=f"client {node.partition_id} round {server_round} epoch {local + 1}",
+            after_step=hook,
         )
-        losses.append(result.loss)
-        accuracies.append(result.accuracy)
+    state = model.trainable_state_dict()
+    check_finite(difference(state, global_state), who=f"client {node.partition_id}")
+    if private and not per_step:
+        state = privacy.release(global_state, state, server_round=server_round)
+    node_state[STATE_KEY] = privacy.state.to_record()
     metrics: dict[str, int | float] = {
         "num-examples": len(data),
-        "train-loss": losses[-1],
-        "train-accuracy": accuracies[-1],
+        "train-loss": result.loss,
+        "train-accuracy": result.accuracy,
         "train-seconds": time.perf_counter() - tick,
         "partition-id": node.partition_id,
         "encoder-loads": encoder_module.LOAD_COUNT,
+        "dp-active": int(private),
+        **privacy.metrics(),
     }
-    return model.trainable_state_dict(), metrics
+    return state, metrics
+
+
+def load_privacy(settings: Settings, node: NodeInfo, node_state: RecordDict) -> ClientPrivacy:
+    """This client's DP mechanism, with its state from earlier rounds (if any)."""
+    record = node_state.metric_records.get(STATE_KEY)
+    state = (
+        DPState.from_record(record)
+        if record is not None
+        else ClientPrivacy.initial_state(settings.dp)
+    )
+    return ClientPrivacy(
+        settings.dp,
+        num_clients=settings.fl.clients,
+        seed=settings.seed,
+        client=node.partition_id,
+        state=state,
+    )

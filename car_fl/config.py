@@ -35,6 +35,14 @@ class Pooling(StrEnum):
     MEAN = "mean"
 
 
+class DPMode(StrEnum):
+    """Local differential privacy: off, fixed clipping bound, or adaptive clipping."""
+
+    NONE = "none"
+    FIXED = "fixed"
+    ADAPTIVE = "adaptive"
+
+
 class Reader(StrEnum):
     """File formats understood by :mod:`car_fl.data.readers`."""
 
@@ -205,6 +213,44 @@ class FLConfig:
 
 
 @dataclass
+class DPConfig:
+    """Local differential privacy on each client (see :mod:`car_fl.privacy`)."""
+
+    mode: str = "none"
+    clip: float = 1.0
+    noise_multiplier: float = 0.0
+    granularity: str = "round"
+    warmup_rounds: int = 0
+    delta: float = 1e-5
+    target_epsilon: float | None = None
+    update_rate: float = 0.05
+    target_quantile: float = 0.9
+    ema_decay: float = 0.0
+    noise_rule: str = "mechanism"
+
+    def __post_init__(self) -> None:
+        _one_of("dp.mode", self.mode, [m.value for m in DPMode])
+        _one_of("dp.granularity", self.granularity, ("round", "step"))
+        _one_of("dp.noise_rule", self.noise_rule, ("mechanism", "bound"))
+        if not self.clip > 0:
+            raise ValueError(f"dp.clip (the clipping bound C) must be > 0, got {self.clip}")
+        if self.noise_multiplier < 0:
+            raise ValueError(f"dp.noise_multiplier must be >= 0, got {self.noise_multiplier}")
+        if not 0 <= self.update_rate < 1:
+            raise ValueError(f"dp.update_rate (β) must be in [0, 1), got {self.update_rate}")
+        if not self.target_quantile > 0:
+            raise ValueError(f"dp.target_quantile (γ) must be > 0, got {self.target_quantile}")
+        if not 0 < self.delta < 1:
+            raise ValueError(f"dp.delta must be in (0, 1), got {self.delta}")
+        if not 0 <= self.ema_decay < 1:
+            raise ValueError(f"dp.ema_decay must be in [0, 1), got {self.ema_decay}")
+        if self.warmup_rounds < 0:
+            raise ValueError(f"dp.warmup_rounds must be >= 0, got {self.warmup_rounds}")
+        if self.target_epsilon is not None and not self.target_epsilon > 0:
+            raise ValueError(f"dp.target_epsilon must be > 0 or null, got {self.target_epsilon}")
+
+
+@dataclass
 class Settings:
     """The whole resolved configuration of a run, typed and validated."""
 
@@ -214,6 +260,7 @@ class Settings:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     fl: FLConfig = field(default_factory=FLConfig)
+    dp: DPConfig = field(default_factory=DPConfig)
     seed: int = 42
     device: str = "auto"
     cache_dir: str | None = None
@@ -222,6 +269,10 @@ class Settings:
 
     def __post_init__(self) -> None:
         _one_of("device", self.device, DEVICES)
+        if self.dp.mode == DPMode.ADAPTIVE:
+            from car_fl.privacy.mechanism import update_noise_multiplier
+
+            update_noise_multiplier(self.dp.noise_multiplier, self.fl.clients)
 
 
 # --------------------------------------------------------------------------------------------

@@ -118,6 +118,8 @@ class RoundRecorder:
     strategy: CaRFedAvg
     history: list[dict[str, Any]] = field(default_factory=list)
     client_rows: list[dict[str, Any]] = field(default_factory=list)
+    client_epsilon: dict[int, float] = field(default_factory=dict)
+    last_epsilon: float = 0.0
     initial: dict[str, float] = field(default_factory=dict)
     best: dict[str, Any] | None = None
     started: float = field(default_factory=time.perf_counter)
@@ -147,6 +149,9 @@ class RoundRecorder:
             "clients_rejected": len(stats.rejected),
             "clients_failed": len(stats.failed),
             "skipped": int(not stats.aggregated),
+            "dp_active": int(any(m.get("dp-active") for m in stats.client_metrics.values())),
+            # The largest ε any client has spent so far (δ = dp.delta); 0 without DP.
+            "epsilon": self.epsilon(stats),
             "max_client_train_seconds": max(
                 (m.get("train-seconds", 0.0) for m in stats.client_metrics.values()), default=0.0
             ),
@@ -160,6 +165,7 @@ class RoundRecorder:
             settings=self.settings,
             round=server_round,
             metrics=row,
+            epsilon=row["epsilon"],
         )
         save_checkpoint(self.output_dir / "checkpoints" / f"round-{server_round:03d}", checkpoint)
         if self.best is None or row["test_top1"] > self.best["test_top1"]:
@@ -181,7 +187,18 @@ class RoundRecorder:
             "total_seconds": time.perf_counter() - self.started,
             "test_examples": len(self.evaluator.test),
             "skipped_rounds": [r["round"] for r in self.history if r["skipped"]],
+            "dp": self.settings.dp.mode,
+            "delta": self.settings.dp.delta,
+            "epsilon": self.last_epsilon,
         }
+
+    def epsilon(self, stats: RoundStats) -> float:
+        """Max over clients of the ε they report; clients that did not reply keep theirs."""
+        for node, metrics in stats.client_metrics.items():
+            if "dp-epsilon" in metrics:
+                self.client_epsilon[node] = metrics["dp-epsilon"]
+        self.last_epsilon = max(self.client_epsilon.values(), default=0.0)
+        return self.last_epsilon
 
     def write(self, *, final: bool) -> None:
         write_metrics(
@@ -222,6 +239,10 @@ def client_rows(stats: RoundStats) -> list[dict[str, Any]]:
                 "encoder_loads": metrics.get("encoder-loads"),
                 "bytes_sent": stats.bytes_sent.get(node, 0),
                 "bytes_received": stats.bytes_received.get(node, 0),
+                "dp_active": metrics.get("dp-active"),
+                "dp_epsilon": metrics.get("dp-epsilon"),
+                "dp_clip": metrics.get("dp-clip"),
+                "dp_next_clip": metrics.get("dp-next-clip"),
             }
         )
     return rows
@@ -268,6 +289,7 @@ def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
         settings=settings,
         round=settings.fl.rounds,
         metrics=recorder.history[-1],
+        epsilon=recorder.last_epsilon,
     )
     save_checkpoint(output_dir / "checkpoints" / "final", final)
     recorder.write(final=True)

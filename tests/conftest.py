@@ -19,9 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny import build_bert, build_llama, synthetic_examples, write_tsv
-
 from car_fl.config import Settings, load_settings
+from car_fl.tiny import build_bert, build_llama, synthetic_examples, write_tsv
 
 SHARED_SMS = (
     Path(__file__).resolve().parents[2] / "shared" / "data" / "sms_spam" / ("SMSSpamCollection.tsv")
