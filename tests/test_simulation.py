@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 from pathlib import Path
 
@@ -120,3 +121,29 @@ def test_client_count_mismatch_fails_with_instructions(base: list[str], tmp_path
         r"num-supernodes=2",
     ):
         run_simulation([*base, f"output_dir={tmp_path / 'fl'}"], num_supernodes=3)
+
+
+def test_adaptive_dp_simulation_reports_epsilon_and_keeps_each_clients_bound(
+    base: list[str], tmp_path: Path
+) -> None:
+    out = tmp_path / "fl"
+    metrics = run_simulation(
+        [*base, "dp=adaptive", "fl.rounds=3", "fl.local_epochs=1", f"output_dir={out}"]
+    )
+    history = metrics["history"]
+    eps = [row["epsilon"] for row in history]
+    assert all(e > 0 for e in eps) and eps == sorted(eps) and eps[0] < eps[-1]
+    assert metrics["summary"]["epsilon"] == eps[-1]
+    assert load_checkpoint(out / "checkpoints" / "final").epsilon == eps[-1]
+    rows = list(csv.DictReader((out / "clients.csv").open()))
+    by_client: dict[str, list[dict[str, str]]] = {}
+    for row in rows:
+        by_client.setdefault(row["partition_id"], []).append(row)
+    assert len(by_client) == 2
+    for client_rows in by_client.values():
+        client_rows.sort(key=lambda r: int(r["round"]))
+        # C_i persists in the node's state: round r+1 clips with the bound round r computed.
+        assert float(client_rows[0]["dp_clip"]) == 1.0
+        for prev, cur in itertools.pairwise(client_rows):
+            assert float(cur["dp_clip"]) == pytest.approx(float(prev["dp_next_clip"]))
+        assert float(client_rows[-1]["dp_clip"]) != 1.0
