@@ -345,3 +345,64 @@ class LocalCluster:
         """Stop SuperNodes first, then the SuperLink."""
         for name in sorted(self.processes, key=lambda n: n == "superlink"):
             self.kill(name)
+
+
+# ------------------------------------------------------------------------------ runs and status
+
+
+def start_run(
+    project: str | Path, connection: str, overrides: str, *, env: dict[str, str] | None = None
+) -> str:
+    """``flwr run PROJECT CONNECTION --run-config overrides=...``; returns the run id."""
+    cmd = [
+        _bin("flwr"),
+        "run",
+        str(project),
+        connection,
+        "--format",
+        "json",
+        "--run-config",
+        f"overrides={json.dumps(overrides)}",
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    try:
+        reply = json.loads(out.stdout[out.stdout.index("{") :])
+    except ValueError:
+        reply = {}
+    if out.returncode != 0 or not reply.get("success"):
+        raise RuntimeError(f"flwr run failed ({out.returncode}): {out.stdout}\n{out.stderr}")
+    return str(reply["run-id"])
+
+
+def run_status(
+    connection: str, run_id: str, *, env: dict[str, str] | None = None
+) -> dict[str, str]:
+    """The run's ``status`` and ``status-details`` from ``flwr ls``."""
+    cmd = [_bin("flwr"), "ls", connection, "--run-id", run_id, "--format", "json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    try:
+        runs = json.loads(out.stdout[out.stdout.index("{") :])["runs"]
+    except (ValueError, KeyError):
+        return {"status": "unknown", "status-details": out.stdout + out.stderr}
+    return (
+        {k: str(runs[0].get(k)) for k in ("status", "status-details")}
+        if runs
+        else {"status": "unknown", "status-details": "no such run"}
+    )
+
+
+def wait_for_run(
+    connection: str,
+    run_id: str,
+    *,
+    timeout: float,
+    poll: float = 3.0,
+    env: dict[str, str] | None = None,
+) -> dict[str, str]:
+    """Poll until the run is finished (``flwr run`` may exit 0 for a run that failed)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = run_status(connection, run_id, env=env)
+        if status["status"].startswith("finished") or time.monotonic() > deadline:
+            return status
+        time.sleep(poll)

@@ -1,0 +1,73 @@
+"""Start a Flower SuperNode (a client machine) for car-fl, connected to a SuperLink.
+
+Its shard (--partition-id of --num-partitions), its local data file, its device, an optional
+local model folder and feature cache travel as Flower --node-config; data never travels in the
+app bundle. Runs in the foreground: stop it with Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from car_fl.deploy import FLEET_PORT, node_config_string, supernode_command
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument(
+        "--superlink", required=True, help=f"aggregator address, e.g. 192.168.1.10:{FLEET_PORT}"
+    )
+    parser.add_argument("--partition-id", type=int, required=True)
+    parser.add_argument("--num-partitions", type=int, required=True)
+    parser.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        help="this node's copy of the dataset file (dataset.path)",
+    )
+    parser.add_argument("--device", default=None, choices=["auto", "cpu", "cuda", "mps"])
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="local model folder, if not downloaded from the hub",
+    )
+    parser.add_argument("--cache-dir", type=Path, default=None, help="feature cache folder")
+    parser.add_argument("--port", type=int, default=9094, help="this node's local runtime API")
+    parser.add_argument(
+        "--root-cert",
+        type=Path,
+        default=None,
+        help="the CA certificate (ca.crt) for TLS; default insecure",
+    )
+    parser.add_argument(
+        "--auth-key",
+        type=Path,
+        default=None,
+        help="private key registered with the SuperLink (node authentication)",
+    )
+    parser.add_argument("--print", action="store_true", help="print the command, do not run it")
+    args = parser.parse_args()
+    cmd = supernode_command(
+        superlink=args.superlink,
+        runtime_port=args.port,
+        root_cert=args.root_cert,
+        private_key=args.auth_key,
+        node_config=node_config_string(
+            partition_id=args.partition_id,
+            num_partitions=args.num_partitions,
+            data_path=args.data,
+            device=args.device,
+            model_path=args.model,
+            cache_dir=args.cache_dir,
+        ),
+    )
+    print(" ".join(cmd), flush=True)
+    if not args.print:
+        os.execvp(cmd[0], cmd)
+
+
+if __name__ == "__main__":
+    main()
