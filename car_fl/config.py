@@ -194,6 +194,7 @@ class FLConfig:
     """The federation: clients, rounds, local epochs, partitioning, timeouts."""
 
     clients: int = 2
+    min_clients: int = 1
     rounds: int = 5
     local_epochs: int = 2
     partitioning: str = "iid"
@@ -205,6 +206,10 @@ class FLConfig:
         for key in ("clients", "rounds", "local_epochs"):
             if getattr(self, key) < 1:
                 raise ValueError(f"fl.{key} must be >= 1, got {getattr(self, key)}")
+        if not 1 <= self.min_clients <= self.clients:
+            raise ValueError(
+                f"fl.min_clients must be in [1, fl.clients={self.clients}], got {self.min_clients}"
+            )
         _one_of("fl.partitioning", self.partitioning, ("iid", "dirichlet"))
         _positive("fl.alpha", self.alpha)
         _positive("fl.round_timeout", self.round_timeout)

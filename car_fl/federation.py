@@ -267,7 +267,7 @@ def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
     wait_for_nodes(grid, settings.fl.clients, timeout=settings.fl.wait_for_nodes)
     evaluator = ServerEvaluator.build(settings)
     initial = to_record(evaluator.model.trainable_state_dict())
-    strategy = CaRFedAvg(num_clients=settings.fl.clients, spec=CaRFedAvg.spec_of(initial))
+    strategy = CaRFedAvg(min_clients=settings.fl.min_clients, spec=CaRFedAvg.spec_of(initial))
     recorder = RoundRecorder(
         settings=settings, output_dir=output_dir, evaluator=evaluator, strategy=strategy
     )

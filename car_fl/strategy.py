@@ -100,21 +100,26 @@ def weighted_average(records: list[ArrayRecord], weights: list[int]) -> ArrayRec
 
 
 class CaRFedAvg(FedAvg):
-    """FedAvg over adapter + head tensors, weighted by examples, with validated replies."""
+    """FedAvg over adapter + head tensors, weighted by examples, with validated replies.
+
+    Every connected node trains each round; a round goes ahead with at least ``min_clients``
+    (the server waits for all ``fl.clients`` before the first round, so a node that dies later
+    does not stall the run).
+    """
 
     def __init__(
         self,
         *,
-        num_clients: int,
+        min_clients: int,
         spec: dict[str, tuple[tuple[int, ...], np.dtype[Any]]],
         max_examples: int | None = None,
     ) -> None:
         super().__init__(
             fraction_train=1.0,
             fraction_evaluate=0.0,
-            min_train_nodes=num_clients,
+            min_train_nodes=min_clients,
             min_evaluate_nodes=0,
-            min_available_nodes=num_clients,
+            min_available_nodes=min_clients,
             arrayrecord_key=ARRAYS_KEY,
             configrecord_key=CONFIG_KEY,
         )

@@ -32,7 +32,7 @@ def test_weighted_fedavg_is_sum_of_n_i_over_n_theta_i() -> None:
         )
         for node, n in ((11, 10), (12, 30), (13, 60))
     }
-    strategy = CaRFedAvg(num_clients=3, spec=spec())
+    strategy = CaRFedAvg(min_clients=3, spec=spec())
     replies = [
         reply(node, arrays, n, **{"train-loss": float(node)})
         for node, (arrays, n) in clients.items()
@@ -61,7 +61,7 @@ def test_aggregation_does_not_depend_on_arrival_order() -> None:
     ]
     results = []
     for order in ([0, 1, 2], [2, 0, 1], [1, 2, 0]):
-        strategy = CaRFedAvg(num_clients=3, spec=spec())
+        strategy = CaRFedAvg(min_clients=3, spec=spec())
         arrays, _ = strategy.aggregate_train(1, [reply(*parts[i]) for i in order])
         assert arrays is not None
         results.append(arrays["w"].numpy())
@@ -69,7 +69,7 @@ def test_aggregation_does_not_depend_on_arrival_order() -> None:
 
 
 def test_a_round_without_valid_replies_keeps_the_model() -> None:
-    strategy = CaRFedAvg(num_clients=1, spec=spec())
+    strategy = CaRFedAvg(min_clients=1, spec=spec())
     bad = reply(5, {"w": np.full((2, 3), np.nan, np.float32), "b": np.zeros(3, np.float32)}, 4)
     assert strategy.aggregate_train(1, [bad]) == (None, None)
     assert strategy.history[-1].rejected == {5: "tensor 'w' has non-finite values"}

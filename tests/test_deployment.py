@@ -1,0 +1,228 @@
+"""Deployment over gRPC: a real SuperLink and SuperNodes on 127.0.0.1, started and stopped by PID.
+
+Slow (a new ClientApp process per message costs seconds each): several minutes in all.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from car_fl.deploy import (
+    LocalCluster,
+    TLSFiles,
+    make_certificates,
+    make_node_key,
+    node_config_string,
+    register_node,
+    start_run,
+    superlink_command,
+    supernode_command,
+    wait_for_run,
+    write_connection,
+)
+
+pytestmark = pytest.mark.slow
+
+PROJECT = Path(__file__).resolve().parents[1]
+CONNECTION = "test-cluster"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Deployment:
+    """One SuperLink + SuperNodes in ``folder``; everything it starts is stopped by PID."""
+
+    def __init__(self, folder: Path, data: Path, model: Path) -> None:
+        self.folder = folder
+        self.data = data
+        self.model = model
+        self.cluster = LocalCluster(folder)
+        self.fleet = f"127.0.0.1:{free_port()}"
+        self.control = free_port()
+        self.env = {**os.environ, "FLWR_HOME": str(folder / "flwr")}
+        self.tls: TLSFiles | None = None
+
+    def start_superlink(self, *, tls: TLSFiles | None = None, node_auth: bool = False) -> None:
+        self.tls = tls
+        self.cluster.start(
+            "superlink",
+            superlink_command(
+                fleet_address=self.fleet,
+                control_host="127.0.0.1",
+                control_port=self.control,
+                database=self.folder / "state.db",
+                tls=tls,
+                node_auth=node_auth,
+            ),
+            env=self.env,
+        )
+        write_connection(
+            self.folder / "flwr",
+            CONNECTION,
+            f"127.0.0.1:{self.control}",
+            root_cert=tls.ca_cert if tls else None,
+        )
+        time.sleep(4)
+
+    def start_node(
+        self,
+        i: int,
+        num: int,
+        *,
+        root_cert: Path | None = None,
+        key: Path | None = None,
+        retries: int | None = None,
+    ) -> str:
+        name = f"supernode-{i}-{len(self.cluster.processes)}"
+        self.cluster.start(
+            name,
+            supernode_command(
+                superlink=self.fleet,
+                runtime_port=free_port(),
+                root_cert=root_cert,
+                private_key=key,
+                max_retries=retries,
+                max_wait_time=30 if retries else None,
+                node_config=node_config_string(
+                    partition_id=i,
+                    num_partitions=num,
+                    data_path=self.data,
+                    cache_dir=self.folder / f"cache-{i}",
+                ),
+            ),
+            env=self.env,
+        )
+        return name
+
+    def run(self, *overrides: str, timeout: float = 600) -> tuple[dict[str, str], Path]:
+        out = self.folder / "run"
+        base = (
+            f"model=local model.name_or_path={self.model} dataset.path={self.data} "
+            f"progress=false device=cpu output_dir={out} fl.wait_for_nodes=120 "
+        )
+        run_id = start_run(PROJECT, CONNECTION, base + " ".join(overrides), env=self.env)
+        return wait_for_run(CONNECTION, run_id, timeout=timeout, env=self.env), out
+
+    def exit_code(self, name: str, timeout: float) -> int | None:
+        """Wait for a process we started to exit; its code, or None if still running."""
+        pid = self.cluster.processes[name]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return os.waitstatus_to_exitcode(status)
+            time.sleep(0.5)
+        return None
+
+
+@pytest.fixture
+def deployment(tmp_path: Path, tiny_llama: Path, synthetic_tsv: Path) -> Iterator[Deployment]:
+    dep = Deployment(tmp_path, synthetic_tsv, tiny_llama)
+    try:
+        yield dep
+    finally:
+        dep.cluster.stop()
+        assert not dep.cluster.processes
+
+
+def client_rows(out: Path) -> list[dict[str, str]]:
+    return list(csv.DictReader((out / "clients.csv").open()))
+
+
+def test_superlink_and_three_supernodes_train_and_reuse_the_feature_cache(
+    deployment: Deployment,
+) -> None:
+    deployment.start_superlink()
+    for i in range(3):
+        deployment.start_node(i, 3)
+    status, out = deployment.run("fl.clients=3", "fl.rounds=2", "train.lr=0.01")
+    assert status["status"] == "finished:completed", status
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["summary"]["complete"] and len(metrics["history"]) == 2
+    assert metrics["history"][-1]["test_top1"] > 0.25  # 4 labels: chance is 0.25
+    assert (out / "checkpoints" / "final" / "weights.safetensors").is_file()
+    rows = client_rows(out)
+    assert len(rows) == 6 and {r["status"] for r in rows} == {"ok"}
+    # Every message runs in a new ClientApp process: round 1 computes the shard's features
+    # (loading the encoder once), round 2 finds them on disk and never loads the encoder.
+    assert {float(r["encoder_loads"]) for r in rows if r["round"] == "1"} == {1.0}
+    assert {float(r["encoder_loads"]) for r in rows if r["round"] == "2"} == {0.0}
+    for i in range(3):
+        assert list((deployment.folder / f"cache-{i}").glob("*.safetensors"))
+
+
+def test_tls_run_completes_and_insecure_or_foreign_ca_nodes_are_refused(
+    deployment: Deployment,
+) -> None:
+    tls = make_certificates(deployment.folder / "certs", ["127.0.0.1", "localhost"])
+    other_ca = make_certificates(deployment.folder / "other", ["127.0.0.1"]).ca_cert
+    deployment.start_superlink(tls=tls)
+    insecure = deployment.start_node(0, 2, retries=2)
+    foreign = deployment.start_node(1, 2, root_cert=other_ca, retries=2)
+    for name in (insecure, foreign):
+        code = deployment.exit_code(name, timeout=120)
+        assert code is not None and code != 0, f"{name} was not refused"
+    for i in range(2):
+        deployment.start_node(i, 2, root_cert=tls.ca_cert)
+    status, out = deployment.run("fl.rounds=1")
+    assert status["status"] == "finished:completed", status
+    assert {r["status"] for r in client_rows(out)} == {"ok"}
+
+
+def test_node_authentication_refuses_unregistered_nodes(deployment: Deployment) -> None:
+    tls = make_certificates(deployment.folder / "certs", ["127.0.0.1", "localhost"])
+    deployment.start_superlink(tls=tls, node_auth=True)
+    keys = [make_node_key(deployment.folder / "certs" / f"node{i}.key") for i in range(3)]
+    for _, public in keys[:2]:
+        result = register_node(public, CONNECTION, env=deployment.env)
+        assert result.returncode == 0, result.stdout + result.stderr
+    stranger = deployment.start_node(0, 2, root_cert=tls.ca_cert, key=keys[2][0], retries=2)
+    code = deployment.exit_code(stranger, timeout=120)
+    assert code is not None and code != 0, "an unregistered SuperNode was let in"
+    for i in range(2):
+        deployment.start_node(i, 2, root_cert=tls.ca_cert, key=keys[i][0])
+    status, out = deployment.run("fl.rounds=1")
+    assert status["status"] == "finished:completed", status
+    assert len(client_rows(out)) == 2
+
+
+def test_a_supernode_killed_mid_round_does_not_stop_the_run(deployment: Deployment) -> None:
+    deployment.start_superlink()
+    names = [deployment.start_node(i, 3) for i in range(3)]
+    out = deployment.folder / "run"
+    base = (
+        f"model=local model.name_or_path={deployment.model} "
+        f"dataset.path={deployment.data} progress=false device=cpu output_dir={out} "
+        "fl.clients=3 fl.rounds=2"
+    )
+    run_id = start_run(PROJECT, CONNECTION, base, env=deployment.env)
+    # Wait until round 1 is under way, then SIGKILL one SuperNode (and its ClientApp).
+    log = deployment.folder / "superlink.log"
+    deadline = time.monotonic() + 120
+    while "[ROUND 1/2]" not in log.read_text(errors="replace") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    time.sleep(2)
+    deployment.cluster.kill(names[2], signal.SIGKILL)
+    status = wait_for_run(CONNECTION, run_id, timeout=600, env=deployment.env)
+    assert status["status"] == "finished:completed", status
+    rows = client_rows(out)
+    assert any(r["status"] == "failed" for r in rows if r["round"] == "1")
+    assert [r["status"] for r in rows if r["round"] == "2"] == ["ok", "ok"]
+    assert "failed" in log.read_text(errors="replace")
+    weights = load_file(str(out / "checkpoints" / "final" / "weights.safetensors"))
+    assert all(math.isfinite(float(v.abs().sum())) for v in weights.values())
