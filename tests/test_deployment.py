@@ -211,18 +211,21 @@ def test_a_supernode_killed_mid_round_does_not_stop_the_run(deployment: Deployme
         "fl.clients=3 fl.rounds=2"
     )
     run_id = start_run(PROJECT, CONNECTION, base, env=deployment.env)
-    # Wait until round 1 is under way, then SIGKILL one SuperNode (and its ClientApp).
-    log = deployment.folder / "superlink.log"
-    deadline = time.monotonic() + 120
-    while "[ROUND 1/2]" not in log.read_text(errors="replace") and time.monotonic() < deadline:
-        time.sleep(0.5)
-    time.sleep(2)
+    # Node 2's features land in its cache in the middle of its round-1 work: SIGKILL it (and
+    # its ClientApp) then. Flower notices a dead node after its heartbeat times out (~60 s).
+    cache = deployment.folder / "cache-2"
+    deadline = time.monotonic() + 300
+    while not list(cache.glob("*.safetensors")) and time.monotonic() < deadline:
+        time.sleep(0.2)
     deployment.cluster.kill(names[2], signal.SIGKILL)
     status = wait_for_run(CONNECTION, run_id, timeout=600, env=deployment.env)
     assert status["status"] == "finished:completed", status
     rows = client_rows(out)
-    assert any(r["status"] == "failed" for r in rows if r["round"] == "1")
-    assert [r["status"] for r in rows if r["round"] == "2"] == ["ok", "ok"]
-    assert "failed" in log.read_text(errors="replace")
+    failed = [r for r in rows if r["status"] == "failed"]
+    assert failed, rows  # the lost reply is recorded (and logged by the ServerApp)
+    assert [r["status"] for r in rows if r["round"] == "2"].count("ok") == 2
+    history = json.loads((out / "metrics.json").read_text())["history"]
+    assert sum(row["clients_failed"] for row in history) >= 1
+    assert all(row["skipped"] == 0 for row in history)
     weights = load_file(str(out / "checkpoints" / "final" / "weights.safetensors"))
     assert all(math.isfinite(float(v.abs().sum())) for v in weights.values())
