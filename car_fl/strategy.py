@@ -43,6 +43,22 @@ class RoundStats:
     failed: dict[int, str] = field(default_factory=dict)
     aggregated: bool = False
 
+    def attribute_lost_replies(self) -> None:
+        """Name the nodes that never answered.
+
+        Flower's error reply for a lost node does not name it (its source is not the node the
+        message went to): pair such anonymous errors with the silent nodes when that is
+        unambiguous, and mark any other silent node as lost.
+        """
+        answered = {*self.client_metrics, *self.rejected, *self.failed}
+        silent = sorted(set(self.bytes_sent) - answered)
+        anonymous = [n for n in self.failed if n not in self.bytes_sent]
+        if len(silent) == 1 and len(anonymous) == 1:
+            self.failed[silent[0]] = self.failed.pop(anonymous[0])
+            return
+        for node in silent:
+            self.failed[node] = "no reply (the node was lost or the round timed out)"
+
     def weighted(self, key: str) -> float:
         rows = [m for m in self.client_metrics.values() if key in m]
         total = sum(m[NUM_EXAMPLES] for m in rows)
@@ -168,6 +184,7 @@ class CaRFedAvg(FedAvg):
             stats.bytes_received[node] = payload_bytes(record)
             stats.client_metrics[node] = reported
             valid.append((node, record, int(reported[NUM_EXAMPLES])))
+        stats.attribute_lost_replies()
         self.history.append(stats)
         if not valid:
             log.error(

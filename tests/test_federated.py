@@ -114,3 +114,16 @@ def test_node_info_rejects_a_client_count_mismatch(make_settings) -> None:  # ty
         NodeInfo.from_node_config({"partition-id": 0, "num-partitions": 3}, settings)
     with pytest.raises(ValueError, match=r"no 'partition-id'.*--node-config"):
         NodeInfo.from_node_config({}, settings)
+
+
+def test_an_anonymous_error_reply_is_attributed_to_the_silent_node() -> None:
+    from car_fl.strategy import RoundStats
+
+    stats = RoundStats(round=1, started=0.0, bytes_sent={5: 10, 6: 10, 7: 10})
+    stats.client_metrics = {5: {"num-examples": 1.0}, 6: {"num-examples": 1.0}}
+    stats.failed = {1: "Node Unavailable"}
+    stats.attribute_lost_replies()
+    assert stats.failed == {7: "Node Unavailable"}
+    two_lost = RoundStats(round=1, started=0.0, bytes_sent={5: 10, 6: 10})
+    two_lost.attribute_lost_replies()
+    assert set(two_lost.failed) == {5, 6}
