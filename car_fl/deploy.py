@@ -95,6 +95,17 @@ def superlink_command(
     return cmd
 
 
+def superexec_command(*, runtime_address: str, root_cert: Path | None = None) -> list[str]:
+    """``flower-superexec`` for a SuperLink started with ``--isolation process``.
+
+    Run separately from the SuperLink, it keeps the ServerApp alive when the SuperLink is
+    restarted (the run then resumes from the SuperLink's state database).
+    """
+    cmd = [_bin("flower-superexec"), "--runtime-api-address", runtime_address]
+    cmd += ["--root-certificates", str(root_cert)] if root_cert is not None else ["--insecure"]
+    return cmd
+
+
 def node_config_string(
     *,
     partition_id: int,

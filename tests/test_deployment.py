@@ -26,6 +26,7 @@ from car_fl.deploy import (
     node_config_string,
     register_node,
     start_run,
+    superexec_command,
     superlink_command,
     supernode_command,
     wait_for_run,
@@ -57,7 +58,9 @@ class Deployment:
         self.env = {**os.environ, "FLWR_HOME": str(folder / "flwr")}
         self.tls: TLSFiles | None = None
 
-    def start_superlink(self, *, tls: TLSFiles | None = None, node_auth: bool = False) -> None:
+    def start_superlink(
+        self, *, tls: TLSFiles | None = None, node_auth: bool = False, isolation: str = "subprocess"
+    ) -> None:
         self.tls = tls
         self.cluster.start(
             "superlink",
@@ -68,6 +71,7 @@ class Deployment:
                 database=self.folder / "state.db",
                 tls=tls,
                 node_auth=node_auth,
+                isolation=isolation,
             ),
             env=self.env,
         )
@@ -229,3 +233,37 @@ def test_a_supernode_killed_mid_round_does_not_stop_the_run(deployment: Deployme
     assert all(row["skipped"] == 0 for row in history)
     weights = load_file(str(out / "checkpoints" / "final" / "weights.safetensors"))
     assert all(math.isfinite(float(v.abs().sum())) for v in weights.values())
+
+
+def test_superlink_restarted_mid_run_resumes_from_its_database(deployment: Deployment) -> None:
+    # Process isolation with a separate SuperExec: the ServerApp outlives the SuperLink.
+    deployment.start_superlink(isolation="process")
+    deployment.cluster.start(
+        "superexec",
+        superexec_command(runtime_address=f"127.0.0.1:{deployment.control}"),
+        env=deployment.env,
+    )
+    for i in range(2):
+        deployment.start_node(i, 2)
+    out = deployment.folder / "run"
+    base = (
+        f"model=local model.name_or_path={deployment.model} "
+        f"dataset.path={deployment.data} progress=false device=cpu output_dir={out} "
+        "fl.rounds=3"
+    )
+    run_id = start_run(PROJECT, CONNECTION, base, env=deployment.env)
+    metrics = out / "metrics.json"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not (
+        metrics.is_file() and json.loads(metrics.read_text())["history"]
+    ):
+        time.sleep(0.5)
+    # Round 1 is done: stop the SuperLink, start it again on the same database.
+    deployment.cluster.kill("superlink", signal.SIGTERM)
+    time.sleep(3)
+    deployment.start_superlink(isolation="process")
+    status = wait_for_run(CONNECTION, run_id, timeout=900, env=deployment.env)
+    assert status["status"] == "finished:completed", status
+    history = json.loads(metrics.read_text())["history"]
+    assert [row["round"] for row in history] == [1, 2, 3]
+    assert history[-1]["clients_ok"] == 2
