@@ -170,6 +170,8 @@ def make_certificates(out: str | Path, hosts: Sequence[str], *, days: int = 365)
 
     if not hosts:
         raise ValueError("give at least one host name or IP address for the certificate")
+    # The SuperExec and local tools reach the SuperLink through the loopback interface.
+    hosts = list(dict.fromkeys([*hosts, "127.0.0.1", "localhost"]))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     now = dt.datetime.now(dt.UTC)

@@ -3,15 +3,26 @@
 Insecure for a trusted lab network, or TLS with --certs (see make_certs.py); with a state
 database so that a restart does not lose the run; runtime dependency installation off (every
 machine has car-fl installed). SuperNodes connect to --fleet-port (gRPC); `flwr run` connects
-to --control-port. Runs in the foreground: stop it with Ctrl-C.
+to --control-port. With --restartable the ServerApp runs under a separate SuperExec, so that a
+run survives a restart of the SuperLink (start this script again with the same --database).
+Runs in the foreground: stop it with Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
+import sys
+from pathlib import Path
 
-from car_fl.deploy import CONTROL_PORT, FLEET_PORT, TLSFiles, superlink_command
+from car_fl.deploy import (
+    CONTROL_PORT,
+    FLEET_PORT,
+    TLSFiles,
+    superexec_command,
+    superlink_command,
+)
 
 
 def main() -> None:
@@ -34,19 +45,46 @@ def main() -> None:
         action="store_true",
         help="only registered SuperNodes may connect (needs --certs)",
     )
-    parser.add_argument("--print", action="store_true", help="print the command, do not run it")
+    parser.add_argument(
+        "--restartable",
+        action="store_true",
+        help="run the ServerApp under a separate SuperExec (survives restarts)",
+    )
+    parser.add_argument("--print", action="store_true", help="print the commands, do not run")
     args = parser.parse_args()
+    tls = TLSFiles.in_folder(args.certs) if args.certs else None
     cmd = superlink_command(
         fleet_address=f"{args.bind}:{args.fleet_port}",
         control_host=args.bind,
         control_port=args.control_port,
         database=args.database,
-        tls=TLSFiles.in_folder(args.certs) if args.certs else None,
+        tls=tls,
         node_auth=args.node_auth,
+        isolation="process" if args.restartable else "subprocess",
     )
     print(" ".join(cmd), flush=True)
-    if not args.print:
-        os.execvp(cmd[0], cmd)
+    if not args.restartable:
+        if not args.print:
+            os.execvp(cmd[0], cmd)
+        return
+    host = "127.0.0.1" if args.bind in ("0.0.0.0", "::") else args.bind
+    exec_cmd = superexec_command(
+        runtime_address=f"{host}:{args.control_port}", root_cert=Path(tls.ca_cert) if tls else None
+    )
+    print(" ".join(exec_cmd), flush=True)
+    if args.print:
+        return
+    superlink = subprocess.Popen(cmd)
+    superexec = subprocess.Popen(exec_cmd)
+    try:
+        sys.exit(superlink.wait())
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for proc in (superexec, superlink):
+            proc.terminate()
+        for proc in (superexec, superlink):
+            proc.wait()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,122 @@
+"""Per-round overhead of deployment (SuperLink + SuperNodes over gRPC) against simulation.
+
+    python scripts/deploy_overhead.py [--rounds 4] [--clients 2]
+
+Runs the same small configuration (a tiny random Llama, 400 synthetic examples, classifier
+mode, features cached after round 1) twice, side by side: as an in-process Flower simulation
+and on a local cluster (one SuperLink and N SuperNodes on 127.0.0.1, a new ClientApp process
+per message). Reports, for rounds 2..R, the mean round wall time, the mean slowest client's
+own training time (inside train_round) and their difference, Flower's overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from car_fl.deploy import (
+    LocalCluster,
+    node_config_string,
+    start_run,
+    superlink_command,
+    supernode_command,
+    wait_for_run,
+    write_connection,
+)
+from car_fl.simulation import run_simulation
+from car_fl.tiny import build_llama, synthetic_examples, write_tsv
+
+PROJECT = Path(__file__).resolve().parents[1]
+
+
+def summarise(history: list[dict[str, float]]) -> dict[str, float]:
+    later = history[1:]
+    round_s = statistics.mean(r["seconds"] for r in later)
+    train_s = statistics.mean(r["max_client_train_seconds"] for r in later)
+    return {
+        "round_seconds": round_s,
+        "slowest_client_train_seconds": train_s,
+        "overhead_seconds": round_s - train_s,
+        "first_round_seconds": history[0]["seconds"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--clients", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("runs/deploy-overhead.json"))
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="car-fl-overhead-"))
+    model = build_llama(work / "llama")
+    data = write_tsv(work / "data.tsv", synthetic_examples(400))
+    common = (
+        f"model=local model.name_or_path={model} dataset.path={data} progress=false "
+        f"device=cpu fl.clients={args.clients} fl.rounds={args.rounds}"
+    )
+
+    sim = run_simulation(f"{common} cache_dir={work / 'sim-cache'} output_dir={work / 'sim'}")
+
+    cluster = LocalCluster(work / "cluster")
+    env = {**os.environ, "FLWR_HOME": str(work / "flwr")}
+    try:
+        cluster.start(
+            "superlink",
+            superlink_command(
+                fleet_address="127.0.0.1:29092",
+                control_host="127.0.0.1",
+                control_port=29093,
+                database=work / "state.db",
+            ),
+            env=env,
+        )
+        write_connection(work / "flwr", "overhead", "127.0.0.1:29093")
+        for i in range(args.clients):
+            cluster.start(
+                f"node{i}",
+                supernode_command(
+                    superlink="127.0.0.1:29092",
+                    runtime_port=29100 + i,
+                    node_config=node_config_string(
+                        partition_id=i,
+                        num_partitions=args.clients,
+                        data_path=data,
+                        cache_dir=work / f"cache{i}",
+                    ),
+                ),
+                env=env,
+            )
+        time.sleep(5)
+        run_id = start_run(PROJECT, "overhead", f"{common} output_dir={work / 'deploy'}", env=env)
+        status = wait_for_run("overhead", run_id, timeout=1800, env=env)
+        if status["status"] != "finished:completed":
+            raise SystemExit(f"deployment run did not complete: {status}")
+    finally:
+        cluster.stop()
+    deploy = json.loads((work / "deploy" / "metrics.json").read_text())
+
+    result = {
+        "simulation": summarise(sim["history"]),
+        "deployment": summarise(deploy["history"]),
+        "config": common,
+    }
+    print(f"{'':12s} {'round s':>9s} {'slowest client s':>17s} {'overhead s':>11s}")
+    for name in ("simulation", "deployment"):
+        r = result[name]
+        print(
+            f"{name:12s} {r['round_seconds']:9.2f} {r['slowest_client_train_seconds']:17.2f} "
+            f"{r['overhead_seconds']:11.2f}"
+        )
+    ratio = result["deployment"]["round_seconds"] / result["simulation"]["round_seconds"]
+    print(f"deployment round / simulation round: {ratio:.1f}x (rounds 2..{args.rounds})")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
