@@ -9,8 +9,10 @@ import csv
 import json
 import math
 import os
+import shutil
 import signal
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -267,3 +269,102 @@ def test_superlink_restarted_mid_run_resumes_from_its_database(deployment: Deplo
     history = json.loads(metrics.read_text())["history"]
     assert [row["round"] for row in history] == [1, 2, 3]
     assert history[-1]["clients_ok"] == 2
+
+
+# ----------------------------------------------------------------------- separate network hosts
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+def _netns_unavailable() -> str | None:
+    if shutil.which("ip") is None:
+        return "iproute2's `ip` is not installed"
+    if os.geteuid() != 0:
+        return "creating network namespaces needs root"
+    probe = f"carfl-probe-{os.getpid()}"
+    result = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if result.returncode != 0:
+        return f"`ip netns add` failed here: {result.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+@pytest.fixture
+def hosts() -> Iterator[dict[str, str]]:
+    """Three network namespaces on a bridge: 'link' (10.213.0.1) and 'n0', 'n1' (.11, .12)."""
+    reason = _netns_unavailable()
+    if reason is not None:
+        pytest.skip(f"separate-host test skipped: {reason}")
+    tag = str(os.getpid() % 100000)
+    bridge = f"cfbr{tag}"
+    addresses = {"link": "10.213.0.1", "n0": "10.213.0.11", "n1": "10.213.0.12"}
+    names = {role: f"carfl-{tag}-{role}" for role in addresses}
+    try:
+        _ip("link", "add", bridge, "type", "bridge")
+        _ip("addr", "add", "10.213.0.254/24", "dev", bridge)
+        _ip("link", "set", bridge, "up")
+        for i, (role, address) in enumerate(addresses.items()):
+            ns, outside, inside = names[role], f"cfh{tag}{i}", f"cfn{tag}{i}"
+            _ip("netns", "add", ns)
+            _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
+            _ip("link", "set", inside, "netns", ns)
+            _ip("link", "set", outside, "master", bridge)
+            _ip("link", "set", outside, "up")
+            _ip("-n", ns, "addr", "add", f"{address}/24", "dev", inside)
+            _ip("-n", ns, "link", "set", inside, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+        yield {**{f"{role}_ns": names[role] for role in names}, **addresses}
+    finally:
+        for role in addresses:
+            subprocess.run(["ip", "netns", "del", names[role]], capture_output=True)
+        subprocess.run(["ip", "link", "del", bridge], capture_output=True)
+
+
+def test_superlink_and_supernodes_on_separate_network_hosts(
+    deployment: Deployment, hosts: dict[str, str]
+) -> None:
+    link = hosts["link"]
+    deployment.fleet = f"{link}:9092"
+    deployment.control = 9093
+
+    def in_ns(role: str, cmd: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", hosts[f"{role}_ns"], *cmd]
+
+    deployment.cluster.start(
+        "superlink",
+        in_ns(
+            "link",
+            superlink_command(
+                fleet_address=deployment.fleet,
+                control_host=link,
+                control_port=9093,
+                database=deployment.folder / "state.db",
+            ),
+        ),
+        env=deployment.env,
+    )
+    write_connection(deployment.folder / "flwr", CONNECTION, f"{link}:9093")
+    for i in range(2):
+        deployment.cluster.start(
+            f"supernode-{i}",
+            in_ns(
+                f"n{i}",
+                supernode_command(
+                    superlink=deployment.fleet,
+                    runtime_port=9094,
+                    node_config=node_config_string(
+                        partition_id=i,
+                        num_partitions=2,
+                        data_path=deployment.data,
+                        cache_dir=deployment.folder / f"cache-{i}",
+                    ),
+                ),
+            ),
+            env=deployment.env,
+        )
+    time.sleep(4)
+    status, out = deployment.run("fl.rounds=1")
+    assert status["status"] == "finished:completed", status
+    assert {r["status"] for r in client_rows(out)} == {"ok"}
