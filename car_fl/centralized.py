@@ -18,13 +18,12 @@ import hydra
 from omegaconf import DictConfig
 
 from car_fl.checkpoint import Checkpoint, save_checkpoint
-from car_fl.config import Mode, Settings, conf_dir, settings_to_yaml, to_settings
+from car_fl.config import Settings, conf_dir, settings_to_yaml, to_settings
 from car_fl.data import load_splits
-from car_fl.features import FeatureCache
 from car_fl.io import atomic_write_text
 from car_fl.model import CaRRetriever, build_retriever
 from car_fl.report import plot_curves, write_metrics
-from car_fl.train import LocalData, evaluate, make_optimizer, prepare_data, train_epoch
+from car_fl.train import evaluate, make_optimizer, prepare_for, train_epoch
 
 log = logging.getLogger(__name__)
 
@@ -44,28 +43,6 @@ def test_row(metrics: dict[str, float]) -> dict[str, float]:
     return {f"test_{k}": v for k, v in metrics.items()}
 
 
-def prepare_split(
-    model: CaRRetriever,
-    settings: Settings,
-    texts: list[str],
-    labels: list[int],
-    desc: str,
-    cache: FeatureCache | None,
-) -> LocalData:
-    return prepare_data(
-        texts,
-        labels,
-        mode=Mode(settings.train.mode),
-        model_cfg=settings.model,
-        device=settings.device,
-        get_model=lambda: model,
-        cache=cache,
-        batch_size=settings.train.feature_batch_size,
-        progress=settings.progress,
-        desc=desc,
-    )
-
-
 def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any]:
     """Train for ``train.epochs`` epochs, evaluating after each; returns the summary."""
     out = Path(output_dir)
@@ -77,13 +54,20 @@ def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any
     # Data and model
     splits = load_splits(settings.dataset, seed=settings.seed)
     model = build_retriever(settings, len(splits.label_map))
-    cache = FeatureCache(settings.cache_dir)
     start = time.perf_counter()
-    train_data = prepare_split(
-        model, settings, splits.train["text"], splits.train["label"], "train features", cache
+    train_data = prepare_for(
+        settings,
+        splits.train["text"],
+        splits.train["label"],
+        get_model=lambda: model,
+        desc="train features",
     )
-    test_data = prepare_split(
-        model, settings, splits.test["text"], splits.test["label"], "test features", cache
+    test_data = prepare_for(
+        settings,
+        splits.test["text"],
+        splits.test["label"],
+        get_model=lambda: model,
+        desc="test features",
     )
     feature_seconds = time.perf_counter() - start
 

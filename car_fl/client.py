@@ -21,11 +21,10 @@ from car_fl.config import Mode, Settings, apply_node_config, fingerprint
 from car_fl.data import load_splits, partition
 from car_fl.data.labels import LabelMap
 from car_fl.encoder import Encoder, load_encoder
-from car_fl.features import FeatureCache
 from car_fl.model import CaRRetriever, build_retriever
 from car_fl.privacy.client import STATE_KEY, ClientPrivacy, DPState, StepPrivatizer
 from car_fl.privacy.mechanism import check_finite, difference
-from car_fl.train import LocalData, make_optimizer, prepare_data, train_epoch
+from car_fl.train import LocalData, make_optimizer, prepare_for, train_epoch
 
 log = logging.getLogger(__name__)
 
@@ -110,16 +109,11 @@ def shard_data(settings: Settings, node: NodeInfo) -> tuple[LocalData, LabelMap]
             cached_encoder(settings), len(splits.label_map), head=settings.head, mode=mode
         )
 
-    data = prepare_data(
+    data = prepare_for(
+        settings,
         shard["text"],
         shard["label"],
-        mode=mode,
-        model_cfg=settings.model,
-        device=settings.device,
         get_model=get_model,
-        cache=FeatureCache(settings.cache_dir),
-        batch_size=settings.train.feature_batch_size,
-        progress=settings.progress,
         desc=f"client {node.partition_id} features",
     )
     _SHARDS[key] = (data, splits.label_map)

@@ -20,16 +20,15 @@ from flwr.serverapp import Grid
 
 from car_fl.centralized import round_line, test_row
 from car_fl.checkpoint import Checkpoint, save_checkpoint
-from car_fl.config import Mode, Settings, fingerprint, settings_to_yaml
+from car_fl.config import Settings, fingerprint, settings_to_yaml
 from car_fl.data import load_splits
 from car_fl.data.labels import LabelMap
-from car_fl.features import FeatureCache
 from car_fl.io import atomic_write_text
 from car_fl.model import CaRRetriever, build_retriever
 from car_fl.records import from_record, to_record
 from car_fl.report import CLIENTS_CSV, plot_curves, write_csv, write_metrics
 from car_fl.strategy import CaRFedAvg, RoundStats
-from car_fl.train import LocalData, evaluate, prepare_data
+from car_fl.train import LocalData, evaluate, prepare_for
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +68,6 @@ class ServerEvaluator:
     @classmethod
     def build(cls, settings: Settings) -> ServerEvaluator:
         splits = load_splits(settings.dataset, seed=settings.seed)
-        mode = Mode(settings.train.mode)
         holder: dict[str, CaRRetriever] = {}
 
         def get_model() -> CaRRetriever:
@@ -77,16 +75,11 @@ class ServerEvaluator:
                 holder["model"] = build_retriever(settings, len(splits.label_map))
             return holder["model"]
 
-        test = prepare_data(
+        test = prepare_for(
+            settings,
             splits.test["text"],
             splits.test["label"],
-            mode=mode,
-            model_cfg=settings.model,
-            device=settings.device,
             get_model=get_model,
-            cache=FeatureCache(settings.cache_dir),
-            batch_size=settings.train.feature_batch_size,
-            progress=settings.progress,
             desc="server test features",
         )
         if "model" in holder:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from car_fl.config import Mode, ModelConfig, TrainConfig
+from car_fl.config import Mode, ModelConfig, Settings, TrainConfig
 from car_fl.features import FeatureCache, extract_features, feature_key
 from car_fl.metrics import retrieval_metrics
 from car_fl.model import CaRRetriever
@@ -78,6 +78,29 @@ def prepare_data(
     if cache is not None:
         cache.put(key, features)
     return LocalData(labels=label_tensor, features=features)
+
+
+def prepare_for(
+    settings: Settings,
+    texts: Sequence[str],
+    labels: Sequence[int],
+    *,
+    get_model: Callable[[], CaRRetriever],
+    desc: str,
+) -> LocalData:
+    """:func:`prepare_data` with everything taken from the run's settings (disk cache on)."""
+    return prepare_data(
+        texts,
+        labels,
+        mode=Mode(settings.train.mode),
+        model_cfg=settings.model,
+        device=settings.device,
+        get_model=get_model,
+        cache=FeatureCache(settings.cache_dir),
+        batch_size=settings.train.feature_batch_size,
+        progress=settings.progress,
+        desc=desc,
+    )
 
 
 def features_for(
