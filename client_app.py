@@ -23,7 +23,12 @@ def train(msg: Message, context: Context) -> Message:
     node = NodeInfo.from_node_config(context.node_config, settings)
     # E local epochs from the global parameters, then local DP (its state in context.state)
     state, metrics = train_round(
-        settings, node, instruction.global_state, instruction.server_round, context.state
+        settings,
+        node,
+        instruction.global_state,
+        instruction.server_round,
+        context.state,
+        instruction.labels,
     )
     # Reply with the new parameters, the number of examples and the train metrics
     return Message(content=train_reply(state, metrics), reply_to=msg)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import astuple, dataclass
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ from car_fl import encoder as encoder_module
 from car_fl.config import Mode, Settings, apply_node_config, fingerprint
 from car_fl.data import load_splits, partition
 from car_fl.data.labels import LabelMap
+from car_fl.data.splits import load_examples, read_local
 from car_fl.encoder import Encoder, load_encoder
 from car_fl.model import CaRRetriever, build_retriever
 from car_fl.privacy.client import STATE_KEY, ClientPrivacy, DPState, StepPrivatizer
@@ -51,6 +52,8 @@ class NodeInfo:
 
     partition_id: int
     num_partitions: int
+    #: The node's data file is already its own shard: train on all of it, do not partition.
+    data_is_shard: bool = False
 
     @classmethod
     def from_node_config(cls, node_config: Mapping[str, Any], settings: Settings) -> NodeInfo:
@@ -70,7 +73,8 @@ class NodeInfo:
             )
         if not 0 <= pid < num:
             raise ValueError(f"partition-id={pid} is outside [0, {num})")
-        return cls(partition_id=pid, num_partitions=num)
+        is_shard = str(node_config.get("data-is-shard", "false")).lower() in ("1", "true", "yes")
+        return cls(partition_id=pid, num_partitions=num, data_is_shard=is_shard)
 
 
 def node_settings(
@@ -88,26 +92,41 @@ def node_settings(
     return settings
 
 
-def shard_data(settings: Settings, node: NodeInfo) -> tuple[LocalData, LabelMap]:
-    """This node's training shard as features (classifier) or token ids (adapter)."""
-    key = (fingerprint(settings) + repr(settings.dataset), node.partition_id, node.num_partitions)
+def shard_data(
+    settings: Settings, node: NodeInfo, labels: Sequence[str] | None = None
+) -> tuple[LocalData, LabelMap]:
+    """This node's training shard as features (classifier) or token ids (adapter).
+
+    ``labels`` is the server's global label map; every local label must be in it (a
+    ``ValueError`` names the ones that are not). A node whose file is its own shard
+    (``data-is-shard``) trains on all of it; otherwise it takes its partition of the training
+    split of the full dataset.
+    """
+    label_map = LabelMap(tuple(labels)) if labels else None
+    key = (fingerprint(settings) + repr(settings.dataset) + repr(labels), *astuple(node))
     if key in _SHARDS:
         return _SHARDS[key]
-    splits = load_splits(settings.dataset, seed=settings.seed)
-    shard = partition(
-        splits.train,
-        partition_id=node.partition_id,
-        num_partitions=node.num_partitions,
-        scheme=settings.fl.partitioning,
-        alpha=settings.fl.alpha,
-        seed=settings.seed,
-    )
+    if node.data_is_shard:
+        label_map = label_map or LabelMap.from_labels(
+            e.label for e in read_local(settings.dataset, settings.dataset.path or "")
+        )
+        shard = load_examples(settings.dataset, label_map)
+    else:
+        splits = load_splits(settings.dataset, seed=settings.seed, label_map=label_map)
+        label_map = splits.label_map
+        shard = partition(
+            splits.train,
+            partition_id=node.partition_id,
+            num_partitions=node.num_partitions,
+            scheme=settings.fl.partitioning,
+            alpha=settings.fl.alpha,
+            seed=settings.seed,
+        )
     mode = Mode(settings.train.mode)
+    num_labels = len(label_map)
 
     def get_model() -> CaRRetriever:
-        return CaRRetriever(
-            cached_encoder(settings), len(splits.label_map), head=settings.head, mode=mode
-        )
+        return CaRRetriever(cached_encoder(settings), num_labels, head=settings.head, mode=mode)
 
     data = prepare_for(
         settings,
@@ -116,8 +135,8 @@ def shard_data(settings: Settings, node: NodeInfo) -> tuple[LocalData, LabelMap]
         get_model=get_model,
         desc=f"client {node.partition_id} features",
     )
-    _SHARDS[key] = (data, splits.label_map)
-    return data, splits.label_map
+    _SHARDS[key] = (data, label_map)
+    return data, label_map
 
 
 def local_retriever(settings: Settings, data: LocalData, num_labels: int) -> CaRRetriever:
@@ -133,14 +152,16 @@ def train_round(
     global_state: dict[str, torch.Tensor],
     server_round: int,
     node_state: RecordDict,
+    labels: Sequence[str] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, int | float]]:
     """E local epochs from the global state, then local DP if configured.
 
     Returns what the client sends (never an un-noised update once DP is active) and the reply
     metrics. ``node_state`` is Flower's persistent per-node state; the DP state lives there.
+    ``labels`` is the server's global label map.
     """
     tick = time.perf_counter()
-    data, label_map = shard_data(settings, node)
+    data, label_map = shard_data(settings, node, labels)
     model = local_retriever(settings, data, len(label_map))
     model.load_trainable_state_dict(global_state)
     optimizer = make_optimizer(model, settings.train)

@@ -114,8 +114,12 @@ def node_config_string(
     device: str | None = None,
     model_path: str | Path | None = None,
     cache_dir: str | Path | None = None,
+    data_is_shard: bool = False,
 ) -> str:
-    """Flower ``--node-config`` value: shard, local data file, device, local model, cache."""
+    """Flower ``--node-config`` value: shard, local data file, device, local model, cache.
+
+    ``data_is_shard``: the data file holds only this node's examples (train on all of it).
+    """
     items: list[str] = [f"partition-id={partition_id}", f"num-partitions={num_partitions}"]
     for key, value in (
         ("data-path", data_path),
@@ -125,6 +129,8 @@ def node_config_string(
     ):
         if value is not None:
             items.append(f'{key}="{Path(value).resolve() if key != "device" else value}"')
+    if data_is_shard:
+        items.append("data-is-shard=true")
     return " ".join(items)
 
 

@@ -271,7 +271,10 @@ def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
         initial_arrays=initial,
         num_rounds=settings.fl.rounds,
         timeout=settings.fl.round_timeout,
-        train_config=ConfigRecord({"fingerprint": fingerprint(settings)}),
+        # Clients check the configuration and encode their labels with the global label map.
+        train_config=ConfigRecord(
+            {"fingerprint": fingerprint(settings), "labels": evaluator.label_map.to_list()}
+        ),
         evaluate_fn=recorder,
     )
 

@@ -42,13 +42,16 @@ class TrainInstruction:
     global_state: dict[str, torch.Tensor]
     server_round: int
     fingerprint: str | None
+    labels: tuple[str, ...] | None = None
 
 
 def read_train_message(content: RecordDict) -> TrainInstruction:
-    """Global parameters, round number and configuration fingerprint of a train message."""
+    """Global parameters, round number, configuration fingerprint and the global label map."""
     config = content.config_records[CONFIG_KEY]
     fingerprint = config.get("fingerprint")
+    labels = config.get("labels")
     return TrainInstruction(
+        labels=tuple(str(x) for x in cast(list[str], labels)) if labels else None,
         global_state=from_record(content.array_records[ARRAYS_KEY]),
         server_round=int(cast(int, config["server-round"])),
         fingerprint=str(fingerprint) if fingerprint is not None else None,

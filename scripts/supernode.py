@@ -35,6 +35,12 @@ def main() -> None:
         help="local model folder, if not downloaded from the hub",
     )
     parser.add_argument("--cache-dir", type=Path, default=None, help="feature cache folder")
+    parser.add_argument(
+        "--data-is-shard",
+        action="store_true",
+        help="--data holds only this node's examples: train on all of them "
+        "instead of taking partition --partition-id of the full dataset",
+    )
     parser.add_argument("--port", type=int, default=9094, help="this node's local runtime API")
     parser.add_argument(
         "--root-cert",
@@ -62,6 +68,7 @@ def main() -> None:
             device=args.device,
             model_path=args.model,
             cache_dir=args.cache_dir,
+            data_is_shard=args.data_is_shard,
         ),
     )
     print(" ".join(cmd), flush=True)

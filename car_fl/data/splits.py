@@ -116,6 +116,13 @@ def _subsample(examples: list[Example], limit: int | None, seed: int) -> list[Ex
     return [examples[i] for i in keep]
 
 
+def load_examples(cfg: DatasetConfig, label_map: LabelMap) -> Dataset:
+    """Every example of the local file ``cfg.path`` (a client's own shard), unsplit."""
+    if cfg.path is None:
+        raise ValueError("a pre-sharded node needs its shard file: --node-config data-path=...")
+    return _to_dataset(read_local(cfg, cfg.path), label_map, str(cfg.path))
+
+
 def _to_dataset(examples: list[Example], label_map: LabelMap, source: str) -> Dataset:
     return Dataset.from_dict(
         {
@@ -125,8 +132,12 @@ def _to_dataset(examples: list[Example], label_map: LabelMap, source: str) -> Da
     )
 
 
-def load_splits(cfg: DatasetConfig, *, seed: int) -> DataSplits:
-    """Read the configured dataset, fix the label map, split it (seeded)."""
+def load_splits(cfg: DatasetConfig, *, seed: int, label_map: LabelMap | None = None) -> DataSplits:
+    """Read the configured dataset, fix the label map, split it (seeded).
+
+    With ``label_map`` (the server's, on a client) that map is used, and a label it does not
+    know raises a ``ValueError`` naming it.
+    """
     test: list[Example] | None = None
     if cfg.path is not None:
         train = read_local(cfg, cfg.path)
@@ -153,7 +164,10 @@ def load_splits(cfg: DatasetConfig, *, seed: int) -> DataSplits:
             f"no examples left after dropping labels with fewer than "
             f"{cfg.min_examples_per_label} examples (dataset.min_examples_per_label)",
         )
-    label_map = LabelMap.from_labels(e.label for e in all_examples)
+    if label_map is None:
+        label_map = LabelMap.from_labels(e.label for e in all_examples)
+    else:
+        label_map.encode([e.label for e in all_examples], source=source)
     if len(label_map) < 2:
         raise DataFormatError(source, f"needs at least 2 labels, found {label_map.to_list()}")
 
