@@ -271,3 +271,14 @@ def test_step_granularity_clips_every_step(round_inputs) -> None:  # type: ignor
     assert metrics["dp-releases"] == steps
     moved = flat_norm({k: state[k] - initial[k] for k in state})
     assert moved <= steps * 1e-3 * (1 + 1e-5)
+
+
+def test_step_granularity_with_adaptive_clipping_adapts_every_step(round_inputs) -> None:  # type: ignore[no-untyped-def]
+    s, node, initial = round_inputs("dp=adaptive", "dp.granularity=step", "dp.clip=0.01")
+    state = RecordDict()
+    _, metrics = train_round(s, node, initial, 1, state)
+    steps = math.ceil(160 / s.train.batch_size)
+    assert metrics["dp-releases"] == steps
+    # C_i moved once per step: (1 - β)^steps of the initial bound plus the norm terms.
+    assert metrics["dp-next-clip"] != pytest.approx(0.01)
+    assert load_privacy(s, node, state).state.clip == metrics["dp-next-clip"]
