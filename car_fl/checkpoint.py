@@ -1,8 +1,9 @@
 """Checkpoints: adapter + head weights (safetensors), label map, resolved config, round, metrics.
 
-A checkpoint folder holds ``weights.safetensors`` (only trainable tensors: never the encoder)
-and ``meta.json`` (label map, mode, round, metrics, privacy spent, resolved config as YAML), so
-that a run can be understood and reused from the folder alone.
+A checkpoint folder holds ``weights.safetensors``: only trainable tensors (never the encoder),
+with the label map, mode, round, metrics, privacy spent and the resolved config (YAML) in its
+header, so that a run can be understood and reused from that one file; ``meta.json`` repeats
+the metadata for people and tools.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from car_fl.config import Settings, settings_from_yaml, settings_to_yaml
@@ -38,12 +40,14 @@ class Checkpoint:
 
 
 def save_checkpoint(folder: str | Path, ckpt: Checkpoint) -> Path:
-    """Write weights, then metadata (each atomically); returns the folder."""
+    """Write the checkpoint atomically; returns the folder.
+
+    ``weights.safetensors`` is the checkpoint: the tensors plus every piece of metadata, written
+    to a temporary file and renamed, so a crash leaves the previous checkpoint whole.
+    ``meta.json`` is a human-readable copy of the metadata, written after it.
+    """
     folder = Path(folder)
     state = {k: v.detach().cpu().contiguous() for k, v in ckpt.state.items()}
-    atomic_write(
-        folder / WEIGHTS, lambda tmp: save_file(state, str(tmp), metadata={"format": FORMAT})
-    )
     meta = {
         "format": FORMAT,
         "round": ckpt.round,
@@ -55,6 +59,8 @@ def save_checkpoint(folder: str | Path, ckpt: Checkpoint) -> Path:
         "extra": ckpt.extra,
         "config_yaml": settings_to_yaml(ckpt.settings),
     }
+    header = {"format": FORMAT, "meta": json.dumps(meta)}
+    atomic_write(folder / WEIGHTS, lambda tmp: save_file(state, str(tmp), metadata=header))
     atomic_write_json(folder / META, meta)
     return folder
 
@@ -62,17 +68,19 @@ def save_checkpoint(folder: str | Path, ckpt: Checkpoint) -> Path:
 def load_checkpoint(folder: str | Path) -> Checkpoint:
     """Read a checkpoint folder (``FileNotFoundError`` if missing, ``ValueError`` if foreign)."""
     folder = Path(folder)
-    for name in (WEIGHTS, META):
-        if not (folder / name).is_file():
-            raise FileNotFoundError(
-                f"{folder} is not a car-fl checkpoint: {name} is missing (expected a folder "
-                "written by a car-fl run, e.g. <run dir>/checkpoints/final)"
-            )
-    meta = json.loads((folder / META).read_text(encoding="utf-8"))
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{folder / META}: unknown checkpoint format {meta.get('format')!r}")
+    weights = folder / WEIGHTS
+    if not weights.is_file():
+        raise FileNotFoundError(
+            f"{folder} is not a car-fl checkpoint: {WEIGHTS} is missing (expected a folder "
+            "written by a car-fl run, e.g. <run dir>/checkpoints/final)"
+        )
+    with safe_open(str(weights), framework="pt") as handle:
+        header = handle.metadata() or {}
+    if header.get("format") != FORMAT or "meta" not in header:
+        raise ValueError(f"{weights}: not a car-fl checkpoint (format {header.get('format')!r})")
+    meta = json.loads(header["meta"])
     return Checkpoint(
-        state=load_file(str(folder / WEIGHTS)),
+        state=load_file(str(weights)),
         label_map=LabelMap(tuple(meta["labels"])),
         settings=settings_from_yaml(meta["config_yaml"]),
         round=int(meta["round"]),

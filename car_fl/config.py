@@ -195,6 +195,9 @@ class FLConfig:
 
     clients: int = 2
     min_clients: int = 1
+    min_valid_replies: int = 1
+    min_valid_fraction: float = 0.0
+    max_examples_per_client: int | None = None
     rounds: int = 5
     local_epochs: int = 2
     partitioning: str = "iid"
@@ -209,6 +212,17 @@ class FLConfig:
         if not 1 <= self.min_clients <= self.clients:
             raise ValueError(
                 f"fl.min_clients must be in [1, fl.clients={self.clients}], got {self.min_clients}"
+            )
+        if self.min_valid_replies < 1:
+            raise ValueError(f"fl.min_valid_replies must be >= 1, got {self.min_valid_replies}")
+        if not 0.0 <= self.min_valid_fraction <= 1.0:
+            raise ValueError(
+                f"fl.min_valid_fraction must be in [0, 1], got {self.min_valid_fraction}"
+            )
+        if self.max_examples_per_client is not None and self.max_examples_per_client < 1:
+            raise ValueError(
+                f"fl.max_examples_per_client must be >= 1 or null, "
+                f"got {self.max_examples_per_client}"
             )
         _one_of("fl.partitioning", self.partitioning, ("iid", "dirichlet"))
         _positive("fl.alpha", self.alpha)

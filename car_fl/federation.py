@@ -21,7 +21,7 @@ from flwr.serverapp import Grid
 from car_fl.centralized import round_line, test_row
 from car_fl.checkpoint import Checkpoint, save_checkpoint
 from car_fl.config import Settings, fingerprint, settings_to_yaml
-from car_fl.data import load_splits
+from car_fl.data import load_splits, partition
 from car_fl.data.labels import LabelMap
 from car_fl.io import atomic_write_text
 from car_fl.model import CaRRetriever, build_retriever
@@ -64,6 +64,8 @@ class ServerEvaluator:
     label_map: LabelMap
     test: LocalData
     model: CaRRetriever
+    #: Examples in each client's shard of this run (partition id → count), the reply cap.
+    shard_sizes: dict[int, int] = field(default_factory=dict)
 
     @classmethod
     def build(cls, settings: Settings) -> ServerEvaluator:
@@ -89,7 +91,26 @@ class ServerEvaluator:
             model = build_retriever(
                 settings, len(splits.label_map), hidden_size=int(test.features.shape[1])
             )
-        return cls(settings=settings, label_map=splits.label_map, test=test, model=model)
+        shard_sizes = {
+            pid: len(
+                partition(
+                    splits.train,
+                    partition_id=pid,
+                    num_partitions=settings.fl.clients,
+                    scheme=settings.fl.partitioning,
+                    alpha=settings.fl.alpha,
+                    seed=settings.seed,
+                )
+            )
+            for pid in range(settings.fl.clients)
+        }
+        return cls(
+            settings=settings,
+            label_map=splits.label_map,
+            test=test,
+            model=model,
+            shard_sizes=shard_sizes,
+        )
 
     def __call__(self, arrays: ArrayRecord) -> dict[str, float]:
         self.model.load_trainable_state_dict(from_record(arrays))
@@ -241,6 +262,25 @@ def client_rows(stats: RoundStats) -> list[dict[str, Any]]:
     return rows
 
 
+def check_local_paths(settings: Settings) -> None:
+    """Fail before any node is contacted if a configured local file or folder is missing."""
+    for key, value in (
+        ("dataset.path", settings.dataset.path),
+        ("dataset.test_path", settings.dataset.test_path),
+    ):
+        if value is not None and not Path(value).expanduser().is_file():
+            raise FileNotFoundError(
+                f"{key}={value} does not exist on the server; the server needs the dataset "
+                "for its held-out evaluation (give an absolute path valid on the aggregator)"
+            )
+    model = settings.model.name_or_path
+    if model.startswith(("/", "./", "../", "~")) and not Path(model).expanduser().is_dir():
+        raise FileNotFoundError(
+            f"model.name_or_path={model} is not a folder on the server; point it at a model "
+            "folder on the aggregator (clients may override it with --node-config model-path)"
+        )
+
+
 def default_output_dir(settings: Settings) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     name = f"{stamp}-{settings.dataset.name}-{settings.model.name}-{settings.train.mode}"
@@ -256,11 +296,19 @@ def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
     atomic_write_text(output_dir / "config.yaml", config_yaml)
     log.info("results: %s", output_dir)
 
-    # Nodes, test data, initial global model
+    # Local paths, nodes, test data, initial global model
+    check_local_paths(settings)
     wait_for_nodes(grid, settings.fl.clients, timeout=settings.fl.wait_for_nodes)
     evaluator = ServerEvaluator.build(settings)
     initial = to_record(evaluator.model.trainable_state_dict())
-    strategy = CaRFedAvg(min_clients=settings.fl.min_clients, spec=CaRFedAvg.spec_of(initial))
+    strategy = CaRFedAvg(
+        min_clients=settings.fl.min_clients,
+        spec=CaRFedAvg.spec_of(initial),
+        max_examples=settings.fl.max_examples_per_client,
+        shard_sizes=evaluator.shard_sizes,
+        min_valid=settings.fl.min_valid_replies,
+        min_valid_fraction=settings.fl.min_valid_fraction,
+    )
     recorder = RoundRecorder(
         settings=settings, output_dir=output_dir, evaluator=evaluator, strategy=strategy
     )

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,7 +129,14 @@ class CaRFedAvg(FedAvg):
         min_clients: int,
         spec: dict[str, tuple[tuple[int, ...], np.dtype[Any]]],
         max_examples: int | None = None,
+        shard_sizes: Mapping[int, int] | None = None,
+        min_valid: int = 1,
+        min_valid_fraction: float = 0.0,
     ) -> None:
+        """``shard_sizes`` (partition id → examples) caps each client's example count;
+        ``max_examples`` caps everybody instead. A round needs at least
+        max(``min_valid``, ⌈``min_valid_fraction`` · clients asked⌉) valid replies, else the
+        global model stays exactly as it was."""
         super().__init__(
             fraction_train=1.0,
             fraction_evaluate=0.0,
@@ -141,8 +148,21 @@ class CaRFedAvg(FedAvg):
         )
         self.spec = spec
         self.max_examples = max_examples
+        self.shard_sizes = dict(shard_sizes or {})
+        self.min_valid = min_valid
+        self.min_valid_fraction = min_valid_fraction
         self.current: RoundStats | None = None
         self.history: list[RoundStats] = []
+
+    def cap_for(self, message: Message) -> int | None:
+        """The largest example count this reply may claim."""
+        if self.max_examples is not None or not self.shard_sizes:
+            return self.max_examples
+        metrics = next(iter(message.content.metric_records.values()), None)
+        partition = metrics.get("partition-id") if metrics is not None else None
+        if not isinstance(partition, int | float) or int(partition) not in self.shard_sizes:
+            return max(self.shard_sizes.values())
+        return self.shard_sizes[int(partition)]
 
     @classmethod
     def spec_of(cls, record: ArrayRecord) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]:
@@ -170,7 +190,7 @@ class CaRFedAvg(FedAvg):
                 stats.failed[node] = str(message.error.reason)
                 log.error("round %d: node %d failed: %s", server_round, node, message.error.reason)
                 continue
-            reason = validate_reply(message.content, self.spec, max_examples=self.max_examples)
+            reason = validate_reply(message.content, self.spec, max_examples=self.cap_for(message))
             if reason is not None:
                 stats.rejected[node] = reason
                 log.error("round %d: rejected the reply of node %d: %s", server_round, node, reason)
@@ -186,13 +206,18 @@ class CaRFedAvg(FedAvg):
             valid.append((node, record, int(reported[NUM_EXAMPLES])))
         stats.attribute_lost_replies()
         self.history.append(stats)
-        if not valid:
+        asked = max(len(stats.bytes_sent), len(valid) + len(stats.rejected) + len(stats.failed))
+        needed = max(self.min_valid, math.ceil(self.min_valid_fraction * asked))
+        if len(valid) < needed:
             log.error(
-                "round %d: no valid reply (%d failed, %d rejected); the global model is kept "
+                "round %d: %d valid replies (%d failed, %d rejected) but %d are needed "
+                "(fl.min_valid_replies / fl.min_valid_fraction); the global model is kept "
                 "unchanged",
                 server_round,
+                len(valid),
                 len(stats.failed),
                 len(stats.rejected),
+                needed,
             )
             return None, None
         valid.sort(key=lambda item: item[0])  # arrival order must not matter

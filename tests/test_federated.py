@@ -153,3 +153,16 @@ def test_data_is_shard_comes_from_the_node_config(make_settings) -> None:  # typ
         {"partition-id": 0, "num-partitions": 2, "data-is-shard": "true"}, settings
     )
     assert node.data_is_shard
+
+
+def test_server_rejects_missing_local_paths_before_contacting_nodes(
+    make_settings,  # type: ignore[no-untyped-def]
+    tmp_path: Path,
+) -> None:
+    from car_fl.federation import check_local_paths
+
+    check_local_paths(make_settings())  # the fixtures exist
+    with pytest.raises(FileNotFoundError, match=r"dataset.path=.*nope.tsv does not exist"):
+        check_local_paths(make_settings(f"dataset.path={tmp_path / 'nope.tsv'}"))
+    with pytest.raises(FileNotFoundError, match=r"model.name_or_path=.*no-model is not a folder"):
+        check_local_paths(make_settings(model_dir=tmp_path / "no-model"))

@@ -1,0 +1,200 @@
+"""Nothing poisoned, nothing lost: bad replies are rejected, skipped rounds keep the model,
+and a crash in the middle of a checkpoint write leaves the previous checkpoint loadable."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fl_helpers import reply
+
+from car_fl.checkpoint import load_checkpoint
+from car_fl.strategy import CaRFedAvg
+
+SPEC = {"w": ((2, 3), np.dtype("float32")), "b": ((3,), np.dtype("float32"))}
+
+
+def good(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "w": rng.normal(size=(2, 3)).astype(np.float32),
+        "b": rng.normal(size=3).astype(np.float32),
+    }
+
+
+def bad_replies() -> dict[int, tuple[dict[str, np.ndarray], object, str]]:
+    """node → (arrays, num-examples, expected reason)."""
+    ok = good(9)
+    return {
+        101: ({**ok, "w": np.full((2, 3), np.nan, np.float32)}, 5, "non-finite"),
+        102: ({**ok, "b": np.array([np.inf, 0, 0], np.float32)}, 5, "non-finite"),
+        103: ({**ok, "w": np.ones((1, 3), np.float32)}, 5, r"shape \(1, 3\)"),  # would broadcast
+        104: ({"w": ok["w"]}, 5, r"missing \['b'\]"),
+        105: ({**ok, "extra": np.zeros(2, np.float32)}, 5, r"extra \['extra'\]"),
+        106: ({**ok, "w": ok["w"].astype(np.float64)}, 5, "dtype float64"),
+        107: (ok, 0, "must be positive"),
+        108: (ok, -4, "must be positive"),
+        109: (ok, float("nan"), "must be an integer"),
+        110: (ok, 10**9, "exceeds the cap of 1000"),
+    }
+
+
+@pytest.mark.parametrize("order", [0, 1, 2])
+def test_every_kind_of_bad_reply_is_rejected_and_only_valid_ones_count(order: int) -> None:
+    valid = {1: (good(1), 10), 2: (good(2), 30)}
+    messages = [reply(node, arrays, n) for node, (arrays, n) in valid.items()]
+    messages += [reply(node, arrays, n) for node, (arrays, n, _) in bad_replies().items()]
+    rng = np.random.default_rng(order)
+    messages = [messages[i] for i in rng.permutation(len(messages))]
+    strategy = CaRFedAvg(min_clients=1, spec=SPEC, max_examples=1000)
+    arrays, metrics = strategy.aggregate_train(1, messages)
+    assert arrays is not None and metrics is not None
+    for name in ("w", "b"):
+        expected = (10 * good(1)[name].astype(np.float64) + 30 * good(2)[name]) / 40
+        np.testing.assert_allclose(arrays[name].numpy(), expected, rtol=1e-6, atol=1e-7)
+    rejected = strategy.history[-1].rejected
+    for node, (_, _, reason) in bad_replies().items():
+        assert node in rejected
+        assert re.search(reason, rejected[node]), (node, rejected[node])
+    assert metrics["num-examples"] == 40
+
+
+def test_aggregate_is_the_same_for_every_arrival_order() -> None:
+    messages = [reply(n, good(n), 5 * n) for n in (1, 2, 3)]
+    results = []
+    for perm in itertools.permutations(messages):
+        arrays, _ = CaRFedAvg(min_clients=1, spec=SPEC).aggregate_train(1, list(perm))
+        assert arrays is not None
+        results.append(arrays["w"].numpy().tobytes())
+    assert len(set(results)) == 1
+
+
+def test_example_counts_are_capped_by_each_clients_shard() -> None:
+    strategy = CaRFedAvg(min_clients=1, spec=SPEC, shard_sizes={0: 50, 1: 70})
+    ok = reply(1, good(1), 50, **{"partition-id": 0})
+    greedy = reply(2, good(2), 60, **{"partition-id": 0})
+    arrays, _ = strategy.aggregate_train(1, [ok, greedy])
+    assert arrays is not None
+    assert strategy.history[-1].rejected == {2: "'num-examples' = 60 exceeds the cap of 50"}
+
+
+@pytest.mark.parametrize(("min_valid", "fraction"), [(3, 0.0), (1, 0.75)])
+def test_below_the_minimum_of_valid_replies_the_round_is_skipped(
+    min_valid: int, fraction: float
+) -> None:
+    strategy = CaRFedAvg(min_clients=1, spec=SPEC, min_valid=min_valid, min_valid_fraction=fraction)
+    messages = [
+        reply(1, good(1), 5),
+        reply(2, good(2), 5),
+        reply(3, bad_replies()[101][0], 5),
+        reply(4, good(4), 0),
+    ]
+    assert strategy.aggregate_train(1, messages) == (None, None)
+    assert not strategy.history[-1].aggregated
+
+
+WRITER = textwrap.dedent(
+    """
+    import sys, torch
+    from pathlib import Path
+    from car_fl.checkpoint import Checkpoint, save_checkpoint
+    from car_fl.config import load_settings
+    from car_fl.data.labels import LabelMap
+
+    folder, ready = Path(sys.argv[1]), Path(sys.argv[2])
+    settings = load_settings()
+    labels = LabelMap(("a", "b"))
+    k = 0
+    while True:
+        k += 1
+        size = 64 if k == 1 else 4_000_000  # later checkpoints take a while to write
+        state = {"w": torch.full((size,), float(k)), "b": torch.full((2,), float(k))}
+        save_checkpoint(folder, Checkpoint(state=state, label_map=labels, settings=settings,
+                                           round=k))
+        ready.touch()
+    """
+)
+
+
+@pytest.mark.slow
+def test_killing_a_process_mid_write_leaves_a_loadable_checkpoint(tmp_path: Path) -> None:
+    folder, ready = tmp_path / "ckpt", tmp_path / "ready"
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(folder), str(ready)])
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready.exists(), "the writer never finished its first checkpoint"
+        time.sleep(1.3)  # somewhere inside a later, larger write
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    ckpt = load_checkpoint(folder)  # whole: tensors and metadata from the same write
+    k = ckpt.round
+    assert k >= 1
+    assert ckpt.state["w"].eq(float(k)).all() and ckpt.state["b"].eq(float(k)).all()
+    leftovers = [p.name for p in folder.iterdir() if p.name.endswith(".tmp")]
+    assert all(name.startswith(".") for name in leftovers)  # only our own temporary files
+
+
+@pytest.mark.slow
+def test_a_poisoned_round_leaves_the_model_bit_identical_and_the_run_completes(
+    tmp_path: Path, tiny_llama: Path, synthetic_tsv: Path
+) -> None:
+    import csv
+
+    import torch
+
+    from car_fl.simulation import run_simulation
+
+    def poisoning_train(msg, context):  # type: ignore[no-untyped-def]
+        from car_fl.records import ARRAYS_KEY
+        from car_fl.simulation import _import_app_module
+
+        out = _import_app_module("client_app").train(msg, context)
+        if (
+            int(context.node_config["partition-id"]) == 1
+            and int(msg.content["config"]["server-round"]) == 2
+        ):
+            from flwr.app import Array
+
+            record = out.content[ARRAYS_KEY]
+            weight = record["head.classifier.weight"].numpy().copy()
+            weight[0, 0] = float("nan")
+            record["head.classifier.weight"] = Array(weight)
+        return out
+
+    out = tmp_path / "fl"
+    metrics = run_simulation(
+        [
+            "model=local",
+            f"model.name_or_path={tiny_llama}",
+            f"dataset.path={synthetic_tsv}",
+            f"cache_dir={tmp_path / 'cache'}",
+            "progress=false",
+            "device=cpu",
+            "fl.rounds=3",
+            "fl.local_epochs=1",
+            "fl.min_valid_fraction=1.0",
+            f"output_dir={out}",
+        ],
+        client_train=poisoning_train,
+    )
+    assert [row["skipped"] for row in metrics["history"]] == [0, 1, 0]
+    r1 = load_checkpoint(out / "checkpoints" / "round-001").state
+    r2 = load_checkpoint(out / "checkpoints" / "round-002").state
+    r3 = load_checkpoint(out / "checkpoints" / "round-003").state
+    assert all(torch.equal(r1[k], r2[k]) for k in r1)
+    assert not all(torch.equal(r2[k], r3[k]) for k in r2)
+    rows = [r for r in csv.DictReader((out / "clients.csv").open()) if r["round"] == "2"]
+    assert sorted(r["status"] for r in rows) == ["ok", "rejected"]
+    assert any("non-finite" in r["reason"] for r in rows)
