@@ -285,6 +285,8 @@ class Settings:
     cache_dir: str | None = None
     output_dir: str | None = None
     progress: bool = True
+    #: A run directory to continue from its last complete round checkpoint.
+    resume: str | None = None
 
     def __post_init__(self) -> None:
         _one_of("device", self.device, DEVICES)
@@ -389,6 +391,7 @@ NODE_LOCAL_KEYS = (
     "dataset.path",
     "dataset.test_path",
     "model.name_or_path",
+    "resume",
 )
 
 

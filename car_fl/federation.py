@@ -9,6 +9,8 @@ metrics files, the plot and a checkpoint.
 
 from __future__ import annotations
 
+import csv
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -19,8 +21,8 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 
 from car_fl.centralized import round_line, test_row
-from car_fl.checkpoint import Checkpoint, save_checkpoint
-from car_fl.config import Settings, fingerprint, settings_to_yaml
+from car_fl.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from car_fl.config import Settings, fingerprint, settings_from_yaml, settings_to_yaml
 from car_fl.data import load_splits, partition
 from car_fl.data.labels import LabelMap
 from car_fl.io import atomic_write_text
@@ -137,9 +139,19 @@ class RoundRecorder:
     initial: dict[str, float] = field(default_factory=dict)
     best: dict[str, Any] | None = None
     started: float = field(default_factory=time.perf_counter)
+    round_offset: int = 0
 
     def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
         metrics = self.evaluator(arrays)
+        if server_round == 0 and self.round_offset:
+            log.info(
+                "resumed after round %d: test loss %.4f top1 %.4f",
+                self.round_offset,
+                metrics["loss"],
+                metrics["top1"],
+            )
+            return MetricRecord({k: float(v) for k, v in metrics.items()})
+        server_round += self.round_offset
         if server_round == 0:
             self.initial = metrics
             log.info(
@@ -262,6 +274,59 @@ def client_rows(stats: RoundStats) -> list[dict[str, Any]]:
     return rows
 
 
+@dataclass
+class ResumePoint:
+    """Where an interrupted run continues: its last complete round and what it had written."""
+
+    round: int
+    arrays: ArrayRecord
+    history: list[dict[str, Any]]
+    client_rows: list[dict[str, Any]]
+    initial: dict[str, float]
+
+
+def load_resume_point(run_dir: Path, settings: Settings) -> ResumePoint:
+    """The last round whose checkpoint is complete, with the history up to it.
+
+    The run's saved configuration must match this one (``fl.rounds`` may be raised).
+    """
+    saved_config = run_dir / "config.yaml"
+    metrics_file = run_dir / "metrics.json"
+    for path in (saved_config, metrics_file):
+        if not path.is_file():
+            raise FileNotFoundError(f"resume={run_dir}: {path.name} is missing; is it a run dir?")
+    saved = settings_from_yaml(saved_config.read_text(encoding="utf-8"))
+    saved.fl.rounds = settings.fl.rounds
+    if fingerprint(saved) != fingerprint(settings):
+        raise ValueError(
+            f"resume={run_dir}: that run was made with another configuration (see its "
+            "config.yaml); resume it with the same overrides (only fl.rounds may change)"
+        )
+    metrics = json.loads(metrics_file.read_text(encoding="utf-8"))
+    for row in reversed(metrics["history"]):
+        folder = run_dir / "checkpoints" / f"round-{int(row['round']):03d}"
+        try:
+            checkpoint = load_checkpoint(folder)
+        except (OSError, ValueError) as err:
+            log.warning("resume: skipping round %s (%s)", row["round"], err)
+            continue
+        done = checkpoint.round
+        if done >= settings.fl.rounds:
+            raise ValueError(
+                f"resume={run_dir}: the run already has {done} rounds; raise fl.rounds above it"
+            )
+        rows_file = run_dir / CLIENTS_CSV
+        rows = list(csv.DictReader(rows_file.open())) if rows_file.is_file() else []
+        return ResumePoint(
+            round=done,
+            arrays=to_record(checkpoint.state),
+            history=[r for r in metrics["history"] if int(r["round"]) <= done],
+            client_rows=[r for r in rows if int(r["round"]) <= done],
+            initial=metrics["summary"].get("initial", {}),
+        )
+    raise ValueError(f"resume={run_dir}: no complete round checkpoint to continue from")
+
+
 def check_local_paths(settings: Settings) -> None:
     """Fail before any node is contacted if a configured local file or folder is missing."""
     for key, value in (
@@ -289,10 +354,12 @@ def default_output_dir(settings: Settings) -> Path:
 
 def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
     """The whole federated run on the server side; returns the summary."""
-    output_dir = Path(settings.output_dir or default_output_dir(settings)).resolve()
+    resume_dir = Path(settings.resume).resolve() if settings.resume else None
+    output_dir = resume_dir or Path(settings.output_dir or default_output_dir(settings)).resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
     config_yaml = settings_to_yaml(settings)
     log.info("resolved configuration (fingerprint %s):\n%s", fingerprint(settings), config_yaml)
+    point = load_resume_point(resume_dir, settings) if resume_dir is not None else None
     atomic_write_text(output_dir / "config.yaml", config_yaml)
     log.info("results: %s", output_dir)
 
@@ -312,12 +379,24 @@ def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
     recorder = RoundRecorder(
         settings=settings, output_dir=output_dir, evaluator=evaluator, strategy=strategy
     )
+    done = 0
+    if point is not None:  # continue after the last complete round
+        done = point.round
+        initial = point.arrays
+        recorder.history, recorder.client_rows = point.history, point.client_rows
+        recorder.initial = point.initial
+        recorder.best = max(point.history, key=lambda r: r["test_top1"], default=None)
+        recorder.last_epsilon = max(
+            (float(r.get("epsilon", 0)) for r in point.history), default=0.0
+        )
+        strategy.round_offset = recorder.round_offset = done
+        log.info("resuming %s after round %d of %d", output_dir, done, settings.fl.rounds)
 
     # Rounds
     result = strategy.start(
         grid=grid,
         initial_arrays=initial,
-        num_rounds=settings.fl.rounds,
+        num_rounds=settings.fl.rounds - done,
         timeout=settings.fl.round_timeout,
         # Clients check the configuration and encode their labels with the global label map.
         train_config=ConfigRecord(

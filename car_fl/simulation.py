@@ -86,12 +86,13 @@ def run_simulation(
 
     items = parse_overrides(overrides)
     settings = load_settings(items)
-    if settings.output_dir is None:
+    if settings.output_dir is None and settings.resume is None:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         items.append(f"output_dir={Path('runs', f'sim-{stamp}-{os.getpid()}').resolve()}")
         settings = load_settings(items)
-    assert settings.output_dir is not None
-    output_dir = Path(settings.output_dir)
+    run_dir = settings.resume or settings.output_dir  # a resumed run writes where it was
+    assert run_dir is not None
+    output_dir = Path(run_dir)
     nodes = num_supernodes or settings.fl.clients
     cpus = cpus_per_client or max(1.0, (os.cpu_count() or 1) / nodes)
     server, client = wrapped_apps(

@@ -153,6 +153,9 @@ class CaRFedAvg(FedAvg):
         self.min_valid_fraction = min_valid_fraction
         self.current: RoundStats | None = None
         self.history: list[RoundStats] = []
+        #: Rounds already done before this ``start`` (a resumed run): Flower counts from 1,
+        #: clients and results see the run's true round numbers.
+        self.round_offset = 0
 
     def cap_for(self, message: Message) -> int | None:
         """The largest example count this reply may claim."""
@@ -172,6 +175,7 @@ class CaRFedAvg(FedAvg):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
+        server_round += self.round_offset
         messages = list(super().configure_train(server_round, arrays, config, grid))
         self.current = RoundStats(round=server_round, started=time.perf_counter())
         size = payload_bytes(arrays)
@@ -182,6 +186,7 @@ class CaRFedAvg(FedAvg):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        server_round += self.round_offset
         stats = self.current or RoundStats(round=server_round, started=time.perf_counter())
         valid: list[tuple[int, ArrayRecord, int]] = []
         for message in replies:

@@ -147,3 +147,33 @@ def test_adaptive_dp_simulation_reports_epsilon_and_keeps_each_clients_bound(
         for prev, cur in itertools.pairwise(client_rows):
             assert float(cur["dp_clip"]) == pytest.approx(float(prev["dp_next_clip"]))
         assert float(client_rows[-1]["dp_clip"]) != 1.0
+
+
+@pytest.mark.parametrize("dp", ["none", "adaptive"])
+def test_a_resumed_run_matches_an_uninterrupted_one(
+    base: list[str], tmp_path: Path, dp: str
+) -> None:
+    common = [*base, f"dp={dp}", "fl.local_epochs=1"]
+    whole = run_simulation([*common, "fl.rounds=3", f"output_dir={tmp_path / 'whole'}"])
+    # "Interrupted" after round 2: the run directory holds rounds 1-2 only.
+    part = tmp_path / "part"
+    run_simulation([*common, "fl.rounds=2", f"output_dir={part}"])
+    resumed = run_simulation([*common, "fl.rounds=3", f"resume={part}"])
+    assert [row["round"] for row in resumed["history"]] == [1, 2, 3]
+    assert resumed["summary"]["complete"]
+    if dp == "none":
+        a, b = final_state(tmp_path / "whole"), final_state(part)
+        for name in a:
+            torch.testing.assert_close(b[name], a[name], rtol=1e-6, atol=1e-6)
+        assert resumed["history"][-1]["test_top1"] == pytest.approx(
+            whole["history"][-1]["test_top1"]
+        )
+    else:
+        assert resumed["summary"]["epsilon"] > 0
+
+
+def test_resume_refuses_another_configuration(base: list[str], tmp_path: Path) -> None:
+    part = tmp_path / "part"
+    run_simulation([*base, "fl.rounds=1", "fl.local_epochs=1", f"output_dir={part}"])
+    with pytest.raises(ValueError, match=r"another configuration.*only fl.rounds may change"):
+        run_simulation([*base, "fl.rounds=2", "fl.local_epochs=2", f"resume={part}"])
