@@ -31,4 +31,4 @@ def train(msg: Message, context: Context) -> Message:
         instruction.labels,
     )
     # Reply with the new parameters, the number of examples and the train metrics
-    return Message(content=train_reply(state, metrics), reply_to=msg)
+    return Message(content=train_reply(state, metrics, dtype=settings.comm.dtype), reply_to=msg)

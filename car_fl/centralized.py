@@ -18,11 +18,19 @@ import hydra
 from omegaconf import DictConfig
 
 from car_fl.checkpoint import Checkpoint, save_checkpoint
-from car_fl.config import Settings, conf_dir, settings_to_yaml, to_settings
+from car_fl.config import (
+    HeadKind,
+    Settings,
+    conf_dir,
+    settings_to_yaml,
+    to_settings,
+    trains_nothing,
+)
 from car_fl.data import load_splits
 from car_fl.io import atomic_write_text
 from car_fl.model import CaRRetriever, build_retriever
 from car_fl.report import plot_curves, write_metrics
+from car_fl.retrieval import label_documents
 from car_fl.train import evaluate, make_optimizer, prepare_for, train_epoch
 
 log = logging.getLogger(__name__)
@@ -53,7 +61,9 @@ def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any
 
     # Data and model
     splits = load_splits(settings.dataset, seed=settings.seed)
-    model = build_retriever(settings, len(splits.label_map))
+    names = splits.label_map.names
+    documents = label_documents(names, settings.dataset.label_texts)
+    model = build_retriever(settings, len(names), documents=documents)
     start = time.perf_counter()
     train_data = prepare_for(
         settings,
@@ -69,14 +79,33 @@ def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any
         get_model=lambda: model,
         desc="test features",
     )
+    if model.kind is HeadKind.KNN:
+        assert train_data.features is not None
+        model.set_memory(train_data.features, train_data.labels)
     feature_seconds = time.perf_counter() - start
 
-    # Epochs
-    optimizer = make_optimizer(model, settings.train)
+    # Epochs (none for MIPS on the frozen encoder and kNN: one evaluation)
     history: list[dict[str, Any]] = []
     best: dict[str, Any] | None = None
     ckpt_dir = out / "checkpoints"
-    for epoch in range(settings.train.epochs):
+    epochs = 0 if trains_nothing(settings) else settings.train.epochs
+    if epochs == 0:
+        tick = time.perf_counter()
+        metrics = evaluate(
+            model, test_data, batch_size=settings.train.eval_batch_size, top_k=settings.eval.top_k
+        )
+        best = {"round": 0, "epochs": 0, **test_row(metrics)}
+        best.update(seconds=time.perf_counter() - tick, bytes_sent=0, bytes_received=0)
+        history.append(best)
+        log.info(
+            "%s (nothing to train): test top1 %.4f mrr %.4f",
+            model.kind.value,
+            metrics["top1"],
+            metrics["mrr"],
+        )
+    else:
+        optimizer = make_optimizer(model, settings.train)
+    for epoch in range(epochs):
         tick = time.perf_counter()
         result = train_epoch(
             model,
@@ -114,6 +143,9 @@ def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any
         "kind": "centralized",
         "clients": 1,
         "mode": settings.train.mode,
+        "head": settings.head.kind,
+        "epochs": epochs,
+        "num_labels": len(names),
         "final": final,
         "best": best,
         "feature_seconds": feature_seconds,
@@ -124,7 +156,7 @@ def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any
     write_metrics(out, kind="centralized", history=history, summary=summary)
     plot_curves(out, history, title=f"centralised {settings.dataset.name}", x_label="epoch")
     log.info(
-        "final test top1 %.4f (best %.4f at epoch %d); results in %s",
+        "final test top1 %.4f (best %.4f after epoch %d); results in %s",
         final["test_top1"],
         best["test_top1"],
         best["round"],

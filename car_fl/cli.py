@@ -1,4 +1,8 @@
-"""The ``car-fl`` command. ``car-fl retrieve``: top-K labels for queries from a checkpoint."""
+"""The ``car-fl`` command.
+
+``car-fl retrieve``: top-K labels for queries from a checkpoint.
+``car-fl report``: the method's tables and plots from sweep or run directories.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +16,10 @@ from pathlib import Path
 import torch
 
 from car_fl.checkpoint import load_checkpoint
+from car_fl.config import HeadKind
 from car_fl.head import retrieve
 from car_fl.model import build_retriever
+from car_fl.retrieval import label_documents
 from car_fl.train import LocalData, predict_logits
 
 
@@ -37,8 +43,14 @@ def cmd_retrieve(args: argparse.Namespace) -> int:
         settings.model.name_or_path = args.model
     if args.device is not None:
         settings.device = args.device
+    if settings.head.kind == HeadKind.KNN:
+        raise SystemExit(
+            "this checkpoint is a kNN baseline: it holds no index of training examples to "
+            "retrieve from; train a classifier (head.kind=classifier) or MIPS head"
+        )
     queries = _read_queries(args)
-    model = build_retriever(settings, len(ckpt.label_map))
+    documents = label_documents(ckpt.label_map.names, settings.dataset.label_texts)
+    model = build_retriever(settings, len(ckpt.label_map), documents=documents)
     model.load_trainable_state_dict(ckpt.state)
     data = LocalData(
         labels=torch.zeros(len(queries), dtype=torch.long),
@@ -58,6 +70,23 @@ def cmd_retrieve(args: argparse.Namespace) -> int:
             print(query)
             for rank, item in enumerate(res, start=1):
                 print(f"  {rank:>2d}. {item.label}\t{item.score:.4f}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Tables (Markdown, CSV) and plots from sweep directories or run directories."""
+    from car_fl.compare import write_report
+
+    out = args.out or str(Path(args.paths[0]) / "report")
+    try:
+        report = write_report(args.paths, out)
+    except FileNotFoundError as err:
+        print(f"car-fl report: {err}", file=sys.stderr)
+        return 2
+    counts = ", ".join(f"{n} {status}" for status, n in sorted(report.counts.items()))
+    print(f"{len(report.rows)} runs ({counts})")
+    for path in (report.markdown, report.results_csv, report.retrieval_csv, *report.plots):
+        print(f"  {path}")
     return 0
 
 
@@ -81,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     ret.add_argument("--device", default=None, choices=["auto", "cpu", "cuda", "mps"])
     ret.add_argument("--json", action="store_true", help="print JSON instead of text")
     ret.set_defaults(func=cmd_retrieve)
+    rep = sub.add_parser("report", help="tables and plots from sweep or run directories")
+    rep.add_argument("paths", nargs="+", help="sweep directories and/or run directories")
+    rep.add_argument("--out", default=None, help="output folder (default: <first path>/report)")
+    rep.set_defaults(func=cmd_report)
     return parser
 
 

@@ -25,6 +25,7 @@ from car_fl.encoder import Encoder, load_encoder
 from car_fl.model import CaRRetriever, build_retriever
 from car_fl.privacy.client import STATE_KEY, ClientPrivacy, DPState, StepPrivatizer
 from car_fl.privacy.mechanism import check_finite, difference
+from car_fl.retrieval import label_documents
 from car_fl.train import LocalData, make_optimizer, prepare_for, train_epoch
 
 log = logging.getLogger(__name__)
@@ -139,11 +140,14 @@ def shard_data(
     return data, label_map
 
 
-def local_retriever(settings: Settings, data: LocalData, num_labels: int) -> CaRRetriever:
+def local_retriever(settings: Settings, data: LocalData, label_map: LabelMap) -> CaRRetriever:
     """A retriever to train locally; without the encoder when features are all cached."""
     if data.features is not None:
-        return build_retriever(settings, num_labels, hidden_size=int(data.features.shape[1]))
-    return build_retriever(settings, num_labels, encoder=cached_encoder(settings))
+        return build_retriever(settings, len(label_map), hidden_size=int(data.features.shape[1]))
+    documents = label_documents(label_map.names, settings.dataset.label_texts)
+    return build_retriever(
+        settings, len(label_map), encoder=cached_encoder(settings), documents=documents
+    )
 
 
 def train_round(
@@ -162,7 +166,7 @@ def train_round(
     """
     tick = time.perf_counter()
     data, label_map = shard_data(settings, node, labels)
-    model = local_retriever(settings, data, len(label_map))
+    model = local_retriever(settings, data, label_map)
     model.load_trainable_state_dict(global_state)
     optimizer = make_optimizer(model, settings.train)
     seed = client_seed(settings.seed, node.partition_id)
@@ -195,6 +199,7 @@ def train_round(
         "train-seconds": time.perf_counter() - tick,
         "partition-id": node.partition_id,
         "encoder-loads": encoder_module.LOAD_COUNT,
+        "torch-threads": torch.get_num_threads(),
         "dp-active": int(private),
         **privacy.metrics(),
     }

@@ -43,6 +43,21 @@ class DPMode(StrEnum):
     ADAPTIVE = "adaptive"
 
 
+class HeadKind(StrEnum):
+    """How labels are scored: CaR's classifier, MIPS against label documents, or kNN."""
+
+    CLASSIFIER = "classifier"
+    MIPS = "mips"
+    KNN = "knn"
+
+
+class Similarity(StrEnum):
+    """Inner product of the raw vectors, or of unit vectors (cosine)."""
+
+    DOT = "dot"
+    COSINE = "cosine"
+
+
 class Reader(StrEnum):
     """File formats understood by :mod:`car_fl.data.readers`."""
 
@@ -130,12 +145,27 @@ class ModelConfig:
 
 @dataclass
 class HeadConfig:
-    """The classifier head: optional linear pre-classifier with dropout, then a linear layer."""
+    """How labels are scored (:class:`HeadKind`).
 
+    ``classifier`` (CaR): optional linear pre-classifier with dropout, then a linear layer.
+    ``mips``: query·document scores against each label's text, divided by ``temperature``
+    (trains the adapter alone in ``adapter+classifier`` mode, nothing in ``classifier`` mode).
+    ``knn``: votes of the ``knn_k`` most similar training examples (nothing is trained).
+    """
+
+    kind: str = "classifier"
     pre_classifier_dim: int | None = None
     dropout: float = 0.0
+    similarity: str = "dot"
+    temperature: float = 1.0
+    knn_k: int = 10
 
     def __post_init__(self) -> None:
+        _one_of("head.kind", self.kind, [k.value for k in HeadKind])
+        _one_of("head.similarity", self.similarity, [s.value for s in Similarity])
+        _positive("head.temperature", self.temperature)
+        if self.knn_k < 1:
+            raise ValueError(f"head.knn_k must be >= 1, got {self.knn_k}")
         if self.pre_classifier_dim is not None and self.pre_classifier_dim < 1:
             raise ValueError(
                 f"head.pre_classifier_dim must be a positive size or null, "
@@ -270,6 +300,21 @@ class DPConfig:
 
 
 @dataclass
+class CommConfig:
+    """What crosses the wire: trainable tensors in ``dtype`` (``float16`` halves the bytes)."""
+
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.dtype == "bfloat16":
+            raise ValueError(
+                "comm.dtype=bfloat16 is not supported: Flower arrays are NumPy arrays, which have "
+                "no bfloat16; use float16 (same size) or float32"
+            )
+        _one_of("comm.dtype", self.dtype, ("float32", "float16"))
+
+
+@dataclass
 class Settings:
     """The whole resolved configuration of a run, typed and validated."""
 
@@ -280,6 +325,7 @@ class Settings:
     eval: EvalConfig = field(default_factory=EvalConfig)
     fl: FLConfig = field(default_factory=FLConfig)
     dp: DPConfig = field(default_factory=DPConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
     seed: int = 42
     device: str = "auto"
     cache_dir: str | None = None
@@ -290,10 +336,23 @@ class Settings:
 
     def __post_init__(self) -> None:
         _one_of("device", self.device, DEVICES)
+        if self.head.kind == HeadKind.KNN and self.train.mode == Mode.ADAPTER_CLASSIFIER:
+            raise ValueError(
+                "head.kind=knn trains nothing, so mode=adapter does not apply; use "
+                "mode=classifier (kNN over the frozen encoder's embeddings)"
+            )
         if self.dp.mode == DPMode.ADAPTIVE:
             from car_fl.privacy.mechanism import update_noise_multiplier
 
             update_noise_multiplier(self.dp.noise_multiplier, self.fl.clients)
+
+
+def trains_nothing(settings: Settings) -> bool:
+    """MIPS on the frozen encoder and kNN have no trainable parameter: one evaluation, no epochs."""
+    kind = HeadKind(settings.head.kind)
+    return kind is HeadKind.KNN or (
+        kind is HeadKind.MIPS and Mode(settings.train.mode) is Mode.CLASSIFIER
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -432,7 +491,16 @@ def settings_from_run_config(run_config: Mapping[str, Any]) -> Settings:
     """Settings from Flower's run config: its ``overrides`` value holds Hydra overrides.
 
     ``flwr run . --run-config 'overrides="dataset=ag_news mode=adapter fl.rounds=10"'``
+
+    A non-empty ``settings`` value (a whole resolved configuration as YAML, what
+    :func:`settings_to_yaml` writes) takes precedence: in-process simulations of a sweep pass
+    configurations composed elsewhere this way.
     """
+    text = run_config.get("settings", "")
+    if text:
+        if not isinstance(text, str):
+            raise ValueError(f"run config 'settings' must be YAML text, got {type(text).__name__}")
+        return settings_from_yaml(text)
     overrides = run_config.get("overrides", "")
     if not isinstance(overrides, str):
         raise ValueError(

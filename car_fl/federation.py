@@ -22,13 +22,20 @@ from flwr.serverapp import Grid
 
 from car_fl.centralized import round_line, test_row
 from car_fl.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from car_fl.config import Settings, fingerprint, settings_from_yaml, settings_to_yaml
+from car_fl.config import (
+    Settings,
+    fingerprint,
+    settings_from_yaml,
+    settings_to_yaml,
+    trains_nothing,
+)
 from car_fl.data import load_splits, partition
 from car_fl.data.labels import LabelMap
 from car_fl.io import atomic_write_text
 from car_fl.model import CaRRetriever, build_retriever
 from car_fl.records import from_record, to_record
 from car_fl.report import CLIENTS_CSV, plot_curves, write_csv, write_metrics
+from car_fl.retrieval import label_documents
 from car_fl.strategy import CaRFedAvg, RoundStats
 from car_fl.train import LocalData, evaluate, prepare_for
 
@@ -72,11 +79,13 @@ class ServerEvaluator:
     @classmethod
     def build(cls, settings: Settings) -> ServerEvaluator:
         splits = load_splits(settings.dataset, seed=settings.seed)
+        names = splits.label_map.names
+        documents = label_documents(names, settings.dataset.label_texts)
         holder: dict[str, CaRRetriever] = {}
 
         def get_model() -> CaRRetriever:
             if "model" not in holder:
-                holder["model"] = build_retriever(settings, len(splits.label_map))
+                holder["model"] = build_retriever(settings, len(names), documents=documents)
             return holder["model"]
 
         test = prepare_for(
@@ -205,6 +214,8 @@ class RoundRecorder:
             "kind": "federated",
             "clients": self.settings.fl.clients,
             "mode": self.settings.train.mode,
+            "head": self.settings.head.kind,
+            "num_labels": len(self.evaluator.label_map),
             "rounds": self.settings.fl.rounds,
             "local_epochs": self.settings.fl.local_epochs,
             "initial": self.initial,
@@ -263,6 +274,7 @@ def client_rows(stats: RoundStats) -> list[dict[str, Any]]:
                 "train_accuracy": metrics.get("train-accuracy"),
                 "train_seconds": metrics.get("train-seconds"),
                 "encoder_loads": metrics.get("encoder-loads"),
+                "torch_threads": metrics.get("torch-threads"),
                 "bytes_sent": stats.bytes_sent.get(node, 0),
                 "bytes_received": stats.bytes_received.get(node, 0),
                 "dp_active": metrics.get("dp-active"),
@@ -319,7 +331,7 @@ def load_resume_point(run_dir: Path, settings: Settings) -> ResumePoint:
         rows = list(csv.DictReader(rows_file.open())) if rows_file.is_file() else []
         return ResumePoint(
             round=done,
-            arrays=to_record(checkpoint.state),
+            arrays=to_record(checkpoint.state, dtype=settings.comm.dtype),
             history=[r for r in metrics["history"] if int(r["round"]) <= done],
             client_rows=[r for r in rows if int(r["round"]) <= done],
             initial=metrics["summary"].get("initial", {}),
@@ -364,10 +376,16 @@ def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
     log.info("results: %s", output_dir)
 
     # Local paths, nodes, test data, initial global model
+    if trains_nothing(settings):
+        raise ValueError(
+            f"head.kind={settings.head.kind} with train.mode={settings.train.mode} has nothing "
+            "to train, so there is nothing to federate; evaluate it centrally "
+            "(python -m car_fl.centralized ...) or train the adapter with mode=adapter (MIPS)"
+        )
     check_local_paths(settings)
     wait_for_nodes(grid, settings.fl.clients, timeout=settings.fl.wait_for_nodes)
     evaluator = ServerEvaluator.build(settings)
-    initial = to_record(evaluator.model.trainable_state_dict())
+    initial = to_record(evaluator.model.trainable_state_dict(), dtype=settings.comm.dtype)
     strategy = CaRFedAvg(
         min_clients=settings.fl.min_clients,
         spec=CaRFedAvg.spec_of(initial),

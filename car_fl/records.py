@@ -6,7 +6,7 @@ Only the adapter (when trained) and the head travel; the encoder never leaves a 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -18,16 +18,62 @@ CONFIG_KEY = "config"
 NUM_EXAMPLES = "num-examples"
 
 
-def to_record(state: dict[str, torch.Tensor]) -> ArrayRecord:
-    """Trainable state dict → ``ArrayRecord`` (numpy copies, key order kept)."""
+#: ``Array.stype`` of car-fl's tensors: the raw little-endian C-order bytes, with dtype and
+#: shape in the ``Array`` 's own fields. Unlike NumPy's ``.npy`` format (Flower's default) it
+#: carries no 128-byte header per tensor, so the payload is exactly the parameters' bytes.
+RAW_STYPE = "car_fl.raw"
+#: dtypes a tensor may travel in (``comm.dtype``); bfloat16 has no NumPy dtype, so no Array.
+WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+def encode(values: np.ndarray[Any, Any], *, stype: str = RAW_STYPE) -> Array:
+    """A NumPy array as a Flower ``Array``: raw bytes (``RAW_STYPE``) or ``.npy``."""
+    if stype != RAW_STYPE:
+        return Array(values)
+    values = np.ascontiguousarray(values, dtype=values.dtype.newbyteorder("<"))
+    return Array(
+        dtype=values.dtype.str, shape=tuple(values.shape), stype=RAW_STYPE, data=values.tobytes()
+    )
+
+
+def decode(array: Array) -> np.ndarray[Any, Any]:
+    """A Flower ``Array`` (raw or ``.npy``) as a read-only NumPy array.
+
+    Raises ``ValueError`` when a raw array's bytes do not match its dtype and shape.
+    """
+    if array.stype != RAW_STYPE:
+        return array.numpy()
+    try:
+        dtype = np.dtype(array.dtype)
+    except TypeError as err:
+        raise ValueError(f"unknown dtype {array.dtype!r}") from err
+    if dtype.kind not in "fiu":
+        raise ValueError(f"dtype {array.dtype!r} is not numeric")
+    shape = tuple(int(n) for n in array.shape)
+    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if len(array.data) != expected:
+        raise ValueError(
+            f"{len(array.data)} bytes for shape {shape} of {dtype} ({expected} expected)"
+        )
+    return np.frombuffer(array.data, dtype=dtype).reshape(shape)
+
+
+def to_record(state: dict[str, torch.Tensor], *, dtype: str = "float32") -> ArrayRecord:
+    """Trainable state dict → ``ArrayRecord`` of raw arrays in ``dtype`` (key order kept)."""
+    if dtype not in WIRE_DTYPES:
+        raise ValueError(f"comm.dtype={dtype!r} is not supported; use {' or '.join(WIRE_DTYPES)}")
+    wire = WIRE_DTYPES[dtype]
     return ArrayRecord(
-        array_dict={k: Array(v.detach().cpu().contiguous().numpy()) for k, v in state.items()}
+        array_dict={
+            k: encode(v.detach().to(device="cpu", dtype=wire).contiguous().numpy())
+            for k, v in state.items()
+        }
     )
 
 
 def from_record(record: ArrayRecord) -> dict[str, torch.Tensor]:
-    """``ArrayRecord`` → state dict of CPU tensors."""
-    return {k: torch.from_numpy(np.array(v.numpy(), copy=True)) for k, v in record.items()}
+    """``ArrayRecord`` → state dict of CPU tensors (in the dtype they travelled in)."""
+    return {k: torch.from_numpy(np.array(decode(v), copy=True)) for k, v in record.items()}
 
 
 def payload_bytes(record: ArrayRecord) -> int:
@@ -58,6 +104,10 @@ def read_train_message(content: RecordDict) -> TrainInstruction:
     )
 
 
-def train_reply(state: dict[str, torch.Tensor], metrics: dict[str, int | float]) -> RecordDict:
-    """The reply's content: the new parameters and the metrics (with ``num-examples``)."""
-    return RecordDict({ARRAYS_KEY: to_record(state), METRICS_KEY: MetricRecord(dict(metrics))})
+def train_reply(
+    state: dict[str, torch.Tensor], metrics: dict[str, int | float], *, dtype: str = "float32"
+) -> RecordDict:
+    """The reply's content: the new parameters (in ``dtype``) and the metrics."""
+    return RecordDict(
+        {ARRAYS_KEY: to_record(state, dtype=dtype), METRICS_KEY: MetricRecord(dict(metrics))}
+    )

@@ -21,7 +21,7 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
-from car_fl.config import load_settings, parse_overrides
+from car_fl.config import Settings, load_settings, parse_overrides, settings_to_yaml
 from car_fl.report import METRICS_JSON
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -34,23 +34,27 @@ def _import_app_module(name: str) -> Any:
     return importlib.import_module(name)
 
 
-def _with_overrides(context: Context, overrides: str) -> Context:
+def _with_overrides(context: Context, overrides: str, settings_yaml: str = "") -> Context:
     return Context(
         run_id=context.run_id,
         node_id=context.node_id,
         node_config=context.node_config,
         state=context.state,
-        run_config={**context.run_config, "overrides": overrides},
+        run_config={**context.run_config, "overrides": overrides, "settings": settings_yaml},
     )
 
 
 def wrapped_apps(
     overrides: str,
     *,
+    settings_yaml: str = "",
     server_main: Callable[[Grid, Context], None] | None = None,
     client_train: Callable[[Message, Context], Message] | None = None,
 ) -> tuple[ServerApp, ClientApp]:
-    """A ServerApp and a ClientApp that run the project's handlers with these overrides."""
+    """A ServerApp and a ClientApp that run the project's handlers with these overrides.
+
+    A non-empty ``settings_yaml`` (a whole resolved configuration) takes precedence over them.
+    """
     server_main = server_main or _import_app_module("server_app").main
     client_train = client_train or _import_app_module("client_app").train
     server, client = ServerApp(), ClientApp()
@@ -58,12 +62,12 @@ def wrapped_apps(
     @server.main()
     def _main(grid: Grid, context: Context) -> None:
         assert server_main is not None
-        server_main(grid, _with_overrides(context, overrides))
+        server_main(grid, _with_overrides(context, overrides, settings_yaml))
 
     @client.train()
     def _train(msg: Message, context: Context) -> Message:
         assert client_train is not None
-        return client_train(msg, _with_overrides(context, overrides))
+        return client_train(msg, _with_overrides(context, overrides, settings_yaml))
 
     return server, client
 
@@ -71,6 +75,7 @@ def wrapped_apps(
 def run_simulation(
     overrides: str | list[str] | None = None,
     *,
+    settings: Settings | None = None,
     num_supernodes: int | None = None,
     cpus_per_client: float | None = None,
     server_main: Callable[[Grid, Context], None] | None = None,
@@ -78,25 +83,30 @@ def run_simulation(
 ) -> dict[str, Any]:
     """Run a whole federated simulation and return its ``metrics.json`` content.
 
-    ``num_supernodes`` defaults to ``fl.clients``; each client gets an equal share of this
-    machine's CPUs unless ``cpus_per_client`` is given. Raises ``RuntimeError`` when the run
-    did not complete (the ServerApp's error is in the log).
+    The configuration is ``conf/`` with ``overrides``, or ``settings`` composed elsewhere
+    (then ``overrides`` must be empty). ``num_supernodes`` defaults to ``fl.clients``; each
+    client gets an equal share of this machine's CPUs unless ``cpus_per_client`` is given.
+    Raises ``RuntimeError`` when the run did not complete (the ServerApp's error is in the log).
     """
     from flwr.simulation import run_simulation as flower_run_simulation
 
     items = parse_overrides(overrides)
-    settings = load_settings(items)
+    if settings is not None and items:
+        raise ValueError("give run_simulation either overrides or settings, not both")
+    settings = settings or load_settings(items)
     if settings.output_dir is None and settings.resume is None:
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        items.append(f"output_dir={Path('runs', f'sim-{stamp}-{os.getpid()}').resolve()}")
-        settings = load_settings(items)
+        settings.output_dir = str(Path("runs", f"sim-{stamp}-{os.getpid()}").resolve())
     run_dir = settings.resume or settings.output_dir  # a resumed run writes where it was
     assert run_dir is not None
     output_dir = Path(run_dir)
     nodes = num_supernodes or settings.fl.clients
     cpus = cpus_per_client or max(1.0, (os.cpu_count() or 1) / nodes)
     server, client = wrapped_apps(
-        " ".join(_quote(i) for i in items), server_main=server_main, client_train=client_train
+        "",
+        settings_yaml=settings_to_yaml(settings),
+        server_main=server_main,
+        client_train=client_train,
     )
     flower_run_simulation(
         server_app=server,
@@ -112,9 +122,3 @@ def run_simulation(
         raise RuntimeError(f"the simulation did not complete; partial results in {output_dir}")
     metrics["output_dir"] = str(output_dir)
     return metrics
-
-
-def _quote(item: str) -> str:
-    import shlex
-
-    return shlex.quote(item)

@@ -25,7 +25,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from car_fl.records import ARRAYS_KEY, CONFIG_KEY, NUM_EXAMPLES, payload_bytes
+from car_fl.records import ARRAYS_KEY, CONFIG_KEY, NUM_EXAMPLES, decode, encode, payload_bytes
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,10 @@ def validate_reply(
         array = record[name]
         if tuple(array.shape) != shape:
             return f"tensor {name!r} has shape {tuple(array.shape)}, expected {shape}"
-        values = array.numpy()
+        try:
+            values = decode(array)
+        except ValueError as err:
+            return f"tensor {name!r} cannot be read: {err}"
         if values.dtype != dtype:
             return f"tensor {name!r} has dtype {values.dtype}, expected {dtype}"
         if not np.isfinite(values).all():
@@ -108,10 +111,11 @@ def weighted_average(records: list[ArrayRecord], weights: list[int]) -> ArrayRec
     total = float(sum(weights))
     out: dict[str, Array] = {}
     for name in records[0]:
-        acc = np.zeros(records[0][name].shape, dtype=np.float64)
+        first = records[0][name]
+        acc = np.zeros(first.shape, dtype=np.float64)
         for record, weight in zip(records, weights, strict=True):
-            acc += record[name].numpy().astype(np.float64) * (weight / total)
-        out[name] = Array(acc.astype(records[0][name].numpy().dtype))
+            acc += decode(record[name]).astype(np.float64) * (weight / total)
+        out[name] = encode(acc.astype(decode(first).dtype), stype=first.stype)
     return ArrayRecord(array_dict=out)
 
 
@@ -170,7 +174,7 @@ class CaRFedAvg(FedAvg):
     @classmethod
     def spec_of(cls, record: ArrayRecord) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]:
         """Expected name → (shape, dtype) of every reply, from the global model."""
-        return {k: (tuple(v.shape), v.numpy().dtype) for k, v in record.items()}
+        return {k: (tuple(v.shape), decode(v).dtype) for k, v in record.items()}
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

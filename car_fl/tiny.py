@@ -103,13 +103,19 @@ def build_bert(folder: Path, *, hidden: int = 64, layers: int = 2, seed: int = 0
     return folder
 
 
-def synthetic_examples(n: int, *, num_labels: int = 4, seed: int = 0) -> list[tuple[str, str]]:
-    """A learnable task: each text holds the keyword ``k<label>`` among random filler words."""
+def synthetic_examples(
+    n: int, *, num_labels: int = 4, seed: int = 0, fillers: tuple[int, int] = (2, 9)
+) -> list[tuple[str, str]]:
+    """A learnable task: each text holds the keyword ``k<label>`` among random filler words.
+
+    Between ``fillers[0]`` and ``fillers[1]`` filler words per text. The label ``topic<i>``'s
+    natural document text is ``k<i>`` (what a MIPS head compares queries with).
+    """
     rng = random.Random(seed)
     out = []
     for i in range(n):
         label = i % num_labels
-        words = [f"w{rng.randrange(60)}" for _ in range(rng.randint(2, 9))]
+        words = [f"w{rng.randrange(60)}" for _ in range(rng.randint(*fillers))]
         words.insert(rng.randint(0, len(words)), f"k{label}")
         out.append((" ".join(words), f"topic{label}"))
     rng.shuffle(out)

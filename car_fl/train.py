@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from car_fl.config import Mode, ModelConfig, Settings, TrainConfig
+from car_fl.config import HeadKind, Mode, ModelConfig, Settings, TrainConfig
 from car_fl.features import FeatureCache, extract_features, feature_key
 from car_fl.metrics import retrieval_metrics
 from car_fl.model import CaRRetriever
@@ -129,9 +129,14 @@ def make_optimizer(model: CaRRetriever, cfg: TrainConfig) -> torch.optim.Optimiz
     """Optimizer over the trainable parameters only (no state for frozen weights)."""
     params = model.trainable_parameters()
     head = [p for name, p in params.items() if not name.startswith("adapter")]
-    groups: list[dict[str, object]] = [{"params": head, "lr": cfg.lr}]
+    groups: list[dict[str, object]] = [{"params": head, "lr": cfg.lr}] if head else []
     if "adapter.weight" in params:
         groups.append({"params": [params["adapter.weight"]], "lr": cfg.adapter_lr or cfg.lr})
+    if not groups:
+        raise ValueError(
+            f"nothing to train: head.kind={model.kind.value} in mode={model.mode.value} has no "
+            "trainable parameter (evaluate it directly)"
+        )
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(
             groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
@@ -235,8 +240,9 @@ def predict_logits(
             desc="eval",
         )
     device = model.device
+    documents = model.document_embeddings() if model.kind is HeadKind.MIPS else None
     chunks = [
-        model.head(features[i : i + batch_size].to(device)).float().cpu()
+        model.score(features[i : i + batch_size].to(device), documents=documents).float().cpu()
         for i in range(0, len(features), batch_size)
     ]
     return torch.cat(chunks)

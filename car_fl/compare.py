@@ -1,0 +1,409 @@
+"""Reports across runs: the method's tables and figures from a sweep or any run directories.
+
+``car-fl report SWEEP_DIR [RUN_DIR ...] --out DIR`` (and the end of every ``car_fl.sweep``
+multirun) collects each run's ``config.yaml``, ``metrics.json`` and the sweep's ``job.json``,
+then writes:
+
+- ``results.csv`` / ``report.md``: one row per job (failed and skipped jobs included, with
+  the reason): model, approach, clients, scenario (centralised / FL / FL + DP fixed / FL + DP
+  adaptive), top-1 and top-K accuracy, MRR, macro-F1, train + validation seconds, speed-up
+  against the centralised run of the same model and approach, and ε where DP was on;
+- ``retrieval.csv`` and a second table in ``report.md``: the retrieval approaches (MIPS,
+  adapter + MIPS, classifier, adapter + classifier, kNN) of the centralised runs;
+- ``curves-*.png``: test loss and top-1 accuracy against epochs, one line per scenario
+  (centralised per epoch, FL per round at ``round × local epochs``), and ``retrieval-*.png``
+  with one line per approach (flat lines for the approaches that train nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from car_fl.config import HeadKind, Mode, Settings, settings_from_yaml
+from car_fl.io import atomic_write, atomic_write_text
+from car_fl.report import METRICS_JSON, write_csv
+
+log = logging.getLogger(__name__)
+
+JOB_JSON = "job.json"
+CONFIG_YAML = "config.yaml"
+
+APPROACHES = {
+    (HeadKind.MIPS, Mode.CLASSIFIER): "MIPS",
+    (HeadKind.MIPS, Mode.ADAPTER_CLASSIFIER): "adapter + MIPS",
+    (HeadKind.CLASSIFIER, Mode.CLASSIFIER): "classifier (CaR)",
+    (HeadKind.CLASSIFIER, Mode.ADAPTER_CLASSIFIER): "adapter + classifier (CaR)",
+    (HeadKind.KNN, Mode.CLASSIFIER): "kNN",
+}
+SCENARIOS = ("centralised", "FL", "FL + DP (fixed)", "FL + DP (adaptive)")
+
+
+def approach_of(settings: Settings) -> str:
+    """The retrieval approach of a run, as the method's MIPS comparison names it."""
+    name = APPROACHES[(HeadKind(settings.head.kind), Mode(settings.train.mode))]
+    return f"kNN (k={settings.head.knn_k})" if name == "kNN" else name
+
+
+def scenario_of(settings: Settings, clients: int) -> str:
+    if clients == 1:
+        return "centralised"
+    return {"none": "FL", "fixed": "FL + DP (fixed)", "adaptive": "FL + DP (adaptive)"}[
+        settings.dp.mode
+    ]
+
+
+@dataclass
+class RunRecord:
+    """One run (or sweep job) as read back from its directory."""
+
+    path: Path
+    status: str  # ok, failed, skipped, incomplete
+    reason: str = ""
+    overrides: list[str] = field(default_factory=list)
+    settings: Settings | None = None
+    summary: dict[str, Any] = field(default_factory=dict)
+    history: list[dict[str, Any]] = field(default_factory=list)
+    clients: int | None = None
+
+    @classmethod
+    def read(cls, path: Path) -> RunRecord:
+        job = _read_json(path / JOB_JSON) or {}
+        metrics = _read_json(path / METRICS_JSON) or {}
+        settings = None
+        if (path / CONFIG_YAML).is_file():
+            settings = settings_from_yaml((path / CONFIG_YAML).read_text(encoding="utf-8"))
+        summary = metrics.get("summary", {})
+        status = job.get("status") or ("ok" if summary else "incomplete")
+        if status == "ok" and (not summary or summary.get("complete") is False):
+            status = "incomplete"
+        clients = job.get("clients", summary.get("clients"))
+        return cls(
+            path=path,
+            status=status,
+            reason=job.get("reason", "") or ("" if status == "ok" else "no complete metrics.json"),
+            overrides=list(job.get("overrides", [])),
+            settings=settings,
+            summary=summary,
+            history=list(metrics.get("history", [])),
+            clients=int(clients) if clients is not None else None,
+        )
+
+    @property
+    def final(self) -> dict[str, Any]:
+        final = self.summary.get("final")
+        return final if isinstance(final, dict) else {}
+
+    def row(self) -> dict[str, Any]:
+        """The run's line in ``results.csv`` (full precision; empty where not applicable)."""
+        s = self.settings
+        final = self.final
+        k = informative_k(s, final, self.summary.get("num_labels")) if s is not None else None
+        dp = s.dp.mode if s is not None else ""
+        return {
+            "job": self.path.name,
+            "status": self.status,
+            "dataset": s.dataset.name if s else "",
+            "model": s.model.name if s else "",
+            "approach": approach_of(s) if s else "",
+            "clients": self.clients if self.clients is not None else "",
+            "scenario": scenario_of(s, self.clients) if s and self.clients else "",
+            "epochs": final.get("epochs", ""),
+            "top1": final.get("test_top1", ""),
+            "k": k or "",
+            "topk": final.get(f"test_top{k}", "") if k else "",
+            "mrr": final.get("test_mrr", ""),
+            "macro_f1": final.get("test_macro_f1", ""),
+            "seconds": self.summary.get("total_seconds", ""),
+            "speedup": "",
+            "epsilon": self.summary.get("epsilon", "") if dp not in ("", "none") else "",
+            "reason": self.reason,
+            "overrides": " ".join(self.overrides),
+            "path": str(self.path),
+        }
+
+
+def informative_k(settings: Settings, final: dict[str, Any], num_labels: int | None) -> int | None:
+    """The largest reported K below the number of labels (top-K of all labels is always 1)."""
+    ks = [k for k in settings.eval.top_k if k > 1 and f"test_top{k}" in final]
+    num_labels = num_labels or len(settings.dataset.label_texts) or None
+    below = [k for k in ks if num_labels is None or k < num_labels]
+    return max(below) if below else None
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return data if isinstance(data, dict) else None
+
+
+def find_run_dirs(paths: Iterable[str | Path]) -> list[Path]:
+    """Run directories under ``paths``: those holding ``job.json`` or ``metrics.json``.
+
+    A path that is itself a run directory counts as one; otherwise its subdirectories are
+    searched (two levels deep), in name order with numbered jobs in numeric order.
+    """
+    found: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if not path.is_dir():
+            raise FileNotFoundError(f"{path} is not a directory of runs or a run directory")
+        if _is_run(path):
+            found.append(path)
+            continue
+        children = sorted((p for p in path.iterdir() if p.is_dir()), key=_natural)
+        for child in children:
+            if _is_run(child):
+                found.append(child)
+            else:
+                found.extend(
+                    g for g in sorted(child.iterdir(), key=_natural) if g.is_dir() and _is_run(g)
+                )
+    return found
+
+
+def _is_run(path: Path) -> bool:
+    return (path / JOB_JSON).is_file() or (path / METRICS_JSON).is_file()
+
+
+def _natural(path: Path) -> tuple[int, str]:
+    head = path.name.split("-")[0].split("_")[0]
+    return (int(head), path.name) if head.isdigit() else (1 << 30, path.name)
+
+
+def collect_runs(paths: Sequence[str | Path]) -> list[RunRecord]:
+    runs = [RunRecord.read(p) for p in find_run_dirs(paths)]
+    if not runs:
+        where = ", ".join(map(str, paths))
+        raise FileNotFoundError(f"no runs (folders with {JOB_JSON} or {METRICS_JSON}) in {where}")
+    return runs
+
+
+# --------------------------------------------------------------------------------- tables
+def results_rows(runs: Sequence[RunRecord]) -> list[dict[str, Any]]:
+    """One row per run, with the speed-up against the matching centralised run."""
+    rows = [r.row() for r in runs]
+    reference: dict[tuple[Any, ...], float] = {}
+    for row in rows:
+        if row["status"] == "ok" and row["clients"] == 1 and row["seconds"]:
+            reference.setdefault(_group(row), float(row["seconds"]))
+    for row in rows:
+        ref = reference.get(_group(row))
+        if row["status"] == "ok" and ref and row["seconds"]:
+            row["speedup"] = ref / float(row["seconds"])
+    order = {s: i for i, s in enumerate(SCENARIOS)}
+    rows.sort(
+        key=lambda r: (
+            r["dataset"],
+            r["model"],
+            r["approach"],
+            order.get(r["scenario"], len(order)),
+            r["clients"] if isinstance(r["clients"], int) else 1 << 30,
+        )
+    )
+    return rows
+
+
+def _group(row: dict[str, Any]) -> tuple[Any, ...]:
+    return (row["dataset"], row["model"], row["approach"])
+
+
+def retrieval_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The centralised runs: one row per retrieval approach (MIPS comparison)."""
+    order = {name: i for i, name in enumerate(APPROACHES.values())}
+    chosen = [r for r in rows if r["scenario"] == "centralised"]
+    return sorted(
+        chosen,
+        key=lambda r: (r["dataset"], r["model"], order.get(r["approach"].split(" (k=")[0], 99)),
+    )
+
+
+def _fmt(value: Any, kind: str) -> str:
+    if value in ("", None):
+        return "—"
+    if kind == "pct":
+        return f"{100 * float(value):.2f}"
+    if kind == "float":
+        return f"{float(value):.4f}"
+    if kind == "sec":
+        return f"{float(value):.1f}"
+    if kind == "x":
+        return f"{float(value):.2f}×"
+    if kind == "eps":
+        v = float(value)
+        return "∞" if math.isinf(v) else f"{v:.4g}"
+    return str(value)
+
+
+RESULT_COLUMNS = [
+    ("model", "model", "str"),
+    ("approach", "approach", "str"),
+    ("clients", "clients", "str"),
+    ("scenario", "scenario", "str"),
+    ("top1", "top-1 (%)", "pct"),
+    ("topk", "top-K (%)", "pct"),
+    ("mrr", "MRR", "float"),
+    ("macro_f1", "macro-F1", "float"),
+    ("seconds", "train + val (s)", "sec"),
+    ("speedup", "speed-up", "x"),
+    ("epsilon", "ε", "eps"),
+    ("status", "status", "str"),
+]
+RETRIEVAL_COLUMNS = [
+    ("model", "model", "str"),
+    ("approach", "approach", "str"),
+    ("top1", "top-1 (%)", "pct"),
+    ("topk", "top-K (%)", "pct"),
+    ("mrr", "MRR", "float"),
+    ("macro_f1", "macro-F1", "float"),
+    ("seconds", "train + val (s)", "sec"),
+    ("status", "status", "str"),
+]
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:
+    ks = sorted({r["k"] for r in rows if r.get("k")})
+    header = [
+        title.replace("top-K", f"top-{ks[0]}") if len(ks) == 1 else title for _, title, _ in columns
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = [_fmt(row.get(key), kind) for key, _, kind in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def markdown_report(rows: Sequence[dict[str, Any]], plots: Sequence[Path]) -> str:
+    parts = ["# car-fl results", ""]
+    for dataset in sorted({r["dataset"] for r in rows}):
+        subset = [r for r in rows if r["dataset"] == dataset]
+        parts += [f"## {dataset or 'runs without a configuration'}", ""]
+        parts += ["### Centralised, FL and FL + DP", "", markdown_table(subset, RESULT_COLUMNS), ""]
+        retrieval = retrieval_rows(subset)
+        if len({r["approach"] for r in retrieval}) > 1:
+            parts += ["### Retrieval approaches (centralised)", ""]
+            parts += [markdown_table(retrieval, RETRIEVAL_COLUMNS), ""]
+    problems = [r for r in rows if r["status"] != "ok"]
+    if problems:
+        parts += ["## Jobs without results", ""]
+        parts += [
+            f"- `{r['job']}` ({r['status']}): {r['reason']} — overrides: `{r['overrides']}`"
+            for r in problems
+        ]
+        parts.append("")
+    if plots:
+        parts += ["## Curves", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
+    parts.append(
+        "Speed-up: the centralised run's train + validation time divided by this run's, for "
+        "the same dataset, model and approach. ε: the largest ε any client spent (δ = dp.delta)."
+    )
+    return "\n".join(parts) + "\n"
+
+
+# ---------------------------------------------------------------------------------- plots
+def _slug(*parts: str) -> str:
+    text = "-".join(parts).lower()
+    return "".join(c if c.isalnum() else "-" for c in text).strip("-").replace("--", "-")
+
+
+def plot_runs(out: Path, runs: Sequence[RunRecord]) -> list[Path]:
+    """``curves-*.png`` per (dataset, model, approach) and ``retrieval-*.png`` per model."""
+    ok = [r for r in runs if r.status == "ok" and r.settings is not None and r.history]
+    by_approach: dict[tuple[str, str, str], list[RunRecord]] = defaultdict(list)
+    by_model: dict[tuple[str, str], list[RunRecord]] = defaultdict(list)
+    for run in ok:
+        assert run.settings is not None
+        key = (run.settings.dataset.name, run.settings.model.name)
+        by_approach[(*key, approach_of(run.settings))].append(run)
+        if run.clients == 1:
+            by_model[key].append(run)
+    paths: list[Path] = []
+    for (dataset, model, approach), group in sorted(by_approach.items()):
+        trained = [r for r in group if any(h.get("epochs", 0) for h in r.history)]
+        if not trained:
+            continue
+        lines = {
+            f"{scenario_of(r.settings, r.clients or 1)}, {r.clients} client"
+            + ("s" if (r.clients or 1) > 1 else ""): r.history
+            for r in trained
+            if r.settings is not None
+        }
+        path = out / f"curves-{_slug(dataset, model, approach)}.png"
+        _plot(path, lines, title=f"{dataset}, {model}, {approach}")
+        paths.append(path)
+    for (dataset, model), group in sorted(by_model.items()):
+        if len({approach_of(r.settings) for r in group if r.settings}) < 2:
+            continue
+        lines = {approach_of(r.settings): r.history for r in group if r.settings is not None}
+        path = out / f"retrieval-{_slug(dataset, model)}.png"
+        _plot(path, lines, title=f"{dataset}, {model}: retrieval approaches (centralised)")
+        paths.append(path)
+    return paths
+
+
+def _plot(path: Path, lines: dict[str, list[dict[str, Any]]], *, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    span = max((h.get("epochs", 0) for hist in lines.values() for h in hist), default=0) or 1
+    for label, history in lines.items():
+        x = [h.get("epochs", h["round"]) for h in history]
+        if len(history) == 1 and not x[0]:  # trains nothing: a flat reference line
+            for ax, key in ((ax_loss, "test_loss"), (ax_acc, "test_top1")):
+                ax.plot([0, span], [history[0][key]] * 2, linestyle="--", label=label)
+            continue
+        ax_loss.plot(x, [h["test_loss"] for h in history], marker="o", markersize=3, label=label)
+        ax_acc.plot(x, [h["test_top1"] for h in history], marker="o", markersize=3, label=label)
+    ax_loss.set(xlabel="epochs (FL: round × local epochs)", ylabel="test loss", title=title)
+    ax_acc.set(xlabel="epochs (FL: round × local epochs)", ylabel="test top-1 accuracy")
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------------- report
+@dataclass
+class Report:
+    rows: list[dict[str, Any]]
+    markdown: Path
+    results_csv: Path
+    retrieval_csv: Path
+    plots: list[Path]
+
+    @property
+    def counts(self) -> dict[str, int]:
+        counts: dict[str, int] = defaultdict(int)
+        for row in self.rows:
+            counts[row["status"]] += 1
+        return dict(counts)
+
+
+def write_report(paths: Iterable[str | Path], out: str | Path) -> Report:
+    """Collect the runs under ``paths`` and write tables and plots into ``out``."""
+    paths = list(paths)
+    runs = collect_runs(paths)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = results_rows(runs)
+    plots = plot_runs(out, runs)
+    results_csv, retrieval_csv = out / "results.csv", out / "retrieval.csv"
+    write_csv(results_csv, rows)
+    write_csv(retrieval_csv, retrieval_rows(rows))
+    markdown = out / "report.md"
+    atomic_write_text(markdown, markdown_report(rows, plots))
+    report = Report(rows, markdown, results_csv, retrieval_csv, plots)
+    log.info("report of %d runs %s: %s", len(rows), report.counts, markdown)
+    return report

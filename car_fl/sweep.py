@@ -1,0 +1,150 @@
+"""Sweeps: every combination of a Hydra multirun as a complete run, then one report.
+
+    python -m car_fl.sweep -m clients=1,2,3 dp=none,fixed,adaptive mode=classifier,adapter
+    python -m car_fl.sweep -m experiment=sms_mips model=minilm
+
+``clients=1`` is a centralised run (``sweep.centralized_epochs``, by default ``fl.rounds ×
+fl.local_epochs`` epochs: the same passes over the data as the federation); ``clients>=2`` is
+a Flower simulation with that many SuperNodes. Each job runs in its own Hydra job directory
+and leaves ``config.yaml``, ``metrics.json``/``.csv``, ``curves.png``, ``checkpoints/`` and
+``job.json`` (status ok / failed / skipped, the reason, the overrides, the seconds it took).
+A failing job is recorded and the sweep goes on; combinations that make no sense (local DP on
+a centralised run, a federation of a method that trains nothing) are skipped with the reason.
+When all jobs are done, :func:`car_fl.compare.write_report` writes ``report/`` in the sweep
+directory; the command exits with 1 if any job failed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from car_fl.compare import JOB_JSON, write_report
+from car_fl.config import (
+    DPMode,
+    Settings,
+    conf_dir,
+    settings_to_yaml,
+    to_settings,
+    trains_nothing,
+)
+from car_fl.io import atomic_write_json, atomic_write_text
+
+log = logging.getLogger(__name__)
+
+#: Keys of ``conf/sweep.yaml`` that are not run settings.
+SWEEP_KEYS = ("clients", "sweep", "experiment")
+_FAILED: list[str] = []
+
+
+def job_settings(cfg: DictConfig) -> tuple[Settings, int]:
+    """The run's settings and client count from a sweep job's composed configuration."""
+    clients = int(cfg.clients)
+    if clients < 1:
+        raise ValueError(f"clients must be >= 1, got {clients}")
+    keep = [str(k) for k in cfg if str(k) not in (*SWEEP_KEYS, "hydra")]
+    conf = OmegaConf.masked_copy(cfg, keep)
+    if clients == 1:
+        epochs = cfg.sweep.centralized_epochs
+        if epochs is None:
+            epochs = int(cfg.fl.rounds) * int(cfg.fl.local_epochs)
+        OmegaConf.update(conf, "train.epochs", int(epochs))
+    else:
+        OmegaConf.update(conf, "fl.clients", clients)
+        if int(cfg.fl.min_clients) > clients:
+            OmegaConf.update(conf, "fl.min_clients", clients)
+    return to_settings(conf), clients
+
+
+def skip_reason(settings: Settings, clients: int) -> str:
+    """Why this combination is not run ('' when it is)."""
+    if clients == 1 and settings.dp.mode != DPMode.NONE:
+        return (
+            f"dp={settings.dp.mode} with clients=1: local DP privatises client updates in a "
+            "federation; a centralised run has none"
+        )
+    if clients > 1 and trains_nothing(settings):
+        return (
+            f"head.kind={settings.head.kind} in mode={settings.train.mode} trains nothing, so "
+            "there is nothing to federate (its centralised run is the result)"
+        )
+    return ""
+
+
+def run_job(cfg: DictConfig, output_dir: str | Path, overrides: list[str]) -> dict[str, Any]:
+    """Run one sweep job, never raising for a failed run; returns what ``job.json`` holds."""
+    from car_fl.centralized import run_centralized
+    from car_fl.simulation import run_simulation
+
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    # Flower logs through its own console handler; Hydra's root handler would print it twice
+    logging.getLogger("flwr").propagate = False
+    tick = time.perf_counter()
+    record: dict[str, Any] = {"overrides": overrides, "status": "failed", "reason": ""}
+    try:
+        settings, clients = job_settings(cfg)
+        record["clients"] = clients
+        settings.output_dir = str(out.resolve())
+        atomic_write_text(out / "config.yaml", settings_to_yaml(settings))
+        reason = skip_reason(settings, clients)
+        if reason:
+            record.update(status="skipped", reason=reason)
+            log.warning("skipped %s: %s", " ".join(overrides), reason)
+        else:
+            if clients == 1:
+                run_centralized(settings, out)
+            else:
+                run_simulation(settings=settings)
+            record["status"] = "ok"
+    except (Exception, SystemExit) as err:  # a failed job must not stop the sweep
+        record["reason"] = f"{type(err).__name__}: {err}"
+        record["traceback"] = traceback.format_exc()
+        log.error("job %s failed: %s", " ".join(overrides), record["reason"])
+    record["seconds"] = time.perf_counter() - tick
+    atomic_write_json(out / JOB_JSON, record)
+    return record
+
+
+class ReportCallback(Callback):
+    """Writes the sweep's report when a multirun ends, and remembers failed jobs."""
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        record = getattr(job_return, "_return_value", None)
+        if isinstance(record, dict) and record.get("status") == "failed":
+            _FAILED.append(str(config.hydra.runtime.output_dir))
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        try:
+            report = write_report([sweep_dir], sweep_dir / "report")
+        except Exception:  # the jobs' own results are still there
+            log.exception("could not write the sweep report for %s", sweep_dir)
+            _FAILED.append("report")
+            return
+        counts = ", ".join(f"{n} {status}" for status, n in sorted(report.counts.items()))
+        print(f"sweep {sweep_dir}: {len(report.rows)} jobs ({counts}); report: {report.markdown}")
+
+
+@hydra.main(config_path=str(conf_dir()), config_name="sweep", version_base=None)
+def main(cfg: DictConfig) -> dict[str, Any]:
+    from hydra.core.hydra_config import HydraConfig
+
+    hydra_cfg = HydraConfig.get()
+    record = run_job(cfg, hydra_cfg.runtime.output_dir, list(hydra_cfg.overrides.task))
+    print(json.dumps({k: v for k, v in record.items() if k != "traceback"}), flush=True)
+    return record
+
+
+if __name__ == "__main__":
+    main()
+    sys.exit(1 if _FAILED else 0)

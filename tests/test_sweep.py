@@ -1,0 +1,185 @@
+"""Sweeps (Hydra multirun), their job records and the report built from them."""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from car_fl.config import conf_dir
+from car_fl.sweep import job_settings, skip_reason
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _sweep(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "car_fl.sweep", "-m", *overrides],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+
+
+def _tiny(tiny_llama: Path, synthetic_tsv: Path, tmp_path: Path) -> list[str]:
+    return [
+        "model=local",
+        f"model.name_or_path={tiny_llama}",
+        f"dataset.path={synthetic_tsv}",
+        f"cache_dir={tmp_path / 'cache'}",
+        "device=cpu",
+        "train.lr=1e-2",
+        "fl.rounds=2",
+        "fl.local_epochs=1",
+    ]
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    with path.open(encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.slow
+def test_a_2x2_sweep_runs_every_job_and_reports_the_metrics_it_wrote(
+    tmp_path: Path, tiny_llama: Path, synthetic_tsv: Path
+) -> None:
+    sweep_dir = tmp_path / "sweep"
+    result = _sweep(
+        tmp_path,
+        *_tiny(tiny_llama, synthetic_tsv, tmp_path),
+        "clients=1,2",
+        "mode=classifier,adapter",
+        f"hydra.sweep.dir={sweep_dir}",
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    jobs = sorted(p for p in sweep_dir.iterdir() if p.name.isdigit())
+    assert len(jobs) == 4
+    for job in jobs:
+        record = json.loads((job / "job.json").read_text())
+        assert record["status"] == "ok", record
+        for name in ("config.yaml", "metrics.json", "metrics.csv", "curves.png"):
+            assert (job / name).is_file(), (job, name)
+        assert (job / "checkpoints" / "final").exists()
+    # clients=1 is a centralised run of rounds x local epochs epochs; clients=2 a federation
+    kinds = {
+        json.loads((j / "job.json").read_text())["clients"]: json.loads(
+            (j / "metrics.json").read_text()
+        )
+        for j in jobs[:2]
+    }
+    assert kinds[1]["kind"] == "centralized" and len(kinds[1]["history"]) == 2
+    assert kinds[2]["kind"] == "federated" and kinds[2]["summary"]["clients"] == 2
+
+    report = sweep_dir / "report"
+    rows = _rows(report / "results.csv")
+    assert len(rows) == 4
+    by_path = {Path(r["path"]).name: r for r in rows}
+    for job in jobs:
+        summary = json.loads((job / "metrics.json").read_text())["summary"]
+        row = by_path[job.name]
+        assert float(row["top1"]) == summary["final"]["test_top1"]
+        assert float(row["mrr"]) == summary["final"]["test_mrr"]
+        assert float(row["seconds"]) == summary["total_seconds"]
+        assert row["scenario"] == ("centralised" if summary["clients"] == 1 else "FL")
+        centralised = next(
+            r for r in rows if r["approach"] == row["approach"] and r["clients"] == "1"
+        )
+        assert float(row["speedup"]) == pytest.approx(
+            float(centralised["seconds"]) / float(row["seconds"])
+        )
+    markdown = (report / "report.md").read_text()
+    table = [line for line in markdown.splitlines() if line.startswith("| local |")]
+    assert len(table) == 4 + 2  # the results table, and the retrieval table of centralised runs
+    assert {r["clients"] for r in _rows(report / "retrieval.csv")} == {"1"}
+    plots = sorted(report.glob("*.png"))
+    assert len(plots) >= 2
+    for plot in plots:
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"({plot.name})" in markdown
+
+    # the report command on any run directories (here two jobs of the sweep)
+    from car_fl.cli import main as cli_main
+
+    assert cli_main(["report", str(jobs[0]), str(jobs[3]), "--out", str(tmp_path / "two")]) == 0
+    assert sorted(r["job"] for r in _rows(tmp_path / "two" / "results.csv")) == ["0", "3"]
+    assert cli_main(["report", str(tmp_path / "no-such-folder")]) == 2
+
+
+@pytest.mark.slow
+def test_a_failed_job_is_recorded_and_the_sweep_goes_on(
+    tmp_path: Path, tiny_llama: Path, synthetic_tsv: Path
+) -> None:
+    sweep_dir = tmp_path / "sweep"
+    missing = tmp_path / "missing.tsv"
+    result = _sweep(
+        tmp_path,
+        *[o for o in _tiny(tiny_llama, synthetic_tsv, tmp_path) if "dataset.path" not in o],
+        "clients=1",
+        f"dataset.path={missing},{synthetic_tsv}",
+        "dp=none,fixed",
+        f"hydra.sweep.dir={sweep_dir}",
+    )
+    assert result.returncode == 1  # a job failed
+    records = [json.loads((sweep_dir / str(i) / "job.json").read_text()) for i in range(4)]
+    assert [r["status"] for r in records] == ["failed", "skipped", "ok", "skipped"]
+    assert str(missing) in records[0]["reason"]
+    assert "local DP" in records[1]["reason"]
+    rows = _rows(sweep_dir / "report" / "results.csv")
+    assert sorted(r["status"] for r in rows) == ["failed", "ok", "skipped", "skipped"]
+    markdown = (sweep_dir / "report" / "report.md").read_text()
+    assert "## Jobs without results" in markdown and str(missing) in markdown
+
+
+def _experiment(name: str, *overrides: str):  # type: ignore[no-untyped-def]
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+        return compose(
+            config_name="sweep",
+            overrides=[f"experiment={name}", *overrides],
+            return_hydra_config=True,
+        )
+
+
+@pytest.mark.parametrize("name", ["sms_mips", "sms_scenarios", "ag_news", "arxiv"])
+def test_every_experiment_config_gives_valid_jobs(name: str) -> None:
+    """Each combination of an experiment's sweep composes into valid settings (or a skip)."""
+    extra = ["dataset.path=/data/arxiv.json"] if name == "arxiv" else []
+    params = _experiment(name, *extra).hydra.sweeper.params
+    assert params, f"experiment {name} sweeps nothing"
+    keys = list(params)
+    ran = 0
+    for values in itertools.product(*(str(params[k]).split(",") for k in keys)):
+        cfg = _experiment(name, *extra, *(f"{k}={v}" for k, v in zip(keys, values, strict=True)))
+        settings, clients = job_settings(cfg)
+        if not skip_reason(settings, clients):
+            ran += 1
+            if clients > 1:
+                assert settings.fl.clients == clients
+            else:
+                assert settings.train.epochs >= 1
+    assert ran >= 2
+
+
+def test_ag_news_experiment_matches_the_method() -> None:
+    cfg = _experiment("ag_news", "clients=1")
+    settings, _ = job_settings(cfg)
+    assert settings.train.epochs == 50 and settings.model.pooling == "mean"
+    assert settings.head.pre_classifier_dim is not None
+    fed, clients = job_settings(_experiment("ag_news", "clients=3", "dp=adaptive"))
+    assert (clients, fed.fl.rounds, fed.fl.local_epochs) == (3, 25, 2)
+    assert fed.dp.mode == "adaptive" and fed.dp.warmup_rounds > 0
+
+
+def test_centralised_jobs_default_to_the_federations_passes_over_the_data() -> None:
+    settings, _ = job_settings(_experiment("sms_scenarios", "clients=1", "fl.rounds=3"))
+    assert settings.train.epochs == 3 * 2
