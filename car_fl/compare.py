@@ -53,7 +53,7 @@ def approach_of(settings: Settings) -> str:
 
 def scenario_of(settings: Settings, clients: int) -> str:
     if clients == 1:
-        return "centralised"
+        return "centralised" + ("" if settings.dp.mode == "none" else f" + DP ({settings.dp.mode})")
     return {"none": "FL", "fixed": "FL + DP (fixed)", "adaptive": "FL + DP (adaptive)"}[
         settings.dp.mode
     ]
@@ -203,7 +203,7 @@ def results_rows(runs: Sequence[RunRecord]) -> list[dict[str, Any]]:
         key=lambda r: (
             r["dataset"],
             r["model"],
-            r["approach"],
+            _approach_rank(r["approach"]),
             order.get(r["scenario"], len(order)),
             r["clients"] if isinstance(r["clients"], int) else 1 << 30,
         )
@@ -215,14 +215,16 @@ def _group(row: dict[str, Any]) -> tuple[Any, ...]:
     return (row["dataset"], row["model"], row["approach"])
 
 
+def _approach_rank(approach: str) -> tuple[int, str]:
+    """The method's order: MIPS, adapter + MIPS, classifier, adapter + classifier, kNN."""
+    order = {name: i for i, name in enumerate(APPROACHES.values())}
+    return order.get(approach.split(" (k=")[0], len(order)), approach
+
+
 def retrieval_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """The centralised runs: one row per retrieval approach (MIPS comparison)."""
-    order = {name: i for i, name in enumerate(APPROACHES.values())}
     chosen = [r for r in rows if r["scenario"] == "centralised"]
-    return sorted(
-        chosen,
-        key=lambda r: (r["dataset"], r["model"], order.get(r["approach"].split(" (k=")[0], 99)),
-    )
+    return sorted(chosen, key=lambda r: (r["dataset"], r["model"], _approach_rank(r["approach"])))
 
 
 def _fmt(value: Any, kind: str) -> str:
@@ -269,6 +271,8 @@ RETRIEVAL_COLUMNS = [
 
 
 def markdown_table(rows: Sequence[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:
+    """A Markdown table; columns empty in every row (e.g. ε without DP) are left out."""
+    columns = [c for c in columns if any(r.get(c[0]) not in ("", None) for r in rows)]
     ks = sorted({r["k"] for r in rows if r.get("k")})
     header = [
         title.replace("top-K", f"top-{ks[0]}") if len(ks) == 1 else title for _, title, _ in columns
@@ -309,8 +313,8 @@ def markdown_report(rows: Sequence[dict[str, Any]], plots: Sequence[Path]) -> st
 
 # ---------------------------------------------------------------------------------- plots
 def _slug(*parts: str) -> str:
-    text = "-".join(parts).lower()
-    return "".join(c if c.isalnum() else "-" for c in text).strip("-").replace("--", "-")
+    text = "".join(c if c.isalnum() else "-" for c in "-".join(parts).lower())
+    return "-".join(filter(None, text.split("-")))
 
 
 def plot_runs(out: Path, runs: Sequence[RunRecord]) -> list[Path]:
@@ -359,7 +363,11 @@ def _plot(path: Path, lines: dict[str, list[dict[str, Any]]], *, title: str) -> 
     for label, history in lines.items():
         x = [h.get("epochs", h["round"]) for h in history]
         if len(history) == 1 and not x[0]:  # trains nothing: a flat reference line
-            for ax, key in ((ax_loss, "test_loss"), (ax_acc, "test_top1")):
+            # (kNN's vote counts are no logits: its cross-entropy means nothing)
+            axes = [(ax_acc, "test_top1")] + (
+                [] if label.startswith("kNN") else [(ax_loss, "test_loss")]
+            )
+            for ax, key in axes:
                 ax.plot([0, span], [history[0][key]] * 2, linestyle="--", label=label)
             continue
         ax_loss.plot(x, [h["test_loss"] for h in history], marker="o", markersize=3, label=label)

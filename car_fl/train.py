@@ -12,6 +12,7 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,7 @@ from car_fl.config import HeadKind, Mode, ModelConfig, Settings, TrainConfig
 from car_fl.features import FeatureCache, extract_features, feature_key
 from car_fl.metrics import retrieval_metrics
 from car_fl.model import CaRRetriever
+from car_fl.optim import Optimizer
 
 log = logging.getLogger(__name__)
 
@@ -125,11 +127,15 @@ def features_for(
     )
 
 
-def make_optimizer(model: CaRRetriever, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """Optimizer over the trainable parameters only (no state for frozen weights)."""
+def make_optimizer(model: CaRRetriever, cfg: TrainConfig) -> Optimizer:
+    """Optimizer over the trainable parameters only (no state for frozen weights).
+
+    :class:`car_fl.optim.Optimizer`: the updates of ``torch.optim`` without its seconds of
+    start-up in every new process.
+    """
     params = model.trainable_parameters()
     head = [p for name, p in params.items() if not name.startswith("adapter")]
-    groups: list[dict[str, object]] = [{"params": head, "lr": cfg.lr}] if head else []
+    groups: list[dict[str, Any]] = [{"params": head, "lr": cfg.lr}] if head else []
     if "adapter.weight" in params:
         groups.append({"params": [params["adapter.weight"]], "lr": cfg.adapter_lr or cfg.lr})
     if not groups:
@@ -137,13 +143,9 @@ def make_optimizer(model: CaRRetriever, cfg: TrainConfig) -> torch.optim.Optimiz
             f"nothing to train: head.kind={model.kind.value} in mode={model.mode.value} has no "
             "trainable parameter (evaluate it directly)"
         )
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(
-            groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
-        )
-    if cfg.optimizer == "adam":
-        return torch.optim.Adam(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return Optimizer(
+        groups, kind=cfg.optimizer, weight_decay=cfg.weight_decay, momentum=cfg.momentum
+    )
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
@@ -171,7 +173,7 @@ StepHook = Callable[[CaRRetriever], None]
 def train_epoch(
     model: CaRRetriever,
     data: LocalData,
-    optimizer: torch.optim.Optimizer,
+    optimizer: Optimizer,
     *,
     batch_size: int,
     seed: int,
