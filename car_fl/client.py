@@ -7,6 +7,7 @@ round that only needs cached features never loads the encoder at all.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 
 _ENCODERS: dict[str, Encoder] = {}
 _SHARDS: dict[tuple[str, int, int], tuple[LocalData, LabelMap]] = {}
+_NODE_SETTINGS: dict[tuple[str, str], tuple[Settings, str]] = {}
 
 
 def cached_encoder(settings: Settings) -> Encoder:
@@ -82,8 +84,11 @@ def node_settings(
     base: Settings, node_config: Mapping[str, Any], server_fingerprint: str | None
 ) -> Settings:
     """This node's settings: the run's, plus its local paths; checked against the server's."""
-    settings = apply_node_config(base, node_config)
-    mine = fingerprint(settings)
+    key = (repr(base), repr(sorted(node_config.items())))
+    if key not in _NODE_SETTINGS:  # composed once per process (~0.1 s), every round after
+        settings = apply_node_config(base, node_config)
+        _NODE_SETTINGS[key] = (settings, fingerprint(settings))
+    settings, mine = copy.deepcopy(_NODE_SETTINGS[key][0]), _NODE_SETTINGS[key][1]
     if server_fingerprint is not None and server_fingerprint != mine:
         raise ValueError(
             f"this client resolved a different configuration (fingerprint {mine}) from the "

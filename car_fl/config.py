@@ -8,6 +8,7 @@ key and the fix. Every entry point (centralised run, Flower apps, sweeps) goes t
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib
 import shlex
@@ -497,16 +498,21 @@ def settings_from_run_config(run_config: Mapping[str, Any]) -> Settings:
     configurations composed elsewhere this way.
     """
     text = run_config.get("settings", "")
-    if text:
-        if not isinstance(text, str):
-            raise ValueError(f"run config 'settings' must be YAML text, got {type(text).__name__}")
-        return settings_from_yaml(text)
     overrides = run_config.get("overrides", "")
+    if text and not isinstance(text, str):
+        raise ValueError(f"run config 'settings' must be YAML text, got {type(text).__name__}")
     if not isinstance(overrides, str):
         raise ValueError(
             f"run config 'overrides' must be a string of Hydra overrides, got {overrides!r}"
         )
-    return load_settings(overrides)
+    # A simulated client sees the same run config in every round: compose it once (~0.1 s)
+    key = (text, overrides)
+    if key not in _RUN_SETTINGS:
+        _RUN_SETTINGS[key] = settings_from_yaml(text) if text else load_settings(overrides)
+    return copy.deepcopy(_RUN_SETTINGS[key])
+
+
+_RUN_SETTINGS: dict[tuple[str, str], Settings] = {}
 
 
 def load_settings(overrides: str | list[str] | tuple[str, ...] | None = None) -> Settings:
