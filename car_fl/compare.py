@@ -212,7 +212,8 @@ def results_rows(runs: Sequence[RunRecord]) -> list[dict[str, Any]]:
 
 
 def _group(row: dict[str, Any]) -> tuple[Any, ...]:
-    return (row["dataset"], row["model"], row["approach"])
+    """Runs comparable for the speed-up: same sweep (folder), dataset, model and approach."""
+    return (str(Path(row["path"]).parent), row["dataset"], row["model"], row["approach"])
 
 
 def _approach_rank(approach: str) -> tuple[int, str]:
@@ -306,7 +307,8 @@ def markdown_report(rows: Sequence[dict[str, Any]], plots: Sequence[Path]) -> st
         parts += ["## Curves", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
     parts.append(
         "Speed-up: the centralised run's train + validation time divided by this run's, for "
-        "the same dataset, model and approach. ε: the largest ε any client spent (δ = dp.delta)."
+        "the same sweep, dataset, model and approach. ε: the largest ε any client spent "
+        "(δ = dp.delta)."
     )
     return "\n".join(parts) + "\n"
 

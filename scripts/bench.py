@@ -286,6 +286,8 @@ def rss():
 
 
 before = rss()
+status = dict(l.split(":", 1) for l in open("/proc/self/status"))
+anon_before, file_before = (int(status[k].split()[0]) * 1024 for k in ("RssAnon", "RssFile"))
 settings = load_settings(@OVERRIDES@)
 node = client.NodeInfo(partition_id=0, num_partitions=2)
 if @MODE@ == "classifier":
@@ -301,7 +303,11 @@ weights = sum(p.numel() * p.element_size() for p in encoder.parameters())
 # VmHWM, not ru_maxrss: Linux keeps ru_maxrss across exec, so a child started by a big
 # parent would report the parent's peak
 peak = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
-out = {"before": before, "peak": peak, "weights": weights, "dtype": str(encoder.dtype)}
+status = dict(l.split(":", 1) for l in open("/proc/self/status"))
+kib = {k: int(status[k].split()[0]) * 1024 for k in ("RssAnon", "RssFile")}
+out = {"before": before, "peak": peak, "weights": weights, "dtype": str(encoder.dtype),
+       "anon_end": kib["RssAnon"], "file_end": kib["RssFile"], "anon_before": anon_before,
+       "file_before": file_before}
 print(json.dumps(out))
 """
 
@@ -330,6 +336,10 @@ def client_rss(mode: str, data: Path, cache: Path, max_examples: int) -> dict[st
         "weights_dtype": result["dtype"],
         "ratio_growth": growth / result["weights"],
         "ratio_absolute": result["peak"] / result["weights"],
+        # at the end of the round: data (anonymous) vs mapped files (library code paged in)
+        "anon_growth_at_end": result["anon_end"] - result["anon_before"],
+        "file_growth_at_end": result["file_end"] - result["file_before"],
+        "ratio_anon_growth": (result["anon_end"] - result["anon_before"]) / result["weights"],
     }
 
 
@@ -531,7 +541,10 @@ def print_table(r: dict[str, Any]) -> None:
             f"({x['rss_after_imports'] / 2**20:.0f} MiB after imports, +"
             f"{x['growth_above_imports'] / 2**20:.0f} MiB) vs encoder weights "
             f"{x['encoder_weight_bytes'] / 2**20:.0f} MiB ({x['weights_dtype']}): growth "
-            f"{x['ratio_growth']:.2f}x, absolute {x['ratio_absolute']:.2f}x"
+            f"{x['ratio_growth']:.2f}x, absolute {x['ratio_absolute']:.2f}x; at the end, "
+            f"+{x['anon_growth_at_end'] / 2**20:.0f} MiB data (anonymous, "
+            f"{x['ratio_anon_growth']:.2f}x the weights) and "
+            f"+{x['file_growth_at_end'] / 2**20:.0f} MiB mapped files (library code, model files)"
         )
         if mode == "classifier":
             line += f" ({verdict('5_rss_vs_weights_classifier', x['ratio_growth'])} on growth)"
