@@ -147,4 +147,8 @@ def main(cfg: DictConfig) -> dict[str, Any]:
 
 if __name__ == "__main__":
     main()
-    sys.exit(1 if _FAILED else 0)
+    # Hydra instantiated ReportCallback from the importable module car_fl.sweep, not from this
+    # __main__ module: read the failures it recorded there
+    from car_fl import sweep as registered
+
+    sys.exit(1 if registered._FAILED else 0)

@@ -165,12 +165,12 @@ def test_a_poisoned_round_leaves_the_model_bit_identical_and_the_run_completes(
             int(context.node_config["partition-id"]) == 1
             and int(msg.content["config"]["server-round"]) == 2
         ):
-            from flwr.app import Array
+            from car_fl.records import decode, encode
 
             record = out.content[ARRAYS_KEY]
-            weight = record["head.classifier.weight"].numpy().copy()
+            weight = decode(record["head.classifier.weight"]).copy()
             weight[0, 0] = float("nan")
-            record["head.classifier.weight"] = Array(weight)
+            record["head.classifier.weight"] = encode(weight)
         return out
 
     out = tmp_path / "fl"
