@@ -1,0 +1,51 @@
+"""Noise for DP releases, drawn from OS entropy, on the parameters' device and dtype.
+
+A curious server knows the run's seed, every round number, node id and partition id, so
+noise derived from them could be regenerated and subtracted. Every generator here is seeded
+from the operating system's CSPRNG (:mod:`secrets`), fresh for each release; nothing in the
+configuration influences it. Tests that need exact values pass a generator of their own.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Mapping
+
+import torch
+
+
+def secure_generator(device: torch.device | str = "cpu") -> torch.Generator:
+    """A ``torch.Generator`` on ``device`` seeded with 63 bits of OS entropy."""
+    generator = torch.Generator(device=torch.device(device))
+    generator.manual_seed(secrets.randbits(63))
+    return generator
+
+
+def gaussian_like(
+    like: Mapping[str, torch.Tensor],
+    *,
+    std: float,
+    generator: torch.Generator | None = None,
+) -> dict[str, torch.Tensor]:
+    """N(0, std²·I) with the shapes, dtypes and device of ``like``.
+
+    Drawn in float32 on the tensors' device (float64 where the tensor is float64), then cast
+    to each tensor's dtype. Without ``generator`` a fresh :func:`secure_generator` is used
+    per device.
+    """
+    if not std >= 0:
+        raise ValueError(f"noise standard deviation must be >= 0, got {std}")
+    generators: dict[torch.device, torch.Generator] = {}
+    out = {}
+    for name, tensor in like.items():
+        device = tensor.device
+        if generator is not None:
+            gen = generator
+        else:
+            if device not in generators:
+                generators[device] = secure_generator(device)
+            gen = generators[device]
+        draw_dtype = torch.float64 if tensor.dtype == torch.float64 else torch.float32
+        noise = torch.randn(tensor.shape, generator=gen, dtype=draw_dtype, device=device)
+        out[name] = (noise * std).to(tensor.dtype)
+    return out
