@@ -169,6 +169,10 @@ def train_round(
     metrics. ``node_state`` is Flower's persistent per-node state; the DP state lives there.
     ``labels`` is the server's global label map.
     """
+    if settings.dp.mode == "record":  # record-level DP-SGD: its own round
+        from car_fl.privacy.record_client import train_round_record
+
+        return train_round_record(settings, node, global_state, server_round, node_state, labels)
     tick = time.perf_counter()
     data, label_map = shard_data(settings, node, labels)
     model = local_retriever(settings, data, label_map)

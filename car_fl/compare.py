@@ -42,7 +42,7 @@ APPROACHES = {
     (HeadKind.CLASSIFIER, Mode.ADAPTER_CLASSIFIER): "adapter + classifier (CaR)",
     (HeadKind.KNN, Mode.CLASSIFIER): "kNN",
 }
-SCENARIOS = ("centralised", "FL", "FL + DP (fixed)", "FL + DP (adaptive)")
+SCENARIOS = ("centralised", "FL", "FL + DP (fixed)", "FL + DP (adaptive)", "FL + DP-SGD (record)")
 
 
 def approach_of(settings: Settings) -> str:
@@ -54,9 +54,12 @@ def approach_of(settings: Settings) -> str:
 def scenario_of(settings: Settings, clients: int) -> str:
     if clients == 1:
         return "centralised" + ("" if settings.dp.mode == "none" else f" + DP ({settings.dp.mode})")
-    return {"none": "FL", "fixed": "FL + DP (fixed)", "adaptive": "FL + DP (adaptive)"}[
-        settings.dp.mode
-    ]
+    return {
+        "none": "FL",
+        "fixed": "FL + DP (fixed)",
+        "adaptive": "FL + DP (adaptive)",
+        "record": "FL + DP-SGD (record)",
+    }[settings.dp.mode]
 
 
 @dataclass

@@ -37,11 +37,15 @@ class Pooling(StrEnum):
 
 
 class DPMode(StrEnum):
-    """Local differential privacy: off, fixed clipping bound, or adaptive clipping."""
+    """Local differential privacy: off, fixed clipping bound, adaptive clipping, or DP-SGD.
+
+    ``record``: record-level DP-SGD on each client (:mod:`car_fl.privacy.dpsgd`).
+    """
 
     NONE = "none"
     FIXED = "fixed"
     ADAPTIVE = "adaptive"
+    RECORD = "record"
 
 
 class HeadKind(StrEnum):
@@ -278,6 +282,11 @@ class DPConfig:
     ema_decay: float = 0.0
     noise_rule: str = "mechanism"
 
+    # --- record-level DP-SGD (dp=record): clip = per-example C, noise_multiplier = σ (unless
+    # target_epsilon calibrates it), delta = δ; see car_fl.privacy.record_accounting
+    #: q: each step samples every local example independently with this probability
+    sample_rate: float = 0.05
+
     def __post_init__(self) -> None:
         _one_of("dp.mode", self.mode, [m.value for m in DPMode])
         _one_of("dp.granularity", self.granularity, ("round", "step"))
@@ -298,6 +307,26 @@ class DPConfig:
             raise ValueError(f"dp.warmup_rounds must be >= 0, got {self.warmup_rounds}")
         if self.target_epsilon is not None and not self.target_epsilon > 0:
             raise ValueError(f"dp.target_epsilon must be > 0 or null, got {self.target_epsilon}")
+        if self.mode == DPMode.RECORD:
+            self._check_record()
+
+    def _check_record(self) -> None:
+        """dp=record: q in (0, 1], σ > 0 unless a target ε calibrates it, no warm-up."""
+        if not 0 < self.sample_rate <= 1:
+            raise ValueError(
+                f"dp.sample_rate (q, the Poisson sampling rate of DP-SGD) must be in (0, 1], "
+                f"got {self.sample_rate}; e.g. dp.sample_rate=0.05"
+            )
+        if self.target_epsilon is None and not self.noise_multiplier > 0:
+            raise ValueError(
+                f"dp=record needs dp.noise_multiplier (σ) > 0, got {self.noise_multiplier}; "
+                "set e.g. dp.noise_multiplier=1.0, or dp.target_epsilon=3 to calibrate σ"
+            )
+        if self.warmup_rounds:
+            raise ValueError(
+                f"dp=record trains every round with DP-SGD; dp.warmup_rounds must be 0, "
+                f"got {self.warmup_rounds}"
+            )
 
 
 @dataclass
@@ -346,6 +375,10 @@ class Settings:
             from car_fl.privacy.mechanism import update_noise_multiplier
 
             update_noise_multiplier(self.dp.noise_multiplier, self.fl.clients)
+        if self.dp.mode == DPMode.RECORD:  # calibrates σ (cached): an unreachable ε fails here
+            from car_fl.privacy.record_accounting import record_plan
+
+            record_plan(self.dp, self.fl)
 
 
 def trains_nothing(settings: Settings) -> bool:

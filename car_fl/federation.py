@@ -144,6 +144,8 @@ class RoundRecorder:
     history: list[dict[str, Any]] = field(default_factory=list)
     client_rows: list[dict[str, Any]] = field(default_factory=list)
     client_epsilon: dict[int, float] = field(default_factory=dict)
+    #: Record-level DP (dp=record): each client's σ, q, steps and ε, by partition id.
+    client_dp: dict[int, dict[str, float]] = field(default_factory=dict)
     last_epsilon: float = 0.0
     initial: dict[str, float] = field(default_factory=dict)
     best: dict[str, Any] | None = None
@@ -227,6 +229,7 @@ class RoundRecorder:
             "dp": self.settings.dp.mode,
             "delta": self.settings.dp.delta,
             "epsilon": self.last_epsilon,
+            **({"dp_clients": self.client_dp} if self.client_dp else {}),
         }
 
     def epsilon(self, stats: RoundStats) -> float:
@@ -234,6 +237,11 @@ class RoundRecorder:
         for node, metrics in stats.client_metrics.items():
             if "dp-epsilon" in metrics:
                 self.client_epsilon[node] = metrics["dp-epsilon"]
+            if "dp-steps" in metrics:  # record-level DP
+                self.client_dp[int(metrics.get("partition-id", node))] = {
+                    k: metrics[f"dp-{k.replace('_', '-')}"]
+                    for k in ("noise_multiplier", "sample_rate", "steps", "epsilon")
+                }
         self.last_epsilon = max(self.client_epsilon.values(), default=0.0)
         return self.last_epsilon
 
@@ -281,6 +289,9 @@ def client_rows(stats: RoundStats) -> list[dict[str, Any]]:
                 "dp_epsilon": metrics.get("dp-epsilon"),
                 "dp_clip": metrics.get("dp-clip"),
                 "dp_next_clip": metrics.get("dp-next-clip"),
+                "dp_noise_multiplier": metrics.get("dp-noise-multiplier"),
+                "dp_sample_rate": metrics.get("dp-sample-rate"),
+                "dp_steps": metrics.get("dp-steps"),
             }
         )
     return rows

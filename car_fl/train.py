@@ -223,6 +223,77 @@ def train_epoch(
     )
 
 
+def train_epoch_dpsgd(
+    model: CaRRetriever,
+    data: LocalData,
+    optimizer: Optimizer,
+    *,
+    sample_rate: float,
+    clip: float,
+    noise_multiplier: float,
+    steps: int,
+    seed: int,
+    epoch: int,
+    batches: Sequence[torch.Tensor] | None = None,
+    generator: torch.Generator | None = None,
+    progress: bool = True,
+    desc: str = "dp-sgd",
+) -> EpochResult:
+    """One epoch of record-level DP-SGD: ``steps`` Poisson-sampled steps at rate q.
+
+    Each step is :func:`car_fl.privacy.dpsgd.dpsgd_step` (per-example clipping at C, noise
+    σ·C, division by q·n). Batches are drawn from OS entropy, unless ``batches`` (index
+    tensors, one per step) are given (tests: the same batches as :func:`train_epoch`);
+    ``generator`` makes the noise reproducible in tests. Loss and accuracy are over the
+    sampled examples, for the client's own log.
+    """
+    from car_fl.privacy.dpsgd import dpsgd_step, poisson_sample
+
+    if len(data) == 0:
+        raise ValueError("cannot train on an empty dataset")
+    model.train()
+    torch.manual_seed(epoch_seed(seed, epoch))  # dropout
+    device = model.device
+    params = model.trainable_parameters()
+    features = data.features.to(device) if data.features is not None else None
+    planned = list(batches) if batches is not None else [None] * steps
+    expected = sample_rate * len(data)
+    total_loss, correct, seen = 0.0, 0, 0
+    for batch in tqdm(planned, desc=desc, disable=not progress, unit="step", leave=False):
+        index = batch if batch is not None else poisson_sample(len(data), sample_rate)
+        labels = data.labels[index].to(device)
+        if features is not None:
+            inputs: dict[str, Any] = {"features": features[index.to(device)]}
+        else:
+            assert data.input_ids is not None
+            inputs = {"input_ids": [torch.tensor(data.input_ids[i]) for i in index.tolist()]}
+        result = dpsgd_step(
+            model,
+            params,
+            optimizer,
+            labels,
+            clip=clip,
+            noise_multiplier=noise_multiplier,
+            expected_batch_size=expected,
+            generator=generator,
+            **inputs,
+        )
+        if not all(bool(torch.isfinite(p).all()) for p in params.values()):
+            raise FloatingPointError(
+                f"DP-SGD made a parameter non-finite after {seen} examples; lower train.lr"
+            )
+        total_loss += result.loss_sum
+        correct += result.correct
+        seen += result.examples
+    model.eval()
+    return EpochResult(
+        loss=total_loss / max(seen, 1),
+        accuracy=correct / max(seen, 1),
+        examples=seen,
+        steps=len(planned),
+    )
+
+
 @torch.inference_mode()
 def predict_logits(
     model: CaRRetriever, data: LocalData, *, batch_size: int, progress: bool = False
