@@ -1,0 +1,220 @@
+"""Tune record-level DP-SGD on a validation split: in-process FedAvg on cached MiniLM features.
+
+    python scripts/tune_dpsgd.py --epsilon 3 --clients 2 3 [--data PATH] [--grid small]
+
+The same local DP-SGD epochs as a ``dp=record`` client (``car_fl.train.train_epoch_dpsgd``,
+σ calibrated by ``car_fl.privacy.record_accounting.record_plan``) and example-weighted FedAvg,
+without Flower processes, so that a grid of settings takes minutes. Models are selected on a
+validation split: the dataset's own (``DataSplits.validation``) when it has one, otherwise a
+seeded stratified 10 % carved from the training split (the clients train on the rest). The
+test split is never read. Prints one line per setting, best last, and writes a JSON file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from car_fl.config import Settings, load_settings
+from car_fl.data import load_splits, partition
+from car_fl.data.splits import stratified_split
+from car_fl.logs import setup_logging
+from car_fl.model import build_retriever
+from car_fl.privacy.record_accounting import record_plan
+from car_fl.train import (
+    LocalData,
+    evaluate,
+    make_optimizer,
+    prepare_for,
+    train_epoch,
+    train_epoch_dpsgd,
+)
+
+DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/sms_spam/SMSSpamCollection.tsv"
+GRIDS: dict[str, dict[str, list[Any]]] = {
+    "small": {
+        "dp.sample_rate": [0.05, 0.1],
+        "fl.local_epochs": [2, 4],
+        "train.lr": [0.5, 1.0, 2.0],
+        "dp.clip": [0.5, 1.0],
+    },
+    "tiny": {
+        "dp.sample_rate": [0.1],
+        "fl.local_epochs": [2],
+        "train.lr": [1.0],
+        "dp.clip": [1.0],
+    },
+}
+
+
+def train_validation(settings: Settings) -> tuple[LocalData, LocalData, str]:
+    """Training and validation features; where the validation split comes from."""
+    splits = load_splits(settings.dataset, seed=settings.seed)
+    model_holder: dict[str, Any] = {}
+
+    def get_model() -> Any:
+        if "m" not in model_holder:
+            model_holder["m"] = build_retriever(settings, len(splits.label_map))
+        return model_holder["m"]
+
+    validation = getattr(splits, "validation", None)
+    if validation is not None:
+        train, origin = splits.train, "the dataset's validation split"
+    else:
+        train_idx, val_idx = stratified_split(
+            list(splits.train["label"]), test_fraction=0.1, seed=settings.seed
+        )
+        train, validation = splits.train.select(train_idx), splits.train.select(val_idx)
+        origin = "10 % of the training split (stratified, seeded)"
+    features = prepare_for(
+        settings, train["text"], train["label"], get_model=get_model, desc="train"
+    )
+    val = prepare_for(
+        settings, validation["text"], validation["label"], get_model=get_model, desc="validation"
+    )
+    return features, val, origin
+
+
+def shards(data: LocalData, settings: Settings, clients: int) -> list[LocalData]:
+    """IID shards of the training features, as the federation's clients would hold them."""
+    from datasets import Dataset
+
+    index = Dataset.from_dict({"i": list(range(len(data))), "label": data.labels.tolist()})
+    out = []
+    for pid in range(clients):
+        rows = partition(
+            index,
+            partition_id=pid,
+            num_partitions=clients,
+            scheme=settings.fl.partitioning,
+            alpha=settings.fl.alpha,
+            seed=settings.seed,
+        )["i"]
+        idx = torch.tensor(rows)
+        assert data.features is not None
+        out.append(LocalData(labels=data.labels[idx], features=data.features[idx]))
+    return out
+
+
+def fedavg(settings: Settings, parts: list[LocalData], val: LocalData) -> dict[str, float]:
+    """fl.rounds rounds of clients (DP-SGD under dp=record) and weighted averaging."""
+    private = settings.dp.mode == "record"
+    plan = record_plan(settings.dp, settings.fl) if private else None
+    assert val.features is not None
+    num_labels = int(torch.cat([val.labels, *(p.labels for p in parts)]).max()) + 1
+    model = build_retriever(settings, num_labels, hidden_size=int(val.features.shape[1]))
+    global_state = model.trainable_state_dict()
+    for server_round in range(1, settings.fl.rounds + 1):
+        states, weights = [], []
+        for pid, data in enumerate(parts):
+            model.load_trainable_state_dict(global_state)
+            optimizer = make_optimizer(model, settings.train)
+            for local in range(settings.fl.local_epochs):
+                epoch = (server_round - 1) * settings.fl.local_epochs + local
+                if plan is None:
+                    train_epoch(
+                        model,
+                        data,
+                        optimizer,
+                        batch_size=settings.train.batch_size,
+                        seed=settings.seed + 1000 * pid,
+                        epoch=epoch,
+                        progress=False,
+                    )
+                    continue
+                train_epoch_dpsgd(
+                    model,
+                    data,
+                    optimizer,
+                    sample_rate=plan.sample_rate,
+                    clip=plan.clip,
+                    noise_multiplier=plan.noise_multiplier,
+                    steps=plan.steps_per_round // settings.fl.local_epochs,
+                    seed=settings.seed + 1000 * pid,
+                    epoch=epoch,
+                    progress=False,
+                )
+            states.append(model.trainable_state_dict())
+            weights.append(len(data))
+        total = sum(weights)
+        global_state = {
+            k: sum(s[k] * (w / total) for s, w in zip(states, weights, strict=True))
+            for k in states[0]
+        }
+    model.load_trainable_state_dict(global_state)
+    metrics = evaluate(model, val, batch_size=256, top_k=[1])
+    return {
+        "top1": metrics["top1"],
+        "macro_f1": metrics["macro_f1"],
+        "sigma": plan.noise_multiplier if plan else 0.0,
+        "epsilon": plan.epsilon(plan.planned_steps) if plan else float("inf"),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    parser.add_argument("--epsilon", type=float, default=3.0)
+    parser.add_argument("--clients", type=int, nargs="+", default=[2, 3])
+    parser.add_argument("--grid", choices=sorted(GRIDS), default="small")
+    parser.add_argument("--base", nargs="*", default=["train.optimizer=sgd"])
+    parser.add_argument("--out", type=Path, default=Path("runs/tune-dpsgd.json"))
+    args = parser.parse_args()
+    setup_logging()
+    logging.getLogger("car_fl").setLevel(logging.WARNING)
+    base = [
+        "model=minilm",
+        f"dataset.path={args.data.resolve()}",
+        "progress=false",
+        "dp=record",
+        f"dp.target_epsilon={args.epsilon}",
+        *args.base,
+    ]
+    settings = load_settings(base)
+    features, val, origin = train_validation(settings)
+    print(f"validation: {origin}, {len(val)} examples; training pool {len(features)}")
+    for clients in args.clients:  # the non-private reference: the paper's FL settings
+        s = load_settings(["model=minilm", f"dataset.path={args.data.resolve()}", "progress=false"])
+        s.fl.clients = clients
+        ref = fedavg(s, shards(features, s, clients), val)
+        print(
+            f"non-private FL (paper settings), m={clients}: top1 {ref['top1']:.4f} "
+            f"F1 {ref['macro_f1']:.3f}",
+            flush=True,
+        )
+    grid = GRIDS[args.grid]
+    results = []
+    for values in itertools.product(*grid.values()):
+        overrides = [f"{k}={v}" for k, v in zip(grid, values, strict=True)]
+        row: dict[str, Any] = {"overrides": overrides}
+        tick = time.perf_counter()
+        for clients in args.clients:
+            s = load_settings([*base, *overrides, f"fl.clients={clients}"])
+            torch.manual_seed(0)
+            metrics = fedavg(s, shards(features, s, clients), val)
+            row[f"{clients}"] = metrics
+        row["mean_top1"] = sum(row[f"{c}"]["top1"] for c in args.clients) / len(args.clients)
+        results.append(row)
+        cells = " ".join(
+            f"m={c}: top1 {row[f'{c}']['top1']:.4f} F1 {row[f'{c}']['macro_f1']:.3f} "
+            f"σ {row[f'{c}']['sigma']:.3g}"
+            for c in args.clients
+        )
+        print(f"{' '.join(overrides):70s} {cells} ({time.perf_counter() - tick:.0f}s)", flush=True)
+    results.sort(key=lambda r: r["mean_top1"])
+    print("best:", " ".join(results[-1]["overrides"]), f"mean top1 {results[-1]['mean_top1']:.4f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps({"validation": origin, "epsilon": args.epsilon, "results": results}, indent=2)
+    )
+
+
+if __name__ == "__main__":
+    main()
