@@ -164,6 +164,14 @@ def main() -> None:
     parser.add_argument("--epsilon", type=float, default=3.0)
     parser.add_argument("--clients", type=int, nargs="+", default=[2, 3])
     parser.add_argument("--grid", choices=sorted(GRIDS), default="small")
+    parser.add_argument(
+        "--set",
+        nargs="*",
+        default=None,
+        metavar="KEY=V1,V2",
+        help="a grid of your own instead of --grid, e.g. dp.sample_rate=0.1,0.2 train.lr=1,2",
+    )
+    parser.add_argument("--no-reference", action="store_true", help="skip the non-private runs")
     parser.add_argument("--base", nargs="*", default=["train.optimizer=sgd"])
     parser.add_argument("--out", type=Path, default=Path("runs/tune-dpsgd.json"))
     args = parser.parse_args()
@@ -180,7 +188,7 @@ def main() -> None:
     settings = load_settings(base)
     features, val, origin = train_validation(settings)
     print(f"validation: {origin}, {len(val)} examples; training pool {len(features)}")
-    for clients in args.clients:  # the non-private reference: the paper's FL settings
+    for clients in [] if args.no_reference else args.clients:  # non-private, paper settings
         s = load_settings(["model=minilm", f"dataset.path={args.data.resolve()}", "progress=false"])
         s.fl.clients = clients
         ref = fedavg(s, shards(features, s, clients), val)
@@ -190,6 +198,8 @@ def main() -> None:
             flush=True,
         )
     grid = GRIDS[args.grid]
+    if args.set:
+        grid = {k: v.split(",") for k, v in (item.split("=", 1) for item in args.set)}
     results = []
     for values in itertools.product(*grid.values()):
         overrides = [f"{k}={v}" for k, v in zip(grid, values, strict=True)]
