@@ -89,7 +89,9 @@ class DatasetConfig:
     """Where the examples come from and how they are split.
 
     ``path`` (a local file or folder) takes precedence over ``hub_id``. ``text_column`` and
-    ``label_column`` name the fields of the hub dataset or of a ``table`` file.
+    ``label_column`` name the fields of the hub dataset or of a ``table`` file. Duplicates are
+    removed before splitting (``dedupe``); ``val_fraction`` of train becomes the validation
+    split used for model selection.
     """
 
     name: str = "sms_spam"
@@ -101,6 +103,10 @@ class DatasetConfig:
     text_column: str = "text"
     label_column: str = "label"
     test_fraction: float = 0.2
+    #: Share of the training examples held out for model selection (0: none; best = final).
+    val_fraction: float = 0.1
+    #: Collapse duplicate texts (after Unicode and whitespace normalisation) before splitting.
+    dedupe: bool = True
     stratify: bool = True
     min_examples_per_label: int = 1
     max_examples: int | None = None
@@ -115,6 +121,10 @@ class DatasetConfig:
             )
         if not 0.0 < self.test_fraction < 1.0:
             raise ValueError(f"dataset.test_fraction must be in (0, 1), got {self.test_fraction!r}")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(
+                f"dataset.val_fraction must be in [0, 1) (e.g. 0.1), got {self.val_fraction!r}"
+            )
         if self.min_examples_per_label < 1:
             raise ValueError(
                 f"dataset.min_examples_per_label must be >= 1, got {self.min_examples_per_label}"
