@@ -14,6 +14,7 @@ import torch
 from car_fl.centralized import run_centralized
 from car_fl.checkpoint import load_checkpoint
 from car_fl.config import settings_to_yaml
+from car_fl.selection import select_best
 from car_fl.simulation import run_simulation
 
 pytestmark = pytest.mark.slow
@@ -29,6 +30,10 @@ def base(tmp_path: Path, tiny_llama: Path, synthetic_tsv: Path) -> list[str]:
         "progress=false",
         "device=cpu",
     ]
+
+
+def rows_of(path: Path) -> list[dict[str, str]]:
+    return list(csv.DictReader(path.open()))
 
 
 def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -99,7 +104,13 @@ def test_two_client_simulation_learns_and_ships_only_trainable_tensors(
     # The encoder is loaded once per client process (for the shard's features in classifier
     # mode, for training in adapter mode), never again in later rounds.
     assert {int(float(r["encoder_loads"])) for r in rows} == {1}
-    assert sum(float(r["num_examples"]) for r in rows if r["round"] == "1") == 320
+    # Clients train on the training split only: 400 examples - 80 test - 32 validation.
+    assert sum(float(r["num_examples"]) for r in rows if r["round"] == "1") == 288
+    # The best round is chosen on validation and its checkpoint is that round's model.
+    best = select_best(history)
+    assert best is not None and metrics["summary"]["best"]["round"] == best["round"]
+    assert load_checkpoint(out / "checkpoints" / "best").round == best["round"]
+    assert {"val_top1", "test_top1"} <= set(rows_of(out / "metrics.csv")[0])
 
 
 def test_server_and_clients_resolve_the_same_configuration(base: list[str], tmp_path: Path) -> None:
