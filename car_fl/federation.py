@@ -282,6 +282,7 @@ def client_rows(stats: RoundStats) -> list[dict[str, Any]]:
                 "bytes_received": stats.bytes_received.get(node, 0),
                 "dp_active": metrics.get("dp-active"),
                 "dp_epsilon": metrics.get("dp-epsilon"),
+                "dp_releases": metrics.get("dp-releases"),
             }
         )
     return rows

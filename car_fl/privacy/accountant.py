@@ -58,3 +58,24 @@ def epsilon(releases: Mapping[float, int], delta: float) -> float:
                 dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(multiplier), count)
             )
     return float(accountant.get_epsilon(delta))
+
+
+def noise_multiplier_for(target_epsilon: float, *, releases: int, delta: float) -> float:
+    """The σ₀ (or z) whose ``releases`` rounds spend ``target_epsilon`` at δ.
+
+    Each round is one Gaussian release of multiplier σ₀/2 (fixed clipping, or the private
+    adaptive rule's update and indicator together); calibrated by dp-accounting.
+    """
+    if not target_epsilon > 0 or releases < 1:
+        raise ValueError(f"need target ε > 0 and releases >= 1, got {target_epsilon}, {releases}")
+    import dp_accounting
+    from dp_accounting.rdp import RdpAccountant
+
+    def rounds(sigma: float) -> dp_accounting.DpEvent:
+        return dp_accounting.SelfComposedDpEvent(
+            dp_accounting.GaussianDpEvent(sigma / 2.0), releases
+        )
+
+    return float(
+        dp_accounting.calibrate_dp_mechanism(RdpAccountant, rounds, target_epsilon, delta, tol=1e-6)
+    )
