@@ -20,6 +20,7 @@ from car_fl.privacy.accountant import (
     combined_multiplier,
     epsilon,
     indicator_multiplier,
+    noise_multiplier_for,
     release_multiplier,
 )
 from car_fl.privacy.adaptive import (
@@ -284,6 +285,14 @@ def test_one_release_epsilon_matches_dp_accounting_and_grows() -> None:
     assert eps == sorted(eps) and eps[0] < eps[-1]
     assert release_multiplier(noise_std=0.3, clip_bound=1.5) == pytest.approx(0.1)
     assert epsilon({}, 1e-5) == 0.0 and math.isinf(epsilon({0.0: 1}, 1e-5))
+
+
+@pytest.mark.parametrize(("target", "rounds"), [(1.0, 5), (8.0, 50)])
+def test_calibrated_noise_multiplier_spends_the_target_epsilon(target: float, rounds: int) -> None:
+    sigma = noise_multiplier_for(target, releases=rounds, delta=1e-5)
+    assert epsilon({sigma / 2: rounds}, 1e-5) == pytest.approx(target, rel=1e-4)
+    assert epsilon({sigma / 2: rounds}, 1e-5) <= target
+    assert epsilon({0.99 * sigma / 2: rounds}, 1e-5) > target
 
 
 def test_client_reports_epsilon_of_its_releases() -> None:
