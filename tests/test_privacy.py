@@ -206,8 +206,9 @@ def test_geometric_bound_tracks_the_target_quantile(sigma_b: float, c_tolerance:
 
 @pytest.mark.parametrize("decay", [0.0, 0.9])
 def test_linear_rule_follows_the_paper_on_scripted_norms_and_is_not_private(
-    decay: float, caplog: pytest.LogCaptureFixture
+    decay: float, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr("car_fl.privacy.client._WARNED", set())
     beta, gamma, c0 = 0.05, 0.9, 1.0
     p = privacy(
         "adaptive",
@@ -228,6 +229,7 @@ def test_linear_rule_follows_the_paper_on_scripted_norms_and_is_not_private(
         expected_c = (1 - beta) * expected_c + beta * gamma * ema
         assert p.state.clip == pytest.approx(expected_c, rel=1e-12)
     assert math.isinf(p.metrics()["dp-epsilon"])
+    assert "adaptive_rule=linear" in caplog.text and "not differentially private" in caplog.text
     assert smoothed_norm(None, 2.0, 0.9) == 2.0
     assert linear_clip(1.0, 2.0, rate=0.5, target=1.0) == 1.5
 
