@@ -280,7 +280,10 @@ class RoundRecorder:
 
 
 def client_rows(stats: RoundStats) -> list[dict[str, Any]]:
-    """One row per client of a round: status, examples, train metrics, bytes, seconds."""
+    """One row per client of a round: status, examples, train metrics, bytes, seconds.
+
+    Under DP a client sends no train metrics: those cells stay empty.
+    """
     rows = []
     nodes = sorted({*stats.bytes_sent, *stats.client_metrics, *stats.rejected, *stats.failed})
     for node in nodes:
@@ -306,8 +309,7 @@ def client_rows(stats: RoundStats) -> list[dict[str, Any]]:
                 "bytes_received": stats.bytes_received.get(node, 0),
                 "dp_active": metrics.get("dp-active"),
                 "dp_epsilon": metrics.get("dp-epsilon"),
-                "dp_clip": metrics.get("dp-clip"),
-                "dp_next_clip": metrics.get("dp-next-clip"),
+                "dp_releases": metrics.get("dp-releases"),
             }
         )
     return rows
