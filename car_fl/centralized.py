@@ -31,6 +31,7 @@ from car_fl.io import atomic_write_text
 from car_fl.model import CaRRetriever, build_retriever
 from car_fl.report import plot_curves, write_metrics
 from car_fl.retrieval import label_documents
+from car_fl.selection import eval_row, is_better
 from car_fl.train import evaluate, make_optimizer, prepare_for, train_epoch
 
 log = logging.getLogger(__name__)
@@ -38,17 +39,16 @@ log = logging.getLogger(__name__)
 
 def round_line(row: dict[str, Any], *, unit: str = "round") -> str:
     """The fixed-format log line of one round (or epoch)."""
+    val = (
+        f"val loss {row['val_loss']:.4f} top1 {row['val_top1']:.4f} | " if "val_top1" in row else ""
+    )
     return (
         f"{unit} {row['round']:>3d} | train loss {row.get('train_loss', float('nan')):.4f} "
-        f"acc {row.get('train_accuracy', float('nan')):.4f} | test loss {row['test_loss']:.4f} "
-        f"top1 {row['test_top1']:.4f} | {row['seconds']:.1f}s | "
+        f"acc {row.get('train_accuracy', float('nan')):.4f} | {val}"
+        f"test loss {row['test_loss']:.4f} top1 {row['test_top1']:.4f} | {row['seconds']:.1f}s | "
         f"sent {row.get('bytes_sent', 0):,} B recv {row.get('bytes_received', 0):,} B"
         + (f" | ε {row['epsilon']:.4g}" if row.get("dp_active") else "")
     )
-
-
-def test_row(metrics: dict[str, float]) -> dict[str, float]:
-    return {f"test_{k}": v for k, v in metrics.items()}
 
 
 def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any]:
@@ -79,10 +79,29 @@ def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any
         get_model=lambda: model,
         desc="test features",
     )
+    val_data = (
+        prepare_for(
+            settings,
+            splits.validation["text"],
+            splits.validation["label"],
+            get_model=lambda: model,
+            desc="validation features",
+        )
+        if len(splits.validation)
+        else None
+    )
     if model.kind is HeadKind.KNN:
         assert train_data.features is not None
         model.set_memory(train_data.features, train_data.labels)
     feature_seconds = time.perf_counter() - start
+
+    def evaluate_splits() -> dict[str, float]:
+        """Validation (model selection) and test (reporting) metrics of the current model."""
+        batch, top_k = settings.train.eval_batch_size, settings.eval.top_k
+        return eval_row(
+            evaluate(model, val_data, batch_size=batch, top_k=top_k) if val_data else None,
+            evaluate(model, test_data, batch_size=batch, top_k=top_k),
+        )
 
     # Epochs (none for MIPS on the frozen encoder and kNN: one evaluation)
     history: list[dict[str, Any]] = []
@@ -91,17 +110,14 @@ def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any
     epochs = 0 if trains_nothing(settings) else settings.train.epochs
     if epochs == 0:
         tick = time.perf_counter()
-        metrics = evaluate(
-            model, test_data, batch_size=settings.train.eval_batch_size, top_k=settings.eval.top_k
-        )
-        best = {"round": 0, "epochs": 0, **test_row(metrics)}
+        best = {"round": 0, "epochs": 0, **evaluate_splits()}
         best.update(seconds=time.perf_counter() - tick, bytes_sent=0, bytes_received=0)
         history.append(best)
         log.info(
             "%s (nothing to train): test top1 %.4f mrr %.4f",
             model.kind.value,
-            metrics["top1"],
-            metrics["mrr"],
+            best["test_top1"],
+            best["test_mrr"],
         )
     else:
         optimizer = make_optimizer(model, settings.train)
@@ -117,22 +133,19 @@ def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any
             progress=settings.progress,
             desc=f"epoch {epoch + 1}",
         )
-        metrics = evaluate(
-            model, test_data, batch_size=settings.train.eval_batch_size, top_k=settings.eval.top_k
-        )
         row: dict[str, Any] = {
             "round": epoch + 1,
             "epochs": epoch + 1,
             "train_loss": result.loss,
             "train_accuracy": result.accuracy,
-            **test_row(metrics),
+            **evaluate_splits(),
             "seconds": time.perf_counter() - tick,
             "bytes_sent": 0,
             "bytes_received": 0,
         }
         history.append(row)
         log.info(round_line(row, unit="epoch"))
-        if best is None or row["test_top1"] > best["test_top1"]:
+        if is_better(row, best):  # on validation, never on test
             best = row
             save_checkpoint(ckpt_dir / "best", _checkpoint(model, splits.label_map, settings, row))
 
@@ -152,14 +165,16 @@ def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any
         "total_seconds": time.perf_counter() - start,
         "train_examples": len(train_data),
         "test_examples": len(test_data),
+        "selection": "validation" if val_data else "final (no validation split)",
+        "data": splits.stats,
     }
     write_metrics(out, kind="centralized", history=history, summary=summary)
     plot_curves(out, history, title=f"centralised {settings.dataset.name}", x_label="epoch")
     log.info(
-        "final test top1 %.4f (best %.4f after epoch %d); results in %s",
+        "final test top1 %.4f; best on validation after epoch %d: test top1 %.4f; results in %s",
         final["test_top1"],
-        best["test_top1"],
         best["round"],
+        best["test_top1"],
         out,
     )
     return summary

@@ -166,8 +166,10 @@ def train_round(
     """E local epochs from the global state, then local DP if configured.
 
     Returns what the client sends (never an un-noised update once DP is active) and the reply
-    metrics. ``node_state`` is Flower's persistent per-node state; the DP state lives there.
-    ``labels`` is the server's global label map.
+    metrics: once DP is active they hold nothing data-dependent besides ``num-examples`` and
+    ε; the train loss, accuracy and seconds go to the client's own log only. ``node_state``
+    is Flower's persistent per-node state; the DP state lives there. ``labels`` is the
+    server's global label map.
     """
     if settings.dp.mode == "record":  # record-level DP-SGD: its own round
         from car_fl.privacy.record_client import train_round_record
@@ -201,11 +203,24 @@ def train_round(
     if private and not per_step:
         state = privacy.release(global_state, state, server_round=server_round)
     node_state[STATE_KEY] = privacy.state.to_record()
-    metrics: dict[str, int | float] = {
-        "num-examples": len(data),
+    train_metrics = {
         "train-loss": result.loss,
         "train-accuracy": result.accuracy,
         "train-seconds": time.perf_counter() - tick,
+    }
+    log.info(
+        "client %d round %d: train loss %.4f acc %.4f, %.1fs%s",
+        node.partition_id,
+        server_round,
+        result.loss,
+        result.accuracy,
+        train_metrics["train-seconds"],
+        " (local only: not sent under DP)" if private else "",
+    )
+    metrics: dict[str, int | float] = {
+        "num-examples": len(data),
+        # Under DP only private values leave: no train metrics (timing is a side channel too)
+        **({} if private else train_metrics),
         "partition-id": node.partition_id,
         "encoder-loads": encoder_module.LOAD_COUNT,
         "torch-threads": torch.get_num_threads(),
@@ -224,9 +239,5 @@ def load_privacy(settings: Settings, node: NodeInfo, node_state: RecordDict) -> 
         else ClientPrivacy.initial_state(settings.dp)
     )
     return ClientPrivacy(
-        settings.dp,
-        num_clients=settings.fl.clients,
-        seed=settings.seed,
-        client=node.partition_id,
-        state=state,
+        settings.dp, num_clients=settings.fl.clients, client=node.partition_id, state=state
     )

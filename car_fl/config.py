@@ -93,7 +93,9 @@ class DatasetConfig:
     """Where the examples come from and how they are split.
 
     ``path`` (a local file or folder) takes precedence over ``hub_id``. ``text_column`` and
-    ``label_column`` name the fields of the hub dataset or of a ``table`` file.
+    ``label_column`` name the fields of the hub dataset or of a ``table`` file. Duplicates are
+    removed before splitting (``dedupe``); ``val_fraction`` of train becomes the validation
+    split used for model selection.
     """
 
     name: str = "sms_spam"
@@ -105,6 +107,10 @@ class DatasetConfig:
     text_column: str = "text"
     label_column: str = "label"
     test_fraction: float = 0.2
+    #: Share of the training examples held out for model selection (0: none; best = final).
+    val_fraction: float = 0.1
+    #: Collapse duplicate texts (after Unicode and whitespace normalisation) before splitting.
+    dedupe: bool = True
     stratify: bool = True
     min_examples_per_label: int = 1
     max_examples: int | None = None
@@ -119,6 +125,10 @@ class DatasetConfig:
             )
         if not 0.0 < self.test_fraction < 1.0:
             raise ValueError(f"dataset.test_fraction must be in (0, 1), got {self.test_fraction!r}")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(
+                f"dataset.val_fraction must be in [0, 1) (e.g. 0.1), got {self.val_fraction!r}"
+            )
         if self.min_examples_per_label < 1:
             raise ValueError(
                 f"dataset.min_examples_per_label must be >= 1, got {self.min_examples_per_label}"
@@ -281,6 +291,12 @@ class DPConfig:
     target_quantile: float = 0.9
     ema_decay: float = 0.0
     noise_rule: str = "mechanism"
+    #: geometric: private (Andrew et al. 2021); linear: the paper's rule, not private (ε = ∞).
+    adaptive_rule: str = "geometric"
+    #: η_C, the geometric rule's step on log Cᵢ.
+    clip_lr: float = 0.2
+    #: σ_b, noise std of the clipped-indicator; null: the paper's m/20 (m = fl.clients).
+    count_noise: float | None = None
 
     # --- record-level DP-SGD (dp=record): clip = per-example C, noise_multiplier = σ (unless
     # target_epsilon calibrates it), delta = δ; see car_fl.privacy.record_accounting
@@ -291,6 +307,15 @@ class DPConfig:
         _one_of("dp.mode", self.mode, [m.value for m in DPMode])
         _one_of("dp.granularity", self.granularity, ("round", "step"))
         _one_of("dp.noise_rule", self.noise_rule, ("mechanism", "bound"))
+        _one_of("dp.adaptive_rule", self.adaptive_rule, ("geometric", "linear"))
+        _positive("dp.clip_lr (η_C)", self.clip_lr)
+        if self.count_noise is not None:
+            _positive("dp.count_noise (σ_b)", self.count_noise)
+        if self.mode == DPMode.ADAPTIVE and self.adaptive_rule == "geometric" and self.ema_decay:
+            raise ValueError(
+                f"dp.ema_decay={self.ema_decay} smooths the raw norms of the non-private linear "
+                "rule only; set dp.ema_decay=0 (or dp.adaptive_rule=linear)"
+            )
         if not self.clip > 0:
             raise ValueError(f"dp.clip (the clipping bound C) must be > 0, got {self.clip}")
         if self.noise_multiplier < 0:
@@ -372,9 +397,19 @@ class Settings:
                 "mode=classifier (kNN over the frozen encoder's embeddings)"
             )
         if self.dp.mode == DPMode.ADAPTIVE:
-            from car_fl.privacy.mechanism import update_noise_multiplier
-
-            update_noise_multiplier(self.dp.noise_multiplier, self.fl.clients)
+            z, m = self.dp.noise_multiplier, self.fl.clients
+            sigma_b = self.dp.count_noise if self.dp.count_noise is not None else m / 20
+            if not z < 2 * sigma_b:
+                where = (
+                    f"dp.count_noise = {sigma_b:g}"
+                    if self.dp.count_noise is not None
+                    else f"m/20 with m = fl.clients = {m}"
+                )
+                raise ValueError(
+                    f"adaptive DP needs dp.noise_multiplier z < 2·σ_b = {2 * sigma_b:g} "
+                    f"(σ_b = {where}), got z = {z:g}; lower dp.noise_multiplier or raise "
+                    f"dp.count_noise above {z / 2:g}"
+                )
         if self.dp.mode == DPMode.RECORD:  # calibrates σ (cached): an unreachable ε fails here
             from car_fl.privacy.record_accounting import record_plan
 

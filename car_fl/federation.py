@@ -20,7 +20,7 @@ from typing import Any
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 
-from car_fl.centralized import round_line, test_row
+from car_fl.centralized import round_line
 from car_fl.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from car_fl.config import (
     Settings,
@@ -36,6 +36,7 @@ from car_fl.model import CaRRetriever, build_retriever
 from car_fl.records import from_record, to_record
 from car_fl.report import CLIENTS_CSV, plot_curves, write_csv, write_metrics
 from car_fl.retrieval import label_documents
+from car_fl.selection import eval_row, is_better, select_best
 from car_fl.strategy import CaRFedAvg, RoundStats
 from car_fl.train import LocalData, evaluate, prepare_for
 
@@ -67,14 +68,21 @@ def wait_for_nodes(grid: Grid, expected: int, *, timeout: float, poll: float = 0
 
 @dataclass
 class ServerEvaluator:
-    """The global model's evaluation on the held-out split, on the server."""
+    """The global model's evaluation on the server, which holds validation and test.
+
+    Clients' shards come from the training split only; validation selects the best round,
+    test is reported.
+    """
 
     settings: Settings
     label_map: LabelMap
     test: LocalData
     model: CaRRetriever
+    validation: LocalData | None = None
     #: Examples in each client's shard of this run (partition id → count), the reply cap.
     shard_sizes: dict[int, int] = field(default_factory=dict)
+    #: Split sizes and the duplicates removed before splitting.
+    data_stats: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def build(cls, settings: Settings) -> ServerEvaluator:
@@ -94,6 +102,17 @@ class ServerEvaluator:
             splits.test["label"],
             get_model=get_model,
             desc="server test features",
+        )
+        validation = (
+            prepare_for(
+                settings,
+                splits.validation["text"],
+                splits.validation["label"],
+                get_model=get_model,
+                desc="server validation features",
+            )
+            if len(splits.validation)
+            else None
         )
         if "model" in holder:
             model = holder["model"]
@@ -119,17 +138,21 @@ class ServerEvaluator:
             settings=settings,
             label_map=splits.label_map,
             test=test,
+            validation=validation,
             model=model,
             shard_sizes=shard_sizes,
+            data_stats=splits.stats,
         )
 
     def __call__(self, arrays: ArrayRecord) -> dict[str, float]:
+        """``val_*`` and ``test_*`` metrics of the global model ``arrays``."""
         self.model.load_trainable_state_dict(from_record(arrays))
-        return evaluate(
-            self.model,
-            self.test,
-            batch_size=self.settings.train.eval_batch_size,
-            top_k=self.settings.eval.top_k,
+        batch, top_k = self.settings.train.eval_batch_size, self.settings.eval.top_k
+        return eval_row(
+            evaluate(self.model, self.validation, batch_size=batch, top_k=top_k)
+            if self.validation is not None
+            else None,
+            evaluate(self.model, self.test, batch_size=batch, top_k=top_k),
         )
 
 
@@ -158,8 +181,8 @@ class RoundRecorder:
             log.info(
                 "resumed after round %d: test loss %.4f top1 %.4f",
                 self.round_offset,
-                metrics["loss"],
-                metrics["top1"],
+                metrics["test_loss"],
+                metrics["test_top1"],
             )
             return MetricRecord({k: float(v) for k, v in metrics.items()})
         server_round += self.round_offset
@@ -167,8 +190,8 @@ class RoundRecorder:
             self.initial = metrics
             log.info(
                 "round   0 | initial global model: test loss %.4f top1 %.4f",
-                metrics["loss"],
-                metrics["top1"],
+                metrics["test_loss"],
+                metrics["test_top1"],
             )
             return MetricRecord({k: float(v) for k, v in metrics.items()})
         stats = self.strategy.history[-1]
@@ -177,7 +200,7 @@ class RoundRecorder:
             "epochs": server_round * self.settings.fl.local_epochs,
             "train_loss": stats.weighted("train-loss"),
             "train_accuracy": stats.weighted("train-accuracy"),
-            **test_row(metrics),
+            **metrics,
             "seconds": time.perf_counter() - stats.started,
             "bytes_sent": sum(stats.bytes_sent.values()),
             "bytes_received": sum(stats.bytes_received.values()),
@@ -205,7 +228,7 @@ class RoundRecorder:
             epsilon=row["epsilon"],
         )
         save_checkpoint(self.output_dir / "checkpoints" / f"round-{server_round:03d}", checkpoint)
-        if self.best is None or row["test_top1"] > self.best["test_top1"]:
+        if is_better(row, self.best):  # on validation, never on test
             self.best = row
             save_checkpoint(self.output_dir / "checkpoints" / "best", checkpoint)
         self.write(final=False)
@@ -225,6 +248,10 @@ class RoundRecorder:
             "best": self.best,
             "total_seconds": time.perf_counter() - self.started,
             "test_examples": len(self.evaluator.test),
+            "selection": "validation"
+            if self.evaluator.validation is not None
+            else "final (no validation split)",
+            "data": self.evaluator.data_stats,
             "skipped_rounds": [r["round"] for r in self.history if r["skipped"]],
             "dp": self.settings.dp.mode,
             "delta": self.settings.dp.delta,
@@ -261,7 +288,10 @@ class RoundRecorder:
 
 
 def client_rows(stats: RoundStats) -> list[dict[str, Any]]:
-    """One row per client of a round: status, examples, train metrics, bytes, seconds."""
+    """One row per client of a round: status, examples, train metrics, bytes, seconds.
+
+    Under DP a client sends no train metrics: those cells stay empty.
+    """
     rows = []
     nodes = sorted({*stats.bytes_sent, *stats.client_metrics, *stats.rejected, *stats.failed})
     for node in nodes:
@@ -287,8 +317,7 @@ def client_rows(stats: RoundStats) -> list[dict[str, Any]]:
                 "bytes_received": stats.bytes_received.get(node, 0),
                 "dp_active": metrics.get("dp-active"),
                 "dp_epsilon": metrics.get("dp-epsilon"),
-                "dp_clip": metrics.get("dp-clip"),
-                "dp_next_clip": metrics.get("dp-next-clip"),
+                "dp_releases": metrics.get("dp-releases"),
                 "dp_noise_multiplier": metrics.get("dp-noise-multiplier"),
                 "dp_sample_rate": metrics.get("dp-sample-rate"),
                 "dp_steps": metrics.get("dp-steps"),
@@ -414,7 +443,7 @@ def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
         initial = point.arrays
         recorder.history, recorder.client_rows = point.history, point.client_rows
         recorder.initial = point.initial
-        recorder.best = max(point.history, key=lambda r: r["test_top1"], default=None)
+        recorder.best = dict(select_best(point.history) or {}) or None
         recorder.last_epsilon = max(
             (float(r.get("epsilon", 0)) for r in point.history), default=0.0
         )
@@ -452,10 +481,10 @@ def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
             f"see the errors above (results in {output_dir})"
         )
     log.info(
-        "final test top1 %.4f (best %.4f in round %d); results in %s",
+        "final test top1 %.4f; best on validation in round %d: test top1 %.4f; results in %s",
         summary["final"]["test_top1"],
-        summary["best"]["test_top1"],
         summary["best"]["round"],
+        summary["best"]["test_top1"],
         output_dir,
     )
     return summary

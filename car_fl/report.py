@@ -56,11 +56,16 @@ def plot_curves(
 
     x = [row["round"] for row in history]
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
-    for key, label in (("train_loss", "train loss"), ("test_loss", "test loss")):
+    for key, label in (
+        ("train_loss", "train loss"),
+        ("val_loss", "validation loss"),
+        ("test_loss", "test loss"),
+    ):
         values = [row.get(key) for row in history]
         if any(v is not None for v in values):
             ax_loss.plot(x, values, marker="o", label=label)
-    acc_keys = [k for k in history[-1] if k.startswith("test_top")]
+    acc_keys = [k for k in ("val_top1",) if k in history[-1]]
+    acc_keys += [k for k in history[-1] if k.startswith("test_top")]
     for key in acc_keys + (["train_accuracy"] if "train_accuracy" in history[-1] else []):
         ax_acc.plot(x, [row.get(key) for row in history], marker="o", label=key)
     ax_loss.set(xlabel=x_label, ylabel="cross-entropy", title=f"{title}: loss")

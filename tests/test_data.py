@@ -136,7 +136,7 @@ def test_load_splits_uses_the_given_test_file_and_one_label_map(tmp_path: Path) 
     )
     splits = load_splits(cfg, seed=0)
     assert splits.label_map.to_list() == ["Business", "Sports", "World"]
-    assert len(splits.train) == 3 and len(splits.test) == 2
+    assert len(splits.train) + len(splits.validation) == 3 and len(splits.test) == 2
 
 
 def test_hub_dataset_offline_error_says_how_to_use_a_local_file() -> None:
@@ -146,7 +146,7 @@ def test_hub_dataset_offline_error_says_how_to_use_a_local_file() -> None:
 
 
 def test_min_examples_per_label_drops_rare_labels(tmp_path: Path) -> None:
-    rows = ["a\tx"] * 5 + ["b\ty"] * 5 + ["c\tz"]
+    rows = [f"a\tx{i}" for i in range(5)] + [f"b\ty{i}" for i in range(5)] + ["c\tz"]
     path = write(tmp_path / "d.tsv", "\n".join(rows) + "\n")
     cfg = DatasetConfig(name="d", hub_id=None, path=str(path), min_examples_per_label=2)
     assert load_splits(cfg, seed=0).label_map.to_list() == ["a", "b"]

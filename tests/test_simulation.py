@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import csv
-import itertools
 import json
+import math
 import os
 from pathlib import Path
 
@@ -14,6 +14,8 @@ import torch
 from car_fl.centralized import run_centralized
 from car_fl.checkpoint import load_checkpoint
 from car_fl.config import settings_to_yaml
+from car_fl.privacy.accountant import epsilon
+from car_fl.selection import select_best
 from car_fl.simulation import run_simulation
 
 pytestmark = pytest.mark.slow
@@ -29,6 +31,10 @@ def base(tmp_path: Path, tiny_llama: Path, synthetic_tsv: Path) -> list[str]:
         "progress=false",
         "device=cpu",
     ]
+
+
+def rows_of(path: Path) -> list[dict[str, str]]:
+    return list(csv.DictReader(path.open()))
 
 
 def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -77,7 +83,7 @@ def test_two_client_simulation_learns_and_ships_only_trainable_tensors(
     )
     history = metrics["history"]
     assert [r["round"] for r in history] == list(range(1, rounds + 1))
-    assert history[-1]["test_top1"] > metrics["summary"]["initial"]["top1"] + 0.2
+    assert history[-1]["test_top1"] > metrics["summary"]["initial"]["test_top1"] + 0.2
     assert history[-1]["test_top1"] >= 0.75
     # Results people can read, and the resolved config the clients agreed on.
     for name in ("config.yaml", "metrics.csv", "clients.csv", "curves.png"):
@@ -99,7 +105,13 @@ def test_two_client_simulation_learns_and_ships_only_trainable_tensors(
     # The encoder is loaded once per client process (for the shard's features in classifier
     # mode, for training in adapter mode), never again in later rounds.
     assert {int(float(r["encoder_loads"])) for r in rows} == {1}
-    assert sum(float(r["num_examples"]) for r in rows if r["round"] == "1") == 320
+    # Clients train on the training split only: 400 examples - 80 test - 32 validation.
+    assert sum(float(r["num_examples"]) for r in rows if r["round"] == "1") == 288
+    # The best round is chosen on validation and its checkpoint is that round's model.
+    best = select_best(history)
+    assert best is not None and metrics["summary"]["best"]["round"] == best["round"]
+    assert load_checkpoint(out / "checkpoints" / "best").round == best["round"]
+    assert {"val_top1", "test_top1"} <= set(rows_of(out / "metrics.csv")[0])
 
 
 def test_server_and_clients_resolve_the_same_configuration(base: list[str], tmp_path: Path) -> None:
@@ -126,7 +138,7 @@ def test_client_count_mismatch_fails_with_instructions(base: list[str], tmp_path
         run_simulation([*base, f"output_dir={tmp_path / 'fl'}"], num_supernodes=3)
 
 
-def test_adaptive_dp_simulation_reports_epsilon_and_keeps_each_clients_bound(
+def test_adaptive_dp_simulation_reports_epsilon_and_keeps_each_clients_state(
     base: list[str], tmp_path: Path
 ) -> None:
     out = tmp_path / "fl"
@@ -135,21 +147,23 @@ def test_adaptive_dp_simulation_reports_epsilon_and_keeps_each_clients_bound(
     )
     history = metrics["history"]
     eps = [row["epsilon"] for row in history]
-    assert all(e > 0 for e in eps) and eps == sorted(eps) and eps[0] < eps[-1]
+    # z = 0.1: update and clipped-indicator together cost one Gaussian of multiplier z/2 a round.
+    assert eps == pytest.approx([epsilon({0.05: r}, 1e-5) for r in (1, 2, 3)], rel=1e-6)
     assert metrics["summary"]["epsilon"] == eps[-1]
     assert load_checkpoint(out / "checkpoints" / "final").epsilon == eps[-1]
+    # Under DP no train metric reaches the server.
+    assert all(math.isnan(row["train_loss"]) for row in history)
     rows = list(csv.DictReader((out / "clients.csv").open()))
     by_client: dict[str, list[dict[str, str]]] = {}
     for row in rows:
         by_client.setdefault(row["partition_id"], []).append(row)
+        assert row["train_loss"] == row["train_accuracy"] == row["train_seconds"] == ""
+        assert "dp_clip" not in row
     assert len(by_client) == 2
     for client_rows in by_client.values():
+        # The DP state persists in the node's state: releases (and C_i) carry over rounds.
         client_rows.sort(key=lambda r: int(r["round"]))
-        # C_i persists in the node's state: round r+1 clips with the bound round r computed.
-        assert float(client_rows[0]["dp_clip"]) == 1.0
-        for prev, cur in itertools.pairwise(client_rows):
-            assert float(cur["dp_clip"]) == pytest.approx(float(prev["dp_next_clip"]))
-        assert float(client_rows[-1]["dp_clip"]) != 1.0
+        assert [float(r["dp_releases"]) for r in client_rows] == [1.0, 2.0, 3.0]
 
 
 @pytest.mark.parametrize("dp", ["none", "adaptive"])

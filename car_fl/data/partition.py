@@ -1,7 +1,11 @@
 """Client shards: IID or Dirichlet(α) non-IID, with flwr-datasets partitioners.
 
-Partitioning happens after the global label map and the train/test split are fixed, so every
-shard shares one label map. Each example lands in exactly one shard.
+Partitioning happens after the global label map and the train/validation/test split are
+fixed, so every shard shares one label map and holds training examples only. Each example
+lands in exactly one shard. IID shards are random: flwr-datasets' ``IidPartitioner`` cuts
+contiguous slices, so it runs over a seeded shuffle of the indices (a file sorted by date or
+label would otherwise give each client a different slice of time or of labels); each shard
+keeps its examples in file order, so a single shard is the training split itself.
 """
 
 from __future__ import annotations
@@ -55,8 +59,22 @@ def partition(
         )
     if num_partitions > len(dataset):
         raise ValueError(f"cannot split {len(dataset)} examples into {num_partitions} partitions")
+    if scheme == "iid":
+        return dataset.select(
+            iid_indices(
+                len(dataset), partition_id=partition_id, num_partitions=num_partitions, seed=seed
+            )
+        )
     partitioner = make_partitioner(
         num_partitions=num_partitions, scheme=scheme, alpha=alpha, seed=seed
     )
     partitioner.dataset = dataset
     return partitioner.load_partition(partition_id)
+
+
+def iid_indices(n: int, *, partition_id: int, num_partitions: int, seed: int) -> list[int]:
+    """The example indices of IID shard ``partition_id``: a slice of a seeded permutation."""
+    shuffled = Dataset.from_dict({"index": list(range(n))}).shuffle(seed=seed)
+    partitioner = make_partitioner(num_partitions=num_partitions, scheme="iid")
+    partitioner.dataset = shuffled
+    return sorted(int(i) for i in partitioner.load_partition(partition_id)["index"])

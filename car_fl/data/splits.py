@@ -1,7 +1,9 @@
-"""Loading a configured dataset into one label map and a seeded train/test split.
+"""Loading a configured dataset into one label map and seeded train/validation/test splits.
 
-The label map is fixed here, before any partitioning, from the whole dataset (train and test);
-every client derives the same one from the same configuration.
+Duplicate texts are collapsed before anything is split (:mod:`car_fl.data.dedupe`), so no
+normalised text is in two splits. The validation split is carved from train: model selection
+uses it, test is only reported. The label map is fixed here, before any partitioning, from the
+whole dataset; every client derives the same one from the same configuration.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import numpy as np
 from datasets import ClassLabel, Dataset
 
 from car_fl.config import DatasetConfig, Reader
+from car_fl.data.dedupe import DedupeStats, dedupe, drop_texts_in
 from car_fl.data.labels import LabelMap
 from car_fl.data.readers import (
     DataFormatError,
@@ -30,11 +33,17 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class DataSplits:
-    """Train and test sets as ``datasets.Dataset`` with columns ``text`` (str), ``label`` (int)."""
+    """Train, validation and test sets as ``datasets.Dataset`` (``text`` str, ``label`` int).
+
+    Clients' shards come from ``train`` only; ``validation`` (for model selection) and ``test``
+    (for reporting) stay with whoever evaluates. ``stats`` counts what was removed and kept.
+    """
 
     train: Dataset
+    validation: Dataset
     test: Dataset
     label_map: LabelMap
+    stats: dict[str, int]
 
 
 def read_local(cfg: DatasetConfig, path: str | Path) -> list[Example]:
@@ -120,7 +129,11 @@ def load_examples(cfg: DatasetConfig, label_map: LabelMap) -> Dataset:
     """Every example of the local file ``cfg.path`` (a client's own shard), unsplit."""
     if cfg.path is None:
         raise ValueError("a pre-sharded node needs its shard file: --node-config data-path=...")
-    return _to_dataset(read_local(cfg, cfg.path), label_map, str(cfg.path))
+    examples = read_local(cfg, cfg.path)
+    if cfg.dedupe:
+        examples, removed = dedupe(examples)
+        log.info("shard %s: duplicates removed: %s", cfg.path, removed.as_dict())
+    return _to_dataset(examples, label_map, str(cfg.path))
 
 
 def _to_dataset(examples: list[Example], label_map: LabelMap, source: str) -> Dataset:
@@ -133,7 +146,7 @@ def _to_dataset(examples: list[Example], label_map: LabelMap, source: str) -> Da
 
 
 def load_splits(cfg: DatasetConfig, *, seed: int, label_map: LabelMap | None = None) -> DataSplits:
-    """Read the configured dataset, fix the label map, split it (seeded).
+    """Read the configured dataset, remove duplicates, fix the label map, split it (seeded).
 
     With ``label_map`` (the server's, on a client) that map is used, and a label it does not
     know raises a ``ValueError`` naming it.
@@ -150,6 +163,13 @@ def load_splits(cfg: DatasetConfig, *, seed: int, label_map: LabelMap | None = N
         test = per_split.get("test")
         source = str(cfg.hub_id)
 
+    removed = DedupeStats()
+    if cfg.dedupe:  # before splitting, so that no text can land in two splits
+        train, removed = dedupe(train)
+        if test is not None:
+            test, test_removed = dedupe(test)
+            train, removed.test_overlap_removed = drop_texts_in(train, test)
+            removed = removed + test_removed
     train = _filter_rare(_subsample(train, cfg.max_examples, seed), cfg.min_examples_per_label)
     if test is not None:
         limit = None if cfg.max_examples is None else max(1, round(cfg.max_examples / 4))
@@ -177,16 +197,36 @@ def load_splits(cfg: DatasetConfig, *, seed: int, label_map: LabelMap | None = N
             ids, test_fraction=cfg.test_fraction, seed=seed, stratify=cfg.stratify
         )
         train, test = [train[i] for i in train_idx], [train[i] for i in test_idx]
+    validation: list[Example] = []
+    if cfg.val_fraction > 0:  # carved from train, with a seed of its own
+        ids = label_map.encode([e.label for e in train], source=source)
+        train_idx, val_idx = stratified_split(
+            ids, test_fraction=cfg.val_fraction, seed=seed + 2, stratify=cfg.stratify
+        )
+        train, validation = [train[i] for i in train_idx], [train[i] for i in val_idx]
 
+    stats = {
+        "train_examples": len(train),
+        "validation_examples": len(validation),
+        "test_examples": len(test),
+        **removed.as_dict(),
+    }
     log.info(
-        "dataset %s: %d train, %d test examples, %d labels",
+        "dataset %s: %d train, %d validation, %d test examples, %d labels; duplicates removed: "
+        "%d copies, %d with conflicting labels, %d training texts also in the test file",
         cfg.name,
         len(train),
+        len(validation),
         len(test),
         len(label_map),
+        removed.duplicates_removed,
+        removed.conflicting_removed,
+        removed.test_overlap_removed,
     )
     return DataSplits(
         train=_to_dataset(train, label_map, source),
+        validation=_to_dataset(validation, label_map, source),
         test=_to_dataset(test, label_map, source),
         label_map=label_map,
+        stats=stats,
     )

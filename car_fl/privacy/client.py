@@ -1,8 +1,10 @@
 """One client's local DP: its state across rounds, each release, and the ε it has spent.
 
-The state (clipping bound Cᵢ, the EMA of update norms, the releases made so far) lives in
-Flower's persistent per-node ``context.state`` as a ``MetricRecord``, so it survives rounds in
-simulation and in deployment. Nothing un-noised leaves the client once DP is active.
+The state (clipping bound Cᵢ, the EMA of update norms for the linear rule, the releases made
+so far) lives in Flower's persistent per-node ``context.state`` as a ``MetricRecord``, so it
+survives rounds in simulation and in deployment. Nothing un-noised leaves the client once DP
+is active: :meth:`ClientPrivacy.metrics` holds only ε and the public count of releases, and
+all noise comes from OS entropy.
 """
 
 from __future__ import annotations
@@ -15,23 +17,30 @@ import torch
 from flwr.app import MetricRecord
 
 from car_fl.config import DPConfig, DPMode
-from car_fl.privacy.accountant import epsilon, release_multiplier
-from car_fl.privacy.mechanism import (
-    State,
+from car_fl.privacy.accountant import (
+    combined_multiplier,
+    epsilon,
+    indicator_multiplier,
+    release_multiplier,
+)
+from car_fl.privacy.adaptive import (
+    AdaptiveRule,
     bound_noise_std,
-    check_finite,
-    difference,
-    flat_norm,
-    next_clip,
-    noise_generator,
-    privatize,
+    clipped_indicator,
+    geometric_clip,
+    linear_clip,
+    paper_sigma_b,
     smoothed_norm,
     update_noise_multiplier,
 )
+from car_fl.privacy.mechanism import State, check_finite, difference, flat_norm, privatize
+from car_fl.privacy.noise import gaussian_like
 
 log = logging.getLogger(__name__)
 
 STATE_KEY = "dp-state"
+
+_WARNED: set[str] = set()
 
 
 class PrivacyBudgetExhausted(RuntimeError):
@@ -69,23 +78,55 @@ class DPState:
         )
 
 
+def sigma_b(cfg: DPConfig, num_clients: int) -> float:
+    """σ_b: ``dp.count_noise``, or the paper's m/20 when it is null."""
+    return cfg.count_noise if cfg.count_noise is not None else paper_sigma_b(num_clients)
+
+
+def non_private_reason(cfg: DPConfig) -> str | None:
+    """Why this configuration's releases are not differentially private, or None."""
+    if DPMode(cfg.mode) is not DPMode.ADAPTIVE:
+        return None
+    if AdaptiveRule(cfg.adaptive_rule) is AdaptiveRule.LINEAR:
+        return "dp.adaptive_rule=linear moves the clipping bound with the raw update norm"
+    if cfg.noise_rule == "bound":
+        return "dp.noise_rule=bound sets the noise from the raw update norm"
+    return None
+
+
 class ClientPrivacy:
-    """Clips and noises one client's releases and accounts for them."""
+    """Clips and noises one client's releases, adapts its bound, and accounts for them.
+
+    ``generator`` is test-only: a ``torch.Generator`` that replaces the OS-entropy noise so a
+    test can know exact values. Runs never pass one, and nothing in the run configuration
+    can set it.
+    """
 
     def __init__(
-        self, cfg: DPConfig, *, num_clients: int, seed: int, client: int, state: DPState
+        self,
+        cfg: DPConfig,
+        *,
+        num_clients: int,
+        client: int,
+        state: DPState,
+        generator: torch.Generator | None = None,
     ) -> None:
         self.cfg = cfg
         self.mode = DPMode(cfg.mode)
-        self.seed = seed
         self.client = client
         self.state = state
+        self.generator = generator
+        self.rule = AdaptiveRule(cfg.adaptive_rule)
+        self.sigma_b = sigma_b(cfg, num_clients)
         self.z_delta = (
-            update_noise_multiplier(cfg.noise_multiplier, num_clients)
+            update_noise_multiplier(cfg.noise_multiplier, self.sigma_b)
             if self.mode is DPMode.ADAPTIVE
             else None
         )
-        self.last_clip = state.clip
+        self.not_private = non_private_reason(cfg)
+        if self.not_private and self.not_private not in _WARNED:
+            _WARNED.add(self.not_private)
+            log.warning("%s: not differentially private, ε is reported as inf", self.not_private)
 
     @classmethod
     def initial_state(cls, cfg: DPConfig) -> DPState:
@@ -97,6 +138,8 @@ class ClientPrivacy:
 
     def noise_std(self, norm: float) -> float:
         """Standard deviation of this release's noise, with the current bound."""
+        if self.cfg.noise_multiplier == 0:  # also with C = ∞, where 0·C would be NaN
+            return 0.0
         if self.mode is DPMode.FIXED:
             return self.cfg.noise_multiplier * self.cfg.clip
         assert self.z_delta is not None
@@ -109,6 +152,15 @@ class ClientPrivacy:
                 target=self.cfg.target_quantile,
             )
         return self.z_delta * self.state.clip
+
+    def multiplier(self, std: float, bound: float) -> float:
+        """The noise multiplier this release is accounted as; 0 (ε = ∞) when not private."""
+        if self.not_private:
+            return 0.0
+        update = release_multiplier(std, bound)
+        if self.mode is DPMode.ADAPTIVE:  # the geometric rule also releases b̃ᵢ
+            return combined_multiplier(update, indicator_multiplier(self.sigma_b))
+        return update
 
     def epsilon(self) -> float:
         return epsilon(self.state.releases, self.cfg.delta)
@@ -123,8 +175,8 @@ class ClientPrivacy:
         bound = self.state.clip
         norm = flat_norm(delta)
         std = self.noise_std(norm)
-        multiplier = release_multiplier(std, bound)
         planned = dict(self.state.releases)
+        multiplier = self.multiplier(std, bound)
         planned[multiplier] = planned.get(multiplier, 0) + 1
         if self.cfg.target_epsilon is not None:
             would = epsilon(planned, self.cfg.delta)
@@ -133,38 +185,50 @@ class ClientPrivacy:
                     f"{who} stops contributing: its next release would bring ε to {would:.4g} "
                     f"> dp.target_epsilon = {self.cfg.target_epsilon:g} (δ = {self.cfg.delta:g})"
                 )
-        generator = noise_generator(
-            seed=self.seed, client=self.client, round=server_round, step=step
-        )
         released, _ = privatize(
-            before, after, bound=bound, std=std, generator=generator, delta=delta
+            before, after, bound=bound, std=std, generator=self.generator, delta=delta
         )
         self.state.releases = planned
-        self.last_clip = bound
         if self.mode is DPMode.ADAPTIVE:
-            self.state.ema = smoothed_norm(self.state.ema, norm, self.cfg.ema_decay)
-            self.state.clip = next_clip(
-                bound, self.state.ema, rate=self.cfg.update_rate, target=self.cfg.target_quantile
-            )
+            self.state.clip = self.next_clip(bound, norm)
+        # Stays on this machine: the client's own log, never the reply.
         log.debug(
-            "%s round %d step %d: norm %.4g, C %.4g -> %.4g, noise std %.4g",
+            "%s round %d step %d: C %.4g -> %.4g, noise std %.4g",
             who,
             server_round,
             step,
-            norm,
             bound,
             self.state.clip,
             std,
         )
         return released
 
+    def noised_indicator(self, norm: float, bound: float) -> float:
+        """b̃ᵢ = 1[‖Δ‖ ≤ Cᵢ] + N(0, σ_b²), the noise from OS entropy."""
+        draw = gaussian_like(
+            {"b": torch.zeros(1, dtype=torch.float64)}, std=self.sigma_b, generator=self.generator
+        )
+        return clipped_indicator(norm, bound) + float(draw["b"])
+
+    def next_clip(self, bound: float, norm: float) -> float:
+        """The bound for the next release, by ``dp.adaptive_rule``."""
+        if self.rule is AdaptiveRule.GEOMETRIC:
+            return geometric_clip(
+                bound,
+                self.noised_indicator(norm, bound),
+                lr=self.cfg.clip_lr,
+                target=self.cfg.target_quantile,
+            )
+        self.state.ema = smoothed_norm(self.state.ema, norm, self.cfg.ema_decay)
+        return linear_clip(
+            bound, self.state.ema, rate=self.cfg.update_rate, target=self.cfg.target_quantile
+        )
+
     def metrics(self) -> dict[str, float]:
-        """What the client reports: ε so far, the bound it used and the one it will use."""
+        """What the client may report: ε so far and the (public) number of releases."""
         return {
             "dp-epsilon": self.epsilon(),
             "dp-releases": float(sum(self.state.releases.values())),
-            "dp-clip": self.last_clip,
-            "dp-next-clip": self.state.clip,
         }
 
 

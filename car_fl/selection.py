@@ -1,0 +1,37 @@
+"""Model selection on the validation split, never on test.
+
+A round (or epoch) is better than the best so far when its validation top-1 is higher, or
+equal with a lower validation loss; the earlier one wins a full tie. Without a validation
+split (``dataset.val_fraction=0``) nothing can be selected honestly, so the latest model is
+"best" (it equals "final").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+Row = Mapping[str, Any]
+
+
+def eval_row(validation: Mapping[str, float] | None, test: Mapping[str, float]) -> dict[str, float]:
+    """Validation and test metrics side by side: ``val_top1``, ..., ``test_top1``, ..."""
+    row = {f"val_{k}": float(v) for k, v in (validation or {}).items()}
+    row.update({f"test_{k}": float(v) for k, v in test.items()})
+    return row
+
+
+def is_better(row: Row, best: Row | None) -> bool:
+    """Whether ``row`` should replace ``best`` as the selected model."""
+    if best is None or "val_top1" not in row or "val_top1" not in best:
+        return True
+    return (row["val_top1"], -row["val_loss"]) > (best["val_top1"], -best["val_loss"])
+
+
+def select_best(rows: Iterable[Row]) -> Row | None:
+    """The row :func:`is_better` keeps when the rows arrive in order."""
+    best: Row | None = None
+    for row in rows:
+        if is_better(row, best):
+            best = row
+    return best
