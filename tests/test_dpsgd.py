@@ -13,7 +13,7 @@ from flwr.app import RecordDict
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from car_fl.client import NodeInfo, train_round
+from car_fl.client import NodeInfo, shard_data, train_round
 from car_fl.config import load_settings
 from car_fl.data import load_splits
 from car_fl.model import build_retriever
@@ -342,9 +342,13 @@ def record_inputs(make_settings):  # type: ignore[no-untyped-def]
 
 
 def test_client_with_delta_too_large_fails_before_training(record_inputs) -> None:  # type: ignore[no-untyped-def]
-    s, node, initial = record_inputs("dp.delta=0.01")  # client 0 holds 160 examples
+    s, node, initial = record_inputs("dp.delta=0.01")
+    n = len(shard_data(s, node)[0])
+    assert 1 / n <= 0.01  # so δ = 0.01 must be refused
     state = RecordDict()
-    with pytest.raises(ValueError, match=r"dp.delta=0.01 is not below 1/n = 0.00625 .* n = 160"):
+    with pytest.raises(
+        ValueError, match=rf"dp.delta=0.01 is not below 1/n = {1 / n:.3g} .* n = {n} examples"
+    ):
         train_round(s, node, initial, 1, state)
     assert STATE_KEY not in state.metric_records
 
