@@ -45,16 +45,12 @@ def jobs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     """(name, overrides) of every run of the frontier."""
     out = []
     for clients in args.clients:
+        m = f"fl.clients={clients}"
         for dp in ("none", "fixed", "adaptive"):
-            out.append((f"m{clients}-{dp}", ["+experiment=sms_privacy", f"dp={dp}"]))
+            out.append((f"m{clients}-{dp}", ["+experiment=sms_privacy", f"dp={dp}", m]))
         for eps in args.epsilons:
-            out.append(
-                (
-                    f"m{clients}-record-eps{eps:g}",
-                    ["+experiment=sms_privacy_record", f"dp.target_epsilon={eps}"],
-                )
-            )
-        out = [(name, [*o, f"fl.clients={clients}"]) for name, o in out]
+            overrides = ["+experiment=sms_privacy_record", f"dp.target_epsilon={eps}", m]
+            out.append((f"m{clients}-record-eps{eps:g}", overrides))
     if args.adapter:
         out.append(
             (
@@ -69,6 +65,47 @@ def jobs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
             )
         )
     return out
+
+
+def warm_feature_cache(args: argparse.Namespace) -> None:
+    """Each IID shard's features as rows of the whole training split's: one encoder pass.
+
+    The encoder is frozen, so an example's pooled features do not depend on which shard it is
+    in (up to float rounding from length-bucketed padding); without this every client count
+    would run the encoder over the training split again.
+    """
+    import torch
+
+    from car_fl.data import load_splits
+    from car_fl.data.partition import iid_indices
+    from car_fl.features import FeatureCache, feature_key
+    from car_fl.model import build_retriever
+    from car_fl.train import prepare_for
+
+    base = ["+experiment=sms_privacy", f"dataset.path={args.data.resolve()}", "progress=false"]
+    settings = load_settings([*base, *args.extra])
+    if settings.fl.partitioning != "iid":
+        return
+    splits = load_splits(settings.dataset, seed=settings.seed)
+    holder: dict[str, Any] = {}
+
+    def get_model() -> Any:
+        if "m" not in holder:
+            holder["m"] = build_retriever(settings, len(splits.label_map))
+        return holder["m"]
+
+    texts, labels = splits.train["text"], splits.train["label"]
+    full = prepare_for(settings, texts, labels, get_model=get_model, desc="train features")
+    assert full.features is not None
+    cache = FeatureCache(settings.cache_dir)
+    for clients in args.clients:
+        for pid in range(clients):
+            rows = iid_indices(
+                len(texts), partition_id=pid, num_partitions=clients, seed=settings.seed
+            )
+            key = feature_key(settings.model, [texts[i] for i in rows], device=settings.device)
+            if cache.get(key) is None:
+                cache.put(key, full.features[torch.tensor(rows)])
 
 
 def run_one(name: str, overrides: list[str], args: argparse.Namespace) -> dict[str, Any]:
@@ -190,6 +227,7 @@ def main() -> None:
     setup_logging()
     logging.getLogger("flwr").propagate = False
     args.out.mkdir(parents=True, exist_ok=True)
+    warm_feature_cache(args)
     rows_file = args.out / "frontier.csv"
     done: dict[str, dict[str, Any]] = {}
     if rows_file.is_file():  # keep earlier rows: --only re-runs or adds some jobs
