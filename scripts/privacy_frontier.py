@@ -223,6 +223,9 @@ def main() -> None:
     )
     parser.add_argument("--only", nargs="*", default=None, help="run only these job names")
     parser.add_argument("--extra", nargs="*", default=[], help="more Hydra overrides for all")
+    parser.add_argument(
+        "--merge", type=Path, nargs="*", default=[], help="frontier.csv files of other runs to add"
+    )
     args = parser.parse_args()
     setup_logging()
     logging.getLogger("flwr").propagate = False
@@ -230,8 +233,11 @@ def main() -> None:
     warm_feature_cache(args)
     rows_file = args.out / "frontier.csv"
     done: dict[str, dict[str, Any]] = {}
-    if rows_file.is_file():  # keep earlier rows: --only re-runs or adds some jobs
-        for row in csv.DictReader(rows_file.open()):
+    # keep earlier rows (--only re-runs or adds some jobs) and those of --merge
+    for source in [rows_file, *args.merge]:
+        if not source.is_file():
+            continue
+        for row in csv.DictReader(source.open()):
             for key in ("top1", "macro_f1", "epsilon", "delta", "seconds"):
                 row[key] = float(row[key])
             row["clients"] = int(row["clients"])
@@ -246,17 +252,23 @@ def main() -> None:
             f"ε {row['epsilon']:.4g} ({row['seconds']:.0f} s)",
             flush=True,
         )
-        order = [n for n, _ in jobs(args)]
-        rows = sorted(
-            done.values(), key=lambda r: order.index(r["run"]) if r["run"] in order else 99
-        )
-        with rows_file.open("w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
-        (args.out / "frontier.md").write_text(markdown(rows))
-        plot(rows, args.out / "frontier.png")
-    print(markdown(sorted(done.values(), key=lambda r: (r["clients"], r["run"]))))
+        write_outputs(done, args, rows_file)
+    write_outputs(done, args, rows_file)
+    print((args.out / "frontier.md").read_text() if done else "no runs")
+
+
+def write_outputs(done: dict[str, dict[str, Any]], args: argparse.Namespace, path: Path) -> None:
+    """frontier.csv, frontier.md and frontier.png from every row so far."""
+    if not done:
+        return
+    order = [n for n, _ in jobs(args)]
+    rows = sorted(done.values(), key=lambda r: order.index(r["run"]) if r["run"] in order else 99)
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    (args.out / "frontier.md").write_text(markdown(rows))
+    plot(rows, args.out / "frontier.png")
 
 
 if __name__ == "__main__":
