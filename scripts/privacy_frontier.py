@@ -149,7 +149,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         r["clients"]: r for r in rows if r["mode"] == "none" and r["train_mode"] == "classifier"
     }
     for r in rows:
-        ref = reference.get(r["clients"])
+        # the adapter point runs on other data (see --adapter-overrides): no difference shown
+        ref = reference.get(r["clients"]) if r["train_mode"] == "classifier" else None
         eps = "∞ (no DP)" if math.isinf(r["epsilon"]) else f"{r['epsilon']:.4g}"
         d_top1 = f"{100 * (r['top1'] - ref['top1']):+.2f}" if ref and ref is not r else "–"
         d_f1 = f"{r['macro_f1'] - ref['macro_f1']:+.4f}" if ref and ref is not r else "–"
