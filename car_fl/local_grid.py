@@ -125,5 +125,6 @@ def run_local(
         (Path(settings.output_dir) / METRICS_JSON).read_text(encoding="utf-8")
     )
     metrics["asked"] = grid.asked
+    metrics["output_dir"] = settings.output_dir
     metrics["wall_seconds"] = time.perf_counter() - started
     return metrics

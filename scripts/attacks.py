@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def table(rows: list[dict[str, Any]], attacks: list[str], strategies: list[str]) -> str:
-    """Attacks × strategies → final top-1, or 'crashed'."""
+    """Attacks × strategies → final top-1 (replies rejected over the run), or 'crashed'."""
     cell = {(r["attack"], r["strategy"]): r for r in rows}
     lines = [
         "| hostile client sends | " + " | ".join(strategies) + " |",
@@ -110,8 +110,15 @@ def table(rows: list[dict[str, Any]], attacks: list[str], strategies: list[str])
         values = []
         for label in strategies:
             row = cell[(attack, label)]
-            values.append(f"{row['top1']:.4f}" if row["completed"] else "crashed")
+            if not row["completed"]:
+                values.append("crashed")
+            elif row["rejected"]:
+                values.append(f"{row['top1']:.4f} ({row['rejected']} rejected)")
+            else:
+                values.append(f"{row['top1']:.4f}")
         lines.append(f"| {attack} | " + " | ".join(values) + " |")
+    completed = sum(bool(r["completed"]) for r in rows)
+    lines.append(f"\nruns completed: {completed} of {len(rows)}")
     return "\n".join(lines)
 
 
