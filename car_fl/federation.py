@@ -2,9 +2,9 @@
 
 The ServerApp calls :func:`run_federation`. It checks that the number of connected nodes
 matches ``fl.clients``, builds the initial trainable state (same seed and initialisation as a
-centralised run), runs :class:`~car_fl.strategy.CaRFedAvg` for ``fl.rounds`` rounds and, after
-every round, evaluates the global model on the held-out split, logs one line, and writes the
-metrics files, the plot and a checkpoint.
+centralised run), runs the configured strategy (:func:`~car_fl.aggregation.build_strategy`) for
+``fl.rounds`` rounds and, after every round, evaluates the global model on the held-out split,
+logs one line, and writes the metrics files, the plot and a checkpoint.
 """
 
 from __future__ import annotations

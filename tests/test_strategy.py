@@ -403,3 +403,25 @@ def test_build_strategy_wires_the_settings(make_settings) -> None:  # type: igno
     assert strategy.sample_size(4) == 3
     assert (strategy.norm_bound.mode, strategy.norm_bound.action) == ("adaptive", "clip")
     assert strategy.claims.max_examples == 99
+
+
+@pytest.mark.slow
+def test_flower_simulation_samples_2_of_4_nodes_with_a_robust_strategy(
+    make_settings, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    from car_fl.simulation import run_simulation
+
+    out = tmp_path / "fl"
+    settings = make_settings(
+        "strategy=median",
+        "fl.clients=4",
+        "fl.clients_per_round=2",
+        "fl.rounds=2",
+        "fl.local_epochs=1",
+        f"output_dir={out}",
+    )
+    metrics = run_simulation(settings=settings, cpus_per_client=1)
+    assert [r["clients_asked"] for r in metrics["history"]] == [2, 2]
+    rows = list(csv.DictReader((out / "clients.csv").open()))
+    for round_ in ("1", "2"):
+        assert sorted(r["status"] for r in rows if r["round"] == round_) == ["ok", "ok"]
