@@ -193,6 +193,8 @@ def train_round(
             progress=settings.progress,
             desc=f"client {node.partition_id} round {server_round} epoch {local + 1}",
             after_step=hook,
+            prox_mu=settings.strategy.prox_mu,  # FedProx: μ/2·‖θ − θ_global‖²
+            anchor=global_state,
         )
     state = model.trainable_state_dict()
     check_finite(difference(state, global_state), who=f"client {node.partition_id}")
