@@ -6,8 +6,8 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from car_fl.client import NodeInfo, node_settings, train_round
-from car_fl.config import settings_from_run_config
 from car_fl.logs import setup_logging
+from car_fl.node_cache import run_settings as cached_run_settings
 from car_fl.records import read_train_message, train_reply
 
 app = ClientApp()
@@ -17,8 +17,9 @@ app = ClientApp()
 def train(msg: Message, context: Context) -> Message:
     setup_logging()
     instruction = read_train_message(msg.content)
-    # Configuration: the run's, with this node's data/model paths, checked against the server's
-    run_settings = settings_from_run_config(context.run_config)
+    # Configuration: the run's (composed once per node, then from its disk cache), with this
+    # node's data/model paths, checked against the server's
+    run_settings = cached_run_settings(context.run_config, context.node_config)
     settings = node_settings(run_settings, context.node_config, instruction.fingerprint)
     node = NodeInfo.from_node_config(context.node_config, settings)
     # E local epochs from the global parameters, then local DP (its state in context.state)

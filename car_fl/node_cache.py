@@ -1,0 +1,152 @@
+"""What a node keeps on disk between ClientApp processes: resolved settings and its shard.
+
+Own code because Flower keeps nothing of a ClientApp between messages in deployment (a new
+process per message) and offers no node-local disk cache. With these two files, a round whose
+features are cached composes no Hydra configuration and reads, splits and partitions no dataset,
+so the ClientApp process never imports ``hydra``, ``datasets`` or ``flwr_datasets``.
+
+- **Settings**: the configuration composed from ``conf/`` and the run's overrides, as YAML,
+  keyed by the overrides, every file under ``conf/`` and the source of :mod:`car_fl.config`
+  (so a changed default or config file is never answered from a stale entry).
+- **Shard**: this node's training texts, label ids and label map, keyed by the dataset
+  settings, the data files' identity (path, size, modification time), the partitioning, the
+  node's place in the federation, the server's label map and the source of :mod:`car_fl.data`.
+  Only local data files are cached (a hub dataset has its own cache). The file stays on the
+  node: it holds the node's own examples, which already lie on its disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import car_fl
+from car_fl.config import (
+    Settings,
+    conf_dir,
+    settings_from_run_config,
+    settings_from_yaml,
+    settings_to_yaml,
+)
+from car_fl.data.labels import LabelMap
+from car_fl.io import atomic_write_json, atomic_write_text
+
+log = logging.getLogger(__name__)
+
+CACHE_FORMAT = "car-fl-node-v1"
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def base_dir(cache_dir: str | os.PathLike[str] | None) -> Path:
+    """The node's cache folder: ``cache-dir`` of its node config, else car-fl's default."""
+    if cache_dir not in (None, ""):
+        return Path(str(cache_dir)).expanduser()
+    env = os.environ.get("CAR_FL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "car-fl"
+    )
+    return Path(env)
+
+
+def _digest(header: Mapping[str, Any], files: Sequence[Path] = ()) -> str:
+    digest = hashlib.sha256(json.dumps(header, sort_keys=True, default=str).encode())
+    for path in files:
+        digest.update(str(path).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:32]
+
+
+def _source_files(*folders: Path, pattern: str) -> list[Path]:
+    return sorted(p for folder in folders for p in folder.rglob(pattern) if p.is_file())
+
+
+def settings_key(overrides: str) -> str:
+    """Cache key of the settings composed from ``overrides``: conf files and config code."""
+    files = [*_source_files(conf_dir(), pattern="*.yaml"), PACKAGE_DIR / "config.py"]
+    header = {"format": CACHE_FORMAT, "version": car_fl.__version__, "overrides": overrides}
+    return _digest(header, files)
+
+
+def run_settings(run_config: Mapping[str, Any], node_config: Mapping[str, Any]) -> Settings:
+    """The run's settings, composed once per node and read back from disk in later rounds.
+
+    A run config that carries a whole ``settings`` YAML (in-process simulations) needs no
+    composition and is read directly, like :func:`car_fl.config.settings_from_run_config`.
+    """
+    overrides = run_config.get("overrides", "")
+    if run_config.get("settings") or not isinstance(overrides, str):
+        return settings_from_run_config(run_config)
+    path = base_dir(node_config.get("cache-dir")) / "settings" / f"{settings_key(overrides)}.yaml"
+    if path.is_file():
+        try:
+            return settings_from_yaml(path.read_text(encoding="utf-8"))
+        except ValueError as err:  # unreadable entry: compose again and replace it
+            log.warning("ignoring unreadable settings cache %s: %s", path, err)
+    settings = settings_from_run_config(run_config)
+    atomic_write_text(path, settings_to_yaml(settings))
+    return settings
+
+
+def _file_identity(path: str | None) -> list[Any] | None:
+    if path is None:
+        return None
+    target = Path(path).expanduser().resolve()
+    stat = target.stat()
+    return [str(target), stat.st_size, stat.st_mtime_ns]
+
+
+def shard_key(
+    settings: Settings,
+    *,
+    partition_id: int,
+    num_partitions: int,
+    data_is_shard: bool,
+    labels: Sequence[str] | None,
+) -> str | None:
+    """Cache key of a node's shard, or ``None`` when the data is not a local file."""
+    if settings.dataset.path is None or not Path(settings.dataset.path).expanduser().exists():
+        return None
+    header = {
+        "format": CACHE_FORMAT,
+        "dataset": asdict(settings.dataset),
+        "files": [_file_identity(d) for d in (settings.dataset.path, settings.dataset.test_path)],
+        "seed": settings.seed,
+        "partitioning": [settings.fl.partitioning, settings.fl.alpha],
+        "node": [partition_id, num_partitions, data_is_shard],
+        "labels": list(labels) if labels else None,
+    }
+    return _digest(header, _source_files(PACKAGE_DIR / "data", pattern="*.py"))
+
+
+def shard_path(settings: Settings, key: str) -> Path:
+    return base_dir(settings.cache_dir) / "shards" / f"{key}.json"
+
+
+def load_shard(settings: Settings, key: str) -> tuple[list[str], list[int], LabelMap] | None:
+    """Texts, label ids and label map stored under ``key``; ``None`` when absent or unreadable."""
+    path = shard_path(settings, key)
+    if not path.is_file():
+        return None
+    try:
+        stored = json.loads(path.read_text(encoding="utf-8"))
+        texts, ids = [str(t) for t in stored["texts"]], [int(i) for i in stored["labels"]]
+        label_map = LabelMap(tuple(str(n) for n in stored["label_names"]))
+    except (ValueError, KeyError, TypeError) as err:
+        log.warning("ignoring unreadable shard cache %s: %s", path, err)
+        return None
+    if len(texts) != len(ids):
+        log.warning("ignoring shard cache %s: %d texts, %d labels", path, len(texts), len(ids))
+        return None
+    log.info("shard of %d examples from the node cache (%s)", len(texts), path.name)
+    return texts, ids, label_map
+
+
+def save_shard(
+    settings: Settings, key: str, texts: Sequence[str], ids: Sequence[int], label_map: LabelMap
+) -> None:
+    stored = {"texts": list(texts), "labels": list(ids), "label_names": label_map.to_list()}
+    atomic_write_json(shard_path(settings, key), stored)
