@@ -53,20 +53,21 @@ def base_dir(cache_dir: str | os.PathLike[str] | None) -> Path:
     return Path(env)
 
 
-def _digest(header: Mapping[str, Any], files: Sequence[Path] = ()) -> str:
+def _digest(header: Mapping[str, Any], files: Mapping[str, Path] | None = None) -> str:
     digest = hashlib.sha256(json.dumps(header, sort_keys=True, default=str).encode())
-    for path in files:
-        digest.update(str(path).encode() + b"\0" + path.read_bytes() + b"\0")
+    for name, path in sorted((files or {}).items()):
+        digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:32]
 
 
-def _source_files(*folders: Path, pattern: str) -> list[Path]:
-    return sorted(p for folder in folders for p in folder.rglob(pattern) if p.is_file())
+def _source_files(folder: Path, pattern: str) -> dict[str, Path]:
+    """Files by their path relative to ``folder`` (the same wherever the project is installed)."""
+    return {str(p.relative_to(folder)): p for p in folder.rglob(pattern) if p.is_file()}
 
 
 def settings_key(overrides: str) -> str:
     """Cache key of the settings composed from ``overrides``: conf files and config code."""
-    files = [*_source_files(conf_dir(), pattern="*.yaml"), PACKAGE_DIR / "config.py"]
+    files = {**_source_files(conf_dir(), "*.yaml"), "car_fl/config.py": PACKAGE_DIR / "config.py"}
     header = {"format": CACHE_FORMAT, "version": car_fl.__version__, "overrides": overrides}
     return _digest(header, files)
 
@@ -119,7 +120,7 @@ def shard_key(
         "node": [partition_id, num_partitions, data_is_shard],
         "labels": list(labels) if labels else None,
     }
-    return _digest(header, _source_files(PACKAGE_DIR / "data", pattern="*.py"))
+    return _digest(header, _source_files(PACKAGE_DIR / "data", "*.py"))
 
 
 def shard_path(settings: Settings, key: str) -> Path:
