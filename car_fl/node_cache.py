@@ -17,6 +17,7 @@ so the ClientApp process never imports ``hydra``, ``datasets`` or ``flwr_dataset
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -81,7 +82,17 @@ def run_settings(run_config: Mapping[str, Any], node_config: Mapping[str, Any]) 
     overrides = run_config.get("overrides", "")
     if run_config.get("settings") or not isinstance(overrides, str):
         return settings_from_run_config(run_config)
-    path = base_dir(node_config.get("cache-dir")) / "settings" / f"{settings_key(overrides)}.yaml"
+    folder = base_dir(node_config.get("cache-dir")) / "settings"
+    memo = (overrides, str(folder))
+    if memo not in _IN_PROCESS:  # a process that serves several rounds reads the disk once
+        _IN_PROCESS[memo] = _read_or_compose(run_config, folder / f"{settings_key(overrides)}.yaml")
+    return copy.deepcopy(_IN_PROCESS[memo])
+
+
+_IN_PROCESS: dict[tuple[str, str], Settings] = {}
+
+
+def _read_or_compose(run_config: Mapping[str, Any], path: Path) -> Settings:
     if path.is_file():
         try:
             return settings_from_yaml(path.read_text(encoding="utf-8"))

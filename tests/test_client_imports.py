@@ -125,7 +125,9 @@ def test_settings_are_composed_once_per_node_then_read_from_disk(
     node_config = {"cache-dir": str(tmp_path)}
     first = node_cache.run_settings({"overrides": overrides}, node_config)
     assert first == load_settings(overrides)
-    monkeypatch.setattr(config_module, "_RUN_SETTINGS", {})  # a new process: empty memo
+    # a new process: nothing in memory
+    monkeypatch.setattr(config_module, "_RUN_SETTINGS", {})
+    monkeypatch.setattr(node_cache, "_IN_PROCESS", {})
 
     def no_composition(run_config: object) -> None:
         raise AssertionError("composed again although the node has the settings on disk")
