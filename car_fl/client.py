@@ -88,12 +88,7 @@ def node_settings(
         settings = apply_node_config(base, node_config)
         _NODE_SETTINGS[key] = (settings, fingerprint(settings))
     settings, mine = copy.deepcopy(_NODE_SETTINGS[key][0]), _NODE_SETTINGS[key][1]
-    if server_fingerprint is not None and server_fingerprint != mine:
-        raise ValueError(
-            f"this client resolved a different configuration (fingerprint {mine}) from the "
-            f"server's ({server_fingerprint}); install the same car-fl version and conf/ on "
-            "every machine and pass the same --run-config overrides"
-        )
+    node_cache.check_fingerprint(mine, server_fingerprint)
     return settings
 
 
@@ -107,7 +102,7 @@ def shard_data(
     (``data-is-shard``) trains on all of it; otherwise it takes its partition of the training
     split of the full dataset.
     """
-    key = (fingerprint(settings) + repr(settings.dataset) + repr(labels), *astuple(node))
+    key = (repr(settings) + repr(labels), *astuple(node))
     if key in _SHARDS:
         return _SHARDS[key]
     # The node's disk cache spares a new process reading, splitting and partitioning the data

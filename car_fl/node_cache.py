@@ -3,11 +3,13 @@
 Own code because Flower keeps nothing of a ClientApp between messages in deployment (a new
 process per message) and offers no node-local disk cache. With these two files, a round whose
 features are cached composes no Hydra configuration and reads, splits and partitions no dataset,
-so the ClientApp process never imports ``hydra``, ``datasets`` or ``flwr_datasets``.
+so the ClientApp process never imports ``hydra``, ``datasets`` or ``flwr_datasets``, and spends
+no time in OmegaConf.
 
-- **Settings**: the configuration composed from ``conf/`` and the run's overrides, as YAML,
-  keyed by the overrides, every file under ``conf/`` and the source of :mod:`car_fl.config`
-  (so a changed default or config file is never answered from a stale entry).
+- **Settings**: the configuration composed from ``conf/`` and the run's overrides with the
+  node's local paths applied, and its fingerprint, as JSON, keyed by the overrides, the node
+  config, every file under ``conf/`` and the source of :mod:`car_fl.config` (so a changed
+  default or config file is never answered from a stale entry).
 - **Shard**: this node's training texts, label ids and label map, keyed by the dataset
   settings, the data files' identity (path, size, modification time), the partitioning, the
   node's place in the federation, the server's label map and the source of :mod:`car_fl.data`.
@@ -23,20 +25,20 @@ import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 import car_fl
 from car_fl.config import (
     Settings,
+    apply_node_config,
     conf_dir,
+    fingerprint,
     settings_from_run_config,
-    settings_from_yaml,
-    settings_to_yaml,
 )
 from car_fl.data.labels import LabelMap
-from car_fl.io import atomic_write_json, atomic_write_text
+from car_fl.io import atomic_write_json
 
 log = logging.getLogger(__name__)
 
@@ -66,41 +68,89 @@ def _source_files(folder: Path, pattern: str) -> dict[str, Path]:
     return {str(p.relative_to(folder)): p for p in folder.rglob(pattern) if p.is_file()}
 
 
-def settings_key(overrides: str) -> str:
-    """Cache key of the settings composed from ``overrides``: conf files and config code."""
+def settings_key(overrides: str, node_config: Mapping[str, Any]) -> str:
+    """Cache key of a node's settings: overrides, node config, conf files and config code."""
     files = {**_source_files(conf_dir(), "*.yaml"), "car_fl/config.py": PACKAGE_DIR / "config.py"}
-    header = {"format": CACHE_FORMAT, "version": car_fl.__version__, "overrides": overrides}
+    header = {
+        "format": CACHE_FORMAT,
+        "version": car_fl.__version__,
+        "overrides": overrides,
+        "node_config": sorted((str(k), str(v)) for k, v in node_config.items()),
+    }
     return _digest(header, files)
 
 
-def run_settings(run_config: Mapping[str, Any], node_config: Mapping[str, Any]) -> Settings:
-    """The run's settings, composed once per node and read back from disk in later rounds.
+def node_settings(
+    run_config: Mapping[str, Any],
+    node_config: Mapping[str, Any],
+    server_fingerprint: str | None,
+) -> Settings:
+    """This node's settings (the run's plus its local paths), checked against the server's.
 
-    A run config that carries a whole ``settings`` YAML (in-process simulations) needs no
-    composition and is read directly, like :func:`car_fl.config.settings_from_run_config`.
+    Composed (Hydra), given the node's paths and fingerprinted (OmegaConf) in the node's first
+    round; later rounds, each a new process in deployment, read the result back as JSON. A run
+    config that carries a whole ``settings`` YAML (in-process simulations) is kept in memory
+    only.
     """
-    overrides = run_config.get("overrides", "")
-    if run_config.get("settings") or not isinstance(overrides, str):
-        return settings_from_run_config(run_config)
-    folder = base_dir(node_config.get("cache-dir")) / "settings"
-    memo = (overrides, str(folder))
+    text, overrides = run_config.get("settings", ""), run_config.get("overrides", "")
+    memo = (str(text), str(overrides), repr(sorted(node_config.items())))
     if memo not in _IN_PROCESS:  # a process that serves several rounds reads the disk once
-        _IN_PROCESS[memo] = _read_or_compose(run_config, folder / f"{settings_key(overrides)}.yaml")
-    return copy.deepcopy(_IN_PROCESS[memo])
+        path = None
+        if not text and isinstance(overrides, str):
+            key = settings_key(overrides, node_config)
+            path = base_dir(node_config.get("cache-dir")) / "settings" / f"{key}.json"
+        _IN_PROCESS[memo] = _read_or_compose(run_config, node_config, path)
+    settings, mine = _IN_PROCESS[memo]
+    check_fingerprint(mine, server_fingerprint)
+    return copy.deepcopy(settings)
 
 
-_IN_PROCESS: dict[tuple[str, str], Settings] = {}
+_IN_PROCESS: dict[tuple[str, str, str], tuple[Settings, str]] = {}
 
 
-def _read_or_compose(run_config: Mapping[str, Any], path: Path) -> Settings:
-    if path.is_file():
+def check_fingerprint(mine: str, server: str | None) -> None:
+    """Refuse to train on a configuration other than the server's."""
+    if server is not None and server != mine:
+        raise ValueError(
+            f"this client resolved a different configuration (fingerprint {mine}) from the "
+            f"server's ({server}); install the same car-fl version and conf/ on "
+            "every machine and pass the same --run-config overrides"
+        )
+
+
+def _read_or_compose(
+    run_config: Mapping[str, Any], node_config: Mapping[str, Any], path: Path | None
+) -> tuple[Settings, str]:
+    if path is not None and path.is_file():
         try:
-            return settings_from_yaml(path.read_text(encoding="utf-8"))
-        except ValueError as err:  # unreadable entry: compose again and replace it
+            stored = json.loads(path.read_text(encoding="utf-8"))
+            return settings_from_dict(stored["settings"]), str(stored["fingerprint"])
+        except (ValueError, KeyError, TypeError) as err:  # compose again and replace it
             log.warning("ignoring unreadable settings cache %s: %s", path, err)
-    settings = settings_from_run_config(run_config)
-    atomic_write_text(path, settings_to_yaml(settings))
-    return settings
+    settings = apply_node_config(settings_from_run_config(run_config), node_config)
+    mine = fingerprint(settings)
+    if path is not None:
+        atomic_write_json(path, {"settings": asdict(settings), "fingerprint": mine})
+    return settings, mine
+
+
+def settings_from_dict(values: Mapping[str, Any]) -> Settings:
+    """:class:`Settings` from ``dataclasses.asdict`` output; every section validates itself.
+
+    Plain dataclass construction instead of OmegaConf's structured merge, which costs a
+    noticeable part of a second per call on a busy core, several times per round, in every new
+    ClientApp process. Unknown keys raise ``TypeError``, missing ones ``KeyError``.
+    """
+    hints = get_type_hints(Settings)
+    kwargs: dict[str, Any] = {}
+    for item in fields(Settings):
+        value, kind = values[item.name], hints[item.name]
+        kwargs[item.name] = (
+            kind(**value) if isinstance(kind, type) and is_dataclass(kind) else value
+        )
+    if set(values) - set(kwargs):
+        raise TypeError(f"unknown settings {sorted(set(values) - set(kwargs))}")
+    return Settings(**kwargs)
 
 
 def _file_identity(path: str | None) -> list[Any] | None:

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from car_fl import config as config_module
 from car_fl import node_cache
-from car_fl.config import fingerprint, load_settings
+from car_fl.config import apply_node_config, fingerprint, load_settings
 from car_fl.data import LabelMap, load_splits
 from car_fl.model import build_retriever
 
@@ -122,10 +123,12 @@ def test_settings_are_composed_once_per_node_then_read_from_disk(
     tmp_path: Path, tiny_llama: Path, synthetic_tsv: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     overrides = f"model=local model.name_or_path={tiny_llama} dataset.path={synthetic_tsv}"
-    node_config = {"cache-dir": str(tmp_path)}
-    first = node_cache.run_settings({"overrides": overrides}, node_config)
-    assert first == load_settings(overrides)
-    # a new process: nothing in memory
+    node_config = {"cache-dir": str(tmp_path), "device": "cpu", "partition-id": 0}
+    expected = apply_node_config(load_settings(overrides), node_config)
+    server = fingerprint(load_settings(overrides))
+    first = node_cache.node_settings({"overrides": overrides}, node_config, server)
+    assert first == expected
+    # a new process: nothing in memory, and no composition may happen
     monkeypatch.setattr(config_module, "_RUN_SETTINGS", {})
     monkeypatch.setattr(node_cache, "_IN_PROCESS", {})
 
@@ -133,10 +136,37 @@ def test_settings_are_composed_once_per_node_then_read_from_disk(
         raise AssertionError("composed again although the node has the settings on disk")
 
     monkeypatch.setattr(node_cache, "settings_from_run_config", no_composition)
-    assert node_cache.run_settings({"overrides": overrides}, node_config) == first
+    assert node_cache.node_settings({"overrides": overrides}, node_config, server) == expected
+    # the fingerprint is checked on the cached path too: a server with another configuration
+    other = fingerprint(load_settings(overrides + " seed=7"))
+    with pytest.raises(ValueError, match="different configuration"):
+        node_cache.node_settings({"overrides": overrides}, node_config, other)
     # other overrides are another entry, composed anew
     with pytest.raises(AssertionError, match="composed again"):
-        node_cache.run_settings({"overrides": overrides + " seed=7"}, node_config)
+        node_cache.node_settings({"overrides": overrides + " seed=7"}, node_config, None)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        "",
+        "mode=adapter dp=adaptive fl.clients=3 head.pre_classifier_dim=8 head.dropout=0.1",
+        "dataset=ag_news model=minilm dp=fixed eval.top_k=[1,2] comm.dtype=float16",
+    ],
+)
+def test_settings_survive_the_json_round_trip(overrides: str) -> None:
+    settings = load_settings(overrides)
+    stored = json.loads(json.dumps(asdict(settings)))
+    assert node_cache.settings_from_dict(stored) == settings
+    assert fingerprint(node_cache.settings_from_dict(stored)) == fingerprint(settings)
+    # a value the dataclasses reject is rejected on the way back too
+    stored["train"]["batch_size"] = 0
+    with pytest.raises(ValueError, match=r"train\.batch_size"):
+        node_cache.settings_from_dict(stored)
+    stored["train"]["batch_size"] = 4
+    stored["train"]["unknown_key"] = 1
+    with pytest.raises(TypeError):
+        node_cache.settings_from_dict(stored)
 
 
 def test_settings_key_changes_with_any_config_file(
@@ -144,12 +174,14 @@ def test_settings_key_changes_with_any_config_file(
 ) -> None:
     conf = shutil.copytree(config_module.conf_dir(), tmp_path / "conf")
     monkeypatch.setattr(node_cache, "conf_dir", lambda: conf)
-    before = node_cache.settings_key("mode=adapter")
-    assert node_cache.settings_key("mode=adapter") == before
-    assert node_cache.settings_key("mode=classifier") != before
+    node = {"partition-id": 0, "data-path": "/data/a.tsv"}
+    before = node_cache.settings_key("mode=adapter", node)
+    assert node_cache.settings_key("mode=adapter", node) == before
+    assert node_cache.settings_key("mode=classifier", node) != before
+    assert node_cache.settings_key("mode=adapter", {**node, "data-path": "/b.tsv"}) != before
     with (conf / "mode" / "adapter.yaml").open("a") as handle:
         handle.write("\n# a changed default\n")
-    assert node_cache.settings_key("mode=adapter") != before
+    assert node_cache.settings_key("mode=adapter", node) != before
 
 
 def test_shard_cache_follows_the_data_file_and_survives_a_corrupt_entry(
