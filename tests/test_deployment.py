@@ -172,7 +172,7 @@ def test_superlink_and_three_supernodes_train_and_reuse_the_feature_cache(
         cache = deployment.folder / f"cache-{i}"
         assert list(cache.glob("*.safetensors"))
         # and the node kept its composed settings and its shard for later ClientApp processes
-        assert len(list((cache / "settings").glob("*.yaml"))) == 1
+        assert len(list((cache / "settings").glob("*.json"))) == 1
         assert len(list((cache / "shards").glob("*.json"))) == 1
 
 
