@@ -269,3 +269,31 @@ def test_a_poisoned_round_leaves_the_model_bit_identical_and_the_run_completes(
     rows = [r for r in csv.DictReader((out / "clients.csv").open()) if r["round"] == "2"]
     assert sorted(r["status"] for r in rows) == ["ok", "rejected"]
     assert any("non-finite" in r["reason"] for r in rows)
+
+
+@pytest.mark.slow
+def test_pre_sharded_nodes_train_with_the_documented_cap_and_are_refused_without(
+    make_settings, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """Nodes started with data-is-shard report their whole file (here 400 examples), which no
+    partition of the server's split holds: without fl.max_examples_per_client every reply is
+    refused and the run fails; with it the run completes."""
+    import torch
+
+    from car_fl.local_grid import run_local
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        base = ["fl.rounds=1", "fl.local_epochs=1"]
+        shard = {"data-is-shard": "true"}
+        with pytest.raises(RuntimeError, match="every round failed"):
+            run_local(make_settings(*base, f"output_dir={tmp_path / 'a'}"), node_config=shard)
+        metrics = run_local(
+            make_settings(*base, "fl.max_examples_per_client=400", f"output_dir={tmp_path / 'b'}"),
+            node_config=shard,
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert metrics["summary"]["complete"]
+    assert metrics["history"][0]["clients_ok"] == 2
