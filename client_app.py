@@ -5,9 +5,9 @@ from __future__ import annotations
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from car_fl.client import NodeInfo, node_settings, train_round
-from car_fl.config import settings_from_run_config
+from car_fl.client import NodeInfo, train_round
 from car_fl.logs import setup_logging
+from car_fl.node_cache import node_settings
 from car_fl.records import read_train_message, train_reply
 
 app = ClientApp()
@@ -17,9 +17,9 @@ app = ClientApp()
 def train(msg: Message, context: Context) -> Message:
     setup_logging()
     instruction = read_train_message(msg.content)
-    # Configuration: the run's, with this node's data/model paths, checked against the server's
-    run_settings = settings_from_run_config(context.run_config)
-    settings = node_settings(run_settings, context.node_config, instruction.fingerprint)
+    # Configuration: the run's with this node's data/model paths, checked against the server's
+    # (composed in the node's first round, then read from its disk cache)
+    settings = node_settings(context.run_config, context.node_config, instruction.fingerprint)
     node = NodeInfo.from_node_config(context.node_config, settings)
     # E local epochs from the global parameters, then local DP (its state in context.state)
     state, metrics = train_round(

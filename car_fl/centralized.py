@@ -59,24 +59,30 @@ def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any
     log.info("resolved configuration:\n%s", config_yaml)
     atomic_write_text(out / "config.yaml", config_yaml)
 
-    # Data and model
+    # Data and model: the encoder is loaded only if a feature is not cached (or for MIPS)
     splits = load_splits(settings.dataset, seed=settings.seed)
     names = splits.label_map.names
     documents = label_documents(names, settings.dataset.label_texts)
-    model = build_retriever(settings, len(names), documents=documents)
+    loaded: list[CaRRetriever] = []
+
+    def with_encoder() -> CaRRetriever:
+        if not loaded:
+            loaded.append(build_retriever(settings, len(names), documents=documents))
+        return loaded[0]
+
     start = time.perf_counter()
     train_data = prepare_for(
         settings,
         splits.train["text"],
         splits.train["label"],
-        get_model=lambda: model,
+        get_model=with_encoder,
         desc="train features",
     )
     test_data = prepare_for(
         settings,
         splits.test["text"],
         splits.test["label"],
-        get_model=lambda: model,
+        get_model=with_encoder,
         desc="test features",
     )
     val_data = (
@@ -84,12 +90,18 @@ def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any
             settings,
             splits.validation["text"],
             splits.validation["label"],
-            get_model=lambda: model,
+            get_model=with_encoder,
             desc="validation features",
         )
         if len(splits.validation)
         else None
     )
+    if loaded or HeadKind(settings.head.kind) is HeadKind.MIPS:  # MIPS: label documents
+        model = with_encoder()
+    else:  # every feature was cached: the same head (same seed), no encoder
+        assert train_data.features is not None
+        hidden = int(train_data.features.shape[1])
+        model = build_retriever(settings, len(names), hidden_size=hidden)
     if model.kind is HeadKind.KNN:
         assert train_data.features is not None
         model.set_memory(train_data.features, train_data.labels)

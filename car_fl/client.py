@@ -18,10 +18,9 @@ import torch
 from flwr.app import RecordDict
 
 from car_fl import encoder as encoder_module
+from car_fl import node_cache
 from car_fl.config import Mode, Settings, apply_node_config, fingerprint
-from car_fl.data import load_splits, partition
 from car_fl.data.labels import LabelMap
-from car_fl.data.splits import load_examples, read_local
 from car_fl.encoder import Encoder, load_encoder
 from car_fl.model import CaRRetriever, build_retriever
 from car_fl.privacy.client import STATE_KEY, ClientPrivacy, DPState, StepPrivatizer
@@ -89,12 +88,7 @@ def node_settings(
         settings = apply_node_config(base, node_config)
         _NODE_SETTINGS[key] = (settings, fingerprint(settings))
     settings, mine = copy.deepcopy(_NODE_SETTINGS[key][0]), _NODE_SETTINGS[key][1]
-    if server_fingerprint is not None and server_fingerprint != mine:
-        raise ValueError(
-            f"this client resolved a different configuration (fingerprint {mine}) from the "
-            f"server's ({server_fingerprint}); install the same car-fl version and conf/ on "
-            "every machine and pass the same --run-config overrides"
-        )
+    node_cache.check_fingerprint(mine, server_fingerprint)
     return settings
 
 
@@ -108,10 +102,48 @@ def shard_data(
     (``data-is-shard``) trains on all of it; otherwise it takes its partition of the training
     split of the full dataset.
     """
-    label_map = LabelMap(tuple(labels)) if labels else None
-    key = (fingerprint(settings) + repr(settings.dataset) + repr(labels), *astuple(node))
+    key = (repr(settings) + repr(labels), *astuple(node))
     if key in _SHARDS:
         return _SHARDS[key]
+    # The node's disk cache spares a new process reading, splitting and partitioning the data
+    disk_key = node_cache.shard_key(
+        settings,
+        partition_id=node.partition_id,
+        num_partitions=node.num_partitions,
+        data_is_shard=node.data_is_shard,
+        labels=labels,
+    )
+    stored = node_cache.load_shard(settings, disk_key) if disk_key else None
+    if stored is None:
+        stored = read_shard(settings, node, labels)
+        if disk_key:
+            node_cache.save_shard(settings, disk_key, *stored)
+    texts, ids, label_map = stored
+    mode = Mode(settings.train.mode)
+    num_labels = len(label_map)
+
+    def get_model() -> CaRRetriever:
+        return CaRRetriever(cached_encoder(settings), num_labels, head=settings.head, mode=mode)
+
+    data = prepare_for(
+        settings,
+        texts,
+        ids,
+        get_model=get_model,
+        desc=f"client {node.partition_id} features",
+    )
+    _SHARDS[key] = (data, label_map)
+    return data, label_map
+
+
+def read_shard(
+    settings: Settings, node: NodeInfo, labels: Sequence[str] | None = None
+) -> tuple[list[str], list[int], LabelMap]:
+    """This node's training texts, label ids and label map, read from its data file."""
+    from car_fl.data import load_splits, partition  # datasets: only when the shard is not cached
+    from car_fl.data.splits import load_examples, read_local
+
+    label_map = LabelMap(tuple(labels)) if labels else None
     if node.data_is_shard:
         label_map = label_map or LabelMap.from_labels(
             e.label for e in read_local(settings.dataset, settings.dataset.path or "")
@@ -128,21 +160,7 @@ def shard_data(
             alpha=settings.fl.alpha,
             seed=settings.seed,
         )
-    mode = Mode(settings.train.mode)
-    num_labels = len(label_map)
-
-    def get_model() -> CaRRetriever:
-        return CaRRetriever(cached_encoder(settings), num_labels, head=settings.head, mode=mode)
-
-    data = prepare_for(
-        settings,
-        shard["text"],
-        shard["label"],
-        get_model=get_model,
-        desc=f"client {node.partition_id} features",
-    )
-    _SHARDS[key] = (data, label_map)
-    return data, label_map
+    return [str(t) for t in shard["text"]], [int(i) for i in shard["label"]], label_map
 
 
 def local_retriever(settings: Settings, data: LocalData, label_map: LabelMap) -> CaRRetriever:
@@ -197,6 +215,8 @@ def train_round(
             progress=settings.progress,
             desc=f"client {node.partition_id} round {server_round} epoch {local + 1}",
             after_step=hook,
+            prox_mu=settings.strategy.prox_mu,  # FedProx: μ/2·‖θ − θ_global‖²
+            anchor=global_state,
         )
     state = model.trainable_state_dict()
     check_finite(difference(state, global_state), who=f"client {node.partition_id}")

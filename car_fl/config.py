@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import importlib
+import math
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -234,15 +235,34 @@ class EvalConfig:
         self.top_k = sorted(set(self.top_k))
 
 
+NORM_BOUNDS = ("auto", "off", "fixed", "adaptive", "dp")
+NORM_BOUND_ACTIONS = ("reject", "clip")
+
+
 @dataclass
 class FLConfig:
-    """The federation: clients, rounds, local epochs, partitioning, timeouts."""
+    """The federation: clients, rounds, local epochs, partitioning, timeouts.
+
+    Sampling: each round asks ``clients_per_round`` nodes (or ``fraction_train`` of those
+    connected), never fewer than ``min_clients``. Update-norm bound (server side, on
+    ‖θᵢ − θ‖): ``norm_bound`` is ``off``, ``fixed`` (``max_update_norm``), ``adaptive``
+    (``norm_bound_factor`` × the round's median update norm), ``dp`` (C plus the
+    1 − ``norm_bound_tail`` quantile of the fixed-DP noise norm) or ``auto`` (``dp`` under
+    fixed DP per round, else ``fixed`` when ``max_update_norm`` is set, else ``off``).
+    """
 
     clients: int = 2
     min_clients: int = 1
     min_valid_replies: int = 1
     min_valid_fraction: float = 0.0
     max_examples_per_client: int | None = None
+    fraction_train: float = 1.0
+    clients_per_round: int | None = None
+    norm_bound: str = "auto"
+    max_update_norm: float | None = None
+    norm_bound_factor: float = 3.0
+    norm_bound_action: str = "reject"
+    norm_bound_tail: float = 1e-6
     rounds: int = 5
     local_epochs: int = 2
     partitioning: str = "iid"
@@ -270,6 +290,33 @@ class FLConfig:
                 f"got {self.max_examples_per_client}"
             )
         _one_of("fl.partitioning", self.partitioning, ("iid", "dirichlet"))
+        if not 0.0 < self.fraction_train <= 1.0:
+            raise ValueError(f"fl.fraction_train must be in (0, 1], got {self.fraction_train}")
+        if self.clients_per_round is not None and not (
+            self.min_clients <= self.clients_per_round <= self.clients
+        ):
+            raise ValueError(
+                f"fl.clients_per_round must be null or in [fl.min_clients={self.min_clients}, "
+                f"fl.clients={self.clients}], got {self.clients_per_round}"
+            )
+        _one_of("fl.norm_bound", self.norm_bound, NORM_BOUNDS)
+        _one_of("fl.norm_bound_action", self.norm_bound_action, NORM_BOUND_ACTIONS)
+        if self.max_update_norm is not None:
+            _positive("fl.max_update_norm", self.max_update_norm)
+        if self.norm_bound == "fixed" and self.max_update_norm is None:
+            raise ValueError(
+                "fl.norm_bound=fixed needs fl.max_update_norm (e.g. fl.max_update_norm=10.0), "
+                "or use fl.norm_bound=adaptive"
+            )
+        if not self.norm_bound_factor >= 1.0:
+            raise ValueError(f"fl.norm_bound_factor must be >= 1, got {self.norm_bound_factor}")
+        if not 0.0 < self.norm_bound_tail < 1.0:
+            raise ValueError(f"fl.norm_bound_tail must be in (0, 1), got {self.norm_bound_tail}")
+
+    def sample_size(self, connected: int) -> int:
+        """How many of ``connected`` nodes one round asks (at least ``min_clients``)."""
+        wanted = self.clients_per_round or math.floor(self.fraction_train * connected + 1e-9)
+        return min(connected, max(self.min_clients, wanted))
         _positive("fl.alpha", self.alpha)
         _positive("fl.round_timeout", self.round_timeout)
         if self.wait_for_nodes < 0:
@@ -354,6 +401,66 @@ class DPConfig:
             )
 
 
+STRATEGIES = (
+    "fedavg",
+    "median",
+    "trimmed_mean",
+    "krum",
+    "multikrum",
+    "fedadam",
+    "fedyogi",
+    "fedavgm",
+    "fedprox",
+)
+
+
+@dataclass
+class StrategyConfig:
+    """How the server combines valid replies (:mod:`car_fl.aggregation`).
+
+    ``trim_fraction``: trimmed mean cuts ⌊β·n⌋ replies from each end of every coordinate.
+    ``num_malicious``: Krum's f. ``num_selected``: Multi-Krum's m. ``eta``, ``eta_l``,
+    ``beta_1``, ``beta_2``, ``tau``: FedAdam/FedYogi. ``server_lr``, ``server_momentum``:
+    FedAvgM. ``proximal_mu``: FedProx's μ, used by the clients' local loss.
+    """
+
+    name: str = "fedavg"
+    trim_fraction: float = 0.2
+    num_malicious: int = 0
+    num_selected: int = 1
+    eta: float = 0.01
+    eta_l: float = 0.01
+    beta_1: float = 0.9
+    beta_2: float = 0.99
+    tau: float = 1e-3
+    server_lr: float = 1.0
+    server_momentum: float = 0.9
+    proximal_mu: float = 0.0
+
+    def __post_init__(self) -> None:
+        _one_of("strategy", self.name, STRATEGIES)
+        if not 0.0 <= self.trim_fraction < 0.5:
+            raise ValueError(
+                f"strategy.trim_fraction must be in [0, 0.5), got {self.trim_fraction}"
+            )
+        if self.num_malicious < 0:
+            raise ValueError(f"strategy.num_malicious must be >= 0, got {self.num_malicious}")
+        if self.num_selected < 1:
+            raise ValueError(f"strategy.num_selected must be >= 1, got {self.num_selected}")
+        for key in ("eta", "eta_l", "tau", "server_lr"):
+            _positive(f"strategy.{key}", getattr(self, key))
+        for key in ("beta_1", "beta_2", "server_momentum"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise ValueError(f"strategy.{key} must be in [0, 1), got {getattr(self, key)}")
+        if self.proximal_mu < 0:
+            raise ValueError(f"strategy.proximal_mu must be >= 0, got {self.proximal_mu}")
+
+    @property
+    def prox_mu(self) -> float:
+        """μ of the clients' proximal term: ``proximal_mu`` under FedProx, else 0."""
+        return self.proximal_mu if self.name == "fedprox" else 0.0
+
+
 @dataclass
 class CommConfig:
     """What crosses the wire: trainable tensors in ``dtype`` (``float16`` halves the bytes)."""
@@ -380,6 +487,7 @@ class Settings:
     eval: EvalConfig = field(default_factory=EvalConfig)
     fl: FLConfig = field(default_factory=FLConfig)
     dp: DPConfig = field(default_factory=DPConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     seed: int = 42
     device: str = "auto"
@@ -414,6 +522,34 @@ class Settings:
             from car_fl.privacy.record_accounting import record_plan
 
             record_plan(self.dp, self.fl)
+        self._check_aggregation()
+
+    def _check_aggregation(self) -> None:
+        """Strategy and norm-bound settings that only make sense with the federation's size."""
+        if self.fl.norm_bound == "dp" and not (
+            self.dp.mode == DPMode.FIXED and self.dp.granularity == "round"
+        ):
+            raise ValueError(
+                "fl.norm_bound=dp derives the bound from fixed DP clipped once per round; it "
+                f"needs dp=fixed and dp.granularity=round (got dp.mode={self.dp.mode}, "
+                f"dp.granularity={self.dp.granularity}); use fl.norm_bound=adaptive or fixed"
+            )
+        asked = self.fl.sample_size(self.fl.clients)
+        if self.strategy.name == "trimmed_mean" and int(self.strategy.trim_fraction * asked) < 1:
+            fix = (
+                f"set strategy.trim_fraction >= {1 / asked:.3g} (and < 0.5)"
+                if asked >= 3
+                else "it needs at least 3 clients per round (fl.clients=3)"
+            )
+            raise ValueError(
+                f"strategy.trim_fraction={self.strategy.trim_fraction} cuts nothing from "
+                f"{asked} replies per round (⌊β·n⌋ = 0); {fix}"
+            )
+        if self.strategy.name in ("krum", "multikrum") and self.strategy.num_selected > asked:
+            raise ValueError(
+                f"strategy.num_selected={self.strategy.num_selected} exceeds the {asked} "
+                f"clients asked per round; set strategy.num_selected <= {asked}"
+            )
 
 
 def trains_nothing(settings: Settings) -> bool:

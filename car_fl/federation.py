@@ -2,9 +2,9 @@
 
 The ServerApp calls :func:`run_federation`. It checks that the number of connected nodes
 matches ``fl.clients``, builds the initial trainable state (same seed and initialisation as a
-centralised run), runs :class:`~car_fl.strategy.CaRFedAvg` for ``fl.rounds`` rounds and, after
-every round, evaluates the global model on the held-out split, logs one line, and writes the
-metrics files, the plot and a checkpoint.
+centralised run), runs the configured strategy (:func:`~car_fl.aggregation.build_strategy`) for
+``fl.rounds`` rounds and, after every round, evaluates the global model on the held-out split,
+logs one line, and writes the metrics files, the plot and a checkpoint.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
 from flwr.serverapp import Grid
 
+from car_fl.aggregation import build_strategy
 from car_fl.centralized import round_line
 from car_fl.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from car_fl.config import (
@@ -37,7 +38,7 @@ from car_fl.records import from_record, to_record
 from car_fl.report import CLIENTS_CSV, plot_curves, write_csv, write_metrics
 from car_fl.retrieval import label_documents
 from car_fl.selection import eval_row, is_better, select_best
-from car_fl.strategy import CaRFedAvg, RoundStats
+from car_fl.strategy import GuardedStrategy, RoundStats, spec_of
 from car_fl.train import LocalData, evaluate, prepare_for
 
 log = logging.getLogger(__name__)
@@ -163,7 +164,7 @@ class RoundRecorder:
     settings: Settings
     output_dir: Path
     evaluator: ServerEvaluator
-    strategy: CaRFedAvg
+    strategy: GuardedStrategy
     history: list[dict[str, Any]] = field(default_factory=list)
     client_rows: list[dict[str, Any]] = field(default_factory=list)
     client_epsilon: dict[int, float] = field(default_factory=dict)
@@ -205,6 +206,7 @@ class RoundRecorder:
             "bytes_sent": sum(stats.bytes_sent.values()),
             "bytes_received": sum(stats.bytes_received.values()),
             "bytes_sent_per_client": max(stats.bytes_sent.values(), default=0),
+            "clients_asked": len(stats.asked),
             "clients_ok": len(stats.client_metrics),
             "clients_rejected": len(stats.rejected),
             "clients_failed": len(stats.failed),
@@ -218,7 +220,7 @@ class RoundRecorder:
         }
         self.history.append(row)
         self.client_rows.extend(client_rows(stats))
-        log.info(round_line(row))
+        log.info("%s | asked %s", round_line(row), ", ".join(map(str, stats.asked)))
         checkpoint = Checkpoint(
             state=from_record(arrays),
             label_map=self.evaluator.label_map,
@@ -315,6 +317,7 @@ def client_rows(stats: RoundStats) -> list[dict[str, Any]]:
                 "torch_threads": metrics.get("torch-threads"),
                 "bytes_sent": stats.bytes_sent.get(node, 0),
                 "bytes_received": stats.bytes_received.get(node, 0),
+                "update_norm": stats.update_norms.get(node),
                 "dp_active": metrics.get("dp-active"),
                 "dp_epsilon": metrics.get("dp-epsilon"),
                 "dp_releases": metrics.get("dp-releases"),
@@ -426,14 +429,7 @@ def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
     wait_for_nodes(grid, settings.fl.clients, timeout=settings.fl.wait_for_nodes)
     evaluator = ServerEvaluator.build(settings)
     initial = to_record(evaluator.model.trainable_state_dict(), dtype=settings.comm.dtype)
-    strategy = CaRFedAvg(
-        min_clients=settings.fl.min_clients,
-        spec=CaRFedAvg.spec_of(initial),
-        max_examples=settings.fl.max_examples_per_client,
-        shard_sizes=evaluator.shard_sizes,
-        min_valid=settings.fl.min_valid_replies,
-        min_valid_fraction=settings.fl.min_valid_fraction,
-    )
+    strategy = build_strategy(settings, spec=spec_of(initial), shard_sizes=evaluator.shard_sizes)
     recorder = RoundRecorder(
         settings=settings, output_dir=output_dir, evaluator=evaluator, strategy=strategy
     )

@@ -1,33 +1,55 @@
-"""Server-side aggregation: FedAvg over the trainable tensors, with reply validation.
+"""Server-side aggregation: any Flower Message-API strategy, guarded by car-fl's checks.
 
-:class:`CaRFedAvg` extends Flower's Message-API ``FedAvg``:
+:class:`GuardedStrategy` wraps one of Flower's strategies (FedAvg, FedMedian, Krum, FedAdam …;
+see :mod:`car_fl.aggregation`) and adds, once for all of them:
 
-- every train reply is validated (tensor names, shapes and dtypes of the global model, finite
-  values, a positive integer example count) before it can touch the global model; a rejected
-  reply is logged with its node and reason and counted;
-- the global model is θ = Σ nᵢ/n · θᵢ over the valid replies, computed in float64;
-- a round without a valid reply keeps the previous global model and is marked as skipped;
-- per round it records client train metrics (weighted by examples), bytes sent to and received
-  from each client, and the wall time, for the round recorder to log and save.
+- client sampling: each round asks ``fl.sample_size`` of the connected nodes, drawn from the
+  run's seed and the round (a resumed run asks the same nodes);
+- reply validation on the *decoded* values: car-fl's own wire format only (``RAW_STYPE``), the
+  global model's tensor names, shapes and dtypes, finite values, a positive integer example
+  count capped by the server's own record of which node holds which partition
+  (:class:`~car_fl.shard_claims.ShardClaims`);
+- an update-norm bound (:class:`~car_fl.update_norm.NormBound`): replies with ‖θᵢ − θ‖ above it
+  are rejected or clipped;
+- a minimum of valid replies, below which the global model stays exactly as it was;
+- per-round records (:class:`RoundStats`) for the round recorder, and the round offset of a
+  resumed run.
+
+Only replies that passed every check reach the wrapped strategy, rebuilt with float64 NumPy
+arrays and their example count alone, in node order (so arrival order cannot matter); its result
+is cast back to the global model's dtypes and encoded in car-fl's wire format.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import random
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg
+from flwr.serverapp.strategy import FedAvg, Strategy
 
-from car_fl.records import ARRAYS_KEY, CONFIG_KEY, NUM_EXAMPLES, decode, encode, payload_bytes
+from car_fl.records import (
+    ARRAYS_KEY,
+    CONFIG_KEY,
+    NUM_EXAMPLES,
+    RAW_STYPE,
+    decode,
+    encode,
+    payload_bytes,
+)
+from car_fl.shard_claims import ShardClaims
+from car_fl.update_norm import NormBound, clip_update, update_norm
 
 log = logging.getLogger(__name__)
+
+Spec = dict[str, tuple[tuple[int, ...], np.dtype[Any]]]
 
 
 @dataclass
@@ -36,11 +58,18 @@ class RoundStats:
 
     round: int
     started: float
+    #: The nodes asked to train this round (sampled from ``connected``).
+    asked: list[int] = field(default_factory=list)
+    connected: int = 0
     bytes_sent: dict[int, int] = field(default_factory=dict)
     bytes_received: dict[int, int] = field(default_factory=dict)
     client_metrics: dict[int, dict[str, float]] = field(default_factory=dict)
     rejected: dict[int, str] = field(default_factory=dict)
     failed: dict[int, str] = field(default_factory=dict)
+    #: ‖θᵢ − θ‖ of every reply that passed validation, and this round's bound (if any).
+    update_norms: dict[int, float] = field(default_factory=dict)
+    norm_bound: float | None = None
+    clipped: list[int] = field(default_factory=list)
     aggregated: bool = False
 
     def attribute_lost_replies(self) -> None:
@@ -69,11 +98,16 @@ class RoundStats:
 
 def validate_reply(
     content: Any,
-    spec: dict[str, tuple[tuple[int, ...], np.dtype[Any]]],
+    spec: Spec,
     *,
     max_examples: int | None = None,
 ) -> str | None:
-    """``None`` if a train reply may be aggregated, else the reason it may not."""
+    """``None`` if a train reply may be aggregated, else the reason it may not.
+
+    Shapes and dtypes are checked on the decoded values, and only car-fl's own wire format
+    (``RAW_STYPE``: raw bytes whose length must match dtype and shape) is accepted: a NumPy
+    ``.npy`` payload can disagree with the array's metadata.
+    """
     arrays = content.array_records
     metrics = content.metric_records
     if len(arrays) != 1 or len(metrics) != 1:
@@ -86,12 +120,14 @@ def validate_reply(
         return f"tensor names differ from the global model: missing {missing}, extra {extra}"
     for name, (shape, dtype) in spec.items():
         array = record[name]
-        if tuple(array.shape) != shape:
-            return f"tensor {name!r} has shape {tuple(array.shape)}, expected {shape}"
+        if array.stype != RAW_STYPE:
+            return f"tensor {name!r} is in format {array.stype!r}; only {RAW_STYPE!r} is accepted"
         try:
             values = decode(array)
         except ValueError as err:
             return f"tensor {name!r} cannot be read: {err}"
+        if values.shape != shape:
+            return f"tensor {name!r} has shape {values.shape}, expected {shape}"
         if values.dtype != dtype:
             return f"tensor {name!r} has dtype {values.dtype}, expected {dtype}"
         if not np.isfinite(values).all():
@@ -115,76 +151,143 @@ def weighted_average(records: list[ArrayRecord], weights: list[int]) -> ArrayRec
         acc = np.zeros(first.shape, dtype=np.float64)
         for record, weight in zip(records, weights, strict=True):
             acc += decode(record[name]).astype(np.float64) * (weight / total)
-        out[name] = encode(acc.astype(decode(first).dtype), stype=first.stype)
+        out[name] = encode(acc.astype(decode(first).dtype))
     return ArrayRecord(array_dict=out)
 
 
-class CaRFedAvg(FedAvg):
-    """FedAvg over adapter + head tensors, weighted by examples, with validated replies.
+def spec_of(record: ArrayRecord) -> Spec:
+    """Expected name → (shape, dtype) of every reply, from the global model."""
+    return {k: (tuple(v.shape), decode(v).dtype) for k, v in record.items()}
 
-    Every connected node trains each round; a round goes ahead with at least ``min_clients``
-    (the server waits for all ``fl.clients`` before the first round, so a node that dies later
-    does not stall the run).
-    """
+
+def as_float64(arrays: Mapping[str, np.ndarray[Any, Any]]) -> ArrayRecord:
+    """Arrays as Flower's own NumPy arrays in float64: what Flower's strategies compute on."""
+    return ArrayRecord({k: Array(np.asarray(v, dtype=np.float64)) for k, v in arrays.items()})
+
+
+class _Sample(Grid):
+    """The grid as the wrapped strategy sees it: only this round's sampled nodes."""
+
+    def __init__(self, grid: Grid, nodes: list[int]) -> None:
+        self.grid, self.nodes = grid, nodes
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self.nodes)
+
+    @property
+    def run(self) -> Any:
+        return self.grid.run
+
+    def set_run(self, run: Any) -> None:
+        self.grid.set_run(run)
+
+    def create_message(self, *args: Any, **kwargs: Any) -> Message:
+        return self.grid.create_message(*args, **kwargs)
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        return self.grid.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return self.grid.pull_messages(message_ids)
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Any:
+        return self.grid.send_and_receive(messages, timeout=timeout)
+
+
+class GuardedStrategy(Strategy):
+    """A Flower Message-API strategy with car-fl's sampling, checks and round records."""
 
     def __init__(
         self,
+        inner: FedAvg,
         *,
-        min_clients: int,
-        spec: dict[str, tuple[tuple[int, ...], np.dtype[Any]]],
+        spec: Spec,
+        min_clients: int = 1,
+        sample_size: Any = None,
+        seed: int = 0,
         max_examples: int | None = None,
         shard_sizes: Mapping[int, int] | None = None,
+        norm_bound: NormBound | None = None,
         min_valid: int = 1,
         min_valid_fraction: float = 0.0,
     ) -> None:
-        """``shard_sizes`` (partition id → examples) caps each client's example count;
-        ``max_examples`` caps everybody instead. A round needs at least
+        """``inner`` is the Flower strategy that combines the valid replies.
+
+        ``sample_size(connected)`` is how many nodes a round asks (default: all).
+        ``shard_sizes`` (partition id → examples) caps each node's example count by the
+        partition it holds; ``max_examples`` caps everybody instead. A round needs at least
         max(``min_valid``, ⌈``min_valid_fraction`` · clients asked⌉) valid replies, else the
-        global model stays exactly as it was."""
-        super().__init__(
-            fraction_train=1.0,
-            fraction_evaluate=0.0,
-            min_train_nodes=min_clients,
-            min_evaluate_nodes=0,
-            min_available_nodes=min_clients,
-            arrayrecord_key=ARRAYS_KEY,
-            configrecord_key=CONFIG_KEY,
-        )
+        global model stays exactly as it was.
+        """
+        self.inner = inner
+        # The wrapped strategy sees only the sampled nodes and asks every one of them.
+        inner.fraction_train, inner.min_train_nodes, inner.min_available_nodes = 1.0, 1, 1
+        inner.arrayrecord_key, inner.configrecord_key = ARRAYS_KEY, CONFIG_KEY
         self.spec = spec
-        self.max_examples = max_examples
-        self.shard_sizes = dict(shard_sizes or {})
+        self.min_clients = min_clients
+        self.sample_size = sample_size or (lambda connected: connected)
+        self.seed = seed
+        self.claims = ShardClaims(shard_sizes, max_examples=max_examples)
+        self.norm_bound = norm_bound or NormBound()
         self.min_valid = min_valid
         self.min_valid_fraction = min_valid_fraction
         self.current: RoundStats | None = None
         self.history: list[RoundStats] = []
+        #: The global model sent this round (float64), the reference of every update norm.
+        self.reference: dict[str, np.ndarray[Any, Any]] | None = None
         #: Rounds already done before this ``start`` (a resumed run): Flower counts from 1,
         #: clients and results see the run's true round numbers.
         self.round_offset = 0
 
-    def cap_for(self, message: Message) -> int | None:
-        """The largest example count this reply may claim."""
-        if self.max_examples is not None or not self.shard_sizes:
-            return self.max_examples
-        metrics = next(iter(message.content.metric_records.values()), None)
-        partition = metrics.get("partition-id") if metrics is not None else None
-        if not isinstance(partition, int | float) or int(partition) not in self.shard_sizes:
-            return max(self.shard_sizes.values())
-        return self.shard_sizes[int(partition)]
+    spec_of = staticmethod(spec_of)
 
-    @classmethod
-    def spec_of(cls, record: ArrayRecord) -> dict[str, tuple[tuple[int, ...], np.dtype[Any]]]:
-        """Expected name → (shape, dtype) of every reply, from the global model."""
-        return {k: (tuple(v.shape), decode(v).dtype) for k, v in record.items()}
+    def summary(self) -> None:
+        log.info(
+            "aggregation: %s; update-norm bound %s (%s); replies checked by car-fl",
+            type(self.inner).__name__,
+            self.norm_bound.mode,
+            self.norm_bound.action,
+        )
+        self.inner.summary()
+
+    def sample(self, server_round: int, grid: Grid) -> tuple[list[int], int]:
+        """This round's nodes: a seeded sample of the connected ones, at least ``min_clients``."""
+        nodes = sorted(grid.get_node_ids())
+        while len(nodes) < self.min_clients:  # like Flower: wait for enough nodes
+            log.info("waiting for nodes: %d connected, %d needed", len(nodes), self.min_clients)
+            time.sleep(1.0)
+            nodes = sorted(grid.get_node_ids())
+        size = min(len(nodes), max(self.min_clients, int(self.sample_size(len(nodes)))))
+        chosen = random.Random(f"car-fl-sample:{self.seed}:{server_round}").sample(nodes, size)
+        return sorted(chosen), len(nodes)
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         server_round += self.round_offset
-        messages = list(super().configure_train(server_round, arrays, config, grid))
-        self.current = RoundStats(round=server_round, started=time.perf_counter())
+        asked, connected = self.sample(server_round, grid)
+        self.reference = {k: decode(v).astype(np.float64) for k, v in arrays.items()}
+        # The wrapped strategy computes on float64 NumPy arrays; the wire carries car-fl's own.
+        messages = list(
+            self.inner.configure_train(
+                server_round, as_float64(self.reference), config, _Sample(grid, asked)
+            )
+        )
+        for message in messages:
+            message.content[ARRAYS_KEY] = arrays
+        self.current = RoundStats(
+            round=server_round, started=time.perf_counter(), asked=asked, connected=connected
+        )
         size = payload_bytes(arrays)
         for message in messages:
             self.current.bytes_sent[message.metadata.dst_node_id] = size
+        log.info(
+            "round %d: asked %d of %d nodes: %s",
+            server_round,
+            len(asked),
+            connected,
+            ", ".join(map(str, asked)),
+        )
         return messages
 
     def aggregate_train(
@@ -192,29 +295,26 @@ class CaRFedAvg(FedAvg):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         server_round += self.round_offset
         stats = self.current or RoundStats(round=server_round, started=time.perf_counter())
-        valid: list[tuple[int, ArrayRecord, int]] = []
-        for message in replies:
+        self.current = None
+        checked: dict[int, tuple[dict[str, np.ndarray[Any, Any]], int]] = {}
+        originals: dict[int, Message] = {}
+        for message in sorted(replies, key=lambda m: m.metadata.src_node_id):
             node = message.metadata.src_node_id
             if message.has_error():
                 stats.failed[node] = str(message.error.reason)
                 log.error("round %d: node %d failed: %s", server_round, node, message.error.reason)
                 continue
-            reason = validate_reply(message.content, self.spec, max_examples=self.cap_for(message))
-            if reason is not None:
-                stats.rejected[node] = reason
-                log.error("round %d: rejected the reply of node %d: %s", server_round, node, reason)
-                continue
-            record = next(iter(message.content.array_records.values()))
-            reported = {
-                k: float(v)
-                for k, v in next(iter(message.content.metric_records.values())).items()
-                if isinstance(v, int | float)
-            }
+            checked_reply = self._check(node, message.content, stats)
+            if checked_reply is not None:
+                checked[node], originals[node] = checked_reply, message
+        valid = self._bound_norms(server_round, checked, stats)
+        for node in valid:
+            record = next(iter(originals[node].content.array_records.values()))
             stats.bytes_received[node] = payload_bytes(record)
-            stats.client_metrics[node] = reported
-            valid.append((node, record, int(reported[NUM_EXAMPLES])))
         stats.attribute_lost_replies()
         self.history.append(stats)
+        for node, reason in stats.rejected.items():
+            log.error("round %d: rejected the reply of node %d: %s", server_round, node, reason)
         asked = max(len(stats.bytes_sent), len(valid) + len(stats.rejected) + len(stats.failed))
         needed = max(self.min_valid, math.ceil(self.min_valid_fraction * asked))
         if len(valid) < needed:
@@ -229,17 +329,125 @@ class CaRFedAvg(FedAvg):
                 needed,
             )
             return None, None
-        valid.sort(key=lambda item: item[0])  # arrival order must not matter
-        arrays = weighted_average([r for _, r, _ in valid], [n for _, _, n in valid])
+        arrays = self._combine(server_round, valid, originals)
+        if arrays is None:
+            return None, None
         stats.aggregated = True
         summary = MetricRecord(
             {
-                NUM_EXAMPLES: sum(n for _, _, n in valid),
+                NUM_EXAMPLES: sum(n for _, n in valid.values()),
                 "train-loss": _finite(stats.weighted("train-loss")),
                 "train-accuracy": _finite(stats.weighted("train-accuracy")),
             }
         )
         return arrays, summary
+
+    def _check(
+        self, node: int, content: RecordDict, stats: RoundStats
+    ) -> tuple[dict[str, np.ndarray[Any, Any]], int] | None:
+        """The decoded arrays and example count of a valid reply; ``None`` (recorded) if not."""
+        metrics = next(iter(content.metric_records.values()), None)
+        claimed = metrics.get("partition-id") if metrics is not None else None
+        cap, reason = self.claims.check(node, claimed)
+        if reason is None:
+            reason = validate_reply(content, self.spec, max_examples=cap)
+        if reason is not None:
+            stats.rejected[node] = reason
+            return None
+        assert metrics is not None
+        self.claims.pin(node, claimed)
+        record = next(iter(content.array_records.values()))
+        arrays = {name: decode(record[name]) for name in self.spec}
+        stats.client_metrics[node] = {
+            k: float(v) for k, v in metrics.items() if isinstance(v, int | float)
+        }
+        return arrays, int(metrics[NUM_EXAMPLES])  # type: ignore[arg-type]
+
+    def _bound_norms(
+        self,
+        server_round: int,
+        checked: dict[int, tuple[dict[str, np.ndarray[Any, Any]], int]],
+        stats: RoundStats,
+    ) -> dict[int, tuple[dict[str, np.ndarray[Any, Any]], int]]:
+        """Apply the update-norm bound: reject (or clip) replies above this round's bound."""
+        if self.reference is None or not checked:
+            return checked
+        reference = self.reference
+        norms = {node: update_norm(arrays, reference) for node, (arrays, _) in checked.items()}
+        stats.update_norms = norms
+        reference_norm = math.sqrt(sum(float(np.square(v).sum()) for v in reference.values()))
+        bound = self.norm_bound.bound(
+            server_round, list(norms.values()), reference_norm=reference_norm
+        )
+        stats.norm_bound = bound
+        if bound is None:
+            return checked
+        kept = {}
+        for node, (arrays, count) in checked.items():
+            norm = norms[node]
+            if norm <= bound:
+                kept[node] = (arrays, count)
+            elif self.norm_bound.action == "clip" and math.isfinite(norm):
+                kept[node] = (clip_update(arrays, reference, bound=bound, norm=norm), count)
+                stats.clipped.append(node)
+                log.warning(
+                    "round %d: clipped the update of node %d from norm %.4g to %.4g",
+                    server_round,
+                    node,
+                    norm,
+                    bound,
+                )
+            else:
+                stats.rejected[node] = (
+                    f"update norm {norm:.4g} exceeds the bound {bound:.4g} "
+                    f"(fl.norm_bound={self.norm_bound.mode})"
+                )
+                del stats.client_metrics[node]
+        return kept
+
+    def _combine(
+        self,
+        server_round: int,
+        valid: dict[int, tuple[dict[str, np.ndarray[Any, Any]], int]],
+        originals: Mapping[int, Message],
+    ) -> ArrayRecord | None:
+        """The wrapped strategy's aggregate of the valid replies, in the global model's dtypes."""
+        clean = []
+        for node in sorted(valid):  # arrival order must not matter
+            arrays, count = valid[node]
+            content = RecordDict(
+                {ARRAYS_KEY: as_float64(arrays), "metrics": MetricRecord({NUM_EXAMPLES: count})}
+            )
+            # Flower's own constructor for a message with given metadata (no overload for it)
+            make = cast(Any, Message)
+            clean.append(make(content=content, metadata=originals[node].metadata))
+        combined, _ = self.inner.aggregate_train(server_round, clean)
+        if combined is None:
+            return None
+        return ArrayRecord(
+            array_dict={
+                name: encode(np.asarray(combined[name].numpy()).astype(dtype))
+                for name, (_, dtype) in self.spec.items()
+            }
+        )
+
+    # Clients evaluate nothing: the server evaluates the global model itself (evaluate_fn).
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        return []
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        return None
+
+
+class CaRFedAvg(GuardedStrategy):
+    """FedAvg over adapter + head tensors, weighted by examples, with validated replies."""
+
+    def __init__(self, *, min_clients: int = 1, spec: Spec, **guards: Any) -> None:
+        super().__init__(FedAvg(), spec=spec, min_clients=min_clients, **guards)
 
 
 def _finite(value: float) -> float:

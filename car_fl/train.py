@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -181,11 +181,16 @@ def train_epoch(
     progress: bool = True,
     desc: str = "train",
     after_step: StepHook | None = None,
+    prox_mu: float = 0.0,
+    anchor: Mapping[str, torch.Tensor] | None = None,
 ) -> EpochResult:
     """One pass over ``data`` in the order of ``epoch_order(seed, epoch)``.
 
-    ``after_step`` runs after every optimizer step (per-step DP uses it).
+    ``after_step`` runs after every optimizer step (per-step DP uses it). ``prox_mu`` > 0 adds
+    FedProx's proximal term μ/2·‖θ − ``anchor``‖² (``anchor``: the global trainable state) to
+    the loss that is minimised; the reported loss stays the task loss.
     """
+    proximal = ProximalTerm(model, anchor, prox_mu) if prox_mu > 0 else None
     if len(data) == 0:
         raise ValueError("cannot train on an empty dataset")
     model.train()
@@ -210,7 +215,7 @@ def train_epoch(
                 f"training loss became {loss.item()} at step {steps}; lower train.lr"
             )
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        (loss + proximal() if proximal is not None else loss).backward()
         optimizer.step()
         if after_step is not None:
             after_step(model)
@@ -292,6 +297,25 @@ def train_epoch_dpsgd(
         examples=seen,
         steps=len(planned),
     )
+
+
+class ProximalTerm:
+    """FedProx's μ/2·‖θ − θ_global‖² over the trainable parameters (Li et al., 2020)."""
+
+    def __init__(
+        self, model: CaRRetriever, anchor: Mapping[str, torch.Tensor] | None, mu: float
+    ) -> None:
+        if anchor is None:
+            raise ValueError("the proximal term (strategy=fedprox) needs the global parameters")
+        self.params = model.trainable_parameters()
+        self.anchor = {
+            k: anchor[k].detach().to(device=p.device, dtype=p.dtype) for k, p in self.params.items()
+        }
+        self.mu = mu
+
+    def __call__(self) -> torch.Tensor:
+        total = sum((p - self.anchor[k]).pow(2).sum() for k, p in self.params.items())
+        return 0.5 * self.mu * torch.as_tensor(total)
 
 
 @torch.inference_mode()

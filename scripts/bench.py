@@ -15,6 +15,10 @@ Figures (each printed with what it is compared against, and its target on a 2-co
  7. accuracy, time and bytes with comm.dtype float32 vs float16
 On a CUDA device it also times adapter+classifier training of a randomly initialised
 TinyLlama-sized Llama (22 layers, hidden 2048) in bfloat16 on SMS-sized data.
+
+Deployment (SuperLink + SuperNodes) figures are in the companion ``scripts/bench_deploy.py``:
+per-round overhead against an empty ClientApp on the same cluster, and the speed-up of N
+clients pinned to their own cores against a one-core centralised run.
 """
 
 from __future__ import annotations

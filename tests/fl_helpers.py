@@ -6,6 +6,8 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
+from car_fl.records import encode
+
 
 def set_task_identity() -> None:
     TaskIdentity.task_id = 1
@@ -14,14 +16,19 @@ def set_task_identity() -> None:
 
 
 def reply(
-    node: int, arrays: dict[str, np.ndarray], num_examples: object, **metrics: float
+    node: int,
+    arrays: dict[str, np.ndarray | Array],
+    num_examples: object,
+    **metrics: float,
 ) -> Message:
-    """A train reply from ``node`` carrying ``arrays`` and ``num-examples``."""
+    """A train reply from ``node`` carrying ``arrays`` (car-fl's wire format unless already
+    ``Array`` s) and ``num-examples``."""
     set_task_identity()
     instruction = Message(content=RecordDict(), dst_node_id=node, message_type="train")
+    wire = {k: v if isinstance(v, Array) else encode(v) for k, v in arrays.items()}
     content = RecordDict(
         {
-            "arrays": ArrayRecord(array_dict={k: Array(v) for k, v in arrays.items()}),
+            "arrays": ArrayRecord(array_dict=wire),
             "metrics": MetricRecord({"num-examples": num_examples, **metrics}),  # type: ignore[dict-item]
         }
     )

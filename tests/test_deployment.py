@@ -169,7 +169,11 @@ def test_superlink_and_three_supernodes_train_and_reuse_the_feature_cache(
     assert {float(r["encoder_loads"]) for r in rows if r["round"] == "1"} == {1.0}
     assert {float(r["encoder_loads"]) for r in rows if r["round"] == "2"} == {0.0}
     for i in range(3):
-        assert list((deployment.folder / f"cache-{i}").glob("*.safetensors"))
+        cache = deployment.folder / f"cache-{i}"
+        assert list(cache.glob("*.safetensors"))
+        # and the node kept its composed settings and its shard for later ClientApp processes
+        assert len(list((cache / "settings").glob("*.json"))) == 1
+        assert len(list((cache / "shards").glob("*.json"))) == 1
 
 
 def test_tls_run_completes_and_insecure_or_foreign_ca_nodes_are_refused(

@@ -16,8 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from fl_helpers import reply
+from flwr.app import Array
 
 from car_fl.checkpoint import load_checkpoint
+from car_fl.records import RAW_STYPE, decode, encode
 from car_fl.strategy import CaRFedAvg
 
 SPEC = {"w": ((2, 3), np.dtype("float32")), "b": ((3,), np.dtype("float32"))}
@@ -60,7 +62,7 @@ def test_every_kind_of_bad_reply_is_rejected_and_only_valid_ones_count(order: in
     assert arrays is not None and metrics is not None
     for name in ("w", "b"):
         expected = (10 * good(1)[name].astype(np.float64) + 30 * good(2)[name]) / 40
-        np.testing.assert_allclose(arrays[name].numpy(), expected, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(decode(arrays[name]), expected, rtol=1e-6, atol=1e-7)
     rejected = strategy.history[-1].rejected
     for node, (_, _, reason) in bad_replies().items():
         assert node in rejected
@@ -74,17 +76,86 @@ def test_aggregate_is_the_same_for_every_arrival_order() -> None:
     for perm in itertools.permutations(messages):
         arrays, _ = CaRFedAvg(min_clients=1, spec=SPEC).aggregate_train(1, list(perm))
         assert arrays is not None
-        results.append(arrays["w"].numpy().tobytes())
+        results.append(decode(arrays["w"]).tobytes())
     assert len(set(results)) == 1
 
 
-def test_example_counts_are_capped_by_each_clients_shard() -> None:
+def test_example_counts_are_capped_by_the_partition_the_server_pinned_to_each_node() -> None:
     strategy = CaRFedAvg(min_clients=1, spec=SPEC, shard_sizes={0: 50, 1: 70})
-    ok = reply(1, good(1), 50, **{"partition-id": 0})
-    greedy = reply(2, good(2), 60, **{"partition-id": 0})
-    arrays, _ = strategy.aggregate_train(1, [ok, greedy])
+    first = [
+        reply(1, good(1), 50, **{"partition-id": 0}),
+        reply(2, good(2), 80, **{"partition-id": 1}),  # partition 1 holds only 70
+    ]
+    strategy.aggregate_train(1, first)
+    assert strategy.history[-1].rejected == {2: "'num-examples' = 80 exceeds the cap of 70"}
+    assert strategy.claims.held == {1: 0}  # only a valid reply pins its partition
+    # A hostile node cannot borrow the larger shard of another node, nor switch partitions.
+    second = [
+        reply(1, good(1), 70, **{"partition-id": 1}),
+        reply(2, good(2), 70, **{"partition-id": 1}),
+        reply(3, good(3), 50, **{"partition-id": 0}),
+    ]
+    _, metrics = strategy.aggregate_train(2, second)
+    rejected = strategy.history[-1].rejected
+    assert rejected[1] == "node 1 holds partition 0, now claims partition 1"
+    assert rejected[3].startswith("partition 0 is held by node 1")
+    assert set(rejected) == {1, 3}
+    assert metrics is not None and metrics["num-examples"] == 70
+    assert strategy.claims.held == {1: 0, 2: 1}
+
+
+@pytest.mark.parametrize("claim", [None, 2, -1, 0.5, 1e9])
+def test_a_claim_of_no_partition_of_this_run_is_rejected(claim: object) -> None:
+    strategy = CaRFedAvg(min_clients=1, spec=SPEC, shard_sizes={0: 50, 1: 70})
+    metrics = {} if claim is None else {"partition-id": claim}
+    strategy.aggregate_train(1, [reply(1, good(1), 5, **metrics)])  # type: ignore[arg-type]
+    assert "'partition-id'" in strategy.history[-1].rejected[1]
+
+
+def test_pre_sharded_nodes_are_capped_by_max_examples_per_client() -> None:
+    # Nodes started with data-is-shard hold data the server cannot size: one cap for all,
+    # whatever partition they report.
+    strategy = CaRFedAvg(min_clients=1, spec=SPEC, shard_sizes={0: 50, 1: 50}, max_examples=300)
+    replies = [
+        reply(1, good(1), 300, **{"partition-id": 0}),
+        reply(2, good(2), 120, **{"partition-id": 0}),
+        reply(3, good(3), 301, **{"partition-id": 1}),
+    ]
+    _, metrics = strategy.aggregate_train(1, replies)
+    assert strategy.history[-1].rejected == {3: "'num-examples' = 301 exceeds the cap of 300"}
+    assert metrics is not None and metrics["num-examples"] == 420
+
+
+def npy(values: np.ndarray, shape: tuple[int, ...] | None = None) -> Array:
+    """NumPy's ``.npy`` format (Flower's default), with the metadata shape we choose."""
+    array = Array(values)
+    return Array(dtype=array.dtype, shape=shape or array.shape, stype=array.stype, data=array.data)
+
+
+@pytest.mark.parametrize(
+    ("name", "array", "reason"),
+    [
+        # payload (1,) under metadata (2, 3): would broadcast into every cell
+        ("w", npy(np.full(1, 1e3, np.float32), (2, 3)), "only 'car_fl.raw'"),
+        # payload (5,) under metadata (3,): would crash the round
+        ("b", npy(np.ones(5, np.float32), (3,)), "only 'car_fl.raw'"),
+        # even an honest .npy array: only car-fl's own format is read
+        ("w", npy(np.ones((2, 3), np.float32)), "only 'car_fl.raw'"),
+        # raw bytes that do not fill the shape the metadata gives
+        ("w", Array(dtype="<f4", shape=(2, 3), stype=RAW_STYPE, data=b"\0" * 4), "cannot be read"),
+        # raw bytes of the right length for metadata that lies about the shape
+        ("w", encode(np.ones((3, 2), np.float32)), r"shape \(3, 2\)"),
+    ],
+)
+def test_shape_is_checked_on_the_decoded_values_of_our_own_wire_format_only(
+    name: str, array: Array, reason: str
+) -> None:
+    strategy = CaRFedAvg(min_clients=1, spec=SPEC)
+    bad = reply(7, {**good(7), name: array}, 5)
+    arrays, _ = strategy.aggregate_train(1, [reply(1, good(1), 5), bad])
+    assert re.search(reason, strategy.history[-1].rejected[7])
     assert arrays is not None
-    assert strategy.history[-1].rejected == {2: "'num-examples' = 60 exceeds the cap of 50"}
+    np.testing.assert_array_equal(decode(arrays["w"]), good(1)["w"])
 
 
 @pytest.mark.parametrize(("min_valid", "fraction"), [(3, 0.0), (1, 0.75)])
@@ -198,3 +269,31 @@ def test_a_poisoned_round_leaves_the_model_bit_identical_and_the_run_completes(
     rows = [r for r in csv.DictReader((out / "clients.csv").open()) if r["round"] == "2"]
     assert sorted(r["status"] for r in rows) == ["ok", "rejected"]
     assert any("non-finite" in r["reason"] for r in rows)
+
+
+@pytest.mark.slow
+def test_pre_sharded_nodes_train_with_the_documented_cap_and_are_refused_without(
+    make_settings, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """Nodes started with data-is-shard report their whole file (here 400 examples), which no
+    partition of the server's split holds: without fl.max_examples_per_client every reply is
+    refused and the run fails; with it the run completes."""
+    import torch
+
+    from car_fl.local_grid import run_local
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        base = ["fl.rounds=1", "fl.local_epochs=1"]
+        shard = {"data-is-shard": "true"}
+        with pytest.raises(RuntimeError, match="every round failed"):
+            run_local(make_settings(*base, f"output_dir={tmp_path / 'a'}"), node_config=shard)
+        metrics = run_local(
+            make_settings(*base, "fl.max_examples_per_client=400", f"output_dir={tmp_path / 'b'}"),
+            node_config=shard,
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert metrics["summary"]["complete"]
+    assert metrics["history"][0]["clients_ok"] == 2

@@ -129,11 +129,8 @@ def load_examples(cfg: DatasetConfig, label_map: LabelMap) -> Dataset:
     """Every example of the local file ``cfg.path`` (a client's own shard), unsplit."""
     if cfg.path is None:
         raise ValueError("a pre-sharded node needs its shard file: --node-config data-path=...")
-    examples = read_local(cfg, cfg.path)
-    if cfg.dedupe:
-        examples, removed = dedupe(examples)
-        log.info("shard %s: duplicates removed: %s", cfg.path, removed.as_dict())
-    return _to_dataset(examples, label_map, str(cfg.path))
+    # Not deduplicated: a pre-made shard is training data only, never split here.
+    return _to_dataset(read_local(cfg, cfg.path), label_map, str(cfg.path))
 
 
 def _to_dataset(examples: list[Example], label_map: LabelMap, source: str) -> Dataset:

@@ -1,0 +1,392 @@
+"""Deployment speed: per-round overhead against Flower's floor, and the speed-up of N cores.
+
+    python scripts/bench_deploy.py all                   # both parts, 2 clients (~8 min here)
+    python scripts/bench_deploy.py overhead [--clients 2] [--rounds 5]
+    python scripts/bench_deploy.py speedup [--clients 2 3] [--data PATH] [--examples 1000]
+
+overhead: one local cluster (a SuperLink and N SuperNodes on 127.0.0.1; Flower starts a new
+ClientApp process per message) runs, one after the other and with the same ServerApp and
+settings, car-fl (a tiny random Llama, 400 synthetic examples, classifier mode; features, shard
+and settings cached by each node in round 1) and an empty ClientApp that replies at once
+(``car_fl.floor``). For rounds 2..R: per-round overhead = round wall time - the slowest
+client's own work (its ``train-seconds``), car-fl's against the floor's. Also printed: how long
+a fresh process takes to import each ClientApp (the part of the overhead car-fl controls).
+
+speedup: adapter + classifier mode, the offline MiniLM, the SMS data sampled to --examples
+messages. A centralised run pinned to one core (``taskset``, one torch thread) for R x E epochs,
+against a deployment of R rounds x E local epochs whose N SuperNodes (and so their ClientApp
+processes) each run pinned to a core of their own, one torch thread each; the SuperLink and its
+ServerApp (the aggregator) get one core too, the first core not given to a client, else core 0
+(its evaluation runs between rounds, while the clients wait). Wall time from start to the
+written results, both; N needs N cores (the GPU machine of the ``device`` tool has 16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from car_fl.deploy import (
+    LocalCluster,
+    node_config_string,
+    start_run,
+    superlink_command,
+    supernode_command,
+    wait_for_run,
+    write_connection,
+)
+
+PROJECT = Path(__file__).resolve().parents[1]
+DEFAULT_DATA = PROJECT.parent / "shared" / "data" / "sms_spam" / "SMSSpamCollection.tsv"
+CONNECTION = "bench"
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def pinned(cmd: list[str], core: int | None) -> list[str]:
+    """``cmd`` run on one CPU core (its children inherit the affinity), or as it is."""
+    return cmd if core is None else ["taskset", "-c", str(core), *cmd]
+
+
+def floor_project(folder: Path) -> Path:
+    """This project with the empty ClientApp (``car_fl/floor.py``) as its ``client_app.py``.
+
+    The app bundle carries the project's own ``car_fl`` and ``conf/`` (the ServerApp uses them),
+    so the copy is the project itself (the same files travel) with only the ClientApp swapped.
+    """
+    skip = shutil.ignore_patterns(".git", ".venv", ".*_cache", "__pycache__", "runs", "outputs")
+    shutil.copytree(PROJECT, folder, ignore=skip)
+    shutil.copy(PROJECT / "car_fl" / "floor.py", folder / "client_app.py")
+    return folder
+
+
+class Cluster:
+    """A SuperLink and N SuperNodes on 127.0.0.1, optionally each pinned to a core."""
+
+    def __init__(
+        self,
+        folder: Path,
+        *,
+        clients: int,
+        data: Path,
+        client_cores: list[int] | None = None,
+        server_core: int | None = None,
+        one_thread: bool = False,
+    ) -> None:
+        self.folder = folder
+        self.clients = clients
+        self.data = data
+        self.client_cores = client_cores
+        self.server_core = server_core
+        self.env = {
+            **os.environ,
+            "FLWR_HOME": str(folder / "flwr"),
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            **(ONE_THREAD if one_thread else {}),
+        }
+        self.local = LocalCluster(folder)
+
+    def __enter__(self) -> Cluster:
+        fleet, control = f"127.0.0.1:{free_port()}", free_port()
+        self.local.start(
+            "superlink",
+            pinned(
+                superlink_command(
+                    fleet_address=fleet,
+                    control_host="127.0.0.1",
+                    control_port=control,
+                    database=self.folder / "state.db",
+                ),
+                self.server_core,
+            ),
+            env=self.env,
+        )
+        write_connection(self.folder / "flwr", CONNECTION, f"127.0.0.1:{control}")
+        for i in range(self.clients):
+            command = supernode_command(
+                superlink=fleet,
+                runtime_port=free_port(),
+                node_config=node_config_string(
+                    partition_id=i,
+                    num_partitions=self.clients,
+                    data_path=self.data,
+                    cache_dir=self.folder / f"cache-{i}",
+                    device="cpu",
+                ),
+            )
+            core = self.client_cores[i] if self.client_cores else None
+            self.local.start(f"supernode-{i}", pinned(command, core), env=self.env)
+        time.sleep(8)  # let the SuperNodes connect before a run is timed
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.local.stop()
+
+    def run(self, project: Path, overrides: str) -> tuple[float, dict[str, Any]]:
+        """Wall seconds from ``flwr run`` to the run's end, and its ``metrics.json``."""
+        tick = time.perf_counter()
+        run_id = start_run(project, CONNECTION, overrides, env=self.env)
+        status = wait_for_run(CONNECTION, run_id, timeout=3600, poll=0.5, env=self.env)
+        seconds = time.perf_counter() - tick
+        if status["status"] != "finished:completed":
+            raise SystemExit(f"run on the local cluster did not complete: {status}")
+        out = next(p.split("=", 1)[1] for p in overrides.split() if p.startswith("output_dir="))
+        return seconds, json.loads((Path(out) / "metrics.json").read_text())
+
+
+def later_rounds(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Rounds 2..R (round 1 fills the caches): mean round, slowest client work, overhead."""
+    rows = metrics["history"][1:]
+    rounds = [r["seconds"] for r in rows]
+    work = [r["max_client_train_seconds"] for r in rows]
+    return {
+        "rounds": len(rows),
+        "round_seconds": statistics.mean(rounds),
+        "slowest_client_work_seconds": statistics.mean(work),
+        "overhead_seconds": statistics.mean(r - w for r, w in zip(rounds, work, strict=True)),
+        "per_round_overhead": [r - w for r, w in zip(rounds, work, strict=True)],
+        "first_round_seconds": metrics["history"][0]["seconds"],
+    }
+
+
+def import_seconds(module: str, repeats: int = 3) -> float:
+    """Median wall time of a fresh Python process that imports ``module`` and exits."""
+    times = []
+    for _ in range(repeats):
+        tick = time.perf_counter()
+        subprocess.run([sys.executable, "-c", f"import {module}"], cwd=PROJECT, check=True)
+        times.append(time.perf_counter() - tick)
+    return statistics.median(times)
+
+
+# ------------------------------------------------------------------------------- overhead
+def bench_overhead(work: Path, *, clients: int, rounds: int) -> dict[str, Any]:
+    from car_fl.tiny import build_llama, synthetic_examples, write_tsv
+
+    work.mkdir(parents=True, exist_ok=True)
+    model = build_llama(work / "llama")
+    data = write_tsv(work / "data.tsv", synthetic_examples(400))
+    common = (
+        f"model=local model.name_or_path={model} dataset.path={data} progress=false device=cpu "
+        f"fl.clients={clients} fl.rounds={rounds}"
+    )
+    floor_dir = floor_project(work / "floor-project")
+    with Cluster(work / "cluster", clients=clients, data=data) as cluster:
+        ours_wall, ours = cluster.run(PROJECT, f"{common} output_dir={work / 'ours'}")
+        floor_wall, floor = cluster.run(floor_dir, f"{common} output_dir={work / 'floor'}")
+    result = {
+        "config": common,
+        "clients": clients,
+        "car_fl": {**later_rounds(ours), "run_wall_seconds": ours_wall},
+        "floor": {**later_rounds(floor), "run_wall_seconds": floor_wall},
+        "import_seconds": {
+            "car_fl_client_app": import_seconds("client_app"),
+            "floor_client_app": import_seconds("car_fl.floor"),
+            "python_only": import_seconds("sys"),
+        },
+    }
+    result["ratio"] = result["car_fl"]["overhead_seconds"] / result["floor"]["overhead_seconds"]
+    return result
+
+
+# -------------------------------------------------------------------------------- speed-up
+def bench_speedup(
+    work: Path, *, data: Path, examples: int, clients: list[int], rounds: int, local_epochs: int
+) -> dict[str, Any]:
+    work.mkdir(parents=True, exist_ok=True)
+    available = sorted(os.sched_getaffinity(0))
+    epochs = rounds * local_epochs
+    common = (
+        f"model=minilm dataset.path={data.resolve()} dataset.max_examples={examples} mode=adapter "
+        "device=cpu progress=false"
+    )
+    _warm_page_cache()
+    # Centralised, one core, one thread: the same data and rounds x local epochs epochs
+    central_out = work / "central"
+    cmd = [
+        sys.executable,
+        "-m",
+        "car_fl.centralized",
+        *common.split(),
+        f"train.epochs={epochs}",
+        f"output_dir={central_out}",
+        f"hydra.run.dir={work / 'hydra'}",
+    ]
+    env = {**os.environ, **ONE_THREAD, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    tick = time.perf_counter()
+    subprocess.run(pinned(cmd, available[0]), env=env, cwd=work, check=True, capture_output=True)
+    central_wall = time.perf_counter() - tick
+    central = json.loads((central_out / "metrics.json").read_text())
+    result: dict[str, Any] = {
+        "config": common,
+        "epochs": epochs,
+        "cores_available": len(available),
+        "centralised": {
+            "core": available[0],
+            "wall_seconds": central_wall,
+            "epoch_seconds": [r["seconds"] for r in central["history"]],
+            # process start, imports, data, encoder load, results (not in any epoch)
+            "outside_epochs_seconds": central_wall - sum(r["seconds"] for r in central["history"]),
+            "final_test_top1": central["summary"]["final"]["test_top1"],
+        },
+        "federated": {},
+    }
+    for n in clients:
+        if n > len(available):
+            result["federated"][str(n)] = {"skipped": f"needs {n} cores, {len(available)} here"}
+            continue
+        server_core = available[n] if len(available) > n else available[0]
+        folder = work / f"cluster-{n}"
+        with Cluster(
+            folder,
+            clients=n,
+            data=data.resolve(),
+            client_cores=available[:n],
+            server_core=server_core,
+            one_thread=True,
+        ) as cluster:
+            overrides = (
+                f"{common} fl.clients={n} fl.rounds={rounds} fl.local_epochs={local_epochs} "
+                f"output_dir={folder / 'run'}"
+            )
+            wall, metrics = cluster.run(PROJECT, overrides)
+        rows = metrics["history"]
+        clients_csv = list(csv.DictReader((folder / "run" / "clients.csv").open()))
+        result["federated"][str(n)] = {
+            "client_cores": available[:n],
+            "server_core": server_core,
+            "wall_seconds": wall,
+            "speedup": central_wall / wall,
+            "round_seconds": [r["seconds"] for r in rows],
+            "slowest_client_work_seconds": [r["max_client_train_seconds"] for r in rows],
+            # flwr run, ServerApp start, data, encoder, round-0 evaluation, results
+            "outside_rounds_seconds": wall - sum(r["seconds"] for r in rows),
+            "client_torch_threads": sorted({int(float(r["torch_threads"])) for r in clients_csv}),
+            "final_test_top1": metrics["summary"]["final"]["test_top1"],
+        }
+    return result
+
+
+def _warm_page_cache() -> None:
+    """Read the MiniLM files once, so that neither side pays the first disk read."""
+    from car_fl.config import load_settings
+
+    folder = Path(load_settings(["model=minilm"]).model.name_or_path)
+    for path in folder.rglob("*"):
+        if path.is_file():
+            path.read_bytes()
+
+
+# ----------------------------------------------------------------------------------- report
+def print_overhead(r: dict[str, Any]) -> None:
+    ours, floor, imp = r["car_fl"], r["floor"], r["import_seconds"]
+    print(
+        f"deployment, {r['clients']} SuperNodes on 127.0.0.1, rounds 2..{ours['rounds'] + 1}:\n"
+        f"  car-fl   : round {ours['round_seconds']:.2f} s - slowest client's work "
+        f"{ours['slowest_client_work_seconds']:.2f} s = overhead {ours['overhead_seconds']:.2f} s"
+        f" per round\n"
+        f"  empty app: round {floor['round_seconds']:.2f} s - slowest client's work "
+        f"{floor['slowest_client_work_seconds']:.2f} s = overhead "
+        f"{floor['overhead_seconds']:.2f} s per round (Flower's floor)\n"
+        f"  car-fl overhead / floor = {r['ratio']:.2f}x (target <= 1.2x: "
+        f"{'met' if r['ratio'] <= 1.2 else 'MISSED'})\n"
+        f"  fresh process importing the ClientApp: car-fl {imp['car_fl_client_app']:.2f} s, "
+        f"empty app {imp['floor_client_app']:.2f} s, bare Python {imp['python_only']:.2f} s"
+    )
+
+
+def print_speedup(r: dict[str, Any]) -> None:
+    c = r["centralised"]
+    print(
+        f"adapter + classifier, MiniLM, {r['config'].split('max_examples=')[1].split()[0]} SMS, "
+        f"{r['epochs']} epochs in all:\n"
+        f"  centralised on core {c['core']}: {c['wall_seconds']:.1f} s = epochs incl. "
+        f"evaluation {' + '.join(f'{s:.1f}' for s in c['epoch_seconds'])} s + start-up and "
+        f"results {c['outside_epochs_seconds']:.1f} s; top-1 {c['final_test_top1']:.4f}"
+    )
+    targets = {2: 1.75, 3: 2.6}
+    for n, f in r["federated"].items():
+        if "skipped" in f:
+            print(f"  {n} clients: skipped ({f['skipped']})")
+            continue
+        target = targets.get(int(n))
+        verdict = (
+            f" (target >= {target}x: {'met' if f['speedup'] >= target else 'MISSED'})"
+            if target
+            else ""
+        )
+        work = " + ".join(f"{s:.1f}" for s in f["slowest_client_work_seconds"])
+        print(
+            f"  {n} clients on cores {f['client_cores']}, server on core {f['server_core']}: "
+            f"{f['wall_seconds']:.1f} s = {f['speedup']:.2f}x{verdict}\n"
+            f"    = rounds {' + '.join(f'{s:.1f}' for s in f['round_seconds'])} s (of which the "
+            f"slowest client's work {work} s) + start-up, round-0 evaluation and results "
+            f"{f['outside_rounds_seconds']:.1f} s;"
+            f" torch threads per client {f['client_torch_threads']}; "
+            f"top-1 {f['final_test_top1']:.4f}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("part", choices=("all", "overhead", "speedup"))
+    parser.add_argument("--clients", type=int, nargs="+", default=[2])
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of the overhead part")
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="SMSSpamCollection.tsv")
+    parser.add_argument("--examples", type=int, default=1000, help="SMS sample (speedup)")
+    parser.add_argument("--fl-rounds", type=int, default=2, help="rounds of the speedup part")
+    parser.add_argument("--local-epochs", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=Path("runs/bench-deploy.json"))
+    args = parser.parse_args(argv)
+    if args.part != "overhead" and not args.data.is_file():
+        parser.error(f"{args.data} not found; pass --data path/to/SMSSpamCollection.tsv")
+    results: dict[str, Any] = {"cpus": os.cpu_count()}
+    with tempfile.TemporaryDirectory(prefix="car-fl-bench-deploy-") as tmp:
+        work = Path(tmp)
+        if args.part in ("all", "overhead"):
+            print("per-round overhead in deployment vs an empty ClientApp ...", flush=True)
+            results["overhead"] = bench_overhead(
+                work / "overhead", clients=args.clients[0], rounds=args.rounds
+            )
+        if args.part in ("all", "speedup"):
+            print("speed-up of N pinned clients vs one pinned core ...", flush=True)
+            results["speedup"] = bench_speedup(
+                work / "speedup",
+                data=args.data,
+                examples=args.examples,
+                clients=args.clients,
+                rounds=args.fl_rounds,
+                local_epochs=args.local_epochs,
+            )
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=2) + "\n")
+    if "overhead" in results:
+        print_overhead(results["overhead"])
+    if "speedup" in results:
+        print_speedup(results["speedup"])
+    print(f"results: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
