@@ -9,6 +9,7 @@ cannot size: ``fl.max_examples_per_client`` caps every node instead (no pinning)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,7 +28,11 @@ class ShardClaims:
         """(cap, None) if ``node`` may claim partition ``claimed``, else (None, reason)."""
         if self.max_examples is not None or not self.shard_sizes:
             return self.max_examples, None
-        if isinstance(claimed, bool) or not isinstance(claimed, int | float):
+        if (
+            isinstance(claimed, bool)
+            or not isinstance(claimed, int | float)
+            or not math.isfinite(claimed)
+        ):
             return None, f"'partition-id' must be an integer, got {claimed!r}"
         if claimed != int(claimed) or int(claimed) not in self.shard_sizes:
             valid = f"0..{max(self.shard_sizes)}"

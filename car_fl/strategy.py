@@ -304,7 +304,11 @@ class GuardedStrategy(Strategy):
                 stats.failed[node] = str(message.error.reason)
                 log.error("round %d: node %d failed: %s", server_round, node, message.error.reason)
                 continue
-            checked_reply = self._check(node, message.content, stats)
+            try:
+                checked_reply = self._check(node, message.content, stats)
+            except Exception as err:  # whatever a client sends must not end the server's run
+                stats.rejected[node] = f"malformed reply ({type(err).__name__}: {err})"
+                checked_reply = None
             if checked_reply is not None:
                 checked[node], originals[node] = checked_reply, message
         valid = self._bound_norms(server_round, checked, stats)
@@ -424,12 +428,21 @@ class GuardedStrategy(Strategy):
         combined, _ = self.inner.aggregate_train(server_round, clean)
         if combined is None:
             return None
-        return ArrayRecord(
-            array_dict={
-                name: encode(np.asarray(combined[name].numpy()).astype(dtype))
+        with np.errstate(over="ignore"):  # overflow to inf is what the check below catches
+            out = {
+                name: np.asarray(combined[name].numpy()).astype(dtype)
                 for name, (_, dtype) in self.spec.items()
             }
-        )
+        bad = [name for name, values in out.items() if not np.isfinite(values).all()]
+        if bad:
+            log.error(
+                "round %d: the aggregate of %s is not finite in the model's dtype; the global "
+                "model is kept unchanged",
+                server_round,
+                ", ".join(bad),
+            )
+            return None
+        return ArrayRecord(array_dict={name: encode(values) for name, values in out.items()})
 
     # Clients evaluate nothing: the server evaluates the global model itself (evaluate_fn).
     def configure_evaluate(

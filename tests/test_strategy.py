@@ -184,6 +184,15 @@ def test_robust_strategies_ignore_a_huge_reply_that_fedavg_takes() -> None:
         assert (largest < 10) is robust, (type(inner).__name__, largest)
 
 
+def test_an_aggregate_that_overflows_the_models_dtype_keeps_the_model() -> None:
+    # Each reply is finite in float32; a server optimiser's step from them is not.
+    strategy = GuardedStrategy(FedAvgM(server_learning_rate=4.0, server_momentum=0.0), spec=SPEC)
+    configured(strategy, params(0), [1, 2])
+    huge = {k: np.full_like(v, 3e38) for k, v in params(1).items()}
+    arrays, metrics = strategy.aggregate_train(1, [reply(1, huge, 10), reply(2, huge, 10)])
+    assert arrays is None and metrics is None  # the round is skipped: the model stays as it was
+
+
 # --------------------------------------------------------------------------- update-norm bound
 
 

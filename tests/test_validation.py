@@ -297,3 +297,16 @@ def test_pre_sharded_nodes_train_with_the_documented_cap_and_are_refused_without
         torch.set_num_threads(threads)
     assert metrics["summary"]["complete"]
     assert metrics["history"][0]["clients_ok"] == 2
+
+
+@pytest.mark.parametrize("claimed", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_partition_id_is_rejected_not_a_crash(claimed: float) -> None:
+    strategy = CaRFedAvg(min_clients=1, spec=SPEC, shard_sizes={0: 50, 1: 70})
+    replies = [
+        reply(1, good(1), 50, **{"partition-id": 0}),
+        reply(2, good(2), 50, **{"partition-id": claimed}),
+    ]
+    arrays, _ = strategy.aggregate_train(1, replies)
+    assert arrays is not None  # the honest reply is aggregated, the run goes on
+    np.testing.assert_array_equal(decode(arrays["w"]), good(1)["w"])
+    assert "'partition-id' must be an integer" in strategy.history[-1].rejected[2]
