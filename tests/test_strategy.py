@@ -393,7 +393,7 @@ def test_every_strategy_runs_a_short_federation_end_to_end(
     assert metrics["summary"]["complete"]
     history = metrics["history"]
     assert [r["round"] for r in history] == [1, 2] and not metrics["summary"]["skipped_rounds"]
-    assert history[-1]["test_top1"] > metrics["summary"]["initial"]["top1"]
+    assert history[-1]["test_top1"] > metrics["summary"]["initial"]["test_top1"]
     assert (out / "checkpoints" / "final").exists()
 
 
