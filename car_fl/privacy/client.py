@@ -159,6 +159,10 @@ class ClientPrivacy:
             return 0.0
         update = release_multiplier(std, bound)
         if self.mode is DPMode.ADAPTIVE:  # the geometric rule also releases b̃ᵢ
+            if std > 0 and self.z_delta is not None:
+                # z_Δ·Cᵢ / (2Cᵢ) is z_Δ/2: computed directly, no rounding that varies with Cᵢ
+                # (ε must not differ in its last digits between clients with other data)
+                update = self.z_delta / 2.0
             return combined_multiplier(update, indicator_multiplier(self.sigma_b))
         return update
 
