@@ -29,14 +29,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from car_fl.compare import JOB_JSON, write_report
-from car_fl.config import (
-    DPMode,
-    Settings,
-    conf_dir,
-    settings_to_yaml,
-    to_settings,
-    trains_nothing,
-)
+from car_fl.compose import conf_dir, settings_to_yaml, to_settings
+from car_fl.config import DPMode, Settings, trains_nothing
 from car_fl.io import atomic_write_json, atomic_write_text
 
 log = logging.getLogger(__name__)

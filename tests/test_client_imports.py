@@ -19,10 +19,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from car_fl import config as config_module
-from car_fl import node_cache
-from car_fl.config import apply_node_config, fingerprint, load_settings
+from car_fl import flower_bridge, node_cache
+from car_fl.compose import conf_dir, load_settings
 from car_fl.data import LabelMap, load_splits
+from car_fl.flower_bridge import apply_node_config, fingerprint
 from car_fl.model import build_retriever
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -126,24 +126,23 @@ def test_settings_are_composed_once_per_node_then_read_from_disk(
     node_config = {"cache-dir": str(tmp_path), "device": "cpu", "partition-id": 0}
     expected = apply_node_config(load_settings(overrides), node_config)
     server = fingerprint(load_settings(overrides))
-    first = node_cache.node_settings({"overrides": overrides}, node_config, server)
+    first = flower_bridge.node_settings({"overrides": overrides}, node_config, server)
     assert first == expected
     # a new process: nothing in memory, and no composition may happen
-    monkeypatch.setattr(config_module, "_RUN_SETTINGS", {})
-    monkeypatch.setattr(node_cache, "_IN_PROCESS", {})
+    monkeypatch.setattr(flower_bridge, "_IN_PROCESS", {})
 
     def no_composition(run_config: object) -> None:
         raise AssertionError("composed again although the node has the settings on disk")
 
-    monkeypatch.setattr(node_cache, "settings_from_run_config", no_composition)
-    assert node_cache.node_settings({"overrides": overrides}, node_config, server) == expected
+    monkeypatch.setattr(flower_bridge, "settings_from_run_config", no_composition)
+    assert flower_bridge.node_settings({"overrides": overrides}, node_config, server) == expected
     # the fingerprint is checked on the cached path too: a server with another configuration
     other = fingerprint(load_settings(overrides + " seed=7"))
     with pytest.raises(ValueError, match="different configuration"):
-        node_cache.node_settings({"overrides": overrides}, node_config, other)
+        flower_bridge.node_settings({"overrides": overrides}, node_config, other)
     # other overrides are another entry, composed anew
     with pytest.raises(AssertionError, match="composed again"):
-        node_cache.node_settings({"overrides": overrides + " seed=7"}, node_config, None)
+        flower_bridge.node_settings({"overrides": overrides + " seed=7"}, node_config, None)
 
 
 @pytest.mark.parametrize(
@@ -172,7 +171,7 @@ def test_settings_survive_the_json_round_trip(overrides: str) -> None:
 def test_settings_key_changes_with_any_config_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    conf = shutil.copytree(config_module.conf_dir(), tmp_path / "conf")
+    conf = shutil.copytree(conf_dir(), tmp_path / "conf")
     monkeypatch.setattr(node_cache, "conf_dir", lambda: conf)
     node = {"partition-id": 0, "data-path": "/data/a.tsv"}
     before = node_cache.settings_key("mode=adapter", node)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from car_fl.config import (
-    Settings,
+from car_fl.compose import (
     compose_config,
     load_settings,
     parse_overrides,
@@ -13,6 +12,7 @@ from car_fl.config import (
     settings_to_yaml,
     to_settings,
 )
+from car_fl.config import Settings
 
 
 def test_defaults_are_the_papers() -> None:
