@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import shlex
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,8 @@ from car_fl.config import APPROACHES, Settings
 #: Name of the :class:`~car_fl.config.Settings` schema in the ConfigStore (``conf/config.yaml``
 #: lists it first in its defaults).
 SCHEMA = "settings_schema"
+#: Groups registered from :mod:`car_fl.config`'s tables instead of ``conf/`` files.
+GENERATED_GROUPS = ("approach",)
 
 
 def conf_dir() -> Path:
@@ -58,13 +61,19 @@ if not OmegaConf.has_resolver("package_model_dir"):
 def register_configs() -> None:
     """Register the schema and the approach group in Hydra's ConfigStore (idempotent).
 
-    Called before anything composes ``conf/``: :func:`compose_config` and the ``hydra.main``
-    entry points (:mod:`car_fl.centralized`, :mod:`car_fl.sweep`).
+    The schema is :class:`Settings`' sections as typed nodes (``dataset`` a
+    :class:`~car_fl.config.DatasetConfig`, ...) with their defaults, plus its top-level
+    defaults: group files merge into typed sections, so they hold only what they change; the
+    root stays open so that ``conf/sweep.yaml`` can add its own keys (``clients``, ``sweep``).
+    :func:`to_settings` then validates the whole against :class:`Settings`. Called before
+    anything composes ``conf/``: :func:`compose_config` and the ``hydra.main`` entry points
+    (:mod:`car_fl.centralized`, :mod:`car_fl.sweep`).
     """
     from hydra.core.config_store import ConfigStore
 
     store = ConfigStore.instance()
-    store.store(name=SCHEMA, node=Settings)
+    defaults = Settings()
+    store.store(name=SCHEMA, node={f.name: getattr(defaults, f.name) for f in fields(Settings)})
     for approach, spec in APPROACHES.items():
         store.store(
             group="approach",
@@ -90,6 +99,7 @@ def compose_config(
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
 
+    register_configs()
     items = parse_overrides(overrides)
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):

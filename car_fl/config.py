@@ -155,7 +155,8 @@ WIRE_DTYPES = ("float32", "float16")
 PADDING_SIDES = ("auto", "left", "right")
 
 
-def _one_of(key: str, value: str, valid: tuple[str, ...] | list[str]) -> None:
+def one_of(key: str, value: str, valid: tuple[str, ...] | list[str]) -> None:
+    """Reject a ``value`` of ``key`` that is not among the ``valid`` names, listing them."""
     if value not in valid:
         raise ValueError(f"{key}={value!r} is not valid; choose one of {', '.join(valid)}")
 
@@ -197,7 +198,7 @@ class DatasetConfig:
     label_texts: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _one_of("dataset.reader", self.reader, [r.value for r in Reader])
+        one_of("dataset.reader", self.reader, [r.value for r in Reader])
         if self.path is None and self.hub_id is None:
             raise ValueError(
                 f"dataset {self.name!r} has neither dataset.path (a local file) nor "
@@ -231,9 +232,9 @@ class ModelConfig:
     trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
-        _one_of("model.dtype", self.dtype, DTYPES)
-        _one_of("model.pooling", self.pooling, [p.value for p in Pooling])
-        _one_of("model.padding_side", self.padding_side, PADDING_SIDES)
+        one_of("model.dtype", self.dtype, DTYPES)
+        one_of("model.pooling", self.pooling, [p.value for p in Pooling])
+        one_of("model.padding_side", self.padding_side, PADDING_SIDES)
         if self.max_length < 2:
             raise ValueError(f"model.max_length must be >= 2, got {self.max_length}")
 
@@ -264,8 +265,8 @@ class HeadConfig:
     knn_k: int = 10
 
     def __post_init__(self) -> None:
-        _one_of("head.kind", self.kind, [k.value for k in HeadKind])
-        _one_of("head.similarity", self.similarity, [s.value for s in Similarity])
+        one_of("head.kind", self.kind, [k.value for k in HeadKind])
+        one_of("head.similarity", self.similarity, [s.value for s in Similarity])
         _positive("head.temperature", self.temperature)
         if self.knn_k < 1:
             raise ValueError(f"head.knn_k must be >= 1, got {self.knn_k}")
@@ -295,8 +296,8 @@ class TrainConfig:
     feature_batch_size: int = 32
 
     def __post_init__(self) -> None:
-        _one_of("train.mode", self.mode, [m.value for m in Mode])
-        _one_of("train.optimizer", self.optimizer, OPTIMIZERS)
+        one_of("train.mode", self.mode, [m.value for m in Mode])
+        one_of("train.optimizer", self.optimizer, OPTIMIZERS)
         for key in ("epochs", "batch_size", "eval_batch_size", "feature_batch_size"):
             if getattr(self, key) < 1:
                 raise ValueError(f"train.{key} must be >= 1, got {getattr(self, key)}")
@@ -394,7 +395,7 @@ class FLConfig:
                 f"fl.max_examples_per_client must be >= 1 or null, "
                 f"got {self.max_examples_per_client}"
             )
-        _one_of("fl.partitioning", self.partitioning, ("iid", "dirichlet"))
+        one_of("fl.partitioning", self.partitioning, ("iid", "dirichlet"))
         if not 0.0 < self.fraction_train <= 1.0:
             raise ValueError(f"fl.fraction_train must be in (0, 1], got {self.fraction_train}")
         if self.clients_per_round is not None and not (
@@ -404,8 +405,8 @@ class FLConfig:
                 f"fl.clients_per_round must be null or in [fl.min_clients={self.min_clients}, "
                 f"fl.clients={self.clients}], got {self.clients_per_round}"
             )
-        _one_of("fl.norm_bound", self.norm_bound, NORM_BOUNDS)
-        _one_of("fl.norm_bound_action", self.norm_bound_action, NORM_BOUND_ACTIONS)
+        one_of("fl.norm_bound", self.norm_bound, NORM_BOUNDS)
+        one_of("fl.norm_bound_action", self.norm_bound_action, NORM_BOUND_ACTIONS)
         if self.max_update_norm is not None:
             _positive("fl.max_update_norm", self.max_update_norm)
         if self.norm_bound == "fixed" and self.max_update_norm is None:
@@ -478,10 +479,10 @@ class DPConfig:
     sample_rate: float = 0.05
 
     def __post_init__(self) -> None:
-        _one_of("dp.mode", self.mode, [m.value for m in DPMode])
-        _one_of("dp.granularity", self.granularity, ("round", "step"))
-        _one_of("dp.noise_rule", self.noise_rule, ("mechanism", "bound"))
-        _one_of("dp.adaptive_rule", self.adaptive_rule, ("geometric", "linear"))
+        one_of("dp.mode", self.mode, [m.value for m in DPMode])
+        one_of("dp.granularity", self.granularity, ("round", "step"))
+        one_of("dp.noise_rule", self.noise_rule, ("mechanism", "bound"))
+        one_of("dp.adaptive_rule", self.adaptive_rule, ("geometric", "linear"))
         _positive("dp.clip_lr (η_C)", self.clip_lr)
         if self.count_noise is not None:
             _positive("dp.count_noise (σ_b)", self.count_noise)
@@ -567,7 +568,7 @@ class StrategyConfig:
     proximal_mu: float = 0.0
 
     def __post_init__(self) -> None:
-        _one_of("strategy", self.name, STRATEGIES)
+        one_of("strategy", self.name, STRATEGIES)
         if not 0.0 <= self.trim_fraction < 0.5:
             raise ValueError(
                 f"strategy.trim_fraction must be in [0, 0.5), got {self.trim_fraction}"
@@ -603,7 +604,7 @@ class CommConfig:
                 "comm.dtype=bfloat16 is not supported: Flower arrays are NumPy arrays, which have "
                 "no bfloat16; use float16 (same size) or float32"
             )
-        _one_of("comm.dtype", self.dtype, WIRE_DTYPES)
+        one_of("comm.dtype", self.dtype, WIRE_DTYPES)
 
 
 @dataclass
@@ -633,7 +634,7 @@ class Settings:
     resume: str | None = None
 
     def __post_init__(self) -> None:
-        _one_of("device", self.device, DEVICES)
+        one_of("device", self.device, DEVICES)
         if self.head.kind == HeadKind.KNN and self.train.mode == Mode.ADAPTER_CLASSIFIER:
             raise ValueError(
                 "head.kind=knn trains nothing, so mode=adapter does not apply; use "
