@@ -92,10 +92,8 @@ def parse_overrides(overrides: str | list[str] | tuple[str, ...] | None) -> list
     return list(overrides)
 
 
-def compose_config(
-    overrides: str | list[str] | tuple[str, ...] | None = None, *, config_name: str = "config"
-) -> DictConfig:
-    """Compose ``conf/<config_name>.yaml`` with Hydra overrides, without resolving them."""
+def compose_config(overrides: str | list[str] | tuple[str, ...] | None = None) -> DictConfig:
+    """Compose ``conf/config.yaml`` with Hydra overrides, without resolving interpolations."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
 
@@ -103,7 +101,7 @@ def compose_config(
     items = parse_overrides(overrides)
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
-            return compose(config_name=config_name, overrides=items)
+            return compose(config_name="config", overrides=items)
     except HydraException as err:
         cause = f" ({err.__cause__})" if err.__cause__ is not None else ""
         raise ValueError(f"bad configuration override in {items}: {err}{cause}") from err

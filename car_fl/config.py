@@ -359,8 +359,8 @@ class FLConfig:
     #: connected), at least min_clients; seeded by the run's seed and the round.
     fraction_train: float = 1.0
     clients_per_round: int | None = None
-    #: Bound on a reply's update norm ||theta_i - theta|| (see above). Replies above it are
-    #: rejected or clipped to it (norm_bound_action: reject or clip).
+    #: Bound on a reply's update norm ||theta_i - theta|| (its modes: the class docstring).
+    #: Replies above it are rejected or clipped to it (norm_bound_action: reject or clip).
     norm_bound: str = "auto"
     max_update_norm: float | None = None
     norm_bound_factor: float = 3.0

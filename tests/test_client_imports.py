@@ -183,6 +183,23 @@ def test_settings_key_changes_with_any_config_file(
     assert node_cache.settings_key("mode=adapter", node) != before
 
 
+@pytest.mark.parametrize("source", node_cache.SETTINGS_SOURCES)
+def test_settings_key_changes_with_the_schema_and_composition_code(
+    source: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert {"config.py", "compose.py", "flower_bridge.py"} <= set(node_cache.SETTINGS_SOURCES)
+    package = tmp_path / "car_fl"
+    package.mkdir()
+    for name in node_cache.SETTINGS_SOURCES:
+        shutil.copy(node_cache.PACKAGE_DIR / name, package / name)
+    monkeypatch.setattr(node_cache, "PACKAGE_DIR", package)
+    node = {"partition-id": 0}
+    before = node_cache.settings_key("", node)
+    with (package / source).open("a") as handle:
+        handle.write("\n# a changed default\n")
+    assert node_cache.settings_key("", node) != before
+
+
 def test_shard_cache_follows_the_data_file_and_survives_a_corrupt_entry(
     tmp_path: Path, make_settings, synthetic_tsv: Path
 ) -> None:
