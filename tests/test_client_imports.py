@@ -24,6 +24,7 @@ from car_fl.compose import conf_dir, load_settings
 from car_fl.data import LabelMap, load_splits
 from car_fl.flower_bridge import apply_node_config, fingerprint
 from car_fl.model import build_retriever
+from car_fl.tiny import tiny_overrides
 
 PROJECT = Path(__file__).resolve().parents[1]
 HEAVY = ("transformers", "datasets", "flwr_datasets", "matplotlib", "hydra")
@@ -77,9 +78,8 @@ def client_round(args: dict[str, object], out: Path) -> tuple[set[str], dict[str
 def test_cached_classifier_round_in_a_fresh_process_imports_no_heavy_library(
     tmp_path: Path, tiny_llama: Path, synthetic_tsv: Path
 ) -> None:
-    overrides = (
-        f"model=local model.name_or_path={tiny_llama} dataset.path={synthetic_tsv} "
-        "progress=false device=cpu fl.clients=2 fl.local_epochs=1"
+    overrides = " ".join(
+        [*tiny_overrides(tiny_llama, synthetic_tsv), "fl.clients=2", "fl.local_epochs=1"]
     )
     # What the server sends: global head, fingerprint, global label map
     settings = load_settings(overrides)
