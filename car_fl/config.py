@@ -91,10 +91,6 @@ class Approach(StrEnum):
     KNN = "knn"
 
     @property
-    def spec(self) -> ApproachSpec:
-        return APPROACHES[self]
-
-    @property
     def label(self) -> str:
         """The name reports use: ``MIPS``, ``classifier (CaR)``, ..."""
         return APPROACHES[self].label
