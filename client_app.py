@@ -5,9 +5,9 @@ from __future__ import annotations
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from car_fl.client import NodeInfo, train_round
+from car_fl.client import train_round
+from car_fl.flower_bridge import NodeInfo, node_settings
 from car_fl.logs import setup_logging
-from car_fl.node_cache import node_settings
 from car_fl.records import read_train_message, train_reply
 
 app = ClientApp()

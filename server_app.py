@@ -5,8 +5,8 @@ from __future__ import annotations
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from car_fl.config import settings_from_run_config
 from car_fl.federation import run_federation
+from car_fl.flower_bridge import settings_from_run_config
 from car_fl.logs import setup_logging
 
 app = ServerApp()

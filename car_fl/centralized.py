@@ -18,14 +18,8 @@ import hydra
 from omegaconf import DictConfig
 
 from car_fl.checkpoint import Checkpoint, save_checkpoint
-from car_fl.config import (
-    HeadKind,
-    Settings,
-    conf_dir,
-    settings_to_yaml,
-    to_settings,
-    trains_nothing,
-)
+from car_fl.compose import conf_dir, register_configs, settings_to_yaml, to_settings
+from car_fl.config import HeadKind, Settings, trains_nothing
 from car_fl.data import load_splits
 from car_fl.io import atomic_write_text
 from car_fl.model import CaRRetriever, build_retriever
@@ -202,6 +196,9 @@ def _checkpoint(
         round=int(row["round"]),
         metrics=row,
     )
+
+
+register_configs()  # the schema and generated groups, before Hydra composes conf/
 
 
 @hydra.main(config_path=str(conf_dir()), config_name="config", version_base=None)

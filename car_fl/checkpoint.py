@@ -17,7 +17,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from car_fl.config import Settings, settings_from_yaml, settings_to_yaml
+from car_fl.compose import settings_from_yaml, settings_to_yaml
+from car_fl.config import Settings
 from car_fl.data.labels import LabelMap
 from car_fl.io import atomic_write, atomic_write_json
 

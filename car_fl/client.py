@@ -7,21 +7,20 @@ round that only needs cached features never loads the encoder at all.
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import astuple, dataclass
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import asdict, astuple
 
 import torch
 from flwr.app import RecordDict
 
 from car_fl import encoder as encoder_module
 from car_fl import node_cache
-from car_fl.config import Mode, Settings, apply_node_config, fingerprint
+from car_fl.config import Mode, Settings
 from car_fl.data.labels import LabelMap
 from car_fl.encoder import Encoder, load_encoder
+from car_fl.flower_bridge import NodeInfo
 from car_fl.model import CaRRetriever, build_retriever
 from car_fl.privacy.client import STATE_KEY, ClientPrivacy, DPState, StepPrivatizer
 from car_fl.privacy.mechanism import check_finite, difference
@@ -30,14 +29,15 @@ from car_fl.train import LocalData, make_optimizer, prepare_for, train_epoch
 
 log = logging.getLogger(__name__)
 
-_ENCODERS: dict[str, Encoder] = {}
-_SHARDS: dict[tuple[str, int, int], tuple[LocalData, LabelMap]] = {}
-_NODE_SETTINGS: dict[tuple[str, str], tuple[Settings, str]] = {}
+#: Encoders by their model settings and device (all hashable values).
+_ENCODERS: dict[tuple[object, ...], Encoder] = {}
+#: Shards by a digest of the settings, the server's labels and the node's place.
+_SHARDS: dict[str, tuple[LocalData, LabelMap]] = {}
 
 
 def cached_encoder(settings: Settings) -> Encoder:
     """The frozen encoder for these settings, loaded once per process."""
-    key = repr((settings.model, settings.device))
+    key = (*astuple(settings.model), settings.device)
     if key not in _ENCODERS:
         _ENCODERS[key] = load_encoder(settings.model, device=settings.device)
     return _ENCODERS[key]
@@ -46,50 +46,6 @@ def cached_encoder(settings: Settings) -> Encoder:
 def client_seed(seed: int, partition_id: int) -> int:
     """Client ``i``'s training seed; client 0 uses the run seed, like a centralised run."""
     return seed + 1000 * partition_id
-
-
-@dataclass(frozen=True)
-class NodeInfo:
-    """Where this node sits in the federation, from Flower's node config."""
-
-    partition_id: int
-    num_partitions: int
-    #: The node's data file is already its own shard: train on all of it, do not partition.
-    data_is_shard: bool = False
-
-    @classmethod
-    def from_node_config(cls, node_config: Mapping[str, Any], settings: Settings) -> NodeInfo:
-        try:
-            pid, num = int(node_config["partition-id"]), int(node_config["num-partitions"])
-        except KeyError as err:
-            raise ValueError(
-                f"this SuperNode's --node-config has no {err.args[0]!r}; start it with "
-                "--node-config 'partition-id=<i> num-partitions=<n>'"
-            ) from None
-        if num != settings.fl.clients:
-            raise ValueError(
-                f"this node says num-partitions={num} but the run is configured for "
-                f"fl.clients={settings.fl.clients}; set fl.clients={num} in the run's overrides "
-                f"or start {settings.fl.clients} SuperNodes (simulation: --federation-config "
-                f"'num-supernodes={settings.fl.clients}')"
-            )
-        if not 0 <= pid < num:
-            raise ValueError(f"partition-id={pid} is outside [0, {num})")
-        is_shard = str(node_config.get("data-is-shard", "false")).lower() in ("1", "true", "yes")
-        return cls(partition_id=pid, num_partitions=num, data_is_shard=is_shard)
-
-
-def node_settings(
-    base: Settings, node_config: Mapping[str, Any], server_fingerprint: str | None
-) -> Settings:
-    """This node's settings: the run's, plus its local paths; checked against the server's."""
-    key = (repr(base), repr(sorted(node_config.items())))
-    if key not in _NODE_SETTINGS:  # composed once per process (~0.1 s), every round after
-        settings = apply_node_config(base, node_config)
-        _NODE_SETTINGS[key] = (settings, fingerprint(settings))
-    settings, mine = copy.deepcopy(_NODE_SETTINGS[key][0]), _NODE_SETTINGS[key][1]
-    node_cache.check_fingerprint(mine, server_fingerprint)
-    return settings
 
 
 def shard_data(
@@ -102,7 +58,7 @@ def shard_data(
     (``data-is-shard``) trains on all of it; otherwise it takes its partition of the training
     split of the full dataset.
     """
-    key = (repr(settings) + repr(labels), *astuple(node))
+    key = node_cache.digest([asdict(settings), list(labels or []), astuple(node)])
     if key in _SHARDS:
         return _SHARDS[key]
     # The node's disk cache spares a new process reading, splitting and partitioning the data

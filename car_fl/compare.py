@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from car_fl.config import HeadKind, Mode, Settings, settings_from_yaml
+from car_fl.compose import settings_from_yaml
+from car_fl.config import Approach, Settings
 from car_fl.io import atomic_write, atomic_write_text
 from car_fl.report import METRICS_JSON, write_csv
 
@@ -35,20 +36,13 @@ log = logging.getLogger(__name__)
 JOB_JSON = "job.json"
 CONFIG_YAML = "config.yaml"
 
-APPROACHES = {
-    (HeadKind.MIPS, Mode.CLASSIFIER): "MIPS",
-    (HeadKind.MIPS, Mode.ADAPTER_CLASSIFIER): "adapter + MIPS",
-    (HeadKind.CLASSIFIER, Mode.CLASSIFIER): "classifier (CaR)",
-    (HeadKind.CLASSIFIER, Mode.ADAPTER_CLASSIFIER): "adapter + classifier (CaR)",
-    (HeadKind.KNN, Mode.CLASSIFIER): "kNN",
-}
 SCENARIOS = ("centralised", "FL", "FL + DP (fixed)", "FL + DP (adaptive)", "FL + DP-SGD (record)")
 
 
 def approach_of(settings: Settings) -> str:
     """The retrieval approach of a run, as the method's MIPS comparison names it."""
-    name = APPROACHES[(HeadKind(settings.head.kind), Mode(settings.train.mode))]
-    return f"kNN (k={settings.head.knn_k})" if name == "kNN" else name
+    approach = settings.approach
+    return f"kNN (k={settings.head.knn_k})" if approach is Approach.KNN else approach.label
 
 
 def scenario_of(settings: Settings, clients: int) -> str:
@@ -221,7 +215,7 @@ def _group(row: dict[str, Any]) -> tuple[Any, ...]:
 
 def _approach_rank(approach: str) -> tuple[int, str]:
     """The method's order: MIPS, adapter + MIPS, classifier, adapter + classifier, kNN."""
-    order = {name: i for i, name in enumerate(APPROACHES.values())}
+    order = {approach.label: i for i, approach in enumerate(Approach)}
     return order.get(approach.split(" (k=")[0], len(order)), approach
 
 

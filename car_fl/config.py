@@ -1,26 +1,21 @@
-"""Configuration: Hydra composition from ``conf/`` plus typed, validated settings.
+"""The configuration schema: typed, validated settings, and the single source of defaults.
 
-One function, :func:`compose_config`, turns ``conf/`` and a list of Hydra overrides into a
-resolved :class:`omegaconf.DictConfig`; :func:`to_settings` turns that into typed dataclasses
-(:class:`Settings`) whose ``__post_init__`` rejects impossible values with a message naming the
-key and the fix. Every entry point (centralised run, Flower apps, sweeps) goes through both.
+Longer than 300 lines because it is one schema: every section of :class:`Settings`, its
+defaults (``#:`` comments say what each value means) and its validation, read in one place.
+
+Each section's ``__post_init__`` rejects impossible values with a message naming the key and
+the fix. Hydra registers these dataclasses as the schema of ``conf/`` (:mod:`car_fl.compose`),
+so a group file there holds only what it changes. Imports neither Hydra, OmegaConf nor torch.
 """
 
 from __future__ import annotations
 
-import copy
-import hashlib
-import importlib
 import math
-import shlex
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from pathlib import Path
-from typing import Any
+from typing import NamedTuple
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from car_fl.optim import KINDS as OPTIMIZERS
 
 
 class Mode(StrEnum):
@@ -73,13 +68,91 @@ class Reader(StrEnum):
     TABLE = "table"
 
 
+class ApproachSpec(NamedTuple):
+    """What an approach sets (``head.kind``, ``train.mode``) and what reports call it."""
+
+    head: HeadKind
+    mode: Mode
+    label: str
+    description: str
+
+
+class Approach(StrEnum):
+    """The retrieval approaches of the method's MIPS comparison, in its order, plus kNN.
+
+    ``approach=<name>`` (a Hydra group registered from :data:`APPROACHES`) sets ``head.kind``
+    and ``train.mode``, overriding ``mode=``.
+    """
+
+    MIPS = "mips"
+    ADAPTER_MIPS = "adapter_mips"
+    CAR = "car"
+    ADAPTER_CAR = "adapter_car"
+    KNN = "knn"
+
+    @property
+    def label(self) -> str:
+        """The name reports use: ``MIPS``, ``classifier (CaR)``, ..."""
+        return APPROACHES[self].label
+
+    @classmethod
+    def of(cls, head: str, mode: str) -> Approach:
+        """The approach of a head kind and a training mode."""
+        for approach, spec in APPROACHES.items():
+            if spec.head == head and spec.mode == mode:
+                return approach
+        raise ValueError(f"head.kind={head} with train.mode={mode} is no approach of car-fl")
+
+
+#: The one table of approaches: ``conf``'s ``approach`` group and the reports derive from it.
+APPROACHES: dict[Approach, ApproachSpec] = {
+    Approach.MIPS: ApproachSpec(
+        HeadKind.MIPS,
+        Mode.CLASSIFIER,
+        "MIPS",
+        "MIPS on the frozen encoder: label documents and queries embedded alike, ranked by "
+        "inner product. Nothing is trained.",
+    ),
+    Approach.ADAPTER_MIPS: ApproachSpec(
+        HeadKind.MIPS,
+        Mode.ADAPTER_CLASSIFIER,
+        "adapter + MIPS",
+        "MIPS with a trained soft-embedding adapter: softmax over query-document inner "
+        "products, backpropagated through the frozen encoder into the adapter (no classifier "
+        "head).",
+    ),
+    Approach.CAR: ApproachSpec(
+        HeadKind.CLASSIFIER,
+        Mode.CLASSIFIER,
+        "classifier (CaR)",
+        "CaR: the classifier head on cached hidden states of the frozen encoder.",
+    ),
+    Approach.ADAPTER_CAR: ApproachSpec(
+        HeadKind.CLASSIFIER,
+        Mode.ADAPTER_CLASSIFIER,
+        "adapter + classifier (CaR)",
+        "CaR with soft embeddings: the adapter and the classifier head, trained together.",
+    ),
+    Approach.KNN: ApproachSpec(
+        HeadKind.KNN,
+        Mode.CLASSIFIER,
+        "kNN",
+        "k nearest neighbours over the training examples' embeddings (frozen encoder), by "
+        "inner product; head.knn_k neighbours vote. Nothing is trained.",
+    ),
+}
+
+#: ``model.dtype``: ``auto`` (see :func:`car_fl.encoder.pick_dtype`) or a torch dtype's name.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+#: ``device``: ``auto`` (CUDA, then Apple MPS, then CPU; :func:`car_fl.encoder.pick_device`).
 DEVICES = ("auto", "cpu", "cuda", "mps")
-OPTIMIZERS = ("adamw", "adam", "sgd")
+#: ``comm.dtype``: dtypes a tensor may travel in; bfloat16 has no NumPy dtype, so no Array.
+WIRE_DTYPES = ("float32", "float16")
 PADDING_SIDES = ("auto", "left", "right")
 
 
-def _one_of(key: str, value: str, valid: tuple[str, ...] | list[str]) -> None:
+def one_of(key: str, value: str, valid: tuple[str, ...] | list[str]) -> None:
+    """Reject a ``value`` of ``key`` that is not among the ``valid`` names, listing them."""
     if value not in valid:
         raise ValueError(f"{key}={value!r} is not valid; choose one of {', '.join(valid)}")
 
@@ -108,17 +181,20 @@ class DatasetConfig:
     text_column: str = "text"
     label_column: str = "label"
     test_fraction: float = 0.2
-    #: Share of the training examples held out for model selection (0: none; best = final).
+    #: Share of the training examples held out for model selection (the best checkpoint; 0:
+    #: none, best = final); test is only reported.
     val_fraction: float = 0.1
-    #: Collapse duplicate texts (after Unicode and whitespace normalisation) before splitting.
+    #: Collapse duplicate texts (after Unicode and whitespace normalisation) before splitting;
+    #: copies with conflicting labels are dropped.
     dedupe: bool = True
     stratify: bool = True
     min_examples_per_label: int = 1
     max_examples: int | None = None
+    #: Each label's document text (MIPS compares queries with it); a label without one: its name.
     label_texts: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _one_of("dataset.reader", self.reader, [r.value for r in Reader])
+        one_of("dataset.reader", self.reader, [r.value for r in Reader])
         if self.path is None and self.hub_id is None:
             raise ValueError(
                 f"dataset {self.name!r} has neither dataset.path (a local file) nor "
@@ -152,9 +228,9 @@ class ModelConfig:
     trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
-        _one_of("model.dtype", self.dtype, DTYPES)
-        _one_of("model.pooling", self.pooling, [p.value for p in Pooling])
-        _one_of("model.padding_side", self.padding_side, PADDING_SIDES)
+        one_of("model.dtype", self.dtype, DTYPES)
+        one_of("model.pooling", self.pooling, [p.value for p in Pooling])
+        one_of("model.padding_side", self.padding_side, PADDING_SIDES)
         if self.max_length < 2:
             raise ValueError(f"model.max_length must be >= 2, got {self.max_length}")
 
@@ -169,16 +245,24 @@ class HeadConfig:
     ``knn``: votes of the ``knn_k`` most similar training examples (nothing is trained).
     """
 
+    #: classifier: CaR (a trained classifier over the labels); mips: inner product of the query
+    #: with each label's document text (dataset.label_texts, or the label name), embedded by the
+    #: same encoder, trains the adapter only in mode=adapter; knn: votes of the head.knn_k most
+    #: similar training examples (mode=classifier only).
     kind: str = "classifier"
+    #: Classifier head. null: a single linear layer d -> labels; an int n: linear d -> n,
+    #: dropout, linear n -> labels.
     pre_classifier_dim: int | None = None
     dropout: float = 0.0
+    #: mips / knn: dot (inner product) or cosine.
     similarity: str = "dot"
+    #: MIPS training scores are divided by this.
     temperature: float = 1.0
     knn_k: int = 10
 
     def __post_init__(self) -> None:
-        _one_of("head.kind", self.kind, [k.value for k in HeadKind])
-        _one_of("head.similarity", self.similarity, [s.value for s in Similarity])
+        one_of("head.kind", self.kind, [k.value for k in HeadKind])
+        one_of("head.similarity", self.similarity, [s.value for s in Similarity])
         _positive("head.temperature", self.temperature)
         if self.knn_k < 1:
             raise ValueError(f"head.knn_k must be >= 1, got {self.knn_k}")
@@ -199,6 +283,7 @@ class TrainConfig:
     epochs: int = 10
     batch_size: int = 4
     lr: float = 1e-3
+    #: The adapter's learning rate; null: same as lr.
     adapter_lr: float | None = None
     optimizer: str = "adamw"
     weight_decay: float = 0.0
@@ -207,8 +292,8 @@ class TrainConfig:
     feature_batch_size: int = 32
 
     def __post_init__(self) -> None:
-        _one_of("train.mode", self.mode, [m.value for m in Mode])
-        _one_of("train.optimizer", self.optimizer, OPTIMIZERS)
+        one_of("train.mode", self.mode, [m.value for m in Mode])
+        one_of("train.optimizer", self.optimizer, OPTIMIZERS)
         for key in ("epochs", "batch_size", "eval_batch_size", "feature_batch_size"):
             if getattr(self, key) < 1:
                 raise ValueError(f"train.{key} must be >= 1, got {getattr(self, key)}")
@@ -241,7 +326,9 @@ NORM_BOUND_ACTIONS = ("reject", "clip")
 
 @dataclass
 class FLConfig:
-    """The federation: clients, rounds, local epochs, partitioning, timeouts.
+    """The federation (Flower): clients, rounds, local epochs, partitioning, timeouts.
+
+    The paper's defaults: 2 clients, 5 rounds x 2 local epochs.
 
     Sampling: each round asks ``clients_per_round`` nodes (or ``fraction_train`` of those
     connected), never fewer than ``min_clients``. Update-norm bound (server side, on
@@ -252,12 +339,24 @@ class FLConfig:
     """
 
     clients: int = 2
+    #: After all fl.clients nodes joined, a round goes ahead with at least this many (a node
+    #: may die mid-run); its replies are aggregated if valid.
     min_clients: int = 1
+    #: A round is aggregated only with at least this many valid replies, and this fraction of
+    #: the clients asked; otherwise the global model stays exactly as it was.
     min_valid_replies: int = 1
     min_valid_fraction: float = 0.0
+    #: Cap on the example count a reply may claim; null: the shard size of the partition that
+    #: node holds in this run (the server pins each node to the first partition it claims and
+    #: refuses a second node claiming it). Nodes started with data-is-shard hold their own
+    #: data, which the server cannot size: set this cap (e.g. the largest shard) for them.
     max_examples_per_client: int | None = None
+    #: Client sampling: each round asks clients_per_round nodes (null: fraction_train of those
+    #: connected), at least min_clients; seeded by the run's seed and the round.
     fraction_train: float = 1.0
     clients_per_round: int | None = None
+    #: Bound on a reply's update norm ||theta_i - theta|| (its modes: the class docstring).
+    #: Replies above it are rejected or clipped to it (norm_bound_action: reject or clip).
     norm_bound: str = "auto"
     max_update_norm: float | None = None
     norm_bound_factor: float = 3.0
@@ -265,9 +364,12 @@ class FLConfig:
     norm_bound_tail: float = 1e-6
     rounds: int = 5
     local_epochs: int = 2
+    #: iid or dirichlet (non-IID over labels, concentration fl.alpha).
     partitioning: str = "iid"
     alpha: float = 1.0
+    #: Seconds the server waits for a round's replies.
     round_timeout: float = 3600.0
+    #: Seconds the server waits for all clients to connect.
     wait_for_nodes: float = 120.0
 
     def __post_init__(self) -> None:
@@ -289,7 +391,7 @@ class FLConfig:
                 f"fl.max_examples_per_client must be >= 1 or null, "
                 f"got {self.max_examples_per_client}"
             )
-        _one_of("fl.partitioning", self.partitioning, ("iid", "dirichlet"))
+        one_of("fl.partitioning", self.partitioning, ("iid", "dirichlet"))
         if not 0.0 < self.fraction_train <= 1.0:
             raise ValueError(f"fl.fraction_train must be in (0, 1], got {self.fraction_train}")
         if self.clients_per_round is not None and not (
@@ -299,8 +401,8 @@ class FLConfig:
                 f"fl.clients_per_round must be null or in [fl.min_clients={self.min_clients}, "
                 f"fl.clients={self.clients}], got {self.clients_per_round}"
             )
-        _one_of("fl.norm_bound", self.norm_bound, NORM_BOUNDS)
-        _one_of("fl.norm_bound_action", self.norm_bound_action, NORM_BOUND_ACTIONS)
+        one_of("fl.norm_bound", self.norm_bound, NORM_BOUNDS)
+        one_of("fl.norm_bound_action", self.norm_bound_action, NORM_BOUND_ACTIONS)
         if self.max_update_norm is not None:
             _positive("fl.max_update_norm", self.max_update_norm)
         if self.norm_bound == "fixed" and self.max_update_norm is None:
@@ -312,49 +414,71 @@ class FLConfig:
             raise ValueError(f"fl.norm_bound_factor must be >= 1, got {self.norm_bound_factor}")
         if not 0.0 < self.norm_bound_tail < 1.0:
             raise ValueError(f"fl.norm_bound_tail must be in (0, 1), got {self.norm_bound_tail}")
-
-    def sample_size(self, connected: int) -> int:
-        """How many of ``connected`` nodes one round asks (at least ``min_clients``)."""
-        wanted = self.clients_per_round or math.floor(self.fraction_train * connected + 1e-9)
-        return min(connected, max(self.min_clients, wanted))
         _positive("fl.alpha", self.alpha)
         _positive("fl.round_timeout", self.round_timeout)
         if self.wait_for_nodes < 0:
             raise ValueError(f"fl.wait_for_nodes must be >= 0, got {self.wait_for_nodes}")
 
+    def sample_size(self, connected: int) -> int:
+        """How many of ``connected`` nodes one round asks (at least ``min_clients``)."""
+        wanted = self.clients_per_round or math.floor(self.fraction_train * connected + 1e-9)
+        return min(connected, max(self.min_clients, wanted))
+
 
 @dataclass
 class DPConfig:
-    """Local differential privacy on each client (see :mod:`car_fl.privacy`)."""
+    """Local differential privacy on each client (see :mod:`car_fl.privacy`).
 
+    ``conf/dp/<mode>.yaml`` describes each mechanism; the values below are shared by all.
+    """
+
+    #: none, fixed, adaptive or record (:class:`DPMode`).
     mode: str = "none"
+    #: C. fixed: bound on the L2 norm of the whole round's update (all sent tensors
+    #: together); adaptive: the initial C_i; record: bound on each example's gradient norm.
     clip: float = 1.0
+    #: fixed: σ₀ (noise std σ₀·C); adaptive: z (needs z < 2σ_b); record: σ, used when
+    #: target_epsilon is null.
     noise_multiplier: float = 0.0
+    #: round: clip and noise once per round; step: after every optimizer step (Algorithm 1).
     granularity: str = "round"
+    #: The first rounds train without DP.
     warmup_rounds: int = 0
+    #: δ (record: must be below 1/n for a client's n examples).
     delta: float = 1e-5
+    #: Stop contributing before a release would push ε past this (null: never stop). record:
+    #: calibrate σ before training so that fl.rounds × fl.local_epochs × ⌈1/q⌉ steps spend at
+    #: most this ε; a client never makes a release past it (null: use noise_multiplier).
     target_epsilon: float | None = None
+    #: β, the linear adaptive rule only.
     update_rate: float = 0.05
+    #: γ: target fraction of releases left unclipped (the CaR paper's 0.9).
     target_quantile: float = 0.9
+    #: EMA of ‖Δ‖ for the linear rule (0: the raw norm); must be 0 with the geometric rule.
     ema_decay: float = 0.0
+    #: mechanism: std z_Δ·C_i; bound: Algorithm 1's sqrt(2 z_Δ² ((1−β)² C_i² + β² γ² ‖Δ‖²)),
+    #: which depends on the raw norm: NOT private (ε is reported as inf).
     noise_rule: str = "mechanism"
-    #: geometric: private (Andrew et al. 2021); linear: the paper's rule, not private (ε = ∞).
+    #: geometric: private (Andrew et al. 2021); linear: the CaR paper's
+    #: C_i ← (1 − β)·C_i + β·γ·‖Δ‖ on the raw norm, NOT private (ε is reported as inf).
     adaptive_rule: str = "geometric"
-    #: η_C, the geometric rule's step on log Cᵢ.
+    #: η_C, the geometric rule's step on log C_i per release (Andrew et al. use 0.2).
     clip_lr: float = 0.2
-    #: σ_b, noise std of the clipped-indicator; null: the paper's m/20 (m = fl.clients).
+    #: σ_b, noise std of the clipped-indicator b (sensitivity 1); null: the paper's m/20
+    #: (m = fl.clients). It takes the share z²/(2σ_b)² of each release's privacy budget.
     count_noise: float | None = None
 
     # --- record-level DP-SGD (dp=record): clip = per-example C, noise_multiplier = σ (unless
     # target_epsilon calibrates it), delta = δ; see car_fl.privacy.record_accounting
     #: q: each step samples every local example independently with this probability
+    #: (expected batch size q·n).
     sample_rate: float = 0.05
 
     def __post_init__(self) -> None:
-        _one_of("dp.mode", self.mode, [m.value for m in DPMode])
-        _one_of("dp.granularity", self.granularity, ("round", "step"))
-        _one_of("dp.noise_rule", self.noise_rule, ("mechanism", "bound"))
-        _one_of("dp.adaptive_rule", self.adaptive_rule, ("geometric", "linear"))
+        one_of("dp.mode", self.mode, [m.value for m in DPMode])
+        one_of("dp.granularity", self.granularity, ("round", "step"))
+        one_of("dp.noise_rule", self.noise_rule, ("mechanism", "bound"))
+        one_of("dp.adaptive_rule", self.adaptive_rule, ("geometric", "linear"))
         _positive("dp.clip_lr (η_C)", self.clip_lr)
         if self.count_noise is not None:
             _positive("dp.count_noise (σ_b)", self.count_noise)
@@ -401,6 +525,8 @@ class DPConfig:
             )
 
 
+#: ``strategy.name``: one ``conf/strategy/<name>.yaml`` each; :mod:`car_fl.aggregation`
+#: builds each one's Flower strategy.
 STRATEGIES = (
     "fedavg",
     "median",
@@ -438,7 +564,7 @@ class StrategyConfig:
     proximal_mu: float = 0.0
 
     def __post_init__(self) -> None:
-        _one_of("strategy", self.name, STRATEGIES)
+        one_of("strategy", self.name, STRATEGIES)
         if not 0.0 <= self.trim_fraction < 0.5:
             raise ValueError(
                 f"strategy.trim_fraction must be in [0, 0.5), got {self.trim_fraction}"
@@ -463,8 +589,9 @@ class StrategyConfig:
 
 @dataclass
 class CommConfig:
-    """What crosses the wire: trainable tensors in ``dtype`` (``float16`` halves the bytes)."""
+    """What crosses the wire between server and clients (only the trainable tensors ever do)."""
 
+    #: float32, or float16 (half the bytes; aggregation is still computed in float64).
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
@@ -473,7 +600,7 @@ class CommConfig:
                 "comm.dtype=bfloat16 is not supported: Flower arrays are NumPy arrays, which have "
                 "no bfloat16; use float16 (same size) or float32"
             )
-        _one_of("comm.dtype", self.dtype, ("float32", "float16"))
+        one_of("comm.dtype", self.dtype, WIRE_DTYPES)
 
 
 @dataclass
@@ -490,15 +617,20 @@ class Settings:
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     seed: int = 42
+    #: auto: CUDA, then Apple MPS, then CPU.
     device: str = "auto"
+    #: Feature cache (classifier mode). null: ~/.cache/car-fl/features
     cache_dir: str | None = None
+    #: Where results go. null: the Hydra run directory (centralised) or runs/<timestamp> (Flower).
     output_dir: str | None = None
     progress: bool = True
-    #: A run directory to continue from its last complete round checkpoint.
+    #: Continue an interrupted federated run: resume=<its run directory> (same overrides,
+    #: fl.rounds may be raised). Restores round, global parameters and metrics history from
+    #: its last complete round checkpoint.
     resume: str | None = None
 
     def __post_init__(self) -> None:
-        _one_of("device", self.device, DEVICES)
+        one_of("device", self.device, DEVICES)
         if self.head.kind == HeadKind.KNN and self.train.mode == Mode.ADAPTER_CLASSIFIER:
             raise ValueError(
                 "head.kind=knn trains nothing, so mode=adapter does not apply; use "
@@ -523,6 +655,11 @@ class Settings:
 
             record_plan(self.dp, self.fl)
         self._check_aggregation()
+
+    @property
+    def approach(self) -> Approach:
+        """The retrieval approach these settings run (:data:`APPROACHES`)."""
+        return Approach.of(self.head.kind, self.train.mode)
 
     def _check_aggregation(self) -> None:
         """Strategy and norm-bound settings that only make sense with the federation's size."""
@@ -558,167 +695,3 @@ def trains_nothing(settings: Settings) -> bool:
     return kind is HeadKind.KNN or (
         kind is HeadKind.MIPS and Mode(settings.train.mode) is Mode.CLASSIFIER
     )
-
-
-# --------------------------------------------------------------------------------------------
-# Hydra composition
-# --------------------------------------------------------------------------------------------
-
-
-def conf_dir() -> Path:
-    """The ``conf/`` folder: inside the installed package, or beside it in a source checkout."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "conf", here.parent / "conf"):
-        if (candidate / "config.yaml").is_file():
-            return candidate
-    raise FileNotFoundError(
-        f"car-fl's Hydra configuration was not found in {here / 'conf'} or "
-        f"{here.parent / 'conf'}; reinstall the package (pip install -e .) from a full checkout"
-    )
-
-
-def _package_model_dir(package: str) -> str:
-    """OmegaConf resolver: the model folder shipped inside a Python package (offline models)."""
-    try:
-        module = importlib.import_module(package)
-    except ImportError as err:
-        raise ValueError(
-            f"model folder package {package!r} is not installed; "
-            f"pip install {package.replace('_', '-')}"
-        ) from err
-    getter = getattr(module, "get_model_path", None)
-    path = Path(getter()) if callable(getter) else Path(module.__file__ or "").parent / "model"
-    return str(path)
-
-
-if not OmegaConf.has_resolver("package_model_dir"):
-    OmegaConf.register_new_resolver("package_model_dir", _package_model_dir)
-
-
-def parse_overrides(overrides: str | list[str] | tuple[str, ...] | None) -> list[str]:
-    """Turn ``"dataset=ag_news model=llama32_3b"`` (shell-quoted) into a list of overrides."""
-    if overrides is None:
-        return []
-    if isinstance(overrides, str):
-        return shlex.split(overrides)
-    return list(overrides)
-
-
-def compose_config(overrides: str | list[str] | tuple[str, ...] | None = None) -> DictConfig:
-    """Compose ``conf/config.yaml`` with Hydra overrides, without resolving interpolations."""
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-
-    items = parse_overrides(overrides)
-    try:
-        with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
-            return compose(config_name="config", overrides=items)
-    except HydraException as err:
-        raise ValueError(f"bad configuration override in {items}: {err}") from err
-
-
-def to_settings(cfg: DictConfig | dict[str, Any]) -> Settings:
-    """Validate a composed config against :class:`Settings` and return typed dataclasses.
-
-    Unknown keys and values of the wrong type raise ``ValueError`` naming the key.
-    """
-    container = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg)
-    container = OmegaConf.masked_copy(container, [str(k) for k in container if k != "hydra"])
-    schema = OmegaConf.structured(Settings)
-    try:
-        merged = OmegaConf.merge(schema, container)
-        obj = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as err:
-        raise ValueError(f"invalid configuration: {err}") from err
-    assert isinstance(obj, Settings)
-    return obj
-
-
-def settings_to_yaml(settings: Settings) -> str:
-    """The resolved configuration as YAML, for logs and for saving beside results."""
-    return OmegaConf.to_yaml(OmegaConf.structured(settings))
-
-
-def settings_from_yaml(text: str) -> Settings:
-    """Inverse of :func:`settings_to_yaml`."""
-    loaded = OmegaConf.create(text)
-    assert isinstance(loaded, DictConfig)
-    return to_settings(loaded)
-
-
-#: Settings that may legitimately differ between the machines of one federation.
-NODE_LOCAL_KEYS = (
-    "device",
-    "cache_dir",
-    "output_dir",
-    "progress",
-    "dataset.path",
-    "dataset.test_path",
-    "model.name_or_path",
-    "resume",
-)
-
-
-def fingerprint(settings: Settings) -> str:
-    """A short hash of everything that server and clients must agree on.
-
-    Node-local values (:data:`NODE_LOCAL_KEYS`: data and model locations, device, cache) are
-    left out, so that each machine can point at its own copies.
-    """
-    conf = OmegaConf.create(OmegaConf.to_container(OmegaConf.structured(settings)))
-    for key in NODE_LOCAL_KEYS:
-        OmegaConf.update(conf, key, None)
-    text = OmegaConf.to_yaml(conf, sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-#: Flower ``--node-config`` keys a SuperNode may set, and the settings they override.
-NODE_CONFIG_KEYS = {
-    "data-path": "dataset.path",
-    "test-data-path": "dataset.test_path",
-    "model-path": "model.name_or_path",
-    "device": "device",
-    "cache-dir": "cache_dir",
-}
-
-
-def apply_node_config(settings: Settings, node_config: Mapping[str, Any]) -> Settings:
-    """Return a copy of ``settings`` with this node's local paths and device applied."""
-    conf = OmegaConf.structured(settings)
-    for key, target in NODE_CONFIG_KEYS.items():
-        value = node_config.get(key)
-        if value not in (None, ""):
-            OmegaConf.update(conf, target, str(value))
-    return to_settings(conf)
-
-
-def settings_from_run_config(run_config: Mapping[str, Any]) -> Settings:
-    """Settings from Flower's run config: its ``overrides`` value holds Hydra overrides.
-
-    ``flwr run . --run-config 'overrides="dataset=ag_news mode=adapter fl.rounds=10"'``
-
-    A non-empty ``settings`` value (a whole resolved configuration as YAML, what
-    :func:`settings_to_yaml` writes) takes precedence: in-process simulations of a sweep pass
-    configurations composed elsewhere this way.
-    """
-    text = run_config.get("settings", "")
-    overrides = run_config.get("overrides", "")
-    if text and not isinstance(text, str):
-        raise ValueError(f"run config 'settings' must be YAML text, got {type(text).__name__}")
-    if not isinstance(overrides, str):
-        raise ValueError(
-            f"run config 'overrides' must be a string of Hydra overrides, got {overrides!r}"
-        )
-    # A simulated client sees the same run config in every round: compose it once (~0.1 s)
-    key = (text, overrides)
-    if key not in _RUN_SETTINGS:
-        _RUN_SETTINGS[key] = settings_from_yaml(text) if text else load_settings(overrides)
-    return copy.deepcopy(_RUN_SETTINGS[key])
-
-
-_RUN_SETTINGS: dict[tuple[str, str], Settings] = {}
-
-
-def load_settings(overrides: str | list[str] | tuple[str, ...] | None = None) -> Settings:
-    """Compose and validate in one step: the single way entry points read configuration."""
-    return to_settings(compose_config(overrides))

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from car_fl.config import ModelConfig, Pooling
+from car_fl.config import DEVICES, DTYPES, ModelConfig, Pooling, one_of
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,7 @@ class EncoderLoadError(RuntimeError):
 
 def pick_device(requested: str = "auto") -> torch.device:
     """``auto``: CUDA, then Apple MPS, then CPU. Otherwise the named device, if available."""
+    one_of("device", requested, DEVICES)
     if requested == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
@@ -45,6 +46,7 @@ def pick_device(requested: str = "auto") -> torch.device:
 
 def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
     """``auto``: bfloat16 on CUDA devices that support it, float16 on MPS, else float32."""
+    one_of("model.dtype", requested, DTYPES)
     if requested == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16

@@ -23,15 +23,11 @@ from flwr.serverapp import Grid
 from car_fl.aggregation import build_strategy
 from car_fl.centralized import round_line
 from car_fl.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from car_fl.config import (
-    Settings,
-    fingerprint,
-    settings_from_yaml,
-    settings_to_yaml,
-    trains_nothing,
-)
+from car_fl.compose import settings_from_yaml, settings_to_yaml
+from car_fl.config import Settings, trains_nothing
 from car_fl.data import load_splits, partition
 from car_fl.data.labels import LabelMap
+from car_fl.flower_bridge import fingerprint
 from car_fl.io import atomic_write_text
 from car_fl.model import CaRRetriever, build_retriever
 from car_fl.records import from_record, to_record

@@ -19,7 +19,8 @@ from flwr.app import Context, Message, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
-from car_fl.config import Settings, settings_to_yaml
+from car_fl.compose import settings_to_yaml
+from car_fl.config import Settings
 from car_fl.report import METRICS_JSON
 
 ClientTrain = Callable[[Message, Context], Message]

@@ -8,8 +8,9 @@ no time in OmegaConf.
 
 - **Settings**: the configuration composed from ``conf/`` and the run's overrides with the
   node's local paths applied, and its fingerprint, as JSON, keyed by the overrides, the node
-  config, every file under ``conf/`` and the source of :mod:`car_fl.config` (so a changed
-  default or config file is never answered from a stale entry).
+  config, every file under ``conf/`` and the source of the schema and its composition
+  (:data:`SETTINGS_SOURCES`; so a changed default or config file is never answered from a
+  stale entry). :func:`car_fl.flower_bridge.node_settings` decides when to read and write it.
 - **Shard**: this node's training texts, label ids and label map, keyed by the dataset
   settings, the data files' identity (path, size, modification time), the partitioning, the
   node's place in the federation, the server's label map and the source of :mod:`car_fl.data`.
@@ -19,7 +20,6 @@ no time in OmegaConf.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import logging
@@ -30,13 +30,8 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 import car_fl
-from car_fl.config import (
-    Settings,
-    apply_node_config,
-    conf_dir,
-    fingerprint,
-    settings_from_run_config,
-)
+from car_fl.compose import conf_dir
+from car_fl.config import Settings
 from car_fl.data.labels import LabelMap
 from car_fl.io import atomic_write_json
 
@@ -44,6 +39,9 @@ log = logging.getLogger(__name__)
 
 CACHE_FORMAT = "car-fl-node-v1"
 PACKAGE_DIR = Path(__file__).resolve().parent
+#: The code that turns overrides and a node config into settings: the schema (its defaults),
+#: the composition and the node config's application.
+SETTINGS_SOURCES = ("config.py", "compose.py", "flower_bridge.py")
 
 
 def base_dir(cache_dir: str | os.PathLike[str] | None) -> Path:
@@ -56,11 +54,12 @@ def base_dir(cache_dir: str | os.PathLike[str] | None) -> Path:
     return Path(env)
 
 
-def _digest(header: Mapping[str, Any], files: Mapping[str, Path] | None = None) -> str:
-    digest = hashlib.sha256(json.dumps(header, sort_keys=True, default=str).encode())
+def digest(header: Any, files: Mapping[str, Path] | None = None) -> str:
+    """A content key: SHA-256 of ``header`` as canonical JSON, then of the files' bytes."""
+    hasher = hashlib.sha256(json.dumps(header, sort_keys=True, default=str).encode())
     for name, path in sorted((files or {}).items()):
-        digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()[:32]
+        hasher.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return hasher.hexdigest()[:32]
 
 
 def _source_files(folder: Path, pattern: str) -> dict[str, Path]:
@@ -69,69 +68,36 @@ def _source_files(folder: Path, pattern: str) -> dict[str, Path]:
 
 
 def settings_key(overrides: str, node_config: Mapping[str, Any]) -> str:
-    """Cache key of a node's settings: overrides, node config, conf files and config code."""
-    files = {**_source_files(conf_dir(), "*.yaml"), "car_fl/config.py": PACKAGE_DIR / "config.py"}
+    """Cache key of a node's settings: overrides, node config, conf files and settings code."""
+    code = {f"car_fl/{name}": PACKAGE_DIR / name for name in SETTINGS_SOURCES}
+    files = {**_source_files(conf_dir(), "*.yaml"), **code}
     header = {
         "format": CACHE_FORMAT,
         "version": car_fl.__version__,
         "overrides": overrides,
         "node_config": sorted((str(k), str(v)) for k, v in node_config.items()),
     }
-    return _digest(header, files)
+    return digest(header, files)
 
 
-def node_settings(
-    run_config: Mapping[str, Any],
-    node_config: Mapping[str, Any],
-    server_fingerprint: str | None,
-) -> Settings:
-    """This node's settings (the run's plus its local paths), checked against the server's.
-
-    Composed (Hydra), given the node's paths and fingerprinted (OmegaConf) in the node's first
-    round; later rounds, each a new process in deployment, read the result back as JSON. A run
-    config that carries a whole ``settings`` YAML (in-process simulations) is kept in memory
-    only.
-    """
-    text, overrides = run_config.get("settings", ""), run_config.get("overrides", "")
-    memo = (str(text), str(overrides), repr(sorted(node_config.items())))
-    if memo not in _IN_PROCESS:  # a process that serves several rounds reads the disk once
-        path = None
-        if not text and isinstance(overrides, str):
-            key = settings_key(overrides, node_config)
-            path = base_dir(node_config.get("cache-dir")) / "settings" / f"{key}.json"
-        _IN_PROCESS[memo] = _read_or_compose(run_config, node_config, path)
-    settings, mine = _IN_PROCESS[memo]
-    check_fingerprint(mine, server_fingerprint)
-    return copy.deepcopy(settings)
+def settings_path(cache_dir: str | os.PathLike[str] | None, key: str) -> Path:
+    return base_dir(cache_dir) / "settings" / f"{key}.json"
 
 
-_IN_PROCESS: dict[tuple[str, str, str], tuple[Settings, str]] = {}
+def load_settings_entry(path: Path) -> tuple[Settings, str] | None:
+    """Settings and fingerprint stored at ``path``; ``None`` when absent or unreadable."""
+    if not path.is_file():
+        return None
+    try:
+        stored = json.loads(path.read_text(encoding="utf-8"))
+        return settings_from_dict(stored["settings"]), str(stored["fingerprint"])
+    except (ValueError, KeyError, TypeError) as err:  # composed again and replaced
+        log.warning("ignoring unreadable settings cache %s: %s", path, err)
+        return None
 
 
-def check_fingerprint(mine: str, server: str | None) -> None:
-    """Refuse to train on a configuration other than the server's."""
-    if server is not None and server != mine:
-        raise ValueError(
-            f"this client resolved a different configuration (fingerprint {mine}) from the "
-            f"server's ({server}); install the same car-fl version and conf/ on "
-            "every machine and pass the same --run-config overrides"
-        )
-
-
-def _read_or_compose(
-    run_config: Mapping[str, Any], node_config: Mapping[str, Any], path: Path | None
-) -> tuple[Settings, str]:
-    if path is not None and path.is_file():
-        try:
-            stored = json.loads(path.read_text(encoding="utf-8"))
-            return settings_from_dict(stored["settings"]), str(stored["fingerprint"])
-        except (ValueError, KeyError, TypeError) as err:  # compose again and replace it
-            log.warning("ignoring unreadable settings cache %s: %s", path, err)
-    settings = apply_node_config(settings_from_run_config(run_config), node_config)
-    mine = fingerprint(settings)
-    if path is not None:
-        atomic_write_json(path, {"settings": asdict(settings), "fingerprint": mine})
-    return settings, mine
+def save_settings_entry(path: Path, settings: Settings, fingerprint: str) -> None:
+    atomic_write_json(path, {"settings": asdict(settings), "fingerprint": fingerprint})
 
 
 def settings_from_dict(values: Mapping[str, Any]) -> Settings:
@@ -181,7 +147,7 @@ def shard_key(
         "node": [partition_id, num_partitions, data_is_shard],
         "labels": list(labels) if labels else None,
     }
-    return _digest(header, _source_files(PACKAGE_DIR / "data", "*.py"))
+    return digest(header, _source_files(PACKAGE_DIR / "data", "*.py"))
 
 
 def shard_path(settings: Settings, key: str) -> Path:

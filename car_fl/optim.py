@@ -7,15 +7,20 @@ classes implement the same updates as ``torch.optim.SGD`` (momentum, weight deca
 dampening or Nesterov), ``Adam`` and ``AdamW`` (no AMSGrad) for dense tensors, following
 PyTorch's single-tensor code; ``tests/test_optim.py`` checks them against ``torch.optim`` step
 by step.
+
+``torch`` is imported where a step runs, not at the top: :mod:`car_fl.config` validates
+``train.optimizer`` against :data:`KINDS` and must stay quick to import (no torch).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
+#: ``train.optimizer`` names: the updates this module implements.
 KINDS = ("sgd", "adam", "adamw")
 
 
@@ -54,16 +59,18 @@ class Optimizer:
                 elif p.grad is not None:
                     p.grad.zero_()
 
-    @torch.no_grad()
     def step(self) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if self.kind == "sgd":
-                    self._sgd(p, p.grad, group["lr"])
-                else:
-                    self._adam(p, p.grad, group["lr"])
+        import torch
+
+        with torch.no_grad():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    if self.kind == "sgd":
+                        self._sgd(p, p.grad, group["lr"])
+                    else:
+                        self._adam(p, p.grad, group["lr"])
 
     def _sgd(self, p: torch.Tensor, grad: torch.Tensor, lr: float) -> None:
         if self.weight_decay:
@@ -72,13 +79,15 @@ class Optimizer:
             state = self.state.setdefault(id(p), {})
             buf = state.get("momentum_buffer")
             if buf is None:
-                buf = state["momentum_buffer"] = torch.clone(grad).detach()
+                buf = state["momentum_buffer"] = grad.clone().detach()
             else:
                 buf.mul_(self.momentum).add_(grad)
             grad = buf
         p.add_(grad, alpha=-lr)
 
     def _adam(self, p: torch.Tensor, grad: torch.Tensor, lr: float) -> None:
+        import torch
+
         beta1, beta2 = self.betas
         state = self.state.setdefault(id(p), {})
         if not state:

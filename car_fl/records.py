@@ -12,6 +12,8 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
 
+from car_fl import config
+
 ARRAYS_KEY = "arrays"
 METRICS_KEY = "metrics"
 CONFIG_KEY = "config"
@@ -22,8 +24,8 @@ NUM_EXAMPLES = "num-examples"
 #: shape in the ``Array`` 's own fields. Unlike NumPy's ``.npy`` format (Flower's default) it
 #: carries no 128-byte header per tensor, so the payload is exactly the parameters' bytes.
 RAW_STYPE = "car_fl.raw"
-#: dtypes a tensor may travel in (``comm.dtype``); bfloat16 has no NumPy dtype, so no Array.
-WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+#: The torch dtype of each ``comm.dtype`` (:data:`car_fl.config.WIRE_DTYPES`).
+WIRE_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in config.WIRE_DTYPES}
 
 
 def encode(values: np.ndarray[Any, Any], *, stype: str = RAW_STYPE) -> Array:

@@ -29,14 +29,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from car_fl.compare import JOB_JSON, write_report
-from car_fl.config import (
-    DPMode,
-    Settings,
-    conf_dir,
-    settings_to_yaml,
-    to_settings,
-    trains_nothing,
-)
+from car_fl.compose import conf_dir, register_configs, settings_to_yaml, to_settings
+from car_fl.config import DPMode, Settings, trains_nothing
 from car_fl.io import atomic_write_json, atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -133,6 +127,9 @@ class ReportCallback(Callback):
             return
         counts = ", ".join(f"{n} {status}" for status, n in sorted(report.counts.items()))
         print(f"sweep {sweep_dir}: {len(report.rows)} jobs ({counts}); report: {report.markdown}")
+
+
+register_configs()  # the schema and generated groups, before Hydra composes conf/
 
 
 @hydra.main(config_path=str(conf_dir()), config_name="sweep", version_base=None)

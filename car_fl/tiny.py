@@ -128,6 +128,24 @@ def write_tsv(path: Path, examples: list[tuple[str, str]]) -> Path:
     return path
 
 
+def tiny_overrides(
+    model_dir: str | Path,
+    data_path: str | Path,
+    *,
+    cache_dir: str | Path | None = None,
+    device: str = "cpu",
+) -> list[str]:
+    """Hydra overrides that run car-fl on a tiny local model and a local data file, quietly."""
+    return [
+        "model=local",
+        f"model.name_or_path={model_dir}",
+        f"dataset.path={data_path}",
+        *([f"cache_dir={cache_dir}"] if cache_dir is not None else []),
+        "progress=false",
+        f"device={device}",
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 

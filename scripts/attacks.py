@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from car_fl.attacks import ATTACKS, hostile_client  # noqa: E402
-from car_fl.config import load_settings  # noqa: E402
+from car_fl.compose import load_settings  # noqa: E402
 from car_fl.local_grid import run_local  # noqa: E402
 from car_fl.simulation import _import_app_module  # noqa: E402
 from car_fl.tiny import build_llama, synthetic_examples, write_tsv  # noqa: E402

@@ -45,7 +45,8 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from car_fl.config import Settings, load_settings  # noqa: E402
+from car_fl.compose import load_settings  # noqa: E402
+from car_fl.config import Settings  # noqa: E402
 from car_fl.data import load_splits  # noqa: E402
 from car_fl.model import CaRRetriever, build_retriever  # noqa: E402
 from car_fl.records import payload_bytes, to_record  # noqa: E402
@@ -279,7 +280,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import torch, transformers, flwr  # the process's fixed cost, before any model
 from flwr.app import RecordDict
 from car_fl import client
-from car_fl.config import load_settings
+from car_fl.compose import load_settings
 from car_fl.model import CaRRetriever, build_retriever
 
 

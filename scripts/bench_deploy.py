@@ -287,7 +287,7 @@ def bench_speedup(
 
 def _warm_page_cache() -> None:
     """Read the MiniLM files once, so that neither side pays the first disk read."""
-    from car_fl.config import load_settings
+    from car_fl.compose import load_settings
 
     folder = Path(load_settings(["model=minilm"]).model.name_or_path)
     for path in folder.rglob("*"):

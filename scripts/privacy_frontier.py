@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from car_fl.config import load_settings
+from car_fl.compose import load_settings
 from car_fl.logs import setup_logging
 from car_fl.simulation import run_simulation
 

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from car_fl.config import Settings, load_settings
+from car_fl.compose import load_settings
+from car_fl.config import Settings
 from car_fl.data import load_splits, partition
 from car_fl.data.splits import stratified_split
 from car_fl.logs import setup_logging

@@ -19,8 +19,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from car_fl.config import Settings, load_settings
-from car_fl.tiny import build_bert, build_llama, synthetic_examples, write_tsv
+from car_fl.compose import load_settings
+from car_fl.config import Settings
+from car_fl.tiny import build_bert, build_llama, synthetic_examples, tiny_overrides, write_tsv
 
 SHARED_SMS = (
     Path(__file__).resolve().parents[2] / "shared" / "data" / "sms_spam" / ("SMSSpamCollection.tsv")
@@ -67,14 +68,7 @@ def make_settings(tmp_path: Path, tiny_llama: Path, synthetic_tsv: Path):  # typ
     """Settings for the tiny Llama and the synthetic data, plus any overrides."""
 
     def make(*overrides: str, model_dir: Path | None = None) -> Settings:
-        base = [
-            "model=local",
-            f"model.name_or_path={model_dir or tiny_llama}",
-            f"dataset.path={synthetic_tsv}",
-            f"cache_dir={tmp_path / 'cache'}",
-            "progress=false",
-            "device=cpu",
-        ]
+        base = tiny_overrides(model_dir or tiny_llama, synthetic_tsv, cache_dir=tmp_path / "cache")
         return load_settings([*base, *overrides])
 
     return make

@@ -19,11 +19,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from car_fl import config as config_module
-from car_fl import node_cache
-from car_fl.config import apply_node_config, fingerprint, load_settings
+from car_fl import flower_bridge, node_cache
+from car_fl.compose import conf_dir, load_settings
 from car_fl.data import LabelMap, load_splits
+from car_fl.flower_bridge import apply_node_config, fingerprint
 from car_fl.model import build_retriever
+from car_fl.tiny import tiny_overrides
 
 PROJECT = Path(__file__).resolve().parents[1]
 HEAVY = ("transformers", "datasets", "flwr_datasets", "matplotlib", "hydra")
@@ -77,9 +78,8 @@ def client_round(args: dict[str, object], out: Path) -> tuple[set[str], dict[str
 def test_cached_classifier_round_in_a_fresh_process_imports_no_heavy_library(
     tmp_path: Path, tiny_llama: Path, synthetic_tsv: Path
 ) -> None:
-    overrides = (
-        f"model=local model.name_or_path={tiny_llama} dataset.path={synthetic_tsv} "
-        "progress=false device=cpu fl.clients=2 fl.local_epochs=1"
+    overrides = " ".join(
+        [*tiny_overrides(tiny_llama, synthetic_tsv), "fl.clients=2", "fl.local_epochs=1"]
     )
     # What the server sends: global head, fingerprint, global label map
     settings = load_settings(overrides)
@@ -126,24 +126,23 @@ def test_settings_are_composed_once_per_node_then_read_from_disk(
     node_config = {"cache-dir": str(tmp_path), "device": "cpu", "partition-id": 0}
     expected = apply_node_config(load_settings(overrides), node_config)
     server = fingerprint(load_settings(overrides))
-    first = node_cache.node_settings({"overrides": overrides}, node_config, server)
+    first = flower_bridge.node_settings({"overrides": overrides}, node_config, server)
     assert first == expected
     # a new process: nothing in memory, and no composition may happen
-    monkeypatch.setattr(config_module, "_RUN_SETTINGS", {})
-    monkeypatch.setattr(node_cache, "_IN_PROCESS", {})
+    monkeypatch.setattr(flower_bridge, "_IN_PROCESS", {})
 
     def no_composition(run_config: object) -> None:
         raise AssertionError("composed again although the node has the settings on disk")
 
-    monkeypatch.setattr(node_cache, "settings_from_run_config", no_composition)
-    assert node_cache.node_settings({"overrides": overrides}, node_config, server) == expected
+    monkeypatch.setattr(flower_bridge, "settings_from_run_config", no_composition)
+    assert flower_bridge.node_settings({"overrides": overrides}, node_config, server) == expected
     # the fingerprint is checked on the cached path too: a server with another configuration
     other = fingerprint(load_settings(overrides + " seed=7"))
     with pytest.raises(ValueError, match="different configuration"):
-        node_cache.node_settings({"overrides": overrides}, node_config, other)
+        flower_bridge.node_settings({"overrides": overrides}, node_config, other)
     # other overrides are another entry, composed anew
     with pytest.raises(AssertionError, match="composed again"):
-        node_cache.node_settings({"overrides": overrides + " seed=7"}, node_config, None)
+        flower_bridge.node_settings({"overrides": overrides + " seed=7"}, node_config, None)
 
 
 @pytest.mark.parametrize(
@@ -172,7 +171,7 @@ def test_settings_survive_the_json_round_trip(overrides: str) -> None:
 def test_settings_key_changes_with_any_config_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    conf = shutil.copytree(config_module.conf_dir(), tmp_path / "conf")
+    conf = shutil.copytree(conf_dir(), tmp_path / "conf")
     monkeypatch.setattr(node_cache, "conf_dir", lambda: conf)
     node = {"partition-id": 0, "data-path": "/data/a.tsv"}
     before = node_cache.settings_key("mode=adapter", node)
@@ -182,6 +181,23 @@ def test_settings_key_changes_with_any_config_file(
     with (conf / "mode" / "adapter.yaml").open("a") as handle:
         handle.write("\n# a changed default\n")
     assert node_cache.settings_key("mode=adapter", node) != before
+
+
+@pytest.mark.parametrize("source", node_cache.SETTINGS_SOURCES)
+def test_settings_key_changes_with_the_schema_and_composition_code(
+    source: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert {"config.py", "compose.py", "flower_bridge.py"} <= set(node_cache.SETTINGS_SOURCES)
+    package = tmp_path / "car_fl"
+    package.mkdir()
+    for name in node_cache.SETTINGS_SOURCES:
+        shutil.copy(node_cache.PACKAGE_DIR / name, package / name)
+    monkeypatch.setattr(node_cache, "PACKAGE_DIR", package)
+    node = {"partition-id": 0}
+    before = node_cache.settings_key("", node)
+    with (package / source).open("a") as handle:
+        handle.write("\n# a changed default\n")
+    assert node_cache.settings_key("", node) != before
 
 
 def test_shard_cache_follows_the_data_file_and_survives_a_corrupt_entry(

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from car_fl.client import NodeInfo, shard_data, train_round
-from car_fl.config import load_settings
+from car_fl.compose import load_settings
 from car_fl.data import load_splits
 from car_fl.model import build_retriever
 from car_fl.optim import Optimizer

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from car_fl.config import load_settings
+from car_fl.compose import load_settings
 from car_fl.privacy.record_accounting import record_plan
 from car_fl.simulation import run_simulation
 

@@ -1,4 +1,4 @@
-"""Federated pieces without a simulation: aggregation, what travels, node configuration."""
+"""Federated pieces without a simulation: aggregation, what travels, client shards."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import pytest
 import torch
 from fl_helpers import reply
 
-from car_fl.client import NodeInfo, node_settings
-from car_fl.config import fingerprint
+from car_fl.flower_bridge import NodeInfo
 from car_fl.model import build_retriever
 from car_fl.records import decode, from_record, payload_bytes, to_record
 from car_fl.strategy import CaRFedAvg
@@ -93,29 +92,6 @@ def test_only_trainable_tensors_travel(make_settings) -> None:  # type: ignore[n
         assert torch.equal(round_trip[name], value)
 
 
-def test_node_config_paths_apply_and_fingerprints_must_match(make_settings, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    settings = make_settings()
-    local = node_settings(
-        settings, {"data-path": str(tmp_path / "mine.tsv"), "device": "cpu"}, fingerprint(settings)
-    )
-    assert local.dataset.path == str(tmp_path / "mine.tsv")
-    assert fingerprint(local) == fingerprint(settings)  # node-local paths do not count
-    other = make_settings("fl.rounds=9")
-    with pytest.raises(ValueError, match=r"different configuration.*same --run-config"):
-        node_settings(other, {}, fingerprint(settings))
-
-
-def test_node_info_rejects_a_client_count_mismatch(make_settings) -> None:  # type: ignore[no-untyped-def]
-    settings = make_settings("fl.clients=2")
-    assert NodeInfo.from_node_config(
-        {"partition-id": 1, "num-partitions": 2}, settings
-    ) == NodeInfo(1, 2)
-    with pytest.raises(ValueError, match=r"num-partitions=3.*fl.clients=2.*num-supernodes=2"):
-        NodeInfo.from_node_config({"partition-id": 0, "num-partitions": 3}, settings)
-    with pytest.raises(ValueError, match=r"no 'partition-id'.*--node-config"):
-        NodeInfo.from_node_config({}, settings)
-
-
 def test_an_anonymous_error_reply_is_attributed_to_the_silent_node() -> None:
     from car_fl.strategy import RoundStats
 
@@ -145,14 +121,6 @@ def test_clients_encode_labels_with_the_servers_map(make_settings, tmp_path: Pat
     assert label_map.to_list() == server_labels
     assert len(data) == 6  # a pre-made shard: every row, no split, no partitioning
     assert sorted(set(data.labels.tolist())) == [0, 2]  # ids of the server's map
-
-
-def test_data_is_shard_comes_from_the_node_config(make_settings) -> None:  # type: ignore[no-untyped-def]
-    settings = make_settings()
-    node = NodeInfo.from_node_config(
-        {"partition-id": 0, "num-partitions": 2, "data-is-shard": "true"}, settings
-    )
-    assert node.data_is_shard
 
 
 def test_server_rejects_missing_local_paths_before_contacting_nodes(

@@ -9,7 +9,8 @@ import pytest
 from conftest import SHARED_SMS
 
 from car_fl.centralized import run_centralized
-from car_fl.config import DatasetConfig, load_settings
+from car_fl.compose import load_settings
+from car_fl.config import DatasetConfig
 from car_fl.data import load_splits
 from car_fl.data.dedupe import normalize_text
 from car_fl.simulation import run_simulation

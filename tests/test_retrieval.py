@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from car_fl.centralized import run_centralized
-from car_fl.config import HeadConfig, load_settings
+from car_fl.compose import load_settings
+from car_fl.config import HeadConfig
 from car_fl.metrics import retrieval_metrics
 from car_fl.model import CaRRetriever
 from car_fl.retrieval import knn_scores, label_documents, mips_scores, similarity

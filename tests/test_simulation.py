@@ -13,7 +13,7 @@ import torch
 
 from car_fl.centralized import run_centralized
 from car_fl.checkpoint import load_checkpoint
-from car_fl.config import settings_to_yaml
+from car_fl.compose import settings_to_yaml
 from car_fl.privacy.accountant import epsilon
 from car_fl.selection import select_best
 from car_fl.simulation import run_simulation
@@ -56,7 +56,7 @@ def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
 def test_one_client_federation_equals_centralised_training(
     base: list[str], tmp_path: Path, fl: list[str], central: list[str]
 ) -> None:
-    from car_fl.config import load_settings
+    from car_fl.compose import load_settings
 
     fed = run_simulation([*base, "fl.clients=1", *fl, f"output_dir={tmp_path / 'fl'}"])
     run_centralized(load_settings([*base, *central]), tmp_path / "central")
@@ -115,7 +115,7 @@ def test_two_client_simulation_learns_and_ships_only_trainable_tensors(
 
 
 def test_server_and_clients_resolve_the_same_configuration(base: list[str], tmp_path: Path) -> None:
-    from car_fl.config import load_settings
+    from car_fl.compose import load_settings
 
     out = tmp_path / "fl"
     run_simulation([*base, "fl.rounds=1", "fl.local_epochs=1", f"output_dir={out}"])

@@ -26,7 +26,8 @@ from flwr.serverapp.strategy import (
 )
 
 from car_fl.aggregation import REGISTRY, build_strategy, flower_strategy
-from car_fl.config import STRATEGIES, StrategyConfig, load_settings
+from car_fl.compose import load_settings
+from car_fl.config import STRATEGIES, StrategyConfig
 from car_fl.local_grid import run_local
 from car_fl.model import build_retriever
 from car_fl.privacy.mechanism import privatize

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from car_fl.attacks import hostile_client
-from car_fl.config import load_settings
+from car_fl.compose import load_settings
 from car_fl.local_grid import run_local
 from car_fl.simulation import _import_app_module
 

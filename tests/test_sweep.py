@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from car_fl.config import conf_dir
+from car_fl.compose import conf_dir
 from car_fl.sweep import job_settings, skip_reason
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -178,7 +178,7 @@ WRITER = textwrap.dedent(
     import sys, torch
     from pathlib import Path
     from car_fl.checkpoint import Checkpoint, save_checkpoint
-    from car_fl.config import load_settings
+    from car_fl.compose import load_settings
     from car_fl.data.labels import LabelMap
 
     folder, ready = Path(sys.argv[1]), Path(sys.argv[2])
