@@ -29,7 +29,7 @@ from car_fl.config import (
 from car_fl.data import load_splits
 from car_fl.io import atomic_write_text
 from car_fl.model import CaRRetriever, build_retriever
-from car_fl.report import plot_curves, write_metrics
+from car_fl.results import plot_curves, write_metrics
 from car_fl.retrieval import label_documents
 from car_fl.selection import eval_row, is_better
 from car_fl.train import evaluate, make_optimizer, prepare_for, train_epoch

@@ -28,7 +28,7 @@ from typing import Any
 
 from car_fl.config import HeadKind, Mode, Settings, settings_from_yaml
 from car_fl.io import atomic_write, atomic_write_text
-from car_fl.report import METRICS_JSON, write_csv
+from car_fl.results import METRICS_JSON, write_csv
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from car_fl.data.labels import LabelMap
 from car_fl.io import atomic_write_text
 from car_fl.model import CaRRetriever, build_retriever
 from car_fl.records import from_record, to_record
-from car_fl.report import CLIENTS_CSV, plot_curves, write_csv, write_metrics
+from car_fl.results import CLIENTS_CSV, plot_curves, write_csv, write_metrics
 from car_fl.retrieval import label_documents
 from car_fl.selection import eval_row, is_better, select_best
 from car_fl.strategy import GuardedStrategy, RoundStats, spec_of

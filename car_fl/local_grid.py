@@ -20,7 +20,7 @@ from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
 from car_fl.config import Settings, settings_to_yaml
-from car_fl.report import METRICS_JSON
+from car_fl.results import METRICS_JSON
 
 ClientTrain = Callable[[Message, Context], Message]
 
