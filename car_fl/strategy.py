@@ -12,8 +12,8 @@ see :mod:`car_fl.aggregation`) and adds, once for all of them:
 - an update-norm bound (:class:`~car_fl.update_norm.NormBound`): replies with ‖θᵢ − θ‖ above it
   are rejected or clipped;
 - a minimum of valid replies, below which the global model stays exactly as it was;
-- per-round records (:class:`RoundStats`) for the round recorder, and the round offset of a
-  resumed run.
+- per-round records (:class:`~car_fl.round_stats.RoundStats`), handed to the round recorder
+  (``on_round``) when a round is aggregated, and the round offset of a resumed run.
 
 Only replies that passed every check reach the wrapped strategy, rebuilt with float64 NumPy
 arrays and their example count alone, in node order (so arrival order cannot matter); its result
@@ -26,8 +26,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, cast
 
 import numpy as np
@@ -44,56 +43,13 @@ from car_fl.records import (
     encode,
     payload_bytes,
 )
+from car_fl.round_stats import RoundStats
 from car_fl.shard_claims import ShardClaims
 from car_fl.update_norm import NormBound, clip_update, update_norm
 
 log = logging.getLogger(__name__)
 
 Spec = dict[str, tuple[tuple[int, ...], np.dtype[Any]]]
-
-
-@dataclass
-class RoundStats:
-    """What the strategy saw in one training round."""
-
-    round: int
-    started: float
-    #: The nodes asked to train this round (sampled from ``connected``).
-    asked: list[int] = field(default_factory=list)
-    connected: int = 0
-    bytes_sent: dict[int, int] = field(default_factory=dict)
-    bytes_received: dict[int, int] = field(default_factory=dict)
-    client_metrics: dict[int, dict[str, float]] = field(default_factory=dict)
-    rejected: dict[int, str] = field(default_factory=dict)
-    failed: dict[int, str] = field(default_factory=dict)
-    #: ‖θᵢ − θ‖ of every reply that passed validation, and this round's bound (if any).
-    update_norms: dict[int, float] = field(default_factory=dict)
-    norm_bound: float | None = None
-    clipped: list[int] = field(default_factory=list)
-    aggregated: bool = False
-
-    def attribute_lost_replies(self) -> None:
-        """Name the nodes that never answered.
-
-        Flower's error reply for a lost node does not name it (its source is not the node the
-        message went to): pair such anonymous errors with the silent nodes when that is
-        unambiguous, and mark any other silent node as lost.
-        """
-        answered = {*self.client_metrics, *self.rejected, *self.failed}
-        silent = sorted(set(self.bytes_sent) - answered)
-        anonymous = [n for n in self.failed if n not in self.bytes_sent]
-        if len(silent) == 1 and len(anonymous) == 1:
-            self.failed[silent[0]] = self.failed.pop(anonymous[0])
-            return
-        for node in silent:
-            self.failed[node] = "no reply (the node was lost or the round timed out)"
-
-    def weighted(self, key: str) -> float:
-        rows = [m for m in self.client_metrics.values() if key in m]
-        total = sum(m[NUM_EXAMPLES] for m in rows)
-        if not rows or total <= 0:
-            return float("nan")
-        return sum(m[key] * m[NUM_EXAMPLES] for m in rows) / total
 
 
 def validate_reply(
@@ -233,6 +189,8 @@ class GuardedStrategy(Strategy):
         self.min_valid_fraction = min_valid_fraction
         self.current: RoundStats | None = None
         self.history: list[RoundStats] = []
+        #: Receives each round's statistics once the round is aggregated (the round recorder).
+        self.on_round: Callable[[RoundStats], None] | None = None
         #: The global model sent this round (float64), the reference of every update norm.
         self.reference: dict[str, np.ndarray[Any, Any]] | None = None
         #: Rounds already done before this ``start`` (a resumed run): Flower counts from 1,
@@ -293,9 +251,20 @@ class GuardedStrategy(Strategy):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """The aggregate of the valid replies (``None`` keeps the model); the round's statistics
+        go to ``on_round`` once it is done."""
         server_round += self.round_offset
         stats = self.current or RoundStats(round=server_round, started=time.perf_counter())
         self.current = None
+        try:
+            return self._aggregate_train(server_round, replies, stats)
+        finally:
+            if self.on_round is not None:
+                self.on_round(stats)
+
+    def _aggregate_train(
+        self, server_round: int, replies: Iterable[Message], stats: RoundStats
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         checked: dict[int, tuple[dict[str, np.ndarray[Any, Any]], int]] = {}
         originals: dict[int, Message] = {}
         for message in sorted(replies, key=lambda m: m.metadata.src_node_id):
