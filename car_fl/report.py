@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -27,8 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from car_fl.config import HeadKind, Mode, Settings, settings_from_yaml
-from car_fl.io import atomic_write, atomic_write_text
-from car_fl.results import METRICS_JSON, write_csv
+from car_fl.io import atomic_write_text
+from car_fl.plots import plot_against_epochs
+from car_fl.report_markdown import markdown_report
+from car_fl.results import METRICS_JSON, MetricsFile, RoundRow, RunSummary, write_csv
 
 log = logging.getLogger(__name__)
 
@@ -71,22 +72,27 @@ class RunRecord:
     reason: str = ""
     overrides: list[str] = field(default_factory=list)
     settings: Settings | None = None
-    summary: dict[str, Any] = field(default_factory=dict)
-    history: list[dict[str, Any]] = field(default_factory=list)
+    summary: RunSummary | None = None
+    history: list[RoundRow] = field(default_factory=list)
     clients: int | None = None
 
     @classmethod
     def read(cls, path: Path) -> RunRecord:
         job = _read_json(path / JOB_JSON) or {}
-        metrics = _read_json(path / METRICS_JSON) or {}
+        metrics = None
+        if (path / METRICS_JSON).is_file():
+            try:
+                metrics = MetricsFile.read(path)
+            except ValueError as err:
+                log.warning("%s", err)
         settings = None
         if (path / CONFIG_YAML).is_file():
             settings = settings_from_yaml((path / CONFIG_YAML).read_text(encoding="utf-8"))
-        summary = metrics.get("summary", {})
+        summary = metrics.summary if metrics is not None else None
         status = job.get("status") or ("ok" if summary else "incomplete")
-        if status == "ok" and (not summary or summary.get("complete") is False):
+        if status == "ok" and (summary is None or summary.complete is False):
             status = "incomplete"
-        clients = job.get("clients", summary.get("clients"))
+        clients = job.get("clients", summary.clients if summary is not None else None)
         return cls(
             path=path,
             status=status,
@@ -94,21 +100,24 @@ class RunRecord:
             overrides=list(job.get("overrides", [])),
             settings=settings,
             summary=summary,
-            history=list(metrics.get("history", [])),
+            history=metrics.history if metrics is not None else [],
             clients=int(clients) if clients is not None else None,
         )
 
     @property
     def final(self) -> dict[str, Any]:
-        final = self.summary.get("final")
-        return final if isinstance(final, dict) else {}
+        """The final row's columns (empty without a summary)."""
+        final = self.summary.final if self.summary is not None else None
+        return final.to_dict() if final is not None else {}
 
     def row(self) -> dict[str, Any]:
         """The run's line in ``results.csv`` (full precision; empty where not applicable)."""
-        s = self.settings
+        s, summary = self.settings, self.summary
         final = self.final
-        k = informative_k(s, final, self.summary.get("num_labels")) if s is not None else None
+        num_labels = summary.num_labels if summary is not None else None
+        k = informative_k(s, final, num_labels) if s is not None else None
         dp = s.dp.mode if s is not None else ""
+        epsilon = summary.epsilon if summary is not None else None
         return {
             "job": self.path.name,
             "status": self.status,
@@ -123,9 +132,9 @@ class RunRecord:
             "topk": final.get(f"test_top{k}", "") if k else "",
             "mrr": final.get("test_mrr", ""),
             "macro_f1": final.get("test_macro_f1", ""),
-            "seconds": self.summary.get("total_seconds", ""),
+            "seconds": summary.total_seconds if summary is not None else "",
             "speedup": "",
-            "epsilon": self.summary.get("epsilon", "") if dp not in ("", "none") else "",
+            "epsilon": epsilon if dp not in ("", "none") and epsilon is not None else "",
             "reason": self.reason,
             "overrides": " ".join(self.overrides),
             "path": str(self.path),
@@ -231,91 +240,6 @@ def retrieval_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(chosen, key=lambda r: (r["dataset"], r["model"], _approach_rank(r["approach"])))
 
 
-def _fmt(value: Any, kind: str) -> str:
-    if value in ("", None):
-        return "—"
-    if kind == "pct":
-        return f"{100 * float(value):.2f}"
-    if kind == "float":
-        return f"{float(value):.4f}"
-    if kind == "sec":
-        return f"{float(value):.1f}"
-    if kind == "x":
-        return f"{float(value):.2f}×"
-    if kind == "eps":
-        v = float(value)
-        return "∞" if math.isinf(v) else f"{v:.4g}"
-    return str(value)
-
-
-RESULT_COLUMNS = [
-    ("model", "model", "str"),
-    ("approach", "approach", "str"),
-    ("clients", "clients", "str"),
-    ("scenario", "scenario", "str"),
-    ("top1", "top-1 (%)", "pct"),
-    ("topk", "top-K (%)", "pct"),
-    ("mrr", "MRR", "float"),
-    ("macro_f1", "macro-F1", "float"),
-    ("seconds", "train + val (s)", "sec"),
-    ("speedup", "speed-up", "x"),
-    ("epsilon", "ε", "eps"),
-    ("status", "status", "str"),
-]
-RETRIEVAL_COLUMNS = [
-    ("model", "model", "str"),
-    ("approach", "approach", "str"),
-    ("top1", "top-1 (%)", "pct"),
-    ("topk", "top-K (%)", "pct"),
-    ("mrr", "MRR", "float"),
-    ("macro_f1", "macro-F1", "float"),
-    ("seconds", "train + val (s)", "sec"),
-    ("status", "status", "str"),
-]
-
-
-def markdown_table(rows: Sequence[dict[str, Any]], columns: list[tuple[str, str, str]]) -> str:
-    """A Markdown table; columns empty in every row (e.g. ε without DP) are left out."""
-    columns = [c for c in columns if any(r.get(c[0]) not in ("", None) for r in rows)]
-    ks = sorted({r["k"] for r in rows if r.get("k")})
-    header = [
-        title.replace("top-K", f"top-{ks[0]}") if len(ks) == 1 else title for _, title, _ in columns
-    ]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(columns)]
-    for row in rows:
-        cells = [_fmt(row.get(key), kind) for key, _, kind in columns]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def markdown_report(rows: Sequence[dict[str, Any]], plots: Sequence[Path]) -> str:
-    parts = ["# car-fl results", ""]
-    for dataset in sorted({r["dataset"] for r in rows}):
-        subset = [r for r in rows if r["dataset"] == dataset]
-        parts += [f"## {dataset or 'runs without a configuration'}", ""]
-        parts += ["### Centralised, FL and FL + DP", "", markdown_table(subset, RESULT_COLUMNS), ""]
-        retrieval = retrieval_rows(subset)
-        if len({r["approach"] for r in retrieval}) > 1:
-            parts += ["### Retrieval approaches (centralised)", ""]
-            parts += [markdown_table(retrieval, RETRIEVAL_COLUMNS), ""]
-    problems = [r for r in rows if r["status"] != "ok"]
-    if problems:
-        parts += ["## Jobs without results", ""]
-        parts += [
-            f"- `{r['job']}` ({r['status']}): {r['reason']} — overrides: `{r['overrides']}`"
-            for r in problems
-        ]
-        parts.append("")
-    if plots:
-        parts += ["## Curves", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
-    parts.append(
-        "Speed-up: the centralised run's train + validation time divided by this run's, for "
-        "the same sweep, dataset, model and approach. ε: the largest ε any client spent "
-        "(δ = dp.delta)."
-    )
-    return "\n".join(parts) + "\n"
-
-
 # ---------------------------------------------------------------------------------- plots
 def _slug(*parts: str) -> str:
     text = "".join(c if c.isalnum() else "-" for c in "-".join(parts).lower())
@@ -335,7 +259,7 @@ def plot_runs(out: Path, runs: Sequence[RunRecord]) -> list[Path]:
             by_model[key].append(run)
     paths: list[Path] = []
     for (dataset, model, approach), group in sorted(by_approach.items()):
-        trained = [r for r in group if any(h.get("epochs", 0) for h in r.history)]
+        trained = [r for r in group if any(h.epochs for h in r.history)]
         if not trained:
             continue
         lines = {
@@ -345,46 +269,18 @@ def plot_runs(out: Path, runs: Sequence[RunRecord]) -> list[Path]:
             if r.settings is not None
         }
         path = out / f"curves-{_slug(dataset, model, approach)}.png"
-        _plot(path, lines, title=f"{dataset}, {model}, {approach}")
+        plot_against_epochs(path, lines, title=f"{dataset}, {model}, {approach}")
         paths.append(path)
     for (dataset, model), group in sorted(by_model.items()):
         if len({approach_of(r.settings) for r in group if r.settings}) < 2:
             continue
         lines = {approach_of(r.settings): r.history for r in group if r.settings is not None}
         path = out / f"retrieval-{_slug(dataset, model)}.png"
-        _plot(path, lines, title=f"{dataset}, {model}: retrieval approaches (centralised)")
+        plot_against_epochs(
+            path, lines, title=f"{dataset}, {model}: retrieval approaches (centralised)"
+        )
         paths.append(path)
     return paths
-
-
-def _plot(path: Path, lines: dict[str, list[dict[str, Any]]], *, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
-    span = max((h.get("epochs", 0) for hist in lines.values() for h in hist), default=0) or 1
-    for label, history in lines.items():
-        x = [h.get("epochs", h["round"]) for h in history]
-        if len(history) == 1 and not x[0]:  # trains nothing: a flat reference line
-            # (kNN's vote counts are no logits: its cross-entropy means nothing)
-            axes = [(ax_acc, "test_top1")] + (
-                [] if label.startswith("kNN") else [(ax_loss, "test_loss")]
-            )
-            for ax, key in axes:
-                ax.plot([0, span], [history[0][key]] * 2, linestyle="--", label=label)
-            continue
-        ax_loss.plot(x, [h["test_loss"] for h in history], marker="o", markersize=3, label=label)
-        ax_acc.plot(x, [h["test_top1"] for h in history], marker="o", markersize=3, label=label)
-    ax_loss.set(xlabel="epochs (FL: round × local epochs)", ylabel="test loss", title=title)
-    ax_acc.set(xlabel="epochs (FL: round × local epochs)", ylabel="test top-1 accuracy")
-    for ax in (ax_loss, ax_acc):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
-    plt.close(fig)
 
 
 # --------------------------------------------------------------------------------- report
@@ -416,7 +312,7 @@ def write_report(paths: Iterable[str | Path], out: str | Path) -> Report:
     write_csv(results_csv, rows)
     write_csv(retrieval_csv, retrieval_rows(rows))
     markdown = out / "report.md"
-    atomic_write_text(markdown, markdown_report(rows, plots))
+    atomic_write_text(markdown, markdown_report(rows, plots, retrieval_rows=retrieval_rows))
     report = Report(rows, markdown, results_csv, retrieval_csv, plots)
     log.info("report of %d runs %s: %s", len(rows), report.counts, markdown)
     return report
