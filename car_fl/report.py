@@ -1,5 +1,7 @@
 """Reports across runs: the method's tables and figures from a sweep or any run directories.
 
+(Over 300 lines: run reading, tables and plot grouping share the approach names kept here.)
+
 ``car-fl report SWEEP_DIR [RUN_DIR ...] --out DIR`` (and the end of every ``car_fl.sweep``
 multirun) collects each run's ``config.yaml``, ``metrics.json`` and the sweep's ``job.json``,
 then writes:

@@ -1,5 +1,7 @@
 """Server-side aggregation: any Flower Message-API strategy, guarded by car-fl's checks.
 
+(Over 300 lines: one Flower Strategy subclass, whose checks read best in order in one class.)
+
 :class:`GuardedStrategy` wraps one of Flower's strategies (FedAvg, FedMedian, Krum, FedAdam …;
 see :mod:`car_fl.aggregation`) and adds, once for all of them:
 
@@ -30,7 +32,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, cast
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Strategy
 
@@ -38,116 +40,18 @@ from car_fl.records import (
     ARRAYS_KEY,
     CONFIG_KEY,
     NUM_EXAMPLES,
-    RAW_STYPE,
     decode,
     encode,
     payload_bytes,
 )
+from car_fl.replies import Spec, as_float64, spec_of, validate_reply
+from car_fl.replies import weighted_average as weighted_average  # re-exported
 from car_fl.round_stats import RoundStats
+from car_fl.sampled_grid import SampledGrid
 from car_fl.shard_claims import ShardClaims
 from car_fl.update_norm import NormBound, clip_update, update_norm
 
 log = logging.getLogger(__name__)
-
-Spec = dict[str, tuple[tuple[int, ...], np.dtype[Any]]]
-
-
-def validate_reply(
-    content: Any,
-    spec: Spec,
-    *,
-    max_examples: int | None = None,
-) -> str | None:
-    """``None`` if a train reply may be aggregated, else the reason it may not.
-
-    Shapes and dtypes are checked on the decoded values, and only car-fl's own wire format
-    (``RAW_STYPE``: raw bytes whose length must match dtype and shape) is accepted: a NumPy
-    ``.npy`` payload can disagree with the array's metadata.
-    """
-    arrays = content.array_records
-    metrics = content.metric_records
-    if len(arrays) != 1 or len(metrics) != 1:
-        return (
-            f"expected one ArrayRecord and one MetricRecord, got {len(arrays)} and {len(metrics)}"
-        )
-    record = next(iter(arrays.values()))
-    missing, extra = sorted(set(spec) - set(record)), sorted(set(record) - set(spec))
-    if missing or extra:
-        return f"tensor names differ from the global model: missing {missing}, extra {extra}"
-    for name, (shape, dtype) in spec.items():
-        array = record[name]
-        if array.stype != RAW_STYPE:
-            return f"tensor {name!r} is in format {array.stype!r}; only {RAW_STYPE!r} is accepted"
-        try:
-            values = decode(array)
-        except ValueError as err:
-            return f"tensor {name!r} cannot be read: {err}"
-        if values.shape != shape:
-            return f"tensor {name!r} has shape {values.shape}, expected {shape}"
-        if values.dtype != dtype:
-            return f"tensor {name!r} has dtype {values.dtype}, expected {dtype}"
-        if not np.isfinite(values).all():
-            return f"tensor {name!r} has non-finite values"
-    count = next(iter(metrics.values())).get(NUM_EXAMPLES)
-    if not isinstance(count, int) or isinstance(count, bool):
-        return f"'{NUM_EXAMPLES}' must be an integer, got {count!r}"
-    if count <= 0:
-        return f"'{NUM_EXAMPLES}' must be positive, got {count}"
-    if max_examples is not None and count > max_examples:
-        return f"'{NUM_EXAMPLES}' = {count} exceeds the cap of {max_examples}"
-    return None
-
-
-def weighted_average(records: list[ArrayRecord], weights: list[int]) -> ArrayRecord:
-    """θ = Σ nᵢ/n · θᵢ, accumulated in float64, returned in each tensor's own dtype."""
-    total = float(sum(weights))
-    out: dict[str, Array] = {}
-    for name in records[0]:
-        first = records[0][name]
-        acc = np.zeros(first.shape, dtype=np.float64)
-        for record, weight in zip(records, weights, strict=True):
-            acc += decode(record[name]).astype(np.float64) * (weight / total)
-        out[name] = encode(acc.astype(decode(first).dtype))
-    return ArrayRecord(array_dict=out)
-
-
-def spec_of(record: ArrayRecord) -> Spec:
-    """Expected name → (shape, dtype) of every reply, from the global model."""
-    return {k: (tuple(v.shape), decode(v).dtype) for k, v in record.items()}
-
-
-def as_float64(arrays: Mapping[str, np.ndarray[Any, Any]]) -> ArrayRecord:
-    """Arrays as Flower's own NumPy arrays in float64: what Flower's strategies compute on."""
-    return ArrayRecord({k: Array(np.asarray(v, dtype=np.float64)) for k, v in arrays.items()})
-
-
-class _Sample(Grid):
-    """The grid as the wrapped strategy sees it: only this round's sampled nodes."""
-
-    def __init__(self, grid: Grid, nodes: list[int]) -> None:
-        self.grid, self.nodes = grid, nodes
-
-    def get_node_ids(self) -> Iterable[int]:
-        return list(self.nodes)
-
-    @property
-    def run(self) -> Any:
-        return self.grid.run
-
-    def set_run(self, run: Any) -> None:
-        self.grid.set_run(run)
-
-    def create_message(self, *args: Any, **kwargs: Any) -> Message:
-        return self.grid.create_message(*args, **kwargs)
-
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        return self.grid.push_messages(messages)
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        return self.grid.pull_messages(message_ids)
-
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Any:
-        return self.grid.send_and_receive(messages, timeout=timeout)
 
 
 class GuardedStrategy(Strategy):
@@ -228,7 +132,7 @@ class GuardedStrategy(Strategy):
         # The wrapped strategy computes on float64 NumPy arrays; the wire carries car-fl's own.
         messages = list(
             self.inner.configure_train(
-                server_round, as_float64(self.reference), config, _Sample(grid, asked)
+                server_round, as_float64(self.reference), config, SampledGrid(grid, asked)
             )
         )
         for message in messages:
