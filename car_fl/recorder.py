@@ -24,7 +24,15 @@ from car_fl.config import Settings
 from car_fl.data.labels import LabelMap
 from car_fl.plots import plot_curves
 from car_fl.records import from_record
-from car_fl.results import CLIENTS_CSV, ClientDP, ClientRow, MetricsFile, RoundRow, RunSummary
+from car_fl.results import (
+    CLIENTS_CSV,
+    ClientDP,
+    ClientRow,
+    MetricsFile,
+    RoundRow,
+    RunSummary,
+    wire_key,
+)
 from car_fl.round_stats import RoundStats
 from car_fl.selection import is_better, select_best
 
@@ -189,8 +197,8 @@ class RoundRecorder:
         return RoundRow(
             round=stats.round,
             epochs=stats.round * self.recorder.settings.fl.local_epochs,
-            train_loss=stats.weighted("train-loss"),
-            train_accuracy=stats.weighted("train-accuracy"),
+            train_loss=stats.weighted(wire_key("train_loss")),
+            train_accuracy=stats.weighted(wire_key("train_accuracy")),
             metrics=metrics,
             seconds=time.perf_counter() - stats.started,
             bytes_sent=sum(stats.bytes_sent.values()),
@@ -201,21 +209,21 @@ class RoundRecorder:
             clients_rejected=len(stats.rejected),
             clients_failed=len(stats.failed),
             skipped=int(not stats.aggregated),
-            dp_active=int(any(m.get("dp-active") for m in replies)),
+            dp_active=int(any(m.get(wire_key("dp_active")) for m in replies)),
             epsilon=self.epsilon(stats),
             max_client_train_seconds=max(
-                (m.get("train-seconds", 0.0) for m in replies), default=0.0
+                (m.get(wire_key("train_seconds"), 0.0) for m in replies), default=0.0
             ),
         )
 
     def epsilon(self, stats: RoundStats) -> float:
         """Max over clients of the ε they report; clients that did not reply keep theirs."""
         for node, metrics in stats.client_metrics.items():
-            if "dp-epsilon" in metrics:
-                self.client_epsilon[node] = metrics["dp-epsilon"]
+            if wire_key("dp_epsilon") in metrics:
+                self.client_epsilon[node] = metrics[wire_key("dp_epsilon")]
             dp = ClientDP.from_wire(metrics)
             if dp is not None:  # record-level DP
-                self.client_dp[int(metrics.get("partition-id", node))] = dp
+                self.client_dp[int(metrics.get(wire_key("partition_id"), node))] = dp
         self.last_epsilon = max(self.client_epsilon.values(), default=0.0)
         return self.last_epsilon
 
