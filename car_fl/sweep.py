@@ -28,7 +28,6 @@ import hydra
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from car_fl.report import JOB_JSON, write_report
 from car_fl.config import (
     DPMode,
     Settings,
@@ -38,6 +37,7 @@ from car_fl.config import (
     trains_nothing,
 )
 from car_fl.io import atomic_write_json, atomic_write_text
+from car_fl.report import JOB_JSON, write_report
 
 log = logging.getLogger(__name__)
 
