@@ -17,32 +17,17 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from car_fl.checkpoint import Checkpoint, save_checkpoint
 from car_fl.compose import conf_dir, register_configs, settings_to_yaml, to_settings
 from car_fl.config import HeadKind, Settings, trains_nothing
 from car_fl.data import load_splits
+from car_fl.evaluation import HeldOut, LazyRetriever
 from car_fl.io import atomic_write_text
-from car_fl.model import CaRRetriever, build_retriever
-from car_fl.report import plot_curves, write_metrics
-from car_fl.retrieval import label_documents
-from car_fl.selection import eval_row, is_better
-from car_fl.train import evaluate, make_optimizer, prepare_for, train_epoch
+from car_fl.model import build_retriever
+from car_fl.recorder import Recorder
+from car_fl.results import RoundRow, RunSummary
+from car_fl.train import make_optimizer, prepare_for, train_epoch
 
 log = logging.getLogger(__name__)
-
-
-def round_line(row: dict[str, Any], *, unit: str = "round") -> str:
-    """The fixed-format log line of one round (or epoch)."""
-    val = (
-        f"val loss {row['val_loss']:.4f} top1 {row['val_top1']:.4f} | " if "val_top1" in row else ""
-    )
-    return (
-        f"{unit} {row['round']:>3d} | train loss {row.get('train_loss', float('nan')):.4f} "
-        f"acc {row.get('train_accuracy', float('nan')):.4f} | {val}"
-        f"test loss {row['test_loss']:.4f} top1 {row['test_top1']:.4f} | {row['seconds']:.1f}s | "
-        f"sent {row.get('bytes_sent', 0):,} B recv {row.get('bytes_received', 0):,} B"
-        + (f" | ε {row['epsilon']:.4g}" if row.get("dp_active") else "")
-    )
 
 
 def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any]:
@@ -56,42 +41,18 @@ def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any
     # Data and model: the encoder is loaded only if a feature is not cached (or for MIPS)
     splits = load_splits(settings.dataset, seed=settings.seed)
     names = splits.label_map.names
-    documents = label_documents(names, settings.dataset.label_texts)
-    loaded: list[CaRRetriever] = []
-
-    def with_encoder() -> CaRRetriever:
-        if not loaded:
-            loaded.append(build_retriever(settings, len(names), documents=documents))
-        return loaded[0]
-
+    lazy = LazyRetriever(settings, splits)
     start = time.perf_counter()
     train_data = prepare_for(
         settings,
         splits.train["text"],
         splits.train["label"],
-        get_model=with_encoder,
+        get_model=lazy,
         desc="train features",
     )
-    test_data = prepare_for(
-        settings,
-        splits.test["text"],
-        splits.test["label"],
-        get_model=with_encoder,
-        desc="test features",
-    )
-    val_data = (
-        prepare_for(
-            settings,
-            splits.validation["text"],
-            splits.validation["label"],
-            get_model=with_encoder,
-            desc="validation features",
-        )
-        if len(splits.validation)
-        else None
-    )
-    if loaded or HeadKind(settings.head.kind) is HeadKind.MIPS:  # MIPS: label documents
-        model = with_encoder()
+    held_out = HeldOut.prepare(settings, splits, get_model=lazy)
+    if lazy.model is not None or HeadKind(settings.head.kind) is HeadKind.MIPS:
+        model = lazy()  # MIPS: label documents
     else:  # every feature was cached: the same head (same seed), no encoder
         assert train_data.features is not None
         hidden = int(train_data.features.shape[1])
@@ -100,30 +61,27 @@ def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any
         assert train_data.features is not None
         model.set_memory(train_data.features, train_data.labels)
     feature_seconds = time.perf_counter() - start
-
-    def evaluate_splits() -> dict[str, float]:
-        """Validation (model selection) and test (reporting) metrics of the current model."""
-        batch, top_k = settings.train.eval_batch_size, settings.eval.top_k
-        return eval_row(
-            evaluate(model, val_data, batch_size=batch, top_k=top_k) if val_data else None,
-            evaluate(model, test_data, batch_size=batch, top_k=top_k),
-        )
+    recorder = Recorder(
+        settings=settings,
+        output_dir=out,
+        label_map=splits.label_map,
+        unit="epoch",
+        title=f"centralised {settings.dataset.name}",
+    )
 
     # Epochs (none for MIPS on the frozen encoder and kNN: one evaluation)
-    history: list[dict[str, Any]] = []
-    best: dict[str, Any] | None = None
-    ckpt_dir = out / "checkpoints"
     epochs = 0 if trains_nothing(settings) else settings.train.epochs
     if epochs == 0:
         tick = time.perf_counter()
-        best = {"round": 0, "epochs": 0, **evaluate_splits()}
-        best.update(seconds=time.perf_counter() - tick, bytes_sent=0, bytes_received=0)
-        history.append(best)
+        metrics = held_out.evaluate(model, settings)
+        recorder.add(
+            RoundRow(round=0, epochs=0, metrics=metrics, seconds=time.perf_counter() - tick)
+        )
         log.info(
             "%s (nothing to train): test top1 %.4f mrr %.4f",
             model.kind.value,
-            best["test_top1"],
-            best["test_mrr"],
+            metrics["test_top1"],
+            metrics["test_mrr"],
         )
     else:
         optimizer = make_optimizer(model, settings.train)
@@ -139,63 +97,44 @@ def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any
             progress=settings.progress,
             desc=f"epoch {epoch + 1}",
         )
-        row: dict[str, Any] = {
-            "round": epoch + 1,
-            "epochs": epoch + 1,
-            "train_loss": result.loss,
-            "train_accuracy": result.accuracy,
-            **evaluate_splits(),
-            "seconds": time.perf_counter() - tick,
-            "bytes_sent": 0,
-            "bytes_received": 0,
-        }
-        history.append(row)
-        log.info(round_line(row, unit="epoch"))
-        if is_better(row, best):  # on validation, never on test
-            best = row
-            save_checkpoint(ckpt_dir / "best", _checkpoint(model, splits.label_map, settings, row))
+        row = RoundRow(
+            round=epoch + 1,
+            epochs=epoch + 1,
+            train_loss=result.loss,
+            train_accuracy=result.accuracy,
+            metrics=held_out.evaluate(model, settings),
+            seconds=time.perf_counter() - tick,
+        )
+        recorder.record(row, model.trainable_state_dict())
 
+    final, best = recorder.history[-1], recorder.best
     assert best is not None
-    final = history[-1]
-    save_checkpoint(ckpt_dir / "final", _checkpoint(model, splits.label_map, settings, final))
-    summary = {
-        "kind": "centralized",
-        "clients": 1,
-        "mode": settings.train.mode,
-        "head": settings.head.kind,
-        "epochs": epochs,
-        "num_labels": len(names),
-        "final": final,
-        "best": best,
-        "feature_seconds": feature_seconds,
-        "total_seconds": time.perf_counter() - start,
-        "train_examples": len(train_data),
-        "test_examples": len(test_data),
-        "selection": "validation" if val_data else "final (no validation split)",
-        "data": splits.stats,
-    }
-    write_metrics(out, kind="centralized", history=history, summary=summary)
-    plot_curves(out, history, title=f"centralised {settings.dataset.name}", x_label="epoch")
+    recorder.save_final(model.trainable_state_dict())
+    summary = RunSummary(
+        kind="centralized",
+        clients=1,
+        mode=settings.train.mode,
+        head=settings.head.kind,
+        epochs=epochs,
+        num_labels=len(names),
+        final=final,
+        best=best,
+        feature_seconds=feature_seconds,
+        total_seconds=time.perf_counter() - start,
+        train_examples=len(train_data),
+        test_examples=len(held_out.test),
+        selection=held_out.selection,
+        data=splits.stats,
+    )
+    recorder.write(summary)
     log.info(
         "final test top1 %.4f; best on validation after epoch %d: test top1 %.4f; results in %s",
-        final["test_top1"],
-        best["round"],
-        best["test_top1"],
+        final.metrics["test_top1"],
+        best.round,
+        best.metrics["test_top1"],
         out,
     )
-    return summary
-
-
-def _checkpoint(
-    model: CaRRetriever, label_map: Any, settings: Settings, row: dict[str, Any]
-) -> Checkpoint:
-    return Checkpoint(
-        state=model.trainable_state_dict(),
-        label_map=label_map,
-        settings=settings,
-        round=int(row["round"]),
-        metrics=row,
-    )
+    return summary.to_dict()
 
 
 register_configs()  # the schema and generated groups, before Hydra composes conf/

@@ -75,7 +75,7 @@ def cmd_retrieve(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """Tables (Markdown, CSV) and plots from sweep directories or run directories."""
-    from car_fl.compare import write_report
+    from car_fl.report import write_report
 
     out = args.out or str(Path(args.paths[0]) / "report")
     try:

@@ -21,7 +21,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from car_fl.compose import settings_to_yaml
 from car_fl.config import Settings
-from car_fl.report import METRICS_JSON
+from car_fl.results import METRICS_JSON
 
 ClientTrain = Callable[[Message, Context], Message]
 

@@ -8,10 +8,15 @@ split (``dataset.val_fraction=0``) nothing can be selected honestly, so the late
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
 
 Row = Mapping[str, Any]
+T = TypeVar("T")
+
+
+def _as_scores(row: Any) -> Row:
+    return row
 
 
 def eval_row(validation: Mapping[str, float] | None, test: Mapping[str, float]) -> dict[str, float]:
@@ -28,10 +33,13 @@ def is_better(row: Row, best: Row | None) -> bool:
     return (row["val_top1"], -row["val_loss"]) > (best["val_top1"], -best["val_loss"])
 
 
-def select_best(rows: Iterable[Row]) -> Row | None:
-    """The row :func:`is_better` keeps when the rows arrive in order."""
-    best: Row | None = None
+def select_best(rows: Iterable[T], *, scores: Callable[[T], Row] = _as_scores) -> T | None:
+    """The row :func:`is_better` keeps when the rows arrive in order.
+
+    ``scores`` gives a row's ``val_*`` metrics (default: the row is a mapping of them).
+    """
+    best: T | None = None
     for row in rows:
-        if is_better(row, best):
+        if is_better(scores(row), scores(best) if best is not None else None):
             best = row
     return best

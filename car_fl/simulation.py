@@ -23,7 +23,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from car_fl.compose import load_settings, parse_overrides, settings_to_yaml
 from car_fl.config import Settings
-from car_fl.report import METRICS_JSON
+from car_fl.results import METRICS_JSON
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,5 +1,7 @@
 """Server-side aggregation: any Flower Message-API strategy, guarded by car-fl's checks.
 
+(Over 300 lines: one Flower Strategy subclass, whose checks read best in order in one class.)
+
 :class:`GuardedStrategy` wraps one of Flower's strategies (FedAvg, FedMedian, Krum, FedAdam …;
 see :mod:`car_fl.aggregation`) and adds, once for all of them:
 
@@ -12,8 +14,8 @@ see :mod:`car_fl.aggregation`) and adds, once for all of them:
 - an update-norm bound (:class:`~car_fl.update_norm.NormBound`): replies with ‖θᵢ − θ‖ above it
   are rejected or clipped;
 - a minimum of valid replies, below which the global model stays exactly as it was;
-- per-round records (:class:`RoundStats`) for the round recorder, and the round offset of a
-  resumed run.
+- per-round records (:class:`~car_fl.round_stats.RoundStats`), handed to the round recorder
+  (``on_round``) when a round is aggregated, and the round offset of a resumed run.
 
 Only replies that passed every check reach the wrapped strategy, rebuilt with float64 NumPy
 arrays and their example count alone, in node order (so arrival order cannot matter); its result
@@ -26,12 +28,11 @@ import logging
 import math
 import random
 import time
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, cast
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Strategy
 
@@ -39,159 +40,18 @@ from car_fl.records import (
     ARRAYS_KEY,
     CONFIG_KEY,
     NUM_EXAMPLES,
-    RAW_STYPE,
     decode,
     encode,
     payload_bytes,
 )
+from car_fl.replies import Spec, as_float64, spec_of, validate_reply
+from car_fl.replies import weighted_average as weighted_average  # re-exported
+from car_fl.round_stats import RoundStats
+from car_fl.sampled_grid import SampledGrid
 from car_fl.shard_claims import ShardClaims
 from car_fl.update_norm import NormBound, clip_update, update_norm
 
 log = logging.getLogger(__name__)
-
-Spec = dict[str, tuple[tuple[int, ...], np.dtype[Any]]]
-
-
-@dataclass
-class RoundStats:
-    """What the strategy saw in one training round."""
-
-    round: int
-    started: float
-    #: The nodes asked to train this round (sampled from ``connected``).
-    asked: list[int] = field(default_factory=list)
-    connected: int = 0
-    bytes_sent: dict[int, int] = field(default_factory=dict)
-    bytes_received: dict[int, int] = field(default_factory=dict)
-    client_metrics: dict[int, dict[str, float]] = field(default_factory=dict)
-    rejected: dict[int, str] = field(default_factory=dict)
-    failed: dict[int, str] = field(default_factory=dict)
-    #: ‖θᵢ − θ‖ of every reply that passed validation, and this round's bound (if any).
-    update_norms: dict[int, float] = field(default_factory=dict)
-    norm_bound: float | None = None
-    clipped: list[int] = field(default_factory=list)
-    aggregated: bool = False
-
-    def attribute_lost_replies(self) -> None:
-        """Name the nodes that never answered.
-
-        Flower's error reply for a lost node does not name it (its source is not the node the
-        message went to): pair such anonymous errors with the silent nodes when that is
-        unambiguous, and mark any other silent node as lost.
-        """
-        answered = {*self.client_metrics, *self.rejected, *self.failed}
-        silent = sorted(set(self.bytes_sent) - answered)
-        anonymous = [n for n in self.failed if n not in self.bytes_sent]
-        if len(silent) == 1 and len(anonymous) == 1:
-            self.failed[silent[0]] = self.failed.pop(anonymous[0])
-            return
-        for node in silent:
-            self.failed[node] = "no reply (the node was lost or the round timed out)"
-
-    def weighted(self, key: str) -> float:
-        rows = [m for m in self.client_metrics.values() if key in m]
-        total = sum(m[NUM_EXAMPLES] for m in rows)
-        if not rows or total <= 0:
-            return float("nan")
-        return sum(m[key] * m[NUM_EXAMPLES] for m in rows) / total
-
-
-def validate_reply(
-    content: Any,
-    spec: Spec,
-    *,
-    max_examples: int | None = None,
-) -> str | None:
-    """``None`` if a train reply may be aggregated, else the reason it may not.
-
-    Shapes and dtypes are checked on the decoded values, and only car-fl's own wire format
-    (``RAW_STYPE``: raw bytes whose length must match dtype and shape) is accepted: a NumPy
-    ``.npy`` payload can disagree with the array's metadata.
-    """
-    arrays = content.array_records
-    metrics = content.metric_records
-    if len(arrays) != 1 or len(metrics) != 1:
-        return (
-            f"expected one ArrayRecord and one MetricRecord, got {len(arrays)} and {len(metrics)}"
-        )
-    record = next(iter(arrays.values()))
-    missing, extra = sorted(set(spec) - set(record)), sorted(set(record) - set(spec))
-    if missing or extra:
-        return f"tensor names differ from the global model: missing {missing}, extra {extra}"
-    for name, (shape, dtype) in spec.items():
-        array = record[name]
-        if array.stype != RAW_STYPE:
-            return f"tensor {name!r} is in format {array.stype!r}; only {RAW_STYPE!r} is accepted"
-        try:
-            values = decode(array)
-        except ValueError as err:
-            return f"tensor {name!r} cannot be read: {err}"
-        if values.shape != shape:
-            return f"tensor {name!r} has shape {values.shape}, expected {shape}"
-        if values.dtype != dtype:
-            return f"tensor {name!r} has dtype {values.dtype}, expected {dtype}"
-        if not np.isfinite(values).all():
-            return f"tensor {name!r} has non-finite values"
-    count = next(iter(metrics.values())).get(NUM_EXAMPLES)
-    if not isinstance(count, int) or isinstance(count, bool):
-        return f"'{NUM_EXAMPLES}' must be an integer, got {count!r}"
-    if count <= 0:
-        return f"'{NUM_EXAMPLES}' must be positive, got {count}"
-    if max_examples is not None and count > max_examples:
-        return f"'{NUM_EXAMPLES}' = {count} exceeds the cap of {max_examples}"
-    return None
-
-
-def weighted_average(records: list[ArrayRecord], weights: list[int]) -> ArrayRecord:
-    """θ = Σ nᵢ/n · θᵢ, accumulated in float64, returned in each tensor's own dtype."""
-    total = float(sum(weights))
-    out: dict[str, Array] = {}
-    for name in records[0]:
-        first = records[0][name]
-        acc = np.zeros(first.shape, dtype=np.float64)
-        for record, weight in zip(records, weights, strict=True):
-            acc += decode(record[name]).astype(np.float64) * (weight / total)
-        out[name] = encode(acc.astype(decode(first).dtype))
-    return ArrayRecord(array_dict=out)
-
-
-def spec_of(record: ArrayRecord) -> Spec:
-    """Expected name → (shape, dtype) of every reply, from the global model."""
-    return {k: (tuple(v.shape), decode(v).dtype) for k, v in record.items()}
-
-
-def as_float64(arrays: Mapping[str, np.ndarray[Any, Any]]) -> ArrayRecord:
-    """Arrays as Flower's own NumPy arrays in float64: what Flower's strategies compute on."""
-    return ArrayRecord({k: Array(np.asarray(v, dtype=np.float64)) for k, v in arrays.items()})
-
-
-class _Sample(Grid):
-    """The grid as the wrapped strategy sees it: only this round's sampled nodes."""
-
-    def __init__(self, grid: Grid, nodes: list[int]) -> None:
-        self.grid, self.nodes = grid, nodes
-
-    def get_node_ids(self) -> Iterable[int]:
-        return list(self.nodes)
-
-    @property
-    def run(self) -> Any:
-        return self.grid.run
-
-    def set_run(self, run: Any) -> None:
-        self.grid.set_run(run)
-
-    def create_message(self, *args: Any, **kwargs: Any) -> Message:
-        return self.grid.create_message(*args, **kwargs)
-
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        return self.grid.push_messages(messages)
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        return self.grid.pull_messages(message_ids)
-
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Any:
-        return self.grid.send_and_receive(messages, timeout=timeout)
 
 
 class GuardedStrategy(Strategy):
@@ -233,6 +93,8 @@ class GuardedStrategy(Strategy):
         self.min_valid_fraction = min_valid_fraction
         self.current: RoundStats | None = None
         self.history: list[RoundStats] = []
+        #: Receives each round's statistics once the round is aggregated (the round recorder).
+        self.on_round: Callable[[RoundStats], None] | None = None
         #: The global model sent this round (float64), the reference of every update norm.
         self.reference: dict[str, np.ndarray[Any, Any]] | None = None
         #: Rounds already done before this ``start`` (a resumed run): Flower counts from 1,
@@ -270,7 +132,7 @@ class GuardedStrategy(Strategy):
         # The wrapped strategy computes on float64 NumPy arrays; the wire carries car-fl's own.
         messages = list(
             self.inner.configure_train(
-                server_round, as_float64(self.reference), config, _Sample(grid, asked)
+                server_round, as_float64(self.reference), config, SampledGrid(grid, asked)
             )
         )
         for message in messages:
@@ -293,9 +155,20 @@ class GuardedStrategy(Strategy):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """The aggregate of the valid replies (``None`` keeps the model); the round's statistics
+        go to ``on_round`` once it is done."""
         server_round += self.round_offset
         stats = self.current or RoundStats(round=server_round, started=time.perf_counter())
         self.current = None
+        try:
+            return self._aggregate_train(server_round, replies, stats)
+        finally:
+            if self.on_round is not None:
+                self.on_round(stats)
+
+    def _aggregate_train(
+        self, server_round: int, replies: Iterable[Message], stats: RoundStats
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         checked: dict[int, tuple[dict[str, np.ndarray[Any, Any]], int]] = {}
         originals: dict[int, Message] = {}
         for message in sorted(replies, key=lambda m: m.metadata.src_node_id):

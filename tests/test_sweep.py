@@ -107,13 +107,7 @@ def test_a_2x2_sweep_runs_every_job_and_reports_the_metrics_it_wrote(
     for plot in plots:
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"({plot.name})" in markdown
-
-    # the report command on any run directories (here two jobs of the sweep)
-    from car_fl.cli import main as cli_main
-
-    assert cli_main(["report", str(jobs[0]), str(jobs[3]), "--out", str(tmp_path / "two")]) == 0
-    assert sorted(r["job"] for r in _rows(tmp_path / "two" / "results.csv")) == ["0", "3"]
-    assert cli_main(["report", str(tmp_path / "no-such-folder")]) == 2
+    # The report command on run directories: tests/test_report.py.
 
 
 @pytest.mark.slow
