@@ -27,12 +27,13 @@ from car_fl.config import (
     trains_nothing,
 )
 from car_fl.data import load_splits
+from car_fl.features import prepare_for
 from car_fl.io import atomic_write_text
 from car_fl.model import CaRRetriever, build_retriever
 from car_fl.report import plot_curves, write_metrics
 from car_fl.retrieval import label_documents
 from car_fl.selection import eval_row, is_better
-from car_fl.train import evaluate, make_optimizer, prepare_for, train_epoch
+from car_fl.train import evaluate, make_optimizer, train_epoch
 
 log = logging.getLogger(__name__)
 

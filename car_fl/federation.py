@@ -32,6 +32,7 @@ from car_fl.config import (
 )
 from car_fl.data import load_splits, partition
 from car_fl.data.labels import LabelMap
+from car_fl.features import LocalData, prepare_for
 from car_fl.io import atomic_write_text
 from car_fl.model import CaRRetriever, build_retriever
 from car_fl.records import from_record, to_record
@@ -39,7 +40,7 @@ from car_fl.report import CLIENTS_CSV, plot_curves, write_csv, write_metrics
 from car_fl.retrieval import label_documents
 from car_fl.selection import eval_row, is_better, select_best
 from car_fl.strategy import GuardedStrategy, RoundStats, spec_of
-from car_fl.train import LocalData, evaluate, prepare_for
+from car_fl.train import evaluate
 
 log = logging.getLogger(__name__)
 
