@@ -9,7 +9,6 @@ import torch
 
 from car_fl.config import HeadConfig, ModelConfig
 from car_fl.encoder import load_encoder
-from car_fl.head import retrieve, top_k
 from car_fl.model import CaRRetriever
 
 
@@ -85,13 +84,3 @@ def test_load_trainable_state_dict_round_trip_and_errors(encoder) -> None:  # ty
     state["head.classifier.weight"] = torch.zeros(4, encoder.hidden_size)
     with pytest.raises(ValueError, match=r"head.classifier.weight.*shape \(4, 64\)"):
         b.load_trainable_state_dict(state)
-
-
-def test_top_k_and_retrieve_return_best_labels_first() -> None:
-    logits = torch.tensor([[0.1, 3.0, 2.0], [5.0, -1.0, 0.0]])
-    scores, idx = top_k(logits, 2)
-    assert idx.tolist() == [[1, 2], [0, 2]]
-    assert torch.all(scores[:, 0] >= scores[:, 1])
-    results = retrieve(logits, 5, ["a", "b", "c"])
-    assert [r.label for r in results[0]] == ["b", "c", "a"]
-    assert abs(sum(r.score for r in results[1]) - 1.0) < 1e-6
