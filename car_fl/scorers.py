@@ -153,11 +153,7 @@ def build_scorer(
     head: HeadConfig, *, dim: int, num_labels: int, device: torch.device | str = "cpu"
 ) -> Scorer:
     """The scorer of ``head.kind``; a classifier's initialisation draws from torch's global RNG."""
-    try:
-        kind = HeadKind(head.kind)
-    except ValueError:
-        valid = ", ".join(k.value for k in HeadKind)
-        raise ValueError(f"unknown head.kind {head.kind!r}; valid: {valid}") from None
+    kind = HeadKind(head.kind)  # validated by HeadConfig, which names the valid kinds
     if kind is HeadKind.CLASSIFIER:
         scorer: Scorer = ClassifierScorer(
             dim, num_labels, pre_classifier_dim=head.pre_classifier_dim, dropout=head.dropout
