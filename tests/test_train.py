@@ -94,6 +94,20 @@ def test_retrieve_command_prints_top_k_labels(  # type: ignore[no-untyped-def]
     assert "topic1" in capsys.readouterr().out.splitlines()[1]
 
 
+def test_retrieve_command_serves_a_knn_run_from_its_training_split(  # type: ignore[no-untyped-def]
+    make_settings, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    settings = make_settings("approach=knn", "head.knn_k=1", "head.similarity=cosine")
+    run_centralized(settings, tmp_path / "run")
+    splits = load_splits(settings.dataset, seed=settings.seed)
+    texts, ids = splits.train["text"][:5], splits.train["label"][:5]
+    ckpt = str(tmp_path / "run" / "checkpoints" / "final")
+    assert cli_main(["retrieve", "--checkpoint", ckpt, "-k", "1", "--json", *texts]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    # a training text's nearest example in memory is itself
+    assert [p["results"][0]["label"] for p in payload] == splits.label_map.decode(ids)
+
+
 def test_retrieve_rejects_a_folder_that_is_not_a_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="not a car-fl checkpoint"):
         cli_main(["retrieve", "--checkpoint", str(tmp_path), "hello"])
