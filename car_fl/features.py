@@ -5,6 +5,9 @@ In ``classifier`` mode the encoder runs once per example, ever: features are com
 order, so padding costs little), and kept in memory and on disk under a key derived from the
 model, its configuration, the pooling, the max length and the texts themselves. The key is
 computed without loading the encoder, so a fully cached client never loads it.
+
+:func:`prepare_data` / :func:`prepare_for` turn texts and labels into :class:`LocalData`:
+features (classifier mode, through the cache) or token ids (adapter mode).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ``ClassifierHead``: pooled states ``(batch, d)`` → logits ``(batch, labels)``, either one linear
 layer or a linear pre-classifier, ReLU, dropout, then the linear classifier. The K largest
-logits of a query are the K retrieved labels (documents).
+scores of a query are its K retrieved labels (documents): a :class:`Retrieval`.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from car_fl.adapter import SoftEmbeddingAdapter
+from car_fl.checkpoint import load_checkpoint
 from car_fl.config import HeadConfig, HeadKind, Mode, Settings, TrainConfig
 from car_fl.encoder import Encoder, load_encoder, pick_device
 from car_fl.features import extract_features, training_features
@@ -214,8 +215,6 @@ class CaRRetriever(nn.Module):
         documents; kNN, which has no weights, rebuilds its memory from the training split its
         settings name (``FileNotFoundError`` when that data cannot be read).
         """
-        from car_fl.checkpoint import load_checkpoint
-
         ckpt = load_checkpoint(path)
         settings = ckpt.settings
         if model is not None:
