@@ -245,10 +245,9 @@ class CaRRetriever(nn.Module):
         self, names: Sequence[str], documents: Sequence[str], *, settings: Settings | None = None
     ) -> None:
         """The label names and documents (label order) that :meth:`retrieve` returns."""
-        if len(names) != self.num_labels or len(documents) != self.num_labels:
-            raise ValueError(
-                f"{len(names)} names and {len(documents)} documents for {self.num_labels} labels"
-            )
+        if not len(names) == len(documents) == self.num_labels:
+            counts = f"{len(names)} names and {len(documents)} documents"
+            raise ValueError(f"{counts} for {self.num_labels} labels")
         self.label_names, self.label_texts = tuple(names), tuple(documents)
         self.settings = settings
 
