@@ -21,11 +21,12 @@ from car_fl.compose import conf_dir, register_configs, settings_to_yaml, to_sett
 from car_fl.config import HeadKind, Settings, trains_nothing
 from car_fl.data import load_splits
 from car_fl.evaluation import HeldOut, LazyRetriever
+from car_fl.features import prepare_for
 from car_fl.io import atomic_write_text
 from car_fl.model import build_retriever
 from car_fl.recorder import Recorder
 from car_fl.results import RoundRow, RunSummary
-from car_fl.train import make_optimizer, prepare_for, train_epoch
+from car_fl.train import make_optimizer, train_epoch
 
 log = logging.getLogger(__name__)
 

@@ -13,14 +13,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
-from car_fl.checkpoint import load_checkpoint
-from car_fl.config import HeadKind
-from car_fl.head import retrieve
-from car_fl.model import build_retriever
-from car_fl.retrieval import label_documents
-from car_fl.train import LocalData, predict_logits
+from car_fl.model import CaRRetriever
 
 
 def _read_queries(args: argparse.Namespace) -> list[str]:
@@ -37,39 +30,28 @@ def _read_queries(args: argparse.Namespace) -> list[str]:
 
 def cmd_retrieve(args: argparse.Namespace) -> int:
     """Load a checkpoint and its encoder; print the top-K labels and scores per query."""
-    ckpt = load_checkpoint(args.checkpoint)
-    settings = ckpt.settings
-    if args.model is not None:
-        settings.model.name_or_path = args.model
-    if args.device is not None:
-        settings.device = args.device
-    if settings.head.kind == HeadKind.KNN:
-        raise SystemExit(
-            "this checkpoint is a kNN baseline: it holds no index of training examples to "
-            "retrieve from; train a classifier (head.kind=classifier) or MIPS head"
-        )
     queries = _read_queries(args)
-    documents = label_documents(ckpt.label_map.names, settings.dataset.label_texts)
-    model = build_retriever(settings, len(ckpt.label_map), documents=documents)
-    model.load_trainable_state_dict(ckpt.state)
-    data = LocalData(
-        labels=torch.zeros(len(queries), dtype=torch.long),
-        input_ids=model.encoder.tokenize(queries).input_ids,
-    )
-    logits = predict_logits(model, data, batch_size=settings.train.eval_batch_size)
-    k = args.k or max(settings.eval.top_k)
-    results = retrieve(logits, k, ckpt.label_map.names)
+    retriever = CaRRetriever.from_checkpoint(args.checkpoint, device=args.device, model=args.model)
+    assert retriever.settings is not None
+    k = args.k or max(retriever.settings.eval.top_k)
+    results = retriever.retrieve(queries, k)
     if args.json:
         payload = [
-            {"query": q, "results": [{"label": r.label, "score": r.score} for r in res]}
-            for q, res in zip(queries, results, strict=True)
+            {
+                "query": q,
+                "results": [
+                    {"label": label, "score": score}
+                    for label, score in zip(r.labels, r.scores, strict=True)
+                ],
+            }
+            for q, r in zip(queries, results, strict=True)
         ]
         print(json.dumps(payload, indent=2))
     else:
         for query, res in zip(queries, results, strict=True):
             print(query)
-            for rank, item in enumerate(res, start=1):
-                print(f"  {rank:>2d}. {item.label}\t{item.score:.4f}")
+            for rank, (label, score) in enumerate(zip(res.labels, res.scores, strict=True), 1):
+                print(f"  {rank:>2d}. {label}\t{score:.4f}")
     return 0
 
 

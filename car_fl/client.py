@@ -20,12 +20,13 @@ from car_fl import node_cache
 from car_fl.config import Mode, Settings
 from car_fl.data.labels import LabelMap
 from car_fl.encoder import Encoder, load_encoder
+from car_fl.features import LocalData, prepare_for
 from car_fl.flower_bridge import NodeInfo
 from car_fl.model import CaRRetriever, build_retriever
 from car_fl.privacy.client import STATE_KEY, ClientPrivacy, DPState, StepPrivatizer
 from car_fl.privacy.mechanism import check_finite, difference
 from car_fl.retrieval import label_documents
-from car_fl.train import LocalData, make_optimizer, prepare_for, train_epoch
+from car_fl.train import make_optimizer, train_epoch
 
 log = logging.getLogger(__name__)
 

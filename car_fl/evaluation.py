@@ -17,11 +17,12 @@ from car_fl.config import Settings
 from car_fl.data import load_splits, partition
 from car_fl.data.labels import LabelMap
 from car_fl.data.splits import DataSplits
+from car_fl.features import LocalData, prepare_for
 from car_fl.model import CaRRetriever, build_retriever
 from car_fl.records import from_record
 from car_fl.retrieval import label_documents
 from car_fl.selection import eval_row
-from car_fl.train import LocalData, evaluate, prepare_for
+from car_fl.train import evaluate
 
 
 class LazyRetriever:

@@ -5,6 +5,9 @@ In ``classifier`` mode the encoder runs once per example, ever: features are com
 order, so padding costs little), and kept in memory and on disk under a key derived from the
 model, its configuration, the pooling, the max length and the texts themselves. The key is
 computed without loading the encoder, so a fully cached client never loads it.
+
+:func:`prepare_data` / :func:`prepare_for` turn texts and labels into :class:`LocalData`:
+features (classifier mode, through the cache) or token ids (adapter mode).
 """
 
 from __future__ import annotations
@@ -14,15 +17,21 @@ import json
 import logging
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from car_fl.config import ModelConfig
+from car_fl.config import Mode, ModelConfig, Settings
 from car_fl.encoder import pick_device, pick_dtype
+from car_fl.io import atomic_write
+
+if TYPE_CHECKING:
+    from car_fl.data.labels import LabelMap
+    from car_fl.model import CaRRetriever
 
 log = logging.getLogger(__name__)
 
@@ -162,12 +171,122 @@ class FeatureCache:
         self._memory[str(self.path(key))] = features
         if not self.disk:
             return
-        self.directory.mkdir(parents=True, exist_ok=True)
-        target = self.path(key)
-        tmp = target.with_suffix(f".tmp{os.getpid()}")
-        save_file({"features": features.contiguous()}, str(tmp))
-        os.replace(tmp, target)
+        tensors = {"features": features.contiguous()}
+        atomic_write(self.path(key), lambda tmp: save_file(tensors, str(tmp)))
 
     @classmethod
     def clear_memory(cls) -> None:
         cls._memory.clear()
+
+
+@dataclass
+class LocalData:
+    """Examples ready for training: labels, and cached features or token ids by mode."""
+
+    labels: torch.Tensor  # (n,) int64
+    features: torch.Tensor | None = None  # (n, d), classifier mode
+    input_ids: list[list[int]] | None = None  # adapter mode
+
+    def __post_init__(self) -> None:
+        if self.features is None and self.input_ids is None:
+            raise ValueError("LocalData needs features or input_ids")
+        n = len(self.labels)
+        if self.features is not None and len(self.features) != n:
+            raise ValueError(f"{len(self.features)} feature rows for {n} labels")
+        if self.input_ids is not None and len(self.input_ids) != n:
+            raise ValueError(f"{len(self.input_ids)} token sequences for {n} labels")
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+def prepare_data(
+    texts: Sequence[str],
+    labels: Sequence[int],
+    *,
+    mode: Mode,
+    model_cfg: ModelConfig,
+    device: str,
+    get_model: Callable[[], CaRRetriever],
+    cache: FeatureCache | None,
+    batch_size: int,
+    progress: bool = True,
+    desc: str = "features",
+) -> LocalData:
+    """Features (classifier mode, from the cache when possible) or token ids (adapter mode).
+
+    ``get_model`` is only called when the encoder is really needed: a fully cached
+    classifier-mode dataset never loads it.
+    """
+    label_tensor = torch.tensor(list(labels), dtype=torch.long)
+    if mode is Mode.ADAPTER_CLASSIFIER:
+        tokens = get_model().encoder.tokenize(list(texts))
+        return LocalData(labels=label_tensor, input_ids=tokens.input_ids)
+    key = feature_key(model_cfg, texts, device=device)
+    cached = cache.get(key) if cache is not None else None
+    if cached is not None:
+        log.info("%s: %d cached feature rows (key %s)", desc, len(cached), key)
+        return LocalData(labels=label_tensor, features=cached)
+    model = get_model()
+    features = features_for(model, texts, batch_size=batch_size, progress=progress, desc=desc)
+    if cache is not None:
+        cache.put(key, features)
+    return LocalData(labels=label_tensor, features=features)
+
+
+def prepare_for(
+    settings: Settings,
+    texts: Sequence[str],
+    labels: Sequence[int],
+    *,
+    get_model: Callable[[], CaRRetriever],
+    desc: str,
+) -> LocalData:
+    """:func:`prepare_data` with everything taken from the run's settings (disk cache on)."""
+    return prepare_data(
+        texts,
+        labels,
+        mode=Mode(settings.train.mode),
+        model_cfg=settings.model,
+        device=settings.device,
+        get_model=get_model,
+        cache=FeatureCache(settings.cache_dir),
+        batch_size=settings.train.feature_batch_size,
+        progress=settings.progress,
+        desc=desc,
+    )
+
+
+def features_for(
+    model: CaRRetriever,
+    texts: Sequence[str],
+    *,
+    batch_size: int,
+    progress: bool = True,
+    desc: str = "features",
+    bucket: bool = True,
+) -> torch.Tensor:
+    """Pooled vectors ``(n, d)`` through the current adapter, batched by length."""
+    tokens = model.encoder.tokenize(list(texts))
+    return extract_features(
+        model.encode,
+        model.encoder.pad,
+        tokens.input_ids,
+        batch_size=batch_size,
+        bucket=bucket,
+        progress=progress,
+        desc=desc,
+    )
+
+
+def training_features(
+    settings: Settings, label_map: LabelMap, *, get_model: Callable[[], CaRRetriever]
+) -> LocalData:
+    """The training split that ``settings`` name, with ``label_map``'s ids, prepared."""
+    from car_fl.data import load_splits  # datasets: only when asked
+
+    splits = load_splits(settings.dataset, seed=settings.seed, label_map=label_map)
+    train = splits.train
+    return prepare_for(
+        settings, train["text"], train["label"], get_model=get_model, desc="training features"
+    )

@@ -2,7 +2,7 @@
 
 ``ClassifierHead``: pooled states ``(batch, d)`` → logits ``(batch, labels)``, either one linear
 layer or a linear pre-classifier, ReLU, dropout, then the linear classifier. The K largest
-logits of a query are the K retrieved labels (documents).
+scores of a query are its K retrieved labels (documents): a :class:`Retrieval`.
 """
 
 from __future__ import annotations
@@ -44,11 +44,12 @@ class ClassifierHead(nn.Module):
 
 
 @dataclass(frozen=True)
-class Retrieved:
-    """One retrieved label (document) with its softmax score."""
+class Retrieval:
+    """One query's best labels, best first: their names, softmax scores and documents."""
 
-    label: str
-    score: float
+    labels: tuple[str, ...]
+    scores: tuple[float, ...]
+    documents: tuple[str, ...]
 
 
 def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,10 +61,20 @@ def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return scores, indices
 
 
-def retrieve(logits: torch.Tensor, k: int, label_names: Sequence[str]) -> list[list[Retrieved]]:
-    """For each query, its ``k`` best labels with scores, best first."""
+def retrieve(
+    logits: torch.Tensor,
+    k: int,
+    label_names: Sequence[str],
+    documents: Sequence[str] | None = None,
+) -> list[Retrieval]:
+    """For each query, its ``k`` best labels with scores and documents (default: the names)."""
+    docs = label_names if documents is None else documents
     scores, indices = top_k(logits, k)
     return [
-        [Retrieved(label_names[i], float(s)) for s, i in zip(row_s, row_i, strict=True)]
+        Retrieval(
+            labels=tuple(label_names[i] for i in row_i),
+            scores=tuple(row_s),
+            documents=tuple(docs[i] for i in row_i),
+        )
         for row_s, row_i in zip(scores.tolist(), indices.tolist(), strict=True)
     ]

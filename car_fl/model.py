@@ -1,34 +1,37 @@
-"""The CaR retriever: frozen encoder → soft-embedding adapter → transformer → pooling → head.
+"""The CaR retriever: frozen encoder → soft-embedding adapter → transformer → pooling → scorer.
 
-``logits = HEAD(POOL(TRF(ADP(TKN(x)))))``. Only the adapter (in ``adapter+classifier`` mode)
-and the head are trainable; :meth:`CaRRetriever.trainable_state_dict` is exactly what travels
-between server and clients and what a checkpoint holds.
-
-The head is CaR's classifier, or one of the baselines of :mod:`car_fl.retrieval`: MIPS against
-the labels' document embeddings (trainable through the adapter only) or kNN over a memory of
-training embeddings (nothing trainable).
+``scores = HEAD(POOL(TRF(ADP(TKN(x)))))``. ``HEAD`` is one scorer of :mod:`car_fl.scorers`:
+CaR's classifier, MIPS against the labels' documents, or kNN over training examples. What is
+trained is whatever requires a gradient: the adapter (in ``adapter+classifier`` mode) and the
+classifier's weights. :meth:`CaRRetriever.trainable_state_dict` is exactly what travels
+between server and clients and what a checkpoint holds; :meth:`CaRRetriever.from_checkpoint`
+and :meth:`CaRRetriever.retrieve` serve a trained checkpoint.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from car_fl.adapter import SoftEmbeddingAdapter
-from car_fl.config import HeadConfig, HeadKind, Mode, Settings
+from car_fl.checkpoint import load_checkpoint
+from car_fl.config import HeadConfig, HeadKind, Mode, Settings, TrainConfig
 from car_fl.encoder import Encoder, load_encoder, pick_device
-from car_fl.head import ClassifierHead
-from car_fl.retrieval import knn_scores, mips_scores
+from car_fl.features import extract_features, training_features
+from car_fl.head import Retrieval, retrieve
+from car_fl.retrieval import label_documents
+from car_fl.scorers import KNNScorer, MIPSScorer, Scorer, build_scorer
 
 log = logging.getLogger(__name__)
 
 
 class CaRRetriever(nn.Module):
-    """Encoder (frozen), adapter and head, trained in one of the two :class:`Mode` s."""
+    """Encoder (frozen), adapter and one scorer (``head``), trained in one :class:`Mode`."""
 
     def __init__(
         self,
@@ -52,27 +55,18 @@ class CaRRetriever(nn.Module):
             dim = hidden_size
         if encoder is None and self.mode is Mode.ADAPTER_CLASSIFIER:
             raise ValueError("adapter+classifier mode needs the encoder")
-        self.kind = HeadKind(head.kind)
-        if self.kind is HeadKind.KNN and self.mode is Mode.ADAPTER_CLASSIFIER:
+        if HeadKind(head.kind) is HeadKind.KNN and self.mode is Mode.ADAPTER_CLASSIFIER:
             raise ValueError("a kNN head trains nothing; use mode=classifier")
         self.num_labels = num_labels
-        self.head_config = head
         self._device = torch.device(device)
         self.adapter = SoftEmbeddingAdapter(dim).to(device)
-        self.head = (
-            ClassifierHead(
-                dim, num_labels, pre_classifier_dim=head.pre_classifier_dim, dropout=head.dropout
-            ).to(device)
-            if self.kind is HeadKind.CLASSIFIER
-            else None
-        )
+        self.head: Scorer = build_scorer(head, dim=dim, num_labels=num_labels, device=device)
         self.adapter.requires_grad_(self.mode is Mode.ADAPTER_CLASSIFIER)
-        #: MIPS: the label documents' token ids (re-encoded through the adapter) or embeddings
-        self.document_ids: list[list[int]] | None = None
-        self.document_features: torch.Tensor | None = None
-        #: kNN: training embeddings and their labels
-        self.memory: torch.Tensor | None = None
-        self.memory_labels: torch.Tensor | None = None
+        #: What :meth:`retrieve` names: label names and documents, in label order, and the
+        #: settings (set by :meth:`from_checkpoint` or :meth:`set_labels`).
+        self.label_names: tuple[str, ...] | None = None
+        self.label_texts: tuple[str, ...] | None = None
+        self.settings: Settings | None = None
         trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
         frozen = sum(p.numel() for p in self.parameters() if not p.requires_grad)
         log.info(
@@ -98,6 +92,11 @@ class CaRRetriever(nn.Module):
         return self._device
 
     @property
+    def kind(self) -> HeadKind:
+        """The retrieval method: the scorer's kind."""
+        return self.head.kind
+
+    @property
     def uses_adapter(self) -> bool:
         """The adapter is applied when trained, or when it holds non-identity weights."""
         return self.mode is Mode.ADAPTER_CLASSIFIER or not self.adapter.is_identity()
@@ -109,6 +108,9 @@ class CaRRetriever(nn.Module):
             embeddings = self.adapter(embeddings)
         hidden = self.encoder.transform(embeddings, attention_mask)  # (batch, seq, d)
         return self.encoder.pool(hidden, attention_mask)  # (batch, d)
+
+    def _encode_ids(self, input_ids: list[list[int]]) -> torch.Tensor:
+        return self.encode(*self.encoder.pad(input_ids))
 
     def forward(
         self,
@@ -131,78 +133,45 @@ class CaRRetriever(nn.Module):
         return logits, loss
 
     # ------------------------------------------------------------------------------ scoring
-    def score(
-        self, features: torch.Tensor, *, documents: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def index(self) -> torch.Tensor | None:
+        """What the scorer scores against through the current adapter (MIPS: the documents)."""
+        return self.head.index(self._encode_ids, adapted=self.uses_adapter)
+
+    def score(self, features: torch.Tensor, *, index: torch.Tensor | None = None) -> torch.Tensor:
         """Pooled queries ``(batch, d)`` → one score per label ``(batch, labels)``.
 
-        For MIPS, ``documents`` (from :meth:`document_embeddings`) saves re-encoding the
-        labels' texts for every batch of an evaluation.
+        ``index`` (from :meth:`index`) saves re-encoding the MIPS label documents for every
+        batch of an evaluation.
         """
-        cfg = self.head_config
-        if self.kind is HeadKind.CLASSIFIER:
-            assert self.head is not None
-            logits: torch.Tensor = self.head(features)
-            return logits
-        if self.kind is HeadKind.MIPS:
-            docs = documents if documents is not None else self.document_embeddings()
-            return mips_scores(features, docs, kind=cfg.similarity, temperature=cfg.temperature)
-        if self.memory is None or self.memory_labels is None:
-            raise RuntimeError("a kNN head needs its memory: call set_memory(features, labels)")
-        return knn_scores(
-            features,
-            self.memory,
-            self.memory_labels,
-            self.num_labels,
-            k=cfg.knn_k,
-            kind=cfg.similarity,
-        )
+        return self.head(features, index if index is not None else self.index())
+
+    @torch.inference_mode()
+    def score_all(self, features: torch.Tensor, *, batch_size: int) -> torch.Tensor:
+        """Scores ``(n, labels)`` on the CPU for pooled queries ``(n, d)``, in batches."""
+        self.eval()
+        index = self.index()
+        chunks = [
+            self.score(features[i : i + batch_size].to(self.device), index=index).float().cpu()
+            for i in range(0, len(features), batch_size)
+        ]
+        return torch.cat(chunks)
 
     def set_documents(self, texts: Sequence[str]) -> None:
         """MIPS: the labels' document texts, in label order (needs the encoder)."""
-        if len(texts) != self.num_labels:
-            raise ValueError(f"{len(texts)} label documents for {self.num_labels} labels")
-        self.document_ids = self.encoder.tokenize(list(texts)).input_ids
-        self.document_features = None
-
-    def set_document_features(self, features: torch.Tensor) -> None:
-        """MIPS without the encoder: precomputed document embeddings ``(labels, d)``."""
-        if features.shape[0] != self.num_labels:
-            raise ValueError(f"{features.shape[0]} label documents for {self.num_labels} labels")
-        self.document_features = features.to(self.device)
-
-    def document_embeddings(self) -> torch.Tensor:
-        """The label documents ``(labels, d)`` through the current adapter.
-
-        Re-encoded on every call while the adapter is in use (with gradients when enabled),
-        encoded once and kept otherwise.
-        """
-        if self.document_ids is not None and (self.uses_adapter or self.document_features is None):
-            ids, mask = self.encoder.pad(self.document_ids)
-            if self.uses_adapter:
-                return self.encode(ids, mask)
-            with torch.no_grad():
-                self.document_features = self.encode(ids, mask)
-        if self.document_features is None:
-            raise RuntimeError("a MIPS head needs its label documents: call set_documents")
-        return self.document_features
+        if not isinstance(self.head, MIPSScorer):
+            raise TypeError(f"label documents are for a MIPS head, not {self.kind.value}")
+        self.head.set_documents(self.encoder.tokenize(list(texts)).input_ids)
 
     def set_memory(self, features: torch.Tensor, labels: torch.Tensor) -> None:
         """kNN: the training examples' embeddings ``(n, d)`` and labels ``(n,)``."""
-        if len(features) != len(labels):
-            raise ValueError(f"{len(features)} memory rows for {len(labels)} labels")
-        self.memory = features.to(self.device)
-        self.memory_labels = labels.to(self.device)
+        if not isinstance(self.head, KNNScorer):
+            raise TypeError(f"a memory of examples is for a kNN head, not {self.kind.value}")
+        self.head.set_memory(features, labels)
 
     # ------------------------------------------------------------------- trainable parameters
     def trainable_parameters(self) -> dict[str, nn.Parameter]:
-        """Name → parameter for what is trained in this mode (adapter only if trained)."""
-        params = {}
-        if self.head is not None:
-            params = {f"head.{k}": v for k, v in self.head.named_parameters()}
-        if self.mode is Mode.ADAPTER_CLASSIFIER:
-            params = {"adapter.weight": self.adapter.weight, **params}
-        return params
+        """Name → parameter for whatever requires a gradient (``adapter.weight`` first)."""
+        return {name: p for name, p in self.named_parameters() if p.requires_grad}
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Detached CPU copies of the trainable tensors, in a fixed order."""
@@ -233,6 +202,77 @@ class CaRRetriever(nn.Module):
                     )
                 target.copy_(value.to(device=target.device, dtype=target.dtype))
 
+    # ---------------------------------------------------------------------------- serving
+    @classmethod
+    def from_checkpoint(
+        cls, path: str | Path, *, device: str | None = "auto", model: str | None = None
+    ) -> CaRRetriever:
+        """A retriever ready for :meth:`retrieve`, from a folder written by
+        :func:`car_fl.checkpoint.save_checkpoint`: its settings, label map and weights.
+
+        ``device``: where to run (``None``: the checkpoint's setting); ``model``: an encoder
+        hub id or folder in place of the one it was trained with. MIPS gets its label
+        documents; kNN, which has no weights, rebuilds its memory from the training split its
+        settings name (``FileNotFoundError`` when that data cannot be read).
+        """
+        ckpt = load_checkpoint(path)
+        settings = ckpt.settings
+        if model is not None:
+            settings.model.name_or_path = model
+        if device is not None:
+            settings.device = device
+        names = ckpt.label_map.names
+        documents = label_documents(names, settings.dataset.label_texts)
+        retriever = build_retriever(settings, len(names), documents=documents)
+        retriever.load_trainable_state_dict(ckpt.state)
+        if isinstance(retriever.head, KNNScorer):  # no weights: its memory is the training split
+            try:
+                memory = training_features(settings, ckpt.label_map, get_model=lambda: retriever)
+            except Exception as err:  # any reader's failure: one message that says what is needed
+                raise FileNotFoundError(
+                    f"{path} is a kNN checkpoint: it holds no weights, and its memory, the "
+                    f"training split of {settings.dataset.path or settings.dataset.hub_id!r}, "
+                    f"could not be read ({err}); make that data reachable, or retrieve from a "
+                    "classifier or MIPS checkpoint"
+                ) from err
+            assert memory.features is not None  # kNN trains nothing: classifier mode
+            retriever.set_memory(memory.features, memory.labels)
+        retriever.set_labels(names, documents, settings=settings)
+        retriever.eval()
+        return retriever
+
+    def set_labels(
+        self, names: Sequence[str], documents: Sequence[str], *, settings: Settings | None = None
+    ) -> None:
+        """The label names and documents (label order) that :meth:`retrieve` returns."""
+        if not len(names) == len(documents) == self.num_labels:
+            counts = f"{len(names)} names and {len(documents)} documents"
+            raise ValueError(f"{counts} for {self.num_labels} labels")
+        self.label_names, self.label_texts = tuple(names), tuple(documents)
+        self.settings = settings
+
+    def retrieve(
+        self, texts: Sequence[str], k: int, *, batch_size: int | None = None
+    ) -> list[Retrieval]:
+        """For each query text, its ``k`` best labels with softmax scores and documents."""
+        if self.label_names is None or self.label_texts is None:
+            raise RuntimeError("retrieve needs the labels: use from_checkpoint or set_labels")
+        if not texts:
+            return []
+        if batch_size is None:
+            batch_size = (self.settings.train if self.settings else TrainConfig()).eval_batch_size
+        ids = self.encoder.tokenize(list(texts)).input_ids
+        features = extract_features(
+            self.encode,
+            self.encoder.pad,
+            ids,
+            batch_size=batch_size,
+            progress=False,
+            desc="queries",
+        )
+        scores = self.score_all(features, batch_size=batch_size)
+        return retrieve(scores, k, self.label_names, self.label_texts)
+
 
 def build_retriever(
     settings: Settings,
@@ -261,6 +301,6 @@ def build_retriever(
         hidden_size=hidden_size,
         device=pick_device(settings.device),
     )
-    if model.kind is HeadKind.MIPS and documents is not None and model.has_encoder:
+    if isinstance(model.head, MIPSScorer) and documents is not None and model.has_encoder:
         model.set_documents(documents)
     return model

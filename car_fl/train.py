@@ -18,113 +18,13 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from car_fl.config import HeadKind, Mode, ModelConfig, Settings, TrainConfig
-from car_fl.features import FeatureCache, extract_features, feature_key
+from car_fl.config import TrainConfig
+from car_fl.features import LocalData, extract_features
 from car_fl.metrics import retrieval_metrics
 from car_fl.model import CaRRetriever
 from car_fl.optim import Optimizer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class LocalData:
-    """Examples ready for training: labels, and cached features or token ids by mode."""
-
-    labels: torch.Tensor  # (n,) int64
-    features: torch.Tensor | None = None  # (n, d), classifier mode
-    input_ids: list[list[int]] | None = None  # adapter mode
-
-    def __post_init__(self) -> None:
-        if self.features is None and self.input_ids is None:
-            raise ValueError("LocalData needs features or input_ids")
-        n = len(self.labels)
-        if self.features is not None and len(self.features) != n:
-            raise ValueError(f"{len(self.features)} feature rows for {n} labels")
-        if self.input_ids is not None and len(self.input_ids) != n:
-            raise ValueError(f"{len(self.input_ids)} token sequences for {n} labels")
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-
-def prepare_data(
-    texts: Sequence[str],
-    labels: Sequence[int],
-    *,
-    mode: Mode,
-    model_cfg: ModelConfig,
-    device: str,
-    get_model: Callable[[], CaRRetriever],
-    cache: FeatureCache | None,
-    batch_size: int,
-    progress: bool = True,
-    desc: str = "features",
-) -> LocalData:
-    """Features (classifier mode, from the cache when possible) or token ids (adapter mode).
-
-    ``get_model`` is only called when the encoder is really needed: a fully cached
-    classifier-mode dataset never loads it.
-    """
-    label_tensor = torch.tensor(list(labels), dtype=torch.long)
-    if mode is Mode.ADAPTER_CLASSIFIER:
-        tokens = get_model().encoder.tokenize(list(texts))
-        return LocalData(labels=label_tensor, input_ids=tokens.input_ids)
-    key = feature_key(model_cfg, texts, device=device)
-    cached = cache.get(key) if cache is not None else None
-    if cached is not None:
-        log.info("%s: %d cached feature rows (key %s)", desc, len(cached), key)
-        return LocalData(labels=label_tensor, features=cached)
-    model = get_model()
-    features = features_for(model, texts, batch_size=batch_size, progress=progress, desc=desc)
-    if cache is not None:
-        cache.put(key, features)
-    return LocalData(labels=label_tensor, features=features)
-
-
-def prepare_for(
-    settings: Settings,
-    texts: Sequence[str],
-    labels: Sequence[int],
-    *,
-    get_model: Callable[[], CaRRetriever],
-    desc: str,
-) -> LocalData:
-    """:func:`prepare_data` with everything taken from the run's settings (disk cache on)."""
-    return prepare_data(
-        texts,
-        labels,
-        mode=Mode(settings.train.mode),
-        model_cfg=settings.model,
-        device=settings.device,
-        get_model=get_model,
-        cache=FeatureCache(settings.cache_dir),
-        batch_size=settings.train.feature_batch_size,
-        progress=settings.progress,
-        desc=desc,
-    )
-
-
-def features_for(
-    model: CaRRetriever,
-    texts: Sequence[str],
-    *,
-    batch_size: int,
-    progress: bool = True,
-    desc: str = "features",
-    bucket: bool = True,
-) -> torch.Tensor:
-    """Pooled vectors ``(n, d)`` through the current adapter, batched by length."""
-    tokens = model.encoder.tokenize(list(texts))
-    return extract_features(
-        model.encode,
-        model.encoder.pad,
-        tokens.input_ids,
-        batch_size=batch_size,
-        bucket=bucket,
-        progress=progress,
-        desc=desc,
-    )
 
 
 def make_optimizer(model: CaRRetriever, cfg: TrainConfig) -> Optimizer:
@@ -336,13 +236,7 @@ def predict_logits(
             progress=progress,
             desc="eval",
         )
-    device = model.device
-    documents = model.document_embeddings() if model.kind is HeadKind.MIPS else None
-    chunks = [
-        model.score(features[i : i + batch_size].to(device), documents=documents).float().cpu()
-        for i in range(0, len(features), batch_size)
-    ]
-    return torch.cat(chunks)
+    return model.score_all(features, batch_size=batch_size)
 
 
 def evaluate(

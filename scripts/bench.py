@@ -48,9 +48,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from car_fl.compose import load_settings  # noqa: E402
 from car_fl.config import Settings  # noqa: E402
 from car_fl.data import load_splits  # noqa: E402
+from car_fl.features import features_for  # noqa: E402
 from car_fl.model import CaRRetriever, build_retriever  # noqa: E402
 from car_fl.records import payload_bytes, to_record  # noqa: E402
-from car_fl.train import features_for, make_optimizer  # noqa: E402
+from car_fl.train import make_optimizer  # noqa: E402
 
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "sms_spam" / "SMSSpamCollection.tsv"
 TARGETS = {
@@ -389,7 +390,8 @@ def bench_gpu(texts: list[str], minilm_dir: str) -> dict[str, Any]:
 
     from car_fl.config import HeadConfig, ModelConfig
     from car_fl.encoder import Encoder
-    from car_fl.train import LocalData, train_epoch
+    from car_fl.features import LocalData
+    from car_fl.train import train_epoch
 
     tokenizer = AutoTokenizer.from_pretrained(minilm_dir)  # a real subword vocabulary
     config = LlamaConfig(

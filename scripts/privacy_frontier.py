@@ -78,9 +78,8 @@ def warm_feature_cache(args: argparse.Namespace) -> None:
 
     from car_fl.data import load_splits
     from car_fl.data.partition import iid_indices
-    from car_fl.features import FeatureCache, feature_key
+    from car_fl.features import FeatureCache, feature_key, prepare_for
     from car_fl.model import build_retriever
-    from car_fl.train import prepare_for
 
     base = ["+experiment=sms_privacy", f"dataset.path={args.data.resolve()}", "progress=false"]
     settings = load_settings([*base, *args.extra])

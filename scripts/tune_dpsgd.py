@@ -26,17 +26,11 @@ from car_fl.compose import load_settings
 from car_fl.config import Settings
 from car_fl.data import load_splits, partition
 from car_fl.data.splits import stratified_split
+from car_fl.features import LocalData, prepare_for
 from car_fl.logs import setup_logging
 from car_fl.model import build_retriever
 from car_fl.privacy.record_accounting import record_plan
-from car_fl.train import (
-    LocalData,
-    evaluate,
-    make_optimizer,
-    prepare_for,
-    train_epoch,
-    train_epoch_dpsgd,
-)
+from car_fl.train import evaluate, make_optimizer, train_epoch, train_epoch_dpsgd
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/sms_spam/SMSSpamCollection.tsv"
 GRIDS: dict[str, dict[str, list[Any]]] = {

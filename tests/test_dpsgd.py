@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from car_fl.client import NodeInfo, shard_data, train_round
 from car_fl.compose import load_settings
 from car_fl.data import load_splits
+from car_fl.features import LocalData
 from car_fl.model import build_retriever
 from car_fl.optim import Optimizer
 from car_fl.privacy.dpsgd import (
@@ -35,7 +36,7 @@ from car_fl.privacy.record_accounting import (
     steps_per_epoch,
 )
 from car_fl.privacy.record_client import STATE_KEY, RecordBudgetExhausted, load_record_state
-from car_fl.train import LocalData, epoch_order, make_optimizer, train_epoch, train_epoch_dpsgd
+from car_fl.train import epoch_order, make_optimizer, train_epoch, train_epoch_dpsgd
 
 
 def dp_accounting_epsilon(

@@ -9,7 +9,6 @@ import torch
 
 from car_fl.config import HeadConfig, ModelConfig, Pooling
 from car_fl.encoder import EncoderLoadError, load_encoder, pick_device, pick_dtype, pool
-from car_fl.head import ClassifierHead
 from car_fl.model import CaRRetriever
 
 
@@ -130,9 +129,3 @@ def test_bfloat16_encoder_runs_and_pools(tiny_llama: Path) -> None:
     logits, _ = model(ids, mask)
     assert logits.dtype is torch.float32 and torch.isfinite(logits).all()
     assert model.adapter.weight.dtype is torch.float32
-
-
-def test_head_with_pre_classifier_shapes() -> None:
-    head = ClassifierHead(8, 5, pre_classifier_dim=16, dropout=0.5)
-    assert head.pre_classifier is not None and head.pre_classifier.out_features == 16
-    assert head(torch.randn(3, 8)).shape == (3, 5)

@@ -1,4 +1,5 @@
-"""Trainable parts: which parameters get gradients in each mode, and what a state dict holds."""
+"""The retriever: which parameters get gradients in each mode, what a state dict holds, and
+retrieval from a checkpoint (from_checkpoint, retrieve) for each head kind."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from car_fl.config import HeadConfig, ModelConfig
+from car_fl.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from car_fl.config import HeadConfig, HeadKind, ModelConfig, Settings
+from car_fl.data import load_splits
+from car_fl.data.labels import LabelMap
 from car_fl.encoder import load_encoder
-from car_fl.head import retrieve, top_k
-from car_fl.model import CaRRetriever
+from car_fl.model import CaRRetriever, build_retriever
+from car_fl.scorers import KNNScorer, MIPSScorer
 
 
 @pytest.fixture
@@ -87,11 +91,114 @@ def test_load_trainable_state_dict_round_trip_and_errors(encoder) -> None:  # ty
         b.load_trainable_state_dict(state)
 
 
-def test_top_k_and_retrieve_return_best_labels_first() -> None:
-    logits = torch.tensor([[0.1, 3.0, 2.0], [5.0, -1.0, 0.0]])
-    scores, idx = top_k(logits, 2)
-    assert idx.tolist() == [[1, 2], [0, 2]]
-    assert torch.all(scores[:, 0] >= scores[:, 1])
-    results = retrieve(logits, 5, ["a", "b", "c"])
-    assert [r.label for r in results[0]] == ["b", "c", "a"]
-    assert abs(sum(r.score for r in results[1]) - 1.0) < 1e-6
+def test_trainable_parameters_are_whatever_requires_a_gradient(encoder) -> None:  # type: ignore[no-untyped-def]
+    model = CaRRetriever(encoder, 3, head=HeadConfig(pre_classifier_dim=8), mode="classifier")
+    model.head.pre_classifier.requires_grad_(False)  # type: ignore[union-attr]
+    assert list(model.trainable_parameters()) == ["head.classifier.weight", "head.classifier.bias"]
+    model.adapter.requires_grad_(True)
+    assert list(model.trainable_parameters()) == [
+        "adapter.weight",
+        "head.classifier.weight",
+        "head.classifier.bias",
+    ]
+
+
+# ------------------------------------------------------------------ from_checkpoint, retrieve
+LABELS = LabelMap(("topic0", "topic1", "topic2", "topic3"))
+DOCS = [f"+dataset.label_texts.topic{i}=k{i}" for i in range(4)]
+QUERIES = ["w3 k2 w4", "k0 w1", "w7 k1"]
+
+
+def save(model: CaRRetriever, settings: Settings, folder: Path) -> Path:
+    ckpt = Checkpoint(
+        state=model.trainable_state_dict(), label_map=LABELS, settings=settings, round=1
+    )
+    return save_checkpoint(folder, ckpt)
+
+
+def expected(model: CaRRetriever, k: int) -> tuple[list[list[str]], torch.Tensor]:
+    """Top-k label names and softmax scores straight from the trained model's forward."""
+    ids, mask = model.encoder.pad(model.encoder.tokenize(QUERIES).input_ids)
+    with torch.no_grad():
+        logits, _ = model(ids, mask)
+    scores, idx = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    return [[LABELS.names[i] for i in row] for row in idx.tolist()], scores
+
+
+def test_from_checkpoint_retrieves_what_the_trained_classifier_scores(  # type: ignore[no-untyped-def]
+    make_settings, tmp_path: Path
+) -> None:
+    settings = make_settings("mode=adapter", "head.pre_classifier_dim=8")
+    model = build_retriever(settings, len(LABELS))
+    with torch.no_grad():  # a trained state: adapter and head away from their initialisation
+        model.adapter.weight.add_(0.05 * torch.randn_like(model.adapter.weight))
+        model.head.classifier.weight.mul_(3.0)  # type: ignore[union-attr]
+    folder = save(model, settings, tmp_path / "ckpt")
+    retriever = CaRRetriever.from_checkpoint(folder, device="cpu")
+    assert retriever.kind is HeadKind.CLASSIFIER and retriever.label_names == LABELS.names
+    results = retriever.retrieve(QUERIES, 3)
+    labels, scores = expected(model, 3)
+    assert [list(r.labels) for r in results] == labels
+    torch.testing.assert_close(torch.tensor([r.scores for r in results]), scores)
+    assert all(r.documents == r.labels for r in results)  # no label_texts: the names
+    assert retriever.retrieve([], 3) == []
+
+
+def test_from_checkpoint_gives_mips_its_documents_through_the_trained_adapter(  # type: ignore[no-untyped-def]
+    make_settings, tmp_path: Path
+) -> None:
+    settings = make_settings("head.kind=mips", "mode=adapter", "head.similarity=cosine", *DOCS)
+    documents = [f"k{i}" for i in range(4)]
+    model = build_retriever(settings, len(LABELS), documents=documents)
+    with torch.no_grad():
+        model.adapter.weight.add_(0.1 * torch.randn_like(model.adapter.weight))
+    folder = save(model, settings, tmp_path / "ckpt")
+    assert list(load_checkpoint(folder).state) == ["adapter.weight"]
+    retriever = CaRRetriever.from_checkpoint(folder, device="cpu")
+    assert isinstance(retriever.head, MIPSScorer)
+    results = retriever.retrieve(QUERIES, 2)
+    labels, scores = expected(model, 2)
+    assert [list(r.labels) for r in results] == labels
+    torch.testing.assert_close(torch.tensor([r.scores for r in results]), scores)
+    assert [r.documents for r in results] == [
+        tuple(documents[LABELS.index(name)] for name in row) for row in labels
+    ]
+
+
+def test_from_checkpoint_rebuilds_the_knn_memory_from_the_training_split(  # type: ignore[no-untyped-def]
+    make_settings, tmp_path: Path
+) -> None:
+    settings = make_settings("head.kind=knn", "head.knn_k=1", "head.similarity=cosine")
+    folder = save(build_retriever(settings, len(LABELS)), settings, tmp_path / "ckpt")
+    assert load_checkpoint(folder).state == {}
+    retriever = CaRRetriever.from_checkpoint(folder, device="cpu")
+    splits = load_splits(settings.dataset, seed=settings.seed, label_map=LABELS)
+    assert isinstance(retriever.head, KNNScorer) and retriever.head.memory is not None
+    assert len(retriever.head.memory) == len(splits.train)
+    texts, ids = splits.train["text"][:12], splits.train["label"][:12]
+    results = retriever.retrieve(texts, 1)  # a training text's nearest example is itself
+    assert [r.labels[0] for r in results] == [LABELS.names[i] for i in ids]
+
+
+def test_a_knn_checkpoint_whose_training_data_is_gone_says_what_it_needs(  # type: ignore[no-untyped-def]
+    make_settings, tmp_path: Path
+) -> None:
+    data = tmp_path / "gone.tsv"
+    data.write_text("".join(f"topic{i % 4}\tk{i % 4} w{i}\n" for i in range(40)))
+    settings = make_settings("head.kind=knn", f"dataset.path={data}")
+    folder = save(build_retriever(settings, len(LABELS), hidden_size=8), settings, tmp_path / "c")
+    data.unlink()
+    with pytest.raises(FileNotFoundError, match=r"kNN checkpoint.*gone\.tsv.*could not be read"):
+        CaRRetriever.from_checkpoint(folder, device="cpu")
+
+
+def test_retrieve_needs_the_label_names(encoder) -> None:  # type: ignore[no-untyped-def]
+    model = CaRRetriever(encoder, 3, head=HeadConfig(), mode="classifier")
+    with pytest.raises(RuntimeError, match="needs the labels"):
+        model.retrieve(["k1"], 1)
+    with pytest.raises(ValueError, match="2 names and 3 documents for 3 labels"):
+        model.set_labels(["a", "b"], ["a", "b", "c"])
+    model.set_labels(["a", "b", "c"], ["doc a", "doc b", "doc c"])
+    [result] = model.retrieve(["k1"], 3)
+    assert sorted(result.labels) == ["a", "b", "c"]
+    assert result.documents == tuple(f"doc {name}" for name in result.labels)

@@ -8,15 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from car_fl import encoder as encoder_module
 from car_fl.centralized import run_centralized
 from car_fl.checkpoint import load_checkpoint
 from car_fl.cli import main as cli_main
 from car_fl.config import Mode
 from car_fl.data import load_splits
-from car_fl.features import FeatureCache
+from car_fl.features import prepare_data
 from car_fl.model import build_retriever
-from car_fl.train import epoch_order, evaluate, make_optimizer, prepare_data, train_epoch
+from car_fl.train import epoch_order, evaluate, make_optimizer, train_epoch
 
 
 @pytest.mark.parametrize(
@@ -95,6 +94,20 @@ def test_retrieve_command_prints_top_k_labels(  # type: ignore[no-untyped-def]
     assert "topic1" in capsys.readouterr().out.splitlines()[1]
 
 
+def test_retrieve_command_serves_a_knn_run_from_its_training_split(  # type: ignore[no-untyped-def]
+    make_settings, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    settings = make_settings("approach=knn", "head.knn_k=1", "head.similarity=cosine")
+    run_centralized(settings, tmp_path / "run")
+    splits = load_splits(settings.dataset, seed=settings.seed)
+    texts, ids = splits.train["text"][:5], splits.train["label"][:5]
+    ckpt = str(tmp_path / "run" / "checkpoints" / "final")
+    assert cli_main(["retrieve", "--checkpoint", ckpt, "-k", "1", "--json", *texts]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    # a training text's nearest example in memory is itself
+    assert [p["results"][0]["label"] for p in payload] == splits.label_map.decode(ids)
+
+
 def test_retrieve_rejects_a_folder_that_is_not_a_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="not a car-fl checkpoint"):
         cli_main(["retrieve", "--checkpoint", str(tmp_path), "hello"])
@@ -105,50 +118,6 @@ def test_epoch_order_depends_only_on_seed_and_epoch() -> None:
     assert torch.equal(a, epoch_order(50, seed=1, epoch=3))
     assert not torch.equal(a, epoch_order(50, seed=1, epoch=4))
     assert sorted(a.tolist()) == list(range(50))
-
-
-def test_cached_classifier_features_do_not_load_the_encoder(make_settings) -> None:  # type: ignore[no-untyped-def]
-    settings = make_settings()
-    splits = load_splits(settings.dataset, seed=settings.seed)
-    texts, labels = splits.train["text"], splits.train["label"]
-    model = build_retriever(settings, len(splits.label_map))
-    cache = FeatureCache(settings.cache_dir)
-    common = dict(
-        mode=Mode.CLASSIFIER, model_cfg=settings.model, device="cpu", batch_size=16, progress=False
-    )
-    first = prepare_data(texts, labels, get_model=lambda: model, cache=cache, **common)
-    FeatureCache.clear_memory()  # a new process: only the disk cache is left
-    loads = encoder_module.LOAD_COUNT
-
-    def must_not_load():  # type: ignore[no-untyped-def]
-        raise AssertionError("the encoder was loaded although every feature was cached")
-
-    second = prepare_data(
-        texts, labels, get_model=must_not_load, cache=FeatureCache(settings.cache_dir), **common
-    )
-    assert loads == encoder_module.LOAD_COUNT
-    assert first.features is not None and second.features is not None
-    assert torch.equal(first.features, second.features)
-    changed = prepare_data(
-        [*texts[:-1], texts[-1] + " w1"], labels, get_model=lambda: model, cache=cache, **common
-    )
-    assert changed.features is not None
-    assert not torch.equal(changed.features[-1], first.features[-1])
-
-
-def test_bucketed_extraction_returns_features_in_the_original_order(make_settings) -> None:  # type: ignore[no-untyped-def]
-    from car_fl.features import extract_features
-
-    settings = make_settings("model.pooling=eos")
-    model = build_retriever(settings, 4)
-    texts = ["w1", "w1 w2 w3 w4 w5 w6 w7", "k1 w2", "w9 w8 w7 w6", "k3"] * 3
-    ids = model.encoder.tokenize(texts).input_ids
-    kwargs = dict(batch_size=4, progress=False)
-    bucketed = extract_features(model.encode, model.encoder.pad, ids, bucket=True, **kwargs)
-    arrival = extract_features(model.encode, model.encoder.pad, ids, bucket=False, **kwargs)
-    one_by_one = torch.cat([model.encode(*model.encoder.pad([s])).detach() for s in ids])
-    torch.testing.assert_close(bucketed, arrival, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(bucketed, one_by_one, rtol=1e-5, atol=1e-5)
 
 
 def test_training_in_adapter_mode_changes_adapter_not_encoder(make_settings) -> None:  # type: ignore[no-untyped-def]
