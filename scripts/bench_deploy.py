@@ -24,44 +24,26 @@ written results, both; N needs N cores (the GPU machine of the ``device`` tool h
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from car_fl.deploy import (
-    LocalCluster,
-    node_config_string,
-    start_run,
-    superlink_command,
-    supernode_command,
-    wait_for_run,
-    write_connection,
-)
+from car_fl.deploy import LocalCluster, pinned
 
 PROJECT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = PROJECT.parent / "shared" / "data" / "sms_spam" / "SMSSpamCollection.tsv"
 CONNECTION = "bench"
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def pinned(cmd: list[str], core: int | None) -> list[str]:
-    """``cmd`` run on one CPU core (its children inherit the affinity), or as it is."""
-    return cmd if core is None else ["taskset", "-c", str(core), *cmd]
 
 
 def floor_project(folder: Path) -> Path:
@@ -76,80 +58,39 @@ def floor_project(folder: Path) -> Path:
     return folder
 
 
-class Cluster:
-    """A SuperLink and N SuperNodes on 127.0.0.1, optionally each pinned to a core."""
-
-    def __init__(
-        self,
-        folder: Path,
-        *,
-        clients: int,
-        data: Path,
-        client_cores: list[int] | None = None,
-        server_core: int | None = None,
-        one_thread: bool = False,
-    ) -> None:
-        self.folder = folder
-        self.clients = clients
-        self.data = data
-        self.client_cores = client_cores
-        self.server_core = server_core
-        self.env = {
-            **os.environ,
-            "FLWR_HOME": str(folder / "flwr"),
-            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-            "HF_HUB_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-            **(ONE_THREAD if one_thread else {}),
-        }
-        self.local = LocalCluster(folder)
-
-    def __enter__(self) -> Cluster:
-        fleet, control = f"127.0.0.1:{free_port()}", free_port()
-        self.local.start(
-            "superlink",
-            pinned(
-                superlink_command(
-                    fleet_address=fleet,
-                    control_host="127.0.0.1",
-                    control_port=control,
-                    database=self.folder / "state.db",
-                ),
-                self.server_core,
-            ),
-            env=self.env,
+@contextlib.contextmanager
+def cluster(
+    folder: Path,
+    *,
+    clients: int,
+    data: Path,
+    client_cores: list[int] | None = None,
+    server_core: int | None = None,
+    one_thread: bool = False,
+) -> Iterator[LocalCluster]:
+    """A SuperLink and N CPU SuperNodes on 127.0.0.1, optionally each pinned to a core."""
+    env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env |= ONE_THREAD if one_thread else {}
+    with LocalCluster(folder, connection=CONNECTION, env=env) as local:
+        # settle: let the SuperNodes connect before a run is timed
+        local.start(
+            clients,
+            data=data,
+            device="cpu",
+            client_cores=client_cores,
+            server_core=server_core,
+            settle=8,
         )
-        write_connection(self.folder / "flwr", CONNECTION, f"127.0.0.1:{control}")
-        for i in range(self.clients):
-            command = supernode_command(
-                superlink=fleet,
-                runtime_port=free_port(),
-                node_config=node_config_string(
-                    partition_id=i,
-                    num_partitions=self.clients,
-                    data_path=self.data,
-                    cache_dir=self.folder / f"cache-{i}",
-                    device="cpu",
-                ),
-            )
-            core = self.client_cores[i] if self.client_cores else None
-            self.local.start(f"supernode-{i}", pinned(command, core), env=self.env)
-        time.sleep(8)  # let the SuperNodes connect before a run is timed
-        return self
+        yield local
 
-    def __exit__(self, *exc: object) -> None:
-        self.local.stop()
 
-    def run(self, project: Path, overrides: str) -> tuple[float, dict[str, Any]]:
-        """Wall seconds from ``flwr run`` to the run's end, and its ``metrics.json``."""
-        tick = time.perf_counter()
-        run_id = start_run(project, CONNECTION, overrides, env=self.env)
-        status = wait_for_run(CONNECTION, run_id, timeout=3600, poll=0.5, env=self.env)
-        seconds = time.perf_counter() - tick
-        if status["status"] != "finished:completed":
-            raise SystemExit(f"run on the local cluster did not complete: {status}")
-        out = next(p.split("=", 1)[1] for p in overrides.split() if p.startswith("output_dir="))
-        return seconds, json.loads((Path(out) / "metrics.json").read_text())
+def timed_run(local: LocalCluster, project: Path, overrides: str) -> tuple[float, dict[str, Any]]:
+    """Wall seconds from ``flwr run`` to the run's end, and its ``metrics.json``."""
+    result = local.run(project, overrides, timeout=3600, poll=0.5)
+    if not result.completed:
+        raise SystemExit(f"run on the local cluster did not complete: {result.status}")
+    out = next(p.split("=", 1)[1] for p in overrides.split() if p.startswith("output_dir="))
+    return result.seconds, json.loads((Path(out) / "metrics.json").read_text())
 
 
 def later_rounds(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -189,9 +130,9 @@ def bench_overhead(work: Path, *, clients: int, rounds: int) -> dict[str, Any]:
         f"fl.clients={clients} fl.rounds={rounds}"
     )
     floor_dir = floor_project(work / "floor-project")
-    with Cluster(work / "cluster", clients=clients, data=data) as cluster:
-        ours_wall, ours = cluster.run(PROJECT, f"{common} output_dir={work / 'ours'}")
-        floor_wall, floor = cluster.run(floor_dir, f"{common} output_dir={work / 'floor'}")
+    with cluster(work / "cluster", clients=clients, data=data) as local:
+        ours_wall, ours = timed_run(local, PROJECT, f"{common} output_dir={work / 'ours'}")
+        floor_wall, floor = timed_run(local, floor_dir, f"{common} output_dir={work / 'floor'}")
     result = {
         "config": common,
         "clients": clients,
@@ -255,19 +196,19 @@ def bench_speedup(
             continue
         server_core = available[n] if len(available) > n else available[0]
         folder = work / f"cluster-{n}"
-        with Cluster(
+        with cluster(
             folder,
             clients=n,
             data=data.resolve(),
             client_cores=available[:n],
             server_core=server_core,
             one_thread=True,
-        ) as cluster:
+        ) as local:
             overrides = (
                 f"{common} fl.clients={n} fl.rounds={rounds} fl.local_epochs={local_epochs} "
                 f"output_dir={folder / 'run'}"
             )
-            wall, metrics = cluster.run(PROJECT, overrides)
+            wall, metrics = timed_run(local, PROJECT, overrides)
         rows = metrics["history"]
         clients_csv = list(csv.DictReader((folder / "run" / "clients.csv").open()))
         result["federated"][str(n)] = {

@@ -13,21 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
-from car_fl.deploy import (
-    LocalCluster,
-    node_config_string,
-    start_run,
-    superlink_command,
-    supernode_command,
-    wait_for_run,
-    write_connection,
-)
+from car_fl.deploy import LocalCluster
 from car_fl.simulation import run_simulation
 from car_fl.tiny import build_llama, synthetic_examples, write_tsv
 
@@ -62,60 +52,29 @@ def main() -> None:
 
     sim = run_simulation(f"{common} cache_dir={work / 'sim-cache'} output_dir={work / 'sim'}")
 
-    cluster = LocalCluster(work / "cluster")
-    env = {**os.environ, "FLWR_HOME": str(work / "flwr")}
-    try:
-        cluster.start(
-            "superlink",
-            superlink_command(
-                fleet_address="127.0.0.1:29092",
-                control_host="127.0.0.1",
-                control_port=29093,
-                database=work / "state.db",
-            ),
-            env=env,
-        )
-        write_connection(work / "flwr", "overhead", "127.0.0.1:29093")
-        for i in range(args.clients):
-            cluster.start(
-                f"node{i}",
-                supernode_command(
-                    superlink="127.0.0.1:29092",
-                    runtime_port=29100 + i,
-                    node_config=node_config_string(
-                        partition_id=i,
-                        num_partitions=args.clients,
-                        data_path=data,
-                        cache_dir=work / f"cache{i}",
-                    ),
-                ),
-                env=env,
-            )
-        time.sleep(5)
-        run_id = start_run(PROJECT, "overhead", f"{common} output_dir={work / 'deploy'}", env=env)
-        status = wait_for_run("overhead", run_id, timeout=1800, env=env)
-        if status["status"] != "finished:completed":
-            raise SystemExit(f"deployment run did not complete: {status}")
-    finally:
-        cluster.stop()
+    with LocalCluster(work / "cluster", connection="overhead") as cluster:
+        cluster.start(args.clients, data=data, settle=5)
+        result = cluster.run(PROJECT, f"{common} output_dir={work / 'deploy'}", timeout=1800)
+    if not result.completed:
+        raise SystemExit(f"deployment run did not complete: {result.status}")
     deploy = json.loads((work / "deploy" / "metrics.json").read_text())
 
-    result = {
+    summary = {
         "simulation": summarise(sim["history"]),
         "deployment": summarise(deploy["history"]),
         "config": common,
     }
     print(f"{'':12s} {'round s':>9s} {'slowest client s':>17s} {'overhead s':>11s}")
     for name in ("simulation", "deployment"):
-        r = result[name]
+        r = summary[name]
         print(
             f"{name:12s} {r['round_seconds']:9.2f} {r['slowest_client_train_seconds']:17.2f} "
             f"{r['overhead_seconds']:11.2f}"
         )
-    ratio = result["deployment"]["round_seconds"] / result["simulation"]["round_seconds"]
+    ratio = summary["deployment"]["round_seconds"] / summary["simulation"]["round_seconds"]
     print(f"deployment round / simulation round: {ratio:.1f}x (rounds 2..{args.rounds})")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    args.out.write_text(json.dumps(summary, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -13,107 +13,48 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import time
 from pathlib import Path
 
-from car_fl.deploy import (
-    LocalCluster,
-    make_certificates,
-    make_node_key,
-    node_config_string,
-    register_node,
-    start_run,
-    superlink_command,
-    supernode_command,
-    wait_for_run,
-    write_connection,
-)
+from car_fl.deploy import COMPLETED, LocalCluster
 
 PROJECT = Path(__file__).resolve().parents[1]
 CONNECTION = "car-fl-local"
 
 
-def env_for(folder: Path) -> dict[str, str]:
-    return {
-        **os.environ,
-        "FLWR_HOME": str(folder / "flwr"),
-        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-    }
-
-
 def start(args: argparse.Namespace) -> None:
     folder = args.dir.resolve()
-    cluster = LocalCluster(folder)
-    env = env_for(folder)
-    fleet, control = f"127.0.0.1:{args.port}", args.port + 1
-    tls = make_certificates(folder / "certs", ["127.0.0.1", "localhost"]) if args.tls else None
-    cluster.start(
-        "superlink",
-        superlink_command(
-            fleet_address=fleet,
-            control_host="127.0.0.1",
-            control_port=control,
-            database=folder / "state.db",
-            tls=tls,
-            node_auth=args.node_auth,
-        ),
-        env=env,
-    )
-    write_connection(
-        folder / "flwr", CONNECTION, f"127.0.0.1:{control}", root_cert=tls.ca_cert if tls else None
-    )
-    keys = []
-    if args.node_auth:
-        time.sleep(5)  # let the SuperLink come up before registering keys
-        for i in range(args.nodes):
-            private, public = make_node_key(folder / "certs" / f"node{i}.key")
-            result = register_node(public, CONNECTION, env=env)
-            if result.returncode != 0:
-                sys.exit(f"registering {public} failed: {result.stdout}{result.stderr}")
-            keys.append(private)
-    for i in range(args.nodes):
+    cluster = LocalCluster(folder, connection=CONNECTION, ports=args.port)
+    try:
         cluster.start(
-            f"supernode-{i}",
-            supernode_command(
-                superlink=fleet,
-                runtime_port=args.port + 10 + i,
-                root_cert=tls.ca_cert if tls else None,
-                private_key=keys[i] if keys else None,
-                node_config=node_config_string(
-                    partition_id=i,
-                    num_partitions=args.nodes,
-                    data_path=args.data,
-                    cache_dir=folder / f"cache-{i}",
-                    device=args.device,
-                ),
-            ),
-            env=env,
+            args.nodes, data=args.data, device=args.device, tls=args.tls, node_auth=args.node_auth
         )
-    print(json.dumps(cluster.processes, indent=2))
+    except RuntimeError as err:  # what it started so far stays recorded: `stop` ends it
+        sys.exit(str(err))
+    print(json.dumps(cluster.processes.pids, indent=2))
     print(
-        f"connection '{CONNECTION}' written to {folder / 'flwr' / 'config.toml'}; logs in {folder}"
+        f"connection '{CONNECTION}' written to {cluster.flwr_home / 'config.toml'}; "
+        f"logs in {folder}"
     )
 
 
 def run(args: argparse.Namespace) -> None:
     folder = args.dir.resolve()
-    env = env_for(folder)
-    run_id = start_run(PROJECT, CONNECTION, args.overrides, env=env)
+    cluster = LocalCluster.attach(folder, connection=CONNECTION)
+    run_id = cluster.submit(PROJECT, args.overrides)
     print(
         f"run {run_id} started; waiting for it to finish (flwr ls {CONNECTION} "
-        f"--run-id {run_id} with FLWR_HOME={folder / 'flwr'})",
+        f"--run-id {run_id} with FLWR_HOME={cluster.flwr_home})",
         flush=True,
     )
-    status = wait_for_run(CONNECTION, run_id, timeout=args.timeout, env=env)
+    status = cluster.wait(run_id, timeout=args.timeout)
     print(json.dumps(status, indent=2))
-    sys.exit(0 if status["status"] == "finished:completed" else 1)
+    sys.exit(0 if status["status"] == COMPLETED else 1)
 
 
 def stop(args: argparse.Namespace) -> None:
-    cluster = LocalCluster.load(args.dir.resolve())
-    stopped = dict(cluster.processes)
+    cluster = LocalCluster.attach(args.dir.resolve(), connection=CONNECTION)
+    stopped = dict(cluster.processes.pids)
     cluster.stop()
     print(f"stopped {stopped}")
 

@@ -11,29 +11,16 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from safetensors.torch import load_file
 
-from car_fl.deploy import (
-    LocalCluster,
-    TLSFiles,
-    make_certificates,
-    make_node_key,
-    node_config_string,
-    register_node,
-    start_run,
-    superexec_command,
-    superlink_command,
-    supernode_command,
-    wait_for_run,
-    write_connection,
-)
+from car_fl.deploy import LocalCluster, make_certificates, make_node_key, register_node
 
 pytestmark = pytest.mark.slow
 
@@ -41,109 +28,67 @@ PROJECT = Path(__file__).resolve().parents[1]
 CONNECTION = "test-cluster"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class Deployment:
-    """One SuperLink + SuperNodes in ``folder``; everything it starts is stopped by PID."""
+    """The shared local cluster, with this suite's tiny model and data and its run settings."""
 
-    def __init__(self, folder: Path, data: Path, model: Path) -> None:
-        self.folder = folder
+    def __init__(self, cluster: LocalCluster, data: Path, model: Path) -> None:
+        self.cluster = cluster
+        self.folder = cluster.folder
         self.data = data
         self.model = model
-        self.cluster = LocalCluster(folder)
-        self.fleet = f"127.0.0.1:{free_port()}"
-        self.control = free_port()
-        self.env = {**os.environ, "FLWR_HOME": str(folder / "flwr")}
-        self.tls: TLSFiles | None = None
+        self.out = self.folder / "run"
 
-    def start_superlink(
-        self, *, tls: TLSFiles | None = None, node_auth: bool = False, isolation: str = "subprocess"
-    ) -> None:
-        self.tls = tls
-        self.cluster.start(
-            "superlink",
-            superlink_command(
-                fleet_address=self.fleet,
-                control_host="127.0.0.1",
-                control_port=self.control,
-                database=self.folder / "state.db",
-                tls=tls,
-                node_auth=node_auth,
-                isolation=isolation,
-            ),
-            env=self.env,
+    def start_node(self, i: int, num: int, *, retries: int | None = None, **kw: Any) -> str:
+        """SuperNode ``i`` of ``num`` on the shared data file; ``retries``: give up soon."""
+        return self.cluster.start_node(
+            i,
+            num,
+            data=self.data,
+            max_retries=retries,
+            max_wait_time=30 if retries else None,
+            **kw,
         )
-        write_connection(
-            self.folder / "flwr",
-            CONNECTION,
-            f"127.0.0.1:{self.control}",
-            root_cert=tls.ca_cert if tls else None,
-        )
-        time.sleep(4)
 
-    def start_node(
-        self,
-        i: int,
-        num: int,
-        *,
-        root_cert: Path | None = None,
-        key: Path | None = None,
-        retries: int | None = None,
-    ) -> str:
-        name = f"supernode-{i}-{len(self.cluster.processes)}"
-        self.cluster.start(
-            name,
-            supernode_command(
-                superlink=self.fleet,
-                runtime_port=free_port(),
-                root_cert=root_cert,
-                private_key=key,
-                max_retries=retries,
-                max_wait_time=30 if retries else None,
-                node_config=node_config_string(
-                    partition_id=i,
-                    num_partitions=num,
-                    data_path=self.data,
-                    cache_dir=self.folder / f"cache-{i}",
-                ),
-            ),
-            env=self.env,
-        )
-        return name
-
-    def run(self, *overrides: str, timeout: float = 600) -> tuple[dict[str, str], Path]:
-        out = self.folder / "run"
-        base = (
+    def overrides(self, *extra: str) -> str:
+        return (
             f"model=local model.name_or_path={self.model} dataset.path={self.data} "
-            f"progress=false device=cpu output_dir={out} fl.wait_for_nodes=120 "
+            f"progress=false device=cpu output_dir={self.out} " + " ".join(extra)
         )
-        run_id = start_run(PROJECT, CONNECTION, base + " ".join(overrides), env=self.env)
-        return wait_for_run(CONNECTION, run_id, timeout=timeout, env=self.env), out
 
-    def exit_code(self, name: str, timeout: float) -> int | None:
-        """Wait for a process we started to exit; its code, or None if still running."""
-        pid = self.cluster.processes[name]
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                return os.waitstatus_to_exitcode(status)
-            time.sleep(0.5)
-        return None
+    def run(self, *extra: str, timeout: float = 600) -> tuple[dict[str, str], Path]:
+        """Run to the end with the tiny model; its status and its output folder."""
+        result = self.cluster.run(
+            PROJECT, self.overrides("fl.wait_for_nodes=120", *extra), timeout=timeout
+        )
+        return result.status, self.out
+
+
+MakeDeployment = Callable[..., Deployment]
 
 
 @pytest.fixture
-def deployment(tmp_path: Path, tiny_llama: Path, synthetic_tsv: Path) -> Iterator[Deployment]:
-    dep = Deployment(tmp_path, synthetic_tsv, tiny_llama)
+def make_deployment(
+    tmp_path: Path, tiny_llama: Path, synthetic_tsv: Path
+) -> Iterator[MakeDeployment]:
+    """Deployments in ``tmp_path`` (``LocalCluster`` options as keywords), stopped by PID."""
+    made: list[Deployment] = []
+
+    def make(**cluster_options: Any) -> Deployment:
+        cluster = LocalCluster(tmp_path, connection=CONNECTION, **cluster_options)
+        made.append(Deployment(cluster, synthetic_tsv, tiny_llama))
+        return made[-1]
+
     try:
-        yield dep
+        yield make
     finally:
-        dep.cluster.stop()
-        assert not dep.cluster.processes
+        for dep in made:
+            dep.cluster.stop()
+            assert not dep.cluster.processes.pids
+
+
+@pytest.fixture
+def deployment(make_deployment: MakeDeployment) -> Deployment:
+    return make_deployment()
 
 
 def client_rows(out: Path) -> list[dict[str, str]]:
@@ -153,7 +98,7 @@ def client_rows(out: Path) -> list[dict[str, str]]:
 def test_superlink_and_three_supernodes_train_and_reuse_the_feature_cache(
     deployment: Deployment,
 ) -> None:
-    deployment.start_superlink()
+    deployment.cluster.start_superlink()
     for i in range(3):
         deployment.start_node(i, 3)
     status, out = deployment.run("fl.clients=3", "fl.rounds=2", "train.lr=0.01")
@@ -181,11 +126,11 @@ def test_tls_run_completes_and_insecure_or_foreign_ca_nodes_are_refused(
 ) -> None:
     tls = make_certificates(deployment.folder / "certs", ["127.0.0.1", "localhost"])
     other_ca = make_certificates(deployment.folder / "other", ["127.0.0.1"]).ca_cert
-    deployment.start_superlink(tls=tls)
+    deployment.cluster.start_superlink(tls=tls)
     insecure = deployment.start_node(0, 2, retries=2)
     foreign = deployment.start_node(1, 2, root_cert=other_ca, retries=2)
     for name in (insecure, foreign):
-        code = deployment.exit_code(name, timeout=120)
+        code = deployment.cluster.processes.exit_code(name, timeout=120)
         assert code is not None and code != 0, f"{name} was not refused"
     for i in range(2):
         deployment.start_node(i, 2, root_cert=tls.ca_cert)
@@ -196,31 +141,26 @@ def test_tls_run_completes_and_insecure_or_foreign_ca_nodes_are_refused(
 
 def test_node_authentication_refuses_unregistered_nodes(deployment: Deployment) -> None:
     tls = make_certificates(deployment.folder / "certs", ["127.0.0.1", "localhost"])
-    deployment.start_superlink(tls=tls, node_auth=True)
+    deployment.cluster.start_superlink(tls=tls, node_auth=True)
     keys = [make_node_key(deployment.folder / "certs" / f"node{i}.key") for i in range(3)]
     for _, public in keys[:2]:
-        result = register_node(public, CONNECTION, env=deployment.env)
+        result = register_node(public, CONNECTION, env=deployment.cluster.env)
         assert result.returncode == 0, result.stdout + result.stderr
-    stranger = deployment.start_node(0, 2, root_cert=tls.ca_cert, key=keys[2][0], retries=2)
-    code = deployment.exit_code(stranger, timeout=120)
+    stranger = deployment.start_node(0, 2, root_cert=tls.ca_cert, private_key=keys[2][0], retries=2)
+    code = deployment.cluster.processes.exit_code(stranger, timeout=120)
     assert code is not None and code != 0, "an unregistered SuperNode was let in"
     for i in range(2):
-        deployment.start_node(i, 2, root_cert=tls.ca_cert, key=keys[i][0])
+        deployment.start_node(i, 2, root_cert=tls.ca_cert, private_key=keys[i][0])
     status, out = deployment.run("fl.rounds=1")
     assert status["status"] == "finished:completed", status
     assert len(client_rows(out)) == 2
 
 
 def test_a_supernode_killed_mid_round_does_not_stop_the_run(deployment: Deployment) -> None:
-    deployment.start_superlink()
+    deployment.cluster.start_superlink()
     names = [deployment.start_node(i, 3) for i in range(3)]
-    out = deployment.folder / "run"
-    base = (
-        f"model=local model.name_or_path={deployment.model} "
-        f"dataset.path={deployment.data} progress=false device=cpu output_dir={out} "
-        "fl.clients=3 fl.rounds=2"
-    )
-    run_id = start_run(PROJECT, CONNECTION, base, env=deployment.env)
+    out = deployment.out
+    run_id = deployment.cluster.submit(PROJECT, deployment.overrides("fl.clients=3 fl.rounds=2"))
     # Node 2's features land in its cache in the middle of its round-1 work: SIGKILL it (and
     # its ClientApp) then. Flower notices a dead node after its heartbeat times out (~60 s).
     cache = deployment.folder / "cache-2"
@@ -228,7 +168,7 @@ def test_a_supernode_killed_mid_round_does_not_stop_the_run(deployment: Deployme
     while not list(cache.glob("*.safetensors")) and time.monotonic() < deadline:
         time.sleep(0.2)
     deployment.cluster.kill(names[2], signal.SIGKILL)
-    status = wait_for_run(CONNECTION, run_id, timeout=600, env=deployment.env)
+    status = deployment.cluster.wait(run_id, timeout=600)
     assert status["status"] == "finished:completed", status
     rows = client_rows(out)
     failed = [r for r in rows if r["status"] == "failed"]
@@ -243,22 +183,12 @@ def test_a_supernode_killed_mid_round_does_not_stop_the_run(deployment: Deployme
 
 def test_superlink_restarted_mid_run_resumes_from_its_database(deployment: Deployment) -> None:
     # Process isolation with a separate SuperExec: the ServerApp outlives the SuperLink.
-    deployment.start_superlink(isolation="process")
-    deployment.cluster.start(
-        "superexec",
-        superexec_command(runtime_address=f"127.0.0.1:{deployment.control}"),
-        env=deployment.env,
-    )
+    deployment.cluster.start_superlink(isolation="process")
+    deployment.cluster.start_superexec()
     for i in range(2):
         deployment.start_node(i, 2)
-    out = deployment.folder / "run"
-    base = (
-        f"model=local model.name_or_path={deployment.model} "
-        f"dataset.path={deployment.data} progress=false device=cpu output_dir={out} "
-        "fl.rounds=3"
-    )
-    run_id = start_run(PROJECT, CONNECTION, base, env=deployment.env)
-    metrics = out / "metrics.json"
+    run_id = deployment.cluster.submit(PROJECT, deployment.overrides("fl.rounds=3"))
+    metrics = deployment.out / "metrics.json"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and not (
         metrics.is_file() and json.loads(metrics.read_text())["history"]
@@ -267,8 +197,8 @@ def test_superlink_restarted_mid_run_resumes_from_its_database(deployment: Deplo
     # Round 1 is done: stop the SuperLink, start it again on the same database.
     deployment.cluster.kill("superlink", signal.SIGTERM)
     time.sleep(3)
-    deployment.start_superlink(isolation="process")
-    status = wait_for_run(CONNECTION, run_id, timeout=900, env=deployment.env)
+    deployment.cluster.start_superlink(isolation="process")
+    status = deployment.cluster.wait(run_id, timeout=900)
     assert status["status"] == "finished:completed", status
     history = json.loads(metrics.read_text())["history"]
     assert [row["round"] for row in history] == [1, 2, 3]
@@ -327,47 +257,17 @@ def hosts() -> Iterator[dict[str, str]]:
 
 
 def test_superlink_and_supernodes_on_separate_network_hosts(
-    deployment: Deployment, hosts: dict[str, str]
+    hosts: dict[str, str], make_deployment: MakeDeployment
 ) -> None:
-    link = hosts["link"]
-    deployment.fleet = f"{link}:9092"
-    deployment.control = 9093
+    # The SuperLink's Fleet API on 10.213.0.1:9092 (Control API :9093), reached over the bridge
+    deployment = make_deployment(host=hosts["link"], ports=9092)
 
-    def in_ns(role: str, cmd: list[str]) -> list[str]:
-        return ["ip", "netns", "exec", hosts[f"{role}_ns"], *cmd]
+    def in_ns(role: str) -> list[str]:
+        return ["ip", "netns", "exec", hosts[f"{role}_ns"]]
 
-    deployment.cluster.start(
-        "superlink",
-        in_ns(
-            "link",
-            superlink_command(
-                fleet_address=deployment.fleet,
-                control_host=link,
-                control_port=9093,
-                database=deployment.folder / "state.db",
-            ),
-        ),
-        env=deployment.env,
-    )
-    write_connection(deployment.folder / "flwr", CONNECTION, f"{link}:9093")
+    deployment.cluster.start_superlink(prefix=in_ns("link"))
     for i in range(2):
-        deployment.cluster.start(
-            f"supernode-{i}",
-            in_ns(
-                f"n{i}",
-                supernode_command(
-                    superlink=deployment.fleet,
-                    runtime_port=9094,
-                    node_config=node_config_string(
-                        partition_id=i,
-                        num_partitions=2,
-                        data_path=deployment.data,
-                        cache_dir=deployment.folder / f"cache-{i}",
-                    ),
-                ),
-            ),
-            env=deployment.env,
-        )
+        deployment.start_node(i, 2, prefix=in_ns(f"n{i}"))
     time.sleep(4)
     status, out = deployment.run("fl.rounds=1")
     assert status["status"] == "finished:completed", status

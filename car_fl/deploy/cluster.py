@@ -1,0 +1,285 @@
+"""One local deployment, assembled one way: a SuperLink and SuperNodes on this machine.
+
+``scripts/local_cluster.py``, ``scripts/deploy_overhead.py``, ``scripts/bench_deploy.py`` and
+``tests/test_deployment.py`` all build their clusters here. A cluster lives in one folder: the
+SuperLink's state database (``state.db``), the ``flwr`` configuration with the cluster's
+connection (``flwr/``, the cluster's own ``FLWR_HOME``), each node's feature cache
+(``cache-<i>``), certificates and node keys (``certs/``), one log per process and the PIDs
+(``cluster.json``). Everything it starts is stopped by PID, never by name.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from car_fl.deploy.certs import TLSFiles, make_certificates, make_node_key
+from car_fl.deploy.commands import (
+    node_config_string,
+    pinned,
+    superexec_command,
+    superlink_command,
+    supernode_command,
+)
+from car_fl.deploy.connection import register_node, write_connection
+from car_fl.deploy.processes import Processes
+from car_fl.deploy.runs import COMPLETED, start_run, wait_for_run
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port that nothing listens on now (the operating system picks it)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def listening(address: str) -> bool:
+    """Whether ``host:port`` accepts a TCP connection now."""
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """A finished (or timed-out) run: its id, its ``flwr ls`` status and its wall seconds."""
+
+    run_id: str
+    status: dict[str, str]
+    seconds: float
+
+    @property
+    def completed(self) -> bool:
+        return self.status["status"] == COMPLETED
+
+
+class LocalCluster:
+    """A SuperLink and SuperNodes in ``folder``, reached at ``host``; a context manager.
+
+    ``ports``: the Fleet API listens on it, the Control API on ``ports + 1`` and SuperNode
+    ``i``'s runtime API on ``ports + 10 + i``; ``None`` picks free ports. ``env`` is added to
+    the environment of every process (and of ``flwr``).
+    """
+
+    def __init__(
+        self,
+        folder: str | Path,
+        *,
+        connection: str = "car-fl-local",
+        host: str = LOOPBACK,
+        ports: int | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.folder = Path(folder)
+        self.connection = connection
+        self.host = host
+        self.ports = ports
+        self.fleet_port = ports if ports is not None else free_port()
+        self.control_port = ports + 1 if ports is not None else free_port()
+        self.env = {
+            **os.environ,
+            "FLWR_HOME": str(self.flwr_home),
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            **(env or {}),
+        }
+        self.processes = Processes(self.folder)
+        self.tls: TLSFiles | None = None
+
+    @classmethod
+    def attach(cls, folder: str | Path, *, connection: str = "car-fl-local") -> LocalCluster:
+        """The cluster another program started in ``folder``: its connection and its PIDs."""
+        cluster = cls(folder, connection=connection)
+        cluster.processes = Processes.load(folder)
+        return cluster
+
+    @property
+    def flwr_home(self) -> Path:
+        return self.folder / "flwr"
+
+    @property
+    def fleet(self) -> str:
+        return f"{self.host}:{self.fleet_port}"
+
+    @property
+    def control(self) -> str:
+        return f"{self.host}:{self.control_port}"
+
+    # ------------------------------------------------------------------------------ processes
+    def start_superlink(
+        self,
+        *,
+        tls: TLSFiles | None = None,
+        node_auth: bool = False,
+        isolation: str = "subprocess",
+        prefix: Sequence[str] = (),
+        timeout: float = 60.0,
+    ) -> None:
+        """Start the SuperLink, write the cluster's connection, wait until both APIs listen.
+
+        ``prefix`` goes before the command (``taskset -c 3``, ``ip netns exec NS``). Started
+        again after :meth:`kill`, it resumes from the same state database.
+        """
+        self.tls = tls
+        cmd = superlink_command(
+            fleet_address=self.fleet,
+            control_host=self.host,
+            control_port=self.control_port,
+            database=self.folder / "state.db",
+            tls=tls,
+            node_auth=node_auth,
+            isolation=isolation,
+        )
+        self.processes.start("superlink", [*prefix, *cmd], env=self.env)
+        write_connection(
+            self.flwr_home, self.connection, self.control, root_cert=tls.ca_cert if tls else None
+        )
+        self.wait_listening("superlink", self.fleet, self.control, timeout=timeout)
+
+    def start_superexec(self) -> None:
+        """A SuperExec for a SuperLink started with ``isolation="process"``."""
+        root_cert = self.tls.ca_cert if self.tls else None
+        cmd = superexec_command(runtime_address=self.control, root_cert=root_cert)
+        self.processes.start("superexec", cmd, env=self.env)
+
+    def start_node(
+        self,
+        partition_id: int,
+        num_partitions: int,
+        *,
+        data: Path | None = None,
+        device: str | None = None,
+        model: Path | None = None,
+        cache_dir: Path | None = None,
+        root_cert: Path | None = None,
+        private_key: Path | None = None,
+        max_retries: int | None = None,
+        max_wait_time: float | None = None,
+        prefix: Sequence[str] = (),
+    ) -> str:
+        """Start SuperNode ``partition_id`` of ``num_partitions``; returns its process name.
+
+        Insecure unless ``root_cert`` is given; its feature cache is ``<folder>/cache-<i>``
+        unless ``cache_dir`` is given. A second node for the same partition gets its own name.
+        """
+        name = f"supernode-{partition_id}"
+        if name in self.processes.pids:
+            name = f"{name}-{len(self.processes.pids)}"
+        runtime_port = self.ports + 10 + partition_id if self.ports is not None else free_port()
+        cmd = supernode_command(
+            superlink=self.fleet,
+            runtime_port=runtime_port,
+            root_cert=root_cert,
+            private_key=private_key,
+            max_retries=max_retries,
+            max_wait_time=max_wait_time,
+            node_config=node_config_string(
+                partition_id=partition_id,
+                num_partitions=num_partitions,
+                data_path=data,
+                device=device,
+                model_path=model,
+                cache_dir=cache_dir or self.folder / f"cache-{partition_id}",
+            ),
+        )
+        self.processes.start(name, [*prefix, *cmd], env=self.env)
+        return name
+
+    def register_new_node_key(self, index: int) -> Path:
+        """Make ``certs/node<index>.key`` (+ ``.pub``), register it; the private key's path."""
+        private, public = make_node_key(self.folder / "certs" / f"node{index}.key")
+        result = register_node(public, self.connection, env=self.env)
+        if result.returncode != 0:
+            raise RuntimeError(f"registering {public} failed: {result.stdout}{result.stderr}")
+        return private
+
+    def start(
+        self,
+        nodes: int,
+        *,
+        data: Path,
+        device: str | None = None,
+        tls: bool = False,
+        node_auth: bool = False,
+        client_cores: Sequence[int] | None = None,
+        server_core: int | None = None,
+        settle: float = 0.0,
+    ) -> LocalCluster:
+        """The whole cluster: a SuperLink and ``nodes`` SuperNodes sharing the data file.
+
+        ``tls``: a fresh private CA in ``certs/``; ``node_auth``: a registered key per node.
+        ``client_cores`` / ``server_core`` pin node ``i`` / the SuperLink to one CPU core.
+        ``settle``: seconds to let the SuperNodes connect before returning.
+        """
+        files = make_certificates(self.folder / "certs", [self.host, "localhost"]) if tls else None
+        self.start_superlink(tls=files, node_auth=node_auth, prefix=pinned([], server_core))
+        keys = [self.register_new_node_key(i) for i in range(nodes)] if node_auth else []
+        for i in range(nodes):
+            self.start_node(
+                i,
+                nodes,
+                data=data,
+                device=device,
+                root_cert=files.ca_cert if files else None,
+                private_key=keys[i] if keys else None,
+                prefix=pinned([], client_cores[i] if client_cores else None),
+            )
+        time.sleep(settle)
+        return self
+
+    def wait_listening(self, name: str, *addresses: str, timeout: float) -> None:
+        """Wait until every address accepts connections; ``RuntimeError`` if ``name`` dies."""
+        deadline = time.monotonic() + timeout
+        while not all(listening(a) for a in addresses):
+            if not self.processes.alive(name):
+                raise RuntimeError(f"{name} exited; its log:\n{self.processes.log(name)[-3000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} is not listening on {addresses} after {timeout} s")
+            time.sleep(0.2)
+
+    def kill(self, name: str, sig: int = signal.SIGTERM) -> None:
+        """End one process we started, and its process group (its ClientApps)."""
+        self.processes.kill(name, sig)
+
+    def stop(self) -> None:
+        """Stop every process this cluster started, SuperNodes first."""
+        self.processes.stop()
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # ----------------------------------------------------------------------------------- runs
+    def submit(self, project: str | Path, overrides: str) -> str:
+        """``flwr run`` the project on this cluster with these Hydra overrides; the run id."""
+        return start_run(project, self.connection, overrides, env=self.env)
+
+    def wait(self, run_id: str, *, timeout: float, poll: float = 3.0) -> dict[str, str]:
+        """The run's status once it is finished, or when ``timeout`` seconds have passed."""
+        return wait_for_run(self.connection, run_id, timeout=timeout, poll=poll, env=self.env)
+
+    def run(
+        self, project: str | Path, overrides: str, *, timeout: float, poll: float = 3.0
+    ) -> RunResult:
+        """Submit a run and wait for it; wall seconds from ``flwr run`` to its end."""
+        tick = time.perf_counter()
+        run_id = self.submit(project, overrides)
+        status = self.wait(run_id, timeout=timeout, poll=poll)
+        return RunResult(run_id, status, time.perf_counter() - tick)

@@ -1,0 +1,149 @@
+"""Command lines of Flower's deployment executables, and a SuperNode's ``--node-config``.
+
+Pure functions: they build argument lists and strings, and start nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from car_fl.config import NODE_CONFIG_KEYS
+from car_fl.deploy.certs import TLSFiles
+
+FLEET_PORT = 9092  # gRPC Fleet API: SuperNodes connect here (open it to the clients)
+CONTROL_PORT = 9093  # HTTP(S) Control API: `flwr run` connects here (open it to the operator)
+RUNTIME_PORT = 9094  # a SuperNode's local runtime API (its ClientApp processes connect here)
+
+#: The node-config keys ``car_fl.client.NodeInfo`` reads besides the local paths and device.
+PARTITION_ID, NUM_PARTITIONS, DATA_IS_SHARD = "partition-id", "num-partitions", "data-is-shard"
+
+
+def flwr_bin(name: str) -> str:
+    """A Flower executable from the running interpreter's environment, else from PATH."""
+    beside = Path(sys.executable).parent / name
+    return str(beside) if beside.exists() else name
+
+
+def pinned(cmd: list[str], core: int | None) -> list[str]:
+    """``cmd`` run on one CPU core (its children inherit the affinity), or as it is."""
+    return cmd if core is None else ["taskset", "-c", str(core), *cmd]
+
+
+def superlink_command(
+    *,
+    fleet_address: str = f"0.0.0.0:{FLEET_PORT}",
+    control_host: str = "0.0.0.0",
+    control_port: int = CONTROL_PORT,
+    database: str | Path = "superlink-state.db",
+    tls: TLSFiles | None = None,
+    node_auth: bool = False,
+    isolation: str = "subprocess",
+) -> list[str]:
+    """``flower-superlink`` for a deployment: runtime dependency installation off."""
+    cmd = [
+        flwr_bin("flower-superlink"),
+        "--fleet-api-address",
+        fleet_address,
+        "--host",
+        control_host,
+        "--port",
+        str(control_port),
+        "--database",
+        str(database),
+        "--isolation",
+        isolation,
+        "--disable-runtime-dependency-installation",
+    ]
+    if tls is None:
+        if node_auth:
+            raise ValueError("SuperNode authentication needs TLS: give the certificates")
+        cmd.append("--insecure")
+    else:
+        cmd += [
+            "--ssl-ca-certfile",
+            str(tls.ca_cert),
+            "--ssl-certfile",
+            str(tls.server_cert),
+            "--ssl-keyfile",
+            str(tls.server_key),
+        ]
+    if node_auth:
+        cmd.append("--enable-supernode-auth")
+    return cmd
+
+
+def superexec_command(*, runtime_address: str, root_cert: Path | None = None) -> list[str]:
+    """``flower-superexec`` for a SuperLink started with ``--isolation process``.
+
+    Run separately from the SuperLink, it keeps the ServerApp alive when the SuperLink is
+    restarted (the run then resumes from the SuperLink's state database).
+    """
+    cmd = [flwr_bin("flower-superexec"), "--runtime-api-address", runtime_address]
+    cmd += ["--root-certificates", str(root_cert)] if root_cert is not None else ["--insecure"]
+    return cmd
+
+
+#: ``node_config_string`` argument -> node-config key, one per key the client applies.
+LOCAL_ARGUMENTS = {key.replace("-", "_"): key for key in NODE_CONFIG_KEYS}
+
+
+def node_config_string(
+    *,
+    partition_id: int,
+    num_partitions: int,
+    data_is_shard: bool = False,
+    **local: str | Path | None,
+) -> str:
+    """Flower ``--node-config`` value: the node's shard and its local values.
+
+    ``local`` takes one keyword per key of ``car_fl.config.NODE_CONFIG_KEYS``, spelled with
+    underscores (``data_path``, ``test_data_path``, ``model_path``, ``device``, ``cache_dir``);
+    ``None`` leaves a value out, paths are made absolute. ``data_is_shard``: the data file holds
+    only this node's examples (train on all of it).
+    """
+    unknown = sorted(set(local) - set(LOCAL_ARGUMENTS))
+    if unknown:
+        raise ValueError(f"unknown node-config values {unknown}; valid: {sorted(LOCAL_ARGUMENTS)}")
+    items = [f"{PARTITION_ID}={partition_id}", f"{NUM_PARTITIONS}={num_partitions}"]
+    for argument, key in LOCAL_ARGUMENTS.items():
+        value = local.get(argument)
+        if value is None:
+            continue
+        text = str(value) if key == "device" else str(Path(value).resolve())
+        if '"' in text:
+            raise ValueError(f"{argument}={text!r}: a node-config value cannot hold a '\"'")
+        items.append(f'{key}="{text}"')
+    if data_is_shard:
+        items.append(f"{DATA_IS_SHARD}=true")
+    return " ".join(items)
+
+
+def supernode_command(
+    *,
+    superlink: str,
+    node_config: str,
+    runtime_port: int = RUNTIME_PORT,
+    root_cert: Path | None = None,
+    private_key: Path | None = None,
+    max_retries: int | None = None,
+    max_wait_time: float | None = None,
+) -> list[str]:
+    """``flower-supernode`` for one client machine (insecure unless a CA is given)."""
+    cmd = [
+        flwr_bin("flower-supernode"),
+        "--superlink",
+        superlink,
+        "--node-config",
+        node_config,
+        "--port",
+        str(runtime_port),
+    ]
+    cmd += ["--root-certificates", str(root_cert)] if root_cert is not None else ["--insecure"]
+    if private_key is not None:
+        cmd += ["--auth-supernode-private-key", str(private_key)]
+    if max_retries is not None:
+        cmd += ["--max-retries", str(max_retries)]
+    if max_wait_time is not None:
+        cmd += ["--max-wait-time", str(max_wait_time)]
+    return cmd
