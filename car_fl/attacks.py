@@ -21,6 +21,7 @@ from typing import Any, cast
 import numpy as np
 from flwr.app import Array, Context, Message
 
+from car_fl.flower_bridge import PARTITION_ID
 from car_fl.records import ARRAYS_KEY, METRICS_KEY, NUM_EXAMPLES, decode, encode
 
 Arrays = dict[str, np.ndarray[Any, Any]]
@@ -88,7 +89,7 @@ def hostile_client(
 
     def train(msg: Message, context: Context) -> Message:
         reply = honest(msg, context)
-        if int(context.node_config["partition-id"]) == partition:
+        if int(context.node_config[PARTITION_ID]) == partition:
             return poison(reply, msg, attack)
         return reply
 

@@ -21,6 +21,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from car_fl.compose import settings_to_yaml
 from car_fl.config import Settings
+from car_fl.flower_bridge import NUM_PARTITIONS, PARTITION_ID
 from car_fl.results import METRICS_JSON
 
 ClientTrain = Callable[[Message, Context], Message]
@@ -45,8 +46,8 @@ class LocalGrid(Grid):
                 run_id=1,
                 node_id=first_node_id + i,
                 node_config={
-                    "partition-id": i,
-                    "num-partitions": num_nodes,
+                    PARTITION_ID: i,
+                    NUM_PARTITIONS: num_nodes,
                     **(node_config or {}),
                 },
                 state=RecordDict(),

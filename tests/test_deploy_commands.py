@@ -8,8 +8,9 @@ from typing import Any
 import pytest
 from flwr.common.config import parse_config_args
 
-from car_fl.client import NodeInfo
-from car_fl.config import NODE_CONFIG_KEYS, apply_node_config, load_settings
+from car_fl.compose import load_settings
+from car_fl.flower_bridge import NODE_CONFIG, NodeInfo, apply_node_config
+
 from car_fl.deploy import (
     TLSFiles,
     node_config_string,
@@ -18,6 +19,9 @@ from car_fl.deploy import (
     superlink_command,
     supernode_command,
 )
+
+#: The node-config keys that set a value on the node (paths, device, cache).
+NODE_CONFIG_KEYS = [key for key, spec in NODE_CONFIG.items() if spec.setting is not None]
 
 
 def flag(cmd: list[str], name: str) -> str:

@@ -13,10 +13,11 @@ from flwr.app import RecordDict
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from car_fl.client import NodeInfo, shard_data, train_round
+from car_fl.client import shard_data, train_round
 from car_fl.compose import load_settings
 from car_fl.data import load_splits
 from car_fl.features import LocalData
+from car_fl.flower_bridge import NodeInfo
 from car_fl.model import build_retriever
 from car_fl.optim import Optimizer
 from car_fl.privacy.dpsgd import (

@@ -12,10 +12,11 @@ from flwr.app import RecordDict
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from car_fl.client import NodeInfo, load_privacy, train_round
+from car_fl.client import load_privacy, train_round
 from car_fl.compose import load_settings
 from car_fl.config import DPConfig
 from car_fl.data import load_splits
+from car_fl.flower_bridge import NodeInfo
 from car_fl.model import build_retriever
 from car_fl.privacy.accountant import (
     combined_multiplier,

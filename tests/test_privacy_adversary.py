@@ -14,9 +14,10 @@ import pytest
 import torch
 from flwr.app import RecordDict
 
-from car_fl.client import NodeInfo, train_round
+from car_fl.client import train_round
 from car_fl.config import Settings
 from car_fl.data import load_splits
+from car_fl.flower_bridge import NodeInfo
 from car_fl.model import build_retriever
 from car_fl.privacy.mechanism import clip, difference, flat_norm
 from car_fl.records import train_reply

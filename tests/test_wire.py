@@ -9,9 +9,10 @@ from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
 
 from car_fl import client as client_module
 from car_fl import encoder as encoder_module
-from car_fl.client import NodeInfo, train_round
+from car_fl.client import train_round
 from car_fl.compose import load_settings
 from car_fl.features import FeatureCache
+from car_fl.flower_bridge import NodeInfo
 from car_fl.model import build_retriever
 from car_fl.records import (
     ARRAYS_KEY,

@@ -8,15 +8,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from car_fl.config import NODE_CONFIG_KEYS
 from car_fl.deploy.certs import TLSFiles
+from car_fl.flower_bridge import DATA_IS_SHARD, DEVICE, NODE_CONFIG, NUM_PARTITIONS, PARTITION_ID
 
 FLEET_PORT = 9092  # gRPC Fleet API: SuperNodes connect here (open it to the clients)
 CONTROL_PORT = 9093  # HTTP(S) Control API: `flwr run` connects here (open it to the operator)
 RUNTIME_PORT = 9094  # a SuperNode's local runtime API (its ClientApp processes connect here)
-
-#: The node-config keys ``car_fl.client.NodeInfo`` reads besides the local paths and device.
-PARTITION_ID, NUM_PARTITIONS, DATA_IS_SHARD = "partition-id", "num-partitions", "data-is-shard"
 
 
 def flwr_bin(name: str) -> str:
@@ -85,7 +82,9 @@ def superexec_command(*, runtime_address: str, root_cert: Path | None = None) ->
 
 
 #: ``node_config_string`` argument -> node-config key, one per key the client applies.
-LOCAL_ARGUMENTS = {key.replace("-", "_"): key for key in NODE_CONFIG_KEYS}
+LOCAL_ARGUMENTS = {
+    key.replace("-", "_"): key for key, spec in NODE_CONFIG.items() if spec.setting is not None
+}
 
 
 def node_config_string(
@@ -97,7 +96,8 @@ def node_config_string(
 ) -> str:
     """Flower ``--node-config`` value: the node's shard and its local values.
 
-    ``local`` takes one keyword per key of ``car_fl.config.NODE_CONFIG_KEYS``, spelled with
+    ``local`` takes one keyword per key of ``car_fl.flower_bridge.NODE_CONFIG`` that sets a
+    value on the node, spelled with
     underscores (``data_path``, ``test_data_path``, ``model_path``, ``device``, ``cache_dir``);
     ``None`` leaves a value out, paths are made absolute. ``data_is_shard``: the data file holds
     only this node's examples (train on all of it).
@@ -110,7 +110,7 @@ def node_config_string(
         value = local.get(argument)
         if value is None:
             continue
-        text = str(value) if key == "device" else str(Path(value).resolve())
+        text = str(value) if key == DEVICE else str(Path(value).resolve())
         if '"' in text:
             raise ValueError(f"{argument}={text!r}: a node-config value cannot hold a '\"'")
         items.append(f'{key}="{text}"')

@@ -21,8 +21,9 @@ from typing import Any
 import torch
 from flwr.app import MetricRecord, RecordDict
 
-from car_fl.client import NodeInfo, client_seed, local_retriever, shard_data
+from car_fl.client import client_seed, local_retriever, shard_data
 from car_fl.config import Settings
+from car_fl.flower_bridge import NodeInfo
 from car_fl.privacy.record_accounting import RecordPlan, check_delta, record_plan
 from car_fl.train import make_optimizer, train_epoch_dpsgd
 
