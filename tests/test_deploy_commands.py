@@ -9,8 +9,6 @@ import pytest
 from flwr.common.config import parse_config_args
 
 from car_fl.compose import load_settings
-from car_fl.flower_bridge import NODE_CONFIG, NodeInfo, apply_node_config
-
 from car_fl.deploy import (
     TLSFiles,
     node_config_string,
@@ -19,6 +17,7 @@ from car_fl.deploy import (
     superlink_command,
     supernode_command,
 )
+from car_fl.flower_bridge import NODE_CONFIG, NodeInfo, apply_node_config
 
 #: The node-config keys that set a value on the node (paths, device, cache).
 NODE_CONFIG_KEYS = [key for key, spec in NODE_CONFIG.items() if spec.setting is not None]
