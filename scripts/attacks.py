@@ -27,7 +27,7 @@ from car_fl.attacks import ATTACKS, hostile_client  # noqa: E402
 from car_fl.compose import load_settings  # noqa: E402
 from car_fl.local_grid import run_local  # noqa: E402
 from car_fl.simulation import _import_app_module  # noqa: E402
-from car_fl.tiny import build_llama, synthetic_examples, write_tsv  # noqa: E402
+from car_fl.tiny import build_llama, synthetic_examples, tiny_overrides, write_tsv  # noqa: E402
 
 #: Column label → Hydra overrides of the aggregation.
 STRATEGIES: dict[str, list[str]] = {
@@ -38,17 +38,14 @@ STRATEGIES: dict[str, list[str]] = {
     "Krum": ["strategy=krum"],
 }
 #: The tiny task: 3 clients, 4 rounds × 2 local epochs.
-TASK = ["fl.clients=3", "train.lr=0.01", "fl.local_epochs=2", "progress=false", "device=cpu"]
+TASK = ["fl.clients=3", "train.lr=0.01", "fl.local_epochs=2"]
 
 
 def run_one(tiny: Path, out: Path, attack: str, label: str, rounds: int) -> dict[str, Any]:
     name = f"{attack}-{label.replace(' ', '').replace('+', '-')}"
     settings = load_settings(
         [
-            "model=local",
-            f"model.name_or_path={tiny / 'llama'}",
-            f"dataset.path={tiny / 'synthetic.tsv'}",
-            f"cache_dir={out / 'cache'}",
+            *tiny_overrides(tiny / "llama", tiny / "synthetic.tsv", cache_dir=out / "cache"),
             f"output_dir={out / name}",
             f"fl.rounds={rounds}",
             *TASK,

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from car_fl.deploy import LocalCluster, pinned
+from car_fl.tiny import tiny_overrides
 
 PROJECT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = PROJECT.parent / "shared" / "data" / "sms_spam" / "SMSSpamCollection.tsv"
@@ -125,10 +126,7 @@ def bench_overhead(work: Path, *, clients: int, rounds: int) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     model = build_llama(work / "llama")
     data = write_tsv(work / "data.tsv", synthetic_examples(400))
-    common = (
-        f"model=local model.name_or_path={model} dataset.path={data} progress=false device=cpu "
-        f"fl.clients={clients} fl.rounds={rounds}"
-    )
+    common = " ".join(tiny_overrides(model, data)) + f" fl.clients={clients} fl.rounds={rounds}"
     floor_dir = floor_project(work / "floor-project")
     with cluster(work / "cluster", clients=clients, data=data) as local:
         ours_wall, ours = timed_run(local, PROJECT, f"{common} output_dir={work / 'ours'}")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from car_fl.deploy import LocalCluster
 from car_fl.simulation import run_simulation
-from car_fl.tiny import build_llama, synthetic_examples, write_tsv
+from car_fl.tiny import build_llama, synthetic_examples, tiny_overrides, write_tsv
 
 PROJECT = Path(__file__).resolve().parents[1]
 
@@ -46,8 +46,8 @@ def main() -> None:
     model = build_llama(work / "llama")
     data = write_tsv(work / "data.tsv", synthetic_examples(400))
     common = (
-        f"model=local model.name_or_path={model} dataset.path={data} progress=false "
-        f"device=cpu fl.clients={args.clients} fl.rounds={args.rounds}"
+        " ".join(tiny_overrides(model, data))
+        + f" fl.clients={args.clients} fl.rounds={args.rounds}"
     )
 
     sim = run_simulation(f"{common} cache_dir={work / 'sim-cache'} output_dir={work / 'sim'}")

@@ -122,7 +122,7 @@ def test_cached_classifier_round_in_a_fresh_process_imports_no_heavy_library(
 def test_settings_are_composed_once_per_node_then_read_from_disk(
     tmp_path: Path, tiny_llama: Path, synthetic_tsv: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    overrides = f"model=local model.name_or_path={tiny_llama} dataset.path={synthetic_tsv}"
+    overrides = " ".join(tiny_overrides(tiny_llama, synthetic_tsv))
     node_config = {"cache-dir": str(tmp_path), "device": "cpu", "partition-id": 0}
     expected = apply_node_config(load_settings(overrides), node_config)
     server = fingerprint(load_settings(overrides))

@@ -21,6 +21,7 @@ import pytest
 from safetensors.torch import load_file
 
 from car_fl.deploy import LocalCluster, make_certificates, make_node_key, register_node
+from car_fl.tiny import tiny_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -51,8 +52,9 @@ class Deployment:
 
     def overrides(self, *extra: str) -> str:
         return (
-            f"model=local model.name_or_path={self.model} dataset.path={self.data} "
-            f"progress=false device=cpu output_dir={self.out} " + " ".join(extra)
+            " ".join(tiny_overrides(self.model, self.data))
+            + f" output_dir={self.out} "
+            + " ".join(extra)
         )
 
     def run(self, *extra: str, timeout: float = 600) -> tuple[dict[str, str], Path]:

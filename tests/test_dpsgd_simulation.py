@@ -10,6 +10,7 @@ import pytest
 from car_fl.compose import load_settings
 from car_fl.privacy.record_accounting import record_plan
 from car_fl.simulation import run_simulation
+from car_fl.tiny import tiny_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -18,12 +19,7 @@ def test_record_dp_federation_reports_each_clients_privacy(
     tmp_path: Path, tiny_llama: Path, synthetic_tsv: Path
 ) -> None:
     overrides = [
-        "model=local",
-        f"model.name_or_path={tiny_llama}",
-        f"dataset.path={synthetic_tsv}",
-        f"cache_dir={tmp_path / 'cache'}",
-        "progress=false",
-        "device=cpu",
+        *tiny_overrides(tiny_llama, synthetic_tsv, cache_dir=tmp_path / "cache"),
         "dp=record",
         "dp.delta=1e-4",
         "dp.sample_rate=0.1",

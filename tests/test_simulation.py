@@ -17,20 +17,14 @@ from car_fl.compose import settings_to_yaml
 from car_fl.privacy.accountant import epsilon
 from car_fl.selection import select_best
 from car_fl.simulation import run_simulation
+from car_fl.tiny import tiny_overrides
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
 def base(tmp_path: Path, tiny_llama: Path, synthetic_tsv: Path) -> list[str]:
-    return [
-        "model=local",
-        f"model.name_or_path={tiny_llama}",
-        f"dataset.path={synthetic_tsv}",
-        f"cache_dir={tmp_path / 'cache'}",
-        "progress=false",
-        "device=cpu",
-    ]
+    return tiny_overrides(tiny_llama, synthetic_tsv, cache_dir=tmp_path / "cache")
 
 
 def rows_of(path: Path) -> list[dict[str, str]]:

@@ -17,6 +17,7 @@ from car_fl.attacks import hostile_client
 from car_fl.compose import load_settings
 from car_fl.local_grid import run_local
 from car_fl.simulation import _import_app_module
+from car_fl.tiny import tiny_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -60,13 +61,8 @@ def federation(
     try:
         settings = load_settings(
             [
-                "model=local",
-                f"model.name_or_path={tiny_llama}",
-                f"dataset.path={synthetic_tsv}",
-                f"cache_dir={workdir / 'cache'}",
+                *tiny_overrides(tiny_llama, synthetic_tsv, cache_dir=workdir / "cache"),
                 f"output_dir={workdir / f'{defence}-{attack}'}",
-                "progress=false",
-                "device=cpu",
                 "fl.clients=3",
                 "fl.rounds=4",
                 "train.lr=0.01",

@@ -15,6 +15,7 @@ from hydra import compose, initialize_config_dir
 
 from car_fl.compose import conf_dir
 from car_fl.sweep import job_settings, skip_reason
+from car_fl.tiny import tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,11 +35,7 @@ def _sweep(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
 
 def _tiny(tiny_llama: Path, synthetic_tsv: Path, tmp_path: Path) -> list[str]:
     return [
-        "model=local",
-        f"model.name_or_path={tiny_llama}",
-        f"dataset.path={synthetic_tsv}",
-        f"cache_dir={tmp_path / 'cache'}",
-        "device=cpu",
+        *tiny_overrides(tiny_llama, synthetic_tsv, cache_dir=tmp_path / "cache"),
         "train.lr=1e-2",
         "fl.rounds=2",
         "fl.local_epochs=1",

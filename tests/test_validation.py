@@ -15,6 +15,7 @@ from flwr.app import Array
 from car_fl.checkpoint import load_checkpoint
 from car_fl.records import RAW_STYPE, decode, encode
 from car_fl.strategy import CaRFedAvg
+from car_fl.tiny import tiny_overrides
 
 SPEC = {"w": ((2, 3), np.dtype("float32")), "b": ((3,), np.dtype("float32"))}
 
@@ -197,12 +198,7 @@ def test_a_poisoned_round_leaves_the_model_bit_identical_and_the_run_completes(
     out = tmp_path / "fl"
     metrics = run_simulation(
         [
-            "model=local",
-            f"model.name_or_path={tiny_llama}",
-            f"dataset.path={synthetic_tsv}",
-            f"cache_dir={tmp_path / 'cache'}",
-            "progress=false",
-            "device=cpu",
+            *tiny_overrides(tiny_llama, synthetic_tsv, cache_dir=tmp_path / "cache"),
             "fl.rounds=3",
             "fl.local_epochs=1",
             "fl.min_valid_fraction=1.0",
