@@ -1,5 +1,7 @@
 """The CaR retriever: frozen encoder → soft-embedding adapter → transformer → pooling → scorer.
 
+(Just over 300 lines: the retriever's forward pass, trainable state and serving API in one class.)
+
 ``scores = HEAD(POOL(TRF(ADP(TKN(x)))))``. ``HEAD`` is one scorer of :mod:`car_fl.scorers`:
 CaR's classifier, MIPS against the labels' documents, or kNN over training examples. What is
 trained is whatever requires a gradient: the adapter (in ``adapter+classifier`` mode) and the

@@ -1,6 +1,6 @@
 """Reports across runs: the method's tables and figures from a sweep or any run directories.
 
-(Over 300 lines: run reading, tables and plot grouping share the approach names kept here.)
+(Over 300 lines: reading runs, the two tables' rows and the plots' grouping are one report.)
 
 ``car-fl report SWEEP_DIR [RUN_DIR ...] --out DIR`` (and the end of every ``car_fl.sweep``
 multirun) collects each run's ``config.yaml``, ``metrics.json`` and the sweep's ``job.json``,
