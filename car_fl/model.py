@@ -230,7 +230,7 @@ class CaRRetriever(nn.Module):
         if isinstance(retriever.head, KNNScorer):  # no weights: its memory is the training split
             try:
                 memory = training_features(settings, ckpt.label_map, get_model=lambda: retriever)
-            except Exception as err:  # any reader's failure: one message that says what is needed
+            except (OSError, ValueError) as err:  # the data is missing or unreadable
                 raise FileNotFoundError(
                     f"{path} is a kNN checkpoint: it holds no weights, and its memory, the "
                     f"training split of {settings.dataset.path or settings.dataset.hub_id!r}, "

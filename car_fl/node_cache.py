@@ -41,7 +41,7 @@ CACHE_FORMAT = "car-fl-node-v1"
 PACKAGE_DIR = Path(__file__).resolve().parent
 #: The code that turns overrides and a node config into settings: the schema (its defaults),
 #: the composition and the node config's application.
-SETTINGS_SOURCES = ("config.py", "compose.py", "flower_bridge.py")
+SETTINGS_SOURCES = ("config.py", "compose.py", "flower_bridge.py", "optim.py")
 
 
 def base_dir(cache_dir: str | os.PathLike[str] | None) -> Path:

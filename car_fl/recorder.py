@@ -11,6 +11,7 @@ them, with the server's evaluation, into the round's row, client rows and ε.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -158,7 +159,7 @@ class RoundRecorder:
     pending: RoundStats | None = None
 
     def receive(self, stats: RoundStats) -> None:
-        """The strategy hands over a round's statistics when it has aggregated it."""
+        """The strategy hands over each round's statistics (aggregated or not) before evaluation."""
         self.pending = stats
 
     def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
@@ -222,8 +223,9 @@ class RoundRecorder:
             if wire_key("dp_epsilon") in metrics:
                 self.client_epsilon[node] = metrics[wire_key("dp_epsilon")]
             dp = ClientDP.from_wire(metrics)
-            if dp is not None:  # record-level DP
-                self.client_dp[int(metrics.get(wire_key("partition_id"), node))] = dp
+            if dp is not None:  # record-level DP, by partition (a non-finite claim: by node)
+                claimed = metrics.get(wire_key("partition_id"), float(node))
+                self.client_dp[int(claimed) if math.isfinite(claimed) else node] = dp
         self.last_epsilon = max(self.client_epsilon.values(), default=0.0)
         return self.last_epsilon
 

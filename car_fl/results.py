@@ -190,10 +190,11 @@ class ClientDP:
 
     @classmethod
     def from_wire(cls, metrics: Mapping[str, float]) -> ClientDP | None:
-        """From a reply's metrics; ``None`` unless the client ran record-level DP."""
-        if wire_key("dp_steps") not in metrics:
+        """From a reply's metrics; ``None`` unless it carries all four record-level DP values."""
+        keys = {f.name: wire_key(f"dp_{f.name}") for f in fields(cls)}
+        if any(key not in metrics for key in keys.values()):
             return None
-        return cls(**{f.name: metrics[wire_key(f"dp_{f.name}")] for f in fields(cls)})
+        return cls(**{name: metrics[key] for name, key in keys.items()})
 
 
 @dataclass(kw_only=True)

@@ -15,7 +15,7 @@ see :mod:`car_fl.aggregation`) and adds, once for all of them:
   are rejected or clipped;
 - a minimum of valid replies, below which the global model stays exactly as it was;
 - per-round records (:class:`~car_fl.round_stats.RoundStats`), handed to the round recorder
-  (``on_round``) when a round is aggregated, and the round offset of a resumed run.
+  (``on_round``) after every round, aggregated or not, and the round offset of a resumed run.
 
 Only replies that passed every check reach the wrapped strategy, rebuilt with float64 NumPy
 arrays and their example count alone, in node order (so arrival order cannot matter); its result
@@ -235,8 +235,11 @@ class GuardedStrategy(Strategy):
         self.claims.pin(node, claimed)
         record = next(iter(content.array_records.values()))
         arrays = {name: decode(record[name]) for name in self.spec}
+        # Numbers only, and never NaN (no honest client sends one; ε = inf is honest)
         stats.client_metrics[node] = {
-            k: float(v) for k, v in metrics.items() if isinstance(v, int | float)
+            k: float(v)
+            for k, v in metrics.items()
+            if isinstance(v, int | float) and not math.isnan(v)
         }
         return arrays, int(metrics[NUM_EXAMPLES])  # type: ignore[arg-type]
 

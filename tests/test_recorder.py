@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -202,6 +203,39 @@ def test_the_strategy_hands_its_round_statistics_to_the_recorder(
     again.resume(point.history, point.client_rows, point.initial, done=point.round)
     assert again.recorder.best == history[0] and again.last_epsilon == 0.9
     assert json.loads((tmp_path / "metrics.json").read_text())["summary"]["epsilon"] == 0.9
+
+
+@pytest.mark.parametrize(
+    "metrics",
+    [
+        {"dp-steps": 1.0},  # claims record-level DP without its other values
+        {"dp-steps": 1.0, "dp-noise-multiplier": 1.0, "dp-sample-rate": 0.1, "dp-epsilon": 1.0},
+        {"dp-epsilon": float("nan"), "train-loss": float("nan")},
+    ],
+)
+@pytest.mark.parametrize("partition", [0.0, float("nan"), float("inf")])
+def test_a_hostile_clients_metrics_cannot_end_the_run_or_poison_epsilon(
+    make_settings, tmp_path: Path, metrics: dict[str, float], partition: float
+) -> None:  # type: ignore[no-untyped-def]
+    # With a cap on claimed examples, the server does not check the claimed partition id.
+    settings = make_settings()
+    rounds = RoundRecorder(
+        recorder(settings, tmp_path, unit="round", per_round=False),
+        evaluate=lambda arrays: scores(0.5, 1.0, 0.5),
+        describe=federated_summary,
+    )
+    strategy = CaRFedAvg(spec=SPEC, max_examples=100)
+    strategy.on_round = rounds.receive
+    honest = reply(11, {"w": np.ones(3, np.float32)}, 10, **{"dp-epsilon": 2.0})
+    hostile = reply(10, {"w": np.ones(3, np.float32)}, 10, **{"partition-id": partition}, **metrics)
+    arrays, _ = strategy.aggregate_train(1, [hostile, honest])  # the hostile reply first
+    assert arrays is not None
+    rounds(1, arrays)  # evaluates and records the round without raising
+    row = rounds.recorder.history[-1]
+    assert row.clients_ok == 2
+    assert row.epsilon == 2.0  # the largest finite ε reported; a NaN does not take over
+    dp = MetricsFile.read(tmp_path).summary.dp_clients or {}
+    assert all(math.isfinite(float(key)) for key in dp)
 
 
 def test_a_round_the_strategy_never_handed_over_is_an_error(make_settings, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
