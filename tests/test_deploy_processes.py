@@ -58,6 +58,25 @@ def test_processes_are_recorded_and_stopped_by_pid_with_their_children(tmp_path:
         procs.stop()
 
 
+def test_a_child_that_ignores_sigterm_is_killed_with_its_group(tmp_path: Path) -> None:
+    procs = Processes(tmp_path)
+    try:
+        # the leader ends on SIGTERM; its child (like a stuck ClientApp) ignores it
+        procs.start("supernode-0", ["sh", "-c", "sh -c 'trap \"\" TERM; sleep 60' & echo $!; wait"])
+        deadline = time.monotonic() + 10
+        while not procs.log("supernode-0").strip() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child = int(procs.log("supernode-0").split()[0])
+        time.sleep(0.3)  # the child has set its trap
+        procs.kill("supernode-0", timeout=2.0)
+        deadline = time.monotonic() + 10
+        while not gone(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert gone(child), f"PID {child} ignored SIGTERM and survived kill()"
+    finally:
+        procs.stop()
+
+
 def test_exit_code_and_kill_with_a_signal(tmp_path: Path) -> None:
     procs = Processes(tmp_path)
     try:

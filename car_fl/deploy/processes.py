@@ -96,10 +96,12 @@ class Processes:
         deadline = time.monotonic() + timeout
         while self.alive(name) and time.monotonic() < deadline:
             time.sleep(0.1)
-        if self.alive(name):
+        # Whatever of the group is left (the leader, or a child that ignored ``sig``) is killed
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGKILL)
-            while self.alive(name):
-                time.sleep(0.1)
+        deadline = time.monotonic() + 10.0
+        while self.alive(name) and time.monotonic() < deadline:
+            time.sleep(0.1)
         self.pids.pop(name, None)
         self.children.pop(name, None)
         self.save()
