@@ -124,7 +124,10 @@ def test_cluster_ports_environment_and_node_command(tmp_path: Path) -> None:
 def test_free_ports_differ_and_attach_finds_the_pids(tmp_path: Path) -> None:
     cluster = LocalCluster(tmp_path / "a")
     assert cluster.fleet_port != cluster.control_port
+    with pytest.raises(FileNotFoundError, match="no SuperLink was started in"):
+        LocalCluster.attach(tmp_path / "a")
     try:
+        cluster.save_network()
         cluster.processes.start("superlink", ["sleep", "60"])
         attached = LocalCluster.attach(tmp_path / "a")
         assert attached.processes.pids == cluster.processes.pids
@@ -161,6 +164,10 @@ def test_start_superlink_waits_until_both_apis_listen(tmp_path: Path) -> None:
         with socket.create_connection(("127.0.0.1", cluster.control_port), timeout=1):
             pass
         assert (tmp_path / "flwr" / "config.toml").is_file()
+        # another program attaching to this folder reaches the same SuperLink
+        attached = LocalCluster.attach(tmp_path)
+        assert (attached.fleet, attached.control) == (cluster.fleet, cluster.control)
+        assert attached.processes.pids == cluster.processes.pids
     finally:
         cluster.stop()
     assert cluster.processes.pids == {}

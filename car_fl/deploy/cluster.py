@@ -4,12 +4,16 @@
 ``tests/test_deployment.py`` all build their clusters here. A cluster lives in one folder: the
 SuperLink's state database (``state.db``), the ``flwr`` configuration with the cluster's
 connection (``flwr/``, the cluster's own ``FLWR_HOME``), each node's feature cache
-(``cache-<i>``), certificates and node keys (``certs/``), one log per process and the PIDs
-(``cluster.json``). Everything it starts is stopped by PID, never by name.
+(``cache-<i>``), certificates and node keys (``certs/``), one log per process, the PIDs
+(``cluster.json``) and the host and ports (``network.json``). Everything it starts is stopped
+by PID, never by name.
+
+(Just over 300 lines: one class that starts a cluster, attaches to it and runs on it.)
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -32,6 +36,10 @@ from car_fl.deploy.processes import Processes
 from car_fl.deploy.runs import COMPLETED, start_run, wait_for_run
 
 LOOPBACK = "127.0.0.1"
+
+
+#: Host and ports of the cluster in a folder, written when its SuperLink starts.
+NETWORK_FILE = "network.json"
 
 
 def free_port(host: str = LOOPBACK) -> int:
@@ -99,9 +107,26 @@ class LocalCluster:
     @classmethod
     def attach(cls, folder: str | Path, *, connection: str = "car-fl-local") -> LocalCluster:
         """The cluster another program started in ``folder``: its connection and its PIDs."""
-        cluster = cls(folder, connection=connection)
+        folder = Path(folder)
+        network = folder / NETWORK_FILE
+        if not network.is_file():
+            raise FileNotFoundError(f"{network} not found: no SuperLink was started in {folder}")
+        saved = json.loads(network.read_text())
+        cluster = cls(folder, connection=connection, host=saved["host"], ports=saved["ports"])
+        cluster.fleet_port, cluster.control_port = saved["fleet_port"], saved["control_port"]
         cluster.processes = Processes.load(folder)
         return cluster
+
+    def save_network(self) -> None:
+        """Record host and ports in ``<folder>/network.json``, for :meth:`attach`."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        network = {
+            "host": self.host,
+            "ports": self.ports,
+            "fleet_port": self.fleet_port,
+            "control_port": self.control_port,
+        }
+        (self.folder / NETWORK_FILE).write_text(json.dumps(network, indent=2) + "\n")
 
     @property
     def flwr_home(self) -> Path:
@@ -140,6 +165,7 @@ class LocalCluster:
             node_auth=node_auth,
             isolation=isolation,
         )
+        self.save_network()
         self.processes.start("superlink", [*prefix, *cmd], env=self.env)
         write_connection(
             self.flwr_home, self.connection, self.control, root_cert=tls.ca_cert if tls else None
