@@ -34,6 +34,7 @@ from car_fl.deploy.commands import (
 from car_fl.deploy.connection import register_node, write_connection
 from car_fl.deploy.processes import Processes
 from car_fl.deploy.runs import COMPLETED, start_run, wait_for_run
+from car_fl.io import atomic_write_json
 
 LOOPBACK = "127.0.0.1"
 
@@ -119,14 +120,13 @@ class LocalCluster:
 
     def save_network(self) -> None:
         """Record host and ports in ``<folder>/network.json``, for :meth:`attach`."""
-        self.folder.mkdir(parents=True, exist_ok=True)
         network = {
             "host": self.host,
             "ports": self.ports,
             "fleet_port": self.fleet_port,
             "control_port": self.control_port,
         }
-        (self.folder / NETWORK_FILE).write_text(json.dumps(network, indent=2) + "\n")
+        atomic_write_json(self.folder / NETWORK_FILE, network)
 
     @property
     def flwr_home(self) -> Path:

@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from car_fl.io import atomic_write_json
+
 
 @dataclass
 class Processes:
@@ -47,7 +49,7 @@ class Processes:
 
     def save(self) -> None:
         state = {"folder": str(self.folder), "processes": self.pids}
-        self.state_file.write_text(json.dumps(state, indent=2) + "\n")
+        atomic_write_json(self.state_file, state)
 
     @classmethod
     def load(cls, folder: str | Path) -> Processes:
