@@ -5,10 +5,11 @@ from __future__ import annotations
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from car_fl.client import train_round
-from car_fl.flower_bridge import NodeInfo, node_settings
-from car_fl.logs import setup_logging
-from car_fl.records import read_train_message, train_reply
+from car_fl.client.node_settings import node_settings
+from car_fl.client.round import train_round
+from car_fl.common.logs import setup_logging
+from car_fl.protocol.messages import read_train_message, train_reply
+from car_fl.settings.flower import NodeInfo
 
 app = ClientApp()
 

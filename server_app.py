@@ -5,9 +5,9 @@ from __future__ import annotations
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from car_fl.federation import run_federation
-from car_fl.flower_bridge import settings_from_run_config
-from car_fl.logs import setup_logging
+from car_fl.common.logs import setup_logging
+from car_fl.server.federation import run_federation
+from car_fl.settings.flower import settings_from_run_config
 
 app = ServerApp()
 

@@ -17,16 +17,16 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from car_fl.compose import conf_dir, register_configs, settings_to_yaml, to_settings
-from car_fl.config import HeadKind, Settings, trains_nothing
-from car_fl.data import load_splits
-from car_fl.evaluation import HeldOut, LazyRetriever
-from car_fl.features import prepare_for
-from car_fl.io import atomic_write_text
-from car_fl.model import build_retriever
-from car_fl.recorder import Recorder
-from car_fl.results import RoundRow, RunSummary
-from car_fl.train import make_optimizer, train_epoch
+from car_fl.common.io import atomic_write_text
+from car_fl.data.splits import load_splits
+from car_fl.method.evaluation import HeldOut, LazyRetriever
+from car_fl.method.features import prepare_for
+from car_fl.method.model import build_retriever
+from car_fl.method.train import make_optimizer, train_epoch
+from car_fl.results.recorder import Recorder
+from car_fl.results.rows import RoundRow, RunSummary
+from car_fl.settings.compose import conf_dir, register_configs, settings_to_yaml, to_settings
+from car_fl.settings.schema import HeadKind, Settings, trains_nothing
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any
         desc="train features",
     )
     held_out = HeldOut.prepare(settings, splits, get_model=lazy)
-    if lazy.model is not None or HeadKind(settings.head.kind) is HeadKind.MIPS:
+    if lazy.model is not None or settings.head.kind is HeadKind.MIPS:
         model = lazy()  # MIPS: label documents
     else:  # every feature was cached: the same head (same seed), no encoder
         assert train_data.features is not None

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from car_fl.model import CaRRetriever
+from car_fl.method.serving import load_retriever
 
 
 def _read_queries(args: argparse.Namespace) -> list[str]:
@@ -31,7 +31,7 @@ def _read_queries(args: argparse.Namespace) -> list[str]:
 def cmd_retrieve(args: argparse.Namespace) -> int:
     """Load a checkpoint and its encoder; print the top-K labels and scores per query."""
     queries = _read_queries(args)
-    retriever = CaRRetriever.from_checkpoint(args.checkpoint, device=args.device, model=args.model)
+    retriever = load_retriever(args.checkpoint, device=args.device, model=args.model)
     assert retriever.settings is not None
     k = args.k or max(retriever.settings.eval.top_k)
     results = retriever.retrieve(queries, k)
@@ -57,7 +57,7 @@ def cmd_retrieve(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """Tables (Markdown, CSV) and plots from sweep directories or run directories."""
-    from car_fl.report import write_report
+    from car_fl.results.report import write_report
 
     out = args.out or str(Path(args.paths[0]) / "report")
     try:

@@ -10,7 +10,7 @@ and leaves ``config.yaml``, ``metrics.json``/``.csv``, ``curves.png``, ``checkpo
 ``job.json`` (status ok / failed / skipped, the reason, the overrides, the seconds it took).
 A failing job is recorded and the sweep goes on; combinations that make no sense (local DP on
 a centralised run, a federation of a method that trains nothing) are skipped with the reason.
-When all jobs are done, :func:`car_fl.report.write_report` writes ``report/`` in the sweep
+When all jobs are done, :func:`car_fl.results.report.write_report` writes ``report/`` in the sweep
 directory; the command exits with 1 if any job failed.
 """
 
@@ -28,10 +28,10 @@ import hydra
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from car_fl.compose import conf_dir, register_configs, settings_to_yaml, to_settings
-from car_fl.config import DPMode, Settings, trains_nothing
-from car_fl.io import atomic_write_json, atomic_write_text
-from car_fl.report import JOB_JSON, write_report
+from car_fl.common.io import atomic_write_json, atomic_write_text
+from car_fl.results.report import JOB_JSON, write_report
+from car_fl.settings.compose import conf_dir, register_configs, settings_to_yaml, to_settings
+from car_fl.settings.schema import DPMode, Settings, trains_nothing
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def skip_reason(settings: Settings, clients: int) -> str:
 def run_job(cfg: DictConfig, output_dir: str | Path, overrides: list[str]) -> dict[str, Any]:
     """Run one sweep job, never raising for a failed run; returns what ``job.json`` holds."""
     from car_fl.centralized import run_centralized
-    from car_fl.simulation import run_simulation
+    from car_fl.simulation.flower import run_simulation
 
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)

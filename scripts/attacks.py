@@ -2,10 +2,11 @@
 
     python scripts/attacks.py [--out DIR] [--rounds 4] [--attacks ...] [--strategies ...]
 
-The tiny task (car_fl.tiny: a random 2-layer Llama and 400 synthetic examples, built offline),
-3 clients, classifier mode; client 1 (partition 1) replaces its reply in every round by the
-attack (car_fl/attacks.py). Federations run in this process (car_fl/local_grid.py: the real
-server and ClientApp handler, without Ray). Prints a Markdown table and writes attacks.json.
+The tiny task (car_fl.testing.tiny: a random 2-layer Llama and 400 synthetic examples, built
+offline), 3 clients, classifier mode; client 1 (partition 1) replaces its reply in every round
+by the attack (car_fl/simulation/hostile.py). Federations run in this process
+(car_fl/simulation/in_process.py: the real server and ClientApp handler, without Ray). Prints a
+Markdown table and writes attacks.json.
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from car_fl.attacks import ATTACKS, hostile_client  # noqa: E402
-from car_fl.compose import load_settings  # noqa: E402
-from car_fl.local_grid import run_local  # noqa: E402
-from car_fl.simulation import _import_app_module  # noqa: E402
-from car_fl.tiny import build_llama, synthetic_examples, tiny_overrides, write_tsv  # noqa: E402
+from car_fl.settings.compose import load_settings  # noqa: E402
+from car_fl.simulation.apps import import_app  # noqa: E402
+from car_fl.simulation.hostile import ATTACKS, hostile_client  # noqa: E402
+from car_fl.simulation.in_process import run_local  # noqa: E402
+from car_fl.testing.tiny import build_llama, synthetic_examples, tiny_overrides, write_tsv  # noqa: E402
 
 #: Column label → Hydra overrides of the aggregation.
 STRATEGIES: dict[str, list[str]] = {
@@ -52,7 +53,7 @@ def run_one(tiny: Path, out: Path, attack: str, label: str, rounds: int) -> dict
             *STRATEGIES[label],
         ]
     )
-    honest = _import_app_module("client_app").train
+    honest = import_app("client_app").train
     started = time.perf_counter()
     try:
         metrics = run_local(settings, client_train=hostile_client(honest, attack=attack))

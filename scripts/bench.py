@@ -45,13 +45,13 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from car_fl.compose import load_settings  # noqa: E402
-from car_fl.config import Settings  # noqa: E402
-from car_fl.data import load_splits  # noqa: E402
-from car_fl.features import features_for  # noqa: E402
-from car_fl.model import CaRRetriever, build_retriever  # noqa: E402
-from car_fl.records import payload_bytes, to_record  # noqa: E402
-from car_fl.train import make_optimizer  # noqa: E402
+from car_fl.data.splits import load_splits  # noqa: E402
+from car_fl.method.features import features_for  # noqa: E402
+from car_fl.method.model import CaRRetriever, build_retriever  # noqa: E402
+from car_fl.method.train import make_optimizer  # noqa: E402
+from car_fl.protocol.messages import payload_bytes, to_record  # noqa: E402
+from car_fl.settings.compose import load_settings  # noqa: E402
+from car_fl.settings.schema import Settings  # noqa: E402
 
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "sms_spam" / "SMSSpamCollection.tsv"
 TARGETS = {
@@ -119,7 +119,7 @@ def bench_bucketing(settings: Settings, model: CaRRetriever, n: int) -> dict[str
 def bench_fl_vs_extraction(
     data: Path, work: Path, model: CaRRetriever, settings: Settings
 ) -> dict[str, Any]:
-    from car_fl.simulation import run_simulation
+    from car_fl.simulation.flower import run_simulation
 
     cold = work / "cache-cold"
     overrides = base_overrides(data, cold, "fl.clients=2", "fl.rounds=5", "fl.local_epochs=2")
@@ -159,7 +159,7 @@ def bench_bytes(
     """Payload, and the whole reply as Flower transfers it (its deflated objects), both modes."""
     from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
-    from car_fl.records import train_reply
+    from car_fl.protocol.messages import train_reply
 
     out: dict[str, Any] = {
         "classifier_measured_payload": measured["bytes_sent_per_client_per_round"],
@@ -222,9 +222,9 @@ def bench_step_vs_forward(
 
 
 def tiny_llama_retriever(folder: Path, *, hidden: int, layers: int) -> CaRRetriever:
-    from car_fl.config import HeadConfig, ModelConfig
-    from car_fl.encoder import load_encoder
-    from car_fl.tiny import build_llama
+    from car_fl.method.encoder import load_encoder
+    from car_fl.settings.schema import HeadConfig, ModelConfig
+    from car_fl.testing.tiny import build_llama
 
     build_llama(folder, hidden=hidden, layers=layers)
     encoder = load_encoder(
@@ -238,7 +238,7 @@ def empty_client(msg: Any, context: Any) -> Any:
     """A ClientApp handler that replies at once with the global parameters (Flower's floor)."""
     from flwr.app import Message, MetricRecord, RecordDict
 
-    from car_fl.records import ARRAYS_KEY, METRICS_KEY
+    from car_fl.protocol.messages import ARRAYS_KEY, METRICS_KEY
 
     arrays = msg.content.array_records[ARRAYS_KEY]
     content = RecordDict({ARRAYS_KEY: arrays, METRICS_KEY: MetricRecord({"num-examples": 1})})
@@ -246,7 +246,7 @@ def empty_client(msg: Any, context: Any) -> Any:
 
 
 def bench_round_overhead(data: Path, work: Path, cache: Path, rounds: int) -> dict[str, Any]:
-    from car_fl.simulation import run_simulation
+    from car_fl.simulation.flower import run_simulation
 
     overrides = base_overrides(
         data, cache, "fl.clients=2", f"fl.rounds={rounds}", "fl.local_epochs=1"
@@ -280,9 +280,9 @@ sys.path.insert(0, @ROOT@)
 os.environ["HF_HUB_OFFLINE"] = "1"
 import torch, transformers, flwr  # the process's fixed cost, before any model
 from flwr.app import RecordDict
-from car_fl import client
-from car_fl.compose import load_settings
-from car_fl.model import CaRRetriever, build_retriever
+from car_fl.client import round as client
+from car_fl.settings.compose import load_settings
+from car_fl.method.model import CaRRetriever, build_retriever
 
 
 def rss():
@@ -352,7 +352,7 @@ def client_rss(mode: str, data: Path, cache: Path, max_examples: int) -> dict[st
 # ----------------------------------------------------------------------------- figure 7
 def bench_comm_dtype(data: Path, work: Path, cache: Path, fp32: dict[str, Any]) -> dict[str, Any]:
     """float16 on the wire against the float32 run of figure 2 (same settings, warm cache)."""
-    from car_fl.simulation import run_simulation
+    from car_fl.simulation.flower import run_simulation
 
     overrides = base_overrides(
         data, cache, "fl.clients=2", "fl.rounds=5", "fl.local_epochs=2", "comm.dtype=float16"
@@ -388,10 +388,10 @@ def bench_gpu(texts: list[str], minilm_dir: str) -> dict[str, Any]:
     """Adapter+classifier on a random TinyLlama-sized Llama in bf16: epoch time, step/forward."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaModel
 
-    from car_fl.config import HeadConfig, ModelConfig
-    from car_fl.encoder import Encoder
-    from car_fl.features import LocalData
-    from car_fl.train import train_epoch
+    from car_fl.method.encoder import Encoder
+    from car_fl.method.features import LocalData
+    from car_fl.method.train import train_epoch
+    from car_fl.settings.schema import HeadConfig, ModelConfig
 
     tokenizer = AutoTokenizer.from_pretrained(minilm_dir)  # a real subword vocabulary
     config = LlamaConfig(

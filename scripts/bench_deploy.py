@@ -8,7 +8,7 @@ overhead: one local cluster (a SuperLink and N SuperNodes on 127.0.0.1; Flower s
 ClientApp process per message) runs, one after the other and with the same ServerApp and
 settings, car-fl (a tiny random Llama, 400 synthetic examples, classifier mode; features, shard
 and settings cached by each node in round 1) and an empty ClientApp that replies at once
-(``car_fl.floor``). For rounds 2..R: per-round overhead = round wall time - the slowest
+(``car_fl.deploy.floor``). For rounds 2..R: per-round overhead = round wall time - the slowest
 client's own work (its ``train-seconds``), car-fl's against the floor's. Also printed: how long
 a fresh process takes to import each ClientApp (the part of the overhead car-fl controls).
 
@@ -38,8 +38,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from car_fl.deploy import LocalCluster, pinned
-from car_fl.tiny import tiny_overrides
+from car_fl.deploy.cluster import LocalCluster
+from car_fl.deploy.commands import pinned
+from car_fl.testing.tiny import tiny_overrides
 
 PROJECT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = PROJECT.parent / "shared" / "data" / "sms_spam" / "SMSSpamCollection.tsv"
@@ -48,14 +49,14 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def floor_project(folder: Path) -> Path:
-    """This project with the empty ClientApp (``car_fl/floor.py``) as its ``client_app.py``.
+    """This project with the empty ClientApp (``car_fl/deploy/floor.py``) as its ``client_app.py``.
 
     The app bundle carries the project's own ``car_fl`` and ``conf/`` (the ServerApp uses them),
     so the copy is the project itself (the same files travel) with only the ClientApp swapped.
     """
     skip = shutil.ignore_patterns(".git", ".venv", ".*_cache", "__pycache__", "runs", "outputs")
     shutil.copytree(PROJECT, folder, ignore=skip)
-    shutil.copy(PROJECT / "car_fl" / "floor.py", folder / "client_app.py")
+    shutil.copy(PROJECT / "car_fl" / "deploy" / "floor.py", folder / "client_app.py")
     return folder
 
 
@@ -121,7 +122,7 @@ def import_seconds(module: str, repeats: int = 3) -> float:
 
 # ------------------------------------------------------------------------------- overhead
 def bench_overhead(work: Path, *, clients: int, rounds: int) -> dict[str, Any]:
-    from car_fl.tiny import build_llama, synthetic_examples, write_tsv
+    from car_fl.testing.tiny import build_llama, synthetic_examples, write_tsv
 
     work.mkdir(parents=True, exist_ok=True)
     model = build_llama(work / "llama")
@@ -138,7 +139,7 @@ def bench_overhead(work: Path, *, clients: int, rounds: int) -> dict[str, Any]:
         "floor": {**later_rounds(floor), "run_wall_seconds": floor_wall},
         "import_seconds": {
             "car_fl_client_app": import_seconds("client_app"),
-            "floor_client_app": import_seconds("car_fl.floor"),
+            "floor_client_app": import_seconds("car_fl.deploy.floor"),
             "python_only": import_seconds("sys"),
         },
     }
@@ -226,7 +227,7 @@ def bench_speedup(
 
 def _warm_page_cache() -> None:
     """Read the MiniLM files once, so that neither side pays the first disk read."""
-    from car_fl.compose import load_settings
+    from car_fl.settings.compose import load_settings
 
     folder = Path(load_settings(["model=minilm"]).model.name_or_path)
     for path in folder.rglob("*"):

@@ -17,9 +17,9 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from car_fl.deploy import LocalCluster
-from car_fl.simulation import run_simulation
-from car_fl.tiny import build_llama, synthetic_examples, tiny_overrides, write_tsv
+from car_fl.deploy.cluster import LocalCluster
+from car_fl.simulation.flower import run_simulation
+from car_fl.testing.tiny import build_llama, synthetic_examples, tiny_overrides, write_tsv
 
 PROJECT = Path(__file__).resolve().parents[1]
 

@@ -16,7 +16,8 @@ import json
 import sys
 from pathlib import Path
 
-from car_fl.deploy import COMPLETED, LocalCluster
+from car_fl.deploy.cluster import LocalCluster
+from car_fl.deploy.runs import COMPLETED
 
 PROJECT = Path(__file__).resolve().parents[1]
 CONNECTION = "car-fl-local"

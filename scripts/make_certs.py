@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from car_fl.deploy import make_certificates, make_node_key
+from car_fl.deploy.certs import make_certificates, make_node_key
 
 
 def main() -> None:

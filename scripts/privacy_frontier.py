@@ -28,9 +28,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from car_fl.compose import load_settings
-from car_fl.logs import setup_logging
-from car_fl.simulation import run_simulation
+from car_fl.common.logs import setup_logging
+from car_fl.settings.compose import load_settings
+from car_fl.simulation.flower import run_simulation
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/sms_spam/SMSSpamCollection.tsv"
 MODES = {
@@ -76,10 +76,10 @@ def warm_feature_cache(args: argparse.Namespace) -> None:
     """
     import torch
 
-    from car_fl.data import load_splits
     from car_fl.data.partition import iid_indices
-    from car_fl.features import FeatureCache, feature_key, prepare_for
-    from car_fl.model import build_retriever
+    from car_fl.data.splits import load_splits
+    from car_fl.method.features import FeatureCache, feature_key, prepare_for
+    from car_fl.method.model import build_retriever
 
     base = ["+experiment=sms_privacy", f"dataset.path={args.data.resolve()}", "progress=false"]
     settings = load_settings([*base, *args.extra])

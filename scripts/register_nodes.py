@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from car_fl.deploy import register_node
+from car_fl.deploy.connection import register_node
 
 
 def main() -> None:

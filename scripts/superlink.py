@@ -16,13 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from car_fl.deploy import (
-    CONTROL_PORT,
-    FLEET_PORT,
-    TLSFiles,
-    superexec_command,
-    superlink_command,
-)
+from car_fl.deploy.certs import TLSFiles
+from car_fl.deploy.commands import CONTROL_PORT, FLEET_PORT, superexec_command, superlink_command
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ import argparse
 import os
 from pathlib import Path
 
-from car_fl.deploy import FLEET_PORT, node_config_string, supernode_command
+from car_fl.deploy.commands import FLEET_PORT, node_config_string, supernode_command
 
 
 def main() -> None:

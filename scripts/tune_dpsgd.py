@@ -2,7 +2,7 @@
 
     python scripts/tune_dpsgd.py --epsilon 3 --clients 2 3 [--data PATH] [--grid small]
 
-The same local DP-SGD epochs as a ``dp=record`` client (``car_fl.train.train_epoch_dpsgd``,
+The same local DP-SGD epochs as a ``dp=record`` client (``car_fl.method.train.train_epoch_dpsgd``,
 σ calibrated by ``car_fl.privacy.record_accounting.record_plan``) and example-weighted FedAvg,
 without Flower processes, so that a grid of settings takes minutes. Models are selected on a
 validation split: the dataset's own (``DataSplits.validation``) when it has one, otherwise a
@@ -22,15 +22,15 @@ from typing import Any
 
 import torch
 
-from car_fl.compose import load_settings
-from car_fl.config import Settings
-from car_fl.data import load_splits, partition
-from car_fl.data.splits import stratified_split
-from car_fl.features import LocalData, prepare_for
-from car_fl.logs import setup_logging
-from car_fl.model import build_retriever
-from car_fl.privacy.record_accounting import record_plan
-from car_fl.train import evaluate, make_optimizer, train_epoch, train_epoch_dpsgd
+from car_fl.common.logs import setup_logging
+from car_fl.data.partition import partition
+from car_fl.data.splits import load_splits, stratified_split
+from car_fl.method.features import LocalData, prepare_for
+from car_fl.method.model import build_retriever
+from car_fl.method.train import evaluate, make_optimizer, train_epoch, train_epoch_dpsgd
+from car_fl.settings.compose import load_settings
+from car_fl.settings.dp_plan import record_plan
+from car_fl.settings.schema import Settings
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/sms_spam/SMSSpamCollection.tsv"
 GRIDS: dict[str, dict[str, list[Any]]] = {
@@ -101,7 +101,7 @@ def shards(data: LocalData, settings: Settings, clients: int) -> list[LocalData]
 def fedavg(settings: Settings, parts: list[LocalData], val: LocalData) -> dict[str, float]:
     """fl.rounds rounds of clients (DP-SGD under dp=record) and weighted averaging."""
     private = settings.dp.mode == "record"
-    plan = record_plan(settings.dp, settings.fl) if private else None
+    plan = record_plan(settings) if private else None
     assert val.features is not None
     num_labels = int(torch.cat([val.labels, *(p.labels for p in parts)]).max()) + 1
     model = build_retriever(settings, num_labels, hidden_size=int(val.features.shape[1]))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import sys
 from pathlib import Path
 
 # No network anywhere in the suite: the hub code paths must fail fast instead of downloading.
@@ -17,11 +16,15 @@ import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from car_fl.compose import load_settings
-from car_fl.config import Settings
-from car_fl.tiny import build_bert, build_llama, synthetic_examples, tiny_overrides, write_tsv
+from car_fl.settings.compose import load_settings
+from car_fl.settings.schema import Settings
+from car_fl.testing.tiny import (
+    build_bert,
+    build_llama,
+    synthetic_examples,
+    tiny_overrides,
+    write_tsv,
+)
 
 SHARED_SMS = (
     Path(__file__).resolve().parents[2] / "shared" / "data" / "sms_spam" / ("SMSSpamCollection.tsv")
@@ -64,7 +67,7 @@ def synthetic_tsv(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def make_settings(tmp_path: Path, tiny_llama: Path, synthetic_tsv: Path):  # type: ignore[no-untyped-def]
+def make_settings(tmp_path: Path, tiny_llama: Path, synthetic_tsv: Path):
     """Settings for the tiny Llama and the synthetic data, plus any overrides."""
 
     def make(*overrides: str, model_dir: Path | None = None) -> Settings:

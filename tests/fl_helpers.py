@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import numpy as np
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
-from car_fl.records import encode
+from car_fl.protocol.messages import encode
 
 
 def set_task_identity() -> None:
@@ -17,7 +20,7 @@ def set_task_identity() -> None:
 
 def reply(
     node: int,
-    arrays: dict[str, np.ndarray | Array],
+    arrays: Mapping[str, np.ndarray[Any, Any] | Array],
     num_examples: object,
     **metrics: float,
 ) -> Message:

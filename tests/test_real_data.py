@@ -6,14 +6,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import SHARED_SMS
 
 from car_fl.centralized import run_centralized
-from car_fl.compose import load_settings
-from car_fl.config import DatasetConfig
-from car_fl.data import load_splits
 from car_fl.data.dedupe import normalize_text
-from car_fl.simulation import run_simulation
+from car_fl.data.splits import load_splits
+from car_fl.settings.compose import load_settings
+from car_fl.settings.schema import DatasetConfig
+from car_fl.simulation.flower import run_simulation
+from tests.conftest import SHARED_SMS
 
 pytestmark = [
     pytest.mark.slow,

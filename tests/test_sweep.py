@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from car_fl.compose import conf_dir
+from car_fl.settings.compose import conf_dir
 from car_fl.sweep import job_settings, skip_reason
-from car_fl.tiny import tiny_overrides
+from car_fl.testing.tiny import tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -132,7 +132,7 @@ def test_a_failed_job_is_recorded_and_the_sweep_goes_on(
     assert "## Jobs without results" in markdown and str(missing) in markdown
 
 
-def _experiment(name: str, *overrides: str):  # type: ignore[no-untyped-def]
+def _experiment(name: str, *overrides: str):
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
         return compose(
             config_name="sweep",

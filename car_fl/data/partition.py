@@ -13,11 +13,13 @@ from __future__ import annotations
 from datasets import Dataset
 from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, Partitioner
 
+from car_fl.settings.schema import Partitioning
+
 
 def make_partitioner(
     *,
     num_partitions: int,
-    scheme: str = "iid",
+    scheme: Partitioning = Partitioning.IID,
     alpha: float = 1.0,
     seed: int = 42,
     min_partition_size: int = 1,
@@ -25,9 +27,9 @@ def make_partitioner(
     """A flwr-datasets partitioner by name: ``iid`` or ``dirichlet`` (over the label column)."""
     if num_partitions < 1:
         raise ValueError(f"number of partitions must be >= 1, got {num_partitions}")
-    if scheme == "iid":
+    if scheme is Partitioning.IID:
         return IidPartitioner(num_partitions=num_partitions)
-    if scheme == "dirichlet":
+    if scheme is Partitioning.DIRICHLET:
         if alpha <= 0:
             raise ValueError(f"Dirichlet alpha must be > 0, got {alpha}")
         return DirichletPartitioner(
@@ -39,7 +41,7 @@ def make_partitioner(
             shuffle=True,
             seed=seed,
         )
-    raise ValueError(f"unknown partitioning {scheme!r}; choose one of iid, dirichlet")
+    raise AssertionError(f"no partitioner for {scheme!r}")
 
 
 def partition(
@@ -47,7 +49,7 @@ def partition(
     *,
     partition_id: int,
     num_partitions: int,
-    scheme: str = "iid",
+    scheme: Partitioning = Partitioning.IID,
     alpha: float = 1.0,
     seed: int = 42,
 ) -> Dataset:
@@ -59,7 +61,7 @@ def partition(
         )
     if num_partitions > len(dataset):
         raise ValueError(f"cannot split {len(dataset)} examples into {num_partitions} partitions")
-    if scheme == "iid":
+    if scheme is Partitioning.IID:
         return dataset.select(
             iid_indices(
                 len(dataset), partition_id=partition_id, num_partitions=num_partitions, seed=seed
@@ -75,6 +77,6 @@ def partition(
 def iid_indices(n: int, *, partition_id: int, num_partitions: int, seed: int) -> list[int]:
     """The example indices of IID shard ``partition_id``: a slice of a seeded permutation."""
     shuffled = Dataset.from_dict({"index": list(range(n))}).shuffle(seed=seed)
-    partitioner = make_partitioner(num_partitions=num_partitions, scheme="iid")
+    partitioner = make_partitioner(num_partitions=num_partitions, scheme=Partitioning.IID)
     partitioner.dataset = shuffled
     return sorted(int(i) for i in partitioner.load_partition(partition_id)["index"])

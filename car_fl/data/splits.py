@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 from datasets import ClassLabel, Dataset
 
-from car_fl.config import DatasetConfig, Reader
 from car_fl.data.dedupe import DedupeStats, dedupe, drop_texts_in
 from car_fl.data.labels import LabelMap
 from car_fl.data.readers import (
@@ -27,6 +26,7 @@ from car_fl.data.readers import (
     read_sms_spam,
     read_table,
 )
+from car_fl.settings.schema import DatasetConfig, Reader
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class DataSplits:
 
 def read_local(cfg: DatasetConfig, path: str | Path) -> list[Example]:
     """Read one local file with the reader the dataset config names."""
-    reader = Reader(cfg.reader)
+    reader = cfg.reader
     if reader is Reader.SMS_SPAM:
         return read_sms_spam(path)
     if reader is Reader.AG_NEWS:

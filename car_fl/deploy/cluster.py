@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from car_fl.common.io import atomic_write_json
 from car_fl.deploy.certs import TLSFiles, make_certificates, make_node_key
 from car_fl.deploy.commands import (
     node_config_string,
@@ -34,7 +35,6 @@ from car_fl.deploy.commands import (
 from car_fl.deploy.connection import register_node, write_connection
 from car_fl.deploy.processes import Processes
 from car_fl.deploy.runs import COMPLETED, start_run, wait_for_run
-from car_fl.io import atomic_write_json
 
 LOOPBACK = "127.0.0.1"
 

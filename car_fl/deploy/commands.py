@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from car_fl.deploy.certs import TLSFiles
-from car_fl.flower_bridge import DATA_IS_SHARD, DEVICE, NODE_CONFIG, NUM_PARTITIONS, PARTITION_ID
+from car_fl.settings.flower import DATA_IS_SHARD, DEVICE, NODE_CONFIG, NUM_PARTITIONS, PARTITION_ID
 
 FLEET_PORT = 9092  # gRPC Fleet API: SuperNodes connect here (open it to the clients)
 CONTROL_PORT = 9093  # HTTP(S) Control API: `flwr run` connects here (open it to the operator)
@@ -96,7 +96,7 @@ def node_config_string(
 ) -> str:
     """Flower ``--node-config`` value: the node's shard and its local values.
 
-    ``local`` takes one keyword per key of ``car_fl.flower_bridge.NODE_CONFIG`` that sets a
+    ``local`` takes one keyword per key of ``car_fl.settings.flower.NODE_CONFIG`` that sets a
     value on the node, spelled with
     underscores (``data_path``, ``test_data_path``, ``model_path``, ``device``, ``cache_dir``);
     ``None`` leaves a value out, paths are made absolute. ``data_is_shard``: the data file holds

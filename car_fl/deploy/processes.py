@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from car_fl.io import atomic_write_json
+from car_fl.common.io import atomic_write_json
 
 
 @dataclass

@@ -1,8 +1,11 @@
-"""Local differential privacy on each client: clipping, Gaussian noise, adaptive clipping, ε.
+"""Privacy (the data owner's): DP mechanisms and accounting only, no orchestration, no Flower.
 
-Pure functions live in :mod:`~car_fl.privacy.mechanism` (norms, clipping, the noised
-release), :mod:`~car_fl.privacy.adaptive` (the private geometric rule for the clipping bound,
-and the paper's non-private linear rule), :mod:`~car_fl.privacy.noise` (noise from OS entropy
-on the parameters' device) and :mod:`~car_fl.privacy.accountant` (ε from Rényi DP with
-dp-accounting); the stateful client side in :mod:`~car_fl.privacy.client`.
+- :mod:`~car_fl.privacy.noise`: Gaussian noise from OS entropy on the tensors' device.
+- :mod:`~car_fl.privacy.mechanism`: norms, clipping, the noised release (``privatize``).
+- :mod:`~car_fl.privacy.adaptive`: the private geometric clipping rule (and the paper's).
+- :mod:`~car_fl.privacy.accountant`: ε of client-level releases (RDP, dp-accounting).
+- :mod:`~car_fl.privacy.dpsgd`: a DP-SGD step (Poisson sampling, per-example clipping).
+- :mod:`~car_fl.privacy.record_accounting`: ε of DP-SGD (PLD) and σ calibration.
+
+The stateful use of these on a node is :mod:`car_fl.client`.
 """

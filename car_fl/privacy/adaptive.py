@@ -15,14 +15,6 @@ Not private (``dp.adaptive_rule=linear``, the CaR paper): Cᵢ ← (1 − β)·C
 from __future__ import annotations
 
 import math
-from enum import StrEnum
-
-
-class AdaptiveRule(StrEnum):
-    """How a client's clipping bound follows its update norms."""
-
-    GEOMETRIC = "geometric"
-    LINEAR = "linear"
 
 
 def paper_sigma_b(num_clients: int) -> float:

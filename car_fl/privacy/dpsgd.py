@@ -60,7 +60,7 @@ def per_example_gradients(
     """∇θ ℓ for every example: ``{name: (batch, *shape)}``, plus each loss and each argmax.
 
     ``model(features=…, labels=…)`` or ``model(ids, mask, labels=…)`` must return
-    ``(logits, loss)`` (:class:`car_fl.model.CaRRetriever`); ``params`` are the trainable
+    ``(logits, loss)`` (:class:`car_fl.method.model.CaRRetriever`); ``params`` are the trainable
     tensors by name (the others stay as they are in ``model``). Give ``features`` ``(batch, d)``
     or one token-id tensor per example in ``input_ids``.
     """
@@ -169,7 +169,7 @@ def dpsgd_step(
 ) -> StepResult:
     """One DP-SGD step on a sampled batch: set each parameter's ``.grad`` and step.
 
-    ``optimizer`` is a :class:`car_fl.optim.Optimizer` (or anything with ``step``) over
+    ``optimizer`` is a :class:`car_fl.method.optim.Optimizer` (or anything with ``step``) over
     ``params``. ``noise_multiplier`` σ gives noise std σ·C.
     """
     detached = {k: p.detach() for k, p in params.items()}

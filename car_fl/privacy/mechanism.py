@@ -50,15 +50,6 @@ def clip_factor(norm: float, bound: float) -> float:
     return 1.0 if norm <= bound else bound / norm
 
 
-def clip(delta: State, bound: float) -> tuple[dict[str, torch.Tensor], float]:
-    """Δ scaled to norm at most ``bound``; also returns ‖Δ‖ before clipping."""
-    norm = flat_norm(delta)
-    factor = clip_factor(norm, bound)
-    if factor == 1.0:
-        return {k: v.clone() for k, v in delta.items()}, norm
-    return {k: v * factor for k, v in delta.items()}, norm
-
-
 def privatize(
     before: State,
     after: State,

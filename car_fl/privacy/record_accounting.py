@@ -16,10 +16,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from car_fl.config import DPConfig, FLConfig
 
 #: Beyond this noise multiplier a target ε is treated as unreachable (the model learns nothing).
 MAX_NOISE_MULTIPLIER = 100.0
@@ -140,32 +136,41 @@ class RecordPlan:
         )
 
 
-def record_plan(dp: DPConfig, fl: FLConfig) -> RecordPlan:
-    """σ, q and the planned steps (fl.rounds × fl.local_epochs × ⌈1/q⌉) of ``dp=record``.
+def record_plan(
+    *,
+    sample_rate: float,
+    noise_multiplier: float,
+    clip: float,
+    delta: float,
+    target_epsilon: float | None,
+    rounds: int,
+    local_epochs: int,
+) -> RecordPlan:
+    """σ, q and the planned steps (rounds × local_epochs × ⌈1/q⌉) of record-level DP-SGD.
 
-    With ``dp.target_epsilon`` σ is calibrated so that the planned steps spend at most that ε
-    (``dp.noise_multiplier`` is then not used); without it ``dp.noise_multiplier`` is σ.
-    Raises ``ValueError`` naming the key for a target that cannot be reached.
+    With ``target_epsilon`` σ is calibrated so that the planned steps spend at most that ε
+    (``noise_multiplier`` is then not used); without it ``noise_multiplier`` is σ. Raises
+    ``ValueError`` naming the ``dp.*`` key for a target that cannot be reached.
     """
-    per_round = fl.local_epochs * steps_per_epoch(dp.sample_rate)
-    if dp.target_epsilon is not None:
+    per_round = local_epochs * steps_per_epoch(sample_rate)
+    if target_epsilon is not None:
         sigma = calibrate_noise_multiplier(
-            target_epsilon=dp.target_epsilon,
-            sample_rate=dp.sample_rate,
-            steps=fl.rounds * per_round,
-            delta=dp.delta,
+            target_epsilon=target_epsilon,
+            sample_rate=sample_rate,
+            steps=rounds * per_round,
+            delta=delta,
         )
     else:
-        sigma = dp.noise_multiplier
-    _check(sample_rate=dp.sample_rate, noise_multiplier=sigma, steps=per_round, delta=dp.delta)
+        sigma = noise_multiplier
+    _check(sample_rate=sample_rate, noise_multiplier=sigma, steps=per_round, delta=delta)
     return RecordPlan(
-        sample_rate=dp.sample_rate,
+        sample_rate=sample_rate,
         noise_multiplier=sigma,
-        clip=dp.clip,
+        clip=clip,
         steps_per_round=per_round,
-        rounds=fl.rounds,
-        delta=dp.delta,
-        target_epsilon=dp.target_epsilon,
+        rounds=rounds,
+        delta=delta,
+        target_epsilon=target_epsilon,
     )
 
 

@@ -1,0 +1,58 @@
+"""This node's settings: the run's, with the node's own paths, checked against the server's.
+
+Composed (Hydra) in the node's first round and cached on its disk (:mod:`car_fl.client.node_cache`),
+so that later rounds, each a new ClientApp process in deployment, compose no Hydra configuration.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+from car_fl.client import node_cache
+from car_fl.settings.flower import (
+    CACHE_DIR,
+    apply_node_config,
+    check_fingerprint,
+    fingerprint,
+    run_inputs,
+    settings_from_run_config,
+)
+from car_fl.settings.schema import Settings
+
+
+def node_settings(
+    run_config: Mapping[str, Any],
+    node_config: Mapping[str, Any],
+    server_fingerprint: str | None,
+) -> Settings:
+    """This node's settings (the run's plus its local paths), checked against the server's.
+
+    Composed (Hydra), given the node's paths and fingerprinted (OmegaConf) in the node's first
+    round; later rounds, each a new process in deployment, read the result back from the
+    node's disk cache. A process that serves several rounds (simulation) keeps it in memory,
+    keyed by a digest of the run config and the node config. A run config that carries a
+    whole ``settings`` YAML (in-process simulations) is kept in memory only.
+    """
+    text, overrides = run_inputs(run_config)
+    node = sorted((str(k), str(v)) for k, v in node_config.items())
+    memo = node_cache.digest({"settings": text, "overrides": overrides, "node_config": node})
+    if memo not in _IN_PROCESS:
+        path = None
+        if not text:
+            key = node_cache.settings_key(overrides, node_config)
+            path = node_cache.settings_path(node_config.get(CACHE_DIR), key)
+        stored = node_cache.load_settings_entry(path) if path is not None else None
+        if stored is None:
+            settings = apply_node_config(settings_from_run_config(run_config), node_config)
+            stored = settings, fingerprint(settings)
+            if path is not None:
+                node_cache.save_settings_entry(path, *stored)
+        _IN_PROCESS[memo] = stored
+    settings, mine = _IN_PROCESS[memo]
+    check_fingerprint(mine, server_fingerprint)
+    return copy.deepcopy(settings)
+
+
+_IN_PROCESS: dict[str, tuple[Settings, str]] = {}

@@ -1,0 +1,152 @@
+"""One client's record-level DP (``dp=record``): DP-SGD epochs, its state, the ε spent.
+
+Before any training the client fixes its plan (σ calibrated for the target ε over the planned
+steps, see :func:`~car_fl.settings.dp_plan.record_plan`), checks δ < 1/n for its n
+examples, and refuses a round whose steps would take its ε past ``dp.target_epsilon``. The
+steps taken so far live in Flower's persistent node state, so a client's ε composes over every
+step of every round it takes part in. The reply carries the DP-SGD parameters, num-examples
+and the privacy figures, which are all functions of the public configuration and of how many
+rounds the client trained: ε, steps, σ, q (and its partition id). The train loss and
+accuracy stay in the client's log.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from flwr.app import MetricRecord, RecordDict
+
+from car_fl.method.features import LocalData
+from car_fl.method.model import CaRRetriever
+from car_fl.method.optim import Optimizer
+from car_fl.method.train import EpochResult, train_epoch_dpsgd
+from car_fl.privacy.record_accounting import RecordPlan, check_delta
+from car_fl.settings.dp_plan import record_plan
+from car_fl.settings.flower import NodeInfo
+from car_fl.settings.schema import Settings
+
+STATE_KEY = "dp-record-state"
+
+
+class RecordBudgetExhausted(RuntimeError):
+    """The next round's DP-SGD steps would spend more than ``dp.target_epsilon``."""
+
+
+@dataclass
+class RecordState:
+    """What a client remembers between rounds: the DP-SGD steps it has taken, and σ."""
+
+    steps: int = 0
+    noise_multiplier: float = 0.0
+
+    def to_record(self) -> MetricRecord:
+        return MetricRecord({"steps": self.steps, "noise-multiplier": self.noise_multiplier})
+
+    @classmethod
+    def from_record(cls, record: Any) -> RecordState:
+        return cls(steps=int(record["steps"]), noise_multiplier=float(record["noise-multiplier"]))
+
+
+def load_record_state(node_state: RecordDict) -> RecordState:
+    record = node_state.metric_records.get(STATE_KEY)
+    return RecordState.from_record(record) if record is not None else RecordState()
+
+
+def check_budget(plan: RecordPlan, state: RecordState, *, who: str) -> float:
+    """ε after this round's steps; raises before training if it would pass the target."""
+    if state.steps and state.noise_multiplier != plan.noise_multiplier:
+        raise ValueError(
+            f"{who} took {state.steps} DP-SGD steps with σ = {state.noise_multiplier:g} and "
+            f"is now configured with σ = {plan.noise_multiplier:g}; a client's σ is fixed "
+            "for its whole life (same dp.* and fl.rounds as before)"
+        )
+    after = state.steps + plan.steps_per_round
+    would = plan.epsilon(after)
+    if plan.target_epsilon is not None and would > plan.target_epsilon:
+        raise RecordBudgetExhausted(
+            f"{who} stops contributing: this round's {plan.steps_per_round} DP-SGD steps would "
+            f"bring its ε to {would:.4g} > dp.target_epsilon = {plan.target_epsilon:g} "
+            f"(δ = {plan.delta:g}, {state.steps} steps taken)"
+        )
+    return would
+
+
+class RecordDPRound:
+    """A round's DP-SGD epochs, for :func:`~car_fl.client.round.train_round` (``dp=record``).
+
+    The plan (σ, q, C, steps) is fixed from the configuration; :meth:`check` verifies δ < 1/n
+    and the budget before any training. The model after DP-SGD is the release as it is.
+    """
+
+    private = True
+
+    def __init__(self, settings: Settings, node: NodeInfo, node_state: RecordDict) -> None:
+        self.settings = settings
+        self.who = f"client {node.partition_id}"
+        self.plan = record_plan(settings)
+        self.state = load_record_state(node_state)
+        self.epsilon_after = 0.0
+
+    def check(self, examples: int) -> None:
+        """δ < 1/n and this round's steps within the target ε: before any training."""
+        check_delta(self.plan.delta, examples)
+        self.epsilon_after = check_budget(self.plan, self.state, who=self.who)
+
+    def epoch(
+        self,
+        model: CaRRetriever,
+        data: LocalData,
+        optimizer: Optimizer,
+        *,
+        seed: int,
+        epoch: int,
+        desc: str,
+    ) -> EpochResult:
+        plan = self.plan
+        return train_epoch_dpsgd(
+            model,
+            data,
+            optimizer,
+            sample_rate=plan.sample_rate,
+            clip=plan.clip,
+            noise_multiplier=plan.noise_multiplier,
+            steps=plan.steps_per_round // self.settings.fl.local_epochs,
+            seed=seed,
+            epoch=epoch,
+            progress=self.settings.progress,
+            desc=f"DP-SGD {desc}",
+        )
+
+    def release(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return state  # DP-SGD's parameters are already private
+
+    @property
+    def steps(self) -> int:
+        """DP-SGD steps taken once this round is done."""
+        return self.state.steps + self.plan.steps_per_round
+
+    def save(self, node_state: RecordDict) -> None:
+        node_state[STATE_KEY] = RecordState(
+            steps=self.steps, noise_multiplier=self.plan.noise_multiplier
+        ).to_record()
+
+    def describe(self, result: EpochResult) -> str:
+        plan = self.plan
+        return (
+            f"DP-SGD σ {plan.noise_multiplier:.4g} q {plan.sample_rate:.4g} C {plan.clip:.4g}, "
+            f"{plan.steps_per_round} steps ({self.steps} in all), ε {self.epsilon_after:.4f} "
+            f"(δ {plan.delta:g}) | last epoch: sampled loss {result.loss:.4f} "
+            f"acc {result.accuracy:.4f}"
+        )
+
+    def reply_metrics(self) -> dict[str, int | float]:
+        """ε, steps, σ and q: functions of the configuration and the rounds trained."""
+        return {
+            "dp-active": 1,
+            "dp-epsilon": self.epsilon_after,
+            "dp-steps": self.steps,
+            "dp-noise-multiplier": self.plan.noise_multiplier,
+            "dp-sample-rate": self.plan.sample_rate,
+        }

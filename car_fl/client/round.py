@@ -1,0 +1,142 @@
+"""One round on a data owner's machine: shard → features → local epochs → DP → reply.
+
+:func:`train_round` is the round's skeleton, the same for every privacy mode; what differs is a
+:class:`RoundPrivacy`: :class:`~car_fl.client.local_dp.LocalDPRound` (local DP, or none) or
+:class:`~car_fl.client.record_dp.RecordDPRound` (record-level DP-SGD). Each checks what it must
+before any training, runs the epochs, and decides what is released.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+from flwr.app import RecordDict
+
+from car_fl.client.local_dp import LocalDPRound
+from car_fl.client.record_dp import RecordDPRound
+from car_fl.client.shard import client_seed, local_retriever, shard_data
+from car_fl.method.features import LocalData
+from car_fl.method.model import CaRRetriever
+from car_fl.method.optim import Optimizer
+from car_fl.method.train import EpochResult, make_optimizer
+from car_fl.settings.flower import NodeInfo
+from car_fl.settings.schema import DPMode, Settings
+
+log = logging.getLogger(__name__)
+
+
+class RoundPrivacy(Protocol):
+    """What a privacy mode adds to a round."""
+
+    #: Whether this round's release is private: then train metrics stay in the client's log.
+    private: bool
+
+    def check(self, examples: int) -> None:
+        """Refuse the round before any training (raises)."""
+
+    def epoch(
+        self,
+        model: CaRRetriever,
+        data: LocalData,
+        optimizer: Optimizer,
+        *,
+        seed: int,
+        epoch: int,
+        desc: str,
+    ) -> EpochResult:
+        """One local epoch."""
+
+    def release(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What leaves the node, from the trained state."""
+
+    def save(self, node_state: RecordDict) -> None:
+        """Keep what the next round needs in Flower's per-node state."""
+
+    def describe(self, result: EpochResult) -> str:
+        """The round for the client's own log."""
+
+    def reply_metrics(self) -> dict[str, int | float]:
+        """What the reply carries besides the parameters and the example count."""
+
+
+def round_privacy(
+    settings: Settings,
+    node: NodeInfo,
+    node_state: RecordDict,
+    *,
+    server_round: int,
+    global_state: dict[str, torch.Tensor],
+) -> RoundPrivacy:
+    """The privacy of this round, by ``dp.mode``, with its state from earlier rounds."""
+    if settings.dp.mode is DPMode.RECORD:
+        return RecordDPRound(settings, node, node_state)
+    return LocalDPRound(
+        settings, node, node_state, server_round=server_round, global_state=global_state
+    )
+
+
+def train_round(
+    settings: Settings,
+    node: NodeInfo,
+    global_state: dict[str, torch.Tensor],
+    server_round: int,
+    node_state: RecordDict,
+    labels: Sequence[str] | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, int | float]]:
+    """``fl.local_epochs`` epochs from the global state, under the configured privacy.
+
+    Returns what the client sends (never an un-noised update once DP is active) and the reply
+    metrics: once DP is active they hold nothing data-dependent besides ``num-examples`` and
+    the privacy figures; the train loss, accuracy and seconds go to the client's own log only.
+    ``node_state`` is Flower's persistent per-node state; the DP state lives there. ``labels``
+    is the server's global label map.
+    """
+    tick = time.perf_counter()
+    who = f"client {node.partition_id}"
+    data, label_map = shard_data(settings, node, labels)
+    privacy = round_privacy(
+        settings, node, node_state, server_round=server_round, global_state=global_state
+    )
+    privacy.check(len(data))  # before any training
+    model = local_retriever(settings, data, label_map)
+    model.load_trainable_state_dict(global_state)
+    optimizer = make_optimizer(model, settings.train)
+    seed = client_seed(settings.seed, node.partition_id)
+    epochs = settings.fl.local_epochs
+    for local in range(epochs):
+        result = privacy.epoch(
+            model,
+            data,
+            optimizer,
+            seed=seed,
+            epoch=(server_round - 1) * epochs + local,
+            desc=f"{who} round {server_round} epoch {local + 1}",
+        )
+    state = privacy.release(model.trainable_state_dict())
+    privacy.save(node_state)
+    seconds = time.perf_counter() - tick
+    log.info(
+        "%s round %d: %s, %.1fs%s",
+        who,
+        server_round,
+        privacy.describe(result),
+        seconds,
+        " (local only: not sent under DP)" if privacy.private else "",
+    )
+    train_metrics = {
+        "train-loss": result.loss,
+        "train-accuracy": result.accuracy,
+        "train-seconds": seconds,
+    }
+    metrics: dict[str, int | float] = {
+        "num-examples": len(data),
+        # Under DP only private values leave: no train metrics (timing is a side channel too)
+        **({} if privacy.private else train_metrics),
+        "partition-id": node.partition_id,
+        **privacy.reply_metrics(),
+    }
+    return state, metrics

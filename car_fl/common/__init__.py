@@ -1,0 +1,6 @@
+"""Small utilities every party uses.
+
+- :mod:`~car_fl.common.io`: atomic writes (``atomic_write``, ``atomic_write_text``,
+  ``atomic_write_json``): every file car-fl writes.
+- :mod:`~car_fl.common.logs`: ``setup_logging`` for the apps and entry points.
+"""

@@ -1,0 +1,269 @@
+"""The frozen encoder: any Hugging Face model whose forward accepts ``inputs_embeds``.
+
+Loads a model and its tokenizer by hub id or local folder, places it on a device in a dtype,
+freezes it (eval mode, no parameter requires a gradient), tokenizes with an EOS token appended
+when the tokenizer does not add one, and pools final hidden states (``eos`` or ``mean``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from car_fl.settings.schema import DEVICES, DTYPES, ModelConfig, Pooling, one_of
+
+log = logging.getLogger(__name__)
+
+#: Incremented on every successful :func:`load_encoder`; tests count loads per process with it.
+LOAD_COUNT = 0
+
+
+class EncoderLoadError(RuntimeError):
+    """A model or tokenizer could not be loaded; the message says which, why and what to do."""
+
+
+def pick_device(requested: str = "auto") -> torch.device:
+    """``auto``: CUDA, then Apple MPS, then CPU. Otherwise the named device, if available."""
+    one_of("device", requested, DEVICES)
+    if requested == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device=cuda was requested but CUDA is not available; use device=auto")
+    if requested == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("device=mps was requested but Apple MPS is not available; use device=auto")
+    return torch.device(requested)
+
+
+def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
+    """``auto``: bfloat16 on CUDA devices that support it, float16 on MPS, else float32."""
+    one_of("model.dtype", requested, DTYPES)
+    if requested == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        if device.type == "mps":
+            return torch.float16
+        return torch.float32
+    dtype: torch.dtype = getattr(torch, requested)
+    return dtype
+
+
+def _load_error(name: str, what: str, err: Exception) -> EncoderLoadError:
+    reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    text = str(err).lower()
+    if Path(name).exists() or name.startswith(("/", ".", "~")):
+        hint = "check that the folder holds config.json, the weights and the tokenizer files"
+    elif "gated" in text or "401" in text or "403" in text or "access" in text:
+        hint = (
+            "the model is gated: accept its licence on huggingface.co and run "
+            "`huggingface-cli login`, or download it and set model.name_or_path=/local/folder"
+        )
+    else:
+        hint = (
+            "check the hub id and your network; offline, download the model elsewhere "
+            "(`huggingface-cli download ID --local-dir DIR`) and set model.name_or_path=DIR"
+        )
+    return EncoderLoadError(f"could not load the {what} of model {name!r}: {reason}. Fix: {hint}")
+
+
+@dataclass
+class Tokenized:
+    """Token ids per example (no padding), with EOS appended where the tokenizer does not."""
+
+    input_ids: list[list[int]]
+
+    def lengths(self) -> list[int]:
+        return [len(ids) for ids in self.input_ids]
+
+
+class Encoder(nn.Module):
+    """A frozen Hugging Face model plus tokenizer, split as ``TKN`` → (adapter) → ``TRF``.
+
+    ``embed(input_ids)`` is TKN: ``(batch, seq)`` → ``(batch, seq, hidden)``.
+    ``transform(inputs_embeds, attention_mask)`` is TRF: returns the final hidden states
+    ``(batch, seq, hidden)``. ``pool`` reduces them to ``(batch, hidden)``.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.model: Any = model
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+        self.pooling = cfg.pooling
+        self.model.eval()
+        self.model.requires_grad_(False)
+        params = inspect.signature(self.model.forward).parameters
+        if "inputs_embeds" not in params:
+            raise EncoderLoadError(
+                f"model {cfg.name_or_path!r} ({type(model).__name__}) does not accept "
+                "inputs_embeds, so no adapter can sit before its transformer blocks"
+            )
+        self._takes_position_ids = "position_ids" in params
+        self._takes_use_cache = "use_cache" in params
+        self.eos_id, self.append_eos = self._eos_policy()
+        self.pad_id = self._pad_id()
+
+    # ----------------------------------------------------------------------------- properties
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.get_input_embeddings().weight.shape[1])
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def train(self, mode: bool = True) -> Encoder:
+        """The frozen model stays in eval mode (no dropout) whatever the parent module does."""
+        super().train(mode)
+        self.model.eval()
+        return self
+
+    # ----------------------------------------------------------------------------- tokenizing
+    def _eos_policy(self) -> tuple[int | None, bool]:
+        """Which id ends a sequence, and whether we must append it ourselves."""
+        eos_id = self.tokenizer.eos_token_id
+        if eos_id is None:
+            # BERT-style tokenizers close with [SEP]; the last real token is then that.
+            return self.tokenizer.sep_token_id, False
+        probe = self.tokenizer("a b", add_special_tokens=True)["input_ids"]
+        return int(eos_id), not (probe and probe[-1] == eos_id)
+
+    def _pad_id(self) -> int:
+        for candidate in (self.tokenizer.pad_token_id, self.eos_id, 0):
+            if candidate is not None:
+                return int(candidate)
+        return 0
+
+    def tokenize(self, texts: list[str]) -> Tokenized:
+        """Tokenize without padding, truncated to ``max_length`` including the EOS token."""
+        max_length = self.cfg.max_length
+        limit = max_length - 1 if self.append_eos else max_length
+        encoded = self.tokenizer(
+            list(texts), add_special_tokens=True, truncation=True, max_length=limit
+        )["input_ids"]
+        if self.append_eos:
+            assert self.eos_id is not None
+            encoded = [[*ids, self.eos_id] for ids in encoded]
+        return Tokenized(input_ids=[list(ids) for ids in encoded])
+
+    def pad(self, batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pad a batch of id lists to its own longest length: ``(batch, seq)`` ids and mask."""
+        width = max(len(ids) for ids in batch)
+        left = self.padding_side == "left"
+        ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, seq in enumerate(batch):
+            span = slice(width - len(seq), width) if left else slice(0, len(seq))
+            ids[row, span] = torch.tensor(seq, dtype=torch.long)
+            mask[row, span] = 1
+        return ids.to(self.device), mask.to(self.device)
+
+    @property
+    def padding_side(self) -> str:
+        if self.cfg.padding_side != "auto":
+            return self.cfg.padding_side
+        return str(getattr(self.tokenizer, "padding_side", "right") or "right")
+
+    # -------------------------------------------------------------------------------- forward
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """TKN: token ids ``(batch, seq)`` → embeddings ``(batch, seq, hidden)``."""
+        embeddings: torch.Tensor = self.model.get_input_embeddings()(input_ids)
+        return embeddings
+
+    def transform(self, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """TRF: embeddings ``(batch, seq, hidden)`` → final hidden states, same shape.
+
+        Position ids are derived from the mask, so left and right padding give the same
+        positions to the real tokens.
+        """
+        kwargs: dict[str, Any] = {"inputs_embeds": inputs_embeds, "attention_mask": attention_mask}
+        if self._takes_position_ids:
+            kwargs["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        if self._takes_use_cache:
+            kwargs["use_cache"] = False
+        out = self.model(**kwargs)
+        hidden: torch.Tensor = (
+            out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        )
+        return hidden
+
+    def pool(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Final hidden states ``(batch, seq, hidden)`` → one vector per sequence."""
+        return pool(hidden, attention_mask, self.pooling)
+
+
+def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: Pooling) -> torch.Tensor:
+    """``eos``: the hidden state of the last real token; ``mean``: masked mean over real tokens.
+
+    Works for either padding side; padded positions are never read (``where`` rather than
+    multiplication, so that non-finite values at padded positions cannot leak in).
+    """
+    mask = attention_mask.bool()
+    if pooling is Pooling.EOS:
+        positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+        last = torch.where(mask, positions, torch.full_like(positions, -1)).amax(dim=1)
+        if bool((last < 0).any()):
+            raise ValueError("a sequence in the batch has no real token (all-zero attention mask)")
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+    kept = torch.where(mask.unsqueeze(-1), hidden, torch.zeros_like(hidden))
+    counts = mask.sum(dim=1, keepdim=True).clamp(min=1).to(hidden.dtype)
+    return kept.sum(dim=1) / counts
+
+
+def load_encoder(cfg: ModelConfig, *, device: str = "auto") -> Encoder:
+    """Load, place and freeze the model named by ``cfg`` (hub id or local folder)."""
+    global LOAD_COUNT
+    from transformers import AutoModel, AutoTokenizer
+
+    name = cfg.name_or_path
+    target = pick_device(device)
+    dtype = pick_dtype(cfg.dtype, target)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            name, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
+        )
+    except Exception as err:
+        raise _load_error(name, "tokenizer", err) from err
+    try:
+        model = AutoModel.from_pretrained(
+            name,
+            revision=cfg.revision,
+            dtype=dtype,
+            trust_remote_code=cfg.trust_remote_code,
+            attn_implementation="sdpa",
+        )
+    except (ValueError, ImportError) as err:
+        if "sdpa" not in str(err).lower():
+            raise _load_error(name, "weights", err) from err
+        model = AutoModel.from_pretrained(
+            name, revision=cfg.revision, dtype=dtype, trust_remote_code=cfg.trust_remote_code
+        )
+    except Exception as err:
+        raise _load_error(name, "weights", err) from err
+    model.to(target)
+    encoder = Encoder(model, tokenizer, cfg)
+    LOAD_COUNT += 1
+    frozen = sum(p.numel() for p in model.parameters())
+    log.info(
+        "encoder %s loaded on %s in %s: hidden size %d, %s frozen parameters, pooling %s",
+        name,
+        target,
+        str(dtype).removeprefix("torch."),
+        encoder.hidden_size,
+        f"{frozen:,}",
+        cfg.pooling,
+    )
+    return encoder

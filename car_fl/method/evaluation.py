@@ -1,0 +1,86 @@
+"""Evaluation on the held-out splits: validation selects the model, test is reported.
+
+:class:`HeldOut` prepares both splits once and evaluates a model on them (the centralised run
+after each epoch; the server after each round, :mod:`car_fl.server.evaluation`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from car_fl.data.splits import DataSplits
+from car_fl.method.features import LocalData, prepare_for
+from car_fl.method.model import CaRRetriever, build_retriever
+from car_fl.method.retrieval import label_documents
+from car_fl.method.train import evaluate
+from car_fl.results.selection import eval_row
+from car_fl.settings.schema import Settings
+
+
+class LazyRetriever:
+    """The run's retriever, built (encoder loaded) only when a feature is not cached."""
+
+    def __init__(self, settings: Settings, splits: DataSplits) -> None:
+        self.settings, self.names = settings, splits.label_map.names
+        self.model: CaRRetriever | None = None
+
+    def __call__(self) -> CaRRetriever:
+        if self.model is None:
+            documents = label_documents(self.names, self.settings.dataset.label_texts)
+            self.model = build_retriever(self.settings, len(self.names), documents=documents)
+        return self.model
+
+
+@dataclass
+class HeldOut:
+    """Validation (``None`` without one: ``dataset.val_fraction=0``) and test examples."""
+
+    test: LocalData
+    validation: LocalData | None
+
+    @classmethod
+    def prepare(
+        cls,
+        settings: Settings,
+        splits: DataSplits,
+        *,
+        get_model: Callable[[], CaRRetriever],
+        desc: str = "",
+    ) -> HeldOut:
+        """Features (or token ids) of the test and validation splits; ``desc`` prefixes the
+        progress bars (e.g. ``"server "``)."""
+        test = prepare_for(
+            settings,
+            splits.test["text"],
+            splits.test["label"],
+            get_model=get_model,
+            desc=f"{desc}test features",
+        )
+        validation = (
+            prepare_for(
+                settings,
+                splits.validation["text"],
+                splits.validation["label"],
+                get_model=get_model,
+                desc=f"{desc}validation features",
+            )
+            if len(splits.validation)
+            else None
+        )
+        return cls(test=test, validation=validation)
+
+    @property
+    def selection(self) -> str:
+        """How the best model is chosen (the summary's ``selection``)."""
+        return "validation" if self.validation is not None else "final (no validation split)"
+
+    def evaluate(self, model: CaRRetriever, settings: Settings) -> dict[str, float]:
+        """``val_*`` and ``test_*`` metrics of ``model``."""
+        batch, top_k = settings.train.eval_batch_size, settings.eval.top_k
+        return eval_row(
+            evaluate(model, self.validation, batch_size=batch, top_k=top_k)
+            if self.validation is not None
+            else None,
+            evaluate(model, self.test, batch_size=batch, top_k=top_k),
+        )

@@ -1,0 +1,265 @@
+"""The CaR retriever: frozen encoder → soft-embedding adapter → transformer → pooling → scorer.
+
+``scores = HEAD(POOL(TRF(ADP(TKN(x)))))``. ``HEAD`` is one scorer of :mod:`car_fl.method.scorers`:
+CaR's classifier, MIPS against the labels' documents, or kNN over training examples. What is
+trained is whatever requires a gradient: the adapter (in ``adapter+classifier`` mode) and the
+classifier's weights. :meth:`CaRRetriever.trainable_state_dict` is exactly what travels
+between server and clients and what a checkpoint holds; :meth:`CaRRetriever.retrieve` serves
+a trained one (loaded by :func:`car_fl.method.serving.load_retriever`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from car_fl.method.adapter import SoftEmbeddingAdapter
+from car_fl.method.encoder import Encoder, load_encoder, pick_device
+from car_fl.method.features import extract_features
+from car_fl.method.head import Retrieval, retrieve
+from car_fl.method.scorers import KNNScorer, MIPSScorer, Scorer, build_scorer
+from car_fl.settings.schema import HeadConfig, HeadKind, Mode, Settings, TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+class CaRRetriever(nn.Module):
+    """Encoder (frozen), adapter and one scorer (``head``), trained in one :class:`Mode`."""
+
+    def __init__(
+        self,
+        encoder: Encoder | None,
+        num_labels: int,
+        *,
+        head: HeadConfig,
+        mode: Mode,
+        hidden_size: int | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        """Without an ``encoder`` (classifier mode on cached features) give ``hidden_size``."""
+        super().__init__()
+        self._encoder = encoder
+        self.mode = mode
+        if encoder is not None:
+            dim, device = encoder.hidden_size, encoder.device
+        elif hidden_size is None:
+            raise ValueError("a retriever without an encoder needs hidden_size")
+        else:
+            dim = hidden_size
+        if encoder is None and self.mode is Mode.ADAPTER_CLASSIFIER:
+            raise ValueError("adapter+classifier mode needs the encoder")
+        if head.kind is HeadKind.KNN and self.mode is Mode.ADAPTER_CLASSIFIER:
+            raise ValueError("a kNN head trains nothing; use mode=classifier")
+        self.num_labels = num_labels
+        self._device = torch.device(device)
+        self.adapter = SoftEmbeddingAdapter(dim).to(device)
+        self.head: Scorer = build_scorer(head, dim=dim, num_labels=num_labels, device=device)
+        self.adapter.requires_grad_(self.mode is Mode.ADAPTER_CLASSIFIER)
+        #: What :meth:`retrieve` names: label names and documents, in label order, and the
+        #: settings (set by :func:`~car_fl.method.serving.load_retriever` or :meth:`set_labels`).
+        self.label_names: tuple[str, ...] | None = None
+        self.label_texts: tuple[str, ...] | None = None
+        self.settings: Settings | None = None
+        trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
+        frozen = sum(p.numel() for p in self.parameters() if not p.requires_grad)
+        log.info(
+            "CaR retriever (%s): %s trainable, %s frozen parameters",
+            self.mode.value,
+            f"{trainable:,}",
+            f"{frozen:,}",
+        )
+
+    @property
+    def encoder(self) -> Encoder:
+        """The frozen encoder; raises if this retriever was built on cached features only."""
+        if self._encoder is None:
+            raise RuntimeError("this retriever was built without its encoder (cached features)")
+        return self._encoder
+
+    @property
+    def has_encoder(self) -> bool:
+        return self._encoder is not None
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def kind(self) -> HeadKind:
+        """The retrieval method: the scorer's kind."""
+        return self.head.kind
+
+    @property
+    def uses_adapter(self) -> bool:
+        """The adapter is applied when trained, or when it holds non-identity weights."""
+        return self.mode is Mode.ADAPTER_CLASSIFIER or not self.adapter.is_identity()
+
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Token ids and mask ``(batch, seq)`` → pooled vectors ``(batch, d)``."""
+        embeddings = self.encoder.embed(input_ids)  # (batch, seq, d)
+        if self.uses_adapter:
+            embeddings = self.adapter(embeddings)
+        hidden = self.encoder.transform(embeddings, attention_mask)  # (batch, seq, d)
+        return self.encoder.pool(hidden, attention_mask)  # (batch, d)
+
+    def _encode_ids(self, input_ids: list[list[int]]) -> torch.Tensor:
+        return self.encode(*self.encoder.pad(input_ids))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        features: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits ``(batch, labels)`` and the cross-entropy loss when ``labels`` are given.
+
+        Pass either token ids and mask, or precomputed pooled ``features`` ``(batch, d)``.
+        """
+        if features is None:
+            if input_ids is None or attention_mask is None:
+                raise ValueError("forward needs input_ids and attention_mask, or features")
+            features = self.encode(input_ids, attention_mask)
+        logits = self.score(features)  # (batch, labels)
+        loss = F.cross_entropy(logits, labels) if labels is not None else None
+        return logits, loss
+
+    # ------------------------------------------------------------------------------ scoring
+    def index(self) -> torch.Tensor | None:
+        """What the scorer scores against through the current adapter (MIPS: the documents)."""
+        return self.head.index(self._encode_ids, adapted=self.uses_adapter)
+
+    def score(self, features: torch.Tensor, *, index: torch.Tensor | None = None) -> torch.Tensor:
+        """Pooled queries ``(batch, d)`` → one score per label ``(batch, labels)``.
+
+        ``index`` (from :meth:`index`) saves re-encoding the MIPS label documents for every
+        batch of an evaluation.
+        """
+        return self.head(features, index if index is not None else self.index())
+
+    @torch.inference_mode()
+    def score_all(self, features: torch.Tensor, *, batch_size: int) -> torch.Tensor:
+        """Scores ``(n, labels)`` on the CPU for pooled queries ``(n, d)``, in batches."""
+        self.eval()
+        index = self.index()
+        chunks = [
+            self.score(features[i : i + batch_size].to(self.device), index=index).float().cpu()
+            for i in range(0, len(features), batch_size)
+        ]
+        return torch.cat(chunks)
+
+    def set_documents(self, texts: Sequence[str]) -> None:
+        """MIPS: the labels' document texts, in label order (needs the encoder)."""
+        if not isinstance(self.head, MIPSScorer):
+            raise TypeError(f"label documents are for a MIPS head, not {self.kind.value}")
+        self.head.set_documents(self.encoder.tokenize(list(texts)).input_ids)
+
+    def set_memory(self, features: torch.Tensor, labels: torch.Tensor) -> None:
+        """kNN: the training examples' embeddings ``(n, d)`` and labels ``(n,)``."""
+        if not isinstance(self.head, KNNScorer):
+            raise TypeError(f"a memory of examples is for a kNN head, not {self.kind.value}")
+        self.head.set_memory(features, labels)
+
+    # ------------------------------------------------------------------- trainable parameters
+    def trainable_parameters(self) -> dict[str, nn.Parameter]:
+        """Name → parameter for whatever requires a gradient (``adapter.weight`` first)."""
+        return {name: p for name, p in self.named_parameters() if p.requires_grad}
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Detached CPU copies of the trainable tensors, in a fixed order."""
+        return {k: v.detach().cpu().clone() for k, v in self.trainable_parameters().items()}
+
+    def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load exactly the trainable tensors (an adapter may also be given in classifier mode).
+
+        Raises ``ValueError`` for missing, unexpected or wrongly shaped tensors.
+        """
+        expected = self.trainable_parameters()
+        optional = {"adapter.weight": self.adapter.weight}
+        missing = sorted(set(expected) - set(state))
+        unexpected = sorted(set(state) - set(expected) - set(optional))
+        if missing or unexpected:
+            raise ValueError(
+                f"trainable state mismatch: missing {missing}, unexpected {unexpected}; was it "
+                "saved with another mode, head or model?"
+            )
+        targets = {**optional, **expected}
+        with torch.no_grad():
+            for name, value in state.items():
+                target = targets[name]
+                if tuple(value.shape) != tuple(target.shape):
+                    raise ValueError(
+                        f"tensor {name!r} has shape {tuple(value.shape)}, expected "
+                        f"{tuple(target.shape)}"
+                    )
+                target.copy_(value.to(device=target.device, dtype=target.dtype))
+
+    # ---------------------------------------------------------------------------- serving
+    def set_labels(
+        self, names: Sequence[str], documents: Sequence[str], *, settings: Settings | None = None
+    ) -> None:
+        """The label names and documents (label order) that :meth:`retrieve` returns."""
+        if not len(names) == len(documents) == self.num_labels:
+            counts = f"{len(names)} names and {len(documents)} documents"
+            raise ValueError(f"{counts} for {self.num_labels} labels")
+        self.label_names, self.label_texts = tuple(names), tuple(documents)
+        self.settings = settings
+
+    def retrieve(
+        self, texts: Sequence[str], k: int, *, batch_size: int | None = None
+    ) -> list[Retrieval]:
+        """For each query text, its ``k`` best labels with softmax scores and documents."""
+        if self.label_names is None or self.label_texts is None:
+            raise RuntimeError("retrieve needs the labels: use load_retriever or set_labels")
+        if not texts:
+            return []
+        if batch_size is None:
+            batch_size = (self.settings.train if self.settings else TrainConfig()).eval_batch_size
+        ids = self.encoder.tokenize(list(texts)).input_ids
+        features = extract_features(
+            self.encode,
+            self.encoder.pad,
+            ids,
+            batch_size=batch_size,
+            progress=False,
+            desc="queries",
+        )
+        scores = self.score_all(features, batch_size=batch_size)
+        return retrieve(scores, k, self.label_names, self.label_texts)
+
+
+def build_retriever(
+    settings: Settings,
+    num_labels: int,
+    *,
+    encoder: Encoder | None = None,
+    hidden_size: int | None = None,
+    documents: Sequence[str] | None = None,
+) -> CaRRetriever:
+    """A retriever whose head initialisation depends only on ``settings.seed``.
+
+    With ``hidden_size`` and no ``encoder`` in classifier mode, the encoder is not loaded
+    (training on cached features); otherwise it is loaded unless given. A MIPS head gets its
+    label ``documents`` here when the encoder is loaded (see
+    :func:`car_fl.method.retrieval.label_documents`).
+    """
+    mode = settings.train.mode
+    if encoder is None and (hidden_size is None or mode is Mode.ADAPTER_CLASSIFIER):
+        encoder = load_encoder(settings.model, device=settings.device)
+    torch.manual_seed(settings.seed)
+    model = CaRRetriever(
+        encoder,
+        num_labels,
+        head=settings.head,
+        mode=mode,
+        hidden_size=hidden_size,
+        device=pick_device(settings.device),
+    )
+    if isinstance(model.head, MIPSScorer) and documents is not None and model.has_encoder:
+        model.set_documents(documents)
+    return model

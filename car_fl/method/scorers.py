@@ -1,0 +1,166 @@
+"""One scorer per retrieval method: pooled queries ``(batch, d)`` → a score per label.
+
+``ClassifierScorer`` (CaR): the classifier head's logits; its weights are the only trainable
+state a scorer has. ``MIPSScorer``: query·document scores against each label's document
+(:func:`~car_fl.method.retrieval.mips_scores`). ``KNNScorer``: votes of the nearest training
+examples (:func:`~car_fl.method.retrieval.knn_scores`). Each keeps its own state;
+:class:`~car_fl.method.model.CaRRetriever` composes the encoder, the adapter and one scorer,
+registered as its ``head`` (hence the ``head.*`` names of the trainable state).
+
+A scorer may score against an *index* computed through the current adapter (the MIPS label
+documents): :meth:`Scorer.index` builds it, so an evaluation can build it once for all batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from car_fl.method.head import ClassifierHead
+from car_fl.method.retrieval import knn_scores, mips_scores
+from car_fl.settings.schema import HeadConfig, HeadKind, Similarity
+
+#: Token id lists → pooled vectors ``(n, d)`` through the retriever's adapter and encoder.
+EncodeIds = Callable[[list[list[int]]], torch.Tensor]
+
+
+class Scorer(nn.Module):
+    """Pooled queries ``(batch, d)`` → scores ``(batch, labels)`` that rank like logits."""
+
+    kind: ClassVar[HeadKind]
+
+    def index(self, encode: EncodeIds, *, adapted: bool) -> torch.Tensor | None:
+        """What the queries are scored against, through the adapter (``None``: nothing)."""
+        return None
+
+    def forward(self, queries: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class ClassifierScorer(ClassifierHead, Scorer):
+    """CaR: the classifier head (:class:`~car_fl.method.head.ClassifierHead`) scores the labels."""
+
+    kind = HeadKind.CLASSIFIER
+
+    def forward(self, queries: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+        return ClassifierHead.forward(self, queries)
+
+
+class MIPSScorer(Scorer):
+    """MIPS over the label documents: similarity to each label's document, / temperature.
+
+    The documents are token ids (:meth:`set_documents`, re-encoded through the adapter while
+    it is in use, encoded once and kept otherwise) or fixed embeddings
+    (:meth:`set_document_features`, no encoder needed).
+    """
+
+    kind = HeadKind.MIPS
+
+    def __init__(
+        self,
+        num_labels: int,
+        *,
+        similarity: Similarity,
+        temperature: float,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.num_labels = num_labels
+        self.similarity = similarity
+        self.temperature = temperature
+        self.device = torch.device(device)
+        self.document_ids: list[list[int]] | None = None
+        self.document_features: torch.Tensor | None = None  # (labels, d)
+
+    def set_documents(self, input_ids: list[list[int]]) -> None:
+        """The labels' documents as token ids, in label order."""
+        self._check_count(len(input_ids))
+        self.document_ids = [list(ids) for ids in input_ids]
+        self.document_features = None
+
+    def set_document_features(self, features: torch.Tensor) -> None:
+        """Precomputed document embeddings ``(labels, d)``."""
+        self._check_count(int(features.shape[0]))
+        self.document_features = features.to(self.device)
+
+    def _check_count(self, count: int) -> None:
+        if count != self.num_labels:
+            raise ValueError(f"{count} label documents for {self.num_labels} labels")
+
+    def index(self, encode: EncodeIds, *, adapted: bool) -> torch.Tensor:
+        """The label documents ``(labels, d)``: re-encoded (with gradients when enabled) while
+        the adapter is in use, encoded once and kept otherwise."""
+        if self.document_ids is not None and (adapted or self.document_features is None):
+            if adapted:
+                return encode(self.document_ids)
+            with torch.no_grad():
+                self.document_features = encode(self.document_ids)
+        if self.document_features is None:
+            raise RuntimeError("a MIPS head needs its label documents: call set_documents")
+        return self.document_features
+
+    def forward(self, queries: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+        if index is None:
+            raise ValueError("MIPS scores need the label documents (index)")
+        return mips_scores(queries, index, kind=self.similarity, temperature=self.temperature)
+
+
+class KNNScorer(Scorer):
+    """kNN over training examples: votes of the ``k`` most similar memory rows per label."""
+
+    kind = HeadKind.KNN
+
+    def __init__(
+        self,
+        num_labels: int,
+        *,
+        k: int,
+        similarity: Similarity,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.num_labels = num_labels
+        self.k = k
+        self.similarity = similarity
+        self.device = torch.device(device)
+        self.memory: torch.Tensor | None = None  # (n, d)
+        self.memory_labels: torch.Tensor | None = None  # (n,)
+
+    def set_memory(self, features: torch.Tensor, labels: torch.Tensor) -> None:
+        """The training examples' embeddings ``(n, d)`` and labels ``(n,)``."""
+        if len(features) != len(labels):
+            raise ValueError(f"{len(features)} memory rows for {len(labels)} labels")
+        self.memory = features.to(self.device)
+        self.memory_labels = labels.to(self.device)
+
+    def forward(self, queries: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+        if self.memory is None or self.memory_labels is None:
+            raise RuntimeError("a kNN head needs its memory: call set_memory(features, labels)")
+        return knn_scores(
+            queries,
+            self.memory,
+            self.memory_labels,
+            self.num_labels,
+            k=self.k,
+            kind=self.similarity,
+        )
+
+
+def build_scorer(
+    head: HeadConfig, *, dim: int, num_labels: int, device: torch.device | str = "cpu"
+) -> Scorer:
+    """The scorer of ``head.kind``; a classifier's initialisation draws from torch's global RNG."""
+    kind = head.kind
+    if kind is HeadKind.CLASSIFIER:
+        scorer: Scorer = ClassifierScorer(
+            dim, num_labels, pre_classifier_dim=head.pre_classifier_dim, dropout=head.dropout
+        )
+        return scorer.to(device)
+    if kind is HeadKind.MIPS:
+        return MIPSScorer(
+            num_labels, similarity=head.similarity, temperature=head.temperature, device=device
+        )
+    return KNNScorer(num_labels, k=head.knn_k, similarity=head.similarity, device=device)

@@ -1,0 +1,255 @@
+"""Local training and evaluation of the CaR retriever, in both modes.
+
+``classifier``: the head trains on cached pooled features (one encoder pass, ever).
+``adapter+classifier``: the adapter and the head train through the frozen encoder; each batch
+is padded to its own length. The order of examples in epoch ``e`` depends only on
+``(seed, e)``, so a run split into rounds of local epochs sees the same order as one long run.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from car_fl.method.features import LocalData, extract_features
+from car_fl.method.metrics import retrieval_metrics
+from car_fl.method.model import CaRRetriever
+from car_fl.method.optim import Optimizer
+from car_fl.settings.schema import TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+def make_optimizer(model: CaRRetriever, cfg: TrainConfig) -> Optimizer:
+    """Optimizer over the trainable parameters only (no state for frozen weights).
+
+    :class:`car_fl.method.optim.Optimizer`: the updates of ``torch.optim`` without its seconds of
+    start-up in every new process.
+    """
+    params = model.trainable_parameters()
+    head = [p for name, p in params.items() if not name.startswith("adapter")]
+    groups: list[dict[str, Any]] = [{"params": head, "lr": cfg.lr}] if head else []
+    if "adapter.weight" in params:
+        groups.append({"params": [params["adapter.weight"]], "lr": cfg.adapter_lr or cfg.lr})
+    if not groups:
+        raise ValueError(
+            f"nothing to train: head.kind={model.kind.value} in mode={model.mode.value} has no "
+            "trainable parameter (evaluate it directly)"
+        )
+    return Optimizer(
+        groups, kind=cfg.optimizer, weight_decay=cfg.weight_decay, momentum=cfg.momentum
+    )
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The RNG seed of global epoch ``epoch`` (0-based): data order and dropout."""
+    return (seed * 1_000_003 + epoch * 7_919) % (2**63 - 1)
+
+
+def epoch_order(n: int, *, seed: int, epoch: int) -> torch.Tensor:
+    """A permutation of ``range(n)`` that depends only on ``(seed, epoch)``."""
+    generator = torch.Generator().manual_seed(epoch_seed(seed, epoch))
+    return torch.randperm(n, generator=generator)
+
+
+@dataclass
+class EpochResult:
+    loss: float
+    accuracy: float
+    examples: int
+    steps: int
+
+
+StepHook = Callable[[CaRRetriever], None]
+
+
+def train_epoch(
+    model: CaRRetriever,
+    data: LocalData,
+    optimizer: Optimizer,
+    *,
+    batch_size: int,
+    seed: int,
+    epoch: int,
+    progress: bool = True,
+    desc: str = "train",
+    after_step: StepHook | None = None,
+    prox_mu: float = 0.0,
+    anchor: Mapping[str, torch.Tensor] | None = None,
+) -> EpochResult:
+    """One pass over ``data`` in the order of ``epoch_order(seed, epoch)``.
+
+    ``after_step`` runs after every optimizer step (per-step DP uses it). ``prox_mu`` > 0 adds
+    FedProx's proximal term μ/2·‖θ − ``anchor``‖² (``anchor``: the global trainable state) to
+    the loss that is minimised; the reported loss stays the task loss.
+    """
+    proximal = ProximalTerm(model, anchor, prox_mu) if prox_mu > 0 else None
+    if len(data) == 0:
+        raise ValueError("cannot train on an empty dataset")
+    model.train()
+    torch.manual_seed(epoch_seed(seed, epoch))  # dropout
+    device = model.device
+    order = epoch_order(len(data), seed=seed, epoch=epoch)
+    features = data.features.to(device) if data.features is not None else None
+    labels_all = data.labels.to(device)
+    total_loss, correct, steps = 0.0, 0, 0
+    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    for batch in tqdm(batches, desc=desc, disable=not progress, unit="step", leave=False):
+        labels = labels_all[batch.to(device)]
+        if features is not None:
+            logits, loss = model(features=features[batch.to(device)], labels=labels)
+        else:
+            assert data.input_ids is not None
+            ids, mask = model.encoder.pad([data.input_ids[i] for i in batch.tolist()])
+            logits, loss = model(ids, mask, labels=labels)
+        assert loss is not None
+        if not torch.isfinite(loss):
+            raise FloatingPointError(
+                f"training loss became {loss.item()} at step {steps}; lower train.lr"
+            )
+        optimizer.zero_grad(set_to_none=True)
+        (loss + proximal() if proximal is not None else loss).backward()
+        optimizer.step()
+        if after_step is not None:
+            after_step(model)
+        total_loss += float(loss.detach()) * len(batch)
+        correct += int((logits.detach().argmax(dim=1) == labels).sum())
+        steps += 1
+    model.eval()
+    return EpochResult(
+        loss=total_loss / len(data), accuracy=correct / len(data), examples=len(data), steps=steps
+    )
+
+
+def train_epoch_dpsgd(
+    model: CaRRetriever,
+    data: LocalData,
+    optimizer: Optimizer,
+    *,
+    sample_rate: float,
+    clip: float,
+    noise_multiplier: float,
+    steps: int,
+    seed: int,
+    epoch: int,
+    batches: Sequence[torch.Tensor] | None = None,
+    generator: torch.Generator | None = None,
+    progress: bool = True,
+    desc: str = "dp-sgd",
+) -> EpochResult:
+    """One epoch of record-level DP-SGD: ``steps`` Poisson-sampled steps at rate q.
+
+    Each step is :func:`car_fl.privacy.dpsgd.dpsgd_step` (per-example clipping at C, noise
+    σ·C, division by q·n). Batches are drawn from OS entropy, unless ``batches`` (index
+    tensors, one per step) are given (tests: the same batches as :func:`train_epoch`);
+    ``generator`` makes the noise reproducible in tests. Loss and accuracy are over the
+    sampled examples, for the client's own log.
+    """
+    from car_fl.privacy.dpsgd import dpsgd_step, poisson_sample
+
+    if len(data) == 0:
+        raise ValueError("cannot train on an empty dataset")
+    model.train()
+    torch.manual_seed(epoch_seed(seed, epoch))  # dropout
+    device = model.device
+    params = model.trainable_parameters()
+    features = data.features.to(device) if data.features is not None else None
+    planned = list(batches) if batches is not None else [None] * steps
+    expected = sample_rate * len(data)
+    total_loss, correct, seen = 0.0, 0, 0
+    for batch in tqdm(planned, desc=desc, disable=not progress, unit="step", leave=False):
+        index = batch if batch is not None else poisson_sample(len(data), sample_rate)
+        labels = data.labels[index].to(device)
+        if features is not None:
+            inputs: dict[str, Any] = {"features": features[index.to(device)]}
+        else:
+            assert data.input_ids is not None
+            inputs = {"input_ids": [torch.tensor(data.input_ids[i]) for i in index.tolist()]}
+        result = dpsgd_step(
+            model,
+            params,
+            optimizer,
+            labels,
+            clip=clip,
+            noise_multiplier=noise_multiplier,
+            expected_batch_size=expected,
+            generator=generator,
+            **inputs,
+        )
+        if not all(bool(torch.isfinite(p).all()) for p in params.values()):
+            raise FloatingPointError(
+                f"DP-SGD made a parameter non-finite after {seen} examples; lower train.lr"
+            )
+        total_loss += result.loss_sum
+        correct += result.correct
+        seen += result.examples
+    model.eval()
+    return EpochResult(
+        loss=total_loss / max(seen, 1),
+        accuracy=correct / max(seen, 1),
+        examples=seen,
+        steps=len(planned),
+    )
+
+
+class ProximalTerm:
+    """FedProx's μ/2·‖θ − θ_global‖² over the trainable parameters (Li et al., 2020)."""
+
+    def __init__(
+        self, model: CaRRetriever, anchor: Mapping[str, torch.Tensor] | None, mu: float
+    ) -> None:
+        if anchor is None:
+            raise ValueError("the proximal term (strategy=fedprox) needs the global parameters")
+        self.params = model.trainable_parameters()
+        self.anchor = {
+            k: anchor[k].detach().to(device=p.device, dtype=p.dtype) for k, p in self.params.items()
+        }
+        self.mu = mu
+
+    def __call__(self) -> torch.Tensor:
+        total = sum((p - self.anchor[k]).pow(2).sum() for k, p in self.params.items())
+        return 0.5 * self.mu * torch.as_tensor(total)
+
+
+@torch.inference_mode()
+def predict_logits(
+    model: CaRRetriever, data: LocalData, *, batch_size: int, progress: bool = False
+) -> torch.Tensor:
+    """Logits ``(n, labels)`` for every example, in order."""
+    model.eval()
+    if data.features is not None:
+        features = data.features
+    else:
+        assert data.input_ids is not None
+        features = extract_features(
+            model.encode,
+            model.encoder.pad,
+            data.input_ids,
+            batch_size=batch_size,
+            progress=progress,
+            desc="eval",
+        )
+    return model.score_all(features, batch_size=batch_size)
+
+
+def evaluate(
+    model: CaRRetriever,
+    data: LocalData,
+    *,
+    batch_size: int,
+    top_k: list[int],
+    progress: bool = False,
+) -> dict[str, float]:
+    """Loss, top-1 and top-K accuracy, MRR and macro-F1 on ``data``."""
+    logits = predict_logits(model, data, batch_size=batch_size, progress=progress)
+    loss = float(F.cross_entropy(logits, data.labels))
+    if not math.isfinite(loss):
+        log.warning("evaluation loss is %s", loss)
+    return retrieval_metrics(logits, data.labels, top_k=top_k, loss=loss)

@@ -1,0 +1,85 @@
+"""PNG plots: one run's curves (``curves.png``) and the report's comparison of runs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from car_fl.common.io import atomic_write
+from car_fl.results.rows import PLOT_PNG, RoundRow
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig: Any, path: Path) -> Path:
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
+    _pyplot().close(fig)
+    return path
+
+
+def plot_curves(
+    folder: str | Path, history: Sequence[RoundRow], *, title: str, x_label: str = "round"
+) -> Path | None:
+    """Loss and accuracy per round: train and test loss, test top-1 and top-K accuracy."""
+    if not history:
+        return None
+    rows = [row.to_dict() for row in history]
+    x = [row["round"] for row in rows]
+    fig, (ax_loss, ax_acc) = _pyplot().subplots(1, 2, figsize=(10, 4))
+    for key, label in (
+        ("train_loss", "train loss"),
+        ("val_loss", "validation loss"),
+        ("test_loss", "test loss"),
+    ):
+        values = [row.get(key) for row in rows]
+        if any(v is not None for v in values):
+            ax_loss.plot(x, values, marker="o", label=label)
+    acc_keys = [k for k in ("val_top1",) if k in rows[-1]]
+    acc_keys += [k for k in rows[-1] if k.startswith("test_top")]
+    for key in acc_keys + (["train_accuracy"] if "train_accuracy" in rows[-1] else []):
+        ax_acc.plot(x, [row.get(key) for row in rows], marker="o", label=key)
+    ax_loss.set(xlabel=x_label, ylabel="cross-entropy", title=f"{title}: loss")
+    ax_acc.set(xlabel=x_label, ylabel="accuracy", title=f"{title}: accuracy")
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    return _save(fig, Path(folder) / PLOT_PNG)
+
+
+def plot_against_epochs(path: Path, lines: dict[str, list[RoundRow]], *, title: str) -> None:
+    """Test loss and top-1 against epochs (FL: round × local epochs), one line per label.
+
+    A run that trained nothing (one row, epoch 0) is drawn as a flat reference line.
+    """
+    fig, (ax_loss, ax_acc) = _pyplot().subplots(1, 2, figsize=(11, 4))
+    span = max((h.epochs for hist in lines.values() for h in hist), default=0) or 1
+    for label, history in lines.items():
+        x = [h.epochs for h in history]
+        if len(history) == 1 and not x[0]:  # trains nothing: a flat reference line
+            # (kNN's vote counts are no logits: its cross-entropy means nothing)
+            axes = [(ax_acc, "test_top1")] + (
+                [] if label.startswith("kNN") else [(ax_loss, "test_loss")]
+            )
+            for ax, key in axes:
+                ax.plot([0, span], [history[0].metrics[key]] * 2, linestyle="--", label=label)
+            continue
+        loss = [h.metrics["test_loss"] for h in history]
+        top1 = [h.metrics["test_top1"] for h in history]
+        ax_loss.plot(x, loss, marker="o", markersize=3, label=label)
+        ax_acc.plot(x, top1, marker="o", markersize=3, label=label)
+    ax_loss.set(xlabel="epochs (FL: round × local epochs)", ylabel="test loss", title=title)
+    ax_acc.set(xlabel="epochs (FL: round × local epochs)", ylabel="test top-1 accuracy")
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    _save(fig, path)

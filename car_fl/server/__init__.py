@@ -1,0 +1,12 @@
+"""The aggregator's side: code that runs in the ServerApp.
+
+- :mod:`~car_fl.server.federation`: ``run_federation``: nodes, initial model, rounds, results.
+- :mod:`~car_fl.server.strategy`: ``GuardedStrategy``: any Flower strategy behind car-fl's
+  sampling and checks; :mod:`~car_fl.server.aggregation`: the strategy registry.
+- :mod:`~car_fl.server.replies`, :mod:`~car_fl.server.shard_claims`,
+  :mod:`~car_fl.server.update_norm`, :mod:`~car_fl.server.sampled_grid`: reply validation,
+  partitions pinned per node, the update-norm bound, seeded client sampling.
+- :mod:`~car_fl.server.round_stats`, :mod:`~car_fl.server.round_recorder`: what a round saw,
+  and its recording; :mod:`~car_fl.server.evaluation`: ``ServerEvaluator`` (held-out splits).
+- :mod:`~car_fl.server.resume`: continuing an interrupted run.
+"""

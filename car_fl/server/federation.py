@@ -1,0 +1,184 @@
+"""Server-side orchestration of a federated run: nodes, initial model, rounds, results.
+
+The ServerApp calls :func:`run_federation`. It checks that the number of connected nodes
+matches ``fl.clients``, builds the initial trainable state (same seed and initialisation as a
+centralised run), runs the configured strategy
+(:func:`~car_fl.server.aggregation.build_strategy`) for ``fl.rounds`` rounds and, after every
+round, evaluates the global model on the held-out split, logs one line, and writes the metrics
+files, the plot and a checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from flwr.app import ConfigRecord
+from flwr.serverapp import Grid
+
+from car_fl.common.io import atomic_write_text
+from car_fl.protocol.messages import from_record, to_record
+from car_fl.results.recorder import Recorder
+from car_fl.results.rows import RunSummary
+from car_fl.server.aggregation import build_strategy
+from car_fl.server.evaluation import ServerEvaluator
+from car_fl.server.resume import load_resume_point
+from car_fl.server.round_recorder import RoundRecorder
+from car_fl.server.strategy import spec_of
+from car_fl.settings.compose import settings_to_yaml
+from car_fl.settings.flower import fingerprint
+from car_fl.settings.schema import Settings, trains_nothing
+
+log = logging.getLogger(__name__)
+
+
+def wait_for_nodes(grid: Grid, expected: int, *, timeout: float, poll: float = 0.5) -> list[int]:
+    """Wait until ``expected`` nodes are connected; fail clearly on too many or too few."""
+    deadline = time.monotonic() + timeout
+    while True:
+        nodes = sorted(grid.get_node_ids())
+        if len(nodes) > expected:
+            raise ValueError(
+                f"{len(nodes)} SuperNodes are connected but the run is configured for "
+                f"fl.clients={expected}: set fl.clients={len(nodes)} (e.g. --run-config "
+                f"'overrides=\"fl.clients={len(nodes)}\"') or run {expected} nodes "
+                f"(simulation: --federation-config 'num-supernodes={expected}')"
+            )
+        if len(nodes) == expected:
+            return nodes
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"only {len(nodes)} of fl.clients={expected} SuperNodes connected within "
+                f"{timeout:.0f}s (fl.wait_for_nodes); start the missing nodes or set "
+                f"fl.clients={len(nodes)}"
+            )
+        time.sleep(poll)
+
+
+def check_local_paths(settings: Settings) -> None:
+    """Fail before any node is contacted if a configured local file or folder is missing."""
+    for key, value in (
+        ("dataset.path", settings.dataset.path),
+        ("dataset.test_path", settings.dataset.test_path),
+    ):
+        if value is not None and not Path(value).expanduser().is_file():
+            raise FileNotFoundError(
+                f"{key}={value} does not exist on the server; the server needs the dataset "
+                "for its held-out evaluation (give an absolute path valid on the aggregator)"
+            )
+    model = settings.model.name_or_path
+    if model.startswith(("/", "./", "../", "~")) and not Path(model).expanduser().is_dir():
+        raise FileNotFoundError(
+            f"model.name_or_path={model} is not a folder on the server; point it at a model "
+            "folder on the aggregator (clients may override it with --node-config model-path)"
+        )
+
+
+def default_output_dir(settings: Settings) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    name = f"{stamp}-{settings.dataset.name}-{settings.model.name}-{settings.train.mode}"
+    return Path("runs") / name.replace("+", "-")
+
+
+def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
+    """The whole federated run on the server side; returns the summary."""
+    resume_dir = Path(settings.resume).resolve() if settings.resume else None
+    output_dir = resume_dir or Path(settings.output_dir or default_output_dir(settings)).resolve()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    config_yaml = settings_to_yaml(settings)
+    log.info("resolved configuration (fingerprint %s):\n%s", fingerprint(settings), config_yaml)
+    point = load_resume_point(resume_dir, settings) if resume_dir is not None else None
+    atomic_write_text(output_dir / "config.yaml", config_yaml)
+    log.info("results: %s", output_dir)
+
+    # Local paths, nodes, test data, initial global model
+    if trains_nothing(settings):
+        raise ValueError(
+            f"head.kind={settings.head.kind} with train.mode={settings.train.mode} has nothing "
+            "to train, so there is nothing to federate; evaluate it centrally "
+            "(python -m car_fl.centralized ...) or train the adapter with mode=adapter (MIPS)"
+        )
+    check_local_paths(settings)
+    wait_for_nodes(grid, settings.fl.clients, timeout=settings.fl.wait_for_nodes)
+    evaluator = ServerEvaluator.build(settings)
+    initial = to_record(evaluator.model.trainable_state_dict(), dtype=settings.comm.dtype)
+    strategy = build_strategy(settings, spec=spec_of(initial), shard_sizes=evaluator.shard_sizes)
+    recorder = RoundRecorder(
+        Recorder(
+            settings=settings,
+            output_dir=output_dir,
+            label_map=evaluator.label_map,
+            unit="round",
+            title=f"FL {settings.dataset.name}, {settings.fl.clients} clients",
+            round_checkpoints=True,
+        ),
+        evaluate=evaluator,
+        describe=lambda: describe(settings, evaluator),
+    )
+    strategy.on_round = recorder.receive  # the strategy hands each round's statistics over
+    done = 0
+    if point is not None:  # continue after the last complete round
+        done = point.round
+        initial = point.arrays
+        recorder.resume(point.history, point.client_rows, point.initial, done=done)
+        strategy.round_offset = done
+        log.info("resuming %s after round %d of %d", output_dir, done, settings.fl.rounds)
+
+    # Rounds
+    result = strategy.start(
+        grid=grid,
+        initial_arrays=initial,
+        num_rounds=settings.fl.rounds - done,
+        timeout=settings.fl.round_timeout,
+        # Clients check the configuration and encode their labels with the global label map.
+        train_config=ConfigRecord(
+            {"fingerprint": fingerprint(settings), "labels": evaluator.label_map.to_list()}
+        ),
+        evaluate_fn=recorder,
+    )
+
+    # Final results
+    recorder.recorder.save_final(
+        from_record(result.arrays or initial),
+        round=settings.fl.rounds,
+        epsilon=recorder.last_epsilon,
+    )
+    recorder.write(final=True)
+    summary = recorder.summary(final=True)
+    if len(summary.skipped_rounds or []) == settings.fl.rounds:
+        raise RuntimeError(
+            f"every round failed: no client sent a valid update in {settings.fl.rounds} rounds; "
+            f"see the errors above (results in {output_dir})"
+        )
+    assert summary.final is not None and summary.best is not None
+    log.info(
+        "final test top1 %.4f; best on validation in round %d: test top1 %.4f; results in %s",
+        summary.final.metrics["test_top1"],
+        summary.best.round,
+        summary.best.metrics["test_top1"],
+        output_dir,
+    )
+    return summary.to_dict()
+
+
+def describe(settings: Settings, evaluator: ServerEvaluator) -> RunSummary:
+    """The federated summary's fields that do not change from round to round."""
+    return RunSummary(
+        kind="federated",
+        clients=settings.fl.clients,
+        mode=settings.train.mode,
+        head=settings.head.kind,
+        num_labels=len(evaluator.label_map),
+        rounds=settings.fl.rounds,
+        local_epochs=settings.fl.local_epochs,
+        final=None,
+        best=None,
+        total_seconds=0.0,
+        test_examples=len(evaluator.held_out.test),
+        selection=evaluator.held_out.selection,
+        data=evaluator.data_stats,
+        dp=settings.dp.mode,
+        delta=settings.dp.delta,
+    )

@@ -1,0 +1,70 @@
+"""Resuming an interrupted federation: its last complete round, read back from its run directory."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from flwr.app import ArrayRecord
+
+from car_fl.protocol.messages import to_record
+from car_fl.results.checkpoint import load_checkpoint
+from car_fl.results.rows import CLIENTS_CSV, METRICS_JSON, ClientRow, MetricsFile, RoundRow
+from car_fl.settings.compose import settings_from_yaml
+from car_fl.settings.flower import fingerprint
+from car_fl.settings.schema import Settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ResumePoint:
+    """Where an interrupted run continues: its last complete round and what it had written."""
+
+    round: int
+    arrays: ArrayRecord
+    history: list[RoundRow]
+    client_rows: list[ClientRow]
+    initial: dict[str, float]
+
+
+def load_resume_point(run_dir: Path, settings: Settings) -> ResumePoint:
+    """The last round whose checkpoint is complete, with the history up to it.
+
+    The run's saved configuration must match this one (``fl.rounds`` may be raised).
+    """
+    saved_config = run_dir / "config.yaml"
+    for path in (saved_config, run_dir / METRICS_JSON):
+        if not path.is_file():
+            raise FileNotFoundError(f"resume={run_dir}: {path.name} is missing; is it a run dir?")
+    saved = settings_from_yaml(saved_config.read_text(encoding="utf-8"))
+    saved.fl.rounds = settings.fl.rounds
+    if fingerprint(saved) != fingerprint(settings):
+        raise ValueError(
+            f"resume={run_dir}: that run was made with another configuration (see its "
+            "config.yaml); resume it with the same overrides (only fl.rounds may change)"
+        )
+    metrics = MetricsFile.read(run_dir)
+    for row in reversed(metrics.history):
+        folder = run_dir / "checkpoints" / f"round-{row.round:03d}"
+        try:
+            checkpoint = load_checkpoint(folder)
+        except (OSError, ValueError) as err:
+            log.warning("resume: skipping round %s (%s)", row.round, err)
+            continue
+        done = checkpoint.round
+        if done >= settings.fl.rounds:
+            raise ValueError(
+                f"resume={run_dir}: the run already has {done} rounds; raise fl.rounds above it"
+            )
+        clients_csv = run_dir / CLIENTS_CSV
+        client_rows = ClientRow.read_csv(clients_csv) if clients_csv.is_file() else []
+        return ResumePoint(
+            round=done,
+            arrays=to_record(checkpoint.state, dtype=settings.comm.dtype),
+            history=[r for r in metrics.history if r.round <= done],
+            client_rows=[r for r in client_rows if r.round <= done],
+            initial=metrics.summary.initial or {},
+        )
+    raise ValueError(f"resume={run_dir}: no complete round checkpoint to continue from")

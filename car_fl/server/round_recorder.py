@@ -1,0 +1,172 @@
+"""The federation's ``evaluate_fn``: each round's statistics and evaluation, recorded.
+
+The strategy hands :class:`RoundRecorder` each round's
+:class:`~car_fl.server.round_stats.RoundStats` (:meth:`RoundRecorder.receive`); it turns them,
+with the server's evaluation, into the round's row, client rows and ε, and gives them to the
+run's :class:`~car_fl.results.recorder.Recorder`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from flwr.app import ArrayRecord, MetricRecord
+
+from car_fl.protocol.messages import from_record
+from car_fl.results.recorder import Recorder, best_row
+from car_fl.results.rows import CLIENTS_CSV, ClientDP, ClientRow, RoundRow, RunSummary, wire_key
+from car_fl.server.round_stats import RoundStats
+
+log = logging.getLogger(__name__)
+
+
+def client_rows_of(stats: RoundStats) -> list[ClientRow]:
+    """One row per client the round involved, in node order."""
+    rows = []
+    nodes = sorted({*stats.bytes_sent, *stats.client_metrics, *stats.rejected, *stats.failed})
+    for node in nodes:
+        metrics = stats.client_metrics.get(node, {})
+        if node in stats.client_metrics:
+            status = "ok"
+        else:
+            status = "rejected" if node in stats.rejected else "failed"
+        rows.append(
+            ClientRow(
+                round=stats.round,
+                node=node,
+                status=status,
+                reason=stats.rejected.get(node) or stats.failed.get(node) or "",
+                bytes_sent=stats.bytes_sent.get(node, 0),
+                bytes_received=stats.bytes_received.get(node, 0),
+                update_norm=stats.update_norms.get(node),
+                **{name: metrics.get(wire_key(name)) for name in ClientRow.FROM_WIRE},
+            )
+        )
+    return rows
+
+
+@dataclass
+class RoundRecorder:
+    """``evaluate_fn`` for ``Strategy.start``: after each round, evaluate, record, write files."""
+
+    recorder: Recorder
+    #: The server's evaluation of a global model: ``val_*`` and ``test_*`` metrics.
+    evaluate: Callable[[ArrayRecord], dict[str, float]]
+    #: What the summary says of the run beyond its rows (clients, data, selection, ...).
+    describe: Callable[[], RunSummary]
+    client_rows: list[ClientRow] = field(default_factory=list)
+    client_epsilon: dict[int, float] = field(default_factory=dict)
+    #: Record-level DP (dp=record): each client's σ, q, steps and ε, by partition id.
+    client_dp: dict[int, ClientDP] = field(default_factory=dict)
+    last_epsilon: float = 0.0
+    initial: dict[str, float] = field(default_factory=dict)
+    started: float = field(default_factory=time.perf_counter)
+    round_offset: int = 0
+    #: The strategy's statistics of the round that just ended (see :meth:`receive`).
+    pending: RoundStats | None = None
+
+    def receive(self, stats: RoundStats) -> None:
+        """The strategy hands over each round's statistics (aggregated or not) before evaluation."""
+        self.pending = stats
+
+    def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        metrics = self.evaluate(arrays)
+        reply = MetricRecord({k: float(v) for k, v in metrics.items()})
+        if server_round == 0 and self.round_offset:
+            log.info(
+                "resumed after round %d: test loss %.4f top1 %.4f",
+                self.round_offset,
+                metrics["test_loss"],
+                metrics["test_top1"],
+            )
+            return reply
+        server_round += self.round_offset
+        if server_round == 0:
+            self.initial = metrics
+            log.info(
+                "round   0 | initial global model: test loss %.4f top1 %.4f",
+                metrics["test_loss"],
+                metrics["test_top1"],
+            )
+            return reply
+        stats, self.pending = self.pending, None
+        if stats is None or stats.round != server_round:
+            raise RuntimeError(f"round {server_round}: the strategy handed over no statistics")
+        row = self.row(stats, metrics)
+        self.client_rows.extend(client_rows_of(stats))
+        note = f" | asked {', '.join(map(str, stats.asked))}"
+        self.recorder.record(row, from_record(arrays), epsilon=row.epsilon, note=note)
+        self.write(final=False)
+        return reply
+
+    def row(self, stats: RoundStats, metrics: dict[str, float]) -> RoundRow:
+        """The round's row from the strategy's statistics and the server's evaluation."""
+        replies = stats.client_metrics.values()
+        return RoundRow(
+            round=stats.round,
+            epochs=stats.round * self.recorder.settings.fl.local_epochs,
+            train_loss=stats.weighted(wire_key("train_loss")),
+            train_accuracy=stats.weighted(wire_key("train_accuracy")),
+            metrics=metrics,
+            seconds=time.perf_counter() - stats.started,
+            bytes_sent=sum(stats.bytes_sent.values()),
+            bytes_received=sum(stats.bytes_received.values()),
+            bytes_sent_per_client=max(stats.bytes_sent.values(), default=0),
+            clients_asked=len(stats.asked),
+            clients_ok=len(stats.client_metrics),
+            clients_rejected=len(stats.rejected),
+            clients_failed=len(stats.failed),
+            skipped=int(not stats.aggregated),
+            dp_active=int(any(m.get(wire_key("dp_active")) for m in replies)),
+            epsilon=self.epsilon(stats),
+            max_client_train_seconds=max(
+                (m.get(wire_key("train_seconds"), 0.0) for m in replies), default=0.0
+            ),
+        )
+
+    def epsilon(self, stats: RoundStats) -> float:
+        """Max over clients of the ε they report; clients that did not reply keep theirs."""
+        for node, metrics in stats.client_metrics.items():
+            if wire_key("dp_epsilon") in metrics:
+                self.client_epsilon[node] = metrics[wire_key("dp_epsilon")]
+            dp = ClientDP.from_wire(metrics)
+            if dp is not None:  # record-level DP, by partition (a non-finite claim: by node)
+                claimed = metrics.get(wire_key("partition_id"), float(node))
+                self.client_dp[int(claimed) if math.isfinite(claimed) else node] = dp
+        self.last_epsilon = max(self.client_epsilon.values(), default=0.0)
+        return self.last_epsilon
+
+    def resume(
+        self,
+        history: list[RoundRow],
+        client_rows: list[ClientRow],
+        initial: dict[str, float],
+        done: int,
+    ) -> None:
+        """Continue after round ``done`` of a run whose rows were read back."""
+        self.recorder.history, self.client_rows, self.initial = history, client_rows, initial
+        self.recorder.best = best_row(history)
+        self.last_epsilon = max((row.epsilon or 0.0 for row in history), default=0.0)
+        self.round_offset = done
+
+    def summary(self, *, final: bool) -> RunSummary:
+        history = self.recorder.history
+        summary = self.describe()
+        summary.initial = self.initial
+        summary.final = history[-1] if history else None
+        summary.best = self.recorder.best
+        summary.total_seconds = time.perf_counter() - self.started
+        summary.skipped_rounds = [row.round for row in history if row.skipped]
+        summary.epsilon = self.last_epsilon
+        summary.dp_clients = dict(self.client_dp)
+        summary.complete = final
+        return summary
+
+    def write(self, *, final: bool) -> None:
+        """The metrics files, ``clients.csv`` and the plot, as they stand."""
+        self.recorder.write(self.summary(final=final))
+        ClientRow.write_csv(self.recorder.output_dir / CLIENTS_CSV, self.client_rows)

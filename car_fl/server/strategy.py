@@ -1,0 +1,336 @@
+"""Server-side aggregation: any Flower Message-API strategy, guarded by car-fl's checks.
+
+(Over 300 lines: one Flower Strategy subclass, whose checks read best in order in one class.)
+
+:class:`GuardedStrategy` wraps one of Flower's strategies (FedAvg, FedMedian, Krum, FedAdam …;
+see :mod:`car_fl.server.aggregation`) and adds, once for all of them:
+
+- client sampling: each round asks ``fl.sample_size`` of the connected nodes, drawn from the
+  run's seed and the round (a resumed run asks the same nodes);
+- reply validation on the *decoded* values: car-fl's own wire format only (``RAW_STYPE``), the
+  global model's tensor names, shapes and dtypes, finite values, a positive integer example
+  count capped by the server's own record of which node holds which partition
+  (:class:`~car_fl.server.shard_claims.ShardClaims`);
+- an update-norm bound (:class:`~car_fl.server.update_norm.NormBound`): replies with
+  ‖θᵢ − θ‖ above it are rejected or clipped;
+- a minimum of valid replies, below which the global model stays exactly as it was;
+- per-round records (:class:`~car_fl.server.round_stats.RoundStats`), handed to the round recorder
+  (``on_round``) after every round, aggregated or not, and the round offset of a resumed run.
+
+Only replies that passed every check reach the wrapped strategy, rebuilt with float64 NumPy
+arrays and their example count alone, in node order (so arrival order cannot matter); its result
+is cast back to the global model's dtypes and encoded in car-fl's wire format.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, cast
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg, Strategy
+
+from car_fl.protocol.messages import (
+    ARRAYS_KEY,
+    CONFIG_KEY,
+    NUM_EXAMPLES,
+    decode,
+    encode,
+    payload_bytes,
+)
+from car_fl.server.replies import Spec, as_float64, spec_of, validate_reply
+from car_fl.server.round_stats import RoundStats
+from car_fl.server.sampled_grid import SampledGrid
+from car_fl.server.shard_claims import ShardClaims
+from car_fl.server.update_norm import NormBound, clip_update, update_norm
+from car_fl.settings.schema import NormBoundAction
+
+log = logging.getLogger(__name__)
+
+
+class GuardedStrategy(Strategy):
+    """A Flower Message-API strategy with car-fl's sampling, checks and round records."""
+
+    def __init__(
+        self,
+        inner: FedAvg,
+        *,
+        spec: Spec,
+        min_clients: int = 1,
+        sample_size: Any = None,
+        seed: int = 0,
+        max_examples: int | None = None,
+        shard_sizes: Mapping[int, int] | None = None,
+        norm_bound: NormBound | None = None,
+        min_valid: int = 1,
+        min_valid_fraction: float = 0.0,
+    ) -> None:
+        """``inner`` is the Flower strategy that combines the valid replies.
+
+        ``sample_size(connected)`` is how many nodes a round asks (default: all).
+        ``shard_sizes`` (partition id → examples) caps each node's example count by the
+        partition it holds; ``max_examples`` caps everybody instead. A round needs at least
+        max(``min_valid``, ⌈``min_valid_fraction`` · clients asked⌉) valid replies, else the
+        global model stays exactly as it was.
+        """
+        self.inner = inner
+        # The wrapped strategy sees only the sampled nodes and asks every one of them.
+        inner.fraction_train, inner.min_train_nodes, inner.min_available_nodes = 1.0, 1, 1
+        inner.arrayrecord_key, inner.configrecord_key = ARRAYS_KEY, CONFIG_KEY
+        self.spec = spec
+        self.min_clients = min_clients
+        self.sample_size = sample_size or (lambda connected: connected)
+        self.seed = seed
+        self.claims = ShardClaims(shard_sizes, max_examples=max_examples)
+        self.norm_bound = norm_bound or NormBound()
+        self.min_valid = min_valid
+        self.min_valid_fraction = min_valid_fraction
+        self.current: RoundStats | None = None
+        self.history: list[RoundStats] = []
+        #: Receives each round's statistics once the round is aggregated (the round recorder).
+        self.on_round: Callable[[RoundStats], None] | None = None
+        #: The global model sent this round (float64), the reference of every update norm.
+        self.reference: dict[str, np.ndarray[Any, Any]] | None = None
+        #: Rounds already done before this ``start`` (a resumed run): Flower counts from 1,
+        #: clients and results see the run's true round numbers.
+        self.round_offset = 0
+
+    spec_of = staticmethod(spec_of)
+
+    def summary(self) -> None:
+        log.info(
+            "aggregation: %s; update-norm bound %s (%s); replies checked by car-fl",
+            type(self.inner).__name__,
+            self.norm_bound.mode,
+            self.norm_bound.action,
+        )
+        self.inner.summary()
+
+    def sample(self, server_round: int, grid: Grid) -> tuple[list[int], int]:
+        """This round's nodes: a seeded sample of the connected ones, at least ``min_clients``."""
+        nodes = sorted(grid.get_node_ids())
+        while len(nodes) < self.min_clients:  # like Flower: wait for enough nodes
+            log.info("waiting for nodes: %d connected, %d needed", len(nodes), self.min_clients)
+            time.sleep(1.0)
+            nodes = sorted(grid.get_node_ids())
+        size = min(len(nodes), max(self.min_clients, int(self.sample_size(len(nodes)))))
+        chosen = random.Random(f"car-fl-sample:{self.seed}:{server_round}").sample(nodes, size)
+        return sorted(chosen), len(nodes)
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        server_round += self.round_offset
+        asked, connected = self.sample(server_round, grid)
+        self.reference = {k: decode(v).astype(np.float64) for k, v in arrays.items()}
+        # The wrapped strategy computes on float64 NumPy arrays; the wire carries car-fl's own.
+        messages = list(
+            self.inner.configure_train(
+                server_round, as_float64(self.reference), config, SampledGrid(grid, asked)
+            )
+        )
+        for message in messages:
+            message.content[ARRAYS_KEY] = arrays
+        self.current = RoundStats(
+            round=server_round, started=time.perf_counter(), asked=asked, connected=connected
+        )
+        size = payload_bytes(arrays)
+        for message in messages:
+            self.current.bytes_sent[message.metadata.dst_node_id] = size
+        log.info(
+            "round %d: asked %d of %d nodes: %s",
+            server_round,
+            len(asked),
+            connected,
+            ", ".join(map(str, asked)),
+        )
+        return messages
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """The aggregate of the valid replies (``None`` keeps the model); the round's statistics
+        go to ``on_round`` once it is done."""
+        server_round += self.round_offset
+        stats = self.current or RoundStats(round=server_round, started=time.perf_counter())
+        self.current = None
+        try:
+            return self._aggregate_train(server_round, replies, stats)
+        finally:
+            if self.on_round is not None:
+                self.on_round(stats)
+
+    def _aggregate_train(
+        self, server_round: int, replies: Iterable[Message], stats: RoundStats
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        checked: dict[int, tuple[dict[str, np.ndarray[Any, Any]], int]] = {}
+        originals: dict[int, Message] = {}
+        for message in sorted(replies, key=lambda m: m.metadata.src_node_id):
+            node = message.metadata.src_node_id
+            if message.has_error():
+                stats.failed[node] = str(message.error.reason)
+                log.error("round %d: node %d failed: %s", server_round, node, message.error.reason)
+                continue
+            try:
+                checked_reply = self._check(node, message.content, stats)
+            except Exception as err:  # whatever a client sends must not end the server's run
+                stats.rejected[node] = f"malformed reply ({type(err).__name__}: {err})"
+                checked_reply = None
+            if checked_reply is not None:
+                checked[node], originals[node] = checked_reply, message
+        valid = self._bound_norms(server_round, checked, stats)
+        for node in valid:
+            record = next(iter(originals[node].content.array_records.values()))
+            stats.bytes_received[node] = payload_bytes(record)
+        stats.attribute_lost_replies()
+        self.history.append(stats)
+        for node, reason in stats.rejected.items():
+            log.error("round %d: rejected the reply of node %d: %s", server_round, node, reason)
+        asked = max(len(stats.bytes_sent), len(valid) + len(stats.rejected) + len(stats.failed))
+        needed = max(self.min_valid, math.ceil(self.min_valid_fraction * asked))
+        if len(valid) < needed:
+            log.error(
+                "round %d: %d valid replies (%d failed, %d rejected) but %d are needed "
+                "(fl.min_valid_replies / fl.min_valid_fraction); the global model is kept "
+                "unchanged",
+                server_round,
+                len(valid),
+                len(stats.failed),
+                len(stats.rejected),
+                needed,
+            )
+            return None, None
+        arrays = self._combine(server_round, valid, originals)
+        if arrays is None:
+            return None, None
+        stats.aggregated = True
+        summary = MetricRecord(
+            {
+                NUM_EXAMPLES: sum(n for _, n in valid.values()),
+                "train-loss": _finite(stats.weighted("train-loss")),
+                "train-accuracy": _finite(stats.weighted("train-accuracy")),
+            }
+        )
+        return arrays, summary
+
+    def _check(
+        self, node: int, content: RecordDict, stats: RoundStats
+    ) -> tuple[dict[str, np.ndarray[Any, Any]], int] | None:
+        """The decoded arrays and example count of a valid reply; ``None`` (recorded) if not."""
+        metrics = next(iter(content.metric_records.values()), None)
+        claimed = metrics.get("partition-id") if metrics is not None else None
+        cap, reason = self.claims.check(node, claimed)
+        if reason is None:
+            reason = validate_reply(content, self.spec, max_examples=cap)
+        if reason is not None:
+            stats.rejected[node] = reason
+            return None
+        assert metrics is not None
+        self.claims.pin(node, claimed)
+        record = next(iter(content.array_records.values()))
+        arrays = {name: decode(record[name]) for name in self.spec}
+        # Numbers only, and never NaN (no honest client sends one; ε = inf is honest)
+        stats.client_metrics[node] = {
+            k: float(v)
+            for k, v in metrics.items()
+            if isinstance(v, int | float) and not math.isnan(v)
+        }
+        return arrays, int(metrics[NUM_EXAMPLES])  # type: ignore[arg-type]
+
+    def _bound_norms(
+        self,
+        server_round: int,
+        checked: dict[int, tuple[dict[str, np.ndarray[Any, Any]], int]],
+        stats: RoundStats,
+    ) -> dict[int, tuple[dict[str, np.ndarray[Any, Any]], int]]:
+        """Apply the update-norm bound: reject (or clip) replies above this round's bound."""
+        if self.reference is None or not checked:
+            return checked
+        reference = self.reference
+        norms = {node: update_norm(arrays, reference) for node, (arrays, _) in checked.items()}
+        stats.update_norms = norms
+        reference_norm = math.sqrt(sum(float(np.square(v).sum()) for v in reference.values()))
+        bound = self.norm_bound.bound(
+            server_round, list(norms.values()), reference_norm=reference_norm
+        )
+        stats.norm_bound = bound
+        if bound is None:
+            return checked
+        kept = {}
+        for node, (arrays, count) in checked.items():
+            norm = norms[node]
+            if norm <= bound:
+                kept[node] = (arrays, count)
+            elif self.norm_bound.action is NormBoundAction.CLIP and math.isfinite(norm):
+                kept[node] = (clip_update(arrays, reference, bound=bound, norm=norm), count)
+                stats.clipped.append(node)
+                log.warning(
+                    "round %d: clipped the update of node %d from norm %.4g to %.4g",
+                    server_round,
+                    node,
+                    norm,
+                    bound,
+                )
+            else:
+                stats.rejected[node] = (
+                    f"update norm {norm:.4g} exceeds the bound {bound:.4g} "
+                    f"(fl.norm_bound={self.norm_bound.mode})"
+                )
+                del stats.client_metrics[node]
+        return kept
+
+    def _combine(
+        self,
+        server_round: int,
+        valid: dict[int, tuple[dict[str, np.ndarray[Any, Any]], int]],
+        originals: Mapping[int, Message],
+    ) -> ArrayRecord | None:
+        """The wrapped strategy's aggregate of the valid replies, in the global model's dtypes."""
+        clean = []
+        for node in sorted(valid):  # arrival order must not matter
+            arrays, count = valid[node]
+            content = RecordDict(
+                {ARRAYS_KEY: as_float64(arrays), "metrics": MetricRecord({NUM_EXAMPLES: count})}
+            )
+            # Flower's own constructor for a message with given metadata (no overload for it)
+            make = cast(Any, Message)
+            clean.append(make(content=content, metadata=originals[node].metadata))
+        combined, _ = self.inner.aggregate_train(server_round, clean)
+        if combined is None:
+            return None
+        with np.errstate(over="ignore"):  # overflow to inf is what the check below catches
+            out = {
+                name: np.asarray(combined[name].numpy()).astype(dtype)
+                for name, (_, dtype) in self.spec.items()
+            }
+        bad = [name for name, values in out.items() if not np.isfinite(values).all()]
+        if bad:
+            log.error(
+                "round %d: the aggregate of %s is not finite in the model's dtype; the global "
+                "model is kept unchanged",
+                server_round,
+                ", ".join(bad),
+            )
+            return None
+        return ArrayRecord(array_dict={name: encode(values) for name, values in out.items()})
+
+    # Clients evaluate nothing: the server evaluates the global model itself (evaluate_fn).
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        return []
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        return None
+
+
+def _finite(value: float) -> float:
+    return value if math.isfinite(value) else 0.0

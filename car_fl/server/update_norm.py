@@ -1,0 +1,123 @@
+"""The server's bound on a reply's update norm ‖θᵢ − θ‖: replies above it are rejected or clipped.
+
+Written here rather than taken from Flower: Flower's server-side DP strategies clip *and* add
+noise; car-fl's clients already add their own (local DP), so the server needs only the bound.
+
+Modes (``fl.norm_bound``): ``fixed`` (``fl.max_update_norm``), ``adaptive``
+(``fl.norm_bound_factor`` × the round's median update norm), ``dp`` (under fixed DP per round:
+C plus a high quantile of the noise norm, no user input), ``off``; ``auto`` picks ``dp`` under
+fixed DP per round, else ``fixed`` when ``fl.max_update_norm`` is set, else ``off``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from car_fl.settings.schema import (
+    DPMode,
+    Granularity,
+    NormBoundAction,
+    NormBoundMode,
+    Settings,
+)
+
+Arrays = Mapping[str, np.ndarray[Any, Any]]
+
+
+def update_norm(reply: Arrays, reference: Arrays) -> float:
+    """‖θᵢ − θ‖ over all tensors together, in float64; ``inf`` when it is not finite."""
+    total = 0.0
+    with np.errstate(over="ignore", invalid="ignore"):
+        for name, values in reference.items():
+            diff = np.asarray(reply[name], dtype=np.float64) - values.astype(np.float64)
+            total += float(np.square(diff).sum())
+    return math.sqrt(total) if math.isfinite(total) else math.inf
+
+
+def clip_update(reply: Arrays, reference: Arrays, *, bound: float, norm: float) -> dict[str, Any]:
+    """θ + (θᵢ − θ) · bound/‖θᵢ − θ‖ in float64 (the reply itself when it is within the bound)."""
+    if norm <= bound:
+        return {k: np.asarray(v, dtype=np.float64) for k, v in reply.items()}
+    factor = bound / norm
+    return {
+        k: reference[k].astype(np.float64) + (reply[k].astype(np.float64) - reference[k]) * factor
+        for k in reference
+    }
+
+
+def gaussian_norm_quantile(*, std: float, dim: int, tail: float) -> float:
+    """An upper bound on the 1 − ``tail`` quantile of ‖N(0, std²·I_dim)‖.
+
+    The norm is std-Lipschitz in the noise and E‖X‖ ≤ std·√dim, so by Gaussian concentration
+    P(‖X‖ ≥ std·(√dim + t)) ≤ exp(−t²/2); t = √(2 ln(1/tail)).
+    """
+    if std < 0 or dim < 1 or not 0 < tail < 1:
+        raise ValueError(f"need std >= 0, dim >= 1, 0 < tail < 1; got {std}, {dim}, {tail}")
+    return std * (math.sqrt(dim) + math.sqrt(2.0 * math.log(1.0 / tail)))
+
+
+def resolve_mode(settings: Settings) -> NormBoundMode:
+    """``fl.norm_bound`` with ``auto`` resolved (see the module docstring)."""
+    mode = settings.fl.norm_bound
+    if mode is not NormBoundMode.AUTO:
+        return mode
+    if settings.dp.mode is DPMode.FIXED and settings.dp.granularity is Granularity.ROUND:
+        return NormBoundMode.DP
+    return NormBoundMode.FIXED if settings.fl.max_update_norm is not None else NormBoundMode.OFF
+
+
+@dataclass(frozen=True)
+class NormBound:
+    """How the server bounds ‖θᵢ − θ‖ in each round."""
+
+    mode: NormBoundMode = NormBoundMode.OFF
+    #: The bound itself (``fixed``, ``dp``); unused by ``adaptive``.
+    value: float | None = None
+    factor: float = 3.0
+    action: NormBoundAction = NormBoundAction.REJECT
+    #: Rounds without the bound (``dp``: the DP warm-up, when clients do not clip).
+    from_round: int = 1
+    #: Relative rounding of the wire dtype (``dp``: the bound allows for it).
+    wire_eps: float = 0.0
+
+    @classmethod
+    def from_settings(cls, settings: Settings, *, dim: int) -> NormBound:
+        """The bound for a run whose replies have ``dim`` parameters in all."""
+        fl, dp = settings.fl, settings.dp
+        mode = resolve_mode(settings)
+        value, from_round = fl.max_update_norm, 1
+        if mode is NormBoundMode.DP:
+            noise = gaussian_norm_quantile(
+                std=dp.noise_multiplier * dp.clip, dim=dim, tail=fl.norm_bound_tail
+            )
+            value, from_round = dp.clip + noise, dp.warmup_rounds + 1
+        return cls(
+            mode=mode,
+            value=value,
+            factor=fl.norm_bound_factor,
+            action=fl.norm_bound_action,
+            from_round=from_round,
+            wire_eps=float(np.finfo(np.dtype(settings.comm.dtype)).eps),
+        )
+
+    def bound(
+        self, server_round: int, norms: Sequence[float], *, reference_norm: float = 0.0
+    ) -> float | None:
+        """This round's bound given the update norms of its (otherwise valid) replies."""
+        if self.mode is NormBoundMode.OFF or server_round < self.from_round:
+            return None
+        if self.mode is NormBoundMode.ADAPTIVE:
+            finite = [n for n in norms if math.isfinite(n)]
+            return self.factor * statistics.median(finite) if finite else None
+        assert self.value is not None
+        if (
+            self.mode is NormBoundMode.DP
+        ):  # the reply's rounding to the wire dtype may add up to ε·‖θᵢ‖
+            return self.value + self.wire_eps * (reference_norm + self.value)
+        return self.value

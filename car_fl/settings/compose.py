@@ -1,0 +1,178 @@
+"""Composition: ``conf/`` plus Hydra overrides → validated settings.
+
+The dataclasses of :mod:`car_fl.settings.schema` are registered in Hydra's ConfigStore as the
+schema of ``conf/config.yaml`` (and the approach group is generated from
+:data:`~car_fl.settings.schema.APPROACHES`), so the dataclass defaults are the only defaults
+and a group file holds only what it changes. :func:`load_settings` (compose, then validate) is
+the one way entry points read configuration. Hydra itself is imported only when something is
+composed: a ClientApp whose settings are cached never imports it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import shlex
+from dataclasses import asdict, fields, is_dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException, ValidationError
+
+from car_fl.settings import dp_plan
+from car_fl.settings.schema import APPROACHES, Choice, Settings
+
+#: Name of the :class:`~car_fl.settings.schema.Settings` schema in the ConfigStore
+#: (``conf/config.yaml`` lists it first in its defaults).
+SCHEMA = "settings_schema"
+#: Groups registered from :mod:`car_fl.settings.schema`'s tables instead of ``conf/`` files.
+GENERATED_GROUPS = ("approach",)
+
+
+def conf_dir() -> Path:
+    """The ``conf/`` folder: inside the installed package, or beside it in a source checkout."""
+    here = Path(__file__).resolve().parents[1]  # the car_fl package
+    for candidate in (here / "conf", here.parent / "conf"):
+        if (candidate / "config.yaml").is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"car-fl's Hydra configuration was not found in {here / 'conf'} or "
+        f"{here.parent / 'conf'}; reinstall the package (pip install -e .) from a full checkout"
+    )
+
+
+def _package_model_dir(package: str) -> str:
+    """OmegaConf resolver: the model folder shipped inside a Python package (offline models)."""
+    try:
+        module = importlib.import_module(package)
+    except ImportError as err:
+        raise ValueError(
+            f"model folder package {package!r} is not installed; "
+            f"pip install {package.replace('_', '-')}"
+        ) from err
+    getter = getattr(module, "get_model_path", None)
+    path = Path(getter()) if callable(getter) else Path(module.__file__ or "").parent / "model"
+    return str(path)
+
+
+if not OmegaConf.has_resolver("package_model_dir"):
+    OmegaConf.register_new_resolver("package_model_dir", _package_model_dir)
+
+
+def register_configs() -> None:
+    """Register the schema and the approach group in Hydra's ConfigStore (idempotent).
+
+    The schema is :class:`Settings`' sections as typed nodes (``dataset`` a
+    :class:`~car_fl.settings.schema.DatasetConfig`, ...) with their defaults, plus its top-level
+    defaults: group files merge into typed sections, so they hold only what they change; the
+    root stays open so that ``conf/sweep.yaml`` can add its own keys (``clients``, ``sweep``).
+    :func:`to_settings` then validates the whole against :class:`Settings`. Called before
+    anything composes ``conf/``: :func:`compose_config` and the ``hydra.main`` entry points
+    (:mod:`car_fl.centralized`, :mod:`car_fl.sweep`).
+    """
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    defaults = Settings()
+    store.store(name=SCHEMA, node={f.name: getattr(defaults, f.name) for f in fields(Settings)})
+    for approach, spec in APPROACHES.items():
+        store.store(
+            group="approach",
+            name=approach.value,
+            package="_global_",
+            node={"head": {"kind": spec.head.value}, "train": {"mode": spec.mode.value}},
+        )
+
+
+def parse_overrides(overrides: str | list[str] | tuple[str, ...] | None) -> list[str]:
+    """Turn ``"dataset=ag_news model=llama32_3b"`` (shell-quoted) into a list of overrides."""
+    if overrides is None:
+        return []
+    if isinstance(overrides, str):
+        return shlex.split(overrides)
+    return list(overrides)
+
+
+def compose_config(overrides: str | list[str] | tuple[str, ...] | None = None) -> DictConfig:
+    """Compose ``conf/config.yaml`` with Hydra overrides, without resolving interpolations."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+
+    register_configs()
+    items = parse_overrides(overrides)
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+            return compose(config_name="config", overrides=items)
+    except HydraException as err:
+        if isinstance(err.__cause__, ValidationError):
+            _raise_choice_error(err.__cause__)
+        cause = f" ({err.__cause__})" if err.__cause__ is not None else ""
+        raise ValueError(f"bad configuration override in {items}: {err}{cause}") from err
+
+
+def to_settings(cfg: DictConfig | dict[str, Any]) -> Settings:
+    """Validate a composed config against :class:`Settings` and return typed dataclasses.
+
+    Unknown keys and values of the wrong type raise ``ValueError`` naming the key; so does a
+    record-level DP target ε that cannot be reached (:func:`car_fl.settings.dp_plan.check`).
+    """
+    container = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg)
+    container = OmegaConf.masked_copy(container, [str(k) for k in container if k != "hydra"])
+    schema = OmegaConf.structured(Settings)
+    try:
+        merged = OmegaConf.merge(schema, container)
+        obj = OmegaConf.to_object(merged)
+    except ValidationError as err:
+        _raise_choice_error(err)
+        raise ValueError(f"invalid configuration: {err}") from err
+    except OmegaConfBaseException as err:
+        raise ValueError(f"invalid configuration: {err}") from err
+    assert isinstance(obj, Settings)
+    dp_plan.check(obj)
+    return obj
+
+
+def _raise_choice_error(err: ValidationError) -> None:
+    """A bad value of a :class:`Choice` key gets the schema's message (valid values, not names)."""
+    kind: Any = Settings
+    for part in str(err.full_key or "").split("."):
+        hints = get_type_hints(kind) if isinstance(kind, type) and is_dataclass(kind) else {}
+        if part not in hints:
+            return
+        kind = hints[part]
+    if isinstance(kind, type) and issubclass(kind, Choice):
+        kind.parse(str(err.full_key), err.value)
+
+
+def load_settings(overrides: str | list[str] | tuple[str, ...] | None = None) -> Settings:
+    """Compose and validate in one step: the single way entry points read configuration."""
+    return to_settings(compose_config(overrides))
+
+
+def settings_to_yaml(settings: Settings) -> str:
+    """The resolved configuration as YAML, for logs and for saving beside results."""
+    return OmegaConf.to_yaml(OmegaConf.create(plain(settings)))
+
+
+def plain(settings: Settings) -> dict[str, Any]:
+    """``settings`` as plain values: choices by their value (``none``), not their enum name."""
+    values: dict[str, Any] = _plain(asdict(settings))
+    return values
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def settings_from_yaml(text: str) -> Settings:
+    """Inverse of :func:`settings_to_yaml`."""
+    loaded = OmegaConf.create(text)
+    assert isinstance(loaded, DictConfig)
+    return to_settings(loaded)

@@ -1,0 +1,149 @@
+"""What Flower hands car-fl, turned into settings: run config, node config, fingerprint.
+
+One channel from ``flwr run`` to the settings: the ServerApp calls
+:func:`settings_from_run_config`; a node adds its ``--node-config`` (:data:`NODE_CONFIG`, the
+one table of its keys) with :func:`apply_node_config` and checks the result against the
+server's :func:`fingerprint` (:func:`car_fl.client.node_settings.node_settings`, which caches it
+on the node's disk). Imports no Hydra: only composing does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from omegaconf import OmegaConf
+
+from car_fl.settings.compose import load_settings, plain, settings_from_yaml, to_settings
+from car_fl.settings.schema import Settings
+
+PARTITION_ID = "partition-id"
+NUM_PARTITIONS = "num-partitions"
+DATA_IS_SHARD = "data-is-shard"
+DATA_PATH = "data-path"
+TEST_DATA_PATH = "test-data-path"
+MODEL_PATH = "model-path"
+DEVICE = "device"
+CACHE_DIR = "cache-dir"
+
+
+class NodeKey(NamedTuple):
+    """A ``--node-config`` key: the setting it overrides on this node (if any) and its use."""
+
+    setting: str | None
+    help: str
+
+
+#: Every Flower ``--node-config`` key car-fl reads. Keys with a setting override it on this
+#: node only (:func:`apply_node_config`); the others place the node in the federation
+#: (:class:`NodeInfo`).
+NODE_CONFIG: dict[str, NodeKey] = {
+    PARTITION_ID: NodeKey(None, "this node's partition, 0 to num-partitions - 1"),
+    NUM_PARTITIONS: NodeKey(None, "how many partitions the training split has (= fl.clients)"),
+    DATA_IS_SHARD: NodeKey(None, "true: the data file is this node's own shard (all of it)"),
+    DATA_PATH: NodeKey("dataset.path", "this node's local data file"),
+    TEST_DATA_PATH: NodeKey("dataset.test_path", "this node's local test file"),
+    MODEL_PATH: NodeKey("model.name_or_path", "this node's local copy of the encoder"),
+    DEVICE: NodeKey("device", "where this node runs the encoder (auto, cpu, cuda, mps)"),
+    CACHE_DIR: NodeKey("cache_dir", "this node's cache folder (features, settings, shard)"),
+}
+
+#: Settings that may legitimately differ between the machines of one federation: those a node
+#: config sets, and where results go, progress bars, the run to resume.
+NODE_LOCAL_KEYS = (
+    *(key.setting for key in NODE_CONFIG.values() if key.setting is not None),
+    "output_dir",
+    "progress",
+    "resume",
+)
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """Where this node sits in the federation, from Flower's node config."""
+
+    partition_id: int
+    num_partitions: int
+    #: The node's data file is already its own shard: train on all of it, do not partition.
+    data_is_shard: bool = False
+
+    @classmethod
+    def from_node_config(cls, node_config: Mapping[str, Any], settings: Settings) -> NodeInfo:
+        try:
+            pid, num = int(node_config[PARTITION_ID]), int(node_config[NUM_PARTITIONS])
+        except KeyError as err:
+            raise ValueError(
+                f"this SuperNode's --node-config has no {err.args[0]!r}; start it with "
+                f"--node-config '{PARTITION_ID}=<i> {NUM_PARTITIONS}=<n>'"
+            ) from None
+        if num != settings.fl.clients:
+            raise ValueError(
+                f"this node says {NUM_PARTITIONS}={num} but the run is configured for "
+                f"fl.clients={settings.fl.clients}; set fl.clients={num} in the run's overrides "
+                f"or start {settings.fl.clients} SuperNodes (simulation: --federation-config "
+                f"'num-supernodes={settings.fl.clients}')"
+            )
+        if not 0 <= pid < num:
+            raise ValueError(f"{PARTITION_ID}={pid} is outside [0, {num})")
+        is_shard = str(node_config.get(DATA_IS_SHARD, "false")).lower() in ("1", "true", "yes")
+        return cls(partition_id=pid, num_partitions=num, data_is_shard=is_shard)
+
+
+def fingerprint(settings: Settings) -> str:
+    """A short hash of everything that server and clients must agree on.
+
+    Node-local values (:data:`NODE_LOCAL_KEYS`: data and model locations, device, cache) are
+    left out, so that each machine can point at its own copies.
+    """
+    conf = OmegaConf.create(plain(settings))
+    for key in NODE_LOCAL_KEYS:
+        OmegaConf.update(conf, key, None)
+    text = OmegaConf.to_yaml(conf, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def check_fingerprint(mine: str, server: str | None) -> None:
+    """Refuse to train on a configuration other than the server's."""
+    if server is not None and server != mine:
+        raise ValueError(
+            f"this client resolved a different configuration (fingerprint {mine}) from the "
+            f"server's ({server}); install the same car-fl version and conf/ on "
+            "every machine and pass the same --run-config overrides"
+        )
+
+
+def apply_node_config(settings: Settings, node_config: Mapping[str, Any]) -> Settings:
+    """Return a copy of ``settings`` with this node's local paths and device applied."""
+    conf = OmegaConf.structured(settings)
+    for key, spec in NODE_CONFIG.items():
+        value = node_config.get(key)
+        if spec.setting is not None and value not in (None, ""):
+            OmegaConf.update(conf, spec.setting, str(value))
+    return to_settings(conf)
+
+
+def settings_from_run_config(run_config: Mapping[str, Any]) -> Settings:
+    """Settings from Flower's run config: its ``overrides`` value holds Hydra overrides.
+
+    ``flwr run . --run-config 'overrides="dataset=ag_news mode=adapter fl.rounds=10"'``
+
+    A non-empty ``settings`` value (a whole resolved configuration as YAML, what
+    :func:`~car_fl.settings.compose.settings_to_yaml` writes) takes precedence: in-process
+    simulations of a sweep pass configurations composed elsewhere this way.
+    """
+    text, overrides = run_inputs(run_config)
+    return settings_from_yaml(text) if text else load_settings(overrides)
+
+
+def run_inputs(run_config: Mapping[str, Any]) -> tuple[str, str]:
+    text = run_config.get("settings", "")
+    overrides = run_config.get("overrides", "")
+    if text and not isinstance(text, str):
+        raise ValueError(f"run config 'settings' must be YAML text, got {type(text).__name__}")
+    if not isinstance(overrides, str):
+        raise ValueError(
+            f"run config 'overrides' must be a string of Hydra overrides, got {overrides!r}"
+        )
+    return str(text or ""), overrides

@@ -1,0 +1,8 @@
+"""Both parties in one process: simulations of a federation.
+
+- :mod:`~car_fl.simulation.flower`: ``run_simulation``: one complete Flower simulation (Ray).
+- :mod:`~car_fl.simulation.in_process`: ``run_local``: a federation without Ray, every node's
+  ClientApp handler called in turn (tests, attack experiments).
+- :mod:`~car_fl.simulation.hostile`: hostile clients (``hostile_client``, ``poison``).
+- :mod:`~car_fl.simulation.apps`: the project's ``server_app`` / ``client_app`` modules.
+"""

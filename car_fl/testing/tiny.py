@@ -1,0 +1,164 @@
+"""Tiny models, tokenizers and data built offline: for tests, benchmarks and trying things.
+
+The models are real transformers classes (``LlamaModel``, ``BertModel``) with small configs,
+saved with ``save_pretrained`` and loaded back through car-fl's own loader, so the code path
+is the one real models take. Randomly initialised: they learn the synthetic task, nothing else.
+
+    python -m car_fl.testing.tiny /tmp/car-fl-tiny   # writes llama/, bert/ and synthetic.tsv there
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+WORDS = (
+    [f"w{i}" for i in range(60)]
+    + [f"k{i}" for i in range(8)]
+    + [
+        "free",
+        "prize",
+        "call",
+        "now",
+        "win",
+        "cash",
+        "hello",
+        "lunch",
+        "see",
+        "you",
+        "later",
+        "ok",
+        "meeting",
+        "home",
+        "love",
+        "text",
+        "stop",
+        "claim",
+        "urgent",
+        "tomorrow",
+    ]
+)
+
+
+def build_llama(folder: Path, *, hidden: int = 64, layers: int = 2, seed: int = 0) -> Path:
+    """A 2-layer Llama (hidden 64) and a word-level tokenizer that adds BOS but not EOS."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import LlamaConfig, LlamaModel, PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>"]
+    vocab = {tok: i for i, tok in enumerate(specials + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", 1)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    config = LlamaConfig(
+        vocab_size=len(vocab),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaModel(config)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    fast.save_pretrained(folder)
+    return folder
+
+
+def build_bert(folder: Path, *, hidden: int = 64, layers: int = 2, seed: int = 0) -> Path:
+    """A 2-layer BERT (hidden 64) with a WordPiece vocabulary: [CLS] ... [SEP], no EOS token."""
+    import torch
+    from transformers import BertConfig, BertModel, BertTokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
+    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
+    tokenizer = BertTokenizer(vocab={tok: i for i, tok in enumerate(vocab)}, do_lower_case=True)
+    config = BertConfig(
+        vocab_size=len(vocab),
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        intermediate_size=2 * hidden,
+        max_position_embeddings=256,
+        hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
+    )
+    torch.manual_seed(seed)
+    model = BertModel(config)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def synthetic_examples(
+    n: int, *, num_labels: int = 4, seed: int = 0, fillers: tuple[int, int] = (2, 9)
+) -> list[tuple[str, str]]:
+    """A learnable task: each text holds the keyword ``k<label>`` among random filler words.
+
+    Between ``fillers[0]`` and ``fillers[1]`` filler words per text. The label ``topic<i>``'s
+    natural document text is ``k<i>`` (what a MIPS head compares queries with).
+    """
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        label = i % num_labels
+        words = [f"w{rng.randrange(60)}" for _ in range(rng.randint(*fillers))]
+        words.insert(rng.randint(0, len(words)), f"k{label}")
+        out.append((" ".join(words), f"topic{label}"))
+    rng.shuffle(out)
+    return out
+
+
+def write_tsv(path: Path, examples: list[tuple[str, str]]) -> Path:
+    """``label<TAB>text`` lines, the SMS Spam Collection's format."""
+    path.write_text("".join(f"{label}\t{text}\n" for text, label in examples), encoding="utf-8")
+    return path
+
+
+def tiny_overrides(
+    model_dir: str | Path,
+    data_path: str | Path,
+    *,
+    cache_dir: str | Path | None = None,
+    device: str = "cpu",
+) -> list[str]:
+    """Hydra overrides that run car-fl on a tiny local model and a local data file, quietly."""
+    return [
+        "model=local",
+        f"model.name_or_path={model_dir}",
+        f"dataset.path={data_path}",
+        *([f"cache_dir={cache_dir}"] if cache_dir is not None else []),
+        "progress=false",
+        f"device={device}",
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder", type=Path, help="where to write llama/, bert/, synthetic.tsv")
+    parser.add_argument("--examples", type=int, default=400)
+    args = parser.parse_args(argv)
+    build_llama(args.folder / "llama")
+    build_bert(args.folder / "bert")
+    write_tsv(args.folder / "synthetic.tsv", synthetic_examples(args.examples))
+    print(f"wrote {args.folder}/llama, {args.folder}/bert and {args.folder}/synthetic.tsv")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,145 @@
+"""car_fl.deploy.commands: Flower command lines and node-config strings (no processes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from flwr.common.config import parse_config_args
+
+from car_fl.deploy.certs import TLSFiles
+from car_fl.deploy.commands import (
+    node_config_string,
+    pinned,
+    superexec_command,
+    superlink_command,
+    supernode_command,
+)
+from car_fl.settings.compose import load_settings
+from car_fl.settings.flower import NODE_CONFIG, NodeInfo, apply_node_config
+
+#: The node-config keys that set a value on the node (paths, device, cache).
+NODE_CONFIG_KEYS = [key for key, spec in NODE_CONFIG.items() if spec.setting is not None]
+
+
+def flag(cmd: list[str], name: str) -> str:
+    """The value after ``name`` in ``cmd`` (which must hold it once)."""
+    assert cmd.count(name) == 1, cmd
+    return cmd[cmd.index(name) + 1]
+
+
+TLS = TLSFiles(Path("/c/ca.crt"), Path("/c/server.pem"), Path("/c/server.key"))
+
+
+def test_superlink_command_insecure_by_default_with_state_database() -> None:
+    cmd = superlink_command(
+        fleet_address="127.0.0.1:7001", control_host="127.0.0.1", control_port=7002, database="s.db"
+    )
+    assert Path(cmd[0]).name == "flower-superlink"
+    assert flag(cmd, "--fleet-api-address") == "127.0.0.1:7001"
+    assert (flag(cmd, "--host"), flag(cmd, "--port")) == ("127.0.0.1", "7002")
+    assert flag(cmd, "--database") == "s.db"
+    assert flag(cmd, "--isolation") == "subprocess"
+    assert "--insecure" in cmd and "--disable-runtime-dependency-installation" in cmd
+    assert not any(arg.startswith("--ssl") for arg in cmd)
+
+
+def test_superlink_command_with_tls_and_node_auth() -> None:
+    cmd = superlink_command(tls=TLS, node_auth=True, isolation="process")
+    assert flag(cmd, "--ssl-ca-certfile") == "/c/ca.crt"
+    assert flag(cmd, "--ssl-certfile") == "/c/server.pem"
+    assert flag(cmd, "--ssl-keyfile") == "/c/server.key"
+    assert "--enable-supernode-auth" in cmd and "--insecure" not in cmd
+    assert flag(cmd, "--isolation") == "process"
+
+
+def test_node_auth_without_tls_is_refused() -> None:
+    with pytest.raises(ValueError, match="needs TLS"):
+        superlink_command(node_auth=True)
+
+
+def test_superexec_command() -> None:
+    insecure = superexec_command(runtime_address="127.0.0.1:7002")
+    assert Path(insecure[0]).name == "flower-superexec"
+    assert flag(insecure, "--runtime-api-address") == "127.0.0.1:7002" and "--insecure" in insecure
+    secure = superexec_command(runtime_address="h:1", root_cert=Path("/c/ca.crt"))
+    assert flag(secure, "--root-certificates") == "/c/ca.crt" and "--insecure" not in secure
+
+
+def test_supernode_command_options() -> None:
+    plain = supernode_command(superlink="h:9092", node_config="partition-id=0 num-partitions=1")
+    assert Path(plain[0]).name == "flower-supernode"
+    assert flag(plain, "--superlink") == "h:9092" and flag(plain, "--port") == "9094"
+    assert flag(plain, "--node-config") == "partition-id=0 num-partitions=1"
+    assert "--insecure" in plain
+    assert not {"--max-retries", "--max-wait-time", "--auth-supernode-private-key"} & set(plain)
+    full = supernode_command(
+        superlink="h:9092",
+        node_config="",
+        runtime_port=7010,
+        root_cert=Path("/c/ca.crt"),
+        private_key=Path("/k/node0.key"),
+        max_retries=2,
+        max_wait_time=30,
+    )
+    assert flag(full, "--port") == "7010" and flag(full, "--root-certificates") == "/c/ca.crt"
+    assert flag(full, "--auth-supernode-private-key") == "/k/node0.key"
+    assert (flag(full, "--max-retries"), flag(full, "--max-wait-time")) == ("2", "30")
+    assert "--insecure" not in full
+
+
+def test_node_config_string_is_read_back_by_the_client(tmp_path: Path) -> None:
+    """Parsed as flower-supernode parses it, the client finds its shard and local values."""
+    text = node_config_string(
+        partition_id=1,
+        num_partitions=3,
+        data_path=tmp_path / "my data.tsv",
+        test_data_path=tmp_path / "test.tsv",
+        model_path=tmp_path / "model",
+        device="cpu",
+        cache_dir=tmp_path / "cache",
+        data_is_shard=True,
+    )
+    node_config = parse_config_args([text])
+    settings = load_settings(["fl.clients=3"])
+    assert NodeInfo.from_node_config(node_config, settings) == NodeInfo(1, 3, data_is_shard=True)
+    local = apply_node_config(settings, node_config)
+    assert local.dataset.path == str(tmp_path / "my data.tsv")
+    assert local.dataset.test_path == str(tmp_path / "test.tsv")
+    assert local.model.name_or_path == str(tmp_path / "model")
+    assert local.device == "cpu"
+    assert local.cache_dir == str(tmp_path / "cache")
+
+
+def test_node_config_string_covers_every_key_the_client_applies() -> None:
+    values: dict[str, Any] = {key.replace("-", "_"): "/x" for key in NODE_CONFIG_KEYS}
+    node_config = parse_config_args(
+        [node_config_string(partition_id=0, num_partitions=1, **values)]
+    )
+    assert set(node_config) == {"partition-id", "num-partitions", *NODE_CONFIG_KEYS}
+    assert "data-is-shard" not in node_config
+
+
+def test_node_config_string_leaves_out_none_and_makes_paths_absolute(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    text = node_config_string(partition_id=0, num_partitions=2, data_path="d.tsv", device=None)
+    assert parse_config_args([text]) == {
+        "partition-id": 0,
+        "num-partitions": 2,
+        "data-path": str(tmp_path / "d.tsv"),
+    }
+
+
+def test_node_config_string_rejects_unknown_values_and_quotes() -> None:
+    with pytest.raises(ValueError, match=r"unknown node-config values \['data_file'\]"):
+        node_config_string(partition_id=0, num_partitions=1, data_file="x")
+    with pytest.raises(ValueError, match="cannot hold"):
+        node_config_string(partition_id=0, num_partitions=1, device='c"pu')
+
+
+def test_pinned() -> None:
+    assert pinned(["python", "x.py"], None) == ["python", "x.py"]
+    assert pinned(["python", "x.py"], 3) == ["taskset", "-c", "3", "python", "x.py"]

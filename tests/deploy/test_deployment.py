@@ -1,0 +1,278 @@
+"""Deployment over gRPC: a real SuperLink and SuperNodes on 127.0.0.1, started and stopped by PID.
+
+Slow (a new ClientApp process per message costs seconds each): several minutes in all.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from safetensors.torch import load_file
+
+from car_fl.deploy.certs import make_certificates, make_node_key
+from car_fl.deploy.cluster import LocalCluster
+from car_fl.deploy.connection import register_node
+from car_fl.testing.tiny import tiny_overrides
+
+pytestmark = pytest.mark.slow
+
+PROJECT = Path(__file__).resolve().parents[2]
+CONNECTION = "test-cluster"
+
+
+class Deployment:
+    """The shared local cluster, with this suite's tiny model and data and its run settings."""
+
+    def __init__(self, cluster: LocalCluster, data: Path, model: Path) -> None:
+        self.cluster = cluster
+        self.folder = cluster.folder
+        self.data = data
+        self.model = model
+        self.out = self.folder / "run"
+
+    def start_node(self, i: int, num: int, *, retries: int | None = None, **kw: Any) -> str:
+        """SuperNode ``i`` of ``num`` on the shared data file; ``retries``: give up soon."""
+        return self.cluster.start_node(
+            i,
+            num,
+            data=self.data,
+            max_retries=retries,
+            max_wait_time=30 if retries else None,
+            **kw,
+        )
+
+    def overrides(self, *extra: str) -> str:
+        return (
+            " ".join(tiny_overrides(self.model, self.data))
+            + f" output_dir={self.out} "
+            + " ".join(extra)
+        )
+
+    def run(self, *extra: str, timeout: float = 600) -> tuple[dict[str, str], Path]:
+        """Run to the end with the tiny model; its status and its output folder."""
+        result = self.cluster.run(
+            PROJECT, self.overrides("fl.wait_for_nodes=120", *extra), timeout=timeout
+        )
+        return result.status, self.out
+
+
+MakeDeployment = Callable[..., Deployment]
+
+
+@pytest.fixture
+def make_deployment(
+    tmp_path: Path, tiny_llama: Path, synthetic_tsv: Path
+) -> Iterator[MakeDeployment]:
+    """Deployments in ``tmp_path`` (``LocalCluster`` options as keywords), stopped by PID."""
+    made: list[Deployment] = []
+
+    def make(**cluster_options: Any) -> Deployment:
+        cluster = LocalCluster(tmp_path, connection=CONNECTION, **cluster_options)
+        made.append(Deployment(cluster, synthetic_tsv, tiny_llama))
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        for dep in made:
+            dep.cluster.stop()
+            assert not dep.cluster.processes.pids
+
+
+@pytest.fixture
+def deployment(make_deployment: MakeDeployment) -> Deployment:
+    return make_deployment()
+
+
+def client_rows(out: Path) -> list[dict[str, str]]:
+    return list(csv.DictReader((out / "clients.csv").open()))
+
+
+def test_superlink_and_three_supernodes_train_and_reuse_the_feature_cache(
+    deployment: Deployment,
+) -> None:
+    deployment.cluster.start_superlink()
+    for i in range(3):
+        deployment.start_node(i, 3)
+    status, out = deployment.run("fl.clients=3", "fl.rounds=2", "train.lr=0.01")
+    assert status["status"] == "finished:completed", status
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["summary"]["complete"] and len(metrics["history"]) == 2
+    assert metrics["history"][-1]["test_top1"] > 0.25  # 4 labels: chance is 0.25
+    assert (out / "checkpoints" / "final" / "weights.safetensors").is_file()
+    rows = client_rows(out)
+    assert len(rows) == 6 and {r["status"] for r in rows} == {"ok"}
+    # Every message runs in a new ClientApp process: round 1 computes the shard's features
+    # (loading the encoder once), round 2 finds them on disk and never loads the encoder.
+    assert {float(r["encoder_loads"]) for r in rows if r["round"] == "1"} == {1.0}
+    assert {float(r["encoder_loads"]) for r in rows if r["round"] == "2"} == {0.0}
+    for i in range(3):
+        cache = deployment.folder / f"cache-{i}"
+        assert list(cache.glob("*.safetensors"))
+        # and the node kept its composed settings and its shard for later ClientApp processes
+        assert len(list((cache / "settings").glob("*.json"))) == 1
+        assert len(list((cache / "shards").glob("*.json"))) == 1
+
+
+def test_tls_run_completes_and_insecure_or_foreign_ca_nodes_are_refused(
+    deployment: Deployment,
+) -> None:
+    tls = make_certificates(deployment.folder / "certs", ["127.0.0.1", "localhost"])
+    other_ca = make_certificates(deployment.folder / "other", ["127.0.0.1"]).ca_cert
+    deployment.cluster.start_superlink(tls=tls)
+    insecure = deployment.start_node(0, 2, retries=2)
+    foreign = deployment.start_node(1, 2, root_cert=other_ca, retries=2)
+    for name in (insecure, foreign):
+        code = deployment.cluster.processes.exit_code(name, timeout=120)
+        assert code is not None and code != 0, f"{name} was not refused"
+    for i in range(2):
+        deployment.start_node(i, 2, root_cert=tls.ca_cert)
+    status, out = deployment.run("fl.rounds=1")
+    assert status["status"] == "finished:completed", status
+    assert {r["status"] for r in client_rows(out)} == {"ok"}
+
+
+def test_node_authentication_refuses_unregistered_nodes(deployment: Deployment) -> None:
+    tls = make_certificates(deployment.folder / "certs", ["127.0.0.1", "localhost"])
+    deployment.cluster.start_superlink(tls=tls, node_auth=True)
+    keys = [make_node_key(deployment.folder / "certs" / f"node{i}.key") for i in range(3)]
+    for _, public in keys[:2]:
+        result = register_node(public, CONNECTION, env=deployment.cluster.env)
+        assert result.returncode == 0, result.stdout + result.stderr
+    stranger = deployment.start_node(0, 2, root_cert=tls.ca_cert, private_key=keys[2][0], retries=2)
+    code = deployment.cluster.processes.exit_code(stranger, timeout=120)
+    assert code is not None and code != 0, "an unregistered SuperNode was let in"
+    for i in range(2):
+        deployment.start_node(i, 2, root_cert=tls.ca_cert, private_key=keys[i][0])
+    status, out = deployment.run("fl.rounds=1")
+    assert status["status"] == "finished:completed", status
+    assert len(client_rows(out)) == 2
+
+
+def test_a_supernode_killed_mid_round_does_not_stop_the_run(deployment: Deployment) -> None:
+    deployment.cluster.start_superlink()
+    names = [deployment.start_node(i, 3) for i in range(3)]
+    out = deployment.out
+    run_id = deployment.cluster.submit(PROJECT, deployment.overrides("fl.clients=3 fl.rounds=2"))
+    # Node 2's features land in its cache in the middle of its round-1 work: SIGKILL it (and
+    # its ClientApp) then. Flower notices a dead node after its heartbeat times out (~60 s).
+    cache = deployment.folder / "cache-2"
+    deadline = time.monotonic() + 300
+    while not list(cache.glob("*.safetensors")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    deployment.cluster.kill(names[2], signal.SIGKILL)
+    status = deployment.cluster.wait(run_id, timeout=600)
+    assert status["status"] == "finished:completed", status
+    rows = client_rows(out)
+    failed = [r for r in rows if r["status"] == "failed"]
+    assert len(failed) == 1, rows  # the lost node, named, with the reason (also logged)
+    assert [r["status"] for r in rows if r["round"] == "2"].count("ok") == 2
+    history = json.loads((out / "metrics.json").read_text())["history"]
+    assert sum(row["clients_failed"] for row in history) >= 1
+    assert all(row["skipped"] == 0 for row in history)
+    weights = load_file(str(out / "checkpoints" / "final" / "weights.safetensors"))
+    assert all(math.isfinite(float(v.abs().sum())) for v in weights.values())
+
+
+def test_superlink_restarted_mid_run_resumes_from_its_database(deployment: Deployment) -> None:
+    # Process isolation with a separate SuperExec: the ServerApp outlives the SuperLink.
+    deployment.cluster.start_superlink(isolation="process")
+    deployment.cluster.start_superexec()
+    for i in range(2):
+        deployment.start_node(i, 2)
+    run_id = deployment.cluster.submit(PROJECT, deployment.overrides("fl.rounds=3"))
+    metrics = deployment.out / "metrics.json"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not (
+        metrics.is_file() and json.loads(metrics.read_text())["history"]
+    ):
+        time.sleep(0.5)
+    # Round 1 is done: stop the SuperLink, start it again on the same database.
+    deployment.cluster.kill("superlink", signal.SIGTERM)
+    time.sleep(3)
+    deployment.cluster.start_superlink(isolation="process")
+    status = deployment.cluster.wait(run_id, timeout=900)
+    assert status["status"] == "finished:completed", status
+    history = json.loads(metrics.read_text())["history"]
+    assert [row["round"] for row in history] == [1, 2, 3]
+    assert history[-1]["clients_ok"] == 2
+
+
+# ----------------------------------------------------------------------- separate network hosts
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+def _netns_unavailable() -> str | None:
+    if shutil.which("ip") is None:
+        return "iproute2's `ip` is not installed"
+    if os.geteuid() != 0:
+        return "creating network namespaces needs root"
+    probe = f"carfl-probe-{os.getpid()}"
+    result = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if result.returncode != 0:
+        return f"`ip netns add` failed here: {result.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+@pytest.fixture
+def hosts() -> Iterator[dict[str, str]]:
+    """Three network namespaces on a bridge: 'link' (10.213.0.1) and 'n0', 'n1' (.11, .12)."""
+    reason = _netns_unavailable()
+    if reason is not None:
+        pytest.skip(f"separate-host test skipped: {reason}")
+    tag = str(os.getpid() % 100000)
+    bridge = f"cfbr{tag}"
+    addresses = {"link": "10.213.0.1", "n0": "10.213.0.11", "n1": "10.213.0.12"}
+    names = {role: f"carfl-{tag}-{role}" for role in addresses}
+    try:
+        _ip("link", "add", bridge, "type", "bridge")
+        _ip("addr", "add", "10.213.0.254/24", "dev", bridge)
+        _ip("link", "set", bridge, "up")
+        for i, (role, address) in enumerate(addresses.items()):
+            ns, outside, inside = names[role], f"cfh{tag}{i}", f"cfn{tag}{i}"
+            _ip("netns", "add", ns)
+            _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
+            _ip("link", "set", inside, "netns", ns)
+            _ip("link", "set", outside, "master", bridge)
+            _ip("link", "set", outside, "up")
+            _ip("-n", ns, "addr", "add", f"{address}/24", "dev", inside)
+            _ip("-n", ns, "link", "set", inside, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+        yield {**{f"{role}_ns": names[role] for role in names}, **addresses}
+    finally:
+        for role in addresses:
+            subprocess.run(["ip", "netns", "del", names[role]], capture_output=True)
+        subprocess.run(["ip", "link", "del", bridge], capture_output=True)
+
+
+def test_superlink_and_supernodes_on_separate_network_hosts(
+    hosts: dict[str, str], make_deployment: MakeDeployment
+) -> None:
+    # The SuperLink's Fleet API on 10.213.0.1:9092 (Control API :9093), reached over the bridge
+    deployment = make_deployment(host=hosts["link"], ports=9092)
+
+    def in_ns(role: str) -> list[str]:
+        return ["ip", "netns", "exec", hosts[f"{role}_ns"]]
+
+    deployment.cluster.start_superlink(prefix=in_ns("link"))
+    for i in range(2):
+        deployment.start_node(i, 2, prefix=in_ns(f"n{i}"))
+    time.sleep(4)
+    status, out = deployment.run("fl.rounds=1")
+    assert status["status"] == "finished:completed", status
+    assert {r["status"] for r in client_rows(out)} == {"ok"}

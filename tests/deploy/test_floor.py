@@ -1,0 +1,31 @@
+"""car_fl.deploy.floor: the empty ClientApp's reply passes the server's checks."""
+
+from __future__ import annotations
+
+import torch
+from flwr.app import Context, Message, RecordDict
+
+from car_fl.deploy import floor
+from car_fl.protocol.messages import ARRAYS_KEY, METRICS_KEY, to_record
+from car_fl.server.shard_claims import ShardClaims
+from car_fl.server.strategy import spec_of, validate_reply
+from tests.fl_helpers import set_task_identity
+
+
+def test_floor_reply_is_accepted_by_the_server() -> None:
+    set_task_identity()
+    arrays = to_record({"head.weight": torch.ones(4, 8), "head.bias": torch.zeros(4)})
+    msg = Message(content=RecordDict({ARRAYS_KEY: arrays}), dst_node_id=7, message_type="train")
+    context = Context(
+        run_id=1,
+        node_id=7,
+        node_config={"partition-id": 1, "num-partitions": 2},
+        state=RecordDict(),
+        run_config={},
+    )
+    reply = floor.train(msg, context).content
+    assert (floor.ARRAYS_KEY, floor.METRICS_KEY) == (ARRAYS_KEY, METRICS_KEY)
+    # as GuardedStrategy._check does: the claimed partition first, then the reply itself
+    cap, reason = ShardClaims({0: 100, 1: 100}).check(7, reply[METRICS_KEY].get("partition-id"))
+    assert (cap, reason) == (100, None)
+    assert validate_reply(reply, spec_of(arrays), max_examples=cap) is None

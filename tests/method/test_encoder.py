@@ -1,0 +1,131 @@
+"""The frozen encoder: loading, freezing, the identity adapter, pooling, EOS handling."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from car_fl.method.encoder import EncoderLoadError, load_encoder, pick_device, pick_dtype, pool
+from car_fl.method.model import CaRRetriever
+from car_fl.settings.schema import HeadConfig, Mode, ModelConfig, Pooling
+
+
+def cfg(path: Path, **kw: object) -> ModelConfig:
+    return ModelConfig(name="local", name_or_path=str(path), **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture(params=["llama", "bert"])
+def model_dir(request: pytest.FixtureRequest, tiny_llama: Path, tiny_bert: Path) -> Path:
+    return tiny_llama if request.param == "llama" else tiny_bert
+
+
+def test_encoder_is_frozen_and_in_eval_mode(model_dir: Path) -> None:
+    encoder = load_encoder(cfg(model_dir), device="cpu")
+    assert not any(p.requires_grad for p in encoder.parameters())
+    encoder.train()
+    assert not encoder.model.training, "the frozen model must stay in eval mode"
+
+
+def test_identity_adapter_gives_the_plain_models_hidden_states(model_dir: Path) -> None:
+    encoder = load_encoder(cfg(model_dir), device="cpu")
+    model = CaRRetriever(encoder, 3, head=HeadConfig(), mode=Mode.ADAPTER_CLASSIFIER)
+    ids, mask = encoder.pad(encoder.tokenize(["w1 k2 w3 w4", "hello there"]).input_ids)
+    with torch.no_grad():
+        plain = encoder.model(input_ids=ids, attention_mask=mask).last_hidden_state
+        adapted = encoder.transform(model.adapter(encoder.embed(ids)), mask)
+    real = mask.bool()
+    assert torch.equal(plain[real], adapted[real])
+
+
+def test_adapter_changes_hidden_states_when_not_identity(tiny_llama: Path) -> None:
+    encoder = load_encoder(cfg(tiny_llama), device="cpu")
+    model = CaRRetriever(encoder, 3, head=HeadConfig(), mode=Mode.ADAPTER_CLASSIFIER)
+    ids, mask = encoder.pad(encoder.tokenize(["w1 k2 w3"]).input_ids)
+    with torch.no_grad():
+        before = model.encode(ids, mask)
+        model.adapter.weight.mul_(2.0)
+        after = model.encode(ids, mask)
+    assert not torch.allclose(before, after)
+
+
+@pytest.mark.parametrize("pooling", ["eos", "mean"])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_pooled_vector_does_not_depend_on_the_batch(
+    model_dir: Path, pooling: str, side: str
+) -> None:
+    encoder = load_encoder(cfg(model_dir, pooling=pooling, padding_side=side), device="cpu")
+    model = CaRRetriever(encoder, 2, head=HeadConfig(), mode=Mode.CLASSIFIER)
+    texts = ["w1", "w2 w3 w4 w5 w6 w7 w8 k1 w9 w10", "k3 w4 w5"]
+    tokens = encoder.tokenize(texts).input_ids
+    with torch.no_grad():
+        batch = model.encode(*encoder.pad(tokens))
+        for i, seq in enumerate(tokens):
+            alone = model.encode(*encoder.pad([seq]))
+            torch.testing.assert_close(alone[0], batch[i], rtol=1e-5, atol=1e-5)
+
+
+def test_pad_token_equal_to_eos_does_not_move_the_eos_position(tiny_llama: Path) -> None:
+    encoder = load_encoder(cfg(tiny_llama, padding_side="right"), device="cpu")
+    assert encoder.pad_id == encoder.eos_id  # the Llama tokenizer has no pad token
+    eos = encoder.eos_id
+    ids, mask = encoder.pad([[1, 5, eos], [1, eos]])
+    assert ids[1].tolist() == [1, eos, eos]  # padding is indistinguishable from EOS by id
+    hidden = torch.arange(6, dtype=torch.float32).view(2, 3, 1)
+    pooled = pool(hidden, mask, Pooling.EOS)
+    assert pooled.flatten().tolist() == [2.0, 4.0]  # the real EOS of each row, found by mask
+
+
+def test_mean_pooling_ignores_nonfinite_values_at_padding() -> None:
+    hidden = torch.tensor([[[1.0], [3.0], [float("nan")]]])
+    mask = torch.tensor([[1, 1, 0]])
+    assert pool(hidden, mask, Pooling.MEAN).item() == 2.0
+    assert pool(hidden, mask, Pooling.EOS).item() == 3.0
+
+
+def test_eos_is_appended_when_the_tokenizer_does_not_add_it(tiny_llama: Path) -> None:
+    encoder = load_encoder(cfg(tiny_llama, max_length=5), device="cpu")
+    raw = encoder.tokenizer("w1 w2", add_special_tokens=True)["input_ids"]
+    assert raw[-1] != encoder.tokenizer.eos_token_id
+    assert encoder.append_eos
+    ids = encoder.tokenize(["w1 w2", "w1 w2 w3 w4 w5 w6 w7"]).input_ids
+    assert ids[0] == [*raw, encoder.tokenizer.eos_token_id]
+    assert len(ids[1]) == 5 and ids[1][-1] == encoder.tokenizer.eos_token_id
+
+
+def test_bert_tokenizer_keeps_its_sep_as_the_final_token(tiny_bert: Path) -> None:
+    encoder = load_encoder(cfg(tiny_bert), device="cpu")
+    assert not encoder.append_eos
+    ids = encoder.tokenize(["w1 w2"]).input_ids[0]
+    assert ids[-1] == encoder.tokenizer.sep_token_id
+
+
+def test_missing_local_folder_error_names_model_and_fix(tmp_path: Path) -> None:
+    with pytest.raises(EncoderLoadError, match=r"nowhere.*model.name_or_path|nowhere.*folder"):
+        load_encoder(cfg(tmp_path / "nowhere"), device="cpu")
+
+
+def test_unreachable_hub_model_error_says_how_to_use_a_local_folder() -> None:
+    bad = ModelConfig(name="x", name_or_path="no-such-org/no-such-model-xyz")
+    with pytest.raises(EncoderLoadError, match=r"no-such-org/no-such-model-xyz.*name_or_path=DIR"):
+        load_encoder(bad, device="cpu")
+
+
+def test_device_and_dtype_selection() -> None:
+    assert pick_device("cpu").type == "cpu"
+    assert pick_dtype("auto", torch.device("cpu")) is torch.float32
+    assert pick_dtype("bfloat16", torch.device("cpu")) is torch.bfloat16
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            pick_device("cuda")
+
+
+def test_bfloat16_encoder_runs_and_pools(tiny_llama: Path) -> None:
+    encoder = load_encoder(cfg(tiny_llama, dtype="bfloat16"), device="cpu")
+    assert encoder.dtype is torch.bfloat16
+    model = CaRRetriever(encoder, 2, head=HeadConfig(), mode=Mode.ADAPTER_CLASSIFIER)
+    ids, mask = encoder.pad(encoder.tokenize(["w1 w2"]).input_ids)
+    logits, _ = model(ids, mask)
+    assert logits.dtype is torch.float32 and torch.isfinite(logits).all()
+    assert model.adapter.weight.dtype is torch.float32

@@ -1,0 +1,118 @@
+"""Feature preparation: the content-keyed cache, extraction order, LocalData, training split."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from car_fl.data.splits import load_splits
+from car_fl.method import encoder as encoder_module
+from car_fl.method.features import (
+    FeatureCache,
+    LocalData,
+    extract_features,
+    length_batches,
+    prepare_data,
+)
+from car_fl.method.model import build_retriever
+from car_fl.method.serving import training_features
+from car_fl.settings.schema import Mode
+
+
+def test_cached_classifier_features_do_not_load_the_encoder(make_settings) -> None:
+    settings = make_settings()
+    splits = load_splits(settings.dataset, seed=settings.seed)
+    texts, labels = splits.train["text"], splits.train["label"]
+    model = build_retriever(settings, len(splits.label_map))
+    cache = FeatureCache(settings.cache_dir)
+    common = dict(
+        mode=Mode.CLASSIFIER, model_cfg=settings.model, device="cpu", batch_size=16, progress=False
+    )
+    first = prepare_data(texts, labels, get_model=lambda: model, cache=cache, **common)
+    FeatureCache.clear_memory()  # a new process: only the disk cache is left
+    loads = encoder_module.LOAD_COUNT
+
+    def must_not_load():
+        raise AssertionError("the encoder was loaded although every feature was cached")
+
+    second = prepare_data(
+        texts, labels, get_model=must_not_load, cache=FeatureCache(settings.cache_dir), **common
+    )
+    assert loads == encoder_module.LOAD_COUNT
+    assert first.features is not None and second.features is not None
+    assert torch.equal(first.features, second.features)
+    changed = prepare_data(
+        [*texts[:-1], texts[-1] + " w1"], labels, get_model=lambda: model, cache=cache, **common
+    )
+    assert changed.features is not None
+    assert not torch.equal(changed.features[-1], first.features[-1])
+
+
+def test_bucketed_extraction_returns_features_in_the_original_order(make_settings) -> None:
+
+    settings = make_settings("model.pooling=eos")
+    model = build_retriever(settings, 4)
+    texts = ["w1", "w1 w2 w3 w4 w5 w6 w7", "k1 w2", "w9 w8 w7 w6", "k3"] * 3
+    ids = model.encoder.tokenize(texts).input_ids
+    kwargs: dict[str, Any] = {"batch_size": 4, "progress": False}
+    bucketed = extract_features(model.encode, model.encoder.pad, ids, bucket=True, **kwargs)
+    arrival = extract_features(model.encode, model.encoder.pad, ids, bucket=False, **kwargs)
+    one_by_one = torch.cat([model.encode(*model.encoder.pad([s])).detach() for s in ids])
+    torch.testing.assert_close(bucketed, arrival, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(bucketed, one_by_one, rtol=1e-5, atol=1e-5)
+
+
+def test_length_batches_cover_each_index_once_longest_first() -> None:
+    lengths = [3, 9, 1, 9, 5, 2, 7]
+    batches = length_batches(lengths, 3)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    assert [lengths[i] for b in batches for i in b] == sorted(lengths, reverse=True)
+    assert [len(b) for b in batches] == [3, 3, 1]
+
+
+def test_local_data_needs_features_or_ids_of_the_right_length() -> None:
+    labels = torch.tensor([0, 1, 1])
+    with pytest.raises(ValueError, match="needs features or input_ids"):
+        LocalData(labels=labels)
+    with pytest.raises(ValueError, match="2 feature rows for 3 labels"):
+        LocalData(labels=labels, features=torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="1 token sequences for 3 labels"):
+        LocalData(labels=labels, input_ids=[[1, 2]])
+    assert len(LocalData(labels=labels, input_ids=[[1], [2], [3]])) == 3
+
+
+def test_the_disk_cache_round_trips_and_leaves_no_temporary_file(tmp_path: Path) -> None:
+    features = torch.randn(5, 4)
+    FeatureCache(tmp_path).put("k", features)
+    assert [p.name for p in tmp_path.iterdir()] == ["k.safetensors"]
+    FeatureCache.clear_memory()  # a new process: only the disk is left
+    fresh = FeatureCache(tmp_path)
+    got = fresh.get("k")
+    assert got is not None and torch.equal(got, features)
+    assert (fresh.hits, fresh.misses) == (1, 0)
+
+
+def test_an_unreadable_cache_file_is_a_miss_not_an_error(tmp_path: Path) -> None:
+    (tmp_path / "bad.safetensors").write_bytes(b"not a safetensors file")
+    FeatureCache.clear_memory()
+    cache = FeatureCache(tmp_path)
+    assert cache.get("bad") is None
+    assert (cache.hits, cache.misses) == (0, 1)
+
+
+def test_training_features_are_the_training_split_with_the_given_label_ids(
+    make_settings,
+) -> None:
+    settings = make_settings()
+    splits = load_splits(settings.dataset, seed=settings.seed)
+    model = build_retriever(settings, len(splits.label_map))
+    data = training_features(settings, splits.label_map, get_model=lambda: model)
+    assert data.labels.tolist() == list(splits.train["label"])
+    assert data.features is not None and data.features.shape == (len(splits.train), 64)
+    first = model.encode(
+        *model.encoder.pad(model.encoder.tokenize([splits.train["text"][0]]).input_ids)
+    )
+    torch.testing.assert_close(data.features[0], first[0].detach(), rtol=1e-5, atol=1e-5)

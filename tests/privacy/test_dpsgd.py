@@ -1,0 +1,408 @@
+"""Record-level DP (DP-SGD): clipping, reference equality, noise, sampling, accounting, budget."""
+
+from __future__ import annotations
+
+import math
+
+import dp_accounting
+import pytest
+import torch
+import torch.nn.functional as F
+from dp_accounting import pld, rdp
+from flwr.app import RecordDict
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from car_fl.client.record_dp import STATE_KEY, RecordBudgetExhausted, load_record_state
+from car_fl.client.round import shard_data, train_round
+from car_fl.data.splits import load_splits
+from car_fl.method.features import LocalData
+from car_fl.method.model import build_retriever
+from car_fl.method.optim import Optimizer
+from car_fl.method.train import epoch_order, make_optimizer, train_epoch, train_epoch_dpsgd
+from car_fl.privacy.dpsgd import (
+    clip_per_example,
+    dpsgd_step,
+    noisy_gradient,
+    per_example_gradients,
+    per_example_norms,
+    poisson_sample,
+)
+from car_fl.privacy.record_accounting import (
+    VALUE_DISCRETIZATION,
+    calibrate_noise_multiplier,
+    check_delta,
+    epsilon,
+    steps_per_epoch,
+)
+from car_fl.settings.compose import load_settings
+from car_fl.settings.dp_plan import record_plan
+from car_fl.settings.flower import NodeInfo
+
+
+def dp_accounting_epsilon(
+    q: float, sigma: float, steps: int, delta: float, accountant: object
+) -> float:
+    """ε straight from dp-accounting: the reference the module must agree with."""
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps
+    )
+    accountant.compose(event)  # type: ignore[attr-defined]
+    return float(accountant.get_epsilon(delta))  # type: ignore[attr-defined]
+
+
+# ------------------------------------------------------------------------------ clipping
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    batch=st.integers(0, 12),
+    shapes=st.lists(st.lists(st.integers(1, 5), min_size=1, max_size=3), min_size=1, max_size=3),
+    scale=st.floats(1e-6, 1e6),
+    bound=st.floats(1e-4, 1e4),
+    seed=st.integers(0, 2**31),
+)
+def test_every_clipped_per_example_gradient_has_norm_at_most_c(
+    batch: int, shapes: list[list[int]], scale: float, bound: float, seed: int
+) -> None:
+    g = torch.Generator().manual_seed(seed)
+    grads = {
+        f"t{i}": torch.randn((batch, *s), generator=g, dtype=torch.float64) * scale
+        for i, s in enumerate(shapes)
+    }
+    clipped, norms = clip_per_example(grads, bound)
+    after = per_example_norms(clipped)
+    assert after.shape == (batch,)
+    assert bool((after <= bound * (1 + 1e-9)).all())
+    small = norms <= bound  # examples within the bound are left exactly as they were
+    for name, tensor in grads.items():
+        assert torch.equal(clipped[name][small], tensor[small])
+
+
+def test_clipping_real_per_example_gradients_of_the_head(make_settings) -> None:
+    s = make_settings("head.pre_classifier_dim=8")
+    model = build_retriever(s, 4, hidden_size=16)
+    features = torch.randn(32, 16) * 50
+    params = {k: p.detach() for k, p in model.trainable_parameters().items()}
+    grads, _, _ = per_example_gradients(
+        model, params, torch.randint(0, 4, (32,)), features=features
+    )
+    clipped, norms = clip_per_example(grads, 0.1)
+    assert bool((norms > 0.1).any())
+    assert bool((per_example_norms(clipped) <= 0.1 * (1 + 1e-6)).all())
+
+
+# ------------------------------------------------------------- per-example gradients are right
+
+
+def test_vmap_per_example_gradients_equal_one_backward_per_example(make_settings) -> None:
+    model = build_retriever(make_settings("head.pre_classifier_dim=8"), 3, hidden_size=10)
+    model.double()
+    x, y = torch.randn(6, 10, dtype=torch.float64), torch.tensor([0, 1, 2, 2, 1, 0])
+    params = dict(model.trainable_parameters())
+    grads, losses, _ = per_example_gradients(
+        model, {k: p.detach() for k, p in params.items()}, y, features=x
+    )
+    for i in range(6):
+        loss = F.cross_entropy(model.score(x[i : i + 1]), y[i : i + 1])
+        reference = torch.autograd.grad(loss, list(params.values()))
+        assert float(losses[i]) == pytest.approx(float(loss.detach()))
+        for name, ref in zip(params, reference, strict=True):
+            torch.testing.assert_close(grads[name][i], ref, rtol=1e-12, atol=1e-12)
+
+
+def test_adapter_mode_per_example_gradients_through_the_frozen_encoder(make_settings) -> None:
+    s = make_settings("mode=adapter")
+    splits = load_splits(s.dataset, seed=s.seed)
+    model = build_retriever(s, len(splits.label_map))
+    texts, labels = splits.train["text"][:3], torch.tensor(splits.train["label"][:3])
+    ids = [torch.tensor(t) for t in model.encoder.tokenize(texts).input_ids]
+    params = dict(model.trainable_parameters())
+    grads, _, _ = per_example_gradients(
+        model, {k: p.detach() for k, p in params.items()}, labels, input_ids=ids
+    )
+    assert set(grads) == set(params) and "adapter.weight" in grads
+    for i in range(3):
+        one = ids[i][None]
+        _, loss = model(one, torch.ones_like(one), labels=labels[i : i + 1])
+        assert loss is not None
+        reference = torch.autograd.grad(loss, list(params.values()))
+        for name, ref in zip(params, reference, strict=True):
+            torch.testing.assert_close(grads[name][i], ref)
+    assert not any(p.requires_grad for p in model.encoder.model.parameters())
+
+
+# ------------------------------------------------- C = ∞ and σ = 0 is non-private training
+
+
+def test_infinite_clip_and_zero_noise_equal_non_private_training(make_settings) -> None:
+    """Same batches, same optimiser: DP-SGD with C = ∞, σ = 0 is plain mini-batch training."""
+    s = make_settings("head.pre_classifier_dim=8", "train.optimizer=adamw", "train.lr=0.01")
+    n, batch = 96, 8
+    g = torch.Generator().manual_seed(3)
+    data = LocalData(
+        labels=torch.randint(0, 4, (n,), generator=g),
+        features=torch.randn(n, 12, generator=g, dtype=torch.float64),
+    )
+    plain = build_retriever(s, 4, hidden_size=12).double()
+    private = build_retriever(s, 4, hidden_size=12).double()
+    opt_plain, opt_private = make_optimizer(plain, s.train), make_optimizer(private, s.train)
+    for epoch in range(3):
+        train_epoch(plain, data, opt_plain, batch_size=batch, seed=1, epoch=epoch, progress=False)
+        order = epoch_order(n, seed=1, epoch=epoch)
+        train_epoch_dpsgd(
+            private,
+            data,
+            opt_private,
+            sample_rate=batch / n,  # q·n = the fixed batch size: the same normalisation
+            clip=math.inf,
+            noise_multiplier=0.0,
+            steps=n // batch,
+            seed=1,
+            epoch=epoch,
+            batches=[order[i : i + batch] for i in range(0, n, batch)],
+            progress=False,
+        )
+    for name, value in plain.trainable_state_dict().items():
+        torch.testing.assert_close(
+            private.trainable_state_dict()[name], value, rtol=1e-12, atol=1e-12
+        )
+
+
+# ------------------------------------------------------------------- noise and sampling
+
+
+def test_noise_has_std_sigma_c_over_expected_batch_and_is_not_reproducible() -> None:
+    zeros = {"w": torch.zeros(200_000), "b": torch.zeros(3)}
+    noisy = noisy_gradient(zeros, noise_std=1.5 * 2.0, expected_batch_size=10.0)
+    assert float(noisy["w"].std()) == pytest.approx(1.5 * 2.0 / 10.0, rel=0.02)
+    again = noisy_gradient(zeros, noise_std=3.0, expected_batch_size=10.0)
+    assert not torch.equal(noisy["w"], again["w"])  # OS entropy: no seed can regenerate it
+
+
+def test_a_dpsgd_step_adds_exactly_the_seeded_noise_to_the_clipped_sum(make_settings) -> None:
+    model = build_retriever(make_settings(), 3, hidden_size=5).double()
+    params = model.trainable_parameters()
+    before = {k: p.detach().clone() for k, p in params.items()}
+    x, y = torch.randn(4, 5, dtype=torch.float64) * 100, torch.tensor([0, 1, 2, 0])
+    grads, _, _ = per_example_gradients(model, before, y, features=x)
+    clipped, _ = clip_per_example(grads, 0.5)
+    expected = noisy_gradient(
+        {k: v.sum(0) for k, v in clipped.items()},
+        noise_std=0.5 * 0.7,
+        expected_batch_size=4.0,
+        generator=torch.Generator().manual_seed(9),
+    )
+    optimizer = Optimizer([{"params": list(params.values()), "lr": 1.0}], kind="sgd")
+    dpsgd_step(
+        model,
+        params,
+        optimizer,
+        y,
+        clip=0.5,
+        noise_multiplier=0.7,
+        expected_batch_size=4.0,
+        features=x,
+        generator=torch.Generator().manual_seed(9),
+    )
+    for name, param in params.items():
+        torch.testing.assert_close(param.detach(), before[name] - expected[name])
+
+
+def test_poisson_sampling_rate_and_empty_batches() -> None:
+    g = torch.Generator().manual_seed(0)
+    sizes = [len(poisson_sample(1000, 0.05, generator=g)) for _ in range(400)]
+    mean = sum(sizes) / len(sizes)
+    assert mean == pytest.approx(50, abs=3 * math.sqrt(1000 * 0.05 * 0.95 / 400) + 0.5)
+    assert len(poisson_sample(1000, 1.0, generator=g)) == 1000
+    assert len(poisson_sample(3, 1e-9, generator=g)) == 0
+    a, b = poisson_sample(2000, 0.5), poisson_sample(2000, 0.5)
+    assert not torch.equal(a, b)  # OS entropy by default
+
+
+def test_an_empty_sampled_batch_still_makes_a_noisy_step(make_settings) -> None:
+    model = build_retriever(make_settings(), 3, hidden_size=5)
+    params = model.trainable_parameters()
+    before = {k: p.detach().clone() for k, p in params.items()}
+    optimizer = Optimizer([{"params": list(params.values()), "lr": 1.0}], kind="sgd")
+    result = dpsgd_step(
+        model,
+        params,
+        optimizer,
+        torch.zeros(0, dtype=torch.long),
+        clip=1.0,
+        noise_multiplier=1.0,
+        expected_batch_size=2.0,
+        features=torch.zeros(0, 5),
+    )
+    assert result.examples == 0
+    assert all(not torch.equal(p.detach(), before[k]) for k, p in params.items())
+
+
+# ------------------------------------------------------------------------------ accounting
+
+
+def test_epsilon_of_a_known_configuration_equals_dp_accounting() -> None:
+    q, sigma, steps, delta = 64 / 2000, 1.0, 625, 1e-5
+    ours = epsilon(sample_rate=q, noise_multiplier=sigma, steps=steps, delta=delta)
+    same = dp_accounting_epsilon(
+        q,
+        sigma,
+        steps,
+        delta,
+        pld.PLDAccountant(value_discretization_interval=VALUE_DISCRETIZATION),
+    )
+    assert ours == same
+    default_pld = dp_accounting_epsilon(q, sigma, steps, delta, pld.PLDAccountant())
+    assert ours == pytest.approx(default_pld, rel=1e-3)
+    assert ours == pytest.approx(5.15, abs=0.01)  # docs/notes value for this configuration
+    assert ours <= dp_accounting_epsilon(q, sigma, steps, delta, rdp.RdpAccountant())
+
+
+@pytest.mark.parametrize(
+    ("target", "q", "steps"), [(1.0, 0.05, 200), (3.0, 0.1, 100), (8.0, 0.1, 100)]
+)
+def test_calibrated_sigma_reaches_the_target_within_one_percent(
+    target: float, q: float, steps: int
+) -> None:
+    sigma = calibrate_noise_multiplier(
+        target_epsilon=target, sample_rate=q, steps=steps, delta=1e-5
+    )
+    reached = dp_accounting_epsilon(q, sigma, steps, 1e-5, pld.PLDAccountant())
+    assert target * 0.99 <= reached <= target * 1.001
+    assert epsilon(sample_rate=q, noise_multiplier=sigma, steps=steps, delta=1e-5) <= target
+
+
+def test_plan_calibrates_for_rounds_times_epochs_times_steps_per_epoch() -> None:
+    s = load_settings(
+        "dp=record dp.target_epsilon=2 dp.sample_rate=0.1 fl.rounds=3 fl.local_epochs=2"
+    )
+    plan = record_plan(s)
+    assert steps_per_epoch(0.1) == 10 and steps_per_epoch(0.3) == 4 and steps_per_epoch(1) == 1
+    assert plan.steps_per_round == 20 and plan.planned_steps == 60
+    assert plan.noise_multiplier == calibrate_noise_multiplier(
+        target_epsilon=2.0, sample_rate=0.1, steps=60, delta=1e-5
+    )
+    fixed = load_settings("dp=record dp.target_epsilon=null dp.noise_multiplier=1.3")
+    assert record_plan(fixed).noise_multiplier == 1.3
+
+
+# ------------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("dp=record dp.sample_rate=0", r"dp.sample_rate \(q.*\) must be in \(0, 1\], got 0.*0.05"),
+        ("dp=record dp.sample_rate=1.5", r"dp.sample_rate .* got 1.5"),
+        (
+            "dp=record dp.target_epsilon=null dp.noise_multiplier=0",
+            r"dp=record needs dp.noise_multiplier \(σ\) > 0, got 0.0; set e.g. dp.noise_multip",
+        ),
+        ("dp=record dp.target_epsilon=null dp.noise_multiplier=-1", r"noise_multiplier"),
+        ("dp=record dp.warmup_rounds=1", r"dp.warmup_rounds must be 0"),
+        (
+            "dp=record dp.target_epsilon=0.01 dp.sample_rate=1 fl.rounds=50",
+            r"dp.target_epsilon=0.01 cannot be reached in 100 planned DP-SGD steps.*"
+            r"set dp.target_epsilon=",
+        ),
+    ],
+)
+def test_bad_record_parameters_fail_at_configuration_time(override: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        load_settings(override)
+
+
+def test_the_suggested_reachable_epsilon_works() -> None:
+    with pytest.raises(ValueError) as err:
+        load_settings("dp=record dp.target_epsilon=0.01 dp.sample_rate=1 fl.rounds=50")
+    suggested = str(err.value).split("set dp.target_epsilon=")[1].split()[0]
+    s = load_settings(f"dp=record dp.target_epsilon={suggested} dp.sample_rate=1 fl.rounds=50")
+    assert record_plan(s).noise_multiplier <= 100
+
+
+def test_delta_must_be_below_one_over_n() -> None:
+    check_delta(1e-3, 999)
+    with pytest.raises(ValueError, match=r"dp.delta=0.001 is not below 1/n .* n = 1000 .*1e-04"):
+        check_delta(1e-3, 1000)
+
+
+# ------------------------------------------------------------------- through a client's round
+
+
+@pytest.fixture
+def record_inputs(make_settings):
+    def make(*overrides: str):
+        s = make_settings(
+            "dp=record", "dp.delta=1e-4", "fl.local_epochs=1", "dp.sample_rate=0.1", *overrides
+        )
+        splits = load_splits(s.dataset, seed=s.seed)
+        initial = build_retriever(s, len(splits.label_map)).trainable_state_dict()
+        return s, NodeInfo(0, 2), initial
+
+    return make
+
+
+def test_client_with_delta_too_large_fails_before_training(record_inputs) -> None:
+    s, node, initial = record_inputs("dp.delta=0.01")
+    n = len(shard_data(s, node)[0])
+    assert 1 / n <= 0.01  # so δ = 0.01 must be refused
+    state = RecordDict()
+    with pytest.raises(
+        ValueError, match=rf"dp.delta=0.01 is not below 1/n = {1 / n:.3g} .* n = {n} examples"
+    ):
+        train_round(s, node, initial, 1, state)
+    assert STATE_KEY not in state.metric_records
+
+
+def test_curious_server_sees_parameters_count_and_public_privacy_figures_only(
+    record_inputs,
+) -> None:
+    s, node, initial = record_inputs("fl.rounds=2")
+    state = RecordDict()
+    released, metrics = train_round(s, node, initial, 1, state)
+    assert set(metrics) == {
+        "num-examples",
+        "partition-id",
+        "dp-active",
+        "dp-epsilon",
+        "dp-steps",
+        "dp-noise-multiplier",
+        "dp-sample-rate",
+    }  # no train loss, accuracy, norms or clip counts: those are data-dependent
+    plan = record_plan(s)
+    assert metrics["dp-steps"] == plan.steps_per_round == 10
+    assert metrics["dp-epsilon"] == plan.epsilon(10)
+    assert metrics["dp-noise-multiplier"] == plan.noise_multiplier
+    # The same round again from the same state: the server knows the seed, yet cannot
+    # regenerate the noise or the sampled batches (OS entropy)
+    again, _ = train_round(s, node, initial, 1, RecordDict())
+    assert any(not torch.equal(released[k], again[k]) for k in released)
+
+
+def test_a_client_never_releases_past_its_target_epsilon(record_inputs) -> None:
+    s, node, initial = record_inputs("fl.rounds=2", "dp.target_epsilon=2")
+    state = RecordDict()
+    eps = []
+    for server_round in (1, 2):
+        _, metrics = train_round(s, node, initial, server_round, state)
+        eps.append(metrics["dp-epsilon"])
+    assert eps[0] < eps[1] <= 2.0
+    assert eps[1] >= 2.0 * 0.99  # σ was calibrated for exactly these 2 rounds
+    assert load_record_state(state).steps == 20
+    with pytest.raises(RecordBudgetExhausted, match=r"client 0 stops contributing.*> dp.target"):
+        train_round(s, node, initial, 3, state)
+    assert load_record_state(state).steps == 20  # nothing was trained or counted
+
+
+def test_record_round_in_adapter_mode_trains_the_adapter(record_inputs) -> None:
+    s, node, initial = record_inputs(
+        "mode=adapter",
+        "dataset.max_examples=40",
+        "dp.sample_rate=0.5",
+        "dp.target_epsilon=null",
+        "dp.noise_multiplier=1",
+    )
+    released, metrics = train_round(s, node, initial, 1, RecordDict())
+    assert metrics["dp-steps"] == 2
+    assert not torch.equal(released["adapter.weight"], initial["adapter.weight"])

@@ -1,0 +1,44 @@
+"""Reference implementations the tests check car-fl against (not used by car-fl itself)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord
+from flwr.serverapp.strategy import FedAvg
+
+from car_fl.privacy.mechanism import State, clip_factor, flat_norm
+from car_fl.protocol.messages import decode, encode
+from car_fl.server.replies import Spec
+from car_fl.server.strategy import GuardedStrategy
+
+
+def clip(delta: State, bound: float) -> tuple[dict[str, torch.Tensor], float]:
+    """Δ scaled to norm at most ``bound``; also returns ‖Δ‖ before clipping."""
+    norm = flat_norm(delta)
+    factor = clip_factor(norm, bound)
+    if factor == 1.0:
+        return {k: v.clone() for k, v in delta.items()}, norm
+    return {k: v * factor for k, v in delta.items()}, norm
+
+
+def weighted_average(records: list[ArrayRecord], weights: list[int]) -> ArrayRecord:
+    """θ = Σ nᵢ/n · θᵢ, accumulated in float64, returned in each tensor's own dtype."""
+    total = float(sum(weights))
+    out: dict[str, Array] = {}
+    for name in records[0]:
+        first = records[0][name]
+        acc = np.zeros(first.shape, dtype=np.float64)
+        for record, weight in zip(records, weights, strict=True):
+            acc += decode(record[name]).astype(np.float64) * (weight / total)
+        out[name] = encode(acc.astype(decode(first).dtype))
+    return ArrayRecord(array_dict=out)
+
+
+class CaRFedAvg(GuardedStrategy):
+    """Flower's FedAvg behind car-fl's guards: what ``strategy=fedavg`` builds."""
+
+    def __init__(self, *, min_clients: int = 1, spec: Spec, **guards: Any) -> None:
+        super().__init__(FedAvg(), spec=spec, min_clients=min_clients, **guards)

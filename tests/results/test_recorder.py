@@ -1,0 +1,276 @@
+"""car_fl.results.recorder: one recorder for epochs and rounds; selection on validation."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ArrayRecord
+
+from car_fl.data.labels import LabelMap
+from car_fl.protocol.messages import to_record
+from car_fl.results.checkpoint import load_checkpoint
+from car_fl.results.recorder import Recorder, round_line
+from car_fl.results.rows import CLIENTS_CSV, ClientRow, MetricsFile, RoundRow, RunSummary
+from car_fl.server.resume import load_resume_point
+from car_fl.server.round_recorder import RoundRecorder
+from car_fl.settings.compose import settings_to_yaml
+from car_fl.settings.schema import Mode, Settings
+from tests.fl_helpers import reply
+from tests.reference import CaRFedAvg
+
+
+def global_model() -> ArrayRecord:
+    """A global model as the server evaluates it (the recorder only passes it on)."""
+    return to_record({"w": torch.zeros(3)})
+
+
+LABELS = LabelMap.from_labels(["a", "b", "c"])
+SPEC = {"w": ((3,), np.dtype("float32"))}
+
+
+def scores(val_top1: float, val_loss: float, test_top1: float) -> dict[str, float]:
+    return {
+        "val_loss": val_loss,
+        "val_top1": val_top1,
+        "test_loss": 1.0 - test_top1,
+        "test_top1": test_top1,
+    }
+
+
+def recorder(settings: Settings, out: Path, *, unit: str, per_round: bool) -> Recorder:
+    return Recorder(
+        settings=settings,
+        output_dir=out,
+        label_map=LABELS,
+        unit=unit,
+        title="test",
+        round_checkpoints=per_round,
+    )
+
+
+def test_best_follows_validation_and_its_checkpoint_is_that_rounds_model(
+    make_settings, tmp_path: Path
+) -> None:
+    rec = recorder(make_settings(), tmp_path, unit="epoch", per_round=False)
+    # Test top-1 falls while validation rises: selecting on test would keep epoch 1.
+    for epoch, (val, loss, test) in enumerate([(0.5, 1.0, 0.9), (0.7, 0.9, 0.6), (0.7, 0.8, 0.3)]):
+        row = RoundRow(
+            round=epoch + 1,
+            epochs=epoch + 1,
+            train_loss=0.1,
+            train_accuracy=0.9,
+            metrics=scores(val, loss, test),
+            seconds=1.0,
+        )
+        rec.record(row, {"w": torch.full((3,), float(epoch + 1))})
+    assert rec.best is not None and rec.best.round == 3  # equal top-1: the lower loss
+    best = load_checkpoint(tmp_path / "checkpoints" / "best")
+    assert best.round == 3 and best.metrics == rec.best.to_dict()
+    assert torch.equal(best.state["w"], torch.full((3,), 3.0))
+    assert not list((tmp_path / "checkpoints").glob("round-*"))  # only when asked for
+    rec.save_final({"w": torch.zeros(3)})
+    assert load_checkpoint(tmp_path / "checkpoints" / "final").round == 3
+
+
+def test_a_round_without_validation_selects_the_latest() -> None:
+    rec = Recorder(
+        settings=Settings(), output_dir=Path("."), label_map=LABELS, unit="round", title=""
+    )
+    for r, top1 in ((1, 0.9), (2, 0.1)):
+        no_val = {"test_top1": top1, "test_loss": 0.0}
+        assert rec.add(RoundRow(round=r, epochs=r, metrics=no_val, seconds=0.0))
+    assert rec.best is not None and rec.best.round == 2
+
+
+def test_round_line_is_one_fixed_format_line() -> None:
+    row = RoundRow(
+        round=7,
+        epochs=14,
+        train_loss=0.5,
+        train_accuracy=0.75,
+        metrics=scores(0.8, 0.4, 0.7),
+        seconds=2.25,
+        bytes_sent=2048,
+        bytes_received=1024,
+        dp_active=1,
+        epsilon=1.5,
+    )
+    assert round_line(row) == (
+        "round   7 | train loss 0.5000 acc 0.7500 | val loss 0.4000 top1 0.8000 | "
+        "test loss 0.3000 top1 0.7000 | 2.2s | sent 2,048 B recv 1,024 B | ε 1.5"
+    )
+    untrained = RoundRow(round=0, epochs=0, metrics={"test_loss": 1.0, "test_top1": 0.5}, seconds=0)
+    assert round_line(untrained, unit="epoch").startswith("epoch   0 | train loss nan acc nan |")
+
+
+def federated_summary() -> RunSummary:
+    return RunSummary(
+        kind="federated",
+        clients=2,
+        mode=Mode.CLASSIFIER,
+        head="classifier",
+        num_labels=3,
+        rounds=5,
+        local_epochs=2,
+        final=None,
+        best=None,
+        total_seconds=0.0,
+        test_examples=10,
+        selection="validation",
+        data={},
+        dp="fixed",
+        delta=1e-5,
+    )
+
+
+def round_of(
+    strategy: CaRFedAvg, rounds: RoundRecorder, server_round: int, epsilons: tuple[float, float]
+) -> None:
+    """One aggregated round of two clients, then the server's evaluation call."""
+    replies = [
+        reply(
+            node,
+            {"w": np.full(3, float(server_round), np.float32)},
+            n,
+            **{"train-loss": loss, "train-accuracy": 0.5, "dp-active": 1.0, "dp-epsilon": eps},
+            **{"partition-id": pid},
+        )
+        for node, n, loss, eps, pid in (
+            (11, 10, 1.0, epsilons[0], 0.0),
+            (12, 30, 2.0, epsilons[1], 1.0),
+        )
+    ]
+    arrays, _ = strategy.aggregate_train(server_round, replies)
+    assert arrays is not None
+    rounds(server_round, arrays)
+
+
+def test_the_strategy_hands_its_round_statistics_to_the_recorder(
+    make_settings, tmp_path: Path
+) -> None:
+    settings = make_settings("fl.rounds=5", "fl.local_epochs=2")
+    (tmp_path / "config.yaml").write_text(settings_to_yaml(settings))
+    evaluations = iter([scores(0.3, 1.0, 0.3), scores(0.6, 0.9, 0.5), scores(0.5, 0.8, 0.7)])
+    rounds = RoundRecorder(
+        recorder(settings, tmp_path, unit="round", per_round=True),
+        evaluate=lambda arrays: next(evaluations),
+        describe=federated_summary,
+    )
+    strategy = CaRFedAvg(spec=SPEC)
+    strategy.on_round = rounds.receive
+    rounds(0, global_model())  # the initial model: no statistics needed
+    round_of(strategy, rounds, 1, (0.5, 0.7))
+    round_of(strategy, rounds, 2, (0.9, 0.8))
+
+    history = rounds.recorder.history
+    assert [row.round for row in history] == [1, 2]
+    first = history[0]
+    assert first.epochs == 2 and first.clients_ok == 2 and first.clients_rejected == 0
+    assert first.train_loss == pytest.approx((10 * 1.0 + 30 * 2.0) / 40)  # example-weighted
+    assert [row.epsilon for row in history] == [0.7, 0.9]  # the largest ε any client spent
+    assert first.dp_active == 1 and first.skipped == 0
+    assert [(r.round, r.node, r.dp_epsilon) for r in rounds.client_rows] == [
+        (1, 11, 0.5),
+        (1, 12, 0.7),
+        (2, 11, 0.9),
+        (2, 12, 0.8),
+    ]
+    # Files after every round; the best round (on validation) has its checkpoint.
+    metrics = MetricsFile.read(tmp_path)
+    assert metrics.history == history and metrics.summary.complete is False
+    # Round 2 has the better test top-1, round 1 the better validation top-1.
+    assert metrics.summary.best == history[0] and metrics.summary.initial == scores(0.3, 1.0, 0.3)
+    assert metrics.summary.epsilon == 0.9
+    assert ClientRow.read_csv(tmp_path / CLIENTS_CSV) == rounds.client_rows
+    ckpt = load_checkpoint(tmp_path / "checkpoints" / "round-002")
+    assert ckpt.epsilon == 0.9 and ckpt.metrics == history[1].to_dict()
+    assert load_checkpoint(tmp_path / "checkpoints" / "best").round == 1
+
+    # Resume reads the same typed rows back and restores selection and ε.
+    point = load_resume_point(tmp_path, settings)
+    assert point.round == 2 and point.history == history
+    assert point.client_rows == rounds.client_rows
+    assert point.initial == scores(0.3, 1.0, 0.3)
+    again = RoundRecorder(
+        recorder(settings, tmp_path, unit="round", per_round=True),
+        evaluate=lambda arrays: scores(0.0, 0.0, 0.0),
+        describe=federated_summary,
+    )
+    again.resume(point.history, point.client_rows, point.initial, done=point.round)
+    assert again.recorder.best == history[0] and again.last_epsilon == 0.9
+    assert json.loads((tmp_path / "metrics.json").read_text())["summary"]["epsilon"] == 0.9
+
+
+@pytest.mark.parametrize(
+    "metrics",
+    [
+        {"dp-steps": 1.0},  # claims record-level DP without its other values
+        {"dp-steps": 1.0, "dp-noise-multiplier": 1.0, "dp-sample-rate": 0.1, "dp-epsilon": 1.0},
+        {"dp-epsilon": float("nan"), "train-loss": float("nan")},
+    ],
+)
+@pytest.mark.parametrize("partition", [0.0, float("nan"), float("inf")])
+def test_a_hostile_clients_metrics_cannot_end_the_run_or_poison_epsilon(
+    make_settings, tmp_path: Path, metrics: dict[str, float], partition: float
+) -> None:
+    # With a cap on claimed examples, the server does not check the claimed partition id.
+    settings = make_settings()
+    rounds = RoundRecorder(
+        recorder(settings, tmp_path, unit="round", per_round=False),
+        evaluate=lambda arrays: scores(0.5, 1.0, 0.5),
+        describe=federated_summary,
+    )
+    strategy = CaRFedAvg(spec=SPEC, max_examples=100)
+    strategy.on_round = rounds.receive
+    honest = reply(11, {"w": np.ones(3, np.float32)}, 10, **{"dp-epsilon": 2.0})
+    hostile = reply(10, {"w": np.ones(3, np.float32)}, 10, **{"partition-id": partition}, **metrics)
+    arrays, _ = strategy.aggregate_train(1, [hostile, honest])  # the hostile reply first
+    assert arrays is not None
+    rounds(1, arrays)  # evaluates and records the round without raising
+    row = rounds.recorder.history[-1]
+    assert row.clients_ok == 2
+    assert row.epsilon == 2.0  # the largest finite ε reported; a NaN does not take over
+    dp = MetricsFile.read(tmp_path).summary.dp_clients or {}
+    assert all(math.isfinite(float(key)) for key in dp)
+
+
+def test_a_round_the_strategy_never_handed_over_is_an_error(make_settings, tmp_path: Path) -> None:
+    rounds = RoundRecorder(
+        recorder(make_settings(), tmp_path, unit="round", per_round=True),
+        evaluate=lambda arrays: scores(0.5, 1.0, 0.5),
+        describe=federated_summary,
+    )
+    with pytest.raises(RuntimeError, match="handed over no statistics"):
+        rounds(1, global_model())
+
+
+@pytest.mark.slow
+def test_centralised_and_federated_runs_record_through_the_same_recorder(
+    make_settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from car_fl.centralized import run_centralized
+    from car_fl.simulation.in_process import run_local
+
+    calls: list[tuple[str, int]] = []
+    record = Recorder.record
+
+    def spy(self: Recorder, row: RoundRow, state, **kwargs) -> None:
+        calls.append((self.unit, row.round))
+        record(self, row, state, **kwargs)
+
+    monkeypatch.setattr(Recorder, "record", spy)
+    run_centralized(make_settings("train.epochs=2"), tmp_path / "central")
+    out = tmp_path / "fl"
+    run_local(make_settings("fl.rounds=1", "fl.local_epochs=1", f"output_dir={out}"))
+    assert calls == [("epoch", 1), ("epoch", 2), ("round", 1)]
+    central = MetricsFile.read(tmp_path / "central")
+    federated = MetricsFile.read(out)
+    # The same row format: every centralised column is also a federated one.
+    assert set(central.history[0].to_dict()) <= set(federated.history[0].to_dict())
+    assert central.summary.best is not None and federated.summary.best is not None
+    assert load_checkpoint(out / "checkpoints" / "best").round == federated.summary.best.round

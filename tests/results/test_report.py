@@ -1,0 +1,137 @@
+"""``car-fl report`` (car_fl.results.report): tables and plots across run directories.
+
+The runs here are written with the results module (no training); the sweep test in
+test_sweep.py builds its report from real jobs.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from car_fl.cli import main as cli_main
+from car_fl.results.report import JOB_JSON, collect_runs, write_report
+from car_fl.results.rows import MetricsFile, RoundRow, RunSummary
+from car_fl.settings.compose import settings_to_yaml
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    with path.open(encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def write_run(
+    folder: Path,
+    settings,
+    *,
+    clients: int,
+    top1: list[float],
+    seconds: float,
+    epsilon: float | None = None,
+    complete: bool | None = True,
+    job: dict | None = None,
+) -> Path:
+    """A run directory as a centralised run (clients=1) or a federation would leave it."""
+    folder.mkdir(parents=True)
+    (folder / "config.yaml").write_text(settings_to_yaml(settings))
+    history = [
+        RoundRow(
+            round=r,
+            epochs=r,
+            train_loss=0.5,
+            train_accuracy=0.5,
+            metrics={
+                "val_loss": 1 - t,
+                "val_top1": t,
+                "test_loss": 1 - t,
+                "test_top1": t,
+                "test_top3": 1.0,
+                "test_mrr": t,
+                "test_macro_f1": t,
+            },
+            seconds=seconds / len(top1),
+        )
+        for r, t in enumerate(top1, start=1)
+    ]
+    federated = clients > 1
+    summary = RunSummary(
+        kind="federated" if federated else "centralized",
+        clients=clients,
+        mode=settings.train.mode,
+        head=settings.head.kind,
+        num_labels=4,
+        final=history[-1],
+        best=history[-1],
+        total_seconds=seconds,
+        test_examples=10,
+        selection="validation",
+        data={},
+        dp=settings.dp.mode if federated else None,
+        epsilon=epsilon,
+        complete=complete if federated else None,
+    )
+    MetricsFile(history=history, summary=summary).write(folder)
+    if job is not None:
+        (folder / JOB_JSON).write_text(json.dumps(job))
+    return folder
+
+
+@pytest.fixture
+def sweep(make_settings, tmp_path: Path) -> Path:
+    root = tmp_path / "sweep"
+    write_run(root / "0", make_settings(), clients=1, top1=[0.5, 0.8], seconds=40.0)
+    write_run(root / "1", make_settings("fl.clients=2"), clients=2, top1=[0.7], seconds=10.0)
+    dp = make_settings("fl.clients=2", "dp=fixed")
+    write_run(root / "2", dp, clients=2, top1=[0.6], seconds=20.0, epsilon=3.5)
+    write_run(root / "3", dp, clients=2, top1=[0.6], seconds=20.0, epsilon=1.0, complete=False)
+    skipped = {"status": "skipped", "reason": "local DP on a centralised run", "overrides": []}
+    (root / "4").mkdir()
+    (root / "4" / JOB_JSON).write_text(json.dumps({**skipped, "clients": 1}))
+    return root
+
+
+def test_the_report_has_one_row_per_run_with_speed_up_and_epsilon(
+    sweep: Path, tmp_path: Path
+) -> None:
+    report = write_report([sweep], tmp_path / "out")
+    assert report.counts == {"ok": 3, "incomplete": 1, "skipped": 1}
+    rows = {r["job"]: r for r in _rows(report.results_csv)}
+    assert float(rows["0"]["top1"]) == 0.8 and rows["0"]["scenario"] == "centralised"
+    assert rows["1"]["scenario"] == "FL" and rows["2"]["scenario"] == "FL + DP (fixed)"
+    # Speed-up: the centralised run's seconds over this run's (same sweep, model, approach).
+    assert float(rows["1"]["speedup"]) == pytest.approx(4.0)
+    assert float(rows["2"]["speedup"]) == pytest.approx(2.0)
+    # ε only where DP was on; top-K is the largest K below the number of labels.
+    assert rows["1"]["epsilon"] == "" and float(rows["2"]["epsilon"]) == 3.5
+    assert rows["0"]["k"] == "3" and float(rows["0"]["topk"]) == 1.0
+    assert rows["3"]["status"] == "incomplete" and rows["3"]["speedup"] == ""
+    assert rows["4"]["status"] == "skipped" and "local DP" in rows["4"]["reason"]
+    assert [r["job"] for r in _rows(report.retrieval_csv)] == ["0"]  # centralised runs only
+    markdown = report.markdown.read_text()
+    assert "## Jobs without results" in markdown and "`3` (incomplete)" in markdown
+    assert "| top-3 (%) |" in markdown and "| 80.00 |" in markdown
+    assert report.plots and all(f"({p.name})" in markdown for p in report.plots)
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in report.plots)
+
+
+def test_runs_are_found_in_numeric_order_two_levels_deep(sweep: Path) -> None:
+    (sweep / "10").mkdir()
+    (sweep / "10" / JOB_JSON).write_text(json.dumps({"status": "failed", "reason": "boom"}))
+    runs = collect_runs([sweep.parent])  # the sweep folder is one level below
+    assert [r.path.name for r in runs] == ["0", "1", "2", "3", "4", "10"]
+    assert runs[-1].status == "failed" and runs[-1].reason == "boom"
+    empty = sweep.parent / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="no runs"):
+        collect_runs([empty])
+
+
+def test_the_report_command_on_run_directories(sweep: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "two"
+    assert cli_main(["report", str(sweep / "0"), str(sweep / "2"), "--out", str(out)]) == 0
+    assert sorted(r["job"] for r in _rows(out / "results.csv")) == ["0", "2"]
+    assert "2 runs (2 ok)" in capsys.readouterr().out
+    assert cli_main(["report", str(tmp_path / "no-such-folder")]) == 2

@@ -1,0 +1,87 @@
+"""What Flower hands car-fl: run config, node config (its one table), the fingerprint."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import pytest
+
+from car_fl.settings.compose import load_settings, settings_to_yaml
+from car_fl.settings.flower import (
+    NODE_CONFIG,
+    NODE_LOCAL_KEYS,
+    NodeInfo,
+    apply_node_config,
+    fingerprint,
+    settings_from_run_config,
+)
+
+
+def test_node_info_rejects_a_client_count_mismatch(make_settings) -> None:
+    settings = make_settings("fl.clients=2")
+    assert NodeInfo.from_node_config(
+        {"partition-id": 1, "num-partitions": 2}, settings
+    ) == NodeInfo(1, 2)
+    with pytest.raises(ValueError, match=r"num-partitions=3.*fl.clients=2.*num-supernodes=2"):
+        NodeInfo.from_node_config({"partition-id": 0, "num-partitions": 3}, settings)
+    with pytest.raises(ValueError, match=r"no 'partition-id'.*--node-config"):
+        NodeInfo.from_node_config({}, settings)
+    with pytest.raises(ValueError, match=r"partition-id=2 is outside \[0, 2\)"):
+        NodeInfo.from_node_config({"partition-id": 2, "num-partitions": 2}, settings)
+
+
+def test_data_is_shard_comes_from_the_node_config(make_settings) -> None:
+    settings = make_settings()
+    node = NodeInfo.from_node_config(
+        {"partition-id": 0, "num-partitions": 2, "data-is-shard": "true"}, settings
+    )
+    assert node.data_is_shard
+    assert not NodeInfo.from_node_config(
+        {"partition-id": 0, "num-partitions": 2}, settings
+    ).data_is_shard
+
+
+def test_every_node_config_key_sets_its_setting_and_none_enters_the_fingerprint() -> None:
+    settings = load_settings("dataset.path=/data/a.tsv")
+    values = {"device": "cpu"}  # a value the schema accepts for each setting
+    node_config = {
+        key: values.get(key, f"/node/{key}") for key, spec in NODE_CONFIG.items() if spec.setting
+    }
+    local = apply_node_config(settings, node_config)
+    for key, spec in NODE_CONFIG.items():
+        if spec.setting is None:
+            continue
+        section, _, name = spec.setting.rpartition(".")
+        holder = getattr(local, section) if section else local
+        assert getattr(holder, name) == node_config[key], key
+        assert spec.setting in NODE_LOCAL_KEYS, key
+    assert fingerprint(local) == fingerprint(settings)
+    # every other setting counts: a shared value changes the fingerprint
+    assert fingerprint(load_settings("dataset.path=/data/a.tsv seed=7")) != fingerprint(settings)
+    # empty values leave the run's setting alone
+    assert apply_node_config(settings, {"data-path": ""}).dataset.path == "/data/a.tsv"
+
+
+def test_node_local_keys_name_real_settings() -> None:
+    from car_fl.settings.schema import Settings
+
+    top = {f.name for f in fields(Settings)}
+    settings = Settings()
+    for key in NODE_LOCAL_KEYS:
+        section, _, name = key.rpartition(".")
+        holder = getattr(settings, section) if section else settings
+        assert section in top or (not section and name in top), key
+        assert hasattr(holder, name), key
+
+
+def test_run_config_overrides_or_a_whole_settings_yaml() -> None:
+    composed = settings_from_run_config({"overrides": "mode=adapter fl.rounds=3"})
+    assert (composed.train.mode, composed.fl.rounds) == ("adapter+classifier", 3)
+    assert settings_from_run_config({}) == load_settings()
+    # a whole settings YAML takes precedence over the overrides
+    text = settings_to_yaml(load_settings("seed=7"))
+    assert settings_from_run_config({"settings": text, "overrides": "seed=9"}).seed == 7
+    with pytest.raises(ValueError, match="string of Hydra overrides"):
+        settings_from_run_config({"overrides": 3})
+    with pytest.raises(ValueError, match="must be YAML text"):
+        settings_from_run_config({"settings": 3})

@@ -1,0 +1,123 @@
+"""The configuration schema: validation, the errors users see, and names kept in one place."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from car_fl.settings.compose import load_settings
+from car_fl.settings.schema import (
+    APPROACHES,
+    DEVICES,
+    DTYPES,
+    WIRE_DTYPES,
+    Approach,
+    CommConfig,
+    FLConfig,
+    HeadKind,
+    Mode,
+    OptimizerKind,
+    Settings,
+    TrainConfig,
+)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("dataset=nope", r"(?s)Could not find 'dataset/nope'.*ag_news.*sms_spam"),
+        ("model=gpt9", r"(?s)Could not find 'model/gpt9'.*tinyllama"),
+        ("train.nonsense=1", r"train.nonsense"),
+        ("train.lr=abc", r"full_key: train.lr"),
+        ("train.epochs=1.5", r"full_key: train.epochs"),
+        ("train.lr=-1", r"train.lr must be > 0"),
+        ("train.mode=both", r"train.mode='both' is not valid; choose one of classifier"),
+        ("model.pooling=max", r"model.pooling='max' is not valid"),
+        ("model.dtype=int8", r"model.dtype='int8' is not valid"),
+        ("head.dropout=1.5", r"head.dropout must be in \[0, 1\)"),
+        ("dataset.test_fraction=0", r"dataset.test_fraction must be in \(0, 1\)"),
+        ("eval.top_k=[0]", r"eval.top_k"),
+        ("device=tpu", r"device='tpu' is not valid"),
+        ("train.optimizer=lion", r"train.optimizer='lion' is not valid"),
+    ],
+)
+def test_bad_configuration_is_rejected_clearly(override: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        load_settings(override)
+
+
+def test_dataset_without_path_or_hub_is_rejected() -> None:
+    with pytest.raises(ValueError, match=r"neither dataset.path.*nor dataset.hub_id"):
+        load_settings("dataset=file")
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("fl.alpha=0", r"fl.alpha must be > 0"),
+        ("fl.alpha=-1", r"fl.alpha must be > 0"),
+        ("fl.round_timeout=0", r"fl.round_timeout must be > 0"),
+        ("fl.wait_for_nodes=-1", r"fl.wait_for_nodes must be >= 0"),
+    ],
+)
+def test_fl_timeouts_and_dirichlet_alpha_are_validated(override: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        load_settings(override)
+    key, value = override.removeprefix("fl.").split("=")
+    with pytest.raises(ValueError, match=message):
+        FLConfig(**{key: float(value)})  # type: ignore[arg-type]
+
+
+def test_fl_edge_values_that_are_valid() -> None:
+    fl = FLConfig(alpha=1e-3, round_timeout=1.0, wait_for_nodes=0.0)
+    assert fl.sample_size(4) == 4
+    assert FLConfig(clients=4, fraction_train=0.5).sample_size(4) == 2
+
+
+def test_schema_imports_no_torch_hydra_or_omegaconf() -> None:
+    code = "import sys, car_fl.settings.schema; print(sorted(sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    modules = {m.split(".")[0] for m in json.loads(out.stdout.replace("'", '"'))}
+    assert "car_fl" in modules
+    assert not {"torch", "hydra", "omegaconf"} & modules
+
+
+def test_names_come_from_the_code_that_uses_them() -> None:
+    import torch
+
+    from car_fl.method.encoder import pick_device, pick_dtype
+    from car_fl.method.optim import Optimizer
+    from car_fl.protocol.messages import WIRE_DTYPES as RECORD_DTYPES
+
+    param = torch.zeros(2, requires_grad=True)
+    for kind in OptimizerKind:
+        assert TrainConfig(optimizer=kind.value).optimizer is kind  # type: ignore[arg-type]
+        assert Optimizer([{"params": [param], "lr": 0.1}], kind=kind).kind is kind
+    assert set(RECORD_DTYPES) == set(WIRE_DTYPES)
+    for dtype in WIRE_DTYPES:
+        assert CommConfig(dtype=dtype).dtype == dtype
+    cpu = torch.device("cpu")
+    assert all(isinstance(pick_dtype(name, cpu), torch.dtype) for name in DTYPES)
+    assert pick_device("cpu") == cpu and pick_device("auto").type in DEVICES
+    with pytest.raises(ValueError, match=r"device='tpu' is not valid"):
+        pick_device("tpu")
+    with pytest.raises(ValueError, match=r"model.dtype='int8' is not valid"):
+        pick_dtype("int8", cpu)
+
+
+def test_every_head_and_mode_pair_is_one_approach() -> None:
+    pairs = [(spec.head, spec.mode) for spec in APPROACHES.values()]
+    assert len(set(pairs)) == len(pairs) == len(Approach)
+    assert [a.label for a in Approach][:4] == [
+        "MIPS",
+        "adapter + MIPS",
+        "classifier (CaR)",
+        "adapter + classifier (CaR)",
+    ]
+    assert Approach.of(HeadKind.KNN, Mode.CLASSIFIER) is Approach.KNN
+    with pytest.raises(ValueError, match="no approach"):
+        Approach.of(HeadKind.KNN, Mode.ADAPTER_CLASSIFIER)
+    assert Settings().approach is Approach.CAR
