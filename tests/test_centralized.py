@@ -1,4 +1,4 @@
-"""A centralised classifier run whose features are all cached never loads the encoder."""
+"""car_fl.centralized: a run writes its files; cached features spare loading the encoder."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from car_fl.centralized import run_centralized
 from car_fl.method import encoder as encoder_module
 from car_fl.method.features import FeatureCache
+from car_fl.results.checkpoint import load_checkpoint
 
 
 def loads_since(count: int) -> int:
@@ -57,3 +58,32 @@ def test_mips_and_adapter_runs_still_load_the_encoder(tmp_path: Path, make_setti
         before = encoder_module.LOAD_COUNT
         run_centralized(settings, tmp_path / f"run{i}")
         assert loads_since(before) == 1, overrides
+
+
+def test_centralized_run_writes_config_metrics_plot_and_checkpoints(
+    make_settings, tmp_path: Path
+) -> None:
+    settings = make_settings("train.epochs=3")
+    out = tmp_path / "run"
+    summary = run_centralized(settings, out)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["kind"] == "centralized"
+    assert [row["round"] for row in metrics["history"]] == [1, 2, 3]
+    assert {
+        "train_loss",
+        "test_loss",
+        "test_top1",
+        "test_top5",
+        "test_mrr",
+        "test_macro_f1",
+        "seconds",
+    } <= set(metrics["history"][0])
+    assert (out / "metrics.csv").read_text().splitlines()[0].startswith("round,")
+    assert (out / "curves.png").stat().st_size > 1000
+    assert "pooling: eos" in (out / "config.yaml").read_text()
+    final = load_checkpoint(out / "checkpoints" / "final")
+    assert final.round == 3 and final.settings == settings
+    assert final.label_map.names == ("topic0", "topic1", "topic2", "topic3")
+    assert set(final.state) == {"head.classifier.weight", "head.classifier.bias"}
+    best = load_checkpoint(out / "checkpoints" / "best")
+    assert best.metrics["test_top1"] == summary["best"]["test_top1"]

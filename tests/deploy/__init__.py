@@ -1,0 +1,6 @@
+"""Tests of car_fl.deploy; a module without its ``test_<module>.py`` says where it is tested."""
+
+#: module → the test that covers it (checked by ``tests/test_layout.py``).
+TESTED_ELSEWHERE = {
+    "cluster": "tests/deploy/test_processes.py::test_cluster_ports_environment_and_node_command",
+}

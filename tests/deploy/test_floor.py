@@ -9,7 +9,7 @@ from car_fl.deploy import floor
 from car_fl.protocol.messages import ARRAYS_KEY, METRICS_KEY, to_record
 from car_fl.server.shard_claims import ShardClaims
 from car_fl.server.strategy import spec_of, validate_reply
-from tests.fl_helpers import set_task_identity
+from tests.helpers import set_task_identity
 
 
 def test_floor_reply_is_accepted_by_the_server() -> None:

@@ -1,0 +1,7 @@
+"""Tests of car_fl.method; a module without its ``test_<module>.py`` says where it is tested."""
+
+#: module → the test that covers it (checked by ``tests/test_layout.py``).
+TESTED_ELSEWHERE = {
+    "adapter": "tests/method/test_encoder.py::test_identity_adapter_gives_the_plain_models_hidden_states",
+    "evaluation": "tests/results/test_selection.py::test_best_checkpoint_follows_validation_when_test_disagrees",
+}

@@ -8,14 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from car_fl.data.labels import LabelMap
-from car_fl.data.splits import load_splits
 from car_fl.method.encoder import load_encoder
-from car_fl.method.model import CaRRetriever, build_retriever
-from car_fl.method.scorers import ClassifierScorer, KNNScorer, MIPSScorer
-from car_fl.method.serving import load_retriever
-from car_fl.results.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from car_fl.settings.schema import HeadConfig, HeadKind, Mode, ModelConfig, Settings
+from car_fl.method.model import CaRRetriever
+from car_fl.method.scorers import ClassifierScorer
+from car_fl.settings.schema import HeadConfig, Mode, ModelConfig
 
 
 @pytest.fixture
@@ -103,96 +99,6 @@ def test_trainable_parameters_are_whatever_requires_a_gradient(encoder) -> None:
         "head.classifier.weight",
         "head.classifier.bias",
     ]
-
-
-# ------------------------------------------------------------------ from_checkpoint, retrieve
-LABELS = LabelMap(("topic0", "topic1", "topic2", "topic3"))
-DOCS = [f"+dataset.label_texts.topic{i}=k{i}" for i in range(4)]
-QUERIES = ["w3 k2 w4", "k0 w1", "w7 k1"]
-
-
-def save(model: CaRRetriever, settings: Settings, folder: Path) -> Path:
-    ckpt = Checkpoint(
-        state=model.trainable_state_dict(), label_map=LABELS, settings=settings, round=1
-    )
-    return save_checkpoint(folder, ckpt)
-
-
-def expected(model: CaRRetriever, k: int) -> tuple[list[list[str]], torch.Tensor]:
-    """Top-k label names and softmax scores straight from the trained model's forward."""
-    ids, mask = model.encoder.pad(model.encoder.tokenize(QUERIES).input_ids)
-    with torch.no_grad():
-        logits, _ = model(ids, mask)
-    scores, idx = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
-    return [[LABELS.names[i] for i in row] for row in idx.tolist()], scores
-
-
-def test_from_checkpoint_retrieves_what_the_trained_classifier_scores(
-    make_settings, tmp_path: Path
-) -> None:
-    settings = make_settings("mode=adapter", "head.pre_classifier_dim=8")
-    model = build_retriever(settings, len(LABELS))
-    with torch.no_grad():  # a trained state: adapter and head away from their initialisation
-        model.adapter.weight.add_(0.05 * torch.randn_like(model.adapter.weight))
-        assert isinstance(model.head, ClassifierScorer)
-        model.head.classifier.weight.mul_(3.0)
-    folder = save(model, settings, tmp_path / "ckpt")
-    retriever = load_retriever(folder, device="cpu")
-    assert retriever.kind is HeadKind.CLASSIFIER and retriever.label_names == LABELS.names
-    results = retriever.retrieve(QUERIES, 3)
-    labels, scores = expected(model, 3)
-    assert [list(r.labels) for r in results] == labels
-    torch.testing.assert_close(torch.tensor([r.scores for r in results]), scores)
-    assert all(r.documents == r.labels for r in results)  # no label_texts: the names
-    assert retriever.retrieve([], 3) == []
-
-
-def test_from_checkpoint_gives_mips_its_documents_through_the_trained_adapter(
-    make_settings, tmp_path: Path
-) -> None:
-    settings = make_settings("head.kind=mips", "mode=adapter", "head.similarity=cosine", *DOCS)
-    documents = [f"k{i}" for i in range(4)]
-    model = build_retriever(settings, len(LABELS), documents=documents)
-    with torch.no_grad():
-        model.adapter.weight.add_(0.1 * torch.randn_like(model.adapter.weight))
-    folder = save(model, settings, tmp_path / "ckpt")
-    assert list(load_checkpoint(folder).state) == ["adapter.weight"]
-    retriever = load_retriever(folder, device="cpu")
-    assert isinstance(retriever.head, MIPSScorer)
-    results = retriever.retrieve(QUERIES, 2)
-    labels, scores = expected(model, 2)
-    assert [list(r.labels) for r in results] == labels
-    torch.testing.assert_close(torch.tensor([r.scores for r in results]), scores)
-    assert [r.documents for r in results] == [
-        tuple(documents[LABELS.index(name)] for name in row) for row in labels
-    ]
-
-
-def test_from_checkpoint_rebuilds_the_knn_memory_from_the_training_split(
-    make_settings, tmp_path: Path
-) -> None:
-    settings = make_settings("head.kind=knn", "head.knn_k=1", "head.similarity=cosine")
-    folder = save(build_retriever(settings, len(LABELS)), settings, tmp_path / "ckpt")
-    assert load_checkpoint(folder).state == {}
-    retriever = load_retriever(folder, device="cpu")
-    splits = load_splits(settings.dataset, seed=settings.seed, label_map=LABELS)
-    assert isinstance(retriever.head, KNNScorer) and retriever.head.memory is not None
-    assert len(retriever.head.memory) == len(splits.train)
-    texts, ids = splits.train["text"][:12], splits.train["label"][:12]
-    results = retriever.retrieve(texts, 1)  # a training text's nearest example is itself
-    assert [r.labels[0] for r in results] == [LABELS.names[i] for i in ids]
-
-
-def test_a_knn_checkpoint_whose_training_data_is_gone_says_what_it_needs(
-    make_settings, tmp_path: Path
-) -> None:
-    data = tmp_path / "gone.tsv"
-    data.write_text("".join(f"topic{i % 4}\tk{i % 4} w{i}\n" for i in range(40)))
-    settings = make_settings("head.kind=knn", f"dataset.path={data}")
-    folder = save(build_retriever(settings, len(LABELS), hidden_size=8), settings, tmp_path / "c")
-    data.unlink()
-    with pytest.raises(FileNotFoundError, match=r"kNN checkpoint.*gone\.tsv.*could not be read"):
-        load_retriever(folder, device="cpu")
 
 
 def test_retrieve_needs_the_label_names(encoder) -> None:

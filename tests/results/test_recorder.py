@@ -20,7 +20,7 @@ from car_fl.server.resume import load_resume_point
 from car_fl.server.round_recorder import RoundRecorder
 from car_fl.settings.compose import settings_to_yaml
 from car_fl.settings.schema import Mode, Settings
-from tests.fl_helpers import reply
+from tests.helpers import reply
 from tests.reference import CaRFedAvg
 
 

@@ -10,8 +10,7 @@ import torch
 
 from car_fl.method.model import build_retriever
 from car_fl.protocol.messages import decode, from_record, payload_bytes, to_record
-from car_fl.settings.flower import NodeInfo
-from tests.fl_helpers import reply
+from tests.helpers import reply
 from tests.reference import CaRFedAvg
 
 
@@ -103,24 +102,6 @@ def test_an_anonymous_error_reply_is_attributed_to_the_silent_node() -> None:
     two_lost = RoundStats(round=1, started=0.0, bytes_sent={5: 10, 6: 10})
     two_lost.attribute_lost_replies()
     assert set(two_lost.failed) == {5, 6}
-
-
-def test_clients_encode_labels_with_the_servers_map(make_settings, tmp_path: Path) -> None:
-    from car_fl.client.round import shard_data
-
-    # This node's own file lacks 'topic3' and has a label the server never saw.
-    local = tmp_path / "local.tsv"
-    local.write_text("topic0\tk0 w1\ntopic2\tk2 w2\nspam\tbuy now\n" * 3, encoding="utf-8")
-    settings = make_settings(f"dataset.path={local}")
-    server_labels = ["topic0", "topic1", "topic2", "topic3"]
-    with pytest.raises(ValueError, match=r"not in the global label map: \['spam'\]"):
-        shard_data(settings, NodeInfo(0, 2), server_labels)
-    local.write_text("topic0\tk0 w1\ntopic2\tk2 w2\n" * 3, encoding="utf-8")
-    settings = make_settings(f"dataset.path={local}", "cache_dir=" + str(tmp_path / "c2"))
-    data, label_map = shard_data(settings, NodeInfo(0, 2, data_is_shard=True), server_labels)
-    assert label_map.to_list() == server_labels
-    assert len(data) == 6  # a pre-made shard: every row, no split, no partitioning
-    assert sorted(set(data.labels.tolist())) == [0, 2]  # ids of the server's map
 
 
 def test_server_rejects_missing_local_paths_before_contacting_nodes(

@@ -14,7 +14,7 @@ from flwr.app import Array
 from car_fl.protocol.messages import RAW_STYPE, decode, encode
 from car_fl.results.checkpoint import load_checkpoint
 from car_fl.testing.tiny import tiny_overrides
-from tests.fl_helpers import reply
+from tests.helpers import reply
 from tests.reference import CaRFedAvg
 
 SPEC = {"w": ((2, 3), np.dtype("float32")), "b": ((3,), np.dtype("float32"))}

@@ -34,7 +34,7 @@ from car_fl.server.update_norm import NormBound, gaussian_norm_quantile, update_
 from car_fl.settings.compose import load_settings
 from car_fl.settings.schema import NormBoundAction, NormBoundMode, StrategyConfig, StrategyName
 from car_fl.simulation.in_process import run_local
-from tests.fl_helpers import reply, set_task_identity
+from tests.helpers import reply, set_task_identity
 from tests.reference import CaRFedAvg
 
 SPEC = {"w": ((2, 3), np.dtype("float32")), "b": ((3,), np.dtype("float32"))}

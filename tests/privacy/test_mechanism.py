@@ -8,20 +8,13 @@ import dp_accounting
 import pytest
 import torch
 from dp_accounting.rdp import RdpAccountant
-from flwr.app import RecordDict
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from car_fl.client.local_dp import (
     ClientPrivacy,
-    DPState,
-    PrivacyBudgetExhausted,
     StepPrivatizer,
-    load_privacy,
 )
-from car_fl.client.round import train_round
-from car_fl.data.splits import load_splits
-from car_fl.method.model import build_retriever
 from car_fl.privacy.accountant import (
     combined_multiplier,
     epsilon,
@@ -38,22 +31,8 @@ from car_fl.privacy.adaptive import (
 )
 from car_fl.privacy.mechanism import flat_norm, privatize
 from car_fl.settings.compose import load_settings
-from car_fl.settings.flower import NodeInfo
-from car_fl.settings.schema import DPConfig
+from tests.helpers import client_privacy
 from tests.reference import clip
-
-
-def privacy(
-    mode: str, *, clients: int = 2, generator: torch.Generator | None = None, **kw: object
-) -> ClientPrivacy:
-    cfg = DPConfig(mode=mode, **kw)  # type: ignore[arg-type]
-    return ClientPrivacy(
-        cfg,
-        num_clients=clients,
-        client=0,
-        state=ClientPrivacy.initial_state(cfg),
-        generator=generator,
-    )
 
 
 @settings(max_examples=200, deadline=None)
@@ -91,13 +70,13 @@ def sample_noise(p: ClientPrivacy, draws: int = 200_000) -> torch.Tensor:
 
 
 def test_fixed_noise_has_std_sigma0_times_c() -> None:
-    noise = sample_noise(privacy("fixed", clip=2.0, noise_multiplier=0.3))
+    noise = sample_noise(client_privacy("fixed", clip=2.0, noise_multiplier=0.3))
     assert float(noise.std()) == pytest.approx(0.3 * 2.0, rel=0.02)
     assert abs(float(noise.mean())) < 0.01
 
 
 def test_adaptive_noise_has_std_z_delta_times_c() -> None:
-    p = privacy("adaptive", clients=10, clip=1.5, noise_multiplier=0.5)
+    p = client_privacy("adaptive", clients=10, clip=1.5, noise_multiplier=0.5)
     z_delta = (0.5**-2 - 1.0**-2) ** -0.5  # σ_b = 10/20, so 2σ_b = 1
     assert p.z_delta == pytest.approx(z_delta)
     noise = sample_noise(p)
@@ -108,7 +87,7 @@ def test_only_an_injected_generator_makes_the_noise_repeat() -> None:
     zeros = {"w": torch.zeros(1000)}
 
     def release(generator: torch.Generator | None) -> torch.Tensor:
-        p = privacy("fixed", clip=1.0, noise_multiplier=1.0, generator=generator)
+        p = client_privacy("fixed", clip=1.0, noise_multiplier=1.0, generator=generator)
         return p.release(zeros, zeros, server_round=1)["w"]
 
     # Test-only API: the same generator state gives the same noise ...
@@ -131,7 +110,7 @@ def test_noise_follows_the_parameters_dtype_and_device(dtype: torch.dtype) -> No
 @pytest.mark.parametrize("granularity", ["round", "step"])
 def test_noise_is_drawn_on_cuda_for_cuda_parameters(granularity: str) -> None:
     device = torch.device("cuda")
-    p = privacy("adaptive", clip=1.0, noise_multiplier=0.1)
+    p = client_privacy("adaptive", clip=1.0, noise_multiplier=0.1)
     before = {"w": torch.zeros(100_000, device=device)}
     after = {"w": torch.full((100_000,), 1e-4, device=device)}
     if granularity == "round":
@@ -158,7 +137,7 @@ def test_z_delta_formula_and_its_domain() -> None:
 def test_geometric_rule_moves_the_bound_by_the_noised_indicator() -> None:
     eta, gamma, sigma_b = 0.2, 0.9, 0.1  # σ_b = m/20 with m = 2
     zero = {"w": torch.zeros(4, dtype=torch.float64)}
-    p = privacy("adaptive", clip=1.0, noise_multiplier=0.1, generator=torch.Generator())
+    p = client_privacy("adaptive", clip=1.0, noise_multiplier=0.1, generator=torch.Generator())
     expected = 1.0
     reference = torch.Generator()
     for server_round, norm in enumerate([2.0, 0.5, 3.0, 0.01], start=1):
@@ -182,7 +161,7 @@ def test_geometric_bound_tracks_the_target_quantile(sigma_b: float, c_tolerance:
     # Log-normal update norms whose scale triples halfway: C must find γ's quantile both times.
     gamma, eta, steps = 0.9, 0.2, 3000
     g = torch.Generator().manual_seed(0)
-    p = privacy(
+    p = client_privacy(
         "adaptive",
         clip=0.05,
         noise_multiplier=0.1,
@@ -214,7 +193,7 @@ def test_linear_rule_follows_the_paper_on_scripted_norms_and_is_not_private(
 ) -> None:
     monkeypatch.setattr("car_fl.client.local_dp._WARNED", set())
     beta, gamma, c0 = 0.05, 0.9, 1.0
-    p = privacy(
+    p = client_privacy(
         "adaptive",
         clip=c0,
         noise_multiplier=0.1,
@@ -239,7 +218,7 @@ def test_linear_rule_follows_the_paper_on_scripted_norms_and_is_not_private(
 
 
 def test_bound_noise_rule_is_the_papers_and_not_private() -> None:
-    p = privacy("adaptive", clip=2.0, noise_multiplier=0.1, noise_rule="bound")
+    p = client_privacy("adaptive", clip=2.0, noise_multiplier=0.1, noise_rule="bound")
     assert p.z_delta is not None
     expected = math.sqrt(2 * p.z_delta**2 * (0.95**2 * 4.0 + 0.05**2 * 0.81 * 9.0))
     assert p.noise_std(3.0) == pytest.approx(expected)
@@ -253,7 +232,7 @@ def test_bound_noise_rule_is_the_papers_and_not_private() -> None:
 def test_adaptive_epsilon_is_the_composition_of_update_and_indicator(
     clients: int, z: float, releases: int
 ) -> None:
-    p = privacy("adaptive", clients=clients, clip=0.7, noise_multiplier=z)
+    p = client_privacy("adaptive", clients=clients, clip=0.7, noise_multiplier=z)
     zero = {"w": torch.zeros(3)}
     for r in range(1, releases + 1):
         p.release(zero, zero, server_round=r)
@@ -301,45 +280,6 @@ def test_calibrated_noise_multiplier_spends_the_target_epsilon(target: float, ro
     assert epsilon({0.99 * sigma / 2: rounds}, 1e-5) > target
 
 
-def test_client_reports_epsilon_of_its_releases() -> None:
-    p = privacy("fixed", clip=1.0, noise_multiplier=1.0)  # multiplier 1 / 2 = 0.5
-    zero = {"w": torch.zeros(3)}
-    for r in range(1, 4):
-        p.release(zero, zero, server_round=r)
-    assert p.metrics()["dp-epsilon"] == pytest.approx(epsilon({0.5: 3}, 1e-5))
-    assert p.metrics()["dp-releases"] == 3
-
-
-def test_target_epsilon_stops_a_client_before_it_overspends() -> None:
-    p = privacy(
-        "fixed", clip=1.0, noise_multiplier=1.0, target_epsilon=epsilon({0.5: 2}, 1e-5) + 1e-9
-    )
-    zero = {"w": torch.zeros(3)}
-    p.release(zero, zero, server_round=1)
-    p.release(zero, zero, server_round=2)
-    with pytest.raises(PrivacyBudgetExhausted, match=r"client 0 stops contributing.*target"):
-        p.release(zero, zero, server_round=3)
-    assert sum(p.state.releases.values()) == 2
-
-
-def test_non_finite_update_is_never_clipped_or_sent() -> None:
-    p = privacy("fixed", clip=1.0, noise_multiplier=0.1)
-    before = {"head.classifier.weight": torch.zeros(2), "head.classifier.bias": torch.zeros(1)}
-    after = {
-        "head.classifier.weight": torch.tensor([1.0, float("nan")]),
-        "head.classifier.bias": torch.zeros(1),
-    }
-    with pytest.raises(FloatingPointError, match=r"client 0.*'head.classifier.weight'.*NaN"):
-        p.release(before, after, server_round=1)
-    assert p.state.releases == {}
-
-
-def test_dp_state_round_trips_through_a_flower_record() -> None:
-    state = DPState(clip=0.7, ema=1.25, releases={0.05: 3, 0.1: 2})
-    assert DPState.from_record(state.to_record()) == state
-    assert DPState.from_record(DPState(clip=1.0).to_record()) == DPState(clip=1.0)
-
-
 @pytest.mark.parametrize(
     ("override", "message"),
     [
@@ -368,78 +308,3 @@ def test_impossible_dp_parameters_are_rejected_at_start(override: str, message: 
 
 
 # ------------------------------------------------------------------ through the client's round
-
-
-@pytest.fixture
-def round_inputs(make_settings):
-    def make(*overrides: str):
-        s = make_settings("fl.local_epochs=1", *overrides)
-        splits = load_splits(s.dataset, seed=s.seed)
-        initial = build_retriever(s, len(splits.label_map)).trainable_state_dict()
-        return s, NodeInfo(0, 2), initial
-
-    return make
-
-
-@pytest.mark.parametrize("dp", ["fixed", "adaptive"])
-@pytest.mark.parametrize("granularity", ["round", "step"])
-def test_infinite_clip_and_zero_noise_reproduce_the_non_dp_round(
-    round_inputs, dp: str, granularity: str
-) -> None:
-    s_none, node, initial = round_inputs("dp=none")
-    s_dp, _, _ = round_inputs(
-        f"dp={dp}", f"dp.granularity={granularity}", "dp.clip=inf", "dp.noise_multiplier=0"
-    )
-    plain, _ = train_round(s_none, node, initial, 1, RecordDict())
-    private, metrics = train_round(s_dp, node, initial, 1, RecordDict())
-    assert metrics["dp-active"] == 1 and math.isinf(metrics["dp-epsilon"])
-    for name in plain:
-        assert torch.equal(plain[name], private[name]), name
-
-
-def test_warmup_rounds_add_no_noise_and_later_rounds_do(round_inputs) -> None:
-    s_none, node, initial = round_inputs("dp=none")
-    s_dp, _, _ = round_inputs("dp=adaptive", "dp.warmup_rounds=1", "dp.clip=1e30")
-    state = RecordDict()
-    for server_round in (1, 2):
-        plain, _ = train_round(s_none, node, initial, server_round, RecordDict())
-        private, metrics = train_round(s_dp, node, initial, server_round, state)
-        same = all(torch.equal(plain[k], private[k]) for k in plain)
-        assert same == (server_round == 1)
-        assert metrics["dp-active"] == int(server_round == 2)
-        assert (metrics["dp-epsilon"] > 0) == (server_round == 2)
-        # Warm-up rounds send the raw parameters anyway; their train metrics add nothing.
-        assert ("train-loss" in metrics) == (server_round == 1)
-
-
-def test_adaptive_state_persists_in_the_node_state(round_inputs) -> None:
-    s, node, initial = round_inputs("dp=adaptive")
-    state = RecordDict()
-    _, first = train_round(s, node, initial, 1, state)
-    after_first = load_privacy(s, node, state).state
-    assert after_first.clip != s.dp.clip and sum(after_first.releases.values()) == 1
-    _, second = train_round(s, node, initial, 2, state)
-    after_second = load_privacy(s, node, state).state
-    assert after_second.clip != after_first.clip
-    assert second["dp-releases"] == 2 and second["dp-epsilon"] > first["dp-epsilon"]
-
-
-def test_step_granularity_clips_every_step(round_inputs) -> None:
-    s, node, initial = round_inputs(
-        "dp=fixed", "dp.granularity=step", "dp.clip=1e-3", "dp.noise_multiplier=0", "train.lr=0.5"
-    )
-    state, metrics = train_round(s, node, initial, 1, RecordDict())
-    steps = math.ceil(int(metrics["num-examples"]) / s.train.batch_size)
-    assert metrics["dp-releases"] == steps
-    moved = flat_norm({k: state[k] - initial[k] for k in state})
-    assert moved <= steps * 1e-3 * (1 + 1e-5)
-
-
-def test_step_granularity_with_adaptive_clipping_adapts_every_step(round_inputs) -> None:
-    s, node, initial = round_inputs("dp=adaptive", "dp.granularity=step", "dp.clip=0.01")
-    state = RecordDict()
-    _, metrics = train_round(s, node, initial, 1, state)
-    steps = math.ceil(int(metrics["num-examples"]) / s.train.batch_size)
-    assert metrics["dp-releases"] == steps
-    assert metrics["dp-epsilon"] == pytest.approx(epsilon({0.05: steps}, s.dp.delta), rel=1e-6)
-    assert load_privacy(s, node, state).state.clip != pytest.approx(0.01)

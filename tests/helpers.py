@@ -1,4 +1,4 @@
-"""Building Flower messages in tests, outside a run."""
+"""Builders shared by tests: Flower messages outside a run, a client's DP mechanism."""
 
 from __future__ import annotations
 
@@ -6,10 +6,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import torch
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
+from car_fl.client.local_dp import ClientPrivacy
 from car_fl.protocol.messages import encode
+from car_fl.settings.schema import DPConfig
 
 
 def set_task_identity() -> None:
@@ -36,3 +39,17 @@ def reply(
         }
     )
     return Message(content=content, reply_to=instruction)
+
+
+def client_privacy(
+    mode: str, *, clients: int = 2, generator: torch.Generator | None = None, **kw: object
+) -> ClientPrivacy:
+    """A client's local DP mechanism with a fresh state (``generator``: test-only noise)."""
+    cfg = DPConfig(mode=mode, **kw)  # type: ignore[arg-type]
+    return ClientPrivacy(
+        cfg,
+        num_clients=clients,
+        client=0,
+        state=ClientPrivacy.initial_state(cfg),
+        generator=generator,
+    )

@@ -1,0 +1,138 @@
+"""car_fl.client.local_dp: a client's local DP: releases, ε, target, state, warm-up."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from flwr.app import RecordDict
+
+from car_fl.client.local_dp import (
+    DPState,
+    PrivacyBudgetExhausted,
+    load_privacy,
+)
+from car_fl.client.round import train_round
+from car_fl.data.splits import load_splits
+from car_fl.method.model import build_retriever
+from car_fl.privacy.accountant import (
+    epsilon,
+)
+from car_fl.privacy.mechanism import flat_norm
+from car_fl.settings.flower import NodeInfo
+from tests.helpers import client_privacy
+
+
+def test_client_reports_epsilon_of_its_releases() -> None:
+    p = client_privacy("fixed", clip=1.0, noise_multiplier=1.0)  # multiplier 1 / 2 = 0.5
+    zero = {"w": torch.zeros(3)}
+    for r in range(1, 4):
+        p.release(zero, zero, server_round=r)
+    assert p.metrics()["dp-epsilon"] == pytest.approx(epsilon({0.5: 3}, 1e-5))
+    assert p.metrics()["dp-releases"] == 3
+
+
+def test_target_epsilon_stops_a_client_before_it_overspends() -> None:
+    p = client_privacy(
+        "fixed", clip=1.0, noise_multiplier=1.0, target_epsilon=epsilon({0.5: 2}, 1e-5) + 1e-9
+    )
+    zero = {"w": torch.zeros(3)}
+    p.release(zero, zero, server_round=1)
+    p.release(zero, zero, server_round=2)
+    with pytest.raises(PrivacyBudgetExhausted, match=r"client 0 stops contributing.*target"):
+        p.release(zero, zero, server_round=3)
+    assert sum(p.state.releases.values()) == 2
+
+
+def test_non_finite_update_is_never_clipped_or_sent() -> None:
+    p = client_privacy("fixed", clip=1.0, noise_multiplier=0.1)
+    before = {"head.classifier.weight": torch.zeros(2), "head.classifier.bias": torch.zeros(1)}
+    after = {
+        "head.classifier.weight": torch.tensor([1.0, float("nan")]),
+        "head.classifier.bias": torch.zeros(1),
+    }
+    with pytest.raises(FloatingPointError, match=r"client 0.*'head.classifier.weight'.*NaN"):
+        p.release(before, after, server_round=1)
+    assert p.state.releases == {}
+
+
+def test_dp_state_round_trips_through_a_flower_record() -> None:
+    state = DPState(clip=0.7, ema=1.25, releases={0.05: 3, 0.1: 2})
+    assert DPState.from_record(state.to_record()) == state
+    assert DPState.from_record(DPState(clip=1.0).to_record()) == DPState(clip=1.0)
+
+
+@pytest.fixture
+def round_inputs(make_settings):
+    def make(*overrides: str):
+        s = make_settings("fl.local_epochs=1", *overrides)
+        splits = load_splits(s.dataset, seed=s.seed)
+        initial = build_retriever(s, len(splits.label_map)).trainable_state_dict()
+        return s, NodeInfo(0, 2), initial
+
+    return make
+
+
+@pytest.mark.parametrize("dp", ["fixed", "adaptive"])
+@pytest.mark.parametrize("granularity", ["round", "step"])
+def test_infinite_clip_and_zero_noise_reproduce_the_non_dp_round(
+    round_inputs, dp: str, granularity: str
+) -> None:
+    s_none, node, initial = round_inputs("dp=none")
+    s_dp, _, _ = round_inputs(
+        f"dp={dp}", f"dp.granularity={granularity}", "dp.clip=inf", "dp.noise_multiplier=0"
+    )
+    plain, _ = train_round(s_none, node, initial, 1, RecordDict())
+    private, metrics = train_round(s_dp, node, initial, 1, RecordDict())
+    assert metrics["dp-active"] == 1 and math.isinf(metrics["dp-epsilon"])
+    for name in plain:
+        assert torch.equal(plain[name], private[name]), name
+
+
+def test_warmup_rounds_add_no_noise_and_later_rounds_do(round_inputs) -> None:
+    s_none, node, initial = round_inputs("dp=none")
+    s_dp, _, _ = round_inputs("dp=adaptive", "dp.warmup_rounds=1", "dp.clip=1e30")
+    state = RecordDict()
+    for server_round in (1, 2):
+        plain, _ = train_round(s_none, node, initial, server_round, RecordDict())
+        private, metrics = train_round(s_dp, node, initial, server_round, state)
+        same = all(torch.equal(plain[k], private[k]) for k in plain)
+        assert same == (server_round == 1)
+        assert metrics["dp-active"] == int(server_round == 2)
+        assert (metrics["dp-epsilon"] > 0) == (server_round == 2)
+        # Warm-up rounds send the raw parameters anyway; their train metrics add nothing.
+        assert ("train-loss" in metrics) == (server_round == 1)
+
+
+def test_adaptive_state_persists_in_the_node_state(round_inputs) -> None:
+    s, node, initial = round_inputs("dp=adaptive")
+    state = RecordDict()
+    _, first = train_round(s, node, initial, 1, state)
+    after_first = load_privacy(s, node, state).state
+    assert after_first.clip != s.dp.clip and sum(after_first.releases.values()) == 1
+    _, second = train_round(s, node, initial, 2, state)
+    after_second = load_privacy(s, node, state).state
+    assert after_second.clip != after_first.clip
+    assert second["dp-releases"] == 2 and second["dp-epsilon"] > first["dp-epsilon"]
+
+
+def test_step_granularity_clips_every_step(round_inputs) -> None:
+    s, node, initial = round_inputs(
+        "dp=fixed", "dp.granularity=step", "dp.clip=1e-3", "dp.noise_multiplier=0", "train.lr=0.5"
+    )
+    state, metrics = train_round(s, node, initial, 1, RecordDict())
+    steps = math.ceil(int(metrics["num-examples"]) / s.train.batch_size)
+    assert metrics["dp-releases"] == steps
+    moved = flat_norm({k: state[k] - initial[k] for k in state})
+    assert moved <= steps * 1e-3 * (1 + 1e-5)
+
+
+def test_step_granularity_with_adaptive_clipping_adapts_every_step(round_inputs) -> None:
+    s, node, initial = round_inputs("dp=adaptive", "dp.granularity=step", "dp.clip=0.01")
+    state = RecordDict()
+    _, metrics = train_round(s, node, initial, 1, state)
+    steps = math.ceil(int(metrics["num-examples"]) / s.train.batch_size)
+    assert metrics["dp-releases"] == steps
+    assert metrics["dp-epsilon"] == pytest.approx(epsilon({0.05: steps}, s.dp.delta), rel=1e-6)
+    assert load_privacy(s, node, state).state.clip != pytest.approx(0.01)

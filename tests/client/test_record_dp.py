@@ -1,0 +1,92 @@
+"""car_fl.client.record_dp: a DP-SGD round: checks before training, the reply, the budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from flwr.app import RecordDict
+
+from car_fl.client.record_dp import STATE_KEY, RecordBudgetExhausted, load_record_state
+from car_fl.client.round import shard_data, train_round
+from car_fl.data.splits import load_splits
+from car_fl.method.model import build_retriever
+from car_fl.settings.dp_plan import record_plan
+from car_fl.settings.flower import NodeInfo
+
+
+@pytest.fixture
+def record_inputs(make_settings):
+    def make(*overrides: str):
+        s = make_settings(
+            "dp=record", "dp.delta=1e-4", "fl.local_epochs=1", "dp.sample_rate=0.1", *overrides
+        )
+        splits = load_splits(s.dataset, seed=s.seed)
+        initial = build_retriever(s, len(splits.label_map)).trainable_state_dict()
+        return s, NodeInfo(0, 2), initial
+
+    return make
+
+
+def test_client_with_delta_too_large_fails_before_training(record_inputs) -> None:
+    s, node, initial = record_inputs("dp.delta=0.01")
+    n = len(shard_data(s, node)[0])
+    assert 1 / n <= 0.01  # so δ = 0.01 must be refused
+    state = RecordDict()
+    with pytest.raises(
+        ValueError, match=rf"dp.delta=0.01 is not below 1/n = {1 / n:.3g} .* n = {n} examples"
+    ):
+        train_round(s, node, initial, 1, state)
+    assert STATE_KEY not in state.metric_records
+
+
+def test_curious_server_sees_parameters_count_and_public_privacy_figures_only(
+    record_inputs,
+) -> None:
+    s, node, initial = record_inputs("fl.rounds=2")
+    state = RecordDict()
+    released, metrics = train_round(s, node, initial, 1, state)
+    assert set(metrics) == {
+        "num-examples",
+        "partition-id",
+        "dp-active",
+        "dp-epsilon",
+        "dp-steps",
+        "dp-noise-multiplier",
+        "dp-sample-rate",
+    }  # no train loss, accuracy, norms or clip counts: those are data-dependent
+    plan = record_plan(s)
+    assert metrics["dp-steps"] == plan.steps_per_round == 10
+    assert metrics["dp-epsilon"] == plan.epsilon(10)
+    assert metrics["dp-noise-multiplier"] == plan.noise_multiplier
+    # The same round again from the same state: the server knows the seed, yet cannot
+    # regenerate the noise or the sampled batches (OS entropy)
+    again, _ = train_round(s, node, initial, 1, RecordDict())
+    assert any(not torch.equal(released[k], again[k]) for k in released)
+
+
+def test_a_client_never_releases_past_its_target_epsilon(record_inputs) -> None:
+    s, node, initial = record_inputs("fl.rounds=2", "dp.target_epsilon=2")
+    state = RecordDict()
+    eps = []
+    for server_round in (1, 2):
+        _, metrics = train_round(s, node, initial, server_round, state)
+        eps.append(metrics["dp-epsilon"])
+    assert eps[0] < eps[1] <= 2.0
+    assert eps[1] >= 2.0 * 0.99  # σ was calibrated for exactly these 2 rounds
+    assert load_record_state(state).steps == 20
+    with pytest.raises(RecordBudgetExhausted, match=r"client 0 stops contributing.*> dp.target"):
+        train_round(s, node, initial, 3, state)
+    assert load_record_state(state).steps == 20  # nothing was trained or counted
+
+
+def test_record_round_in_adapter_mode_trains_the_adapter(record_inputs) -> None:
+    s, node, initial = record_inputs(
+        "mode=adapter",
+        "dataset.max_examples=40",
+        "dp.sample_rate=0.5",
+        "dp.target_epsilon=null",
+        "dp.noise_multiplier=1",
+    )
+    released, metrics = train_round(s, node, initial, 1, RecordDict())
+    assert metrics["dp-steps"] == 2
+    assert not torch.equal(released["adapter.weight"], initial["adapter.weight"])

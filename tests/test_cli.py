@@ -1,0 +1,51 @@
+"""The car-fl command (car_fl.cli): retrieve (report: tests/results/test_report.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from car_fl.centralized import run_centralized
+from car_fl.cli import main as cli_main
+from car_fl.data.splits import load_splits
+
+
+def test_retrieve_command_prints_top_k_labels(
+    make_settings, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    settings = make_settings("train.epochs=6", "train.lr=0.01", "model.pooling=mean")
+    run_centralized(settings, tmp_path / "run")
+    queries = tmp_path / "queries.txt"
+    queries.write_text("w3 k2 w4\n\nk0 w1\n")
+    ckpt = str(tmp_path / "run" / "checkpoints" / "final")
+    assert (
+        cli_main(["retrieve", "--checkpoint", ckpt, "--file", str(queries), "-k", "2", "--json"])
+        == 0
+    )
+    payload = json.loads(capsys.readouterr().out)
+    assert [p["query"] for p in payload] == ["w3 k2 w4", "k0 w1"]
+    assert [p["results"][0]["label"] for p in payload] == ["topic2", "topic0"]
+    assert all(len(p["results"]) == 2 for p in payload)
+    assert cli_main(["retrieve", "--checkpoint", ckpt, "k1"]) == 0
+    assert "topic1" in capsys.readouterr().out.splitlines()[1]
+
+
+def test_retrieve_command_serves_a_knn_run_from_its_training_split(
+    make_settings, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    settings = make_settings("approach=knn", "head.knn_k=1", "head.similarity=cosine")
+    run_centralized(settings, tmp_path / "run")
+    splits = load_splits(settings.dataset, seed=settings.seed)
+    texts, ids = splits.train["text"][:5], splits.train["label"][:5]
+    ckpt = str(tmp_path / "run" / "checkpoints" / "final")
+    assert cli_main(["retrieve", "--checkpoint", ckpt, "-k", "1", "--json", *texts]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    # a training text's nearest example in memory is itself
+    assert [p["results"][0]["label"] for p in payload] == splits.label_map.decode(ids)
+
+
+def test_retrieve_rejects_a_folder_that_is_not_a_checkpoint(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="not a car-fl checkpoint"):
+        cli_main(["retrieve", "--checkpoint", str(tmp_path), "hello"])

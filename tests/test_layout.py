@@ -1,0 +1,153 @@
+"""The package layout: no import circle, no import up the layers, every module tested.
+
+A module's package says who runs it (``docs/architecture.md``). Imports go down the layers
+only: the rank of the imported package must be below the importer's (or the same package);
+the client and the server never import each other. Imports inside functions count too: a
+lazy import is no way around a circle.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "car_fl"
+
+#: Each package's layer; the top level (entry points) is above all.
+RANKS = {
+    "car_fl": 0,  # the package itself: its version, nothing imported
+    "common": 0,
+    "testing": 0,
+    "privacy": 1,
+    "settings": 2,
+    "data": 3,
+    "results": 4,
+    "method": 5,
+    "protocol": 6,
+    "client": 7,
+    "server": 7,
+    "simulation": 8,
+    "deploy": 8,
+    "": 9,
+}
+#: Packages of one layer that must not import each other.
+APART = {frozenset({"client", "server"})}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path) -> set[str]:
+    """The car_fl modules ``path`` imports, anywhere in it (submodules of ``from`` included)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    name = module_name(path)
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("car_fl"))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("car_fl"):
+            found.add(node.module)
+            for alias in node.names:  # ``from car_fl.client import node_cache`` is a module
+                if (
+                    (PACKAGE.parent / (node.module + "." + alias.name).replace(".", "/"))
+                    .with_suffix(".py")
+                    .is_file()
+                ):
+                    found.add(f"{node.module}.{alias.name}")
+    return {m for m in found if m != name}
+
+
+GRAPH = {module_name(p): imports(p) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def package_of(module: str) -> str:
+    """``client`` for ``car_fl.client.round``; ``""`` for an entry point (``car_fl.cli``)."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "car_fl"
+    return parts[1] if len(parts) > 2 or parts[1] in RANKS else ""
+
+
+def test_the_graph_sees_the_packages() -> None:
+    assert "car_fl.client.round" in GRAPH and "car_fl.method.model" in GRAPH["car_fl.client.round"]
+    assert {package_of(m) for m in GRAPH} == set(RANKS)
+
+
+def test_no_import_circle() -> None:
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in GRAPH.get(node, ()):
+            if nxt not in GRAPH:
+                continue
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for module in GRAPH:
+        if module not in index:
+            visit(module)
+    assert circles == []
+
+
+def test_imports_go_down_the_layers_only() -> None:
+    upward = defaultdict(list)
+    for module, targets in GRAPH.items():
+        mine = package_of(module)
+        for target in targets:
+            theirs = package_of(target)
+            if theirs == mine:
+                continue
+            if RANKS[theirs] >= RANKS[mine] or frozenset({mine, theirs}) in APART:
+                upward[module].append(target)
+    assert dict(upward) == {}
+
+
+def test_a_package_init_imports_nothing() -> None:
+    """Importing one module never loads its siblings (a cached client round stays light)."""
+    for init in PACKAGE.rglob("__init__.py"):
+        tree = ast.parse(init.read_text(encoding="utf-8"))
+        assert not [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)], init
+        assert ast.get_docstring(tree), f"{init} names its public parts in a docstring"
+
+
+@pytest.mark.parametrize(
+    "path", sorted(p for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"), ids=str
+)
+def test_every_module_has_its_tests(path: Path) -> None:
+    """``tests/<package>/test_<module>.py``, or a line in ``tests/<package>/__init__.py``."""
+    package = package_of(module_name(path))
+    folder = ROOT / "tests" / package if package else ROOT / "tests"
+    if (folder / f"test_{path.stem}.py").is_file():
+        return
+    elsewhere = importlib.import_module(".".join(["tests", package]).rstrip(".")).TESTED_ELSEWHERE
+    assert path.stem in elsewhere, f"no test file for {path} and no TESTED_ELSEWHERE line"
+    file, _, test = elsewhere[path.stem].partition("::")
+    source = (ROOT / file).read_text(encoding="utf-8")
+    assert f"def {test}(" in source, f"{elsewhere[path.stem]} does not exist"
