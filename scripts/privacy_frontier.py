@@ -30,6 +30,7 @@ from typing import Any
 
 from car_fl.common.logs import setup_logging
 from car_fl.settings.compose import load_settings
+from car_fl.settings.schema import DPMode
 from car_fl.simulation.flower import run_simulation
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/sms_spam/SMSSpamCollection.tsv"
@@ -127,7 +128,7 @@ def run_one(name: str, overrides: list[str], args: argparse.Namespace) -> dict[s
         "mode": settings.dp.mode,
         "train_mode": settings.train.mode,
         "clients": settings.fl.clients,
-        "target_epsilon": settings.dp.target_epsilon if settings.dp.mode == "record" else "",
+        "target_epsilon": settings.dp.target_epsilon if settings.dp.mode is DPMode.RECORD else "",
         "top1": final["test_top1"],
         "macro_f1": final["test_macro_f1"],
         "epsilon": summary["epsilon"] if settings.dp.mode != "none" else math.inf,

@@ -3,7 +3,7 @@
     python scripts/register_nodes.py --connection lab certs/node0.key.pub certs/node1.key.pub
 
 The connection must exist in $FLWR_HOME/config.toml (see scripts/local_cluster.py or the
-README); only registered SuperNodes are then allowed to connect.
+docs/deployment.md); only registered SuperNodes are then allowed to connect.
 """
 
 from __future__ import annotations

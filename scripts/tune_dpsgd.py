@@ -30,7 +30,7 @@ from car_fl.method.model import build_retriever
 from car_fl.method.train import evaluate, make_optimizer, train_epoch, train_epoch_dpsgd
 from car_fl.settings.compose import load_settings
 from car_fl.settings.dp_plan import record_plan
-from car_fl.settings.schema import Settings
+from car_fl.settings.schema import DPMode, Settings
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/sms_spam/SMSSpamCollection.tsv"
 GRIDS: dict[str, dict[str, list[Any]]] = {
@@ -100,7 +100,7 @@ def shards(data: LocalData, settings: Settings, clients: int) -> list[LocalData]
 
 def fedavg(settings: Settings, parts: list[LocalData], val: LocalData) -> dict[str, float]:
     """fl.rounds rounds of clients (DP-SGD under dp=record) and weighted averaging."""
-    private = settings.dp.mode == "record"
+    private = settings.dp.mode is DPMode.RECORD
     plan = record_plan(settings) if private else None
     assert val.features is not None
     num_labels = int(torch.cat([val.labels, *(p.labels for p in parts)]).max()) + 1

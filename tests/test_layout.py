@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -33,7 +34,8 @@ RANKS = {
     "server": 7,
     "simulation": 8,
     "deploy": 8,
-    "": 9,
+    "commands": 9,
+    "": 10,
 }
 #: Packages of one layer that must not import each other.
 APART = {frozenset({"client", "server"})}
@@ -151,3 +153,62 @@ def test_every_module_has_its_tests(path: Path) -> None:
     file, _, test = elsewhere[path.stem].partition("::")
     source = (ROOT / file).read_text(encoding="utf-8")
     assert f"def {test}(" in source, f"{elsewhere[path.stem]} does not exist"
+
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+
+
+def package_picture() -> str:
+    """The packages' import graph (transitive reduction) as a Mermaid flowchart, top down."""
+    edges: dict[str, set[str]] = defaultdict(set)
+    for module, targets in GRAPH.items():
+        for target in targets:
+            mine, theirs = package_of(module) or "entry points", package_of(target)
+            if theirs not in (package_of(module), "car_fl"):
+                edges[mine].add(theirs or "entry points")
+
+    def reachable(start: str, skip: tuple[str, str]) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            node = todo.pop()
+            for nxt in edges.get(node, ()):
+                if (node, nxt) != skip and nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    kept = sorted(
+        (a, b) for a, targets in edges.items() for b in targets if b not in reachable(a, (a, b))
+    )
+    lines = ["```mermaid", "flowchart TD"]
+    lines += [f"    {a.replace(' ', '_')}[{a}] --> {b}" for a, b in kept]
+    return "\n".join([*lines, "```"])
+
+
+def test_the_architecture_picture_is_drawn_from_the_code() -> None:
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    drawn = text.split("<!-- packages:begin -->\n")[1].split("<!-- packages:end -->")[0].strip()
+    assert drawn == package_picture(), "docs/architecture.md: replace the picture with\n" + (
+        package_picture()
+    )
+
+
+def test_the_round_in_the_architecture_names_real_functions() -> None:
+    """Every dotted name the round's path gives exists (the page cannot go stale)."""
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    path = text.split("<!-- round:begin -->")[1].split("<!-- round:end -->")[0]
+    named = set(re.findall(r"`((?:car_fl|server_app|client_app)\.[\w.]+)`", path))
+    assert len(named) >= 10
+    for dotted in sorted(named):
+        parts = dotted.split(".")
+        for cut in range(len(parts), 0, -1):  # the longest importable prefix is the module
+            try:
+                obj: object = importlib.import_module(".".join(parts[:cut]))
+            except ModuleNotFoundError:
+                continue
+            for attribute in parts[cut:]:
+                assert hasattr(obj, attribute), f"{dotted} named in {ARCHITECTURE} does not exist"
+                obj = getattr(obj, attribute)
+            break
+        else:
+            raise AssertionError(f"{dotted} named in {ARCHITECTURE}: no such module")

@@ -25,7 +25,7 @@ from car_fl.testing.tiny import build_llama, synthetic_examples, write_tsv
 from tests.reference import clip
 
 #: Values a DP reply may carry besides the noised parameters: the example count (released,
-#: see the README), the privacy spent and public counts, and values that do not depend on the
+#: see docs/privacy.md), the privacy spent and public counts, and values that do not depend on the
 #: data at all.
 ALLOWED = {
     "num-examples",

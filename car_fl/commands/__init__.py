@@ -1,0 +1,7 @@
+"""The ``car-fl`` command's subcommands, one module each (wired by :mod:`car_fl.cli`).
+
+Each module has ``NAME``, ``HELP``, ``add_arguments(parser)`` and ``run(args) -> int``.
+
+- :mod:`~car_fl.commands.retrieve`: top-K labels for queries, from a checkpoint.
+- :mod:`~car_fl.commands.report`: tables and plots from sweep or run directories.
+"""

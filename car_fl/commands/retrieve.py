@@ -1,0 +1,71 @@
+"""``car-fl retrieve``: the top-K labels and scores of queries, from a checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+NAME = "retrieve"
+HELP = "top-K labels for queries, from a checkpoint"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("queries", nargs="*", help="query texts")
+    parser.add_argument(
+        "--checkpoint",
+        required=True,
+        help="checkpoint folder, e.g. outputs/<date>/<time>/checkpoints/best",
+    )
+    parser.add_argument("--file", help="text file with one query per line")
+    parser.add_argument(
+        "-k", type=int, default=None, help="how many labels (default: largest eval K)"
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="encoder hub id or folder, if not the one the checkpoint was trained with",
+    )
+    parser.add_argument("--device", default=None, choices=["auto", "cpu", "cuda", "mps"])
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def read_queries(args: argparse.Namespace) -> list[str]:
+    queries = list(args.queries)
+    if args.file is not None:
+        path = Path(args.file)
+        if not path.is_file():
+            raise SystemExit(f"error: query file {path} not found")
+        queries += [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not queries:
+        raise SystemExit("error: give queries as arguments or with --file (one per line)")
+    return queries
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load a checkpoint and its encoder; print the top-K labels and scores per query."""
+    from car_fl.method.serving import load_retriever  # torch: only when retrieving
+
+    queries = read_queries(args)
+    retriever = load_retriever(args.checkpoint, device=args.device, model=args.model)
+    assert retriever.settings is not None
+    k = args.k or max(retriever.settings.eval.top_k)
+    results = retriever.retrieve(queries, k)
+    if args.json:
+        payload = [
+            {
+                "query": q,
+                "results": [
+                    {"label": label, "score": score}
+                    for label, score in zip(r.labels, r.scores, strict=True)
+                ],
+            }
+            for q, r in zip(queries, results, strict=True)
+        ]
+        print(json.dumps(payload, indent=2))
+    else:
+        for query, res in zip(queries, results, strict=True):
+            print(query)
+            for rank, (label, score) in enumerate(zip(res.labels, res.scores, strict=True), 1):
+                print(f"  {rank:>2d}. {label}\t{score:.4f}")
+    return 0
