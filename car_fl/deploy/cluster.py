@@ -1,8 +1,8 @@
 """One local deployment, assembled one way: a SuperLink and SuperNodes on this machine.
 
 ``scripts/local_cluster.py``, ``scripts/deploy_overhead.py``, ``scripts/bench_deploy.py`` and
-``tests/test_deployment.py`` all build their clusters here. A cluster lives in one folder: the
-SuperLink's state database (``state.db``), the ``flwr`` configuration with the cluster's
+``tests/deploy/test_deployment.py`` all build their clusters here. A cluster lives in one
+folder: the SuperLink's state database (``state.db``), the ``flwr`` configuration with the cluster's
 connection (``flwr/``, the cluster's own ``FLWR_HOME``), each node's feature cache
 (``cache-<i>``), certificates and node keys (``certs/``), one log per process, the PIDs
 (``cluster.json``) and the host and ports (``network.json``). Everything it starts is stopped

@@ -5,8 +5,8 @@ imports ``torch._dynamo``, 2.5 to 3.5 seconds on the machines here. A Flower dep
 a new ClientApp process for every message, so every round of every client paid it. These
 classes implement the same updates as ``torch.optim.SGD`` (momentum, weight decay, no
 dampening or Nesterov), ``Adam`` and ``AdamW`` (no AMSGrad) for dense tensors, following
-PyTorch's single-tensor code; ``tests/test_optim.py`` checks them against ``torch.optim`` step
-by step.
+PyTorch's single-tensor code; ``tests/method/test_optim.py`` checks them against
+``torch.optim`` step by step.
 
 ``torch`` is imported where a step runs, not at the top: a classifier round on cached features
 stays quick to import. The names are :class:`~car_fl.settings.schema.OptimizerKind`.

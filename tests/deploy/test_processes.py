@@ -1,7 +1,7 @@
 """car_fl.deploy.processes and .cluster: processes by PID, a cluster's command lines.
 
 Fast: the processes here are ``sleep``, ``sh`` and short Python scripts, never Flower (the real
-SuperLink and SuperNodes run in ``tests/test_deployment.py``).
+SuperLink and SuperNodes run in ``tests/deploy/test_deployment.py``).
 """
 
 from __future__ import annotations
