@@ -3,7 +3,7 @@
 Neighbouring datasets differ by one example **replaced** (in one client's data): a reply
 carries the client's example count n un-noised, so the add-or-remove relation (which changes n)
 is not the one that holds; replace-one is (dp-accounting's ``NeighboringRelation.REPLACE_ONE``,
-about twice the add-or-remove ε for the same run). Each DP-SGD step samples every example
+up to twice the add-or-remove ε for the same run). Each DP-SGD step samples every example
 independently with probability q, sums the per-example gradients clipped to C and adds
 N(0, σ²C²·I): one ``PoissonSampledDpEvent`` of a ``GaussianDpEvent(σ)``. A client composes it
 over every step of every round it takes part in; ε at δ comes from dp-accounting's
