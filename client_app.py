@@ -5,6 +5,8 @@ from __future__ import annotations
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
+from car_fl.client.failures import data_free
+from car_fl.client.node_privacy import NodePrivacy
 from car_fl.client.node_settings import node_settings
 from car_fl.client.round import train_round
 from car_fl.common.logs import setup_logging
@@ -15,6 +17,7 @@ app = ClientApp()
 
 
 @app.train()
+@data_free  # a refusal or error reaches the server as a fixed code; details stay in this log
 def train(msg: Message, context: Context) -> Message:
     setup_logging()
     instruction = read_train_message(msg.content)
@@ -22,7 +25,9 @@ def train(msg: Message, context: Context) -> Message:
     # (composed in the node's first round, then read from its disk cache)
     settings = node_settings(context.run_config, context.node_config, instruction.fingerprint)
     node = NodeInfo.from_node_config(context.node_config, settings)
-    # E local epochs from the global parameters, then local DP (its state in context.state)
+    # The node owner's privacy policy and lifetime ledger, from its node config only
+    guard = NodePrivacy.from_node_config(context.node_config)
+    # Policy check, ledger, E local epochs from the global parameters, then DP
     state, metrics = train_round(
         settings,
         node,
@@ -30,6 +35,8 @@ def train(msg: Message, context: Context) -> Message:
         instruction.server_round,
         context.state,
         instruction.labels,
+        guard=guard,
+        run=str(context.run_id),
     )
-    # Reply with the new parameters, the number of examples and the train metrics
+    # Reply with the new parameters, the number of examples and the privacy figures
     return Message(content=train_reply(state, metrics, dtype=settings.comm.dtype), reply_to=msg)

@@ -26,13 +26,18 @@ from car_fl.method.train import make_optimizer, train_epoch
 from car_fl.results.recorder import Recorder
 from car_fl.results.rows import RoundRow, RunSummary
 from car_fl.settings.compose import conf_dir, register_configs, settings_to_yaml, to_settings
-from car_fl.settings.schema import HeadKind, Settings, trains_nothing
+from car_fl.settings.schema import DPMode, HeadKind, Settings, trains_nothing
 
 log = logging.getLogger(__name__)
 
 
 def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any]:
-    """Train for ``train.epochs`` epochs, evaluating after each; returns the summary."""
+    """Train for ``train.epochs`` epochs, evaluating after each; returns the summary.
+
+    Centralised training does not implement differential privacy: any ``dp`` mode other than
+    ``none`` is refused here, before any work, rather than trained without it.
+    """
+    check_no_dp(settings)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     config_yaml = settings_to_yaml(settings)
@@ -136,6 +141,17 @@ def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any
         out,
     )
     return summary.to_dict()
+
+
+def check_no_dp(settings: Settings) -> None:
+    """Refuse DP settings centralised training would silently ignore (``ValueError``)."""
+    if settings.dp.mode is not DPMode.NONE:
+        raise ValueError(
+            f"python -m car_fl.centralized does not train with differential privacy, and "
+            f"dp={settings.dp.mode.value} would be ignored; run it with dp=none, or train "
+            f"dp={settings.dp.mode.value} federated (flwr run / car_fl.simulation), where it "
+            "is honoured"
+        )
 
 
 register_configs()  # the schema and generated groups, before Hydra composes conf/

@@ -87,3 +87,20 @@ def test_centralized_run_writes_config_metrics_plot_and_checkpoints(
     assert set(final.state) == {"head.classifier.weight", "head.classifier.bias"}
     best = load_checkpoint(out / "checkpoints" / "best")
     assert best.metrics["test_top1"] == summary["best"]["test_top1"]
+
+
+@pytest.mark.parametrize(
+    "dp",
+    [
+        ("dp=record", "dp.target_epsilon=3"),
+        ("dp=fixed",),
+        ("dp=adaptive",),
+    ],
+)
+def test_dp_modes_are_refused_before_any_work(
+    tmp_path: Path, make_settings, dp: tuple[str, ...]
+) -> None:
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match=r"does not train with differential privacy.*dp=none"):
+        run_centralized(make_settings(*dp), out)
+    assert not out.exists()  # nothing written, nothing trained

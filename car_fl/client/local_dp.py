@@ -4,12 +4,15 @@ The state (clipping bound Cᵢ, the EMA of update norms for the linear rule, the
 so far) lives in Flower's persistent per-node ``context.state`` as a ``MetricRecord``, so it
 survives rounds in simulation and in deployment. Nothing un-noised leaves the client once DP
 is active: :meth:`ClientPrivacy.metrics` holds only ε and the public count of releases, and
-all noise comes from OS entropy.
+all noise comes from OS entropy. Whether a round fails must not depend on the data: under DP a
+round whose training diverges stops there and releases what it has, clipped and noised, and an
+update with NaN or inf is released as a zero update (noise only); the node's log says so.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,23 +24,18 @@ from car_fl.method import encoder as encoder_module
 from car_fl.method.model import CaRRetriever
 from car_fl.method.optim import Optimizer
 from car_fl.method.train import EpochResult, train_epoch
-from car_fl.privacy.accountant import (
-    combined_multiplier,
-    epsilon,
-    indicator_multiplier,
-    release_multiplier,
-)
+from car_fl.privacy.accountant import epsilon
 from car_fl.privacy.adaptive import (
     bound_noise_std,
     clipped_indicator,
     geometric_clip,
     linear_clip,
-    paper_sigma_b,
     smoothed_norm,
     update_noise_multiplier,
 )
 from car_fl.privacy.mechanism import State, check_finite, difference, flat_norm, privatize
 from car_fl.privacy.noise import gaussian_like
+from car_fl.settings.dp_plan import local_multiplier, local_steps, non_private_reason, sigma_b
 from car_fl.settings.flower import NodeInfo
 from car_fl.settings.schema import AdaptiveRule, DPConfig, DPMode, Granularity, NoiseRule, Settings
 
@@ -83,28 +81,13 @@ class DPState:
         )
 
 
-def sigma_b(cfg: DPConfig, num_clients: int) -> float:
-    """σ_b: ``dp.count_noise``, or the paper's m/20 when it is null."""
-    return cfg.count_noise if cfg.count_noise is not None else paper_sigma_b(num_clients)
-
-
-def non_private_reason(cfg: DPConfig) -> str | None:
-    """Why this configuration's releases are not differentially private, or None."""
-    if cfg.mode is not DPMode.ADAPTIVE:
-        return None
-    if cfg.adaptive_rule is AdaptiveRule.LINEAR:
-        return "dp.adaptive_rule=linear moves the clipping bound with the raw update norm"
-    if cfg.noise_rule is NoiseRule.BOUND:
-        return "dp.noise_rule=bound sets the noise from the raw update norm"
-    return None
-
-
 class ClientPrivacy:
     """Clips and noises one client's releases, adapts its bound, and accounts for them.
 
     ``generator`` is test-only: a ``torch.Generator`` that replaces the OS-entropy noise so a
     test can know exact values. Runs never pass one, and nothing in the run configuration
-    can set it.
+    can set it. ``max_clip`` is the node owner's ceiling on the clipping bound (its privacy
+    policy): the adaptive bound never moves above it.
     """
 
     def __init__(
@@ -115,12 +98,14 @@ class ClientPrivacy:
         client: int,
         state: DPState,
         generator: torch.Generator | None = None,
+        max_clip: float = math.inf,
     ) -> None:
         self.cfg = cfg
         self.mode = cfg.mode
         self.client = client
         self.state = state
         self.generator = generator
+        self.max_clip = max_clip
         self.rule = cfg.adaptive_rule
         self.sigma_b = sigma_b(cfg, num_clients)
         self.z_delta = (
@@ -128,7 +113,11 @@ class ClientPrivacy:
             if self.mode is DPMode.ADAPTIVE
             else None
         )
-        self.not_private = non_private_reason(cfg)
+        #: μ of every release (0: not private, ε = ∞), the same figure the server computes.
+        self.release_multiplier = (
+            local_multiplier(cfg, num_clients) if self.mode is not DPMode.NONE else 0.0
+        )
+        self.not_private = non_private_reason(cfg) if self.mode is not DPMode.NONE else None
         if self.not_private and self.not_private not in _WARNED:
             _WARNED.add(self.not_private)
             log.warning("%s: not differentially private, ε is reported as inf", self.not_private)
@@ -158,46 +147,52 @@ class ClientPrivacy:
             )
         return self.z_delta * self.state.clip
 
-    def multiplier(self, std: float, bound: float) -> float:
-        """The noise multiplier this release is accounted as; 0 (ε = ∞) when not private."""
-        if self.not_private:
-            return 0.0
-        update = release_multiplier(std, bound)
-        if self.mode is DPMode.ADAPTIVE:  # the geometric rule also releases b̃ᵢ
-            if std > 0 and self.z_delta is not None:
-                # z_Δ·Cᵢ / (2Cᵢ) is z_Δ/2: computed directly, no rounding that varies with Cᵢ
-                # (ε must not differ in its last digits between clients with other data)
-                update = self.z_delta / 2.0
-            return combined_multiplier(update, indicator_multiplier(self.sigma_b))
-        return update
-
     def epsilon(self) -> float:
         return epsilon(self.state.releases, self.cfg.delta)
+
+    def check_target(self, count: int = 1) -> None:
+        """Raise before ``count`` more releases would take ε past ``dp.target_epsilon``."""
+        if self.cfg.target_epsilon is None:
+            return
+        planned = dict(self.state.releases)
+        planned[self.release_multiplier] = planned.get(self.release_multiplier, 0) + count
+        would = epsilon(planned, self.cfg.delta)
+        if would > self.cfg.target_epsilon:
+            raise PrivacyBudgetExhausted(
+                f"client {self.client} stops contributing: its next release would bring ε to "
+                f"{would:.4g} > dp.target_epsilon = {self.cfg.target_epsilon:g} "
+                f"(δ = {self.cfg.delta:g})"
+            )
+
+    def count(self, releases: int = 1) -> None:
+        """Account for ``releases`` more releases (also ones accounted but never made)."""
+        mu = self.release_multiplier
+        self.state.releases = {**self.state.releases, mu: self.state.releases.get(mu, 0) + releases}
 
     def release(
         self, before: State, after: State, *, server_round: int, step: int = 0
     ) -> dict[str, torch.Tensor]:
-        """Clip θᵢ − θ to the current bound, add noise, account, then adapt the bound."""
+        """Clip θᵢ − θ to the current bound, add noise, account, then adapt the bound.
+
+        An update with NaN or inf is released as a zero update (θ plus noise): failing the
+        round instead would tell the server something about the data.
+        """
         who = f"client {self.client}"
         delta = difference(after, before)
-        check_finite(delta, who=who)
+        try:
+            check_finite(delta, who=who)
+        except FloatingPointError as err:  # the node's own log only
+            log.warning("%s; releasing a zero update (noise only) instead", err)
+            after = before
+            delta = {k: torch.zeros_like(v) for k, v in before.items()}
         bound = self.state.clip
         norm = flat_norm(delta)
         std = self.noise_std(norm)
-        planned = dict(self.state.releases)
-        multiplier = self.multiplier(std, bound)
-        planned[multiplier] = planned.get(multiplier, 0) + 1
-        if self.cfg.target_epsilon is not None:
-            would = epsilon(planned, self.cfg.delta)
-            if would > self.cfg.target_epsilon:
-                raise PrivacyBudgetExhausted(
-                    f"{who} stops contributing: its next release would bring ε to {would:.4g} "
-                    f"> dp.target_epsilon = {self.cfg.target_epsilon:g} (δ = {self.cfg.delta:g})"
-                )
+        self.check_target()
         released, _ = privatize(
             before, after, bound=bound, std=std, generator=self.generator, delta=delta
         )
-        self.state.releases = planned
+        self.count()
         if self.mode is DPMode.ADAPTIVE:
             self.state.clip = self.next_clip(bound, norm)
         # Stays on this machine: the client's own log, never the reply.
@@ -222,16 +217,18 @@ class ClientPrivacy:
     def next_clip(self, bound: float, norm: float) -> float:
         """The bound for the next release, by ``dp.adaptive_rule``."""
         if self.rule is AdaptiveRule.GEOMETRIC:
-            return geometric_clip(
+            moved = geometric_clip(
                 bound,
                 self.noised_indicator(norm, bound),
                 lr=self.cfg.clip_lr,
                 target=self.cfg.target_quantile,
             )
-        self.state.ema = smoothed_norm(self.state.ema, norm, self.cfg.ema_decay)
-        return linear_clip(
-            bound, self.state.ema, rate=self.cfg.update_rate, target=self.cfg.target_quantile
-        )
+        else:
+            self.state.ema = smoothed_norm(self.state.ema, norm, self.cfg.ema_decay)
+            moved = linear_clip(
+                bound, self.state.ema, rate=self.cfg.update_rate, target=self.cfg.target_quantile
+            )
+        return min(moved, self.max_clip)  # the node owner's ceiling (post-processing)
 
     def metrics(self) -> dict[str, float]:
         """What the client may report: ε so far and the (public) number of releases."""
@@ -265,7 +262,9 @@ class StepPrivatizer:
         self.step += 1
 
 
-def load_privacy(settings: Settings, node: NodeInfo, node_state: RecordDict) -> ClientPrivacy:
+def load_privacy(
+    settings: Settings, node: NodeInfo, node_state: RecordDict, *, max_clip: float = math.inf
+) -> ClientPrivacy:
     """This client's DP mechanism, with its state from earlier rounds (if any)."""
     record = node_state.metric_records.get(STATE_KEY)
     state = (
@@ -274,7 +273,11 @@ def load_privacy(settings: Settings, node: NodeInfo, node_state: RecordDict) -> 
         else ClientPrivacy.initial_state(settings.dp)
     )
     return ClientPrivacy(
-        settings.dp, num_clients=settings.fl.clients, client=node.partition_id, state=state
+        settings.dp,
+        num_clients=settings.fl.clients,
+        client=node.partition_id,
+        state=state,
+        max_clip=max_clip,
     )
 
 
@@ -283,7 +286,11 @@ class LocalDPRound:
 
     Plain epochs (FedProx's term included); under ``dp.granularity=step`` each optimizer step is
     privatised in place, else the round's update is clipped and noised once at the end. Before
-    ``dp.warmup_rounds`` have passed, or with ``dp=none``, nothing is privatised.
+    ``dp.warmup_rounds`` have passed, or with ``dp=none``, nothing is privatised. Under DP a
+    round whose training diverges (a non-finite loss) stops there and releases what it has:
+    whether a round fails must not depend on the data. Per step, the round accounts for
+    ``fl.local_epochs`` × ⌈n/B⌉ releases with n the whole shard (the number the server can
+    compute), even when fewer steps ran.
     """
 
     def __init__(
@@ -294,16 +301,26 @@ class LocalDPRound:
         *,
         server_round: int,
         global_state: Mapping[str, torch.Tensor],
+        max_clip: float = math.inf,
     ) -> None:
         self.settings, self.server_round, self.global_state = settings, server_round, global_state
         self.who = f"client {node.partition_id}"
-        self.privacy = load_privacy(settings, node, node_state)
+        self.privacy = load_privacy(settings, node, node_state, max_clip=max_clip)
         self.private = self.privacy.active(server_round)
         self.per_step = self.private and settings.dp.granularity is Granularity.STEP
         self._hook: StepPrivatizer | None = None
+        self.examples = 0
+        self.diverged = False
 
     def check(self, examples: int) -> None:
-        """Nothing to check before training: a target ε is checked at the release."""
+        """The run's target ε for this round's releases, before any training."""
+        self.examples = examples
+        if self.private:
+            self.privacy.check_target(self.planned_releases)
+
+    @property
+    def planned_releases(self) -> int:
+        return local_steps(self.settings, self.examples) if self.per_step else 1
 
     def epoch(
         self,
@@ -319,25 +336,38 @@ class LocalDPRound:
             self._hook = StepPrivatizer(
                 self.privacy, model.trainable_parameters(), self.server_round
             )
-        return train_epoch(
-            model,
-            data,
-            optimizer,
-            batch_size=self.settings.train.batch_size,
-            seed=seed,
-            epoch=epoch,
-            progress=self.settings.progress,
-            desc=desc,
-            after_step=self._hook,
-            prox_mu=self.settings.strategy.prox_mu,  # FedProx: μ/2·‖θ − θ_global‖²
-            anchor=self.global_state,
-        )
+        if self.diverged or len(data) == 0:  # nothing (more) to learn from
+            return EpochResult(loss=math.nan, accuracy=math.nan, examples=0, steps=0)
+        try:
+            return train_epoch(
+                model,
+                data,
+                optimizer,
+                batch_size=self.settings.train.batch_size,
+                seed=seed,
+                epoch=epoch,
+                progress=self.settings.progress,
+                desc=desc,
+                after_step=self._hook,
+                prox_mu=self.settings.strategy.prox_mu,  # FedProx: μ/2·‖θ − θ_global‖²
+                anchor=self.global_state,
+            )
+        except FloatingPointError as err:
+            if not self.private:
+                raise
+            log.warning("%s: %s; the round releases what it had, clipped and noised", self.who, err)
+            self.diverged = True
+            return EpochResult(loss=math.nan, accuracy=math.nan, examples=0, steps=0)
 
     def release(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """What leaves: the round's update clipped and noised once (unless per step or off)."""
-        check_finite(difference(state, self.global_state), who=self.who)
-        if self.private and not self.per_step:
+        if self.per_step:
+            made = self._hook.step if self._hook is not None else 0
+            self.privacy.count(max(0, self.planned_releases - made))  # accounted, never made
+            return state
+        if self.private:
             return self.privacy.release(self.global_state, state, server_round=self.server_round)
+        check_finite(difference(state, self.global_state), who=self.who)
         return state
 
     def save(self, node_state: RecordDict) -> None:

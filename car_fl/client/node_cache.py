@@ -11,9 +11,10 @@ no time in OmegaConf.
   config, every file under ``conf/`` and the source of the schema and its composition
   (:data:`SETTINGS_SOURCES`; so a changed default or config file is never answered from a
   stale entry). :func:`car_fl.client.node_settings.node_settings` decides when to read and write it.
-- **Shard**: this node's training texts, label ids and label map, keyed by the dataset
-  settings, the data files' identity (path, size, modification time), the partitioning, the
-  node's place in the federation, the server's label map and the source of :mod:`car_fl.data`.
+- **Shard**: this node's training texts, label ids and its own label map (the server's map is
+  applied after reading, :mod:`car_fl.client.shard`), keyed by the dataset settings, the data
+  files' identity (path, size, modification time), the partitioning, the node's place in the
+  federation and the source of :mod:`car_fl.data`.
   Only local data files are cached (a hub dataset has its own cache). The file stays on the
   node: it holds the node's own examples, which already lie on its disk.
 """
@@ -37,7 +38,7 @@ from car_fl.settings.schema import Settings
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = "car-fl-node-v1"
+CACHE_FORMAT = "car-fl-node-v2"
 #: The ``car_fl`` package folder.
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
 #: The code that turns overrides and a node config into settings: the schema (its defaults),
@@ -140,7 +141,6 @@ def shard_key(
     partition_id: int,
     num_partitions: int,
     data_is_shard: bool,
-    labels: Sequence[str] | None,
 ) -> str | None:
     """Cache key of a node's shard, or ``None`` when the data is not a local file."""
     if settings.dataset.path is None or not Path(settings.dataset.path).expanduser().exists():
@@ -152,7 +152,6 @@ def shard_key(
         "seed": settings.seed,
         "partitioning": [settings.fl.partitioning, settings.fl.alpha],
         "node": [partition_id, num_partitions, data_is_shard],
-        "labels": list(labels) if labels else None,
     }
     return digest(header, _source_files(PACKAGE_DIR / "data", "*.py"))
 

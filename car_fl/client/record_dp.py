@@ -77,7 +77,8 @@ class RecordDPRound:
     """A round's DP-SGD epochs, for :func:`~car_fl.client.round.train_round` (``dp=record``).
 
     The plan (σ, q, C, steps) is fixed from the configuration; :meth:`check` verifies δ < 1/n
-    and the budget before any training. The model after DP-SGD is the release as it is.
+    and the budget before any training (n: the whole shard, examples the server's label map
+    lacks included). The model after DP-SGD is the release as it is.
     """
 
     private = True
@@ -88,9 +89,11 @@ class RecordDPRound:
         self.plan = record_plan(settings)
         self.state = load_record_state(node_state)
         self.epsilon_after = 0.0
+        self.examples = 0
 
     def check(self, examples: int) -> None:
         """δ < 1/n and this round's steps within the target ε: before any training."""
+        self.examples = examples
         check_delta(self.plan.delta, examples)
         self.epsilon_after = check_budget(self.plan, self.state, who=self.who)
 
@@ -117,6 +120,7 @@ class RecordDPRound:
             epoch=epoch,
             progress=self.settings.progress,
             desc=f"DP-SGD {desc}",
+            population=self.examples,  # n, also counting examples left out (see shard)
         )
 
     def release(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

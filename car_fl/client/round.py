@@ -1,14 +1,19 @@
-"""One round on a data owner's machine: shard → features → local epochs → DP → reply.
+"""One round on a data owner's machine: policy → shard → ledger → local epochs → DP → reply.
 
 :func:`train_round` is the round's skeleton, the same for every privacy mode; what differs is a
 :class:`RoundPrivacy`: :class:`~car_fl.client.local_dp.LocalDPRound` (local DP, or none) or
 :class:`~car_fl.client.record_dp.RecordDPRound` (record-level DP-SGD). Each checks what it must
-before any training, runs the epochs, and decides what is released.
+before any training, runs the epochs, and decides what is released. A node whose owner set a
+privacy policy passes its :class:`~car_fl.client.node_privacy.NodePrivacy`: the run is checked
+against the policy before any data is read, and the round's release is in the node's ledger
+before any training. :func:`train_shard` is the same round on a shard already in memory (the
+DP-SGD tuning script runs it in process).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
 from typing import Protocol
@@ -17,8 +22,9 @@ import torch
 from flwr.app import RecordDict
 
 from car_fl.client.local_dp import LocalDPRound
+from car_fl.client.node_privacy import NodePrivacy
 from car_fl.client.record_dp import RecordDPRound
-from car_fl.client.shard import client_seed, local_retriever, shard_data
+from car_fl.client.shard import Shard, client_seed, local_retriever, shard_data
 from car_fl.method.features import LocalData
 from car_fl.method.model import CaRRetriever
 from car_fl.method.optim import Optimizer
@@ -70,12 +76,22 @@ def round_privacy(
     *,
     server_round: int,
     global_state: dict[str, torch.Tensor],
+    max_clip: float = math.inf,
 ) -> RoundPrivacy:
-    """The privacy of this round, by ``dp.mode``, with its state from earlier rounds."""
+    """The privacy of this round, by ``dp.mode``, with its state from earlier rounds.
+
+    ``max_clip``: the node owner's ceiling on the clipping bound (the adaptive bound stays
+    below it).
+    """
     if settings.dp.mode is DPMode.RECORD:
         return RecordDPRound(settings, node, node_state)
     return LocalDPRound(
-        settings, node, node_state, server_round=server_round, global_state=global_state
+        settings,
+        node,
+        node_state,
+        server_round=server_round,
+        global_state=global_state,
+        max_clip=max_clip,
     )
 
 
@@ -86,23 +102,55 @@ def train_round(
     server_round: int,
     node_state: RecordDict,
     labels: Sequence[str] | None = None,
+    *,
+    guard: NodePrivacy | None = None,
+    run: str = "",
 ) -> tuple[dict[str, torch.Tensor], dict[str, int | float]]:
     """``fl.local_epochs`` epochs from the global state, under the configured privacy.
 
     Returns what the client sends (never an un-noised update once DP is active) and the reply
     metrics: once DP is active they hold nothing data-dependent besides ``num-examples`` and
     the privacy figures; the train loss, accuracy and seconds go to the client's own log only.
-    ``node_state`` is Flower's persistent per-node state; the DP state lives there. ``labels``
-    is the server's global label map.
+    ``node_state`` is Flower's persistent per-node state (per run); the run's DP state lives
+    there. ``labels`` is the server's global label map. ``guard`` is the node owner's policy and
+    ledger (``run``: Flower's run id, for the ledger); without it the node trusts the run's
+    settings (see docs/privacy.md).
     """
+    if guard is not None:
+        guard.admit(settings)  # before any data is read
+    shard = shard_data(settings, node, labels)
+    return train_shard(
+        settings, node, shard, global_state, server_round, node_state, guard=guard, run=run
+    )
+
+
+def train_shard(
+    settings: Settings,
+    node: NodeInfo,
+    shard: Shard,
+    global_state: dict[str, torch.Tensor],
+    server_round: int,
+    node_state: RecordDict,
+    *,
+    guard: NodePrivacy | None = None,
+    run: str = "",
+) -> tuple[dict[str, torch.Tensor], dict[str, int | float]]:
+    """:func:`train_round` on a shard already read (privacy checks, ledger, epochs, release)."""
     tick = time.perf_counter()
     who = f"client {node.partition_id}"
-    data, label_map = shard_data(settings, node, labels)
+    data = shard.data
     privacy = round_privacy(
-        settings, node, node_state, server_round=server_round, global_state=global_state
+        settings,
+        node,
+        node_state,
+        server_round=server_round,
+        global_state=global_state,
+        max_clip=guard.policy.max_clip if guard is not None else math.inf,
     )
-    privacy.check(len(data))  # before any training
-    model = local_retriever(settings, data, label_map)
+    privacy.check(shard.examples)  # before any training
+    if guard is not None:  # recorded before training, let alone the reply
+        guard.spend(settings, run=run, server_round=server_round, examples=shard.examples)
+    model = local_retriever(settings, data, shard.label_map)
     model.load_trainable_state_dict(global_state)
     optimizer = make_optimizer(model, settings.train)
     seed = client_seed(settings.seed, node.partition_id)
@@ -133,7 +181,8 @@ def train_round(
         "train-seconds": seconds,
     }
     metrics: dict[str, int | float] = {
-        "num-examples": len(data),
+        # n: every example of the shard, also those the server's label map lacks
+        "num-examples": shard.examples,
         # Under DP only private values leave: no train metrics (timing is a side channel too)
         **({} if privacy.private else train_metrics),
         "partition-id": node.partition_id,

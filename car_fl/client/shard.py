@@ -3,12 +3,22 @@
 The encoder is loaded at most once per process and kept (simulation reuses processes across
 rounds). In ``classifier`` mode the shard's features come from the memory or disk cache, so a
 round that only needs cached features never loads the encoder at all.
+
+The node reads, deduplicates and splits its data with its own label map (the server's map
+does not decide which examples land in which split), then encodes the labels with the
+server's global map. Examples whose label that map lacks are left out of training and counted
+in the node's own log; the shard still reports all n of them (:attr:`Shard.examples`), and
+record-level DP-SGD divides by that n as if they had been sampled with a zero gradient. So
+neither whether a round fails nor anything a reply carries depends on which labels the
+node's examples have: a crafted label map learns nothing from the reply.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, astuple
+from dataclasses import asdict, astuple, dataclass
 
 from car_fl.client import node_cache
 from car_fl.data.labels import LabelMap
@@ -19,10 +29,28 @@ from car_fl.method.retrieval import label_documents
 from car_fl.settings.flower import NodeInfo
 from car_fl.settings.schema import Settings
 
+log = logging.getLogger(__name__)
+
 #: Encoders by their model settings and device (all hashable values).
 _ENCODERS: dict[tuple[object, ...], Encoder] = {}
 #: Shards by a digest of the settings, the server's labels and the node's place.
-_SHARDS: dict[str, tuple[LocalData, LabelMap]] = {}
+_SHARDS: dict[str, Shard] = {}
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A node's training shard, encoded with the server's label map."""
+
+    #: The examples to train on: those whose label the server's map has.
+    data: LocalData
+    #: The server's global label map (the node's own when the server sent none).
+    label_map: LabelMap
+    #: n: every example of the shard, also those left out (what a reply reports).
+    examples: int
+
+    @property
+    def left_out(self) -> int:
+        return self.examples - len(self.data)
 
 
 def cached_encoder(settings: Settings) -> Encoder:
@@ -38,13 +66,11 @@ def client_seed(seed: int, partition_id: int) -> int:
     return seed + 1000 * partition_id
 
 
-def shard_data(
-    settings: Settings, node: NodeInfo, labels: Sequence[str] | None = None
-) -> tuple[LocalData, LabelMap]:
+def shard_data(settings: Settings, node: NodeInfo, labels: Sequence[str] | None = None) -> Shard:
     """This node's training shard as features (classifier) or token ids (adapter).
 
-    ``labels`` is the server's global label map; every local label must be in it (a
-    ``ValueError`` names the ones that are not). A node whose file is its own shard
+    ``labels`` is the server's global label map; examples with a label outside it are left out
+    of training (and counted, in this node's log only). A node whose file is its own shard
     (``data-is-shard``) trains on all of it; otherwise it takes its partition of the training
     split of the full dataset.
     """
@@ -57,14 +83,15 @@ def shard_data(
         partition_id=node.partition_id,
         num_partitions=node.num_partitions,
         data_is_shard=node.data_is_shard,
-        labels=labels,
     )
     stored = node_cache.load_shard(settings, disk_key) if disk_key else None
     if stored is None:
-        stored = read_shard(settings, node, labels)
+        stored = read_shard(settings, node)
         if disk_key:
             node_cache.save_shard(settings, disk_key, *stored)
-    texts, ids, label_map = stored
+    texts, own_ids, own_map = stored
+    label_map = LabelMap(tuple(labels)) if labels else own_map
+    kept, ids = encode_for(label_map, own_map, own_ids, who=f"client {node.partition_id}")
     num_labels = len(label_map)
 
     def get_model() -> CaRRetriever:
@@ -74,31 +101,58 @@ def shard_data(
 
     data = prepare_for(
         settings,
-        texts,
+        [texts[i] for i in kept],
         ids,
         get_model=get_model,
         desc=f"client {node.partition_id} features",
     )
-    _SHARDS[key] = (data, label_map)
-    return data, label_map
+    _SHARDS[key] = Shard(data=data, label_map=label_map, examples=len(texts))
+    return _SHARDS[key]
 
 
-def read_shard(
-    settings: Settings, node: NodeInfo, labels: Sequence[str] | None = None
-) -> tuple[list[str], list[int], LabelMap]:
-    """This node's training texts, label ids and label map, read from its data file."""
+def encode_for(
+    label_map: LabelMap, own_map: LabelMap, own_ids: Sequence[int], *, who: str
+) -> tuple[list[int], list[int]]:
+    """The examples ``label_map`` can encode (their positions) and their ids in it.
+
+    ``own_ids`` index ``own_map`` (the node's own labels). The others are counted in the
+    node's log, never raised: an error naming them would reach the server.
+    """
+    kept, ids = [], []
+    missing: Counter[str] = Counter()
+    known = set(label_map.names)
+    for position, own in enumerate(own_ids):
+        name = own_map.names[own]
+        if name in known:
+            kept.append(position)
+            ids.append(label_map.index(name))
+        else:
+            missing[name] += 1
+    if missing:
+        log.warning(
+            "%s: left out %d of %d examples whose labels the server's label map lacks (%s); "
+            "they still count in n",
+            who,
+            sum(missing.values()),
+            len(own_ids),
+            ", ".join(f"{name}: {count}" for name, count in sorted(missing.items())),
+        )
+    return kept, ids
+
+
+def read_shard(settings: Settings, node: NodeInfo) -> tuple[list[str], list[int], LabelMap]:
+    """This node's training texts, label ids and its own label map, read from its data file."""
     # datasets and flwr-datasets: only when the shard is not cached
     from car_fl.data.partition import partition
     from car_fl.data.splits import load_examples, load_splits, read_local
 
-    label_map = LabelMap(tuple(labels)) if labels else None
     if node.data_is_shard:
-        label_map = label_map or LabelMap.from_labels(
+        label_map = LabelMap.from_labels(
             e.label for e in read_local(settings.dataset, settings.dataset.path or "")
         )
         shard = load_examples(settings.dataset, label_map)
     else:
-        splits = load_splits(settings.dataset, seed=settings.seed, label_map=label_map)
+        splits = load_splits(settings.dataset, seed=settings.seed)
         label_map = splits.label_map
         shard = partition(
             splits.train,

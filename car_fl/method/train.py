@@ -143,6 +143,7 @@ def train_epoch_dpsgd(
     generator: torch.Generator | None = None,
     progress: bool = True,
     desc: str = "dp-sgd",
+    population: int | None = None,
 ) -> EpochResult:
     """One epoch of record-level DP-SGD: ``steps`` Poisson-sampled steps at rate q.
 
@@ -150,19 +151,25 @@ def train_epoch_dpsgd(
     σ·C, division by q·n). Batches are drawn from OS entropy, unless ``batches`` (index
     tensors, one per step) are given (tests: the same batches as :func:`train_epoch`);
     ``generator`` makes the noise reproducible in tests. Loss and accuracy are over the
-    sampled examples, for the client's own log.
+    sampled examples, for the client's own log. ``population`` (default ``len(data)``) is the
+    n the expected batch q·n stands for: a client that left out examples it cannot train on
+    (labels the server's map lacks) still divides by its whole n, as if they had been sampled
+    with a zero gradient, so nothing it sends depends on how many it left out.
     """
     from car_fl.privacy.dpsgd import dpsgd_step, poisson_sample
 
-    if len(data) == 0:
+    population = len(data) if population is None else population
+    if population == 0:
         raise ValueError("cannot train on an empty dataset")
+    if population < len(data):
+        raise ValueError(f"cannot train {len(data)} examples standing for only {population}")
     model.train()
     torch.manual_seed(epoch_seed(seed, epoch))  # dropout
     device = model.device
     params = model.trainable_parameters()
     features = data.features.to(device) if data.features is not None else None
     planned = list(batches) if batches is not None else [None] * steps
-    expected = sample_rate * len(data)
+    expected = sample_rate * population
     total_loss, correct, seen = 0.0, 0, 0
     for batch in tqdm(planned, desc=desc, disable=not progress, unit="step", leave=False):
         index = batch if batch is not None else poisson_sample(len(data), sample_rate)

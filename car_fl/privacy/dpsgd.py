@@ -117,15 +117,21 @@ def clip_per_example(
 ) -> tuple[Tensors, torch.Tensor]:
     """gᵢ · min(1, C/‖gᵢ‖) for every example; also returns the norms before clipping.
 
-    With C = ∞ every factor is exactly 1 and the gradients come back unchanged.
+    With C = ∞ every factor is exactly 1 and the gradients come back unchanged. A gradient
+    with NaN or inf (an example whose loss overflowed) becomes zero, which is within the bound:
+    one such example must neither poison the step nor make the round fail, since either would
+    tell the server about that example.
     """
     if not bound > 0:
         raise ValueError(f"dp.clip (the per-example bound C) must be > 0, got {bound}")
     norms = per_example_norms(grads)
+    finite = torch.isfinite(norms)
     factors = torch.where(norms > bound, bound / norms, torch.ones_like(norms))
-    clipped = {
-        k: g * factors.to(g.dtype).view(-1, *([1] * (g.dim() - 1))) for k, g in grads.items()
-    }
+    clipped = {}
+    for k, g in grads.items():
+        shape = (-1, *([1] * (g.dim() - 1)))
+        scaled = g * factors.to(g.dtype).view(shape)
+        clipped[k] = torch.where(finite.view(shape), scaled, torch.zeros_like(scaled))
     return clipped, norms
 
 

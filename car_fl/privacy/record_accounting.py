@@ -1,10 +1,14 @@
 """Record-level DP accounting: the Poisson-sampled Gaussian of DP-SGD, composed over steps.
 
-Neighbouring datasets differ by one example added or removed (in one client's data). Each
-DP-SGD step samples every example independently with probability q, sums the per-example
-gradients clipped to C and adds N(0, σ²C²·I): one ``PoissonSampledDpEvent`` of a
-``GaussianDpEvent(σ)``. A client composes it over every step of every round it takes part in;
-ε at δ comes from dp-accounting's privacy-loss-distribution (PLD) accountant, tighter than RDP.
+Neighbouring datasets differ by one example **replaced** (in one client's data): a reply
+carries the client's example count n un-noised, so the add-or-remove relation (which changes n)
+is not the one that holds; replace-one is (dp-accounting's ``NeighboringRelation.REPLACE_ONE``,
+up to twice the add-or-remove ε for the same run). Each DP-SGD step samples every example
+independently with probability q, sums the per-example gradients clipped to C and adds
+N(0, σ²C²·I): one ``PoissonSampledDpEvent`` of a ``GaussianDpEvent(σ)``. A client composes it
+over every step of every round it takes part in; ε at δ comes from dp-accounting's
+privacy-loss-distribution (PLD) accountant, tighter than RDP, and σ is calibrated for the same
+relation.
 
 σ calibration for a target ε (:func:`calibrate_noise_multiplier`) is written here, as a
 bisection over σ like Opacus's ``get_noise_multiplier``, because Opacus is not a dependency
@@ -39,7 +43,7 @@ def _check(*, sample_rate: float, noise_multiplier: float, steps: int, delta: fl
 
 @lru_cache(maxsize=1024)
 def epsilon(*, sample_rate: float, noise_multiplier: float, steps: int, delta: float) -> float:
-    """ε at δ after ``steps`` Poisson-sampled Gaussian steps (PLD accountant, add/remove)."""
+    """ε at δ after ``steps`` Poisson-sampled Gaussian steps (PLD accountant, replace-one)."""
     _check(sample_rate=sample_rate, noise_multiplier=noise_multiplier, steps=steps, delta=delta)
     if steps == 0:
         return 0.0
@@ -53,7 +57,10 @@ def epsilon(*, sample_rate: float, noise_multiplier: float, steps: int, delta: f
         ),
         count=steps,
     )
-    accountant = pld.PLDAccountant(value_discretization_interval=VALUE_DISCRETIZATION)
+    accountant = pld.PLDAccountant(
+        dp_accounting.NeighboringRelation.REPLACE_ONE,
+        value_discretization_interval=VALUE_DISCRETIZATION,
+    )
     accountant.compose(event)
     return float(accountant.get_epsilon(target_delta=delta))
 

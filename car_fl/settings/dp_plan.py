@@ -1,16 +1,31 @@
-"""What a configuration's record-level DP implies: its DP-SGD plan, and whether it is reachable.
+"""What a configuration's DP implies: each release's noise, its DP-SGD plan, the ε of k rounds.
 
 The schema (:mod:`car_fl.settings.schema`) checks what it can without the accountant; this
-module asks :mod:`car_fl.privacy.record_accounting` for σ (calibrated for ``dp.target_epsilon``
-over ``fl.rounds`` × ``fl.local_epochs`` × ⌈1/q⌉ steps), so that :func:`check` fails before any
-work for a target that cannot be reached.
+module asks :mod:`car_fl.privacy` for the figures a configuration implies. Both parties use
+it: a client to noise and account for its releases, the server to compute each client's ε
+itself from the settings it sent and the releases it received (it never has to trust a
+client's claim). For ``dp=record`` σ is calibrated for ``dp.target_epsilon`` over
+``fl.rounds`` × ``fl.local_epochs`` × ⌈1/q⌉ steps, so that :func:`check` fails before any work
+for a target that cannot be reached.
 """
 
 from __future__ import annotations
 
+import math
+
+from car_fl.privacy.accountant import combined_multiplier, epsilon, indicator_multiplier
+from car_fl.privacy.adaptive import paper_sigma_b, update_noise_multiplier
+from car_fl.privacy.composition import Release, ReleaseKind
 from car_fl.privacy.record_accounting import RecordPlan
 from car_fl.privacy.record_accounting import record_plan as _plan
-from car_fl.settings.schema import DPMode, Settings
+from car_fl.settings.schema import (
+    AdaptiveRule,
+    DPConfig,
+    DPMode,
+    Granularity,
+    NoiseRule,
+    Settings,
+)
 
 
 def record_plan(settings: Settings) -> RecordPlan:
@@ -27,7 +42,113 @@ def record_plan(settings: Settings) -> RecordPlan:
     )
 
 
+def centralized_plan(settings: Settings) -> RecordPlan:
+    """The DP-SGD plan of a centralised ``dp=record`` run: ``train.epochs`` epochs of ⌈1/q⌉
+    steps over the whole training split, as one data owner (σ calibrated for the target)."""
+    dp = settings.dp
+    return _plan(
+        sample_rate=dp.sample_rate,
+        noise_multiplier=dp.noise_multiplier,
+        clip=dp.clip,
+        delta=dp.delta,
+        target_epsilon=dp.target_epsilon,
+        rounds=1,
+        local_epochs=settings.train.epochs,
+    )
+
+
 def check(settings: Settings) -> None:
     """Raise ``ValueError`` (naming the key) when the record-level DP plan cannot be made."""
     if settings.dp.mode is DPMode.RECORD:
         record_plan(settings)
+
+
+def sigma_b(cfg: DPConfig, num_clients: int) -> float:
+    """σ_b: ``dp.count_noise``, or the paper's m/20 when it is null."""
+    return cfg.count_noise if cfg.count_noise is not None else paper_sigma_b(num_clients)
+
+
+def non_private_reason(cfg: DPConfig) -> str | None:
+    """Why this configuration's local-DP releases are not differentially private, or None."""
+    if cfg.mode is DPMode.NONE:
+        return "dp=none adds no noise"
+    if cfg.mode is DPMode.RECORD:
+        return None
+    if cfg.noise_multiplier == 0:
+        return f"dp={cfg.mode.value} with dp.noise_multiplier=0 adds no noise"
+    if cfg.mode is not DPMode.ADAPTIVE:
+        return None
+    if cfg.adaptive_rule is AdaptiveRule.LINEAR:
+        return "dp.adaptive_rule=linear moves the clipping bound with the raw update norm"
+    if cfg.noise_rule is NoiseRule.BOUND:
+        return "dp.noise_rule=bound sets the noise from the raw update norm"
+    return None
+
+
+def local_multiplier(cfg: DPConfig, num_clients: int) -> float:
+    """μ of one local-DP release (``dp=fixed|adaptive``); 0 (ε = ∞) when it is not private.
+
+    fixed: σ₀/2 (noise σ₀·C, sensitivity 2C); adaptive (geometric): the update (z_Δ/2) and
+    the clipped-indicator (σ_b) composed into one Gaussian, z/2 up to rounding.
+    """
+    if non_private_reason(cfg) is not None:
+        return 0.0
+    if cfg.mode is DPMode.FIXED:
+        return cfg.noise_multiplier / 2.0
+    if cfg.mode is not DPMode.ADAPTIVE:
+        raise ValueError(f"dp={cfg.mode.value} makes no local-DP release")
+    b = sigma_b(cfg, num_clients)
+    update = update_noise_multiplier(cfg.noise_multiplier, b) / 2.0
+    return combined_multiplier(update, indicator_multiplier(b))
+
+
+def dp_active(settings: Settings, server_round: int) -> bool:
+    """Whether a client's release in ``server_round`` is made under DP (not a warm-up)."""
+    return settings.dp.mode is not DPMode.NONE and server_round > settings.dp.warmup_rounds
+
+
+def local_steps(settings: Settings, examples: int) -> int:
+    """Optimizer steps of one round of ``fl.local_epochs`` epochs over ``examples`` examples."""
+    return settings.fl.local_epochs * math.ceil(examples / settings.train.batch_size)
+
+
+def round_release(settings: Settings, *, server_round: int, examples: int) -> Release:
+    """What one client's reply in ``server_round`` releases, for accounting.
+
+    ``examples`` is the client's n (its reply carries it): under ``dp.granularity=step`` each
+    of the round's optimizer steps is a release. Under ``dp=none``, a warm-up round or a
+    non-private rule the release is ``non-private``.
+    """
+    dp = settings.dp
+    if dp.mode is DPMode.RECORD:
+        plan = record_plan(settings)
+        return Release(
+            ReleaseKind.DPSGD,
+            plan.steps_per_round,
+            noise_multiplier=plan.noise_multiplier,
+            sample_rate=plan.sample_rate,
+        )
+    per_step = dp.mode is not DPMode.NONE and dp.granularity is Granularity.STEP
+    count = local_steps(settings, examples) if per_step else 1
+    mu = local_multiplier(dp, settings.fl.clients) if dp_active(settings, server_round) else 0.0
+    if mu == 0:
+        return Release(ReleaseKind.NON_PRIVATE, count)
+    return Release(ReleaseKind.GAUSSIAN, count, noise_multiplier=mu)
+
+
+def run_epsilon(settings: Settings, releases: list[Release]) -> float:
+    """ε at ``dp.delta`` of one client's releases in a run, as the client itself reports it.
+
+    Client-level local DP composes with Rényi-DP (:func:`car_fl.privacy.accountant.epsilon`),
+    DP-SGD with the PLD accountant under replace-one (:meth:`RecordPlan.epsilon`); a
+    non-private release makes it infinite. No release: 0.
+    """
+    if any(not r.private and r.count for r in releases):
+        return math.inf
+    steps = sum(r.count for r in releases if r.kind is ReleaseKind.DPSGD)
+    if steps:
+        return record_plan(settings).epsilon(steps)
+    counts: dict[float, int] = {}
+    for r in releases:
+        counts[r.noise_multiplier] = counts.get(r.noise_multiplier, 0) + r.count
+    return epsilon(counts, settings.dp.delta)

@@ -27,6 +27,7 @@ TEST_DATA_PATH = "test-data-path"
 MODEL_PATH = "model-path"
 DEVICE = "device"
 CACHE_DIR = "cache-dir"
+PRIVACY_POLICY = "privacy-policy"
 
 
 class NodeKey(NamedTuple):
@@ -48,6 +49,9 @@ NODE_CONFIG: dict[str, NodeKey] = {
     MODEL_PATH: NodeKey("model.name_or_path", "this node's local copy of the encoder"),
     DEVICE: NodeKey("device", "where this node runs the encoder (auto, cpu, cuda, mps)"),
     CACHE_DIR: NodeKey("cache_dir", "this node's cache folder (features, settings, shard)"),
+    PRIVACY_POLICY: NodeKey(
+        None, "this node's privacy policy (a TOML file its owner writes; see docs/privacy.md)"
+    ),
 }
 
 #: Settings that may legitimately differ between the machines of one federation: those a node
@@ -58,6 +62,14 @@ NODE_LOCAL_KEYS = (
     "progress",
     "resume",
 )
+
+
+class NodeConfigError(ValueError):
+    """This node's own ``--node-config`` is incomplete or disagrees with the run."""
+
+
+class FingerprintMismatch(ValueError):
+    """This node resolved another configuration than the server's."""
 
 
 @dataclass(frozen=True)
@@ -74,19 +86,19 @@ class NodeInfo:
         try:
             pid, num = int(node_config[PARTITION_ID]), int(node_config[NUM_PARTITIONS])
         except KeyError as err:
-            raise ValueError(
+            raise NodeConfigError(
                 f"this SuperNode's --node-config has no {err.args[0]!r}; start it with "
                 f"--node-config '{PARTITION_ID}=<i> {NUM_PARTITIONS}=<n>'"
             ) from None
         if num != settings.fl.clients:
-            raise ValueError(
+            raise NodeConfigError(
                 f"this node says {NUM_PARTITIONS}={num} but the run is configured for "
                 f"fl.clients={settings.fl.clients}; set fl.clients={num} in the run's overrides "
                 f"or start {settings.fl.clients} SuperNodes (simulation: --federation-config "
                 f"'num-supernodes={settings.fl.clients}')"
             )
         if not 0 <= pid < num:
-            raise ValueError(f"{PARTITION_ID}={pid} is outside [0, {num})")
+            raise NodeConfigError(f"{PARTITION_ID}={pid} is outside [0, {num})")
         is_shard = str(node_config.get(DATA_IS_SHARD, "false")).lower() in ("1", "true", "yes")
         return cls(partition_id=pid, num_partitions=num, data_is_shard=is_shard)
 
@@ -107,7 +119,7 @@ def fingerprint(settings: Settings) -> str:
 def check_fingerprint(mine: str, server: str | None) -> None:
     """Refuse to train on a configuration other than the server's."""
     if server is not None and server != mine:
-        raise ValueError(
+        raise FingerprintMismatch(
             f"this client resolved a different configuration (fingerprint {mine}) from the "
             f"server's ({server}); install the same car-fl version and conf/ on "
             "every machine and pass the same --run-config overrides"

@@ -19,7 +19,7 @@ from car_fl.method.model import build_retriever
 from car_fl.privacy.accountant import (
     epsilon,
 )
-from car_fl.privacy.mechanism import flat_norm
+from car_fl.privacy.mechanism import flat_norm, privatize
 from car_fl.settings.flower import NodeInfo
 from tests.helpers import client_privacy
 
@@ -45,16 +45,24 @@ def test_target_epsilon_stops_a_client_before_it_overspends() -> None:
     assert sum(p.state.releases.values()) == 2
 
 
-def test_non_finite_update_is_never_clipped_or_sent() -> None:
-    p = client_privacy("fixed", clip=1.0, noise_multiplier=0.1)
+def test_a_non_finite_update_is_released_as_a_zero_update_not_a_failure() -> None:
+    # Failing the round would tell the server something about the data: under DP the client
+    # releases θ plus noise instead (a zero update is within any bound), and says so in its log.
+    p = client_privacy(
+        "fixed", clip=1.0, noise_multiplier=0.1, generator=torch.Generator().manual_seed(7)
+    )
     before = {"head.classifier.weight": torch.zeros(2), "head.classifier.bias": torch.zeros(1)}
     after = {
         "head.classifier.weight": torch.tensor([1.0, float("nan")]),
         "head.classifier.bias": torch.zeros(1),
     }
-    with pytest.raises(FloatingPointError, match=r"client 0.*'head.classifier.weight'.*NaN"):
-        p.release(before, after, server_round=1)
-    assert p.state.releases == {}
+    released = p.release(before, after, server_round=1)
+    expected, _ = privatize(
+        before, before, bound=1.0, std=0.1, generator=torch.Generator().manual_seed(7)
+    )
+    assert all(torch.equal(released[k], expected[k]) for k in before)
+    assert all(bool(torch.isfinite(v).all()) for v in released.values())
+    assert p.state.releases == {0.05: 1}  # σ₀/2: it is a release like any other
 
 
 def test_dp_state_round_trips_through_a_flower_record() -> None:

@@ -214,7 +214,7 @@ def test_shard_cache_follows_the_data_file_and_survives_a_corrupt_entry(
 ) -> None:
     data = Path(shutil.copy(synthetic_tsv, tmp_path / "data.tsv"))
     settings = make_settings(f"dataset.path={data}")
-    common: dict[str, Any] = {"num_partitions": 2, "data_is_shard": False, "labels": None}
+    common: dict[str, Any] = {"num_partitions": 2, "data_is_shard": False}
     key = node_cache.shard_key(settings, partition_id=0, **common)
     assert key is not None
     assert node_cache.shard_key(settings, partition_id=1, **common) != key

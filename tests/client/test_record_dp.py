@@ -29,7 +29,7 @@ def record_inputs(make_settings):
 
 def test_client_with_delta_too_large_fails_before_training(record_inputs) -> None:
     s, node, initial = record_inputs("dp.delta=0.01")
-    n = len(shard_data(s, node)[0])
+    n = shard_data(s, node).examples
     assert 1 / n <= 0.01  # so δ = 0.01 must be refused
     state = RecordDict()
     with pytest.raises(

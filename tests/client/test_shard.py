@@ -2,26 +2,35 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
 
+from car_fl.client.shard import shard_data
 from car_fl.settings.flower import NodeInfo
 
 
 def test_clients_encode_labels_with_the_servers_map(make_settings, tmp_path: Path) -> None:
-    from car_fl.client.round import shard_data
-
-    # This node's own file lacks 'topic3' and has a label the server never saw.
     local = tmp_path / "local.tsv"
-    local.write_text("topic0\tk0 w1\ntopic2\tk2 w2\nspam\tbuy now\n" * 3, encoding="utf-8")
+    local.write_text("topic0\tk0 w1\ntopic2\tk2 w2\n" * 3, encoding="utf-8")
     settings = make_settings(f"dataset.path={local}")
     server_labels = ["topic0", "topic1", "topic2", "topic3"]
-    with pytest.raises(ValueError, match=r"not in the global label map: \['spam'\]"):
-        shard_data(settings, NodeInfo(0, 2), server_labels)
-    local.write_text("topic0\tk0 w1\ntopic2\tk2 w2\n" * 3, encoding="utf-8")
-    settings = make_settings(f"dataset.path={local}", "cache_dir=" + str(tmp_path / "c2"))
-    data, label_map = shard_data(settings, NodeInfo(0, 2, data_is_shard=True), server_labels)
-    assert label_map.to_list() == server_labels
-    assert len(data) == 6  # a pre-made shard: every row, no split, no partitioning
-    assert sorted(set(data.labels.tolist())) == [0, 2]  # ids of the server's map
+    shard = shard_data(settings, NodeInfo(0, 2, data_is_shard=True), server_labels)
+    assert shard.label_map.to_list() == server_labels
+    assert shard.examples == len(shard.data) == 6  # a pre-made shard: every row, no split
+    assert sorted(set(shard.data.labels.tolist())) == [0, 2]  # ids of the server's map
+
+
+def test_labels_the_servers_map_lacks_are_left_out_and_counted_only_in_the_nodes_log(
+    make_settings, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # This node's own file has a label the server never saw ('spam', twice).
+    local = tmp_path / "local.tsv"
+    local.write_text("topic0\tk0 w1\ntopic2\tk2 w2\nspam\tbuy now\n" * 2, encoding="utf-8")
+    settings = make_settings(f"dataset.path={local}")
+    with caplog.at_level(logging.WARNING, logger="car_fl.client.shard"):
+        shard = shard_data(settings, NodeInfo(0, 2, data_is_shard=True), ["topic0", "topic2"])
+    assert len(shard.data) == 4 and shard.left_out == 2
+    assert shard.examples == 6  # n counts every example: it must not depend on the labels
+    assert "spam: 2" in caplog.text  # the node's own log names them; no exception does

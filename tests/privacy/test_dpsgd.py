@@ -8,7 +8,7 @@ import dp_accounting
 import pytest
 import torch
 import torch.nn.functional as F
-from dp_accounting import pld, rdp
+from dp_accounting import pld
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -240,19 +240,23 @@ def test_an_empty_sampled_batch_still_makes_a_noisy_step(make_settings) -> None:
 
 def test_epsilon_of_a_known_configuration_equals_dp_accounting() -> None:
     q, sigma, steps, delta = 64 / 2000, 1.0, 625, 1e-5
+    replace_one = dp_accounting.NeighboringRelation.REPLACE_ONE
     ours = epsilon(sample_rate=q, noise_multiplier=sigma, steps=steps, delta=delta)
     same = dp_accounting_epsilon(
         q,
         sigma,
         steps,
         delta,
-        pld.PLDAccountant(value_discretization_interval=VALUE_DISCRETIZATION),
+        pld.PLDAccountant(replace_one, value_discretization_interval=VALUE_DISCRETIZATION),
     )
     assert ours == same
-    default_pld = dp_accounting_epsilon(q, sigma, steps, delta, pld.PLDAccountant())
+    default_pld = dp_accounting_epsilon(q, sigma, steps, delta, pld.PLDAccountant(replace_one))
     assert ours == pytest.approx(default_pld, rel=1e-3)
-    assert ours == pytest.approx(5.15, abs=0.01)  # docs/notes value for this configuration
-    assert ours <= dp_accounting_epsilon(q, sigma, steps, delta, rdp.RdpAccountant())
+    assert ours == pytest.approx(8.19, abs=0.01)
+    # n travels un-noised, so the relation is replace-one: larger than add-or-remove's 5.15
+    add_or_remove = dp_accounting_epsilon(q, sigma, steps, delta, pld.PLDAccountant())
+    assert add_or_remove == pytest.approx(5.15, abs=0.01)  # docs/notes value, add-or-remove
+    assert ours > 1.5 * add_or_remove
 
 
 @pytest.mark.parametrize(
@@ -264,7 +268,8 @@ def test_calibrated_sigma_reaches_the_target_within_one_percent(
     sigma = calibrate_noise_multiplier(
         target_epsilon=target, sample_rate=q, steps=steps, delta=1e-5
     )
-    reached = dp_accounting_epsilon(q, sigma, steps, 1e-5, pld.PLDAccountant())
+    replace_one = dp_accounting.NeighboringRelation.REPLACE_ONE
+    reached = dp_accounting_epsilon(q, sigma, steps, 1e-5, pld.PLDAccountant(replace_one))
     assert target * 0.99 <= reached <= target * 1.001
     assert epsilon(sample_rate=q, noise_multiplier=sigma, steps=steps, delta=1e-5) <= target
 

@@ -1,0 +1,125 @@
+"""A node's own privacy in its round: the owner's policy and the lifetime ledger, together.
+
+:func:`car_fl.client.round.train_round` calls :meth:`NodePrivacy.admit` before it reads any
+data and :meth:`NodePrivacy.spend` before it trains: a run weaker than the policy, a round the
+run cannot have planned, or a release past the lifetime cap is refused with a fixed
+:class:`~car_fl.protocol.failures.Failure` (no update leaves), and every release is in the
+ledger before it is made. Everything here comes from the node: the policy file and the data
+file are named in its ``--node-config`` (:meth:`NodePrivacy.from_node_config`), never in the
+run config, and nothing depends on Flower's per-run ``context.state``.
+
+The node-local worker (another process the owner starts, which holds the data) builds one with
+:meth:`NodePrivacy.open` from its own configuration and passes it to ``train_round``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from car_fl.client.failures import Refusal
+from car_fl.client.ledger import BudgetExhausted, Entry, Ledger, data_key
+from car_fl.client.policy import NodePolicy
+from car_fl.protocol.failures import Failure
+from car_fl.settings.dp_plan import round_release
+from car_fl.settings.flower import DATA_PATH, PRIVACY_POLICY, NodeConfigError
+from car_fl.settings.schema import Settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NodePrivacy:
+    """The owner's policy and the ledger of the node's data file."""
+
+    policy: NodePolicy
+    ledger: Ledger
+
+    @classmethod
+    def open(cls, policy: str | Path, data: str | Path) -> NodePrivacy:
+        """The policy file ``policy`` and the ledger of the data file ``data``."""
+        loaded = NodePolicy.load(policy)
+        if not Path(data).expanduser().is_file():
+            raise NodeConfigError(f"data file {data} (the ledger's key) is not a file")
+        return cls(loaded, Ledger.open(loaded.ledger, data_key(data)))
+
+    @classmethod
+    def from_node_config(cls, node_config: Mapping[str, Any]) -> NodePrivacy | None:
+        """From ``--node-config privacy-policy=... data-path=...``; ``None`` without a policy.
+
+        A node with a policy must name its data file itself: the ledger is keyed by that
+        file's content, and a path taken from the run config would let the server point the
+        node at another copy of the same records.
+        """
+        policy = node_config.get(PRIVACY_POLICY)
+        if policy in (None, ""):
+            return None
+        data = node_config.get(DATA_PATH)
+        if data in (None, ""):
+            raise NodeConfigError(
+                f"this node has a privacy policy ({policy}) but no {DATA_PATH} in its "
+                f"--node-config; add {DATA_PATH}=/path/to/its/data (the ledger is keyed by "
+                "that file's content)"
+            )
+        return cls.open(str(policy), str(data))
+
+    def admit(self, settings: Settings) -> None:
+        """Refuse a run whose DP settings are weaker than the policy (before any data is read)."""
+        found = self.policy.violations(settings)
+        if found:
+            raise Refusal(
+                Failure.POLICY_REFUSED,
+                f"privacy policy {self.policy.source} refuses this run: " + "; ".join(found),
+            )
+
+    def spend(self, settings: Settings, *, run: str, server_round: int, examples: int) -> Entry:
+        """Record this round's release in the ledger, or refuse it; before any training.
+
+        Refused (nothing recorded): a round outside ``1..fl.rounds``, a round of this run that
+        is not after every round it already released (a round is released once, in order),
+        and a release that would take the lifetime ε past ``lifetime-epsilon``.
+        """
+        release = round_release(settings, server_round=server_round, examples=examples)
+
+        def check(entries: list[Entry]) -> None:
+            if not 1 <= server_round <= settings.fl.rounds:
+                raise Refusal(
+                    Failure.POLICY_REFUSED,
+                    f"round {server_round} is outside the run's plan of fl.rounds="
+                    f"{settings.fl.rounds}",
+                )
+            done = [e.round for e in entries if e.run == run]
+            if done and server_round <= max(done):
+                raise Refusal(
+                    Failure.POLICY_REFUSED,
+                    f"round {server_round} of run {run} comes after round {max(done)} was "
+                    "released; each round of a run is released once, in order",
+                )
+
+        try:
+            entry = self.ledger.spend(
+                release,
+                run=run,
+                server_round=server_round,
+                mode=settings.dp.mode.value,
+                delta=self.policy.max_delta,
+                cap=self.policy.lifetime_epsilon,
+                check=check,
+            )
+        except BudgetExhausted as err:
+            raise Refusal(Failure.BUDGET_EXHAUSTED, str(err)) from None
+        log.info(
+            "privacy ledger: run %s round %d (%s, %d %s) recorded; lifetime ε %.4g at δ %g%s",
+            run,
+            server_round,
+            entry.mode,
+            release.count,
+            release.kind.value,
+            entry.epsilon,
+            entry.delta,
+            f" (cap {self.policy.lifetime_epsilon:g})" if self.policy.lifetime_epsilon else "",
+        )
+        return entry

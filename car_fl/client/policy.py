@@ -1,0 +1,220 @@
+"""A node's privacy policy: what its owner accepts, set on the node and never by the server.
+
+Written here because Flower has no notion of a node-side privacy floor: everything about DP
+comes from the run config, which the party running ``flwr run`` chooses. The owner writes a
+TOML file and names it in the SuperNode's ``--node-config privacy-policy=/path/policy.toml``
+(node-local: it never enters the configuration fingerprint)::
+
+    modes = ["record", "fixed"]   # accepted DP modes (none, fixed, adaptive, record)
+    min-noise-multiplier = 1.0    # floor on σ₀ (fixed), z (adaptive), calibrated σ (record)
+    max-clip = 1.0                # ceiling on C (the adaptive Cᵢ never moves above it)
+    max-delta = 1e-5              # the largest δ accepted; the ledger's ε is at this δ
+    allow-warmup = false          # accept dp.warmup_rounds > 0 (un-noised rounds)?
+    lifetime-epsilon = 30         # cap on the ledger's ε over every release of this data
+    ledger = "ledger"             # the ledger's folder (relative to this file)
+
+Before any training :meth:`NodePolicy.violations` compares the run's settings with the policy
+(:mod:`car_fl.client.node_privacy` refuses the round when it finds any). A run the policy
+accepts can still be refused by the lifetime cap, which the ledger
+(:mod:`car_fl.client.ledger`) enforces. Keys are validated with errors naming the file, line
+and key; unknown keys are errors (a misspelt ``max-clip`` must not silently mean "no ceiling").
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from car_fl.settings.dp_plan import non_private_reason, record_plan
+from car_fl.settings.schema import DPMode, Settings
+
+#: The ledger folder when the policy names none (relative to the policy file).
+DEFAULT_LEDGER = "ledger"
+DEFAULT_DELTA = 1e-5
+
+
+class PolicyError(ValueError):
+    """The policy file is missing, unreadable or invalid (the message names file, line, key)."""
+
+
+@dataclass(frozen=True)
+class NodePolicy:
+    """What a node's owner accepts (see the module docstring for the file format)."""
+
+    modes: frozenset[DPMode]
+    min_noise_multiplier: float = 0.0
+    max_clip: float = math.inf
+    max_delta: float = DEFAULT_DELTA
+    allow_warmup: bool = False
+    lifetime_epsilon: float | None = None
+    ledger: Path = Path(DEFAULT_LEDGER)
+    #: Where the policy was read from (for messages).
+    source: Path = field(default=Path("<policy>"), compare=False)
+
+    @classmethod
+    def load(cls, path: str | Path) -> NodePolicy:
+        """Read and validate a policy file; ``PolicyError`` naming the file, line and key."""
+        path = Path(path).expanduser()
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as err:
+            raise PolicyError(
+                f"privacy policy {path}: cannot be read ({err.strerror}); fix the path in "
+                "--node-config privacy-policy=..."
+            ) from None
+        return cls.parse(text, source=path)
+
+    @classmethod
+    def parse(cls, text: str, *, source: Path) -> NodePolicy:
+        """A policy from TOML ``text``; relative ledger paths are relative to ``source``."""
+        try:
+            values = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as err:
+            raise PolicyError(f"privacy policy {source}: not valid TOML: {err}") from None
+        reader = _Reader(values, text, source)
+        unknown = sorted(set(values) - set(KEYS))
+        if unknown:
+            raise PolicyError(
+                reader.where(unknown[0])
+                + f"unknown key {unknown[0]!r}; the keys are: {', '.join(KEYS)}"
+            )
+        modes = reader.modes()
+        ledger = Path(reader.text("ledger", DEFAULT_LEDGER)).expanduser()
+        return cls(
+            modes=modes,
+            min_noise_multiplier=reader.number("min-noise-multiplier", 0.0, low=0.0),
+            max_clip=reader.number("max-clip", math.inf, low=0.0, open_low=True),
+            max_delta=reader.number(
+                "max-delta", DEFAULT_DELTA, low=0.0, open_low=True, high=1.0, open_high=True
+            ),
+            allow_warmup=reader.flag("allow-warmup", False),
+            lifetime_epsilon=reader.optional_number("lifetime-epsilon"),
+            ledger=ledger if ledger.is_absolute() else (source.parent / ledger),
+            source=source,
+        )
+
+    @property
+    def accepts_non_private(self) -> bool:
+        """Whether the owner accepts releases without noise at all (``none`` among the modes)."""
+        return DPMode.NONE in self.modes
+
+    def violations(self, settings: Settings) -> list[str]:
+        """Every way the run's DP settings are weaker than this policy (empty: accepted)."""
+        dp = settings.dp
+        found: list[str] = []
+        if dp.mode not in self.modes:
+            accepted = ", ".join(sorted(m.value for m in self.modes))
+            found.append(f"dp={dp.mode.value} is not among the accepted modes ({accepted})")
+            return found
+        if dp.mode is DPMode.NONE:
+            return found
+        reason = non_private_reason(dp)
+        if reason is not None and not self.accepts_non_private:
+            found.append(f"{reason}: not private, and 'none' is not an accepted mode")
+        sigma = record_plan(settings).noise_multiplier if dp.mode is DPMode.RECORD else None
+        if sigma is None:
+            sigma = dp.noise_multiplier
+        if sigma < self.min_noise_multiplier:
+            found.append(
+                f"noise multiplier {sigma:.4g} is below min-noise-multiplier "
+                f"{self.min_noise_multiplier:g}"
+            )
+        if dp.clip > self.max_clip:
+            found.append(f"dp.clip={dp.clip:g} is above max-clip {self.max_clip:g}")
+        if dp.delta > self.max_delta:
+            found.append(f"dp.delta={dp.delta:g} is above max-delta {self.max_delta:g}")
+        if dp.warmup_rounds and not self.allow_warmup:
+            found.append(
+                f"dp.warmup_rounds={dp.warmup_rounds} sends un-noised updates and "
+                "allow-warmup is false"
+            )
+        return found
+
+
+#: The policy file's keys, in the order the docs list them.
+KEYS = (
+    "modes",
+    "min-noise-multiplier",
+    "max-clip",
+    "max-delta",
+    "allow-warmup",
+    "lifetime-epsilon",
+    "ledger",
+)
+
+
+class _Reader:
+    """Typed values of a parsed policy, with errors that name file, line and key."""
+
+    def __init__(self, values: dict[str, Any], text: str, source: Path) -> None:
+        self.values, self.text_lines, self.source = values, text.splitlines(), source
+
+    def where(self, key: str) -> str:
+        pattern = re.compile(rf"^\s*[\"']?{re.escape(key)}[\"']?\s*=")
+        for number, line in enumerate(self.text_lines, start=1):
+            if pattern.match(line):
+                return f"privacy policy {self.source}, line {number}, {key!r}: "
+        return f"privacy policy {self.source}, {key!r}: "
+
+    def modes(self) -> frozenset[DPMode]:
+        if "modes" not in self.values:
+            raise PolicyError(
+                f"privacy policy {self.source}: 'modes' is missing; list the DP modes this "
+                'node accepts, e.g. modes = ["record"] (none, fixed, adaptive, record)'
+            )
+        raw = self.values["modes"]
+        valid = ", ".join(m.value for m in DPMode)
+        if not isinstance(raw, list) or not raw or not all(isinstance(m, str) for m in raw):
+            raise PolicyError(
+                self.where("modes") + f"must be a non-empty list of names ({valid}), got {raw!r}"
+            )
+        unknown = [m for m in raw if m not in {d.value for d in DPMode}]
+        if unknown:
+            raise PolicyError(self.where("modes") + f"unknown mode {unknown[0]!r}; valid: {valid}")
+        return frozenset(DPMode(m) for m in raw)
+
+    def number(
+        self,
+        key: str,
+        default: float,
+        *,
+        low: float,
+        high: float = math.inf,
+        open_low: bool = False,
+        open_high: bool = False,
+    ) -> float:
+        if key not in self.values:
+            return default
+        value = self.values[key]
+        if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+            raise PolicyError(self.where(key) + f"must be a number, got {value!r}")
+        value = float(value)
+        below = value <= low if open_low else value < low
+        above = value >= high if open_high else value > high
+        if below or above:
+            left, right = "(" if open_low else "[", ")" if open_high else "]"
+            raise PolicyError(
+                self.where(key) + f"must be in {left}{low:g}, {high:g}{right}, got {value:g}"
+            )
+        return value
+
+    def optional_number(self, key: str) -> float | None:
+        if key not in self.values:
+            return None
+        return self.number(key, math.inf, low=0.0, open_low=True)
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self.values.get(key, default)
+        if not isinstance(value, bool):
+            raise PolicyError(self.where(key) + f"must be true or false, got {value!r}")
+        return value
+
+    def text(self, key: str, default: str) -> str:
+        value = self.values.get(key, default)
+        if not isinstance(value, str) or not value:
+            raise PolicyError(self.where(key) + f"must be a non-empty path, got {value!r}")
+        return value

@@ -1,0 +1,64 @@
+"""What a node tells the server when it does not send an update: a fixed code, fixed text.
+
+A failure is a release too. When a Flower ClientApp handler raises, Flower 1.39 itself builds
+the error reply from the exception: ``str(type(ex)) + ":<'" + str(ex) + "'>"`` (deployment:
+``flwr/supernode/runtime/run_clientapp.py``, the ``except`` of ``run_clientapp``; simulation:
+``flwr/server/superlink/fleet/vce/vce_api.py``, ``worker``, around a
+``ClientAppException(str(ex))`` raised in ``flwr/simulation/ray_transport/ray_actor.py``), so
+any detail in an exception (a file path, a label, a count) reaches the server. car-fl's
+handler never raises: it returns one of these replies itself, and the details stay in the
+node's own log (``car_fl.client.failures``). Only a process that dies outright gets Flower's
+own fixed ``CLIENT_APP_CRASHED`` reply ("ClientApp stopped responding.").
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+from flwr.app import Error, Message
+
+
+class Failure(IntEnum):
+    """Every reason a car-fl node gives for not sending an update (codes above Flower's own)."""
+
+    #: Anything else: unreadable data, a diverged round, a bug. Never says which.
+    ROUND_FAILED = 1100
+    #: The run's privacy settings are weaker than the node owner's policy.
+    POLICY_REFUSED = 1101
+    #: The node's lifetime privacy budget (its ledger) does not allow this release.
+    BUDGET_EXHAUSTED = 1102
+    #: The run's own ``dp.target_epsilon`` would be passed by this release.
+    RUN_TARGET_REACHED = 1103
+    #: The node resolved a configuration other than the server's (fingerprint).
+    CONFIG_MISMATCH = 1104
+    #: The node's own configuration (``--node-config``, its policy file) is incomplete or wrong.
+    NODE_CONFIG = 1105
+
+    @property
+    def text(self) -> str:
+        return FAILURE_TEXT[self]
+
+
+FAILURE_TEXT: dict[Failure, str] = {
+    Failure.ROUND_FAILED: "car-fl: the round failed on this node; details are in the node's log",
+    Failure.POLICY_REFUSED: "car-fl: the run's privacy settings are weaker than this node's policy",
+    Failure.BUDGET_EXHAUSTED: "car-fl: this node's lifetime privacy budget allows no more releases",
+    Failure.RUN_TARGET_REACHED: "car-fl: this release would pass the run's dp.target_epsilon",
+    Failure.CONFIG_MISMATCH: "car-fl: this node resolved another configuration than the server's",
+    Failure.NODE_CONFIG: "car-fl: this node's own configuration is incomplete or invalid",
+}
+
+
+def failure_reply(msg: Message, failure: Failure) -> Message:
+    """The error reply to ``msg`` for ``failure``: its code and its fixed text, nothing else."""
+    return Message(Error(code=int(failure), reason=failure.text), reply_to=msg)
+
+
+def read_failure(code: int, reason: str | None) -> Failure | None:
+    """The car-fl failure an error reply carries, or ``None`` if it is not exactly one of ours
+    (Flower's own errors, or a node sending something else)."""
+    try:
+        failure = Failure(code)
+    except ValueError:
+        return None
+    return failure if reason == failure.text else None

@@ -1,0 +1,127 @@
+"""car_fl.client.node_privacy: the malicious server against a node whose owner set a policy.
+
+The server chooses the run's settings, the round numbers and how many runs it starts; the
+node's policy and ledger come from its own disk. Each weaker run is refused before any update
+leaves, the agreed run trains, and the ledger lists every release with its ε.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from flwr.app import RecordDict
+
+from car_fl.client.failures import Refusal
+from car_fl.client.node_privacy import NodePrivacy
+from car_fl.client.round import train_round
+from car_fl.method.model import build_retriever
+from car_fl.protocol.failures import Failure
+from car_fl.settings.flower import DATA_PATH, PRIVACY_POLICY, NodeConfigError, NodeInfo
+
+POLICY = """\
+modes = ["fixed"]
+min-noise-multiplier = 1.0
+max-clip = 1.0
+max-delta = 1e-5
+allow-warmup = false
+lifetime-epsilon = {cap}
+"""
+
+AGREED = ("dp=fixed", "dp.noise_multiplier=2", "dp.clip=1", "fl.rounds=2", "fl.local_epochs=1")
+NODE = NodeInfo(partition_id=0, num_partitions=2)
+
+
+def guard(tmp_path: Path, data: Path, cap: float = 1e6) -> NodePrivacy:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    policy = tmp_path / "policy.toml"
+    policy.write_text(POLICY.format(cap=cap), encoding="utf-8")
+    return NodePrivacy.open(policy, data)
+
+
+def initial(settings) -> dict[str, torch.Tensor]:
+    return build_retriever(settings, 4, hidden_size=64).trainable_state_dict()
+
+
+def round_of(settings, node_privacy: NodePrivacy, server_round: int, run: str = "1"):
+    return train_round(
+        settings, NODE, initial(settings), server_round, RecordDict(), guard=node_privacy, run=run
+    )
+
+
+@pytest.mark.parametrize(
+    "weaker",
+    [
+        ("dp=none",),
+        ("dp.noise_multiplier=0.5",),  # σ under the floor
+        ("dp.clip=1000",),  # a huge clip
+        ("dp.warmup_rounds=1",),  # non-private rounds the policy does not allow
+        ("dp.delta=1e-3",),
+    ],
+)
+def test_a_weaker_run_is_refused_before_any_release(
+    tmp_path: Path, make_settings, synthetic_tsv: Path, weaker: tuple[str, ...]
+) -> None:
+    node_privacy = guard(tmp_path, synthetic_tsv)
+    with pytest.raises(Refusal) as err:
+        round_of(make_settings(*AGREED, *weaker), node_privacy, 1)
+    assert err.value.failure is Failure.POLICY_REFUSED
+    assert node_privacy.ledger.entries() == []  # nothing was released
+
+
+def test_the_agreed_run_trains_and_the_ledger_lists_every_release(
+    tmp_path: Path, make_settings, synthetic_tsv: Path
+) -> None:
+    node_privacy = guard(tmp_path, synthetic_tsv)
+    settings = make_settings(*AGREED)
+    state, metrics = round_of(settings, node_privacy, 1)
+    assert set(state) == set(initial(settings)) and metrics["num-examples"] > 0
+    round_of(settings, node_privacy, 2)
+    entries = node_privacy.ledger.entries()
+    assert [(e.run, e.round, e.mode) for e in entries] == [("1", 1, "fixed"), ("1", 2, "fixed")]
+    assert 0 < entries[0].epsilon < entries[1].epsilon < math.inf  # composed, lifetime ε grows
+
+
+def test_rounds_beyond_the_plan_and_replayed_rounds_are_refused(
+    tmp_path: Path, make_settings, synthetic_tsv: Path
+) -> None:
+    node_privacy = guard(tmp_path, synthetic_tsv)
+    settings = make_settings(*AGREED)
+    with pytest.raises(Refusal, match="outside the run's plan"):
+        round_of(settings, node_privacy, 3)  # more rounds than fl.rounds=2
+    round_of(settings, node_privacy, 1)
+    with pytest.raises(Refusal, match="released once, in order"):
+        round_of(settings, node_privacy, 1)  # the same round again: average the noise away
+    assert len(node_privacy.ledger.entries()) == 1
+
+
+def test_new_runs_cannot_pass_the_lifetime_cap(
+    tmp_path: Path, make_settings, synthetic_tsv: Path
+) -> None:
+    settings = make_settings(*AGREED)
+    probe = guard(tmp_path / "probe", synthetic_tsv)
+    for run in ("1", "2"):
+        round_of(settings, probe, 1, run=run)
+    two = probe.ledger.entries()[-1].epsilon  # lifetime ε after two releases
+    node_privacy = guard(tmp_path, synthetic_tsv, cap=two * 1.01)  # room for two releases
+    for run in ("1", "2"):
+        round_of(settings, node_privacy, 1, run=run)
+    for run in ("3", "4"):  # new runs at the same round, or a resume: all refused
+        with pytest.raises(Refusal) as err:
+            round_of(settings, node_privacy, 1, run=run)
+        assert err.value.failure is Failure.BUDGET_EXHAUSTED
+    assert [e.run for e in node_privacy.ledger.entries()] == ["1", "2"]
+
+
+def test_the_policy_and_ledger_come_only_from_the_node_config(
+    tmp_path: Path, synthetic_tsv: Path
+) -> None:
+    assert NodePrivacy.from_node_config({}) is None  # no policy: today's behaviour
+    policy = tmp_path / "policy.toml"
+    policy.write_text(POLICY.format(cap=10), encoding="utf-8")
+    with pytest.raises(NodeConfigError, match=f"no {DATA_PATH}"):
+        NodePrivacy.from_node_config({PRIVACY_POLICY: str(policy)})
+    found = NodePrivacy.from_node_config({PRIVACY_POLICY: str(policy), DATA_PATH: synthetic_tsv})
+    assert found is not None and found.policy.lifetime_epsilon == 10

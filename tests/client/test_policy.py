@@ -1,0 +1,116 @@
+"""car_fl.client.policy: the owner's policy file, validated, and what it refuses."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from car_fl.client.policy import NodePolicy, PolicyError
+from car_fl.settings.compose import load_settings
+from car_fl.settings.schema import DPMode
+
+FULL = """\
+# the owner of this node accepts record-level DP only
+modes = ["record"]
+min-noise-multiplier = 1.0
+max-clip = 2.0
+max-delta = 1e-4
+allow-warmup = false
+lifetime-epsilon = 30
+ledger = "my-ledger"
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "policy.toml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_a_full_policy_reads_back_with_its_ledger_beside_it(tmp_path: Path) -> None:
+    policy = NodePolicy.load(write(tmp_path, FULL))
+    assert policy.modes == frozenset({DPMode.RECORD})
+    assert (policy.min_noise_multiplier, policy.max_clip, policy.max_delta) == (1.0, 2.0, 1e-4)
+    assert policy.allow_warmup is False and policy.lifetime_epsilon == 30.0
+    assert policy.ledger == tmp_path / "my-ledger"
+
+
+def test_defaults_are_the_strict_ones(tmp_path: Path) -> None:
+    policy = NodePolicy.load(write(tmp_path, 'modes = ["fixed"]\n'))
+    assert policy.min_noise_multiplier == 0.0 and math.isinf(policy.max_clip)
+    assert policy.max_delta == 1e-5 and policy.allow_warmup is False
+    assert policy.lifetime_epsilon is None and policy.ledger == tmp_path / "ledger"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("min-noise-multiplier = 1\n", r"'modes' is missing"),
+        ('modes = ["record"]\nmax-clip = "big"\n', r"line 2, 'max-clip': must be a number"),
+        ('modes = ["record"]\n\nmax-clip = 0\n', r"line 3, 'max-clip': must be in \(0, inf\]"),
+        ('modes = ["record"]\nmax-delta = 1\n', r"line 2, 'max-delta': must be in \(0, 1\)"),
+        ('modes = ["record"]\nmax_clip = 1\n', r"line 2, 'max_clip': unknown key.*max-clip"),
+        ('modes = ["recrod"]\n', r"line 1, 'modes': unknown mode 'recrod'; valid: none, fixed"),
+        ("modes = []\n", r"line 1, 'modes': must be a non-empty list"),
+        ('modes = ["fixed"]\nallow-warmup = 1\n', r"line 2, 'allow-warmup': must be true or"),
+        ('modes = ["fixed"]\nlifetime-epsilon = -3\n', r"'lifetime-epsilon': must be in \(0"),
+        ('modes = ["fixed"\n', r"not valid TOML"),
+    ],
+)
+def test_bad_policies_name_the_file_line_and_key(tmp_path: Path, text: str, message: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(PolicyError, match=message) as err:
+        NodePolicy.load(path)
+    assert str(path) in str(err.value)
+
+
+def test_a_missing_policy_file_says_where_it_was_looked_for(tmp_path: Path) -> None:
+    with pytest.raises(PolicyError, match=r"nowhere.toml: cannot be read.*privacy-policy="):
+        NodePolicy.load(tmp_path / "nowhere.toml")
+
+
+POLICY = NodePolicy(
+    modes=frozenset({DPMode.RECORD, DPMode.FIXED}),
+    min_noise_multiplier=1.0,
+    max_clip=1.0,
+    max_delta=1e-5,
+)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "found"),
+    [
+        ("dp=none", "dp=none is not among the accepted modes (fixed, record)"),
+        ("dp=adaptive", "dp=adaptive is not among the accepted modes"),
+        ("dp=fixed dp.noise_multiplier=0.5", "noise multiplier 0.5 is below"),
+        ("dp=fixed dp.noise_multiplier=1e-8", "below min-noise-multiplier 1"),
+        ("dp=fixed dp.noise_multiplier=2 dp.clip=1e6", "dp.clip=1e+06 is above max-clip 1"),
+        ("dp=fixed dp.noise_multiplier=2 dp.delta=1e-3", "dp.delta=0.001 is above max-delta"),
+        ("dp=fixed dp.noise_multiplier=2 dp.warmup_rounds=1000", "allow-warmup is false"),
+        # a raised target: σ calibrated for ε = 1000 is far below the floor
+        ("dp=record dp.target_epsilon=1000", "below min-noise-multiplier"),
+    ],
+)
+def test_weaker_runs_are_refused_with_every_reason(overrides: str, found: str) -> None:
+    violations = POLICY.violations(load_settings(overrides))
+    assert any(found in v for v in violations), violations
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    ["dp=fixed dp.noise_multiplier=1", "dp=record dp.target_epsilon=3 dp.sample_rate=0.1"],
+)
+def test_the_agreed_configurations_are_accepted(overrides: str) -> None:
+    assert POLICY.violations(load_settings(overrides)) == []
+
+
+def test_non_private_rules_need_none_among_the_modes() -> None:
+    adaptive = NodePolicy(modes=frozenset({DPMode.ADAPTIVE}))
+    linear = load_settings("dp=adaptive dp.adaptive_rule=linear")
+    assert any("not private" in v for v in adaptive.violations(linear))
+    assert adaptive.violations(load_settings("dp=adaptive")) == []
+    anything = NodePolicy(modes=frozenset(DPMode), allow_warmup=True)
+    assert anything.violations(linear) == []
+    assert anything.violations(load_settings("dp=fixed dp.noise_multiplier=0")) == []

@@ -1,0 +1,104 @@
+"""car_fl.privacy.composition: heterogeneous releases composed into one lifetime ε."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import dp_accounting
+import pytest
+from dp_accounting import pld
+
+from car_fl.privacy.composition import Release, ReleaseKind, epsilon, grouped, non_private_count
+from car_fl.privacy.record_accounting import VALUE_DISCRETIZATION
+from car_fl.privacy.record_accounting import epsilon as record_epsilon
+
+GAUSSIAN, DPSGD, NONE = ReleaseKind.GAUSSIAN, ReleaseKind.DPSGD, ReleaseKind.NON_PRIVATE
+
+
+def pld_epsilon(event: dp_accounting.DpEvent, relation: object, delta: float = 1e-5) -> float:
+    accountant = pld.PLDAccountant(relation, value_discretization_interval=VALUE_DISCRETIZATION)
+    accountant.compose(event)
+    return float(accountant.get_epsilon(delta))
+
+
+def test_a_gaussian_release_costs_what_client_level_accounting_says() -> None:
+    # Client-level accounting: multiplier μ = σ₀/2 w.r.t. sensitivity 2C, add-or-remove style
+    # (sensitivity 1). Replace-one reads GaussianDpEvent(s) with sensitivity 2: the same
+    # release is GaussianDpEvent(2μ) there, and must cost exactly the same ε.
+    mu, k = 0.6, 4
+    ours = epsilon([Release(GAUSSIAN, k, noise_multiplier=mu)], 1e-5)
+    reference = pld_epsilon(
+        dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(mu), k),
+        dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
+    )
+    assert ours == pytest.approx(reference, rel=1e-3)
+
+
+def test_dpsgd_steps_cost_what_record_accounting_says() -> None:
+    steps = Release(DPSGD, 120, noise_multiplier=1.3, sample_rate=0.1)
+    ours = epsilon([steps], 1e-5)
+    assert ours == pytest.approx(
+        record_epsilon(sample_rate=0.1, noise_multiplier=1.3, steps=120, delta=1e-5), rel=1e-9
+    )
+
+
+def test_mixed_releases_compose_in_one_replace_one_accountant() -> None:
+    releases = [
+        Release(DPSGD, 50, noise_multiplier=2.0, sample_rate=0.1),
+        Release(GAUSSIAN, 3, noise_multiplier=1.5),
+        Release(DPSGD, 50, noise_multiplier=2.0, sample_rate=0.1),
+    ]
+    event = dp_accounting.ComposedDpEvent(
+        [
+            dp_accounting.SelfComposedDpEvent(
+                dp_accounting.PoissonSampledDpEvent(0.1, dp_accounting.GaussianDpEvent(2.0)), 100
+            ),
+            dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(3.0), 3),
+        ]
+    )
+    reference = pld_epsilon(event, dp_accounting.NeighboringRelation.REPLACE_ONE)
+    assert epsilon(releases, 1e-5) == pytest.approx(reference, rel=1e-6)
+    # more releases never cost less; order does not matter
+    assert epsilon(releases[:2], 1e-5) < epsilon(releases, 1e-5)
+    assert epsilon(list(reversed(releases)), 1e-5) == epsilon(releases, 1e-5)
+
+
+def test_non_private_releases_are_counted_apart_and_empty_is_zero() -> None:
+    assert epsilon([], 1e-5) == 0.0
+    releases = [Release(NONE, 2), Release(GAUSSIAN, 1, noise_multiplier=1.0), Release(NONE, 1)]
+    assert non_private_count(releases) == 3
+    assert epsilon(releases, 1e-5) == epsilon(releases[1:2], 1e-5)
+    assert epsilon([Release(NONE, 5)], 1e-5) == 0.0
+
+
+def test_grouping_makes_a_long_ledger_cheap() -> None:
+    many = [Release(GAUSSIAN, 1, noise_multiplier=1.0) for _ in range(2000)]
+    assert grouped(many) == [Release(GAUSSIAN, 2000, noise_multiplier=1.0)]
+    tick = time.perf_counter()
+    value = epsilon(many, 1e-5)
+    assert time.perf_counter() - tick < 5.0 and math.isfinite(value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"kind": GAUSSIAN, "count": 1, "noise_multiplier": 0.0}, "non-private"),
+        ({"kind": DPSGD, "count": 1, "noise_multiplier": 1.0, "sample_rate": 0.0}, "(0, 1]"),
+        ({"kind": GAUSSIAN, "count": -1, "noise_multiplier": 1.0}, ">= 0"),
+    ],
+)
+def test_impossible_releases_are_rejected(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=re_escape(message)):
+        Release(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_release_round_trips_through_its_dict() -> None:
+    release = Release(DPSGD, 7, noise_multiplier=1.1, sample_rate=0.05)
+    assert Release.from_dict(release.to_dict()) == release
+
+
+def re_escape(text: str) -> str:
+    import re
+
+    return re.escape(text)
