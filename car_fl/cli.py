@@ -8,10 +8,10 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from car_fl.commands import report, retrieve
+from car_fl.commands import report, retrieve, worker
 
 #: The subcommands, in the order ``car-fl --help`` lists them.
-COMMANDS: tuple[ModuleType, ...] = (retrieve, report)
+COMMANDS: tuple[ModuleType, ...] = (retrieve, report, worker)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,7 +1,7 @@
 """This node's training shard, ready to train on: its examples, features and retriever.
 
-The encoder is loaded at most once per process and kept (simulation reuses processes across
-rounds). In ``classifier`` mode the shard's features come from the memory or disk cache, so a
+The encoder is loaded at most once per process and kept (a simulation's processes and the
+node's worker serve many rounds). In ``classifier`` mode the shard's features come from the memory or disk cache, so a
 round that only needs cached features never loads the encoder at all.
 """
 
@@ -48,10 +48,8 @@ def shard_data(
     (``data-is-shard``) trains on all of it; otherwise it takes its partition of the training
     split of the full dataset.
     """
-    key = node_cache.digest([asdict(settings), list(labels or []), astuple(node)])
-    if key in _SHARDS:
-        return _SHARDS[key]
-    # The node's disk cache spares a new process reading, splitting and partitioning the data
+    # The data files' identity is in the disk key: a process that lives across runs (the
+    # node's worker) sees an edited data file as another shard
     disk_key = node_cache.shard_key(
         settings,
         partition_id=node.partition_id,
@@ -59,6 +57,10 @@ def shard_data(
         data_is_shard=node.data_is_shard,
         labels=labels,
     )
+    key = node_cache.digest([asdict(settings), list(labels or []), astuple(node), disk_key])
+    if key in _SHARDS:
+        return _SHARDS[key]
+    # The node's disk cache spares a new process reading, splitting and partitioning the data
     stored = node_cache.load_shard(settings, disk_key) if disk_key else None
     if stored is None:
         stored = read_shard(settings, node, labels)

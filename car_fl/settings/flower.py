@@ -27,6 +27,7 @@ TEST_DATA_PATH = "test-data-path"
 MODEL_PATH = "model-path"
 DEVICE = "device"
 CACHE_DIR = "cache-dir"
+WORKER = "worker"
 
 
 class NodeKey(NamedTuple):
@@ -48,6 +49,9 @@ NODE_CONFIG: dict[str, NodeKey] = {
     MODEL_PATH: NodeKey("model.name_or_path", "this node's local copy of the encoder"),
     DEVICE: NodeKey("device", "where this node runs the encoder (auto, cpu, cuda, mps)"),
     CACHE_DIR: NodeKey("cache_dir", "this node's cache folder (features, settings, shard)"),
+    WORKER: NodeKey(
+        None, "this node's worker folder (car-fl worker): the ClientApp hands it rounds"
+    ),
 }
 
 #: Settings that may legitimately differ between the machines of one federation: those a node
