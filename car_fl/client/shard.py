@@ -1,8 +1,8 @@
 """This node's training shard, ready to train on: its examples, features and retriever.
 
 The encoder is loaded at most once per process and kept (a simulation's processes and the
-node's worker serve many rounds). In ``classifier`` mode the shard's features come from the memory or disk cache, so a
-round that only needs cached features never loads the encoder at all.
+node's worker serve many rounds). In ``classifier`` mode the shard's features come from the
+memory or disk cache, so a round that only needs cached features never loads the encoder.
 """
 
 from __future__ import annotations
