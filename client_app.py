@@ -1,17 +1,17 @@
-"""car-fl ClientApp: E local epochs of CaR training on this node's shard."""
+"""car-fl ClientApp: hands the round to this node's worker, or runs it here when there is none.
+
+With a worker (node config ``worker``) this process imports Flower and the standard library
+only: the worker, started by the node's owner, holds the encoder and trains with the node's
+own configuration (``car_fl/client/worker.py``). Without one (simulation) the round runs here.
+"""
 
 from __future__ import annotations
 
-from flwr.app import Context, Message
+from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
+from car_fl.client import worker_link
 from car_fl.client.failures import data_free
-from car_fl.client.node_privacy import NodePrivacy
-from car_fl.client.node_settings import node_settings
-from car_fl.client.round import train_round
-from car_fl.common.logs import setup_logging
-from car_fl.protocol.messages import read_train_message, train_reply
-from car_fl.settings.flower import NodeInfo
 
 app = ClientApp()
 
@@ -19,24 +19,29 @@ app = ClientApp()
 @app.train()
 @data_free  # a refusal or error reaches the server as a fixed code; details stay in this log
 def train(msg: Message, context: Context) -> Message:
+    folder = worker_link.worker_folder(context.node_config)
+    if folder is not None:
+        # The node's worker trains E local epochs (with its own node configuration) and replies
+        content = worker_link.hand_over(
+            folder, run_id=context.run_id, run_config=context.run_config, content=msg.content
+        )
+    else:
+        # No worker: the same round in this process, its DP state in Flower's context.state
+        content = train_here(msg.content, context)
+    # Reply with the new parameters, the number of examples and the train metrics
+    return Message(content=content, reply_to=msg)
+
+
+def train_here(content: RecordDict, context: Context) -> RecordDict:
+    """The round in this process (imports torch and the model code: only here)."""
+    from car_fl.client.answer import answer_train
+    from car_fl.common.logs import setup_logging
+
     setup_logging()
-    instruction = read_train_message(msg.content)
-    # Configuration: the run's with this node's data/model paths, checked against the server's
-    # (composed in the node's first round, then read from its disk cache)
-    settings = node_settings(context.run_config, context.node_config, instruction.fingerprint)
-    node = NodeInfo.from_node_config(context.node_config, settings)
-    # The node owner's privacy policy and lifetime ledger, from its node config only
-    guard = NodePrivacy.from_node_config(context.node_config)
-    # Policy check, ledger, E local epochs from the global parameters, then DP
-    state, metrics = train_round(
-        settings,
-        node,
-        instruction.global_state,
-        instruction.server_round,
-        context.state,
-        instruction.labels,
-        guard=guard,
+    return answer_train(
+        content,
+        run_config=context.run_config,
+        node_config=context.node_config,
+        node_state=context.state,
         run=str(context.run_id),
     )
-    # Reply with the new parameters, the number of examples and the privacy figures
-    return Message(content=train_reply(state, metrics, dtype=settings.comm.dtype), reply_to=msg)

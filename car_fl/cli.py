@@ -8,10 +8,10 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from car_fl.commands import ledger, report, retrieve
+from car_fl.commands import ledger, report, retrieve, worker
 
 #: The subcommands, in the order ``car-fl --help`` lists them.
-COMMANDS: tuple[ModuleType, ...] = (retrieve, report, ledger)
+COMMANDS: tuple[ModuleType, ...] = (retrieve, report, ledger, worker)
 
 
 def build_parser() -> argparse.ArgumentParser:

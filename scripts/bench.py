@@ -2,6 +2,7 @@
 
     python scripts/bench.py                      # ../shared SMS data, offline MiniLM; ~6 min
     python scripts/bench.py --data PATH --json bench.json
+    python scripts/bench.py --smoke              # every figure on a tiny random Llama (a test)
 
 Figures (each printed with what it is compared against, and its target on a 2-core CPU):
  1. feature extraction with length bucketing vs arrival-order batches (same outputs)
@@ -51,7 +52,7 @@ from car_fl.method.model import CaRRetriever, build_retriever  # noqa: E402
 from car_fl.method.train import make_optimizer  # noqa: E402
 from car_fl.protocol.messages import payload_bytes, to_record  # noqa: E402
 from car_fl.settings.compose import load_settings  # noqa: E402
-from car_fl.settings.schema import Settings  # noqa: E402
+from car_fl.settings.schema import Mode, Settings  # noqa: E402
 
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "sms_spam" / "SMSSpamCollection.tsv"
 TARGETS = {
@@ -63,6 +64,8 @@ TARGETS = {
     "6_bytes_vs_trainable": ("<=", 1.02),
 }
 log = logging.getLogger("bench")
+#: The encoder every figure runs on; ``--smoke`` puts a tiny local Llama here.
+MODEL = ["model=minilm"]
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
@@ -81,7 +84,7 @@ def rss_bytes() -> int:
 
 def base_overrides(data: Path, cache: Path, *extra: str) -> list[str]:
     return [
-        "model=minilm",
+        *MODEL,
         f"dataset.path={data}",
         f"cache_dir={cache}",
         "device=cpu",
@@ -167,7 +170,7 @@ def bench_bytes(
         "classifier_ratio": measured["bytes_sent_per_client_per_round"]
         / measured["trainable_bytes"],
     }
-    adapter = CaRRetriever(model.encoder, 2, head=settings.head, mode="adapter+classifier")
+    adapter = CaRRetriever(model.encoder, 2, head=settings.head, mode=Mode.ADAPTER_CLASSIFIER)
     for mode, retriever in (("classifier", model), ("adapter", adapter)):
         state = retriever.trainable_state_dict()
         reply = train_reply(state, {"num-examples": 2230, "train-loss": 0.1})
@@ -230,7 +233,7 @@ def tiny_llama_retriever(folder: Path, *, hidden: int, layers: int) -> CaRRetrie
     encoder = load_encoder(
         ModelConfig(name="bench-llama", name_or_path=str(folder), pooling="mean"), device="cpu"
     )
-    return CaRRetriever(encoder, 2, head=HeadConfig(), mode="adapter+classifier")
+    return CaRRetriever(encoder, 2, head=HeadConfig(), mode=Mode.ADAPTER_CLASSIFIER)
 
 
 # ----------------------------------------------------------------------------- figure 4
@@ -240,9 +243,17 @@ def empty_client(msg: Any, context: Any) -> Any:
 
     from car_fl.protocol.messages import ARRAYS_KEY, METRICS_KEY
 
+    tick = time.perf_counter()
     arrays = msg.content.array_records[ARRAYS_KEY]
-    content = RecordDict({ARRAYS_KEY: arrays, METRICS_KEY: MetricRecord({"num-examples": 1})})
-    return Message(content=content, reply_to=msg)
+    # the node's partition: the server checks each reply's example count against its shard
+    metrics = MetricRecord(
+        {
+            "num-examples": 1,
+            "partition-id": int(context.node_config["partition-id"]),
+            "train-seconds": time.perf_counter() - tick,
+        }
+    )
+    return Message(content=RecordDict({ARRAYS_KEY: arrays, METRICS_KEY: metrics}), reply_to=msg)
 
 
 def bench_round_overhead(data: Path, work: Path, cache: Path, rounds: int) -> dict[str, Any]:
@@ -281,8 +292,10 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import torch, transformers, flwr  # the process's fixed cost, before any model
 from flwr.app import RecordDict
 from car_fl.client import round as client
+from car_fl.client.shard import cached_encoder
 from car_fl.settings.compose import load_settings
 from car_fl.method.model import CaRRetriever, build_retriever
+from car_fl.settings.schema import Mode
 
 
 def rss():
@@ -297,14 +310,14 @@ anon_before, file_before = (int(status[k].split()[0]) * 1024 for k in ("RssAnon"
 settings = load_settings(@OVERRIDES@)
 node = client.NodeInfo(partition_id=0, num_partitions=2)
 if @MODE@ == "classifier":
-    initial = build_retriever(settings, 2, hidden_size=384).trainable_state_dict()
+    initial = build_retriever(settings, 2, hidden_size=@HIDDEN@).trainable_state_dict()
 else:
-    encoder = client.cached_encoder(settings)
+    encoder = cached_encoder(settings)
     initial = CaRRetriever(
-        encoder, 2, head=settings.head, mode="adapter+classifier"
+        encoder, 2, head=settings.head, mode=Mode.ADAPTER_CLASSIFIER
     ).trainable_state_dict()
 client.train_round(settings, node, initial, 1, RecordDict())
-encoder = client.cached_encoder(settings)
+encoder = cached_encoder(settings)
 weights = sum(p.numel() * p.element_size() for p in encoder.parameters())
 # VmHWM, not ru_maxrss: Linux keeps ru_maxrss across exec, so a child started by a big
 # parent would report the parent's peak
@@ -318,7 +331,9 @@ print(json.dumps(out))
 """
 
 
-def client_rss(mode: str, data: Path, cache: Path, max_examples: int) -> dict[str, Any]:
+def client_rss(
+    mode: str, data: Path, cache: Path, max_examples: int, hidden: int
+) -> dict[str, Any]:
     """In a fresh process: one client round from a cold cache; RSS before and at peak."""
     overrides = base_overrides(
         data, cache, f"mode={mode}", "fl.local_epochs=1", f"dataset.max_examples={max_examples}"
@@ -327,10 +342,13 @@ def client_rss(mode: str, data: Path, cache: Path, max_examples: int) -> dict[st
         RSS_CHILD.replace("@ROOT@", repr(str(ROOT)))
         .replace("@OVERRIDES@", repr(overrides))
         .replace("@MODE@", repr(mode))
+        .replace("@HIDDEN@", str(hidden))
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=1200
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=1200
     )
+    if out.returncode != 0:
+        raise RuntimeError(f"the {mode}-mode client process failed:\n{out.stderr[-3000:]}")
     result = json.loads(out.stdout.strip().splitlines()[-1])
     growth = result["peak"] - result["before"]
     return {
@@ -409,7 +427,7 @@ def bench_gpu(texts: list[str], minilm_dir: str) -> dict[str, Any]:
         name="tinyllama-shape", name_or_path="random", pooling="mean", dtype="bfloat16"
     )
     encoder = Encoder(llama, tokenizer, cfg)
-    model = CaRRetriever(encoder, 2, head=HeadConfig(), mode="adapter+classifier")
+    model = CaRRetriever(encoder, 2, head=HeadConfig(), mode=Mode.ADAPTER_CLASSIFIER)
     ratio = bench_step_vs_forward(model, texts[:16], repeats=10, label="TinyLlama-shape bf16")
     data = LocalData(
         labels=torch.tensor([i % 2 for i in range(len(texts))]),
@@ -432,6 +450,14 @@ def bench_gpu(texts: list[str], minilm_dir: str) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------- main
+def smoke_setup(work: Path) -> Path:
+    """A tiny random Llama as every figure's encoder, and synthetic data; the data file."""
+    from car_fl.testing.tiny import build_llama, synthetic_examples, write_tsv
+
+    MODEL[:] = ["model=local", f"model.name_or_path={build_llama(work / 'smoke-llama')}"]
+    return write_tsv(work / "smoke.tsv", synthetic_examples(400, num_labels=2))
+
+
 def verdict(key: str, value: float) -> str:
     op, target = TARGETS[key]
     ok = value >= target if op == ">=" else value <= target
@@ -444,9 +470,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=Path("bench.json"), help="results file")
     parser.add_argument("--texts", type=int, default=2000, help="texts for figure 1")
     parser.add_argument("--rounds", type=int, default=5, help="rounds for figure 4")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="every figure on a tiny random Llama and synthetic data (checks that the script "
+        "runs to the end; its numbers mean nothing)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    if not args.data.is_file():
+    if not args.smoke and not args.data.is_file():
         parser.error(f"{args.data} not found; pass --data path/to/SMSSpamCollection.tsv")
     results: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()},
@@ -454,10 +486,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     with tempfile.TemporaryDirectory(prefix="car-fl-bench-") as tmp:
         work = Path(tmp)
+        if args.smoke:
+            args.data, args.texts, args.rounds = smoke_setup(work), 64, 2
         settings = load_settings(base_overrides(args.data, work / "cache-main"))
         model = build_retriever(settings, 2)
         results["encoder"] = {
-            "name": "sentence-transformers/all-MiniLM-L6-v2",
+            "name": "tiny random Llama (smoke)" if args.smoke else settings.model.name,
             "weight_bytes": sum(p.numel() * p.element_size() for p in model.encoder.parameters()),
             "dtype": str(model.encoder.dtype),
         }
@@ -472,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         splits = load_splits(settings.dataset, seed=settings.seed)
         batch = random.Random(1).sample(list(splits.train["text"]), 16)
         adapter_minilm = CaRRetriever(
-            model.encoder, 2, head=settings.head, mode="adapter+classifier"
+            model.encoder, 2, head=settings.head, mode=Mode.ADAPTER_CLASSIFIER
         )
         llama = tiny_llama_retriever(work / "llama", hidden=256, layers=4)
         long_batch = [" ".join(f"w{(i * 7 + j) % 60}" for j in range(48)) for i in range(16)]
@@ -486,8 +520,9 @@ def main(argv: list[str] | None = None) -> int:
         results["4_round_overhead"] = bench_round_overhead(args.data, work, warm, args.rounds)
 
         print("5/7 peak RSS of a client process ...", flush=True)
+        hidden = model.encoder.hidden_size
         results["5_client_rss"] = [
-            client_rss(mode, args.data, work / f"cache-rss-{mode}", 1000)
+            client_rss(mode, args.data, work / f"cache-rss-{mode}", 1000, hidden)
             for mode in ("classifier", "adapter")
         ]
 
@@ -499,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
             args.data, work, warm, results["2_fl_vs_extraction"]
         )
 
-        if torch.cuda.is_available():
+        if torch.cuda.is_available() and not args.smoke:
             print("GPU: adapter mode on a TinyLlama-sized Llama in bf16 ...", flush=True)
             texts = list(splits.train["text"])
             results["gpu"] = bench_gpu(texts, settings.model.name_or_path)

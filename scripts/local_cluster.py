@@ -5,8 +5,10 @@
     python scripts/local_cluster.py stop --dir /tmp/cluster
 
 The deployment path (gRPC Fleet API, a new ClientApp process per message) without several
-computers. PIDs, logs, certificates and the flwr configuration (FLWR_HOME) live in --dir;
-`stop` ends exactly the processes `start` started.
+computers. Each SuperNode gets its worker (`car-fl worker`, in --dir/worker-<i>), which holds
+the encoder across rounds and runs; --no-workers trains in each ClientApp process instead.
+PIDs, logs, certificates and the flwr configuration (FLWR_HOME) live in --dir; `stop` ends
+exactly the processes `start` started.
 """
 
 from __future__ import annotations
@@ -28,7 +30,12 @@ def start(args: argparse.Namespace) -> None:
     cluster = LocalCluster(folder, connection=CONNECTION, ports=args.port)
     try:
         cluster.start(
-            args.nodes, data=args.data, device=args.device, tls=args.tls, node_auth=args.node_auth
+            args.nodes,
+            data=args.data,
+            device=args.device,
+            tls=args.tls,
+            node_auth=args.node_auth,
+            workers=not args.no_workers,
         )
     except RuntimeError as err:  # what it started so far stays recorded: `stop` ends it
         sys.exit(str(err))
@@ -75,6 +82,11 @@ def main() -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--tls", action="store_true", help="TLS with a fresh private CA")
     p.add_argument("--node-auth", action="store_true", help="register node keys (needs --tls)")
+    p.add_argument(
+        "--no-workers",
+        action="store_true",
+        help="no node workers: every round's ClientApp process trains (and loads the encoder)",
+    )
     p.set_defaults(func=start)
     p = sub.add_parser("run", help="flwr run this project on the cluster and wait for it")
     p.add_argument("--dir", type=Path, required=True)

@@ -2,16 +2,25 @@
 
 Its shard (--partition-id of --num-partitions), its local data file, its device, an optional
 local model folder and feature cache travel as Flower --node-config; data never travels in the
-app bundle. Runs in the foreground: stop it with Ctrl-C.
+app bundle. With --worker DIR the node's worker (`car-fl worker --dir DIR`, started first with
+the node config this script prints) trains each round. Runs in the foreground: stop it with
+Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 from pathlib import Path
+from typing import Any
 
-from car_fl.deploy.commands import FLEET_PORT, node_config_string, supernode_command
+from car_fl.deploy.commands import (
+    FLEET_PORT,
+    node_config_string,
+    supernode_command,
+    worker_command,
+)
 
 
 def main() -> None:
@@ -41,6 +50,18 @@ def main() -> None:
         help="--data holds only this node's examples: train on all of them "
         "instead of taking partition --partition-id of the full dataset",
     )
+    parser.add_argument(
+        "--worker",
+        type=Path,
+        default=None,
+        help="folder of this node's worker (car-fl worker --dir), which then trains each round",
+    )
+    parser.add_argument(
+        "--privacy-policy",
+        type=Path,
+        default=None,
+        help="this node's privacy policy (TOML, docs/privacy.md); also in the worker's command",
+    )
     parser.add_argument("--port", type=int, default=9094, help="this node's local runtime API")
     parser.add_argument(
         "--root-cert",
@@ -56,22 +77,28 @@ def main() -> None:
     )
     parser.add_argument("--print", action="store_true", help="print the command, do not run it")
     args = parser.parse_args()
+    node: dict[str, Any] = {
+        "partition_id": args.partition_id,
+        "num_partitions": args.num_partitions,
+        "data_path": args.data,
+        "device": args.device,
+        "model_path": args.model,
+        "cache_dir": args.cache_dir,
+        "data_is_shard": args.data_is_shard,
+        "privacy_policy": args.privacy_policy,
+    }
     cmd = supernode_command(
         superlink=args.superlink,
         runtime_port=args.port,
         root_cert=args.root_cert,
         private_key=args.auth_key,
-        node_config=node_config_string(
-            partition_id=args.partition_id,
-            num_partitions=args.num_partitions,
-            data_path=args.data,
-            device=args.device,
-            model_path=args.model,
-            cache_dir=args.cache_dir,
-            data_is_shard=args.data_is_shard,
-        ),
+        node_config=node_config_string(**node, worker=args.worker),
     )
-    print(" ".join(cmd), flush=True)
+    if args.worker:
+        mine = node_config_string(**node)  # the worker's: the same values and policy, no worker
+        worker = worker_command(folder=args.worker.expanduser(), node_config=mine)
+        print("this node's worker (start it first):", shlex.join(worker), flush=True)
+    print(shlex.join(cmd), flush=True)
     if not args.print:
         os.execvp(cmd[0], cmd)
 

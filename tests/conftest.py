@@ -5,6 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import random
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 # No network anywhere in the suite: the hub code paths must fail fast instead of downloading.
@@ -64,6 +67,16 @@ def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def synthetic_tsv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """400 examples of a 4-label learnable task, in the SMS Spam Collection's format."""
     return write_tsv(tmp_path_factory.mktemp("data") / "synthetic.tsv", synthetic_examples(400))
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A fresh folder with a short path: a Unix socket's path must stay under 100 bytes."""
+    folder = Path(tempfile.mkdtemp(prefix="cf-", dir="/tmp"))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture

@@ -15,12 +15,7 @@ from collections.abc import Callable
 
 from flwr.app import Context, Message
 
-from car_fl.client.ledger import BudgetExhausted, LedgerError
-from car_fl.client.local_dp import PrivacyBudgetExhausted
-from car_fl.client.policy import PolicyError
-from car_fl.client.record_dp import RecordBudgetExhausted
 from car_fl.protocol.failures import Failure, failure_reply
-from car_fl.settings.flower import FingerprintMismatch, NodeConfigError
 
 log = logging.getLogger(__name__)
 
@@ -36,23 +31,34 @@ class Refusal(RuntimeError):
         self.detail = detail
 
 
-#: Exception classes whose meaning is a fixed reply of its own; anything else: ROUND_FAILED.
-KNOWN: tuple[tuple[type[BaseException], Failure], ...] = (
-    (BudgetExhausted, Failure.BUDGET_EXHAUSTED),
-    (LedgerError, Failure.BUDGET_EXHAUSTED),
-    (PrivacyBudgetExhausted, Failure.RUN_TARGET_REACHED),
-    (RecordBudgetExhausted, Failure.RUN_TARGET_REACHED),
-    (FingerprintMismatch, Failure.CONFIG_MISMATCH),
-    (NodeConfigError, Failure.NODE_CONFIG),
-    (PolicyError, Failure.NODE_CONFIG),
-)
+def known() -> tuple[tuple[type[BaseException], Failure], ...]:
+    """Exception classes whose meaning is a fixed reply of its own; anything else: ROUND_FAILED.
+
+    Imported here, not at the top: the ClientApp of a node with a worker imports this module
+    and must stay free of torch (the DP modules import it).
+    """
+    from car_fl.client.ledger import BudgetExhausted, LedgerError
+    from car_fl.client.local_dp import PrivacyBudgetExhausted
+    from car_fl.client.policy import PolicyError
+    from car_fl.client.record_dp import RecordBudgetExhausted
+    from car_fl.settings.flower import FingerprintMismatch, NodeConfigError
+
+    return (
+        (BudgetExhausted, Failure.BUDGET_EXHAUSTED),
+        (LedgerError, Failure.BUDGET_EXHAUSTED),
+        (PrivacyBudgetExhausted, Failure.RUN_TARGET_REACHED),
+        (RecordBudgetExhausted, Failure.RUN_TARGET_REACHED),
+        (FingerprintMismatch, Failure.CONFIG_MISMATCH),
+        (NodeConfigError, Failure.NODE_CONFIG),
+        (PolicyError, Failure.NODE_CONFIG),
+    )
 
 
 def failure_of(err: BaseException) -> Failure:
     """The fixed reply for an exception raised while handling a round."""
     if isinstance(err, Refusal):
         return err.failure
-    for kind, failure in KNOWN:
+    for kind, failure in known():
         if isinstance(err, kind):
             return failure
     return Failure.ROUND_FAILED

@@ -1,8 +1,8 @@
 """This node's training shard, ready to train on: its examples, features and retriever.
 
-The encoder is loaded at most once per process and kept (simulation reuses processes across
-rounds). In ``classifier`` mode the shard's features come from the memory or disk cache, so a
-round that only needs cached features never loads the encoder at all.
+The encoder is loaded at most once per process and kept (a simulation's processes and the
+node's worker serve many rounds). In ``classifier`` mode the shard's features come from the
+memory or disk cache, so a round that only needs cached features never loads the encoder.
 
 The node reads, deduplicates and splits its data with its own label map (the server's map
 does not decide which examples land in which split), then encodes the labels with the
@@ -74,16 +74,18 @@ def shard_data(settings: Settings, node: NodeInfo, labels: Sequence[str] | None 
     (``data-is-shard``) trains on all of it; otherwise it takes its partition of the training
     split of the full dataset.
     """
-    key = node_cache.digest([asdict(settings), list(labels or []), astuple(node)])
-    if key in _SHARDS:
-        return _SHARDS[key]
-    # The node's disk cache spares a new process reading, splitting and partitioning the data
+    # The data files' identity is in the disk key: a process that lives across runs (the
+    # node's worker) sees an edited data file as another shard
     disk_key = node_cache.shard_key(
         settings,
         partition_id=node.partition_id,
         num_partitions=node.num_partitions,
         data_is_shard=node.data_is_shard,
     )
+    key = node_cache.digest([asdict(settings), list(labels or []), astuple(node), disk_key])
+    if key in _SHARDS:
+        return _SHARDS[key]
+    # The node's disk cache spares a new process reading, splitting and partitioning the data
     stored = node_cache.load_shard(settings, disk_key) if disk_key else None
     if stored is None:
         stored = read_shard(settings, node)

@@ -2,13 +2,14 @@
 
 ``scripts/local_cluster.py``, ``scripts/deploy_overhead.py``, ``scripts/bench_deploy.py`` and
 ``tests/deploy/test_deployment.py`` all build their clusters here. A cluster lives in one
-folder: the SuperLink's state database (``state.db``), the ``flwr`` configuration with the cluster's
-connection (``flwr/``, the cluster's own ``FLWR_HOME``), each node's feature cache
-(``cache-<i>``), certificates and node keys (``certs/``), one log per process, the PIDs
-(``cluster.json``) and the host and ports (``network.json``). Everything it starts is stopped
+folder: the SuperLink's state database (``state.db``), the ``flwr`` configuration with the
+cluster's connection (``flwr/``, the cluster's own ``FLWR_HOME``), each node's feature cache
+(``cache-<i>``) and worker (``worker-<i>``, when it has one), certificates and node keys
+(``certs/``), one log per process, the PIDs (``cluster.json``) and the host and ports
+(``network.json``). Everything it starts is stopped
 by PID, never by name.
 
-(Just over 300 lines: one class that starts a cluster, attaches to it and runs on it.)
+(About 370 lines: one class that starts a cluster, attaches to it and runs on it.)
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from car_fl.client import worker_link
 from car_fl.common.io import atomic_write_json
 from car_fl.deploy.certs import TLSFiles, make_certificates, make_node_key
 from car_fl.deploy.commands import (
@@ -31,6 +33,7 @@ from car_fl.deploy.commands import (
     superexec_command,
     superlink_command,
     supernode_command,
+    worker_command,
 )
 from car_fl.deploy.connection import register_node, write_connection
 from car_fl.deploy.processes import Processes
@@ -192,11 +195,13 @@ class LocalCluster:
         max_retries: int | None = None,
         max_wait_time: float | None = None,
         prefix: Sequence[str] = (),
+        worker: Path | None = None,
     ) -> str:
         """Start SuperNode ``partition_id`` of ``num_partitions``; returns its process name.
 
         Insecure unless ``root_cert`` is given; its feature cache is ``<folder>/cache-<i>``
         unless ``cache_dir`` is given. A second node for the same partition gets its own name.
+        ``worker``: the folder of the node's worker (:meth:`start_worker`), which then trains.
         """
         name = f"supernode-{partition_id}"
         if name in self.processes.pids:
@@ -216,10 +221,62 @@ class LocalCluster:
                 device=device,
                 model_path=model,
                 cache_dir=cache_dir or self.folder / f"cache-{partition_id}",
+                worker=worker,
             ),
         )
         self.processes.start(name, [*prefix, *cmd], env=self.env)
         return name
+
+    def worker_folder(self, partition_id: int) -> Path:
+        return self.folder / f"worker-{partition_id}"
+
+    def start_worker(
+        self,
+        partition_id: int,
+        num_partitions: int,
+        *,
+        data: Path | None = None,
+        device: str | None = None,
+        model: Path | None = None,
+        cache_dir: Path | None = None,
+        restart: bool = True,
+        prefix: Sequence[str] = (),
+        timeout: float = 300.0,
+    ) -> Path:
+        """Start node ``partition_id``'s worker (``car-fl worker``) and wait until it answers.
+
+        Process ``worker-<i>``, folder ``<folder>/worker-<i>``, the node's own configuration
+        (the same values :meth:`start_node` gives the SuperNode); ``restart``: under a
+        supervisor that starts it again when it dies. Returns the folder (``start_node``'s
+        ``worker``).
+        """
+        folder = self.worker_folder(partition_id)
+        node_config = node_config_string(
+            partition_id=partition_id,
+            num_partitions=num_partitions,
+            data_path=data,
+            device=device,
+            model_path=model,
+            cache_dir=cache_dir or self.folder / f"cache-{partition_id}",
+        )
+        name = f"worker-{partition_id}"
+        cmd = worker_command(folder=folder, node_config=node_config, restart=restart)
+        self.processes.start(name, [*prefix, *cmd], env=self.env)
+        self.wait_worker(name, folder, timeout=timeout)
+        return folder
+
+    def wait_worker(self, name: str, folder: Path, *, timeout: float) -> dict[str, object]:
+        """The worker's status once it answers; ``RuntimeError`` if process ``name`` dies."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if not self.processes.alive(name):
+                raise RuntimeError(f"{name} exited; its log:\n{self.processes.log(name)[-3000:]}")
+            try:
+                return worker_link.status(folder, timeout=10)
+            except worker_link.WorkerUnavailable:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{name} does not answer after {timeout} s") from None
+                time.sleep(0.2)
 
     def register_new_node_key(self, index: int) -> Path:
         """Make ``certs/node<index>.key`` (+ ``.pub``), register it; the private key's path."""
@@ -240,17 +297,25 @@ class LocalCluster:
         client_cores: Sequence[int] | None = None,
         server_core: int | None = None,
         settle: float = 0.0,
+        workers: bool = False,
     ) -> LocalCluster:
         """The whole cluster: a SuperLink and ``nodes`` SuperNodes sharing the data file.
 
         ``tls``: a fresh private CA in ``certs/``; ``node_auth``: a registered key per node.
-        ``client_cores`` / ``server_core`` pin node ``i`` / the SuperLink to one CPU core.
-        ``settle``: seconds to let the SuperNodes connect before returning.
+        ``client_cores`` / ``server_core`` pin node ``i`` (and its worker) / the SuperLink to
+        one CPU core. ``settle``: seconds to let the SuperNodes connect before returning.
+        ``workers``: each node gets its worker (:meth:`start_worker`), started first.
         """
         files = make_certificates(self.folder / "certs", [self.host, "localhost"]) if tls else None
         self.start_superlink(tls=files, node_auth=node_auth, prefix=pinned([], server_core))
         keys = [self.register_new_node_key(i) for i in range(nodes)] if node_auth else []
         for i in range(nodes):
+            prefix = pinned([], client_cores[i] if client_cores else None)
+            folder = (
+                self.start_worker(i, nodes, data=data, device=device, prefix=prefix)
+                if workers
+                else None
+            )
             self.start_node(
                 i,
                 nodes,
@@ -258,7 +323,8 @@ class LocalCluster:
                 device=device,
                 root_cert=files.ca_cert if files else None,
                 private_key=keys[i] if keys else None,
-                prefix=pinned([], client_cores[i] if client_cores else None),
+                prefix=prefix,
+                worker=folder,
             )
         time.sleep(settle)
         return self

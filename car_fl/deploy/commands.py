@@ -9,7 +9,15 @@ import sys
 from pathlib import Path
 
 from car_fl.deploy.certs import TLSFiles
-from car_fl.settings.flower import DATA_IS_SHARD, DEVICE, NODE_CONFIG, NUM_PARTITIONS, PARTITION_ID
+from car_fl.settings.flower import (
+    DATA_IS_SHARD,
+    DEVICE,
+    NODE_CONFIG,
+    NUM_PARTITIONS,
+    PARTITION_ID,
+    PRIVACY_POLICY,
+    WORKER,
+)
 
 FLEET_PORT = 9092  # gRPC Fleet API: SuperNodes connect here (open it to the clients)
 CONTROL_PORT = 9093  # HTTP(S) Control API: `flwr run` connects here (open it to the operator)
@@ -92,6 +100,8 @@ def node_config_string(
     partition_id: int,
     num_partitions: int,
     data_is_shard: bool = False,
+    worker: str | Path | None = None,
+    privacy_policy: str | Path | None = None,
     **local: str | Path | None,
 ) -> str:
     """Flower ``--node-config`` value: the node's shard and its local values.
@@ -100,17 +110,22 @@ def node_config_string(
     value on the node, spelled with
     underscores (``data_path``, ``test_data_path``, ``model_path``, ``device``, ``cache_dir``);
     ``None`` leaves a value out, paths are made absolute. ``data_is_shard``: the data file holds
-    only this node's examples (train on all of it).
+    only this node's examples (train on all of it). ``worker``: the folder of the node's worker
+    (``car-fl worker --dir``), to which the ClientApp hands its rounds. ``privacy_policy``:
+    the node owner's policy file (docs/privacy.md); give it to the worker's node config too,
+    since the worker trains with its own.
     """
     unknown = sorted(set(local) - set(LOCAL_ARGUMENTS))
     if unknown:
         raise ValueError(f"unknown node-config values {unknown}; valid: {sorted(LOCAL_ARGUMENTS)}")
     items = [f"{PARTITION_ID}={partition_id}", f"{NUM_PARTITIONS}={num_partitions}"]
-    for argument, key in LOCAL_ARGUMENTS.items():
-        value = local.get(argument)
+    extra = {WORKER: worker, PRIVACY_POLICY: privacy_policy}
+    keys = [*LOCAL_ARGUMENTS.items(), ("worker", WORKER), ("privacy_policy", PRIVACY_POLICY)]
+    for argument, key in keys:
+        value = extra[key] if key in extra else local.get(argument)
         if value is None:
             continue
-        text = str(value) if key == DEVICE else str(Path(value).resolve())
+        text = str(value) if key == DEVICE else str(Path(value).expanduser().resolve())
         if '"' in text:
             raise ValueError(f"{argument}={text!r}: a node-config value cannot hold a '\"'")
         items.append(f'{key}="{text}"')
@@ -147,3 +162,10 @@ def supernode_command(
     if max_wait_time is not None:
         cmd += ["--max-wait-time", str(max_wait_time)]
     return cmd
+
+
+def worker_command(*, folder: Path, node_config: str, restart: bool = True) -> list[str]:
+    """``car-fl worker`` for one node: its folder and the node's own ``--node-config``."""
+    cmd = [sys.executable, "-m", "car_fl.cli", "worker", "--dir", str(Path(folder).resolve())]
+    cmd += ["--node-config", node_config]
+    return cmd if restart else [*cmd, "--no-restart"]

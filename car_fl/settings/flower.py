@@ -28,6 +28,7 @@ MODEL_PATH = "model-path"
 DEVICE = "device"
 CACHE_DIR = "cache-dir"
 PRIVACY_POLICY = "privacy-policy"
+WORKER = "worker"
 
 
 class NodeKey(NamedTuple):
@@ -51,6 +52,9 @@ NODE_CONFIG: dict[str, NodeKey] = {
     CACHE_DIR: NodeKey("cache_dir", "this node's cache folder (features, settings, shard)"),
     PRIVACY_POLICY: NodeKey(
         None, "this node's privacy policy (a TOML file its owner writes; see docs/privacy.md)"
+    ),
+    WORKER: NodeKey(
+        None, "this node's worker folder (car-fl worker): the ClientApp hands it rounds"
     ),
 }
 

@@ -40,8 +40,22 @@ WORDS = (
 )
 
 
-def build_llama(folder: Path, *, hidden: int = 64, layers: int = 2, seed: int = 0) -> Path:
-    """A 2-layer Llama (hidden 64) and a word-level tokenizer that adds BOS but not EOS."""
+def build_llama(
+    folder: Path,
+    *,
+    hidden: int = 64,
+    layers: int = 2,
+    seed: int = 0,
+    intermediate: int | None = None,
+    heads: int = 4,
+    kv_heads: int = 2,
+    dtype: str = "float32",
+) -> Path:
+    """A 2-layer Llama (hidden 64) and a word-level tokenizer that adds BOS but not EOS.
+
+    ``intermediate`` defaults to twice ``hidden``; a TinyLlama-shaped one (random weights):
+    ``hidden=2048, layers=22, intermediate=5632, heads=32, kv_heads=4, dtype="bfloat16"``.
+    """
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import LlamaConfig, LlamaModel, PreTrainedTokenizerFast
@@ -59,10 +73,10 @@ def build_llama(folder: Path, *, hidden: int = 64, layers: int = 2, seed: int = 
     config = LlamaConfig(
         vocab_size=len(vocab),
         hidden_size=hidden,
-        intermediate_size=2 * hidden,
+        intermediate_size=intermediate or 2 * hidden,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=256,
         bos_token_id=1,
         eos_token_id=2,
@@ -70,7 +84,7 @@ def build_llama(folder: Path, *, hidden: int = 64, layers: int = 2, seed: int = 
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = LlamaModel(config)
+    model = LlamaModel(config).to(getattr(torch, dtype))
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     fast.save_pretrained(folder)

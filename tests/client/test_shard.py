@@ -34,3 +34,22 @@ def test_labels_the_servers_map_lacks_are_left_out_and_counted_only_in_the_nodes
     assert len(shard.data) == 4 and shard.left_out == 2
     assert shard.examples == 6  # n counts every example: it must not depend on the labels
     assert "spam: 2" in caplog.text  # the node's own log names them; no exception does
+
+
+def test_a_long_lived_process_sees_an_edited_data_file_as_another_shard(
+    make_settings, tmp_path: Path
+) -> None:
+    from car_fl.client.shard import shard_data
+
+    # The node's worker keeps shards in memory across runs; its owner edits the data between two
+    local = tmp_path / "local.tsv"
+    local.write_text("topic0\tk0 w1\ntopic2\tk2 w2\n" * 3, encoding="utf-8")
+    settings = make_settings(f"dataset.path={local}", "mode=adapter")
+    node = NodeInfo(0, 1, data_is_shard=True)
+    first = shard_data(settings, node)
+    assert shard_data(settings, node) is first  # kept in memory
+    with local.open("a", encoding="utf-8") as handle:
+        handle.write("topic1\tk1 w3\n")
+    second = shard_data(settings, node)
+    assert (len(first.data), len(second.data)) == (6, 7)
+    assert second.label_map.to_list() == ["topic0", "topic1", "topic2"]

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from flwr.common.config import parse_config_args
 
+from car_fl.client.worker_link import worker_folder
 from car_fl.deploy.certs import TLSFiles
 from car_fl.deploy.commands import (
     node_config_string,
@@ -15,6 +16,7 @@ from car_fl.deploy.commands import (
     superexec_command,
     superlink_command,
     supernode_command,
+    worker_command,
 )
 from car_fl.settings.compose import load_settings
 from car_fl.settings.flower import NODE_CONFIG, NodeInfo, apply_node_config
@@ -131,6 +133,37 @@ def test_node_config_string_leaves_out_none_and_makes_paths_absolute(
         "num-partitions": 2,
         "data-path": str(tmp_path / "d.tsv"),
     }
+
+
+def test_a_nodes_worker_folder_travels_in_its_node_config_and_its_command(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    text = node_config_string(partition_id=0, num_partitions=2, worker="w0")
+    node_config = parse_config_args([text])
+    assert worker_folder(node_config) == tmp_path / "w0"
+    # the worker gets the node's own config (without a worker key), restarted unless told
+    mine = node_config_string(partition_id=0, num_partitions=2, data_path="d.tsv")
+    cmd = worker_command(folder=Path("w0"), node_config=mine)
+    assert cmd[1:5] == ["-m", "car_fl.cli", "worker", "--dir"]
+    assert flag(cmd, "--dir") == str(tmp_path / "w0") and flag(cmd, "--node-config") == mine
+    assert "--no-restart" not in cmd
+    assert worker_command(folder=Path("w0"), node_config=mine, restart=False)[-1] == "--no-restart"
+
+
+def test_a_nodes_privacy_policy_travels_in_its_node_config_to_the_node_privacy_guard(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from car_fl.client.node_privacy import NodePrivacy
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "policy.toml").write_text('modes = ["record"]\n', encoding="utf-8")
+    (tmp_path / "d.tsv").write_text("ham\thello\n", encoding="utf-8")
+    text = node_config_string(
+        partition_id=0, num_partitions=2, data_path="d.tsv", privacy_policy="policy.toml"
+    )
+    guard = NodePrivacy.from_node_config(parse_config_args([text]))
+    assert guard is not None and guard.policy.source == tmp_path / "policy.toml"
 
 
 def test_node_config_string_rejects_unknown_values_and_quotes() -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from safetensors.torch import load_file
 
+from car_fl.client import worker_link
 from car_fl.deploy.certs import make_certificates, make_node_key
 from car_fl.deploy.cluster import LocalCluster
 from car_fl.deploy.connection import register_node
@@ -183,6 +184,60 @@ def test_a_supernode_killed_mid_round_does_not_stop_the_run(deployment: Deployme
     assert all(row["skipped"] == 0 for row in history)
     weights = load_file(str(out / "checkpoints" / "final" / "weights.safetensors"))
     assert all(math.isfinite(float(v.abs().sum())) for v in weights.values())
+
+
+def gone(pid: int, timeout: float = 20) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_worker_killed_mid_round_fails_that_round_and_the_run_goes_on(
+    make_deployment: MakeDeployment,
+) -> None:
+    deployment = make_deployment(env={"OMP_NUM_THREADS": "1"})
+    cluster = deployment.cluster
+    cluster.start_superlink()
+    workers = [cluster.start_worker(i, 2, data=deployment.data) for i in range(2)]
+    for i in range(2):
+        deployment.start_node(i, 2, worker=workers[i])
+    run_id = cluster.submit(
+        PROJECT, deployment.overrides("mode=adapter fl.rounds=3 fl.local_epochs=4")
+    )
+    # Node 0's worker has started its second round: SIGKILL the worker (not its supervisor)
+    deadline = time.monotonic() + 300
+    while cluster.processes.log("worker-0").count("a round starts") < 2:
+        assert time.monotonic() < deadline, cluster.processes.log("worker-0")[-3000:]
+        time.sleep(0.05)
+    killed = int(worker_link.status(workers[0])["pid"])
+    os.kill(killed, signal.SIGKILL)
+    status = cluster.wait(run_id, timeout=600)
+    assert status["status"] == "finished:completed", status
+    rows = client_rows(deployment.out)
+    node0 = next(r["node"] for r in rows if r["partition_id"] and float(r["partition_id"]) == 0)
+    outcome = {(r["round"], r["node"] == node0): r for r in rows}
+    # That round failed for node 0 with a clear message; node 1's reply made the round
+    lost = outcome[("2", True)]
+    assert lost["status"] == "failed", rows
+    assert "worker stopped before it answered" in lost["reason"], lost["reason"]
+    assert outcome[("2", False)]["status"] == "ok"
+    # The supervisor started the worker again: the next round is whole
+    assert outcome[("1", True)]["status"] == outcome[("3", True)]["status"] == "ok"
+    assert outcome[("3", False)]["status"] == "ok"
+    restarted = worker_link.status(workers[0])
+    assert restarted["pid"] != killed and restarted["rounds"] == 1
+    assert worker_link.status(workers[1])["rounds"] == 3
+    # Nothing is left running once the cluster stops: workers, supervisors, nodes, link
+    pids = [*cluster.processes.pids.values(), killed, int(restarted["pid"])]
+    pids.append(int(worker_link.status(workers[1])["pid"]))
+    cluster.stop()
+    assert all(gone(pid) for pid in pids), [pid for pid in pids if not gone(pid, 0)]
+    assert not any((folder / "worker.sock").exists() for folder in workers)
 
 
 def test_superlink_restarted_mid_run_resumes_from_its_database(deployment: Deployment) -> None:

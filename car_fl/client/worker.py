@@ -1,0 +1,370 @@
+"""The node's worker: a process beside the SuperNode that holds the encoder across rounds, runs.
+
+Own code because Flower 1.39 starts a new ClientApp process for every message (in both
+isolation modes), so nothing a ClientApp loads survives to the next round: each round would
+import torch and load the encoder again (a 2.2 GB TinyLlama, a 6.4 GB Llama-3.2-3B). The
+node's owner starts this worker next to the SuperNode (``car-fl worker``); car-fl's ClientApp
+hands it each round over a local socket (:mod:`car_fl.client.worker_link`) and returns its
+reply. The worker is the node's own code, run with the node's own configuration (data paths,
+partition, cache, device, privacy), never with node-level values from the ClientApp: it
+answers with :func:`car_fl.client.answer.answer_train`, the function a simulated client runs.
+
+- One round at a time, whatever the run (one worker per device); each run's state (the DP
+  state Flower keeps in ``context.state``) is kept apart, in memory and in ``runs/<id>.state``
+  in the worker's folder, so a restarted worker goes on where it was.
+- One worker per folder (a file lock); a dead worker's socket is replaced at the next start.
+- :func:`supervise` starts the worker again when it dies (``car-fl worker`` does by default);
+  a round whose worker is gone fails with a message that says how to start it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from flwr.app import RecordDict
+
+from car_fl.client.answer import answer_train
+from car_fl.client.failures import failure_of
+from car_fl.client.worker_link import (
+    HANDSHAKE_TIMEOUT,
+    SECRET_NAME,
+    WORKER_KEY,
+    check_client,
+    decode_content,
+    encode_content,
+    greet,
+    read_secret,
+    recv_message,
+    send_message,
+    socket_path,
+)
+from car_fl.common.io import atomic_write
+from car_fl.method import encoder as encoder_module
+from car_fl.settings.flower import CACHE_DIR, NUM_PARTITIONS, PARTITION_ID
+
+log = logging.getLogger(__name__)
+
+#: Exit codes of a worker process that :func:`supervise` does not restart.
+EXIT_CONFIG = 2  # its node configuration is wrong (as argparse's usage errors)
+EXIT_BUSY = 3  # another worker serves the folder
+LOCK_NAME = "worker.lock"
+RUNS_DIR = "runs"
+
+Answer = Callable[..., RecordDict]
+
+
+class WorkerBusy(RuntimeError):
+    """Another worker already serves this folder."""
+
+
+def own_node_config(folder: Path, node_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The worker's node configuration: its place in the federation is required; its cache
+    defaults to ``<folder>/cache`` so that nothing the server sends chooses where it writes."""
+    config = {k: v for k, v in node_config.items() if k != WORKER_KEY}
+    for key in (PARTITION_ID, NUM_PARTITIONS):
+        if not isinstance(config.get(key), int) or isinstance(config.get(key), bool):
+            raise ValueError(
+                f"the worker's --node-config needs {key}=<integer> (got {config.get(key)!r}); "
+                "give it the SuperNode's --node-config, e.g. 'partition-id=0 num-partitions=2 "
+                'data-path="/data/sms.tsv"\''
+            )
+    if config.get(CACHE_DIR) in (None, ""):
+        config[CACHE_DIR] = str(folder / "cache")
+    return config
+
+
+@contextlib.contextmanager
+def hold_folder(folder: Path) -> Iterator[IO[str]]:
+    """An exclusive lock on the worker's folder for as long as this process serves it."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    handle = (folder / LOCK_NAME).open("a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        other = handle.read().strip() or "?"
+        handle.close()
+        raise WorkerBusy(
+            f"another car-fl worker (PID {other}) serves {folder}; stop it first, or give "
+            "this one another --dir (one worker per device)"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    try:
+        yield handle
+    finally:
+        handle.close()
+
+
+def new_secret(folder: Path) -> bytes:
+    """A fresh secret for this start, readable by the node's owner only."""
+    secret = secrets.token_hex(32).encode()
+
+    def write(tmp: Path) -> None:
+        tmp.chmod(0o600)
+        tmp.write_bytes(secret)
+
+    atomic_write(folder / SECRET_NAME, write)
+    return secret
+
+
+@contextlib.contextmanager
+def listening(folder: Path) -> Iterator[tuple[socket.socket, bytes]]:
+    """The folder's lock, a fresh secret and the listening socket, removed again at the end.
+
+    Raises :class:`WorkerBusy` when another worker holds the folder. A dead worker's socket is
+    replaced. The socket outlives a worker process that :func:`supervise` restarts: a
+    ClientApp that connects meanwhile waits in its backlog for the next worker.
+    """
+    path = socket_path(folder)
+    with hold_folder(folder), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        path.unlink(missing_ok=True)  # a dead worker's: we hold the folder's lock
+        secret = new_secret(folder)
+        umask = os.umask(0o177)  # the socket is the owner's only from the start
+        try:
+            sock.bind(str(path))
+        finally:
+            os.umask(umask)
+        sock.listen(64)
+        try:
+            yield sock, secret
+        finally:
+            path.unlink(missing_ok=True)
+
+
+class NodeWorker:
+    """Serves rounds over ``<folder>/worker.sock`` with the node's own configuration."""
+
+    def __init__(
+        self, folder: Path, node_config: Mapping[str, Any], *, answer: Answer = answer_train
+    ) -> None:
+        self.folder = Path(folder).expanduser().resolve()
+        self.node_config = own_node_config(self.folder, node_config)
+        self.answer = answer
+        self.rounds = 0
+        self.failed = 0
+        self.busy_run: int | None = None
+        self._round = threading.Lock()
+        self._stop = threading.Event()
+        self._states: dict[int, RecordDict] = {}
+        self.ready = threading.Event()
+
+    def stop(self) -> None:
+        """End :meth:`serve` (within half a second); a round in progress is abandoned."""
+        self._stop.set()
+
+    def serve(self, listener: socket.socket, secret: bytes) -> None:
+        """Answer connections on ``listener`` until :meth:`stop` (see :func:`listening`)."""
+        listener.settimeout(0.5)
+        log.info(
+            "car-fl worker PID %d: partition %s of %s, device %s, cache %s; listening on %s",
+            os.getpid(),
+            self.node_config[PARTITION_ID],
+            self.node_config[NUM_PARTITIONS],
+            self.node_config.get("device", "auto"),
+            self.node_config[CACHE_DIR],
+            socket_path(self.folder),
+        )
+        self.ready.set()
+        try:
+            while not self._stop.is_set():
+                try:
+                    conn, _ = listener.accept()
+                except TimeoutError:
+                    continue
+                threading.Thread(
+                    target=self._serve_connection, args=(conn, secret), daemon=True
+                ).start()
+        finally:
+            self.ready.clear()
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "pid": os.getpid(),
+            "rounds": self.rounds,
+            "failed": self.failed,
+            "encoder-loads": encoder_module.LOAD_COUNT,
+            "runs": sorted(self._states),
+            "busy-run": self.busy_run,
+        }
+
+    # ------------------------------------------------------------------------------- requests
+    def _serve_connection(self, conn: socket.socket, secret: bytes) -> None:
+        with conn:
+            conn.settimeout(HANDSHAKE_TIMEOUT)
+            try:
+                check_client(conn, secret, greet(conn))
+                header, body = recv_message(conn)
+            except PermissionError as err:
+                log.warning("%s", err)
+                return
+            except (OSError, ConnectionError, ValueError) as err:
+                log.warning("a connection ended before its request: %s", err)
+                return
+            conn.settimeout(None)
+            kind = header.get("kind")
+            if kind == "status":
+                answer: tuple[dict[str, Any], bytes] = ({"ok": True, **self.status()}, b"")
+            elif kind == "train":
+                answer = self._train(header, body)
+            else:
+                answer = ({"ok": False, "error": f"unknown request {kind!r}"}, b"")
+            try:
+                send_message(conn, *answer)
+            except OSError as err:
+                log.warning("the ClientApp left before the answer: %s", err)
+
+    def _train(self, header: Mapping[str, Any], body: bytes) -> tuple[dict[str, Any], bytes]:
+        try:
+            run_id = int(header["run-id"])
+            run_config = dict(header["run-config"])
+        except (KeyError, TypeError, ValueError):
+            return {"ok": False, "error": "a train request needs 'run-id' and 'run-config'"}, b""
+        with self._round:  # one round at a time on this node's device, whatever the run
+            self.busy_run = run_id
+            tick = time.perf_counter()
+            log.info("run %d: a round starts", run_id)
+            state = self._state_of(run_id)
+            try:
+                reply = self.answer(
+                    decode_content(body),
+                    run_config=run_config,
+                    node_config=self.node_config,
+                    node_state=state,
+                    run=str(run_id),
+                )
+                payload = encode_content(reply)
+            except Exception as err:
+                self.failed += 1
+                log.exception("run %d: the round failed", run_id)
+                failure = failure_of(err)  # the fixed reply the ClientApp gives the server
+                error = f"{type(err).__name__}: {err}"
+                return {"ok": False, "failure": int(failure), "error": error}, b""
+            finally:
+                self.busy_run = None
+            self._keep_state(run_id, state)
+            self.rounds += 1
+            log.info("run %d: round answered in %.2f s", run_id, time.perf_counter() - tick)
+            return {"ok": True}, payload
+
+    # ---------------------------------------------------------------------------- run states
+    def _state_file(self, run_id: int) -> Path:
+        return self.folder / RUNS_DIR / f"{run_id}.state"
+
+    def _state_of(self, run_id: int) -> RecordDict:
+        """A copy of the run's state (committed only when its round succeeds)."""
+        if run_id not in self._states:
+            path = self._state_file(run_id)
+            self._states[run_id] = (
+                decode_content(path.read_bytes()) if path.is_file() else RecordDict()
+            )
+        return decode_content(encode_content(self._states[run_id]))
+
+    def _keep_state(self, run_id: int, state: RecordDict) -> None:
+        data = encode_content(state)
+
+        def write(tmp: Path) -> None:
+            tmp.chmod(0o600)
+            tmp.write_bytes(data)
+
+        atomic_write(self._state_file(run_id), write)
+        self._states[run_id] = state
+
+
+def serve(folder: Path, node_config: Mapping[str, Any], *, listen_fd: int | None = None) -> int:
+    """Run a worker in this process until SIGTERM or SIGINT; the process's exit code.
+
+    ``listen_fd``: a listening socket inherited from :func:`supervise` (which holds the
+    folder); else this process takes the folder and listens itself.
+    """
+    try:
+        worker = NodeWorker(folder, node_config)
+    except ValueError as err:
+        log.error("%s", err)
+        return EXIT_CONFIG
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: worker.stop())
+    if listen_fd is not None:
+        with socket.socket(fileno=listen_fd) as sock:
+            worker.serve(sock, read_secret(worker.folder))
+    else:
+        try:
+            with listening(worker.folder) as (sock, secret):
+                worker.serve(sock, secret)
+        except WorkerBusy as err:
+            log.error("%s", err)
+            return EXIT_BUSY
+    log.info("car-fl worker PID %d stopped", os.getpid())
+    return 0
+
+
+def supervise(
+    folder: Path, command: Sequence[str], *, quick: float = 10.0, max_wait: float = 60.0
+) -> int:
+    """Hold the worker's folder and socket; run ``command`` (a worker serving the socket, given
+    as ``--listen-fd N``) and start it again whenever it dies, until SIGTERM or SIGINT.
+
+    A worker that ends by itself with 0 or :data:`EXIT_CONFIG` is not restarted (its exit code
+    is returned). The wait before a restart doubles, up to ``max_wait`` seconds, while the
+    worker keeps dying within ``quick`` seconds of its start. ClientApps that connect while
+    it restarts wait in the socket's backlog.
+    """
+    stopping = threading.Event()
+    child: list[subprocess.Popen[bytes]] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stopping.set()
+        for proc in child:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, on_signal)
+    try:
+        with listening(Path(folder)) as (sock, _):
+            fd = sock.fileno()
+            log.info("car-fl worker supervisor PID %d holds %s", os.getpid(), folder)
+            wait = 1.0
+            while not stopping.is_set():
+                started = time.monotonic()
+                proc = subprocess.Popen([*command, "--listen-fd", str(fd)], pass_fds=(fd,))
+                child[:] = [proc]
+                code = proc.wait()
+                if stopping.is_set():
+                    break
+                if code in (0, EXIT_CONFIG):
+                    return code
+                lived = time.monotonic() - started
+                wait = 1.0 if lived >= quick else min(2 * wait, max_wait)
+                log.warning(
+                    "the worker (PID %d) ended with %s after %.0f s; starting it again in %.0f s",
+                    proc.pid,
+                    f"signal {-code}" if code < 0 else f"exit code {code}",
+                    lived,
+                    wait,
+                )
+                stopping.wait(wait)
+            for proc in child:
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+    except WorkerBusy as err:
+        log.error("%s", err)
+        return EXIT_BUSY
+    return 0

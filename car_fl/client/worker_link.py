@@ -1,0 +1,258 @@
+"""The ClientApp's side of the node's worker: hand it a round over a local socket, return its reply.
+
+Own framing and handshake (HMAC-SHA256 both ways, length-prefixed frames, timeouts) over a Unix
+socket, in the standard library: ``multiprocessing.connection`` does the same with HMAC-MD5 on
+Python 3.11 and has no timeouts. Imports only the standard library and Flower, so the ClientApp
+process Flower starts for every message imports neither torch nor transformers when its node
+has a worker (``tests/client/test_worker.py`` checks it in a fresh process).
+
+A worker lives in a folder of its node's owner (the node config's ``worker`` value): its socket
+``worker.sock`` and its secret ``secret``, both readable by that user only. Only a process of
+that user on the same machine can reach it, and only with the secret. What crosses: a JSON
+header and the message's ``RecordDict`` in Flower's own serialisation, each in one frame. The
+worker trains with its own node configuration; the shim sends the run's, never the node's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import socket
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from flwr.app import RecordDict
+from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
+from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict  # pylint: disable=E0611
+
+from car_fl.client.failures import Refusal
+from car_fl.protocol.failures import Failure
+
+#: The node-config key that names the worker's folder (``car_fl.settings.flower.WORKER``; not
+#: imported from there: it would import OmegaConf).
+WORKER_KEY = "worker"
+SOCKET_NAME = "worker.sock"
+SECRET_NAME = "secret"
+PROTOCOL = b"car-fl-worker/1"
+NONCE_BYTES = 32
+#: Longest frame either side accepts (a header or a serialised RecordDict).
+MAX_FRAME = 4 * 2**30
+#: Seconds for connecting and the handshake; a round itself may take as long as it takes.
+HANDSHAKE_TIMEOUT = 30.0
+#: A Unix socket's path must be shorter than this (104 bytes on macOS, 108 on Linux).
+MAX_SOCKET_PATH = 100
+
+HOW_TO_START = (
+    "start it on this machine with `car-fl worker --dir {folder} --node-config '<this "
+    "SuperNode's --node-config>'` (docs/deployment.md, 'The node's worker')"
+)
+
+
+class WorkerUnavailable(RuntimeError):
+    """The node's worker cannot be reached, refused this process, or ended mid-round."""
+
+
+class WorkerFailed(Refusal):
+    """The worker ran the round and it failed there (the worker's log has the traceback).
+
+    ``failure`` is the fixed reply the worker chose for it; the ClientApp sends that code only.
+    """
+
+
+def worker_folder(node_config: Mapping[str, Any]) -> Path | None:
+    """The folder of this node's worker, from its node config; ``None``: no worker."""
+    value = node_config.get(WORKER_KEY)
+    return Path(str(value)).expanduser() if value not in (None, "") else None
+
+
+def socket_path(folder: Path) -> Path:
+    path = folder / SOCKET_NAME
+    if len(os.fsencode(path)) >= MAX_SOCKET_PATH:
+        raise ValueError(
+            f"the worker's socket path {path} is {len(os.fsencode(path))} bytes; a Unix socket "
+            f"needs fewer than {MAX_SOCKET_PATH}: choose a shorter worker folder"
+        )
+    return path
+
+
+# ------------------------------------------------------------------------------------ frames
+def send_frame(sock: socket.socket, payload: bytes) -> None:
+    sock.sendall(struct.pack(">Q", len(payload)) + payload)
+
+
+def _read_exactly(sock: socket.socket, size: int) -> bytes:
+    chunks, left = [], size
+    while left:
+        chunk = sock.recv(min(left, 2**20))
+        if not chunk:
+            raise ConnectionError("the other side closed the connection")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def recv_frame(sock: socket.socket) -> bytes:
+    (size,) = struct.unpack(">Q", _read_exactly(sock, 8))
+    if size > MAX_FRAME:
+        raise ConnectionError(f"a frame of {size} bytes is larger than {MAX_FRAME}")
+    return _read_exactly(sock, size)
+
+
+def send_message(sock: socket.socket, header: Mapping[str, Any], body: bytes = b"") -> None:
+    """A JSON header and a body, one frame each."""
+    send_frame(sock, json.dumps(dict(header)).encode())
+    send_frame(sock, body)
+
+
+def recv_message(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
+    header = json.loads(recv_frame(sock))
+    if not isinstance(header, dict):
+        raise ConnectionError("the header is not a JSON object")
+    return header, recv_frame(sock)
+
+
+def encode_content(content: RecordDict) -> bytes:
+    """A ``RecordDict`` in Flower's protobuf serialisation."""
+    return bytes(recorddict_to_proto(content).SerializeToString())
+
+
+def decode_content(data: bytes) -> RecordDict:
+    return recorddict_from_proto(ProtoRecordDict.FromString(data))
+
+
+# --------------------------------------------------------------------------------- handshake
+def _mac(secret: bytes, role: bytes, *nonces: bytes) -> bytes:
+    return hmac.new(secret, PROTOCOL + role + b"".join(nonces), hashlib.sha256).digest()
+
+
+def read_secret(folder: Path) -> bytes:
+    path = folder / SECRET_NAME
+    try:
+        return path.read_bytes().strip()
+    except FileNotFoundError:
+        raise WorkerUnavailable(
+            f"this node's car-fl worker has never run in {folder} (no {SECRET_NAME} file); "
+            + HOW_TO_START.format(folder=folder)
+        ) from None
+    except PermissionError:
+        raise WorkerUnavailable(
+            f"this process may not read the worker's secret {path}: run the SuperNode as the "
+            "user who runs the worker"
+        ) from None
+
+
+def greet(sock: socket.socket) -> bytes:
+    """Worker side, first step: send the protocol name and a fresh nonce; the nonce."""
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    send_frame(sock, PROTOCOL + nonce)
+    return nonce
+
+
+def check_client(sock: socket.socket, secret: bytes, nonce: bytes) -> None:
+    """Worker side: the client proves it holds the secret, then the worker proves it too."""
+    answer = recv_frame(sock)
+    theirs, mac = answer[:NONCE_BYTES], answer[NONCE_BYTES:]
+    if len(theirs) != NONCE_BYTES or not hmac.compare_digest(
+        mac, _mac(secret, b"client", nonce, theirs)
+    ):
+        raise PermissionError("a client without the worker's secret was refused")
+    send_frame(sock, _mac(secret, b"worker", theirs, nonce))
+
+
+def prove(sock: socket.socket, secret: bytes) -> None:
+    """Client side: answer the worker's nonce, check the worker's answer to ours."""
+    hello = recv_frame(sock)
+    if not hello.startswith(PROTOCOL) or len(hello) != len(PROTOCOL) + NONCE_BYTES:
+        raise WorkerUnavailable(
+            f"what answers at the worker's socket does not speak {PROTOCOL.decode()} (a "
+            "different car-fl version?); restart the worker with this version"
+        )
+    theirs = hello[len(PROTOCOL) :]
+    mine = secrets.token_bytes(NONCE_BYTES)
+    send_frame(sock, mine + _mac(secret, b"client", theirs, mine))
+    try:
+        answer = recv_frame(sock)
+    except ConnectionError:
+        raise WorkerUnavailable(
+            "the worker refused this process: the secret it read does not match the worker's "
+            "(was the worker restarted just now? then the next round works)"
+        ) from None
+    if not hmac.compare_digest(answer, _mac(secret, b"worker", mine, theirs)):
+        raise WorkerUnavailable("what answers at the worker's socket does not hold its secret")
+
+
+# ----------------------------------------------------------------------------------- client
+def connect(folder: Path) -> socket.socket:
+    """An authenticated connection to the worker in ``folder``."""
+    path = socket_path(folder)
+    secret = read_secret(folder)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(HANDSHAKE_TIMEOUT)
+    try:
+        sock.connect(str(path))
+        prove(sock, secret)
+    except (FileNotFoundError, ConnectionRefusedError):
+        sock.close()
+        raise WorkerUnavailable(
+            f"this node's car-fl worker is not running (nothing answers at {path}); "
+            + HOW_TO_START.format(folder=folder)
+        ) from None
+    except (OSError, ConnectionError) as err:
+        sock.close()
+        raise WorkerUnavailable(
+            f"this node's car-fl worker did not complete the handshake ({err}); "
+            + HOW_TO_START.format(folder=folder)
+        ) from None
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def request(
+    folder: Path, header: Mapping[str, Any], body: bytes = b"", *, timeout: float | None = None
+) -> tuple[dict[str, Any], bytes]:
+    """Send one request to the worker, wait for its answer (``timeout``: ``None`` = no limit)."""
+    with connect(folder) as sock:
+        sock.settimeout(timeout)
+        try:
+            send_message(sock, header, body)
+            answer, payload = recv_message(sock)
+        except (ConnectionError, OSError) as err:
+            raise WorkerUnavailable(
+                f"this node's car-fl worker stopped before it answered ({err}); its log says "
+                "why. A worker started with restarts on comes back by itself and the next round "
+                "works; otherwise " + HOW_TO_START.format(folder=folder)
+            ) from None
+    if not answer.get("ok"):
+        try:
+            failure = Failure(int(answer.get("failure", Failure.ROUND_FAILED)))
+        except (TypeError, ValueError):
+            failure = Failure.ROUND_FAILED
+        raise WorkerFailed(failure, f"the node's worker failed the round: {answer.get('error')}")
+    return answer, payload
+
+
+def hand_over(
+    folder: Path, *, run_id: int, run_config: Mapping[str, Any], content: RecordDict
+) -> RecordDict:
+    """Have the node's worker answer a train message; the reply's content.
+
+    ``run_config`` is the run's (the server's) configuration; the worker adds its own node
+    configuration. ``run_id`` keeps each run's state apart in the worker.
+    """
+    header = {"kind": "train", "run-id": int(run_id), "run-config": dict(run_config)}
+    _, payload = request(folder, header, encode_content(content))
+    return decode_content(payload)
+
+
+def status(folder: Path, *, timeout: float = HANDSHAKE_TIMEOUT) -> dict[str, Any]:
+    """The worker's PID, rounds served, encoder loads and runs seen (answered between rounds
+    and during one)."""
+    answer, _ = request(folder, {"kind": "status"}, timeout=timeout)
+    return answer

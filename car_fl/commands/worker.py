@@ -1,0 +1,65 @@
+"""``car-fl worker``: this node's worker, started by its owner beside the SuperNode.
+
+    car-fl worker --dir ~/.car-fl/worker \\
+        --node-config 'partition-id=1 num-partitions=3 data-path="/data/sms.tsv" device="mps"'
+
+It holds the encoder, the shard's features and the training across rounds and runs; the
+SuperNode's ``--node-config`` names its folder (``worker="~/.car-fl/worker"``) so that car-fl's
+ClientApp hands it each round. Give it the SuperNode's node config: its own values (data,
+device, cache, privacy) are the ones it trains with. Restarted when it dies, unless
+``--no-restart``; stop it with Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+NAME = "worker"
+HELP = "this node's worker: holds the encoder across rounds and runs (start beside the SuperNode)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        required=True,
+        help="the worker's folder (its socket, secret, run states and default cache); the "
+        'SuperNode\'s node config names it: worker="DIR"',
+    )
+    parser.add_argument(
+        "--node-config",
+        required=True,
+        help="this node's configuration, as given to flower-supernode (or a .toml file): "
+        "partition-id, num-partitions, data-path, device, cache-dir, ...",
+    )
+    parser.add_argument(
+        "--no-restart",
+        action="store_true",
+        help="serve in this process only; by default a supervisor holds the socket and "
+        "starts the worker again when it dies",
+    )
+    # the supervisor's listening socket, inherited by the worker it starts
+    parser.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve rounds until stopped (a supervisor restarts the worker unless --no-restart)."""
+    from flwr.common.config import parse_config_args
+
+    from car_fl.client.worker import own_node_config, serve, supervise
+    from car_fl.common.logs import setup_logging
+
+    setup_logging()
+    folder = args.dir.expanduser().resolve()
+    try:  # a wrong node config fails here, before anything starts
+        own_node_config(folder, parse_config_args([args.node_config]))
+    except (ValueError, OSError) as err:
+        print(f"car-fl worker: --node-config {args.node_config!r}: {err}", file=sys.stderr)
+        return 2
+    if args.no_restart or args.listen_fd is not None:
+        node_config = parse_config_args([args.node_config])
+        return serve(folder, node_config, listen_fd=args.listen_fd)
+    child = [sys.executable, "-m", "car_fl.cli", NAME, "--dir", str(folder)]
+    return supervise(folder, [*child, "--node-config", args.node_config])

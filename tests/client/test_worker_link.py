@@ -1,0 +1,131 @@
+"""car_fl.client.worker_link: frames, the handshake, what the ClientApp says without a worker."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+
+from car_fl.client import worker_link
+from car_fl.client.worker_link import WorkerUnavailable
+from car_fl.settings.flower import NODE_CONFIG, WORKER
+
+
+def test_headers_and_record_dicts_cross_the_socket_unchanged() -> None:
+    weights = np.arange(12, dtype="<f4").reshape(3, 4)
+    content = RecordDict(
+        {
+            "arrays": ArrayRecord({"head.weight": Array(weights)}),
+            "config": ConfigRecord({"server-round": 3, "labels": ["ham", "spam"]}),
+            "metrics": MetricRecord({"num-examples": 7, "loss": 0.25}),
+        }
+    )
+    left, right = socket.socketpair()
+    with left, right:
+        worker_link.send_message(left, {"kind": "train", "run-id": 5}, b"payload")
+        assert worker_link.recv_message(right) == ({"kind": "train", "run-id": 5}, b"payload")
+        back = worker_link.decode_content(worker_link.encode_content(content))
+    assert np.array_equal(back.array_records["arrays"]["head.weight"].numpy(), weights)
+    assert dict(back.config_records["config"]) == {"server-round": 3, "labels": ["ham", "spam"]}
+    assert dict(back.metric_records["metrics"]) == {"num-examples": 7, "loss": 0.25}
+
+
+def test_a_frame_over_the_limit_or_cut_short_is_refused() -> None:
+    left, right = socket.socketpair()
+    with left, right:
+        left.sendall(struct.pack(">Q", worker_link.MAX_FRAME + 1))
+        with pytest.raises(ConnectionError, match="larger than"):
+            worker_link.recv_frame(right)
+    left, right = socket.socketpair()
+    with right:
+        left.sendall(struct.pack(">Q", 10) + b"abc")
+        left.close()
+        with pytest.raises(ConnectionError, match="closed"):
+            worker_link.recv_frame(right)
+
+
+def handshake(
+    worker_secret: bytes, client_secret: bytes
+) -> tuple[BaseException | None, BaseException | None]:
+    """Both sides of the handshake over a socket pair; what each side raised."""
+    left, right = socket.socketpair()
+    raised: dict[str, BaseException | None] = {"worker": None, "client": None}
+
+    def worker_side() -> None:
+        try:
+            worker_link.check_client(left, worker_secret, worker_link.greet(left))
+        except BaseException as err:
+            raised["worker"] = err
+        finally:
+            left.close()
+
+    thread = threading.Thread(target=worker_side)
+    thread.start()
+    with right:
+        right.settimeout(10)
+        try:
+            worker_link.prove(right, client_secret)
+        except BaseException as err:
+            raised["client"] = err
+    thread.join(10)
+    return raised["worker"], raised["client"]
+
+
+def test_the_handshake_needs_the_secret_on_both_sides() -> None:
+    assert handshake(b"s3cret", b"s3cret") == (None, None)
+    worker_err, client_err = handshake(b"s3cret", b"guess")
+    assert isinstance(worker_err, PermissionError)
+    assert isinstance(client_err, WorkerUnavailable) and "refused" in str(client_err)
+
+
+def test_a_fake_worker_without_the_secret_is_not_believed() -> None:
+    left, right = socket.socketpair()
+
+    def impostor() -> None:  # greets correctly, then answers with a MAC it cannot compute
+        worker_link.greet(left)
+        worker_link.recv_frame(left)
+        worker_link.send_frame(left, b"\0" * 32)
+
+    thread = threading.Thread(target=impostor)
+    thread.start()
+    with left, right, pytest.raises(WorkerUnavailable, match="does not hold its secret"):
+        worker_link.prove(right, b"s3cret")
+    thread.join(10)
+
+
+def test_without_a_running_worker_the_round_fails_saying_how_to_start_it(
+    short_dir: Path,
+) -> None:
+    content = RecordDict({"config": ConfigRecord({"server-round": 1})})
+
+    def hand_over() -> None:
+        worker_link.hand_over(short_dir, run_id=1, run_config={}, content=content)
+
+    # never started here: no secret
+    with pytest.raises(WorkerUnavailable, match=r"never run .*car-fl worker --dir"):
+        hand_over()
+    # started once, now gone: a secret, and a dead worker's socket file that nobody answers
+    (short_dir / "secret").write_bytes(b"old")
+    with socket.socket(socket.AF_UNIX) as dead:
+        dead.bind(str(short_dir / "worker.sock"))
+    with pytest.raises(WorkerUnavailable, match=r"not running .*car-fl worker --dir") as err:
+        hand_over()
+    assert str(short_dir) in str(err.value)
+    (short_dir / "worker.sock").unlink()
+    with pytest.raises(WorkerUnavailable, match="not running"):
+        hand_over()
+
+
+def test_the_worker_folder_comes_from_the_node_config(tmp_path: Path) -> None:
+    assert worker_link.WORKER_KEY == WORKER and WORKER in NODE_CONFIG
+    assert worker_link.worker_folder({"partition-id": 0}) is None
+    assert worker_link.worker_folder({WORKER: ""}) is None
+    assert worker_link.worker_folder({WORKER: "~/w"}) == Path(os.path.expanduser("~/w"))
+    with pytest.raises(ValueError, match="shorter worker folder"):
+        worker_link.socket_path(tmp_path / ("x" * 120))

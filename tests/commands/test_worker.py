@@ -1,0 +1,40 @@
+"""``car-fl worker``: a wrong node config or a folder another worker serves ends it at once."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from car_fl.cli import main as cli_main
+from car_fl.client.worker import EXIT_BUSY, EXIT_CONFIG, listening
+
+
+def test_a_node_config_without_the_nodes_place_is_refused_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "w"
+    code = cli_main(["worker", "--dir", str(folder), "--node-config", 'data-path="/d.tsv"'])
+    assert code == EXIT_CONFIG
+    assert "partition-id=<integer>" in capsys.readouterr().err
+    assert not folder.exists()
+
+
+def test_a_second_worker_for_the_same_folder_exits_saying_which_holds_it(
+    short_dir: Path,
+) -> None:
+    node = "partition-id=0 num-partitions=1"
+    cmd = [sys.executable, "-m", "car_fl.cli", "worker", "--dir", str(short_dir)]
+    with listening(short_dir):  # a worker (this process) holds the folder
+        for extra in ([], ["--no-restart"]):  # under a supervisor, or alone
+            result = subprocess.run(
+                [*cmd, "--node-config", node, *extra],
+                capture_output=True,
+                text=True,
+                timeout=300,
+                check=False,
+            )
+            assert result.returncode == EXIT_BUSY, result.stderr
+            assert "another car-fl worker" in result.stderr

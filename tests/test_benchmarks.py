@@ -1,0 +1,70 @@
+"""Every benchmark script that the docs name runs to the end, in its smoke mode (tiny models).
+
+The numbers of a smoke run mean nothing; what is checked is that each script reaches its
+report and writes every figure, so that a change elsewhere cannot break one unnoticed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_script(name: str, tmp_path: Path, *args: str) -> dict[str, Any]:
+    out = tmp_path / f"{name}.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / name), *args, "--smoke", "--json", str(out)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    assert f"results: {out}" in done.stdout
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def positive(value: Any) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value) and value > 0
+
+
+def test_bench_runs_every_figure(tmp_path: Path) -> None:
+    r = run_script("bench.py", tmp_path)
+    assert positive(r["1_bucketing"]["speedup"])
+    assert positive(r["2_fl_vs_extraction"]["ratio"])
+    assert len(r["3_step_vs_forward"]) == 2
+    # figure 4: the empty ClientApp's replies are accepted (every round has a floor time)
+    assert r["4_round_overhead"]["rounds_compared"] >= 1
+    assert positive(r["4_round_overhead"]["empty_clientapp_round_seconds"])
+    assert [x["mode"] for x in r["5_client_rss"]] == ["classifier", "adapter"]
+    assert positive(r["6_bytes"]["classifier_ratio"])
+    assert positive(r["7_comm_dtype"]["bytes_ratio"])
+
+
+def test_bench_deploy_runs_every_part(tmp_path: Path) -> None:
+    r = run_script("bench_deploy.py", tmp_path, "all")
+    overhead = r["overhead"]
+    for run in ("car_fl", "floor", "car_fl_no_worker"):
+        assert overhead[run]["rounds"] >= 1
+        assert isinstance(overhead[run]["load"], float)
+    assert positive(overhead["ratio"])
+    (workload,) = r["speedup"].values()
+    assert positive(workload["federated"]["2"]["speedup"])
+    first = r["first_update"]
+    assert len(first["with_worker"]["round_seconds"]) == 2
+    assert positive(first["ratio_last_round"])
