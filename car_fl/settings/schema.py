@@ -91,6 +91,8 @@ class Reader(Choice):
     AG_NEWS = "ag_news"
     ARXIV = "arxiv"
     TABLE = "table"
+    #: A document corpus: ``dataset.documents_path`` (documents) and ``dataset.path`` (queries).
+    CORPUS = "corpus"
 
 
 class OptimizerKind(Choice):
@@ -131,6 +133,8 @@ class Partitioning(Choice):
 
     IID = "iid"
     DIRICHLET = "dirichlet"
+    #: A corpus's queries, Dirichlet(α) over their documents' topic (``dataset.topic_key``).
+    TOPIC = "topic"
 
 
 class NormBoundMode(Choice):
@@ -289,6 +293,15 @@ class DatasetConfig:
     max_examples: int | None = None
     #: Each label's document text (MIPS compares queries with it); a label without one: its name.
     label_texts: dict[str, str] = field(default_factory=dict)
+    #: reader=corpus: the documents file (JSONL: id, text, optional title and metadata; or a
+    #: CSV/TSV with id and text columns); ``path`` is then the queries file (query, document
+    #: id, optional split). Labels are the documents, in this file's order.
+    documents_path: str | None = None
+    #: reader=corpus: share of the documents held out as *new documents* (their training
+    #: queries dropped: they arrive after training), chosen with the run's seed.
+    new_fraction: float = 0.0
+    #: reader=corpus: the metadata field naming a document's topic (fl.partitioning=topic).
+    topic_key: str = "category"
 
     def __post_init__(self) -> None:
         self.reader = Reader.parse("dataset.reader", self.reader)
@@ -309,6 +322,15 @@ class DatasetConfig:
             )
         if self.max_examples is not None and self.max_examples < 2:
             raise ValueError(f"dataset.max_examples must be >= 2 or null, got {self.max_examples}")
+        if not 0.0 <= self.new_fraction < 1.0:
+            raise ValueError(
+                f"dataset.new_fraction must be in [0, 1) (e.g. 0.1), got {self.new_fraction!r}"
+            )
+        if self.reader is Reader.CORPUS and self.path is not None and not self.documents_path:
+            raise ValueError(
+                "dataset.reader=corpus needs dataset.documents_path (the documents file) beside "
+                "dataset.path (the queries file)"
+            )
 
 
 @dataclass
@@ -321,6 +343,8 @@ class ModelConfig:
     dtype: str = "auto"
     pooling: Pooling = Pooling.EOS
     max_length: int = 128
+    #: Token limit of document texts (document heads, MIPS over a corpus); null: max_length.
+    document_max_length: int | None = None
     padding_side: str = "auto"
     trust_remote_code: bool = False
 
@@ -330,6 +354,10 @@ class ModelConfig:
         one_of("model.padding_side", self.padding_side, PADDING_SIDES)
         if self.max_length < 2:
             raise ValueError(f"model.max_length must be >= 2, got {self.max_length}")
+        if self.document_max_length is not None and self.document_max_length < 2:
+            raise ValueError(
+                f"model.document_max_length must be >= 2 or null, got {self.document_max_length}"
+            )
 
 
 @dataclass
