@@ -30,6 +30,7 @@ def train(msg: Message, context: Context) -> Message:
         instruction.server_round,
         context.state,
         instruction.labels,
+        layout=instruction.layout,
     )
     # Reply with the new parameters, the number of examples and the train metrics
     return Message(content=train_reply(state, metrics, dtype=settings.comm.dtype), reply_to=msg)

@@ -16,9 +16,11 @@ from typing import Protocol
 import torch
 from flwr.app import RecordDict
 
+from car_fl.client.experts import outgoing
 from car_fl.client.local_dp import LocalDPRound
 from car_fl.client.record_dp import RecordDPRound
 from car_fl.client.shard import client_seed, local_retriever, shard_data
+from car_fl.method.experts import ExpertLayout
 from car_fl.method.features import LocalData
 from car_fl.method.model import CaRRetriever
 from car_fl.method.optim import Optimizer
@@ -86,6 +88,8 @@ def train_round(
     server_round: int,
     node_state: RecordDict,
     labels: Sequence[str] | None = None,
+    *,
+    layout: str | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, int | float]]:
     """``fl.local_epochs`` epochs from the global state, under the configured privacy.
 
@@ -93,7 +97,7 @@ def train_round(
     metrics: once DP is active they hold nothing data-dependent besides ``num-examples`` and
     the privacy figures; the train loss, accuracy and seconds go to the client's own log only.
     ``node_state`` is Flower's persistent per-node state; the DP state lives there. ``labels``
-    is the server's global label map.
+    is the server's global label map; ``layout`` a mixture of experts' (the server's).
     """
     tick = time.perf_counter()
     who = f"client {node.partition_id}"
@@ -102,8 +106,9 @@ def train_round(
         settings, node, node_state, server_round=server_round, global_state=global_state
     )
     privacy.check(len(data))  # before any training
-    model = local_retriever(settings, data, label_map)
-    model.load_trainable_state_dict(global_state)
+    experts = ExpertLayout.from_text(layout) if layout is not None else None
+    model = local_retriever(settings, data, label_map, experts)
+    model.load_trainable_state_dict(global_state)  # a mixture of experts: those sent
     optimizer = make_optimizer(model, settings.train)
     seed = client_seed(settings.seed, node.partition_id)
     epochs = settings.fl.local_epochs
@@ -116,7 +121,7 @@ def train_round(
             epoch=(server_round - 1) * epochs + local,
             desc=f"{who} round {server_round} epoch {local + 1}",
         )
-    state = privacy.release(model.trainable_state_dict())
+    state = privacy.release(outgoing(model, settings))
     privacy.save(node_state)
     seconds = time.perf_counter() - tick
     log.info(

@@ -32,6 +32,12 @@ def query_key(text: str) -> str:
     return " ".join(unicodedata.normalize("NFKC", text).split()).casefold()
 
 
+def new_document_indices(count: int, *, new_fraction: float, seed: int) -> frozenset[int]:
+    """The new documents among ``count``: a seeded choice of round(new_fraction·count)."""
+    order = np.random.default_rng(seed).permutation(count)
+    return frozenset(int(i) for i in order[: round(new_fraction * count)])
+
+
 @dataclass
 class CorpusSplit:
     """Query texts and document indices per split; the new documents; what was removed."""
@@ -83,9 +89,7 @@ def split_corpus(
     stats["heldout_in_document_removed"] = len(inside)
     kept = [q for q in kept if not (q[2] != "train" and query_key(q[0]) in doc_keys[q[1]])]
 
-    count = round(new_fraction * len(documents))
-    order = np.random.default_rng(seed).permutation(len(documents))
-    new = frozenset(int(i) for i in order[:count])
+    new = new_document_indices(len(documents), new_fraction=new_fraction, seed=seed)
     stats["new_document_train_queries_removed"] = sum(
         1 for _, d, s in kept if s == "train" and d in new
     )
