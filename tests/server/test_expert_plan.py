@@ -168,3 +168,36 @@ def test_a_routed_reply_must_still_hold_the_shared_tensors() -> None:
     )
     assert arrays is not None
     assert "missing ['head.gate', 'head.log_scale']" in strategy.history[-1].rejected[1]
+
+
+def test_a_scheduled_mixture_federation_sends_blocks_and_serves_its_checkpoint(
+    make_corpus_settings, tmp_path
+) -> None:
+    from car_fl.method.serving import load_retriever
+    from car_fl.simulation.in_process import run_local
+
+    out = tmp_path / "fl"
+    settings = make_corpus_settings(
+        "approach=moe",
+        "moe.experts=4",
+        "moe.route=2",
+        "moe.iterations=2",
+        "moe.send=schedule",
+        "moe.schedule_blocks=2",
+        "fl.clients=2",
+        "fl.rounds=2",
+        "fl.local_epochs=1",
+        "train.lr=0.01",
+        f"output_dir={out}",
+    )
+    metrics = run_local(settings)
+    rows = [r for r in metrics["history"] if r["round"] > 0]
+    assert [r["clients_ok"] for r in rows] == [2, 2] and all(r["skipped"] == 0 for r in rows)
+    retriever = load_retriever(out / "checkpoints" / "final", device="cpu")
+    assert retriever.kind.value == "moe"
+    full = sum(v.numel() * 4 for v in retriever.trainable_state_dict().values())
+    experts = sum(p.numel() * 4 for p in retriever.head.experts)  # type: ignore[union-attr]
+    for row in rows:  # one of two blocks of experts travels down, plus the layout
+        assert full - experts < row["bytes_sent_per_client"] < full
+    (result,) = retriever.retrieve(["w3 w44"], 3)
+    assert len(result.hits) == 3 and all(h.text for h in result.hits)
