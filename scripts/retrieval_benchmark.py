@@ -31,6 +31,10 @@ MOE_LAYOUT = ["moe.experts=32", "moe.route=4", "moe.iterations=5"]
 FL = ["fl.clients=3", "fl.min_clients=3", "fl.partitioning=iid", "fl.local_epochs=1"]
 VARIANTS: dict[str, tuple[bool, list[str]]] = {
     "mips": (False, ["approach=mips", "head.similarity=cosine"]),
+    # Untrained heads (evaluated as built, see UNTRAINED): the document head starts as MIPS;
+    # the mixture of experts at start shows what routing alone costs.
+    "document_untrained": (False, [*DOCUMENT]),
+    "moe_untrained": (False, [*MOE, *MOE_LAYOUT]),
     "knn": (False, ["approach=knn", "head.similarity=cosine", "head.knn_k=10"]),
     "document": (False, [*DOCUMENT, "train.epochs=2"]),
     "document_rows_only": (False, [*DOCUMENT, "head.query_map=none", "train.epochs=2"]),
@@ -45,7 +49,7 @@ VARIANTS: dict[str, tuple[bool, list[str]]] = {
         [
             *DOCUMENT,
             *FL,
-            "fl.rounds=2",
+            "fl.rounds=1",
             "head.train_rows=false",
             "dp=record",
             "dp.target_epsilon=3",
@@ -56,6 +60,8 @@ VARIANTS: dict[str, tuple[bool, list[str]]] = {
         ],
     ),
 }
+#: Variants evaluated before any training (no epoch): the head as :func:`build_retriever` makes it.
+UNTRAINED = ("document_untrained", "moe_untrained")
 COLUMNS = ("recall@1", "recall@5", "recall@10", "mrr", "ndcg@10")
 
 
@@ -80,12 +86,39 @@ def head_cost(summary: dict[str, Any], settings: Any) -> dict[str, float]:
     dense = documents * dim
     if settings.head.kind is not HeadKind.MOE:
         return {"head_flops": dense, "head_flops_vs_dense": 1.0}
+    if "moe_head_flops" in summary:  # measured on the model itself
+        flops = int(summary["moe_head_flops"])
+        return {"head_flops": flops, "head_flops_vs_dense": dense / flops}
     ckpt = Path(settings.output_dir) / "checkpoints" / "final" / "meta.json"
     extra = json.loads(ckpt.read_text(encoding="utf-8")).get("extra", {}) if ckpt.is_file() else {}
     sizes = ExpertLayout.from_text(extra["moe_layout"]).sizes() if "moe_layout" in extra else None
     largest = [] if sizes is None else sorted(sizes.tolist(), reverse=True)[: settings.moe.route]
     flops = (settings.moe.experts + sum(largest)) * dim
     return {"head_flops": flops, "head_flops_vs_dense": dense / flops if flops else float("nan")}
+
+
+def evaluate_untrained(settings: Any) -> dict[str, Any]:
+    """The summary of a head evaluated as built (rows = the documents' embeddings)."""
+    from car_fl.data.splits import load_splits
+    from car_fl.method.evaluation import HeldOut, LazyRetriever
+    from car_fl.method.model import build_retriever
+
+    splits = load_splits(settings.dataset, seed=settings.seed)
+    lazy = LazyRetriever(settings, splits)
+    held_out = HeldOut.prepare(settings, splits, get_model=lazy)
+    assert held_out.test.features is not None
+    model = build_retriever(
+        settings,
+        len(splits.label_map),
+        hidden_size=int(held_out.test.features.shape[1]),
+        documents=lazy.documents,
+    )
+    best = {"round": 0, **held_out.evaluate(model, settings)}
+    summary: dict[str, Any] = {"best": best, "num_labels": len(splits.label_map)}
+    head = model.head
+    if hasattr(head, "head_flops_per_query"):
+        summary["moe_head_flops"] = head.head_flops_per_query()
+    return summary
 
 
 def run_variant(name: str, corpus: Path, out: Path) -> dict[str, Any]:
@@ -98,7 +131,10 @@ def run_variant(name: str, corpus: Path, out: Path) -> dict[str, Any]:
     settings = load_settings([*corpus_overrides(corpus), *overrides, f"output_dir={folder}"])
     load = os.getloadavg()
     tick = time.perf_counter()
-    if federated:
+    if name in UNTRAINED:
+        summary = evaluate_untrained(settings)
+        history: list[dict[str, Any]] = []
+    elif federated:
         metrics = run_local(settings)
         summary = metrics["summary"]
         history = metrics.get("history", [])
