@@ -39,7 +39,9 @@ VARIANTS: dict[str, tuple[bool, list[str]]] = {
     "document": (False, [*DOCUMENT, "train.epochs=2"]),
     "document_rows_only": (False, [*DOCUMENT, "head.query_map=none", "train.epochs=2"]),
     "moe": (False, [*MOE, *MOE_LAYOUT, "train.epochs=2"]),
+    "query_map": (False, [*DOCUMENT, "head.train_rows=false", "train.epochs=1"]),
     "fl_document": (True, [*DOCUMENT, *FL, "fl.rounds=2"]),
+    "fl_query_map": (True, [*DOCUMENT, *FL, "fl.rounds=2", "head.train_rows=false"]),
     "fl_moe_schedule": (
         True,
         [*MOE, *MOE_LAYOUT, *FL, "fl.rounds=2", "moe.send=schedule", "moe.schedule_blocks=3"],
