@@ -22,6 +22,7 @@ from car_fl.data.splits import load_splits
 from car_fl.method.evaluation import HeldOut, LazyRetriever
 from car_fl.method.features import prepare_for
 from car_fl.method.model import build_retriever
+from car_fl.method.serving import checkpoint_extra
 from car_fl.method.train import make_optimizer, train_epoch
 from car_fl.results.recorder import Recorder
 from car_fl.results.rows import RoundRow, RunSummary
@@ -62,7 +63,7 @@ def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any
     else:  # every feature was cached: the same head (same seed), no encoder
         assert train_data.features is not None
         hidden = int(train_data.features.shape[1])
-        model = build_retriever(settings, len(names), hidden_size=hidden)
+        model = build_retriever(settings, len(names), hidden_size=hidden, documents=lazy.documents)
     if model.kind is HeadKind.KNN:
         assert train_data.features is not None
         model.set_memory(train_data.features, train_data.labels)
@@ -73,6 +74,7 @@ def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any
         label_map=splits.label_map,
         unit="epoch",
         title=f"centralised {settings.dataset.name}",
+        extra=checkpoint_extra(settings, names, model),
     )
 
     # Epochs (none for MIPS on the frozen encoder and kNN: one evaluation)

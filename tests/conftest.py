@@ -26,6 +26,7 @@ from car_fl.testing.tiny import (
     build_llama,
     synthetic_examples,
     tiny_overrides,
+    write_corpus,
     write_tsv,
 )
 
@@ -67,6 +68,29 @@ def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def synthetic_tsv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """400 examples of a 4-label learnable task, in the SMS Spam Collection's format."""
     return write_tsv(tmp_path_factory.mktemp("data") / "synthetic.tsv", synthetic_examples(400))
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A 12-document corpus with 8 queries each (``car_fl.testing.tiny.write_corpus``)."""
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture
+def make_corpus_settings(make_settings, tiny_corpus: tuple[Path, Path]):
+    """Settings for the tiny Llama on the tiny corpus, plus any overrides."""
+    documents, queries = tiny_corpus
+
+    def make(*overrides: str) -> Settings:
+        return make_settings(
+            "dataset=corpus",
+            f"dataset.path={queries}",
+            f"dataset.documents_path={documents}",
+            "dataset.new_fraction=0.25",
+            *overrides,
+        )
+
+    return make
 
 
 @pytest.fixture

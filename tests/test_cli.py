@@ -49,3 +49,23 @@ def test_retrieve_command_serves_a_knn_run_from_its_training_split(
 def test_retrieve_rejects_a_folder_that_is_not_a_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="not a car-fl checkpoint"):
         cli_main(["retrieve", "--checkpoint", str(tmp_path), "hello"])
+
+
+def test_retrieve_command_prints_a_corpus_checkpoints_documents(
+    make_corpus_settings, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from car_fl.data.corpus import read_documents
+
+    settings = make_corpus_settings("approach=document", "train.epochs=1")
+    run_centralized(settings, tmp_path / "run")
+    ckpt = str(tmp_path / "run" / "checkpoints" / "final")
+    documents = settings.dataset.documents_path or ""
+    texts = {d.id: d.text for d in read_documents(documents)}
+    args = ["retrieve", "--checkpoint", ckpt, "--documents", documents, "-k", "3", "--json"]
+    assert cli_main([*args, "w5 w47"]) == 0
+    (payload,) = json.loads(capsys.readouterr().out)
+    hits = payload["results"]
+    assert len(hits) == 3 and all(h["text"] == texts[h["id"]] == texts[h["label"]] for h in hits)
+    assert cli_main(["retrieve", "--checkpoint", ckpt, "-k", "1", "w5 w47"]) == 0
+    line = capsys.readouterr().out.splitlines()[1]
+    assert line.split("\t")[-1] == texts[hits[0]["id"]]  # id, score and the document's text

@@ -51,6 +51,7 @@ def answer_train(
         instruction.labels,
         guard=guard,
         run=run,
+        layout=instruction.layout,
     )
     # The new parameters, the number of examples and the metrics a reply may carry
     return train_reply(state, metrics, dtype=settings.comm.dtype)

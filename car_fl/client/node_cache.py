@@ -148,7 +148,14 @@ def shard_key(
     header = {
         "format": CACHE_FORMAT,
         "dataset": asdict(settings.dataset),
-        "files": [_file_identity(d) for d in (settings.dataset.path, settings.dataset.test_path)],
+        "files": [
+            _file_identity(d)
+            for d in (
+                settings.dataset.path,
+                settings.dataset.test_path,
+                settings.dataset.documents_path,
+            )
+        ],
         "seed": settings.seed,
         "partitioning": [settings.fl.partitioning, settings.fl.alpha],
         "node": [partition_id, num_partitions, data_is_shard],

@@ -21,10 +21,12 @@ from typing import Protocol
 import torch
 from flwr.app import RecordDict
 
+from car_fl.client.experts import outgoing
 from car_fl.client.local_dp import LocalDPRound
 from car_fl.client.node_privacy import NodePrivacy
 from car_fl.client.record_dp import RecordDPRound
 from car_fl.client.shard import Shard, client_seed, local_retriever, shard_data
+from car_fl.method.experts import ExpertLayout
 from car_fl.method.features import LocalData
 from car_fl.method.model import CaRRetriever
 from car_fl.method.optim import Optimizer
@@ -105,6 +107,7 @@ def train_round(
     *,
     guard: NodePrivacy | None = None,
     run: str = "",
+    layout: str | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, int | float]]:
     """``fl.local_epochs`` epochs from the global state, under the configured privacy.
 
@@ -112,15 +115,23 @@ def train_round(
     metrics: once DP is active they hold nothing data-dependent besides ``num-examples`` and
     the privacy figures; the train loss, accuracy and seconds go to the client's own log only.
     ``node_state`` is Flower's persistent per-node state (per run); the run's DP state lives
-    there. ``labels`` is the server's global label map. ``guard`` is the node owner's policy and
-    ledger (``run``: Flower's run id, for the ledger); without it the node trusts the run's
-    settings (see docs/privacy.md).
+    there. ``labels`` is the server's global label map; ``layout`` a mixture of experts' (the
+    server's). ``guard`` is the node owner's policy and ledger (``run``: Flower's run id, for
+    the ledger); without it the node trusts the run's settings (see docs/privacy.md).
     """
     if guard is not None:
         guard.admit(settings)  # before any data is read
     shard = shard_data(settings, node, labels)
     return train_shard(
-        settings, node, shard, global_state, server_round, node_state, guard=guard, run=run
+        settings,
+        node,
+        shard,
+        global_state,
+        server_round,
+        node_state,
+        guard=guard,
+        run=run,
+        layout=layout,
     )
 
 
@@ -134,6 +145,7 @@ def train_shard(
     *,
     guard: NodePrivacy | None = None,
     run: str = "",
+    layout: str | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, int | float]]:
     """:func:`train_round` on a shard already read (privacy checks, ledger, epochs, release)."""
     tick = time.perf_counter()
@@ -150,8 +162,9 @@ def train_shard(
     privacy.check(shard.examples)  # before any training
     if guard is not None:  # recorded before training, let alone the reply
         guard.spend(settings, run=run, server_round=server_round, examples=shard.examples)
-    model = local_retriever(settings, data, shard.label_map)
-    model.load_trainable_state_dict(global_state)
+    experts = ExpertLayout.from_text(layout) if layout is not None else None
+    model = local_retriever(settings, data, shard.label_map, experts)
+    model.load_trainable_state_dict(global_state)  # a mixture of experts: those sent
     optimizer = make_optimizer(model, settings.train)
     seed = client_seed(settings.seed, node.partition_id)
     epochs = settings.fl.local_epochs
@@ -164,7 +177,7 @@ def train_shard(
             epoch=(server_round - 1) * epochs + local,
             desc=f"{who} round {server_round} epoch {local + 1}",
         )
-    state = privacy.release(model.trainable_state_dict())
+    state = privacy.release(outgoing(model, settings))
     privacy.save(node_state)
     seconds = time.perf_counter() - tick
     log.info(

@@ -15,6 +15,7 @@ node's examples have: a crafted label map learns nothing from the reply.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Sequence
@@ -22,12 +23,13 @@ from dataclasses import asdict, astuple, dataclass
 
 from car_fl.client import node_cache
 from car_fl.data.labels import LabelMap
+from car_fl.method.documents import document_features, document_texts
 from car_fl.method.encoder import Encoder, load_encoder
+from car_fl.method.experts import ExpertLayout
 from car_fl.method.features import LocalData, prepare_for
 from car_fl.method.model import CaRRetriever, build_retriever
-from car_fl.method.retrieval import label_documents
 from car_fl.settings.flower import NodeInfo
-from car_fl.settings.schema import Settings
+from car_fl.settings.schema import HeadKind, Settings
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +98,10 @@ def shard_data(settings: Settings, node: NodeInfo, labels: Sequence[str] | None 
     kept, ids = encode_for(label_map, own_map, own_ids, who=f"client {node.partition_id}")
     num_labels = len(label_map)
 
-    def get_model() -> CaRRetriever:
+    def get_model() -> CaRRetriever:  # to encode queries: any head will do, a classifier's
+        head = dataclasses.replace(settings.head, kind=HeadKind.CLASSIFIER)
         return CaRRetriever(
-            cached_encoder(settings), num_labels, head=settings.head, mode=settings.train.mode
+            cached_encoder(settings), num_labels, head=head, mode=settings.train.mode
         )
 
     data = prepare_for(
@@ -167,11 +170,37 @@ def read_shard(settings: Settings, node: NodeInfo) -> tuple[list[str], list[int]
     return [str(t) for t in shard["text"]], [int(i) for i in shard["label"]], label_map
 
 
-def local_retriever(settings: Settings, data: LocalData, label_map: LabelMap) -> CaRRetriever:
-    """A retriever to train locally; without the encoder when features are all cached."""
+def local_retriever(
+    settings: Settings,
+    data: LocalData,
+    label_map: LabelMap,
+    layout: ExpertLayout | None = None,
+) -> CaRRetriever:
+    """A retriever to train locally; without the encoder when features are all cached.
+
+    A document head's rows come from the corpus's documents (their embeddings cached like the
+    queries'); a mixture of experts uses the server's ``layout``.
+    """
+    documents = document_texts(settings, label_map.names)
+    features = None
+    if settings.head.kind in (HeadKind.DOCUMENT, HeadKind.MOE):
+        features = document_features(
+            settings, documents, get_encoder=lambda: cached_encoder(settings)
+        )
     if data.features is not None:
-        return build_retriever(settings, len(label_map), hidden_size=int(data.features.shape[1]))
-    documents = label_documents(label_map.names, settings.dataset.label_texts)
+        return build_retriever(
+            settings,
+            len(label_map),
+            hidden_size=int(data.features.shape[1]),
+            documents=documents,
+            document_features=features,
+            layout=layout,
+        )
     return build_retriever(
-        settings, len(label_map), encoder=cached_encoder(settings), documents=documents
+        settings,
+        len(label_map),
+        encoder=cached_encoder(settings),
+        documents=documents,
+        document_features=features,
+        layout=layout,
     )

@@ -1,4 +1,4 @@
-"""``car-fl retrieve``: the top-K labels and scores of queries, from a checkpoint."""
+"""``car-fl retrieve``: the top-K labels (a corpus's documents: id, text, score) of queries."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 NAME = "retrieve"
-HELP = "top-K labels for queries, from a checkpoint"
+HELP = "top-K labels or documents (id, text, score) for queries, from a checkpoint"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,6 +25,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         default=None,
         help="encoder hub id or folder, if not the one the checkpoint was trained with",
+    )
+    parser.add_argument(
+        "--documents",
+        default=None,
+        help="a corpus's documents file, if not where the checkpoint's settings name it "
+        "(it must hold the same documents)",
     )
     parser.add_argument("--device", default=None, choices=["auto", "cpu", "cuda", "mps"])
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -47,17 +53,19 @@ def run(args: argparse.Namespace) -> int:
     from car_fl.method.serving import load_retriever  # torch: only when retrieving
 
     queries = read_queries(args)
-    retriever = load_retriever(args.checkpoint, device=args.device, model=args.model)
+    retriever = load_retriever(
+        args.checkpoint, device=args.device, model=args.model, documents_path=args.documents
+    )
     assert retriever.settings is not None
     k = args.k or max(retriever.settings.eval.top_k)
     results = retriever.retrieve(queries, k)
-    if args.json:
+    if args.json:  # "label" is the document id (kept for label-classification checkpoints)
         payload = [
             {
                 "query": q,
                 "results": [
-                    {"label": label, "score": score}
-                    for label, score in zip(r.labels, r.scores, strict=True)
+                    {"label": hit.id, "id": hit.id, "text": hit.text, "score": hit.score}
+                    for hit in r.hits
                 ],
             }
             for q, r in zip(queries, results, strict=True)
@@ -66,6 +74,17 @@ def run(args: argparse.Namespace) -> int:
     else:
         for query, res in zip(queries, results, strict=True):
             print(query)
-            for rank, (label, score) in enumerate(zip(res.labels, res.scores, strict=True), 1):
-                print(f"  {rank:>2d}. {label}\t{score:.4f}")
+            for rank, hit in enumerate(res.hits, 1):
+                text = "" if hit.text == hit.id else f"\t{shorten(hit.text, TEXT_WIDTH)}"
+                print(f"  {rank:>2d}. {hit.id}\t{hit.score:.4f}{text}")
     return 0
+
+
+#: Characters of a document's text printed per hit (``--json`` prints all of it).
+TEXT_WIDTH = 100
+
+
+def shorten(text: str, width: int) -> str:
+    """``text`` on one line, cut to ``width`` characters with an ellipsis."""
+    line = " ".join(text.split())
+    return line if len(line) <= width else line[: width - 1] + "…"

@@ -24,17 +24,18 @@ def make_partitioner(
     seed: int = 42,
     min_partition_size: int = 1,
 ) -> Partitioner:
-    """A flwr-datasets partitioner by name: ``iid`` or ``dirichlet`` (over the label column)."""
+    """A flwr-datasets partitioner by name: ``iid``, ``dirichlet`` (over the label column) or
+    ``topic`` (Dirichlet over a corpus's ``topic`` column)."""
     if num_partitions < 1:
         raise ValueError(f"number of partitions must be >= 1, got {num_partitions}")
     if scheme is Partitioning.IID:
         return IidPartitioner(num_partitions=num_partitions)
-    if scheme is Partitioning.DIRICHLET:
+    if scheme in (Partitioning.DIRICHLET, Partitioning.TOPIC):
         if alpha <= 0:
             raise ValueError(f"Dirichlet alpha must be > 0, got {alpha}")
         return DirichletPartitioner(
             num_partitions=num_partitions,
-            partition_by="label",
+            partition_by="topic" if scheme is Partitioning.TOPIC else "label",
             alpha=alpha,
             min_partition_size=min_partition_size,
             self_balancing=False,
@@ -66,6 +67,11 @@ def partition(
             iid_indices(
                 len(dataset), partition_id=partition_id, num_partitions=num_partitions, seed=seed
             )
+        )
+    if scheme is Partitioning.TOPIC and "topic" not in dataset.column_names:
+        raise ValueError(
+            "fl.partitioning=topic needs a corpus (dataset.reader=corpus) whose documents name "
+            "a topic in their metadata (dataset.topic_key); use fl.partitioning=iid or dirichlet"
         )
     partitioner = make_partitioner(
         num_partitions=num_partitions, scheme=scheme, alpha=alpha, seed=seed

@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 from datasets import ClassLabel, Dataset
 
+from car_fl.data.corpus import Document, read_documents, read_queries
+from car_fl.data.corpus_splits import split_corpus
 from car_fl.data.dedupe import DedupeStats, dedupe, drop_texts_in
 from car_fl.data.labels import LabelMap
 from car_fl.data.readers import (
@@ -37,6 +39,8 @@ class DataSplits:
 
     Clients' shards come from ``train`` only; ``validation`` (for model selection) and ``test``
     (for reporting) stay with whoever evaluates. ``stats`` counts what was removed and kept.
+    A corpus (``dataset.reader=corpus``) also gives its ``documents`` (label order) and the
+    indices of its ``new_documents``; its ``train`` has a ``topic`` column.
     """
 
     train: Dataset
@@ -44,11 +48,16 @@ class DataSplits:
     test: Dataset
     label_map: LabelMap
     stats: dict[str, int]
+    documents: tuple[Document, ...] | None = None
+    new_documents: frozenset[int] = frozenset()
 
 
 def read_local(cfg: DatasetConfig, path: str | Path) -> list[Example]:
     """Read one local file with the reader the dataset config names."""
     reader = cfg.reader
+    if reader is Reader.CORPUS:  # a node's own queries: document ids are the labels
+        documents = read_documents(cfg.documents_path or "")
+        return [Example(q.text, q.document_id) for q in read_queries(path, documents)]
     if reader is Reader.SMS_SPAM:
         return read_sms_spam(path)
     if reader is Reader.AG_NEWS:
@@ -148,6 +157,8 @@ def load_splits(cfg: DatasetConfig, *, seed: int, label_map: LabelMap | None = N
     With ``label_map`` (the server's, on a client) that map is used, and a label it does not
     know raises a ``ValueError`` naming it.
     """
+    if cfg.reader is Reader.CORPUS:
+        return load_corpus_splits(cfg, seed=seed, label_map=label_map)
     test: list[Example] | None = None
     if cfg.path is not None:
         train = read_local(cfg, cfg.path)
@@ -226,4 +237,66 @@ def load_splits(cfg: DatasetConfig, *, seed: int, label_map: LabelMap | None = N
         test=_to_dataset(test, label_map, source),
         label_map=label_map,
         stats=stats,
+    )
+
+
+def load_corpus_splits(
+    cfg: DatasetConfig, *, seed: int, label_map: LabelMap | None = None
+) -> DataSplits:
+    """A corpus (:mod:`car_fl.data.corpus`) split per document (:mod:`car_fl.data.corpus_splits`).
+
+    The label map is the document ids in the documents file's order; a given ``label_map``
+    must be exactly that (the server's corpus), else a ``ValueError`` says so.
+    """
+    if cfg.path is None or cfg.documents_path is None:
+        raise ValueError(
+            "dataset.reader=corpus needs dataset.path (queries) and dataset.documents_path"
+        )
+    documents = read_documents(cfg.documents_path)
+    queries = read_queries(cfg.path, documents)
+    names = LabelMap(tuple(d.id for d in documents))
+    if label_map is not None and label_map.names != names.names:
+        raise ValueError(
+            f"the documents of {cfg.documents_path} differ from the server's corpus "
+            f"({len(names)} here, {len(label_map)} there); every party needs the same documents "
+            "file"
+        )
+    split = split_corpus(documents, queries, new_fraction=cfg.new_fraction, seed=seed)
+    topics = [str(d.metadata.get(cfg.topic_key, "")) for d in documents]
+
+    def table(name: str, *, topic: bool = False) -> Dataset:
+        columns: dict[str, list[object]] = {
+            "text": list(split.texts[name]),
+            "label": list(split.documents[name]),
+        }
+        if topic:
+            columns["topic"] = [topics[d] for d in split.documents[name]]
+        return Dataset.from_dict(columns)
+
+    log.info(
+        "corpus %s: %d documents (%d new), %d train, %d validation, %d test queries; removed: "
+        "%d duplicate, %d conflicting or cross-split, %d held-out inside their document",
+        cfg.name,
+        len(documents),
+        len(split.new_documents),
+        len(split.texts["train"]),
+        len(split.texts["validation"]),
+        len(split.texts["test"]),
+        split.stats.get("duplicates_removed", 0),
+        split.stats.get("conflicting_or_cross_split_removed", 0),
+        split.stats.get("heldout_in_document_removed", 0),
+    )
+    return DataSplits(
+        train=table("train", topic=True),
+        validation=table("validation"),
+        test=table("test"),
+        label_map=names,
+        stats={
+            "train_examples": len(split.texts["train"]),
+            "validation_examples": len(split.texts["validation"]),
+            "test_examples": len(split.texts["test"]),
+            **split.stats,
+        },
+        documents=tuple(documents),
+        new_documents=split.new_documents,
     )

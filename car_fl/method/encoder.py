@@ -147,9 +147,10 @@ class Encoder(nn.Module):
                 return int(candidate)
         return 0
 
-    def tokenize(self, texts: list[str]) -> Tokenized:
-        """Tokenize without padding, truncated to ``max_length`` including the EOS token."""
-        max_length = self.cfg.max_length
+    def tokenize(self, texts: list[str], *, max_length: int | None = None) -> Tokenized:
+        """Tokenize without padding, truncated to ``max_length`` (default: the model's
+        ``max_length``) including the EOS token."""
+        max_length = max_length or self.cfg.max_length
         limit = max_length - 1 if self.append_eos else max_length
         encoded = self.tokenizer(
             list(texts), add_special_tokens=True, truncation=True, max_length=limit

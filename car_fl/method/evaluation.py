@@ -9,10 +9,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from car_fl.data.splits import DataSplits
+from car_fl.method.documents import split_texts
 from car_fl.method.features import LocalData, prepare_for
 from car_fl.method.model import CaRRetriever, build_retriever
-from car_fl.method.retrieval import label_documents
 from car_fl.method.train import evaluate
 from car_fl.results.selection import eval_row
 from car_fl.settings.schema import Settings
@@ -23,21 +25,33 @@ class LazyRetriever:
 
     def __init__(self, settings: Settings, splits: DataSplits) -> None:
         self.settings, self.names = settings, splits.label_map.names
+        self.documents = split_texts(settings, splits)
         self.model: CaRRetriever | None = None
 
     def __call__(self) -> CaRRetriever:
         if self.model is None:
-            documents = label_documents(self.names, self.settings.dataset.label_texts)
-            self.model = build_retriever(self.settings, len(self.names), documents=documents)
+            self.model = build_retriever(self.settings, len(self.names), documents=self.documents)
         return self.model
 
 
 @dataclass
 class HeldOut:
-    """Validation (``None`` without one: ``dataset.val_fraction=0``) and test examples."""
+    """Validation (``None`` without one: ``dataset.val_fraction=0``) and test examples.
+
+    A corpus with new documents also reports ``new_*`` and ``old_*`` metrics: on the queries
+    of documents that had no training query, and on the others.
+    """
 
     test: LocalData
     validation: LocalData | None
+    new_documents: frozenset[int] = frozenset()
+
+    def subsets(self, data: LocalData) -> dict[str, torch.Tensor]:
+        """``new`` and ``old`` query masks of ``data`` (none without new documents)."""
+        if not self.new_documents:
+            return {}
+        new = torch.isin(data.labels, torch.tensor(sorted(self.new_documents)))
+        return {"new": new, "old": ~new}
 
     @classmethod
     def prepare(
@@ -68,7 +82,7 @@ class HeldOut:
             if len(splits.validation)
             else None
         )
-        return cls(test=test, validation=validation)
+        return cls(test=test, validation=validation, new_documents=splits.new_documents)
 
     @property
     def selection(self) -> str:
@@ -79,8 +93,16 @@ class HeldOut:
         """``val_*`` and ``test_*`` metrics of ``model``."""
         batch, top_k = settings.train.eval_batch_size, settings.eval.top_k
         return eval_row(
-            evaluate(model, self.validation, batch_size=batch, top_k=top_k)
+            evaluate(
+                model,
+                self.validation,
+                batch_size=batch,
+                top_k=top_k,
+                subsets=self.subsets(self.validation),
+            )
             if self.validation is not None
             else None,
-            evaluate(model, self.test, batch_size=batch, top_k=top_k),
+            evaluate(
+                model, self.test, batch_size=batch, top_k=top_k, subsets=self.subsets(self.test)
+            ),
         )

@@ -44,12 +44,30 @@ class ClassifierHead(nn.Module):
 
 
 @dataclass(frozen=True)
+class Hit:
+    """One retrieved document: its id (the label name), text and softmax score."""
+
+    id: str
+    text: str
+    score: float
+
+
+@dataclass(frozen=True)
 class Retrieval:
-    """One query's best labels, best first: their names, softmax scores and documents."""
+    """One query's best labels, best first: their names (document ids), softmax scores and
+    documents (texts)."""
 
     labels: tuple[str, ...]
     scores: tuple[float, ...]
     documents: tuple[str, ...]
+
+    @property
+    def hits(self) -> list[Hit]:
+        """The retrieved documents as (id, text, score), best first."""
+        return [
+            Hit(id=i, text=t, score=s)
+            for i, t, s in zip(self.labels, self.documents, self.scores, strict=True)
+        ]
 
 
 def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,11 @@
-"""Retrieval metrics from logits: top-K accuracy, mean reciprocal rank, macro-F1."""
+"""Retrieval metrics: top-K accuracy, Recall@K, MRR, nDCG@10, macro-F1.
+
+Every metric is a function of the true label's rank per query (:func:`ranks`), so an
+evaluation keeps one rank and one prediction per query, never a queries × labels matrix beyond
+one batch (:func:`rank_metrics`). With one relevant document per query, Recall@K is the
+share of queries whose document is among the K best (= top-K accuracy) and nDCG@10 is
+1/log2(1 + rank) when the rank is at most 10, else 0.
+"""
 
 from __future__ import annotations
 
@@ -29,29 +36,66 @@ def mean_reciprocal_rank(logits: torch.Tensor, labels: torch.Tensor) -> float:
 
 def macro_f1(predictions: torch.Tensor, labels: torch.Tensor, num_labels: int) -> float:
     """Unweighted mean of per-label F1 over the labels that occur in ``labels`` or predictions."""
-    f1s = []
-    for label in range(num_labels):
-        predicted = predictions == label
-        actual = labels == label
-        if not bool(predicted.any()) and not bool(actual.any()):
-            continue
-        tp = float((predicted & actual).sum())
-        precision = tp / max(float(predicted.sum()), 1.0)
-        recall = tp / max(float(actual.sum()), 1.0)
-        f1s.append(0.0 if tp == 0 else 2 * precision * recall / (precision + recall))
-    return float(sum(f1s) / len(f1s)) if f1s else float("nan")
+    predictions, labels = predictions.long().cpu(), labels.long().cpu()
+    predicted = torch.bincount(predictions, minlength=num_labels).double()
+    actual = torch.bincount(labels, minlength=num_labels).double()
+    tp = torch.bincount(labels[predictions == labels], minlength=num_labels).double()
+    present = (predicted > 0) | (actual > 0)
+    if not bool(present.any()):
+        return float("nan")
+    precision = tp / predicted.clamp_min(1.0)
+    recall = tp / actual.clamp_min(1.0)
+    f1 = torch.where(tp > 0, 2 * precision * recall / (precision + recall).clamp_min(1e-300), 0.0)
+    return float(f1[present].mean())
+
+
+#: Recall@K and nDCG@K reported beside the top-K accuracies.
+RECALL_K = (1, 5, 10)
+NDCG_K = 10
+
+
+def rank_metrics(
+    rank: torch.Tensor,
+    *,
+    top_k: list[int],
+    predictions: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    num_labels: int | None = None,
+    loss: float | None = None,
+) -> dict[str, float]:
+    """Metrics of 1-based ranks ``(n,)``: ``loss`` (if given), ``top{k}``, ``recall@{k}``,
+    ``mrr``, ``ndcg@10`` and, with predictions and labels, ``macro_f1``."""
+    out: dict[str, float] = {}
+    if loss is not None:
+        out["loss"] = loss
+    r = rank.double()
+    empty = len(r) == 0
+
+    def share(mask: torch.Tensor) -> float:
+        return float("nan") if empty else float(mask.double().mean())
+
+    for k in sorted({1, *top_k}):
+        out[f"top{k}"] = share(r <= k)
+    for k in RECALL_K:
+        out[f"recall@{k}"] = share(r <= k)
+    out["mrr"] = float("nan") if empty else float((1.0 / r).mean())
+    gain = torch.where(r <= NDCG_K, 1.0 / torch.log2(r + 1.0), torch.zeros_like(r))
+    out[f"ndcg@{NDCG_K}"] = float("nan") if empty else float(gain.mean())
+    if predictions is not None and labels is not None and num_labels is not None:
+        out["macro_f1"] = macro_f1(predictions, labels, num_labels)
+    return out
 
 
 def retrieval_metrics(
     logits: torch.Tensor, labels: torch.Tensor, *, top_k: list[int], loss: float | None = None
 ) -> dict[str, float]:
-    """``loss`` (if given), ``top1``, ``top{k}`` for each K, ``mrr`` and ``macro_f1``."""
+    """:func:`rank_metrics` of a whole ``(n, labels)`` score matrix (small evaluations)."""
     logits = logits.float()
-    out: dict[str, float] = {}
-    if loss is not None:
-        out["loss"] = loss
-    for k in sorted({1, *top_k}):
-        out[f"top{k}"] = topk_accuracy(logits, labels, k)
-    out["mrr"] = mean_reciprocal_rank(logits, labels)
-    out["macro_f1"] = macro_f1(logits.argmax(dim=1), labels, logits.shape[1])
-    return out
+    return rank_metrics(
+        ranks(logits, labels),
+        top_k=top_k,
+        predictions=logits.argmax(dim=1),
+        labels=labels,
+        num_labels=logits.shape[1],
+        loss=loss,
+    )

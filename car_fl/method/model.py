@@ -14,15 +14,18 @@ import logging
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from car_fl.method.adapter import SoftEmbeddingAdapter
+from car_fl.method.document_head import DocumentHead
+from car_fl.method.documents import document_features as embed_documents
+from car_fl.method.documents import encode_documents, trained_rows
 from car_fl.method.encoder import Encoder, load_encoder, pick_device
+from car_fl.method.experts import ExpertLayout, MixtureHead, build_layout, experts_in
 from car_fl.method.features import extract_features
 from car_fl.method.head import Retrieval, retrieve
 from car_fl.method.scorers import KNNScorer, MIPSScorer, Scorer, build_scorer
-from car_fl.settings.schema import HeadConfig, HeadKind, Mode, Settings, TrainConfig
+from car_fl.settings.schema import HeadConfig, HeadKind, Mode, MoEConfig, Settings, TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +42,11 @@ class CaRRetriever(nn.Module):
         mode: Mode,
         hidden_size: int | None = None,
         device: torch.device | str = "cpu",
+        moe: MoEConfig | None = None,
+        layout: ExpertLayout | None = None,
     ) -> None:
-        """Without an ``encoder`` (classifier mode on cached features) give ``hidden_size``."""
+        """Without an ``encoder`` (classifier mode on cached features) give ``hidden_size``; a
+        mixture of experts needs ``moe`` and its ``layout``."""
         super().__init__()
         self._encoder = encoder
         self.mode = mode
@@ -57,7 +63,9 @@ class CaRRetriever(nn.Module):
         self.num_labels = num_labels
         self._device = torch.device(device)
         self.adapter = SoftEmbeddingAdapter(dim).to(device)
-        self.head: Scorer = build_scorer(head, dim=dim, num_labels=num_labels, device=device)
+        self.head: Scorer = build_scorer(
+            head, dim=dim, num_labels=num_labels, device=device, moe=moe, layout=layout
+        )
         self.adapter.requires_grad_(self.mode is Mode.ADAPTER_CLASSIFIER)
         #: What :meth:`retrieve` names: label names and documents, in label order, and the
         #: settings (set by :func:`~car_fl.method.serving.load_retriever` or :meth:`set_labels`).
@@ -94,6 +102,11 @@ class CaRRetriever(nn.Module):
         return self.head.kind
 
     @property
+    def per_example_loop(self) -> bool:
+        """DP-SGD computes per-example gradients one example at a time (routing heads)."""
+        return bool(self.head.per_example_loop)
+
+    @property
     def uses_adapter(self) -> bool:
         """The adapter is applied when trained, or when it holds non-identity weights."""
         return self.mode is Mode.ADAPTER_CLASSIFIER or not self.adapter.is_identity()
@@ -125,8 +138,9 @@ class CaRRetriever(nn.Module):
             if input_ids is None or attention_mask is None:
                 raise ValueError("forward needs input_ids and attention_mask, or features")
             features = self.encode(input_ids, attention_mask)
-        logits = self.score(features)  # (batch, labels)
-        loss = F.cross_entropy(logits, labels) if labels is not None else None
+        training = labels if self.training else None  # a mixture of experts routes by them
+        logits = self.score(features, labels=training)  # (batch, labels)
+        loss = self.head.loss(logits, labels) if labels is not None else None
         return logits, loss
 
     # ------------------------------------------------------------------------------ scoring
@@ -134,30 +148,58 @@ class CaRRetriever(nn.Module):
         """What the scorer scores against through the current adapter (MIPS: the documents)."""
         return self.head.index(self._encode_ids, adapted=self.uses_adapter)
 
-    def score(self, features: torch.Tensor, *, index: torch.Tensor | None = None) -> torch.Tensor:
+    def score(
+        self,
+        features: torch.Tensor,
+        *,
+        index: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Pooled queries ``(batch, d)`` → one score per label ``(batch, labels)``.
 
         ``index`` (from :meth:`index`) saves re-encoding the MIPS label documents for every
-        batch of an evaluation.
+        batch of an evaluation; ``labels`` are for training (a mixture of experts routes by
+        them).
         """
-        return self.head(features, index if index is not None else self.index())
-
-    @torch.inference_mode()
-    def score_all(self, features: torch.Tensor, *, batch_size: int) -> torch.Tensor:
-        """Scores ``(n, labels)`` on the CPU for pooled queries ``(n, d)``, in batches."""
-        self.eval()
-        index = self.index()
-        chunks = [
-            self.score(features[i : i + batch_size].to(self.device), index=index).float().cpu()
-            for i in range(0, len(features), batch_size)
-        ]
-        return torch.cat(chunks)
+        return self.head(features, index if index is not None else self.index(), labels)
 
     def set_documents(self, texts: Sequence[str]) -> None:
         """MIPS: the labels' document texts, in label order (needs the encoder)."""
         if not isinstance(self.head, MIPSScorer):
             raise TypeError(f"label documents are for a MIPS head, not {self.kind.value}")
-        self.head.set_documents(self.encoder.tokenize(list(texts)).input_ids)
+        limit = self.encoder.cfg.document_max_length
+        self.head.set_documents(self.encoder.tokenize(list(texts), max_length=limit).input_ids)
+
+    def set_document_features(self, features: torch.Tensor) -> None:
+        """Document heads: the documents' frozen embeddings ``(labels, d)``, in label order."""
+        if not isinstance(self.head, DocumentHead):
+            raise TypeError(f"document embeddings are for a document head, not {self.kind.value}")
+        self.head.set_document_features(features.to(self.device))
+
+    def add_documents(self, names: Sequence[str], texts: Sequence[str]) -> range:
+        """A document head: new documents as rows (Δ = 0), without retraining; no other
+        document's score changes. Returns their label indices (needs the encoder)."""
+        if not isinstance(self.head, DocumentHead):
+            raise TypeError(f"documents are added to a document head, not {self.kind.value}")
+        if self.label_names is None or self.label_texts is None:
+            raise RuntimeError("add_documents needs the labels: use load_retriever or set_labels")
+        if len(names) != len(texts) or not names:
+            raise ValueError(f"{len(names)} new document ids for {len(texts)} texts")
+        clash = sorted(set(names) & set(self.label_names))
+        if clash or len(set(names)) != len(names):
+            raise ValueError(f"document ids already present or repeated: {clash or list(names)}")
+        model_cfg = self.encoder.cfg
+        features = encode_documents(
+            self.encoder,
+            texts,
+            max_length=model_cfg.document_max_length or model_cfg.max_length,
+            batch_size=self.settings.train.feature_batch_size if self.settings else 32,
+        )
+        added = self.head.add_documents(features)
+        self.num_labels = self.head.num_labels
+        self.label_names = (*self.label_names, *names)
+        self.label_texts = (*self.label_texts, *texts)
+        return added
 
     def set_memory(self, features: torch.Tensor, labels: torch.Tensor) -> None:
         """kNN: the training examples' embeddings ``(n, d)`` and labels ``(n,)``."""
@@ -179,6 +221,8 @@ class CaRRetriever(nn.Module):
 
         Raises ``ValueError`` for missing, unexpected or wrongly shaped tensors.
         """
+        if isinstance(self.head, MixtureHead):  # a client holds the experts it was sent
+            self.head.set_available(experts_in(state))
         expected = self.trainable_parameters()
         optional = {"adapter.weight": self.adapter.weight}
         missing = sorted(set(expected) - set(state))
@@ -229,8 +273,15 @@ class CaRRetriever(nn.Module):
             progress=False,
             desc="queries",
         )
-        scores = self.score_all(features, batch_size=batch_size)
-        return retrieve(scores, k, self.label_names, self.label_texts)
+        self.eval()
+        out: list[Retrieval] = []
+        with torch.inference_mode():
+            index = self.index()
+            for start in range(0, len(features), batch_size):  # one batch of scores at a time
+                batch = features[start : start + batch_size].to(self.device)
+                scores = self.score(batch, index=index).float().cpu()  # (batch, labels)
+                out += retrieve(scores, k, self.label_names, self.label_texts)
+        return out
 
 
 def build_retriever(
@@ -240,17 +291,37 @@ def build_retriever(
     encoder: Encoder | None = None,
     hidden_size: int | None = None,
     documents: Sequence[str] | None = None,
+    document_features: torch.Tensor | None = None,
+    layout: ExpertLayout | None = None,
 ) -> CaRRetriever:
     """A retriever whose head initialisation depends only on ``settings.seed``.
 
     With ``hidden_size`` and no ``encoder`` in classifier mode, the encoder is not loaded
     (training on cached features); otherwise it is loaded unless given. A MIPS head gets its
     label ``documents`` here when the encoder is loaded (see
-    :func:`car_fl.method.retrieval.label_documents`).
+    :func:`car_fl.method.documents.document_texts`). A document head (``document``, ``moe``)
+    starts its rows from ``document_features``, or from the ``documents``' embeddings through
+    the feature cache (the encoder is loaded only on a miss); a mixture of experts takes its
+    ``layout`` (the server's) or clusters the documents itself (seeded).
     """
     mode = settings.train.mode
     if encoder is None and (hidden_size is None or mode is Mode.ADAPTER_CLASSIFIER):
         encoder = load_encoder(settings.model, device=settings.device)
+    kind = settings.head.kind
+    loaded = encoder
+
+    def get_encoder() -> Encoder:
+        return loaded or load_encoder(settings.model, device=settings.device)
+
+    frozen_mips = kind is HeadKind.MIPS and mode is Mode.CLASSIFIER
+    if (kind in (HeadKind.DOCUMENT, HeadKind.MOE) or frozen_mips) and document_features is None:
+        if documents is None and not frozen_mips:
+            raise ValueError(f"head.kind={kind} needs its documents (texts or embeddings)")
+        if documents is not None:  # the frozen documents' embeddings, through the cache
+            document_features = embed_documents(settings, documents, get_encoder=get_encoder)
+    if kind is HeadKind.MOE and layout is None:
+        assert document_features is not None
+        layout = build_layout(document_features, settings.moe, seed=settings.seed)
     torch.manual_seed(settings.seed)
     model = CaRRetriever(
         encoder,
@@ -259,7 +330,17 @@ def build_retriever(
         mode=mode,
         hidden_size=hidden_size,
         device=pick_device(settings.device),
+        moe=settings.moe,
+        layout=layout,
     )
-    if isinstance(model.head, MIPSScorer) and documents is not None and model.has_encoder:
-        model.set_documents(documents)
+    if isinstance(model.head, MIPSScorer) and document_features is not None and frozen_mips:
+        model.head.set_document_features(document_features)
+    elif isinstance(model.head, MIPSScorer) and documents is not None and model.has_encoder:
+        model.set_documents(documents)  # re-encoded through the adapter while it trains
+    if isinstance(model.head, DocumentHead):
+        assert document_features is not None
+        model.set_document_features(document_features)
+        trained = trained_rows(settings, num_labels)
+        if trained is not None:
+            model.head.set_trained_rows(trained.to(model.device))
     return model

@@ -1,7 +1,9 @@
 """One scorer per retrieval method: pooled queries ``(batch, d)`` → a score per label.
 
-``ClassifierScorer`` (CaR): the classifier head's logits; its weights are the only trainable
-state a scorer has. ``MIPSScorer``: query·document scores against each label's document
+``ClassifierScorer`` (CaR): the classifier head's logits. ``DocumentScorer``: CaR with a
+document-initialised head (:mod:`~car_fl.method.document_head`); ``MixtureScorer``: the
+same split into experts behind a gate (:mod:`~car_fl.method.experts`). ``MIPSScorer``:
+query·document scores against each label's document
 (:func:`~car_fl.method.retrieval.mips_scores`). ``KNNScorer``: votes of the nearest training
 examples (:func:`~car_fl.method.retrieval.knn_scores`). Each keeps its own state;
 :class:`~car_fl.method.model.CaRRetriever` composes the encoder, the adapter and one scorer,
@@ -17,11 +19,14 @@ from collections.abc import Callable
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from car_fl.method.document_head import DocumentHead
+from car_fl.method.experts import ExpertLayout, MixtureHead
 from car_fl.method.head import ClassifierHead
 from car_fl.method.retrieval import knn_scores, mips_scores
-from car_fl.settings.schema import HeadConfig, HeadKind, Similarity
+from car_fl.settings.schema import HeadConfig, HeadKind, MoEConfig, Similarity
 
 #: Token id lists → pooled vectors ``(n, d)`` through the retriever's adapter and encoder.
 EncodeIds = Callable[[list[list[int]]], torch.Tensor]
@@ -31,13 +36,26 @@ class Scorer(nn.Module):
     """Pooled queries ``(batch, d)`` → scores ``(batch, labels)`` that rank like logits."""
 
     kind: ClassVar[HeadKind]
+    #: Per-example gradients need a loop over examples (routing is data-dependent, so
+    #: ``torch.func.vmap`` cannot trace it).
+    per_example_loop: ClassVar[bool] = False
 
     def index(self, encode: EncodeIds, *, adapted: bool) -> torch.Tensor | None:
         """What the queries are scored against, through the adapter (``None``: nothing)."""
         return None
 
-    def forward(self, queries: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        queries: torch.Tensor,
+        index: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Scores; ``labels`` are given while training (a mixture of experts routes by them)."""
         raise NotImplementedError
+
+    def loss(self, scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The training loss of ``scores`` from :meth:`forward`: cross-entropy."""
+        return F.cross_entropy(scores, labels)
 
 
 class ClassifierScorer(ClassifierHead, Scorer):
@@ -45,8 +63,34 @@ class ClassifierScorer(ClassifierHead, Scorer):
 
     kind = HeadKind.CLASSIFIER
 
-    def forward(self, queries: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        queries: torch.Tensor,
+        index: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         return ClassifierHead.forward(self, queries)
+
+
+class DocumentScorer(DocumentHead, Scorer):
+    """CaR with rows that start as the documents' embeddings (:class:`DocumentHead`)."""
+
+    kind = HeadKind.DOCUMENT
+
+    def forward(
+        self,
+        queries: torch.Tensor,
+        index: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return DocumentHead.forward(self, queries)
+
+
+class MixtureScorer(MixtureHead, Scorer):
+    """The mixture of experts (:class:`~car_fl.method.experts.MixtureHead`)."""
+
+    kind = HeadKind.MOE
+    per_example_loop = True
 
 
 class MIPSScorer(Scorer):
@@ -102,7 +146,12 @@ class MIPSScorer(Scorer):
             raise RuntimeError("a MIPS head needs its label documents: call set_documents")
         return self.document_features
 
-    def forward(self, queries: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        queries: torch.Tensor,
+        index: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if index is None:
             raise ValueError("MIPS scores need the label documents (index)")
         return mips_scores(queries, index, kind=self.similarity, temperature=self.temperature)
@@ -136,7 +185,12 @@ class KNNScorer(Scorer):
         self.memory = features.to(self.device)
         self.memory_labels = labels.to(self.device)
 
-    def forward(self, queries: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        queries: torch.Tensor,
+        index: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if self.memory is None or self.memory_labels is None:
             raise RuntimeError("a kNN head needs its memory: call set_memory(features, labels)")
         return knn_scores(
@@ -150,15 +204,30 @@ class KNNScorer(Scorer):
 
 
 def build_scorer(
-    head: HeadConfig, *, dim: int, num_labels: int, device: torch.device | str = "cpu"
+    head: HeadConfig,
+    *,
+    dim: int,
+    num_labels: int,
+    device: torch.device | str = "cpu",
+    moe: MoEConfig | None = None,
+    layout: ExpertLayout | None = None,
 ) -> Scorer:
-    """The scorer of ``head.kind``; a classifier's initialisation draws from torch's global RNG."""
+    """The scorer of ``head.kind``; a classifier's initialisation draws from torch's global RNG.
+
+    A mixture of experts needs its ``moe`` settings and ``layout``.
+    """
     kind = head.kind
     if kind is HeadKind.CLASSIFIER:
         scorer: Scorer = ClassifierScorer(
             dim, num_labels, pre_classifier_dim=head.pre_classifier_dim, dropout=head.dropout
         )
         return scorer.to(device)
+    if kind is HeadKind.DOCUMENT:
+        return DocumentScorer(dim, num_labels, head).to(device)
+    if kind is HeadKind.MOE:
+        if moe is None or layout is None:
+            raise ValueError("a mixture of experts needs its settings (moe) and expert layout")
+        return MixtureScorer(dim, num_labels, head, moe, layout).to(device)
     if kind is HeadKind.MIPS:
         return MIPSScorer(
             num_labels, similarity=head.similarity, temperature=head.temperature, device=device

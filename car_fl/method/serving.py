@@ -8,28 +8,36 @@ memory is rebuilt from the training split its settings name (:func:`training_fea
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from car_fl.data.labels import LabelMap
+from car_fl.method.documents import document_texts, documents_identity
+from car_fl.method.experts import ExpertLayout, MixtureHead
 from car_fl.method.features import LocalData, QueryEncoder, prepare_for
 from car_fl.method.model import CaRRetriever, build_retriever
-from car_fl.method.retrieval import label_documents
 from car_fl.method.scorers import KNNScorer
 from car_fl.results.checkpoint import load_checkpoint
 from car_fl.settings.schema import Settings
 
 
 def load_retriever(
-    path: str | Path, *, device: str | None = "auto", model: str | None = None
+    path: str | Path,
+    *,
+    device: str | None = "auto",
+    model: str | None = None,
+    documents_path: str | Path | None = None,
 ) -> CaRRetriever:
     """A retriever ready for ``retrieve``, from a folder written by
     :func:`car_fl.results.checkpoint.save_checkpoint`: its settings, label map and weights.
 
     ``device``: where to run (``None``: the checkpoint's setting); ``model``: an encoder hub id
-    or folder in place of the one it was trained with. MIPS gets its label documents; kNN, which
-    has no weights, rebuilds its memory from the training split its settings name
-    (``FileNotFoundError`` when that data cannot be read).
+    or folder in place of the one it was trained with; ``documents_path``: a corpus's
+    documents file in place of the one it names (its digest must match the checkpoint's).
+    A corpus checkpoint returns each hit's document id, text and score. MIPS gets its label
+    documents; kNN, which has no weights, rebuilds its memory from the training split its
+    settings name (``FileNotFoundError`` when that data cannot be read).
     """
     ckpt = load_checkpoint(path)
     settings = ckpt.settings
@@ -37,9 +45,18 @@ def load_retriever(
         settings.model.name_or_path = model
     if device is not None:
         settings.device = device
+    if documents_path is not None:
+        settings.dataset.documents_path = str(documents_path)
     names = ckpt.label_map.names
-    documents = label_documents(names, settings.dataset.label_texts)
-    retriever = build_retriever(settings, len(names), documents=documents)
+    check_documents(settings, names, ckpt.extra, path)
+    documents = document_texts(settings, names)
+    layout = ckpt.extra.get(LAYOUT_EXTRA)
+    retriever = build_retriever(
+        settings,
+        len(names),
+        documents=documents,
+        layout=ExpertLayout.from_text(layout) if layout else None,
+    )
     retriever.load_trainable_state_dict(ckpt.state)
     if isinstance(retriever.head, KNNScorer):  # no weights: its memory is the training split
         try:
@@ -69,3 +86,39 @@ def training_features(
     return prepare_for(
         settings, train["text"], train["label"], get_model=get_model, desc="training features"
     )
+
+
+#: Checkpoint ``extra`` keys: the corpus's digest and a mixture of experts' layout.
+DIGEST_EXTRA = "documents_digest"
+LAYOUT_EXTRA = "moe_layout"
+
+
+def checkpoint_extra(
+    settings: Settings, names: Sequence[str], model: CaRRetriever
+) -> dict[str, str]:
+    """What a run's checkpoints record beside the weights so that they can serve documents."""
+    extra = dict(documents_identity(settings, names))
+    if isinstance(model.head, MixtureHead):
+        extra[LAYOUT_EXTRA] = model.head.layout.to_text()
+    return extra
+
+
+def check_documents(
+    settings: Settings, names: Sequence[str], extra: Mapping[str, Any], path: str | Path
+) -> None:
+    """Refuse a corpus whose documents differ from those the checkpoint was trained on."""
+    recorded = extra.get(DIGEST_EXTRA)
+    if recorded is None:
+        return
+    try:
+        found = documents_identity(settings, names).get(DIGEST_EXTRA)
+    except (OSError, ValueError) as err:
+        raise FileNotFoundError(
+            f"{path} serves the corpus {settings.dataset.documents_path!r}, which could not be "
+            f"read ({err}); pass documents_path= (car-fl retrieve --documents) to its file"
+        ) from err
+    if found != recorded:
+        raise ValueError(
+            f"the documents in {settings.dataset.documents_path} are not those {path} was "
+            f"trained on (digest {found} != {recorded}); use the same documents file"
+        )

@@ -19,12 +19,17 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from car_fl.method.features import LocalData, extract_features
-from car_fl.method.metrics import retrieval_metrics
+from car_fl.method.metrics import rank_metrics
+from car_fl.method.metrics import ranks as rank_of_true
 from car_fl.method.model import CaRRetriever
 from car_fl.method.optim import Optimizer
 from car_fl.settings.schema import TrainConfig
 
 log = logging.getLogger(__name__)
+
+
+#: The per-document rows of document heads (their own learning rate, ``train.rows_lr``).
+ROW_PREFIXES = ("head.rows", "head.experts.")
 
 
 def make_optimizer(model: CaRRetriever, cfg: TrainConfig) -> Optimizer:
@@ -34,8 +39,15 @@ def make_optimizer(model: CaRRetriever, cfg: TrainConfig) -> Optimizer:
     start-up in every new process.
     """
     params = model.trainable_parameters()
-    head = [p for name, p in params.items() if not name.startswith("adapter")]
+    rows = [p for name, p in params.items() if name.startswith(ROW_PREFIXES)]
+    head = [
+        p
+        for name, p in params.items()
+        if not name.startswith("adapter") and not name.startswith(ROW_PREFIXES)
+    ]
     groups: list[dict[str, Any]] = [{"params": head, "lr": cfg.lr}] if head else []
+    if rows:
+        groups.append({"params": rows, "lr": cfg.rows_lr or cfg.lr})
     if "adapter.weight" in params:
         groups.append({"params": [params["adapter.weight"]], "lr": cfg.adapter_lr or cfg.lr})
     if not groups:
@@ -225,17 +237,15 @@ class ProximalTerm:
         return 0.5 * self.mu * torch.as_tensor(total)
 
 
-@torch.inference_mode()
-def predict_logits(
+def query_features(
     model: CaRRetriever, data: LocalData, *, batch_size: int, progress: bool = False
 ) -> torch.Tensor:
-    """Logits ``(n, labels)`` for every example, in order."""
-    model.eval()
+    """Pooled queries ``(n, d)``: the cached features, or encoded through the current adapter."""
     if data.features is not None:
-        features = data.features
-    else:
-        assert data.input_ids is not None
-        features = extract_features(
+        return data.features
+    assert data.input_ids is not None
+    with torch.inference_mode():
+        return extract_features(
             model.encode,
             model.encoder.pad,
             data.input_ids,
@@ -243,7 +253,6 @@ def predict_logits(
             progress=progress,
             desc="eval",
         )
-    return model.score_all(features, batch_size=batch_size)
 
 
 def evaluate(
@@ -253,10 +262,40 @@ def evaluate(
     batch_size: int,
     top_k: list[int],
     progress: bool = False,
+    subsets: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, float]:
-    """Loss, top-1 and top-K accuracy, MRR and macro-F1 on ``data``."""
-    logits = predict_logits(model, data, batch_size=batch_size, progress=progress)
-    loss = float(F.cross_entropy(logits, data.labels))
+    """Loss, top-K accuracy, Recall@K, MRR, nDCG@10 and macro-F1 on ``data``.
+
+    Scores are computed one batch at a time and only each query's rank and best label are
+    kept, so no queries × labels matrix exists beyond one batch. ``subsets`` (name → boolean
+    mask over ``data``) add the same metrics on those queries alone, as ``{name}_{metric}``.
+    """
+    model.eval()
+    features = query_features(model, data, batch_size=batch_size, progress=progress)
+    ranks, predictions = [], []
+    loss_sum = 0.0
+    with torch.inference_mode():
+        index = model.index()
+        for start in range(0, len(data), batch_size):
+            batch = features[start : start + batch_size].to(model.device)
+            labels = data.labels[start : start + batch_size].to(model.device)
+            scores = model.score(batch, index=index).float()  # (batch, labels)
+            loss_sum += float(F.cross_entropy(scores, labels, reduction="sum"))
+            ranks.append(rank_of_true(scores, labels).cpu())
+            predictions.append(scores.argmax(dim=1).cpu())
+    rank, predicted = torch.cat(ranks), torch.cat(predictions)
+    loss = loss_sum / max(len(data), 1)
     if not math.isfinite(loss):
         log.warning("evaluation loss is %s", loss)
-    return retrieval_metrics(logits, data.labels, top_k=top_k, loss=loss)
+    out = rank_metrics(
+        rank,
+        top_k=top_k,
+        predictions=predicted,
+        labels=data.labels,
+        num_labels=model.num_labels,
+        loss=loss,
+    )
+    for name, mask in (subsets or {}).items():
+        part = rank_metrics(rank[mask], top_k=top_k)
+        out.update({f"{name}_{key}": value for key, value in part.items()})
+    return out

@@ -21,6 +21,7 @@ come from OS entropy (:mod:`car_fl.privacy.noise`), the noise on the parameters'
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -151,6 +152,74 @@ def noisy_gradient(
     return {k: v / expected_batch_size for k, v in summed.items()}
 
 
+#: Per-example gradients held at once by :func:`clipped_gradient_sum` (elements, ~256 MB).
+CHUNK_ELEMENTS = 1 << 26
+
+
+def clipped_gradient_sum(
+    model: nn.Module,
+    params: Mapping[str, torch.Tensor],
+    labels: torch.Tensor,
+    *,
+    clip: float,
+    features: torch.Tensor | None = None,
+    input_ids: Sequence[torch.Tensor] | None = None,
+    chunk_elements: int = CHUNK_ELEMENTS,
+) -> tuple[Tensors, torch.Tensor, torch.Tensor]:
+    """Σᵢ gᵢ · min(1, C/‖gᵢ‖) over the batch, plus each loss and each argmax.
+
+    Never holds more than ``chunk_elements`` per-example gradient values: ``vmap`` over chunks
+    of examples, or, for token ids and for models whose ``per_example_loop`` is true (routing
+    that ``vmap`` cannot trace), one example at a time, each clipped and added as it comes.
+    """
+    if not clip > 0:
+        raise ValueError(f"dp.clip (the per-example bound C) must be > 0, got {clip}")
+    device = next(iter(params.values())).device
+    total = {k: torch.zeros_like(v) for k, v in params.items()}
+    if len(labels) == 0:
+        empty = torch.zeros(0, device=device)
+        return total, empty, torch.zeros(0, dtype=torch.long, device=device)
+    losses, predicted = [], []
+    if input_ids is not None or getattr(model, "per_example_loop", False):
+        leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+        for i in range(len(labels)):
+            y = labels[i : i + 1].to(device)
+            if input_ids is not None:
+                ids = input_ids[i].to(device)[None]  # (1, seq): unpadded
+                args: tuple[Any, ...] = (ids, torch.ones_like(ids))
+                kwargs: dict[str, Any] = {"labels": y}
+            else:
+                assert features is not None
+                args, kwargs = (), {"features": features[i : i + 1], "labels": y}
+            logits, loss = functional_call(model, leaves, args, kwargs)
+            grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+            used = {k: g for k, g in zip(leaves, grads, strict=True) if g is not None}
+            norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in used.values()))
+            factor = min(1.0, clip / norm) if norm > 0 else 1.0
+            for k, g in used.items():
+                total[k] += g * factor
+            losses.append(loss.detach().reshape(1))
+            predicted.append(logits.detach().argmax(dim=-1).reshape(1))
+        return total, torch.cat(losses), torch.cat(predicted)
+    if features is None:
+        raise ValueError("clipped_gradient_sum needs features or input_ids")
+    size = sum(v.numel() for v in params.values())
+    chunk = max(1, chunk_elements // max(size, 1))
+    for start in range(0, len(labels), chunk):
+        chunk_grads, loss_part, pred_part = per_example_gradients(
+            model,
+            params,
+            labels[start : start + chunk],
+            features=features[start : start + chunk],
+        )
+        clipped, _ = clip_per_example(chunk_grads, clip)
+        for k, g in clipped.items():
+            total[k] += g.sum(dim=0)
+        losses.append(loss_part)
+        predicted.append(pred_part)
+    return total, torch.cat(losses), torch.cat(predicted)
+
+
 @dataclass
 class StepResult:
     """What one DP-SGD step saw (for the client's own log; never sent)."""
@@ -179,11 +248,9 @@ def dpsgd_step(
     ``params``. ``noise_multiplier`` σ gives noise std σ·C.
     """
     detached = {k: p.detach() for k, p in params.items()}
-    grads, losses, predicted = per_example_gradients(
-        model, detached, labels, features=features, input_ids=input_ids
+    summed, losses, predicted = clipped_gradient_sum(
+        model, detached, labels, clip=clip, features=features, input_ids=input_ids
     )
-    clipped, _ = clip_per_example(grads, clip)
-    summed = {k: g.sum(dim=0) for k, g in clipped.items()}
     update = noisy_gradient(
         summed,
         noise_std=noise_multiplier * clip if noise_multiplier > 0 else 0.0,

@@ -18,6 +18,8 @@ ARRAYS_KEY = "arrays"
 METRICS_KEY = "metrics"
 CONFIG_KEY = "config"
 NUM_EXAMPLES = "num-examples"
+#: Config key of a mixture of experts' layout (the server's clustering of the documents).
+LAYOUT_KEY = "moe-layout"
 
 
 #: ``Array.stype`` of car-fl's tensors: the raw little-endian C-order bytes, with dtype and
@@ -91,6 +93,8 @@ class TrainInstruction:
     server_round: int
     fingerprint: str | None
     labels: tuple[str, ...] | None = None
+    #: A mixture of experts' layout as text (:class:`car_fl.method.experts.ExpertLayout`).
+    layout: str | None = None
 
 
 def read_train_message(content: RecordDict) -> TrainInstruction:
@@ -98,7 +102,9 @@ def read_train_message(content: RecordDict) -> TrainInstruction:
     config = content.config_records[CONFIG_KEY]
     fingerprint = config.get("fingerprint")
     labels = config.get("labels")
+    layout = config.get(LAYOUT_KEY)
     return TrainInstruction(
+        layout=str(layout) if layout is not None else None,
         labels=tuple(str(x) for x in cast(list[str], labels)) if labels else None,
         global_state=from_record(content.array_records[ARRAYS_KEY]),
         server_round=int(cast(int, config["server-round"])),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -62,6 +63,8 @@ class Recorder:
     round_checkpoints: bool = False
     history: list[RoundRow] = field(default_factory=list)
     best: RoundRow | None = None
+    #: What every checkpoint also records (a corpus's digest, a mixture of experts' layout).
+    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def checkpoints(self) -> Path:
@@ -107,6 +110,7 @@ class Recorder:
             round=row.round if round is None else round,
             metrics=row.to_dict(),
             epsilon=epsilon,
+            extra=dict(self.extra),
         )
 
     def save_final(

@@ -22,6 +22,7 @@ from flwr.serverapp.strategy import (
     MultiKrum,
 )
 
+from car_fl.server.expert_plan import ExpertPlan
 from car_fl.server.strategy import GuardedStrategy, Spec
 from car_fl.server.update_norm import NormBound
 from car_fl.settings.schema import Settings, StrategyConfig, StrategyName
@@ -55,9 +56,17 @@ def flower_strategy(cfg: StrategyConfig) -> FedAvg:
 
 
 def build_strategy(
-    settings: Settings, *, spec: Spec, shard_sizes: Mapping[int, int] | None = None
+    settings: Settings,
+    *,
+    spec: Spec,
+    shard_sizes: Mapping[int, int] | None = None,
+    layout: str | None = None,
 ) -> GuardedStrategy:
-    """The run's strategy: Flower's chosen one, guarded by car-fl's sampling and checks."""
+    """The run's strategy: Flower's chosen one, guarded by car-fl's sampling and checks.
+
+    A mixture of experts (``layout``: its expert layout as text) sends and receives experts
+    by :class:`~car_fl.server.expert_plan.ExpertPlan`.
+    """
     fl = settings.fl
     dim = sum(math.prod(shape) for shape, _ in spec.values())
     return GuardedStrategy(
@@ -71,4 +80,5 @@ def build_strategy(
         norm_bound=NormBound.from_settings(settings, dim=dim),
         min_valid=fl.min_valid_replies,
         min_valid_fraction=fl.min_valid_fraction,
+        experts=ExpertPlan.from_settings(settings, spec, layout) if layout is not None else None,
     )

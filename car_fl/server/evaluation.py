@@ -14,6 +14,7 @@ from car_fl.data.labels import LabelMap
 from car_fl.data.partition import partition
 from car_fl.data.splits import load_splits
 from car_fl.method.evaluation import HeldOut, LazyRetriever
+from car_fl.method.experts import ExpertLayout, MixtureHead
 from car_fl.method.model import CaRRetriever, build_retriever
 from car_fl.protocol.messages import from_record
 from car_fl.settings.schema import Settings
@@ -42,7 +43,10 @@ class ServerEvaluator:
         else:  # classifier mode with cached test features: no encoder needed on the server
             assert held_out.test.features is not None
             model = build_retriever(
-                settings, len(splits.label_map), hidden_size=int(held_out.test.features.shape[1])
+                settings,
+                len(splits.label_map),
+                hidden_size=int(held_out.test.features.shape[1]),
+                documents=lazy.documents,
             )
         shard_sizes = {
             pid: len(
@@ -65,6 +69,12 @@ class ServerEvaluator:
             shard_sizes=shard_sizes,
             data_stats=splits.stats,
         )
+
+    @property
+    def layout(self) -> ExpertLayout | None:
+        """The mixture of experts' layout (the server's clustering), sent to every client."""
+        head = self.model.head
+        return head.layout if isinstance(head, MixtureHead) else None
 
     def __call__(self, arrays: ArrayRecord) -> dict[str, float]:
         """``val_*`` and ``test_*`` metrics of the global model ``arrays``."""

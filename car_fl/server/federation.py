@@ -19,7 +19,8 @@ from flwr.app import ConfigRecord
 from flwr.serverapp import Grid
 
 from car_fl.common.io import atomic_write_text
-from car_fl.protocol.messages import from_record, to_record
+from car_fl.method.serving import checkpoint_extra
+from car_fl.protocol.messages import LAYOUT_KEY, from_record, to_record
 from car_fl.results.recorder import Recorder
 from car_fl.results.rows import RunSummary
 from car_fl.server.aggregation import build_strategy
@@ -104,7 +105,10 @@ def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
     wait_for_nodes(grid, settings.fl.clients, timeout=settings.fl.wait_for_nodes)
     evaluator = ServerEvaluator.build(settings)
     initial = to_record(evaluator.model.trainable_state_dict(), dtype=settings.comm.dtype)
-    strategy = build_strategy(settings, spec=spec_of(initial), shard_sizes=evaluator.shard_sizes)
+    layout = evaluator.layout.to_text() if evaluator.layout is not None else None
+    strategy = build_strategy(
+        settings, spec=spec_of(initial), shard_sizes=evaluator.shard_sizes, layout=layout
+    )
     recorder = RoundRecorder(
         Recorder(
             settings=settings,
@@ -113,6 +117,7 @@ def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
             unit="round",
             title=f"FL {settings.dataset.name}, {settings.fl.clients} clients",
             round_checkpoints=True,
+            extra=checkpoint_extra(settings, evaluator.label_map.names, evaluator.model),
         ),
         evaluate=evaluator,
         describe=lambda: describe(settings, evaluator),
@@ -134,7 +139,12 @@ def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
         timeout=settings.fl.round_timeout,
         # Clients check the configuration and encode their labels with the global label map.
         train_config=ConfigRecord(
-            {"fingerprint": fingerprint(settings), "labels": evaluator.label_map.to_list()}
+            {
+                "fingerprint": fingerprint(settings),
+                "labels": evaluator.label_map.to_list(),
+                # a mixture of experts: the server's clustering of the documents
+                **({LAYOUT_KEY: layout} if layout is not None else {}),
+            }
         ),
         evaluate_fn=recorder,
     )

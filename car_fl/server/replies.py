@@ -23,8 +23,12 @@ def validate_reply(
     spec: Spec,
     *,
     max_examples: int | None = None,
+    optional: frozenset[str] | set[str] = frozenset(),
 ) -> str | None:
     """``None`` if a train reply may be aggregated, else the reason it may not.
+
+    The reply holds exactly the tensors of ``spec``, except that those named in ``optional``
+    (experts a client did not train, ``moe.send=routed``) may be left out.
 
     Shapes and dtypes are checked on the decoded values, and only car-fl's own wire format
     (``RAW_STYPE``: raw bytes whose length must match dtype and shape) is accepted: a NumPy
@@ -37,10 +41,13 @@ def validate_reply(
             f"expected one ArrayRecord and one MetricRecord, got {len(arrays)} and {len(metrics)}"
         )
     record = next(iter(arrays.values()))
-    missing, extra = sorted(set(spec) - set(record)), sorted(set(record) - set(spec))
+    missing = sorted(set(spec) - set(record) - set(optional))
+    extra = sorted(set(record) - set(spec))
     if missing or extra:
         return f"tensor names differ from the global model: missing {missing}, extra {extra}"
     for name, (shape, dtype) in spec.items():
+        if name not in record:  # an optional tensor left out
+            continue
         array = record[name]
         if array.stype != RAW_STYPE:
             return f"tensor {name!r} is in format {array.stype!r}; only {RAW_STYPE!r} is accepted"

@@ -44,6 +44,7 @@ from car_fl.protocol.messages import (
     encode,
     payload_bytes,
 )
+from car_fl.server.expert_plan import ExpertPlan
 from car_fl.server.replies import Spec, as_float64, spec_of, validate_reply
 from car_fl.server.round_stats import RoundStats
 from car_fl.server.sampled_grid import SampledGrid
@@ -70,6 +71,7 @@ class GuardedStrategy(Strategy):
         norm_bound: NormBound | None = None,
         min_valid: int = 1,
         min_valid_fraction: float = 0.0,
+        experts: ExpertPlan | None = None,
     ) -> None:
         """``inner`` is the Flower strategy that combines the valid replies.
 
@@ -77,7 +79,9 @@ class GuardedStrategy(Strategy):
         ``shard_sizes`` (partition id → examples) caps each node's example count by the
         partition it holds; ``max_examples`` caps everybody instead. A round needs at least
         max(``min_valid``, ⌈``min_valid_fraction`` · clients asked⌉) valid replies, else the
-        global model stays exactly as it was.
+        global model stays exactly as it was. ``experts`` (a mixture of experts) says which
+        tensors each client is sent and must return; a tensor is then aggregated over the
+        replies that hold it, and one that nobody sent keeps its value.
         """
         self.inner = inner
         # The wrapped strategy sees only the sampled nodes and asks every one of them.
@@ -91,6 +95,9 @@ class GuardedStrategy(Strategy):
         self.norm_bound = norm_bound or NormBound()
         self.min_valid = min_valid
         self.min_valid_fraction = min_valid_fraction
+        self.experts = experts
+        #: This round's tensors per node: those sent, and those its reply may leave out.
+        self.expected: dict[int, tuple[list[str], set[str]]] = {}
         self.current: RoundStats | None = None
         self.history: list[RoundStats] = []
         #: Receives each round's statistics once the round is aggregated (the round recorder).
@@ -135,14 +142,24 @@ class GuardedStrategy(Strategy):
                 server_round, as_float64(self.reference), config, SampledGrid(grid, asked)
             )
         )
-        for message in messages:
-            message.content[ARRAYS_KEY] = arrays
         self.current = RoundStats(
             round=server_round, started=time.perf_counter(), asked=asked, connected=connected
         )
-        size = payload_bytes(arrays)
+        self.expected = {}
         for message in messages:
-            self.current.bytes_sent[message.metadata.dst_node_id] = size
+            node = message.metadata.dst_node_id
+            sent, optional = list(arrays), set[str]()
+            if self.experts is not None:  # public values only: the round and the node's place
+                sent = self.experts.sent(server_round, asked.index(node))
+                optional = self.experts.optional(sent)
+            record = (
+                arrays if len(sent) == len(arrays) else ArrayRecord({n: arrays[n] for n in sent})
+            )
+            # Flower's strategies give every message the same RecordDict: each gets its own
+            message.content = RecordDict({**dict(message.content.items()), ARRAYS_KEY: record})
+            self.expected[node] = (sent, optional)
+            layout = len(self.experts.layout) if self.experts is not None else 0
+            self.current.bytes_sent[node] = payload_bytes(record) + layout
         log.info(
             "round %d: asked %d of %d nodes: %s",
             server_round,
@@ -226,15 +243,17 @@ class GuardedStrategy(Strategy):
         metrics = next(iter(content.metric_records.values()), None)
         claimed = metrics.get("partition-id") if metrics is not None else None
         cap, reason = self.claims.check(node, claimed)
+        sent, optional = self.expected.get(node, (list(self.spec), set()))
+        spec = {name: self.spec[name] for name in sent}
         if reason is None:
-            reason = validate_reply(content, self.spec, max_examples=cap)
+            reason = validate_reply(content, spec, max_examples=cap, optional=optional)
         if reason is not None:
             stats.rejected[node] = reason
             return None
         assert metrics is not None
         self.claims.pin(node, claimed)
         record = next(iter(content.array_records.values()))
-        arrays = {name: decode(record[name]) for name in self.spec}
+        arrays = {name: decode(record[name]) for name in spec if name in record}
         # Numbers only, and never NaN (no honest client sends one; ε = inf is honest)
         stats.client_metrics[node] = {
             k: float(v)
@@ -253,7 +272,10 @@ class GuardedStrategy(Strategy):
         if self.reference is None or not checked:
             return checked
         reference = self.reference
-        norms = {node: update_norm(arrays, reference) for node, (arrays, _) in checked.items()}
+        norms = {
+            node: update_norm(arrays, {k: reference[k] for k in arrays})
+            for node, (arrays, _) in checked.items()
+        }
         stats.update_norms = norms
         reference_norm = math.sqrt(sum(float(np.square(v).sum()) for v in reference.values()))
         bound = self.norm_bound.bound(
@@ -268,7 +290,8 @@ class GuardedStrategy(Strategy):
             if norm <= bound:
                 kept[node] = (arrays, count)
             elif self.norm_bound.action is NormBoundAction.CLIP and math.isfinite(norm):
-                kept[node] = (clip_update(arrays, reference, bound=bound, norm=norm), count)
+                own = {k: reference[k] for k in arrays}
+                kept[node] = (clip_update(arrays, own, bound=bound, norm=norm), count)
                 stats.clipped.append(node)
                 log.warning(
                     "round %d: clipped the update of node %d from norm %.4g to %.4g",
@@ -291,22 +314,41 @@ class GuardedStrategy(Strategy):
         valid: dict[int, tuple[dict[str, np.ndarray[Any, Any]], int]],
         originals: Mapping[int, Message],
     ) -> ArrayRecord | None:
-        """The wrapped strategy's aggregate of the valid replies, in the global model's dtypes."""
-        clean = []
-        for node in sorted(valid):  # arrival order must not matter
-            arrays, count = valid[node]
-            content = RecordDict(
-                {ARRAYS_KEY: as_float64(arrays), "metrics": MetricRecord({NUM_EXAMPLES: count})}
-            )
-            # Flower's own constructor for a message with given metadata (no overload for it)
-            make = cast(Any, Message)
-            clean.append(make(content=content, metadata=originals[node].metadata))
-        combined, _ = self.inner.aggregate_train(server_round, clean)
-        if combined is None:
-            return None
+        """The wrapped strategy's aggregate of the valid replies, in the global model's dtypes.
+
+        Each tensor is aggregated over the replies that hold it (replies that hold the same
+        tensors go to the wrapped strategy together); a tensor nobody sent keeps its value, it
+        is never averaged with zeros or with the old value.
+        """
+        senders: dict[tuple[int, ...], list[str]] = {}
+        for name in self.spec:
+            holders = tuple(node for node in sorted(valid) if name in valid[node][0])
+            senders.setdefault(holders, []).append(name)
+        combined: dict[str, np.ndarray[Any, Any]] = {}
+        for holders, names in senders.items():
+            if not holders:  # nobody sent it: it keeps its value
+                assert self.reference is not None
+                combined.update({n: self.reference[n] for n in names})
+                continue
+            clean = []
+            for node in holders:  # in node order: arrival order must not matter
+                arrays, count = valid[node]
+                content = RecordDict(
+                    {
+                        ARRAYS_KEY: as_float64({n: arrays[n] for n in names}),
+                        "metrics": MetricRecord({NUM_EXAMPLES: count}),
+                    }
+                )
+                # Flower's own constructor for a message with given metadata (no overload)
+                make = cast(Any, Message)
+                clean.append(make(content=content, metadata=originals[node].metadata))
+            part, _ = self.inner.aggregate_train(server_round, clean)
+            if part is None:
+                return None
+            combined.update({n: np.asarray(part[n].numpy()) for n in names})
         with np.errstate(over="ignore"):  # overflow to inf is what the check below catches
             out = {
-                name: np.asarray(combined[name].numpy()).astype(dtype)
+                name: np.asarray(combined[name]).astype(dtype)
                 for name, (_, dtype) in self.spec.items()
             }
         bad = [name for name, values in out.items() if not np.isfinite(values).all()]

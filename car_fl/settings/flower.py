@@ -24,6 +24,7 @@ NUM_PARTITIONS = "num-partitions"
 DATA_IS_SHARD = "data-is-shard"
 DATA_PATH = "data-path"
 TEST_DATA_PATH = "test-data-path"
+DOCUMENTS_PATH = "documents-path"
 MODEL_PATH = "model-path"
 DEVICE = "device"
 CACHE_DIR = "cache-dir"
@@ -47,6 +48,7 @@ NODE_CONFIG: dict[str, NodeKey] = {
     DATA_IS_SHARD: NodeKey(None, "true: the data file is this node's own shard (all of it)"),
     DATA_PATH: NodeKey("dataset.path", "this node's local data file"),
     TEST_DATA_PATH: NodeKey("dataset.test_path", "this node's local test file"),
+    DOCUMENTS_PATH: NodeKey("dataset.documents_path", "this node's copy of the corpus's documents"),
     MODEL_PATH: NodeKey("model.name_or_path", "this node's local copy of the encoder"),
     DEVICE: NodeKey("device", "where this node runs the encoder (auto, cpu, cuda, mps)"),
     CACHE_DIR: NodeKey("cache_dir", "this node's cache folder (features, settings, shard)"),

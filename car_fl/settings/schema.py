@@ -75,6 +75,35 @@ class HeadKind(Choice):
     CLASSIFIER = "classifier"
     MIPS = "mips"
     KNN = "knn"
+    #: Rows start as the documents' embeddings (CaR starts where MIPS is), with a shared
+    #: query-side map (:mod:`car_fl.method.document_head`).
+    DOCUMENT = "document"
+    #: The document head split into experts (clusters of documents) behind a gate
+    #: (:mod:`car_fl.method.experts`).
+    MOE = "moe"
+
+
+class MapKind(Choice):
+    """A shared map on the query (or document) side of a document head, identity at start."""
+
+    NONE = "none"
+    #: x + x Mᵀ with a full d×d M (zero at start).
+    LINEAR = "linear"
+    #: x + x Uᵀ Vᵀ, U (r×d), V (d×r) zero at start: rank ``head.map_rank``.
+    LOWRANK = "lowrank"
+
+
+class ExpertSending(Choice):
+    """Which experts a client trains and sends (:mod:`car_fl.method.experts`).
+
+    ``routed``: those its queries reach (data-dependent: refused under any DP mode).
+    ``all``: every expert, noised under DP. ``schedule``: the block of experts the server's
+    fixed rotation gives the client this round (data-independent, fewer bytes both ways).
+    """
+
+    ROUTED = "routed"
+    ALL = "all"
+    SCHEDULE = "schedule"
 
 
 class Similarity(Choice):
@@ -91,6 +120,8 @@ class Reader(Choice):
     AG_NEWS = "ag_news"
     ARXIV = "arxiv"
     TABLE = "table"
+    #: A document corpus: ``dataset.documents_path`` (documents) and ``dataset.path`` (queries).
+    CORPUS = "corpus"
 
 
 class OptimizerKind(Choice):
@@ -131,6 +162,8 @@ class Partitioning(Choice):
 
     IID = "iid"
     DIRICHLET = "dirichlet"
+    #: A corpus's queries, Dirichlet(α) over their documents' topic (``dataset.topic_key``).
+    TOPIC = "topic"
 
 
 class NormBoundMode(Choice):
@@ -186,6 +219,9 @@ class Approach(StrEnum):
     CAR = "car"
     ADAPTER_CAR = "adapter_car"
     KNN = "knn"
+    DOCUMENT = "document"
+    ADAPTER_DOCUMENT = "adapter_document"
+    MOE = "moe"
 
     @property
     def label(self) -> str:
@@ -236,6 +272,27 @@ APPROACHES: dict[Approach, ApproachSpec] = {
         "kNN",
         "k nearest neighbours over the training examples' embeddings (frozen encoder), by "
         "inner product; head.knn_k neighbours vote. Nothing is trained.",
+    ),
+    Approach.DOCUMENT: ApproachSpec(
+        HeadKind.DOCUMENT,
+        Mode.CLASSIFIER,
+        "document head (CaR)",
+        "CaR with a document-initialised head on cached hidden states: rows start as the "
+        "documents' embeddings (so it starts where MIPS is), with a shared query-side map.",
+    ),
+    Approach.ADAPTER_DOCUMENT: ApproachSpec(
+        HeadKind.DOCUMENT,
+        Mode.ADAPTER_CLASSIFIER,
+        "adapter + document head (CaR)",
+        "The document-initialised head and the soft-embedding adapter on the query side, "
+        "trained together; document rows stay the frozen encoder's embeddings plus Δ.",
+    ),
+    Approach.MOE: ApproachSpec(
+        HeadKind.MOE,
+        Mode.CLASSIFIER,
+        "mixture of experts (CaR)",
+        "The document head split into experts (balanced clusters of documents) behind a gate "
+        "that routes each query to its moe.route best experts.",
     ),
 }
 
@@ -289,6 +346,15 @@ class DatasetConfig:
     max_examples: int | None = None
     #: Each label's document text (MIPS compares queries with it); a label without one: its name.
     label_texts: dict[str, str] = field(default_factory=dict)
+    #: reader=corpus: the documents file (JSONL: id, text, optional title and metadata; or a
+    #: CSV/TSV with id and text columns); ``path`` is then the queries file (query, document
+    #: id, optional split). Labels are the documents, in this file's order.
+    documents_path: str | None = None
+    #: reader=corpus: share of the documents held out as *new documents* (their training
+    #: queries dropped: they arrive after training), chosen with the run's seed.
+    new_fraction: float = 0.0
+    #: reader=corpus: the metadata field naming a document's topic (fl.partitioning=topic).
+    topic_key: str = "category"
 
     def __post_init__(self) -> None:
         self.reader = Reader.parse("dataset.reader", self.reader)
@@ -309,6 +375,15 @@ class DatasetConfig:
             )
         if self.max_examples is not None and self.max_examples < 2:
             raise ValueError(f"dataset.max_examples must be >= 2 or null, got {self.max_examples}")
+        if not 0.0 <= self.new_fraction < 1.0:
+            raise ValueError(
+                f"dataset.new_fraction must be in [0, 1) (e.g. 0.1), got {self.new_fraction!r}"
+            )
+        if self.reader is Reader.CORPUS and self.path is not None and not self.documents_path:
+            raise ValueError(
+                "dataset.reader=corpus needs dataset.documents_path (the documents file) beside "
+                "dataset.path (the queries file)"
+            )
 
 
 @dataclass
@@ -321,6 +396,8 @@ class ModelConfig:
     dtype: str = "auto"
     pooling: Pooling = Pooling.EOS
     max_length: int = 128
+    #: Token limit of document texts (document heads, MIPS over a corpus); null: max_length.
+    document_max_length: int | None = None
     padding_side: str = "auto"
     trust_remote_code: bool = False
 
@@ -330,6 +407,10 @@ class ModelConfig:
         one_of("model.padding_side", self.padding_side, PADDING_SIDES)
         if self.max_length < 2:
             raise ValueError(f"model.max_length must be >= 2, got {self.max_length}")
+        if self.document_max_length is not None and self.document_max_length < 2:
+            raise ValueError(
+                f"model.document_max_length must be >= 2 or null, got {self.document_max_length}"
+            )
 
 
 @dataclass
@@ -356,11 +437,29 @@ class HeadConfig:
     #: MIPS training scores are divided by this.
     temperature: float = 1.0
     knn_k: int = 10
+    #: document / moe: scores are s·cos(query, row); s starts here (a softmax temperature
+    #: 1/s) and is learned when learn_scale.
+    scale: float = 20.0
+    learn_scale: bool = True
+    #: document / moe: train a residual per document row (rows = document embedding + Δ, Δ = 0
+    #: at start; learning rate train.rows_lr). false: rows stay the document embeddings.
+    train_rows: bool = True
+    #: document / moe: shared maps learned across documents, identity at start: on the query
+    #: side (so a document with one or two queries still benefits) and on the document side.
+    query_map: MapKind = MapKind.LINEAR
+    document_map: MapKind = MapKind.NONE
+    #: Rank of a lowrank map.
+    map_rank: int = 64
 
     def __post_init__(self) -> None:
         self.kind = HeadKind.parse("head.kind", self.kind)
         self.similarity = Similarity.parse("head.similarity", self.similarity)
+        self.query_map = MapKind.parse("head.query_map", self.query_map)
+        self.document_map = MapKind.parse("head.document_map", self.document_map)
         _positive("head.temperature", self.temperature)
+        _positive("head.scale", self.scale)
+        if self.map_rank < 1:
+            raise ValueError(f"head.map_rank must be >= 1, got {self.map_rank}")
         if self.knn_k < 1:
             raise ValueError(f"head.knn_k must be >= 1, got {self.knn_k}")
         if self.pre_classifier_dim is not None and self.pre_classifier_dim < 1:
@@ -382,6 +481,8 @@ class TrainConfig:
     lr: float = 1e-3
     #: The adapter's learning rate; null: same as lr.
     adapter_lr: float | None = None
+    #: The document rows' learning rate (head.kind=document or moe); null: same as lr.
+    rows_lr: float | None = None
     optimizer: OptimizerKind = OptimizerKind.ADAMW
     weight_decay: float = 0.0
     momentum: float = 0.0
@@ -397,6 +498,8 @@ class TrainConfig:
         _positive("train.lr", self.lr)
         if self.adapter_lr is not None:
             _positive("train.adapter_lr", self.adapter_lr)
+        if self.rows_lr is not None:
+            _positive("train.rows_lr", self.rows_lr)
         if self.weight_decay < 0:
             raise ValueError(f"train.weight_decay must be >= 0, got {self.weight_decay}")
 
@@ -668,6 +771,62 @@ class StrategyConfig:
 
 
 @dataclass
+class MoEConfig:
+    """The mixture of experts (``head.kind=moe``, :mod:`car_fl.method.experts`).
+
+    The documents are clustered into ``experts`` balanced clusters (in ``groups`` balanced
+    groups first when a two-level gate is wanted); a query goes to its ``route`` best experts
+    (within its ``route_groups`` best groups), so a query costs about
+    (groups + route_groups·experts/groups + route·documents/experts)·d multiply-adds instead of
+    documents·d.
+    """
+
+    experts: int = 64
+    route: int = 4
+    #: Two levels: the experts in this many groups (null: one level, a gate over all experts).
+    groups: int | None = None
+    route_groups: int = 2
+    #: What a client trains and sends (:class:`ExpertSending`); ``schedule`` gives each client
+    #: one of ``schedule_blocks`` blocks of experts per round, rotating.
+    send: ExpertSending = ExpertSending.ROUTED
+    schedule_blocks: int = 4
+    #: Lloyd iterations of the balanced clustering.
+    iterations: int = 10
+
+    def __post_init__(self) -> None:
+        self.send = ExpertSending.parse("moe.send", self.send)
+        if self.experts < 1:
+            raise ValueError(f"moe.experts must be >= 1, got {self.experts}")
+        if not 1 <= self.route <= self.experts:
+            raise ValueError(
+                f"moe.route must be in [1, moe.experts={self.experts}], got {self.route}"
+            )
+        if self.groups is not None:
+            if not 2 <= self.groups <= self.experts or self.experts % self.groups:
+                raise ValueError(
+                    f"moe.groups must divide moe.experts={self.experts} and be >= 2 (or null for "
+                    f"one level), got {self.groups}"
+                )
+            if not 1 <= self.route_groups <= self.groups:
+                raise ValueError(
+                    f"moe.route_groups must be in [1, moe.groups={self.groups}], "
+                    f"got {self.route_groups}"
+                )
+            if self.route > self.route_groups * self.experts // self.groups:
+                raise ValueError(
+                    f"moe.route={self.route} exceeds the experts of the moe.route_groups="
+                    f"{self.route_groups} groups a query reaches"
+                )
+        if self.send is ExpertSending.SCHEDULE and not 1 <= self.schedule_blocks <= self.experts:
+            raise ValueError(
+                f"moe.schedule_blocks must be in [1, moe.experts={self.experts}], "
+                f"got {self.schedule_blocks}"
+            )
+        if self.iterations < 0:
+            raise ValueError(f"moe.iterations must be >= 0, got {self.iterations}")
+
+
+@dataclass
 class CommConfig:
     """What crosses the wire between server and clients (only the trainable tensors ever do)."""
 
@@ -696,6 +855,7 @@ class Settings:
     dp: DPConfig = field(default_factory=DPConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     seed: int = 42
     #: auto: CUDA, then Apple MPS, then CPU.
     device: str = "auto"
@@ -731,6 +891,33 @@ class Settings:
                     f"dp.count_noise above {z / 2:g}"
                 )
         self._check_aggregation()
+        self._check_documents()
+
+    def _check_documents(self) -> None:
+        """Document heads need documents; the experts a client sends under DP must not depend
+        on its data; stateful server optimisers need every tensor every round."""
+        kind = self.head.kind
+        documents = self.dataset.reader is Reader.CORPUS or self.dataset.label_texts
+        if kind in (HeadKind.DOCUMENT, HeadKind.MOE) and not documents:
+            raise ValueError(
+                f"head.kind={kind} starts its rows from the documents' embeddings: use a "
+                "corpus (dataset=corpus) or give dataset.label_texts"
+            )
+        if kind is not HeadKind.MOE:
+            return
+        if self.dp.mode is not DPMode.NONE and self.moe.send is ExpertSending.ROUTED:
+            raise ValueError(
+                f"moe.send=routed sends the experts a client's queries reach, which depends on "
+                f"its data; under dp={self.dp.mode} use moe.send=schedule (a fixed rotation) or "
+                "moe.send=all (every expert, noised)"
+            )
+        stateful = (StrategyName.FEDADAM, StrategyName.FEDYOGI, StrategyName.FEDAVGM)
+        if self.strategy.name in stateful and self.moe.send is not ExpertSending.ALL:
+            raise ValueError(
+                f"strategy={self.strategy.name} keeps server state for every tensor and needs "
+                f"all of them each round; use moe.send=all, or strategy=fedavg (moe.send="
+                f"{self.moe.send} sends only some experts)"
+            )
 
     @property
     def approach(self) -> Approach:

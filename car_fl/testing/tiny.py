@@ -142,6 +142,34 @@ def write_tsv(path: Path, examples: list[tuple[str, str]]) -> Path:
     return path
 
 
+def write_corpus(
+    folder: Path, *, documents: int = 12, queries: int = 8, seed: int = 0
+) -> tuple[Path, Path]:
+    """A learnable retrieval corpus: ``documents.jsonl`` and ``queries.jsonl`` in ``folder``.
+
+    Document ``d<i>`` is ``k<i mod 8> w<i> w<i+20>`` (topic ``t<i mod 3>``); each of its
+    ``queries`` queries holds ``w<i>`` or ``w<i+20>`` among random filler words.
+    """
+    import json
+
+    rng = random.Random(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    docs: list[dict[str, object]] = [
+        {"id": f"d{i}", "text": f"k{i % 8} w{i} w{i + 20}", "metadata": {"category": f"t{i % 3}"}}
+        for i in range(documents)
+    ]
+    rows: list[dict[str, object]] = []
+    for i in range(documents):
+        for j in range(queries):
+            words = [f"w{rng.randrange(40, 60)}" for _ in range(rng.randint(2, 5))]
+            words.insert(rng.randint(0, len(words)), f"w{i + 20 * (j % 2)}")
+            rows.append({"query": " ".join(words) + f" w{40 + j}", "document_id": f"d{i}"})
+    paths = folder / "documents.jsonl", folder / "queries.jsonl"
+    for path, items in ((paths[0], docs), (paths[1], rows)):
+        path.write_text("".join(json.dumps(r) + "\n" for r in items), encoding="utf-8")
+    return paths
+
+
 def tiny_overrides(
     model_dir: str | Path,
     data_path: str | Path,

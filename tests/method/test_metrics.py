@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -47,3 +49,27 @@ def test_topk_is_monotone_and_reaches_one(n: int, c: int, seed: int) -> None:
 def test_empty_input_gives_nan_not_a_crash() -> None:
     empty = torch.zeros(0, 3)
     assert torch.isnan(torch.tensor(topk_accuracy(empty, torch.zeros(0, dtype=torch.long), 1)))
+
+
+def test_hand_computed_recall_and_ndcg_from_ranks() -> None:
+    from car_fl.method.metrics import rank_metrics
+
+    rank = torch.tensor([1, 3, 7, 12])
+    out = rank_metrics(rank, top_k=[5])
+    assert out["recall@1"] == 0.25 and out["recall@5"] == 0.5 and out["recall@10"] == 0.75
+    assert out["top5"] == out["recall@5"]
+    ndcg = (1.0 + 1 / math.log2(4) + 1 / math.log2(8) + 0.0) / 4
+    assert abs(out["ndcg@10"] - ndcg) < 1e-12
+    assert abs(out["mrr"] - (1 + 1 / 3 + 1 / 7 + 1 / 12) / 4) < 1e-12
+
+
+def test_batched_evaluation_equals_the_whole_matrix() -> None:
+    from car_fl.method.metrics import rank_metrics, ranks
+
+    g = torch.Generator().manual_seed(0)
+    logits, labels = torch.randn(50, 30, generator=g), torch.randint(0, 30, (50,), generator=g)
+    whole = retrieval_metrics(logits, labels, top_k=[5])
+    batched = torch.cat([ranks(logits[i : i + 7], labels[i : i + 7]) for i in range(0, 50, 7)])
+    predictions = logits.argmax(dim=1)
+    parts = rank_metrics(batched, top_k=[5], predictions=predictions, labels=labels, num_labels=30)
+    assert parts == {k: v for k, v in whole.items() if k != "loss"}

@@ -102,3 +102,46 @@ def test_a_knn_checkpoint_whose_training_data_is_gone_says_what_it_needs(
     data.unlink()
     with pytest.raises(FileNotFoundError, match=r"kNN checkpoint.*gone\.tsv.*could not be read"):
         load_retriever(folder, device="cpu")
+
+
+def test_a_corpus_checkpoint_serves_documents_and_takes_new_ones_as_rows(
+    make_corpus_settings, tmp_path: Path
+) -> None:
+    from car_fl.centralized import run_centralized
+    from car_fl.data.corpus import read_documents
+
+    settings = make_corpus_settings("approach=document", "train.epochs=2", "train.lr=0.01")
+    run_centralized(settings, tmp_path / "run")
+    folder = tmp_path / "run" / "checkpoints" / "final"
+    retriever = load_retriever(folder, device="cpu")
+    assert retriever.kind is HeadKind.DOCUMENT
+    documents = {d.id: d.text for d in read_documents(settings.dataset.documents_path or "")}
+    (result,) = retriever.retrieve(["w3 w44"], 5)
+    assert [h.id for h in result.hits] == list(result.labels)
+    assert all(h.text == documents[h.id] for h in result.hits)  # each hit's own text
+    assert sorted((h.score for h in result.hits), reverse=True) == [h.score for h in result.hits]
+    before = retriever.retrieve(QUERIES, 12)
+    added = retriever.add_documents(["new0"], ["k3 w77 w78"])
+    assert list(added) == [12]
+    after = retriever.retrieve(QUERIES, 13)
+    for old, new in zip(before, after, strict=True):  # softmax scores renormalise; ranks do not
+        assert [label for label in new.labels if label != "new0"] == list(old.labels)
+    (hit,) = retriever.retrieve(["w77 w78"], 1)[0].hits
+    assert (hit.id, hit.text) == ("new0", "k3 w77 w78")
+
+
+def test_a_corpus_checkpoint_refuses_other_documents(make_corpus_settings, tmp_path: Path) -> None:
+    from car_fl.centralized import run_centralized
+    from car_fl.data.corpus import read_documents
+
+    settings = make_corpus_settings("approach=document", "train.epochs=1")
+    run_centralized(settings, tmp_path / "run")
+    folder = tmp_path / "run" / "checkpoints" / "final"
+    docs = Path(settings.dataset.documents_path or "").read_text(encoding="utf-8")
+    changed = tmp_path / "changed.jsonl"
+    changed.write_text(docs.replace("w3 w23", "w3 w99"), encoding="utf-8")
+    assert len(read_documents(changed)) == 12
+    with pytest.raises(ValueError, match=r"not those .* was trained on"):
+        load_retriever(folder, device="cpu", documents_path=changed)
+    with pytest.raises(FileNotFoundError, match="documents_path="):
+        load_retriever(folder, device="cpu", documents_path=tmp_path / "missing.jsonl")

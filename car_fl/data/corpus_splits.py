@@ -1,0 +1,113 @@
+"""A corpus's queries split per document, with no query text in two splits, and new documents.
+
+Rules, in order (:func:`split_corpus`):
+
+1. **Splits.** A query file that names splits keeps them. Otherwise each document's queries,
+   in file order: the last is a test query, the one before it a validation query, the rest
+   train (a document with one query: test only).
+2. **Duplicates.** Texts are compared after NFKC, whitespace and case folding. Copies that
+   agree on document and split collapse to one; a text that occurs with two documents or in
+   two splits is dropped everywhere (no right answer, or a leak between splits).
+3. **Held-out text inside its document.** A validation or test query whose text occurs in its
+   own document's text is dropped: it would measure string matching, not retrieval.
+4. **New documents.** ``new_fraction`` of the documents (seeded) lose their training queries:
+   they stand for documents that arrive after training; their validation and test queries stay
+   and are reported apart (``new_*`` metrics).
+"""
+
+from __future__ import annotations
+
+import unicodedata
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from car_fl.data.corpus import SPLITS, CorpusQuery, Document
+
+
+def query_key(text: str) -> str:
+    """A query's text for comparisons: NFKC, whitespace collapsed, case folded."""
+    return " ".join(unicodedata.normalize("NFKC", text).split()).casefold()
+
+
+def new_document_indices(count: int, *, new_fraction: float, seed: int) -> frozenset[int]:
+    """The new documents among ``count``: a seeded choice of round(new_fraction·count)."""
+    order = np.random.default_rng(seed).permutation(count)
+    return frozenset(int(i) for i in order[: round(new_fraction * count)])
+
+
+@dataclass
+class CorpusSplit:
+    """Query texts and document indices per split; the new documents; what was removed."""
+
+    texts: dict[str, list[str]]
+    documents: dict[str, list[int]]
+    new_documents: frozenset[int]
+    stats: dict[str, int]
+
+
+def assign_splits(queries: Sequence[CorpusQuery]) -> list[str]:
+    """Each query's split: its own, or by position among its document's queries."""
+    if all(q.split is not None for q in queries):
+        return [str(q.split) for q in queries]
+    per_doc: dict[str, list[int]] = defaultdict(list)
+    for i, q in enumerate(queries):
+        per_doc[q.document_id].append(i)
+    out = ["train"] * len(queries)
+    for members in per_doc.values():
+        out[members[-1]] = "test"
+        if len(members) >= 3:
+            out[members[-2]] = "validation"
+    return out
+
+
+def split_corpus(
+    documents: Sequence[Document],
+    queries: Sequence[CorpusQuery],
+    *,
+    new_fraction: float,
+    seed: int,
+) -> CorpusSplit:
+    """Apply the module's rules; document indices follow ``documents``' order."""
+    index = {d.id: i for i, d in enumerate(documents)}
+    splits = assign_splits(queries)
+    groups: dict[str, list[tuple[str, int, str]]] = defaultdict(list)
+    for q, split in zip(queries, splits, strict=True):
+        groups[query_key(q.text)].append((q.text, index[q.document_id], split))
+    stats: Counter[str] = Counter()
+    kept: list[tuple[str, int, str]] = []
+    for occurrences in groups.values():
+        if len({(d, s) for _, d, s in occurrences}) > 1:
+            stats["conflicting_or_cross_split_removed"] += len(occurrences)
+            continue
+        stats["duplicates_removed"] += len(occurrences) - 1
+        kept.append(occurrences[0])
+    doc_keys = [query_key(d.text) for d in documents]
+    inside = [(t, d, s) for t, d, s in kept if s != "train" and query_key(t) in doc_keys[d]]
+    stats["heldout_in_document_removed"] = len(inside)
+    kept = [q for q in kept if not (q[2] != "train" and query_key(q[0]) in doc_keys[q[1]])]
+
+    new = new_document_indices(len(documents), new_fraction=new_fraction, seed=seed)
+    stats["new_document_train_queries_removed"] = sum(
+        1 for _, d, s in kept if s == "train" and d in new
+    )
+    kept = [q for q in kept if not (q[2] == "train" and q[1] in new)]  # file order
+
+    texts: dict[str, list[str]] = {s: [] for s in SPLITS}
+    docs: dict[str, list[int]] = {s: [] for s in SPLITS}
+    for text, doc, split in kept:
+        texts[split].append(text)
+        docs[split].append(doc)
+    trained = set(docs["train"])
+    stats.update(
+        {
+            "documents": len(documents),
+            "new_documents": len(new),
+            "documents_without_train_queries": len(documents) - len(trained),
+            **{f"{s}_queries": len(texts[s]) for s in SPLITS},
+            **{f"{s}_queries_of_new_documents": sum(d in new for d in docs[s]) for s in SPLITS},
+        }
+    )
+    return CorpusSplit(texts=texts, documents=docs, new_documents=new, stats=dict(stats))
