@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 import time
 from pathlib import Path
@@ -33,8 +34,20 @@ from car_fl.testing.tiny import build_llama, synthetic_examples, tiny_overrides,
 #: Column label → Hydra overrides of the aggregation.
 STRATEGIES: dict[str, list[str]] = {
     "FedAvg": ["strategy=fedavg", "fl.norm_bound=off"],
-    "FedAvg + norm bound": ["strategy=fedavg", "fl.norm_bound=adaptive"],
+    "FedAvg + norm bound, reject": ["strategy=fedavg", "fl.norm_bound=adaptive"],
+    "FedAvg + norm bound, clip": [
+        "strategy=fedavg",
+        "fl.norm_bound=adaptive",
+        "fl.norm_bound_action=clip",
+    ],
+    "FedAvg + norm bound, clip to median": [
+        "strategy=fedavg",
+        "fl.norm_bound=adaptive",
+        "fl.norm_bound_action=clip",
+        "fl.norm_bound_factor=1",
+    ],
     "median": ["strategy=median"],
+    "median + norm bound, reject": ["strategy=median", "fl.norm_bound=adaptive"],
     "trimmed mean": ["strategy=trimmed_mean"],
     "Krum": ["strategy=krum"],
 }
@@ -43,7 +56,7 @@ TASK = ["fl.clients=3", "train.lr=0.01", "fl.local_epochs=2"]
 
 
 def run_one(tiny: Path, out: Path, attack: str, label: str, rounds: int) -> dict[str, Any]:
-    name = f"{attack}-{label.replace(' ', '').replace('+', '-')}"
+    name = f"{attack}-{re.sub(r'[^a-z0-9]+', '-', label.lower()).strip('-')}"
     settings = load_settings(
         [
             *tiny_overrides(tiny / "llama", tiny / "synthetic.tsv", cache_dir=out / "cache"),

@@ -37,8 +37,8 @@ def start(args: argparse.Namespace) -> None:
             node_auth=args.node_auth,
             workers=not args.no_workers,
         )
-    except RuntimeError as err:  # what it started so far stays recorded: `stop` ends it
-        sys.exit(str(err))
+    except RuntimeError as err:  # start() stopped whatever it had started
+        sys.exit(f"local_cluster.py start: {err}")
     print(json.dumps(cluster.processes.pids, indent=2))
     print(
         f"connection '{CONNECTION}' written to {cluster.flwr_home / 'config.toml'}; "

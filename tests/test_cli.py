@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -46,9 +47,16 @@ def test_retrieve_command_serves_a_knn_run_from_its_training_split(
     assert [p["results"][0]["label"] for p in payload] == splits.label_map.decode(ids)
 
 
-def test_retrieve_rejects_a_folder_that_is_not_a_checkpoint(tmp_path: Path) -> None:
+def test_a_wrong_checkpoint_is_one_line_without_traceback_unless_debug(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli_main(["retrieve", "--checkpoint", str(tmp_path), "hello"]) == 1
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("car-fl retrieve: ") and "not a car-fl checkpoint" in line
     with pytest.raises(FileNotFoundError, match="not a car-fl checkpoint"):
-        cli_main(["retrieve", "--checkpoint", str(tmp_path), "hello"])
+        cli_main(["retrieve", "--debug", "--checkpoint", str(tmp_path), "hello"])
+    with pytest.raises(FileNotFoundError, match="not a car-fl checkpoint"):
+        cli_main(["--debug", "retrieve", "--checkpoint", str(tmp_path), "hello"])
 
 
 def test_retrieve_command_prints_a_corpus_checkpoints_documents(
@@ -69,3 +77,17 @@ def test_retrieve_command_prints_a_corpus_checkpoints_documents(
     assert cli_main(["retrieve", "--checkpoint", ckpt, "-k", "1", "w5 w47"]) == 0
     line = capsys.readouterr().out.splitlines()[1]
     assert line.split("\t")[-1] == texts[hits[0]["id"]]  # id, score and the document's text
+
+
+def test_every_subcommand_is_listed() -> None:
+    from car_fl.cli import build_parser
+
+    [sub] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    assert set(sub.choices) == {
+        "train",
+        "run",
+        "retrieve",
+        "report",
+        "ledger",
+        "worker",
+    }

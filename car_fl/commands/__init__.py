@@ -2,6 +2,8 @@
 
 Each module has ``NAME``, ``HELP``, ``add_arguments(parser)`` and ``run(args) -> int``.
 
+- :mod:`~car_fl.commands.train`: centralised training on this machine.
+- :mod:`~car_fl.commands.run`: ``flwr run`` this project, follow it, exit with its outcome.
 - :mod:`~car_fl.commands.retrieve`: top-K labels for queries, from a checkpoint.
 - :mod:`~car_fl.commands.report`: tables and plots from sweep or run directories.
 - :mod:`~car_fl.commands.ledger`: a node owner reads the privacy ledger of its data.

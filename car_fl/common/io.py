@@ -1,13 +1,16 @@
 """Atomic file writes: a temporary file in the same folder, fsync'd, then renamed over the target.
 
-A crash mid-write leaves the previous file intact; readers never see a partial file.
+A crash mid-write leaves the previous file intact; readers never see a partial file. The
+temporary file is created with mode 0666 less the process's umask, as ``open()`` would
+create the target (``tempfile.mkstemp`` makes it 0600: a colleague could not read results),
+and keeps that mode whatever the writer does (safetensors recreates its file 0600).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,11 +20,12 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     """Call ``write(tmp_path)`` and rename the result to ``path``."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    tmp = Path(name)
+    tmp = _new_file(target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    mode = tmp.stat().st_mode
     try:
         write(tmp)
+        if tmp.stat().st_mode != mode:  # a writer that recreates the file (safetensors: 0600)
+            os.chmod(tmp, mode)
         with tmp.open("rb") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp, target)
@@ -29,6 +33,17 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
         tmp.unlink(missing_ok=True)
         raise
     return target
+
+
+def _new_file(folder: Path, *, prefix: str, suffix: str) -> Path:
+    """Create an empty file with a fresh random name in ``folder``, 0666 less the umask."""
+    while True:
+        path = folder / f"{prefix}{secrets.token_hex(6)}{suffix}"
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        except FileExistsError:
+            continue
+        return path
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:

@@ -53,6 +53,24 @@ def free_port(host: str = LOOPBACK) -> int:
         return int(sock.getsockname()[1])
 
 
+def port_in_use(host: str, port: int) -> bool:
+    """Whether something holds ``host:port`` (a bind fails; a port in TIME_WAIT is free)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def last_error(log: str) -> str:
+    """The last ERROR line of a Flower log (else its last line), for a one-line reason."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    errors = [line for line in lines if "ERROR" in line or "rror:" in line]
+    return (errors or lines or ["(empty log)"])[-1]
+
+
 def listening(address: str) -> bool:
     """Whether ``host:port`` accepts a TCP connection now."""
     host, port = address.rsplit(":", 1)
@@ -306,35 +324,52 @@ class LocalCluster:
         one CPU core. ``settle``: seconds to let the SuperNodes connect before returning.
         ``workers``: each node gets its worker (:meth:`start_worker`), started first.
         """
+        self.check_ports(nodes)
         files = make_certificates(self.folder / "certs", [self.host, "localhost"]) if tls else None
-        self.start_superlink(tls=files, node_auth=node_auth, prefix=pinned([], server_core))
-        keys = [self.register_new_node_key(i) for i in range(nodes)] if node_auth else []
-        for i in range(nodes):
-            prefix = pinned([], client_cores[i] if client_cores else None)
-            folder = (
-                self.start_worker(i, nodes, data=data, device=device, prefix=prefix)
-                if workers
-                else None
-            )
-            self.start_node(
-                i,
-                nodes,
-                data=data,
-                device=device,
-                root_cert=files.ca_cert if files else None,
-                private_key=keys[i] if keys else None,
-                prefix=prefix,
-                worker=folder,
-            )
+        try:
+            self.start_superlink(tls=files, node_auth=node_auth, prefix=pinned([], server_core))
+            keys = [self.register_new_node_key(i) for i in range(nodes)] if node_auth else []
+            for i in range(nodes):
+                prefix = pinned([], client_cores[i] if client_cores else None)
+                folder = (
+                    self.start_worker(i, nodes, data=data, device=device, prefix=prefix)
+                    if workers
+                    else None
+                )
+                self.start_node(
+                    i,
+                    nodes,
+                    data=data,
+                    device=device,
+                    root_cert=files.ca_cert if files else None,
+                    private_key=keys[i] if keys else None,
+                    prefix=prefix,
+                    worker=folder,
+                )
+        except BaseException:  # a half-started cluster is no use: leave nothing running
+            self.stop()
+            raise
         time.sleep(settle)
         return self
+
+    def check_ports(self, nodes: int) -> None:
+        """``RuntimeError`` naming the first port this cluster needs that is already in use."""
+        ports = {"Fleet API": self.fleet_port, "Control API": self.control_port}
+        if self.ports is not None:
+            ports |= {f"SuperNode {i}": self.ports + 10 + i for i in range(nodes)}
+        for what, port in ports.items():
+            if port_in_use(self.host, port):
+                raise RuntimeError(
+                    f"port {port} on {self.host} ({what}) is already in use; stop what holds "
+                    f"it or start the cluster on other ports (--port)"
+                )
 
     def wait_listening(self, name: str, *addresses: str, timeout: float) -> None:
         """Wait until every address accepts connections; ``RuntimeError`` if ``name`` dies."""
         deadline = time.monotonic() + timeout
         while not all(listening(a) for a in addresses):
             if not self.processes.alive(name):
-                raise RuntimeError(f"{name} exited; its log:\n{self.processes.log(name)[-3000:]}")
+                raise RuntimeError(f"{name} exited: {last_error(self.processes.log(name))}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{name} is not listening on {addresses} after {timeout} s")
             time.sleep(0.2)

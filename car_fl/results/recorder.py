@@ -127,4 +127,10 @@ class Recorder:
     def write(self, summary: RunSummary) -> None:
         """``metrics.json``, ``metrics.csv`` and ``curves.png``."""
         MetricsFile(history=self.history, summary=summary).write(self.output_dir)
-        plot_curves(self.output_dir, self.history, title=self.title, x_label=self.unit)
+        plot_curves(
+            self.output_dir,
+            self.history,
+            title=self.title,
+            x_label=self.unit,
+            num_labels=len(self.label_map),
+        )

@@ -112,6 +112,16 @@ class ClientRow:
     dp_sample_rate: float | None = None
     dp_steps: float | None = None
 
+    #: Counts and ids: written as integers (the wire may carry them as floats, 2.0).
+    INTEGER_COLUMNS: ClassVar[tuple[str, ...]] = (
+        "partition_id",
+        "num_examples",
+        "encoder_loads",
+        "torch_threads",
+        "dp_active",
+        "dp_releases",
+        "dp_steps",
+    )
     #: The columns that are the client's own metrics, sent under :func:`wire_key` names.
     FROM_WIRE: ClassVar[tuple[str, ...]] = (
         "partition_id",
@@ -128,6 +138,14 @@ class ClientRow:
         "dp_sample_rate",
         "dp_steps",
     )
+
+    def __post_init__(self) -> None:
+        # An integral count is an int (``partition_id`` 0, not 0.0); a value that is not
+        # integral stays what the client sent, so that clients.csv shows it.
+        for name in self.INTEGER_COLUMNS:
+            value = getattr(self, name)
+            if isinstance(value, float) and value.is_integer():
+                setattr(self, name, int(value))
 
     @classmethod
     def from_csv(cls, row: Mapping[str, str]) -> ClientRow:

@@ -20,7 +20,9 @@ from flwr.serverapp import Grid
 
 from car_fl.common.io import atomic_write_text
 from car_fl.method.serving import checkpoint_extra
+from car_fl.method.sources import check_sources
 from car_fl.protocol.messages import LAYOUT_KEY, from_record, to_record
+from car_fl.results.plots import data_label
 from car_fl.results.recorder import Recorder
 from car_fl.results.rows import RunSummary
 from car_fl.server.aggregation import build_strategy
@@ -35,17 +37,41 @@ from car_fl.settings.schema import Settings, trains_nothing
 log = logging.getLogger(__name__)
 
 
-def wait_for_nodes(grid: Grid, expected: int, *, timeout: float, poll: float = 0.5) -> list[int]:
-    """Wait until ``expected`` nodes are connected; fail clearly on too many or too few."""
+def is_simulation(grid: Grid) -> bool:
+    """Whether ``grid`` is Flower's simulation engine (all its SuperNodes exist from the start)."""
+    from flwr.superlink.grid.inmemory_grid import InMemoryGrid
+
+    return isinstance(grid, InMemoryGrid)
+
+
+def wait_for_nodes(
+    grid: Grid,
+    expected: int,
+    *,
+    timeout: float,
+    poll: float = 0.5,
+    simulation: bool = False,
+) -> list[int]:
+    """Wait until ``expected`` nodes are connected; fail clearly on too many or too few.
+
+    A simulation registers all its SuperNodes at once, so a count that differs from
+    ``expected`` (once two polls agree) fails at once, with the simulation's fix.
+    """
     deadline = time.monotonic() + timeout
+    seen = -1
     while True:
         nodes = sorted(grid.get_node_ids())
-        if len(nodes) > expected:
+        if simulation and nodes and len(nodes) != expected and len(nodes) == seen:
+            raise ValueError(
+                f"this simulation runs {len(nodes)} SuperNodes but fl.clients={expected}: run "
+                f"it with --federation-config 'num-supernodes={expected}' (car-fl run does "
+                f"that for you), or set fl.clients={len(nodes)}"
+            )
+        if len(nodes) > expected and not simulation:
             raise ValueError(
                 f"{len(nodes)} SuperNodes are connected but the run is configured for "
                 f"fl.clients={expected}: set fl.clients={len(nodes)} (e.g. --run-config "
-                f"'overrides=\"fl.clients={len(nodes)}\"') or run {expected} nodes "
-                f"(simulation: --federation-config 'num-supernodes={expected}')"
+                f"'fl.clients={len(nodes)}') or run {expected} nodes"
             )
         if len(nodes) == expected:
             return nodes
@@ -55,26 +81,8 @@ def wait_for_nodes(grid: Grid, expected: int, *, timeout: float, poll: float = 0
                 f"{timeout:.0f}s (fl.wait_for_nodes); start the missing nodes or set "
                 f"fl.clients={len(nodes)}"
             )
+        seen = len(nodes)
         time.sleep(poll)
-
-
-def check_local_paths(settings: Settings) -> None:
-    """Fail before any node is contacted if a configured local file or folder is missing."""
-    for key, value in (
-        ("dataset.path", settings.dataset.path),
-        ("dataset.test_path", settings.dataset.test_path),
-    ):
-        if value is not None and not Path(value).expanduser().is_file():
-            raise FileNotFoundError(
-                f"{key}={value} does not exist on the server; the server needs the dataset "
-                "for its held-out evaluation (give an absolute path valid on the aggregator)"
-            )
-    model = settings.model.name_or_path
-    if model.startswith(("/", "./", "../", "~")) and not Path(model).expanduser().is_dir():
-        raise FileNotFoundError(
-            f"model.name_or_path={model} is not a folder on the server; point it at a model "
-            "folder on the aggregator (clients may override it with --node-config model-path)"
-        )
 
 
 def default_output_dir(settings: Settings) -> Path:
@@ -99,10 +107,15 @@ def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
         raise ValueError(
             f"head.kind={settings.head.kind} with train.mode={settings.train.mode} has nothing "
             "to train, so there is nothing to federate; evaluate it centrally "
-            "(python -m car_fl.centralized ...) or train the adapter with mode=adapter (MIPS)"
+            "(car-fl train ...) or train the adapter with mode=adapter (MIPS)"
         )
-    check_local_paths(settings)
-    wait_for_nodes(grid, settings.fl.clients, timeout=settings.fl.wait_for_nodes)
+    check_sources(settings, where="on the server")  # the server evaluates: data and encoder
+    wait_for_nodes(
+        grid,
+        settings.fl.clients,
+        timeout=settings.fl.wait_for_nodes,
+        simulation=is_simulation(grid),
+    )
     evaluator = ServerEvaluator.build(settings)
     initial = to_record(evaluator.model.trainable_state_dict(), dtype=settings.comm.dtype)
     layout = evaluator.layout.to_text() if evaluator.layout is not None else None
@@ -115,7 +128,7 @@ def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
             output_dir=output_dir,
             label_map=evaluator.label_map,
             unit="round",
-            title=f"FL {settings.dataset.name}, {settings.fl.clients} clients",
+            title=f"FL, {settings.fl.clients} clients, {data_label(settings.dataset)}",
             round_checkpoints=True,
             extra=checkpoint_extra(settings, evaluator.label_map.names, evaluator.model),
         ),

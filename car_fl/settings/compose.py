@@ -10,6 +10,7 @@ composed: a ClientApp whose settings are cached never imports it.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import shlex
 from dataclasses import asdict, fields, is_dataclass
@@ -107,8 +108,11 @@ def compose_config(overrides: str | list[str] | tuple[str, ...] | None = None) -
     except HydraException as err:
         if isinstance(err.__cause__, ValidationError):
             _raise_choice_error(err.__cause__)
+        unknown = unknown_override(items)
+        if unknown is not None:
+            raise ValueError(unknown) from err
         cause = f" ({err.__cause__})" if err.__cause__ is not None else ""
-        raise ValueError(f"bad configuration override in {items}: {err}{cause}") from err
+        raise ValueError(one_line(f"bad configuration override in {items}: {err}{cause}")) from err
 
 
 def to_settings(cfg: DictConfig | dict[str, Any]) -> Settings:
@@ -119,18 +123,111 @@ def to_settings(cfg: DictConfig | dict[str, Any]) -> Settings:
     """
     container = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg)
     container = OmegaConf.masked_copy(container, [str(k) for k in container if k != "hydra"])
+    for key in _leaf_keys(OmegaConf.to_container(container, resolve=False)):
+        if not is_setting(key):  # e.g. ``+fl.round=2``, which the merge below would drop
+            raise ValueError(f"{key} is not a setting;{did_you_mean(key)}")
     schema = OmegaConf.structured(Settings)
     try:
         merged = OmegaConf.merge(schema, container)
         obj = OmegaConf.to_object(merged)
     except ValidationError as err:
         _raise_choice_error(err)
-        raise ValueError(f"invalid configuration: {err}") from err
+        raise ValueError(one_line(f"invalid configuration: {err}")) from err
     except OmegaConfBaseException as err:
-        raise ValueError(f"invalid configuration: {err}") from err
+        key = str(getattr(err, "full_key", "") or "")
+        if key and not is_setting(key):
+            raise ValueError(f"{key} is not a setting;{did_you_mean(key)}") from err
+        raise ValueError(one_line(f"invalid configuration: {err}")) from err
     assert isinstance(obj, Settings)
     dp_plan.check(obj)
     return obj
+
+
+def _leaf_keys(values: Any, prefix: str = "") -> list[str]:
+    """The dotted keys of a nested mapping's leaves (an empty mapping counts as a leaf)."""
+    if not isinstance(values, dict) or not values:
+        return [prefix.rstrip(".")] if prefix else []
+    keys: list[str] = []
+    for key, value in values.items():
+        keys += _leaf_keys(value, f"{prefix}{key}.")
+    return keys
+
+
+def one_line(text: str) -> str:
+    """``text`` on one line (OmegaConf's messages add ``full_key:`` and ``object_type=`` lines)."""
+    return " ".join(text.split())
+
+
+def schema_keys(kind: type = Settings, prefix: str = "") -> dict[str, bool]:
+    """Every setting's dotted key, ``True`` for a mapping whose own keys are free
+    (``dataset.label_texts.<label>``)."""
+    keys: dict[str, bool] = {}
+    for name, hint in get_type_hints(kind).items():
+        key = f"{prefix}{name}"
+        if isinstance(hint, type) and is_dataclass(hint):
+            keys.update(schema_keys(hint, f"{key}."))
+        else:
+            keys[key] = getattr(hint, "__origin__", None) is dict
+    return keys
+
+
+def group_options() -> dict[str, list[str]]:
+    """The config groups (``dp``, ``model``, ...) and their options: ``conf/`` and the
+    generated ones."""
+    options = {
+        group.name: sorted(p.stem for p in group.glob("*.yaml"))
+        for group in sorted(conf_dir().iterdir())
+        if group.is_dir()
+    }
+    options["approach"] = [approach.value for approach in APPROACHES]
+    return options
+
+
+def is_setting(key: str) -> bool:
+    """Whether ``key`` names a setting of the schema (or a key inside an open mapping)."""
+    keys = schema_keys()
+    if key in keys:
+        return True
+    return any(key.startswith(f"{k}.") for k, open_ in keys.items() if open_)
+
+
+def did_you_mean(key: str) -> str:
+    """`` did you mean X?`` for the closest setting or group, else where the settings are."""
+    names = [*schema_keys(), *group_options()]
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.75)
+    section = key.split(".")[0]
+    siblings = [k.split(".", 1)[1] for k in schema_keys() if k.startswith(f"{section}.")]
+    listing = (
+        f" ({section}'s keys: {', '.join(siblings)})"
+        if siblings
+        else " (every setting and its default: car_fl/settings/schema.py)"
+    )
+    return (f" did you mean {close[0]}?" if close else "") + listing
+
+
+def unknown_override(items: list[str]) -> str | None:
+    """A one-line message for the first override that names no setting, group or option.
+
+    Hydra's own message for a misspelt key suggests appending it (``+fl.round=2``), which
+    the schema would then refuse; this names the setting meant instead.
+    """
+    groups = group_options()
+    for item in items:
+        key, _, value = item.lstrip("~+").partition("=")
+        if key == "hydra" or key.startswith("hydra."):
+            continue
+        if key in groups:
+            if value and value != "null" and value not in groups[key]:
+                close = difflib.get_close_matches(value, groups[key], n=1, cutoff=0.5)
+                hint = f" did you mean {key}={close[0]}?" if close else ""
+                return (
+                    f"{key}={value} is not an option of {key};{hint} choose one of "
+                    f"{', '.join(groups[key])}"
+                )
+            continue
+        if not is_setting(key):
+            return f"{key} is not a setting;{did_you_mean(key)}"
+    return None
 
 
 def _raise_choice_error(err: ValidationError) -> None:

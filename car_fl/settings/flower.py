@@ -9,14 +9,25 @@ on the node's disk). Imports no Hydra: only composing does.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
-from collections.abc import Mapping
+import re
+import shlex
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from omegaconf import OmegaConf
 
-from car_fl.settings.compose import load_settings, plain, settings_from_yaml, to_settings
+from car_fl.settings.compose import (
+    is_setting,
+    load_settings,
+    parse_overrides,
+    plain,
+    settings_from_yaml,
+    to_settings,
+)
 from car_fl.settings.schema import Settings
 
 PARTITION_ID = "partition-id"
@@ -142,10 +153,76 @@ def apply_node_config(settings: Settings, node_config: Mapping[str, Any]) -> Set
     return to_settings(conf)
 
 
-def settings_from_run_config(run_config: Mapping[str, Any]) -> Settings:
-    """Settings from Flower's run config: its ``overrides`` value holds Hydra overrides.
+#: Run-config keys that are not settings: Hydra overrides for everything else, and a whole
+#: resolved configuration (in-process simulations of a sweep pass configurations this way).
+OVERRIDES = "overrides"
+SETTINGS_YAML = "settings"
 
-    ``flwr run . --run-config 'overrides="dataset=ag_news mode=adapter fl.rounds=10"'``
+
+class RunKey(NamedTuple):
+    """A ``--run-config`` key of ``[tool.flwr.app.config]``: the Hydra override it becomes."""
+
+    #: The setting (``fl.rounds``) or config group (``dp``) it sets.
+    target: str
+    help: str
+
+
+#: The settings people change most, as Flower run-config keys (``pyproject.toml``'s
+#: ``[tool.flwr.app.config]`` holds exactly these plus ``overrides``; a test checks it):
+#: ``flwr run . local --run-config 'fl.rounds=2 dp="record"'``. A key's value ``""`` (its
+#: default in ``pyproject.toml``) leaves conf/'s value alone, so the schema stays the one
+#: source of defaults. ``epsilon`` is not ``dp.target_epsilon`` because TOML cannot hold a
+#: value ``dp`` and a table ``dp`` in one ``--run-config`` string.
+RUN_CONFIG: dict[str, RunKey] = {
+    "fl.rounds": RunKey("fl.rounds", "rounds of federated training"),
+    "fl.local_epochs": RunKey("fl.local_epochs", "local epochs per round"),
+    "fl.clients": RunKey("fl.clients", "clients (simulation: the SuperNodes car-fl run starts)"),
+    "mode": RunKey("mode", "classifier or adapter (conf/mode/)"),
+    "dp": RunKey("dp", "none, fixed, adaptive or record (conf/dp/)"),
+    "epsilon": RunKey("dp.target_epsilon", "the target ε of dp (dp.target_epsilon)"),
+    "model": RunKey("model", "tinyllama, llama32_3b, minilm or local (conf/model/)"),
+    "dataset.path": RunKey("dataset.path", "a local data file (offline)"),
+    "strategy": RunKey("strategy", "fedavg, median, trimmed_mean, krum, ... (conf/strategy/)"),
+}
+#: Every key car-fl reads from a run config.
+RUN_CONFIG_KEYS = (*RUN_CONFIG, OVERRIDES)
+
+
+def run_config_from_args(project: str | Path, items: Sequence[str]) -> dict[str, Any]:
+    """The run config a SuperLink builds from ``--run-config`` strings: the project's
+    ``[tool.flwr.app.config]`` with them fused in, parsed by Flower's own parser.
+
+    Flower refuses a key the project lacks with ``Invalid run configuration``; this names the
+    valid keys instead.
+    """
+    import click
+    from flwr.common.config import flatten_dict, get_project_config, parse_config_args
+
+    try:
+        given = parse_config_args(list(items))
+    except click.ClickException as err:
+        both = " ".join(items)
+        hint = (
+            "; TOML cannot hold dp and dp.<key> in one string: give dp.target_epsilon as "
+            "epsilon=... and other dp keys in overrides"
+            if re.search(r"(^|\s)dp=", both) and re.search(r"(^|\s)dp\.", both)
+            else ""
+        )
+        raise ValueError(
+            f"--run-config {both!r} is not Flower's key=value TOML: strings need double quotes, "
+            f'e.g. dp="record" model="minilm"{hint}'
+        ) from err
+    defaults = flatten_dict(get_project_config(project)["tool"]["flwr"]["app"].get("config", {}))
+    for key in given:
+        if key not in defaults:
+            raise ValueError(unknown_run_key(key))
+    return {**defaults, **given}
+
+
+def settings_from_run_config(run_config: Mapping[str, Any]) -> Settings:
+    """Settings from Flower's run config: :data:`RUN_CONFIG`'s keys, then ``overrides``.
+
+    ``flwr run . local --run-config 'fl.rounds=2 dp="record" overrides="train.lr=0.01"'``
 
     A non-empty ``settings`` value (a whole resolved configuration as YAML, what
     :func:`~car_fl.settings.compose.settings_to_yaml` writes) takes precedence: in-process
@@ -156,12 +233,68 @@ def settings_from_run_config(run_config: Mapping[str, Any]) -> Settings:
 
 
 def run_inputs(run_config: Mapping[str, Any]) -> tuple[str, str]:
-    text = run_config.get("settings", "")
-    overrides = run_config.get("overrides", "")
+    """The run config's whole settings YAML (or ``""``) and all its Hydra overrides, as one
+    shell-quoted string (a node's settings cache is keyed by it)."""
+    text = run_config.get(SETTINGS_YAML, "")
     if text and not isinstance(text, str):
         raise ValueError(f"run config 'settings' must be YAML text, got {type(text).__name__}")
+    return str(text or ""), shlex.join(run_overrides(run_config))
+
+
+def run_overrides(run_config: Mapping[str, Any]) -> list[str]:
+    """The Hydra overrides a run config stands for; ``ValueError`` naming a key car-fl lacks."""
+    for key in run_config:
+        if key not in RUN_CONFIG_KEYS and key != SETTINGS_YAML:
+            raise ValueError(unknown_run_key(key))
+    overrides = run_config.get(OVERRIDES, "")
     if not isinstance(overrides, str):
         raise ValueError(
             f"run config 'overrides' must be a string of Hydra overrides, got {overrides!r}"
         )
-    return str(text or ""), overrides
+    items = [
+        f"{spec.target}={hydra_value(run_config[key])}"
+        for key, spec in RUN_CONFIG.items()
+        if run_config.get(key, "") != ""
+    ]
+    extra = parse_overrides(overrides)
+    given = {_override_key(item): item for item in items}
+    for item in extra:
+        if _override_key(item) in given:
+            raise ValueError(
+                f"{_override_key(item)} is set twice: {given[_override_key(item)]} by its "
+                f"run-config key and {item} in overrides; keep one"
+            )
+    return [*items, *extra]
+
+
+def unknown_run_key(key: str) -> str:
+    """The message for a run-config key car-fl does not read: the valid ones, a close match."""
+    close = difflib.get_close_matches(key, RUN_CONFIG_KEYS, n=1, cutoff=0.75)
+    hint = f"did you mean {close[0]}? " if close else ""
+    if not close and is_setting(key):
+        hint = (
+            f"{key} is a setting: give it in overrides (--run-config 'overrides=\"{key}=...\"'); "
+        )
+    keys = ", ".join(RUN_CONFIG_KEYS)
+    return f"run config key {key!r} is not one of car-fl's; {hint}the keys: {keys}"
+
+
+def _override_key(item: str) -> str:
+    return item.lstrip("+~").split("=", 1)[0]
+
+
+#: Hydra values that need no quotes: paths, numbers, names, ``adapter+classifier``.
+_BARE = re.compile(r"[\w./:@+-]+")
+
+
+def hydra_value(value: Any) -> str:
+    """A run-config value (TOML: bool, int, float, str) as a Hydra override's value."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    text = str(value)
+    if _BARE.fullmatch(text):
+        return text
+    escaped = text.replace("\\", "\\\\").replace("'", "\\'")
+    return f"'{escaped}'"

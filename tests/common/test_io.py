@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from car_fl.common.io import atomic_write, atomic_write_json, atomic_write_text
 
@@ -30,3 +34,23 @@ def test_a_failing_writer_leaves_the_previous_file_and_no_temporary_file(tmp_pat
         atomic_write(target, fail)
     assert target.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["out.txt"]
+
+
+def write_a_byte(tmp: Path) -> None:
+    tmp.write_bytes(b"\0")
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_files_are_readable_as_the_umask_allows(tmp_path: Path, umask: int, mode: int) -> None:
+    old = os.umask(umask)
+    try:
+        written = [
+            atomic_write_text(tmp_path / "a.txt", "x"),
+            atomic_write_json(tmp_path / "b.json", {}),
+            atomic_write(tmp_path / "c.bin", write_a_byte),
+            # safetensors recreates the file 0600 whatever the umask
+            atomic_write(tmp_path / "d.st", lambda tmp: save_file({"w": torch.zeros(1)}, str(tmp))),
+        ]
+    finally:
+        os.umask(old)
+    assert [stat.S_IMODE(p.stat().st_mode) for p in written] == [mode] * 4

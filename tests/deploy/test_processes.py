@@ -10,9 +10,11 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -142,10 +144,38 @@ def test_free_ports_differ_and_attach_finds_the_pids(tmp_path: Path) -> None:
 def test_a_superlink_that_exits_is_reported_with_its_log(tmp_path: Path) -> None:
     cluster = LocalCluster(tmp_path)
     try:
-        with pytest.raises(RuntimeError, match=r"superlink exited; its log:\n.*flower-superlink"):
+        with pytest.raises(RuntimeError, match=r"^superlink exited: .*flower-superlink[^\n]*$"):
             cluster.start_superlink(prefix=PRINT_ARGS, timeout=30)
     finally:
         cluster.stop()
+
+
+def test_start_on_a_busy_port_names_it_and_leaves_nothing_running(tmp_path: Path) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        cluster = LocalCluster(tmp_path, ports=port)
+        with pytest.raises(RuntimeError, match=rf"^port {port} on 127.0.0.1 \(Fleet API\) is"):
+            cluster.start(2, data=tmp_path / "d.tsv")
+    assert cluster.processes.pids == {} and not (tmp_path / "cluster.json").exists()
+
+
+class NodesFail(LocalCluster):
+    """A cluster whose SuperLink (a stand-in) starts and whose first SuperNode fails."""
+
+    superlink_pid = 0
+
+    def start_superlink(self, **kwargs: Any) -> None:
+        self.superlink_pid = self.processes.start("superlink", ["sleep", "60"])
+
+    def start_node(self, *args: Any, **kwargs: Any) -> str:
+        raise RuntimeError("supernode-0 exited: ERROR something went wrong")
+
+
+def test_a_cluster_that_fails_half_way_stops_what_it_started(tmp_path: Path) -> None:
+    cluster = NodesFail(tmp_path)
+    with pytest.raises(RuntimeError, match="supernode-0 exited"):
+        cluster.start(1, data=tmp_path / "d.tsv")
+    assert cluster.processes.pids == {} and gone(cluster.superlink_pid)
 
 
 def test_start_superlink_waits_until_both_apis_listen(tmp_path: Path) -> None:
@@ -172,3 +202,24 @@ def test_start_superlink_waits_until_both_apis_listen(tmp_path: Path) -> None:
     finally:
         cluster.stop()
     assert cluster.processes.pids == {}
+
+
+def test_local_cluster_script_on_a_busy_port_exits_non_zero_with_one_line(tmp_path: Path) -> None:
+    script = Path(__file__).resolve().parents[2] / "scripts" / "local_cluster.py"
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        done = subprocess.run(
+            [
+                *[sys.executable, str(script), "start", "--dir", str(tmp_path / "c")],
+                *["--nodes", "1", "--data", str(tmp_path / "d.tsv"), "--port", str(port)],
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines() == [
+        f"local_cluster.py start: port {port} on 127.0.0.1 (Fleet API) is already in use; stop "
+        "what holds it or start the cluster on other ports (--port)"
+    ]
+    assert not (tmp_path / "c" / "cluster.json").exists()  # nothing was started

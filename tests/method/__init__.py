@@ -3,5 +3,6 @@
 #: module → the test that covers it (checked by ``tests/test_layout.py``).
 TESTED_ELSEWHERE = {
     "adapter": "tests/method/test_encoder.py::test_identity_adapter_gives_the_plain_models_hidden_states",
+    "centralized": "tests/test_centralized.py::test_centralized_run_writes_config_metrics_plot_and_checkpoints",
     "evaluation": "tests/results/test_selection.py::test_best_checkpoint_follows_validation_when_test_disagrees",
 }

@@ -106,9 +106,10 @@ def test_missing_local_folder_error_names_model_and_fix(tmp_path: Path) -> None:
         load_encoder(cfg(tmp_path / "nowhere"), device="cpu")
 
 
-def test_unreachable_hub_model_error_says_how_to_use_a_local_folder() -> None:
+def test_unreachable_hub_model_error_names_both_offline_fixes() -> None:
     bad = ModelConfig(name="x", name_or_path="no-such-org/no-such-model-xyz")
-    with pytest.raises(EncoderLoadError, match=r"no-such-org/no-such-model-xyz.*name_or_path=DIR"):
+    fixes = r"no-such-org/no-such-model-xyz.*model=minilm.*model=local model.name_or_path=/path"
+    with pytest.raises(EncoderLoadError, match=fixes):
         load_encoder(bad, device="cpu")
 
 

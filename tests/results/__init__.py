@@ -2,6 +2,5 @@
 
 #: module → the test that covers it (checked by ``tests/test_layout.py``).
 TESTED_ELSEWHERE = {
-    "plots": "tests/test_centralized.py::test_centralized_run_writes_config_metrics_plot_and_checkpoints",
     "report_markdown": "tests/results/test_report.py::test_the_report_has_one_row_per_run_with_speed_up_and_epsilon",
 }

@@ -41,7 +41,15 @@ def test_files_of_the_previous_format_read_back_and_write_byte_for_byte(
         assert (tmp_path / name).read_text() == (FORMAT / run / name).read_text(), name
     if (FORMAT / run / CLIENTS_CSV).is_file():
         ClientRow.write_csv(tmp_path / CLIENTS_CSV, ClientRow.read_csv(FORMAT / run / CLIENTS_CSV))
-        assert (tmp_path / CLIENTS_CSV).read_text() == (FORMAT / run / CLIENTS_CSV).read_text()
+        old = list(csv.DictReader((FORMAT / run / CLIENTS_CSV).open()))
+        new = list(csv.DictReader((tmp_path / CLIENTS_CSV).open()))
+        assert [list(row) for row in new] == [list(row) for row in old]
+        for before, after in zip(old, new, strict=True):
+            for column, cell in before.items():
+                if column in ClientRow.INTEGER_COLUMNS and cell:  # 144.0 is now written 144
+                    assert after[column] == str(int(float(cell))), column
+                else:
+                    assert after[column] == cell, column
 
 
 def test_a_federated_metrics_file_reads_as_typed_rows() -> None:
@@ -122,6 +130,14 @@ def test_client_rows_map_wire_keys_to_file_columns(tmp_path: Path) -> None:
     with (FORMAT / "federated" / CLIENTS_CSV).open() as handle:
         assert header == next(csv.reader(handle))  # the same columns in the same order
     assert ClientRow.read_csv(tmp_path / CLIENTS_CSV) == rows
+    # Counts and ids are integers in the file (partition 2, not 2.0), and read back as such.
+    line = (tmp_path / CLIENTS_CSV).read_text().splitlines()[1]
+    ok_line = dict(zip(header, line.split(","), strict=True))
+    assert (ok_line["partition_id"], ok_line["num_examples"]) == ("2", "30")
+    read = ClientRow.read_csv(tmp_path / CLIENTS_CSV)[0]
+    assert isinstance(read.partition_id, int) and isinstance(read.num_examples, int)
+    # ... while a value a client sent that is not integral stays what it was.
+    assert ClientRow(round=1, node=1, status="ok", partition_id=1.5).partition_id == 1.5
     # One mapping: every column sent by the client is its wire key in snake_case.
     assert wire_key("dp_noise_multiplier") == "dp-noise-multiplier"
     assert all(wire_key(c).replace("-", "_") == c for c in ClientRow.FROM_WIRE)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import time
 
 import numpy as np
 import pytest
@@ -104,14 +104,37 @@ def test_an_anonymous_error_reply_is_attributed_to_the_silent_node() -> None:
     assert set(two_lost.failed) == {5, 6}
 
 
-def test_server_rejects_missing_local_paths_before_contacting_nodes(
-    make_settings,
-    tmp_path: Path,
-) -> None:
-    from car_fl.server.federation import check_local_paths
+class Nodes:
+    """A stand-in Grid that sees a fixed set of node ids."""
 
-    check_local_paths(make_settings())  # the fixtures exist
-    with pytest.raises(FileNotFoundError, match=r"dataset.path=.*nope.tsv does not exist"):
-        check_local_paths(make_settings(f"dataset.path={tmp_path / 'nope.tsv'}"))
-    with pytest.raises(FileNotFoundError, match=r"model.name_or_path=.*no-model is not a folder"):
-        check_local_paths(make_settings(model_dir=tmp_path / "no-model"))
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def get_node_ids(self) -> list[int]:
+        return list(range(1, self.count + 1))
+
+
+def test_a_simulation_with_another_node_count_fails_at_once_with_its_fix() -> None:
+    from car_fl.server.federation import wait_for_nodes
+
+    for nodes in (2, 4):
+        tick = time.monotonic()
+        with pytest.raises(
+            ValueError,
+            match=r"runs \d SuperNodes but fl.clients=3: run it with "
+            r"--federation-config 'num-supernodes=3'",
+        ):
+            wait_for_nodes(Nodes(nodes), 3, timeout=120, poll=0.1, simulation=True)  # type: ignore[arg-type]
+        assert time.monotonic() - tick < 2.0
+    assert wait_for_nodes(Nodes(3), 3, timeout=1, simulation=True) == [1, 2, 3]  # type: ignore[arg-type]
+
+
+def test_a_deployment_waits_for_missing_nodes_and_refuses_extra_ones() -> None:
+    from car_fl.server.federation import wait_for_nodes
+
+    with pytest.raises(TimeoutError, match=r"only 2 of fl.clients=3 SuperNodes connected"):
+        wait_for_nodes(Nodes(2), 3, timeout=0.3, poll=0.1)  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError, match=r"4 SuperNodes are connected.*--run-config 'fl.clients=4'"
+    ):
+        wait_for_nodes(Nodes(4), 3, timeout=120, poll=0.1)  # type: ignore[arg-type]

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
-from car_fl.settings.compose import load_settings, settings_to_yaml
+from car_fl.settings.compose import group_options, is_setting, load_settings, settings_to_yaml
 from car_fl.settings.flower import (
     NODE_CONFIG,
     NODE_LOCAL_KEYS,
+    RUN_CONFIG,
+    RUN_CONFIG_KEYS,
     NodeInfo,
     apply_node_config,
     fingerprint,
+    run_config_from_args,
+    run_inputs,
     settings_from_run_config,
 )
 
@@ -85,3 +90,56 @@ def test_run_config_overrides_or_a_whole_settings_yaml() -> None:
         settings_from_run_config({"overrides": 3})
     with pytest.raises(ValueError, match="must be YAML text"):
         settings_from_run_config({"settings": 3})
+
+
+PROJECT = Path(__file__).resolve().parents[2]
+
+
+def test_pyproject_run_config_holds_exactly_car_fls_keys_all_empty() -> None:
+    from flwr.common.config import flatten_dict, get_project_config
+
+    config = flatten_dict(get_project_config(PROJECT)["tool"]["flwr"]["app"]["config"])
+    assert list(config) == list(RUN_CONFIG_KEYS)
+    assert set(config.values()) == {""}  # "" keeps conf/'s value: one source of defaults
+    # Every key's target is a setting or a config group.
+    for spec in RUN_CONFIG.values():
+        assert is_setting(spec.target) or spec.target in group_options(), spec.target
+
+
+def test_run_config_fl_rounds_sets_the_rounds_as_flower_parses_it() -> None:
+    run_config = run_config_from_args(PROJECT, ["fl.rounds=2"])
+    assert settings_from_run_config(run_config).fl.rounds == 2
+    assert settings_from_run_config(run_config_from_args(PROJECT, [])) == load_settings()
+    several = run_config_from_args(
+        PROJECT, ['fl.rounds=3 dp="record" epsilon=4 mode="adapter"', 'overrides="seed=7"']
+    )
+    settings = settings_from_run_config(several)
+    assert (settings.fl.rounds, settings.dp.mode, settings.dp.target_epsilon) == (3, "record", 4)
+    assert (settings.train.mode, settings.seed) == ("adapter+classifier", 7)
+    spaced = settings_from_run_config({"dataset.path": "/data/my file's.tsv"})
+    assert spaced.dataset.path == "/data/my file's.tsv"
+
+
+def test_an_unknown_run_config_key_names_the_valid_ones() -> None:
+    with pytest.raises(ValueError, match=r"'fl.round' .*did you mean fl.rounds\? the keys: fl"):
+        run_config_from_args(PROJECT, ["fl.round=2"])
+    with pytest.raises(ValueError, match=r"train.lr is a setting: give it in overrides"):
+        settings_from_run_config({"train.lr": 0.1})
+    with pytest.raises(ValueError, match=r"strings need double quotes"):
+        run_config_from_args(PROJECT, ["mode=adapter"])
+    with pytest.raises(ValueError, match=r"give dp.target_epsilon as epsilon"):
+        run_config_from_args(PROJECT, ['dp="record" dp.target_epsilon=3'])
+    with pytest.raises(ValueError, match=r"fl.rounds is set twice"):
+        settings_from_run_config({"fl.rounds": 2, "overrides": "fl.rounds=3"})
+
+
+def test_a_nodes_settings_cache_key_follows_the_run_config_keys() -> None:
+    from car_fl.client.node_cache import settings_key
+
+    def key(run_config: dict[str, object]) -> str:
+        return settings_key(run_inputs(run_config)[1], {})
+
+    # the same settings by either route share an entry; other values do not
+    assert key({"fl.rounds": 2, "overrides": ""}) == key({"overrides": "fl.rounds=2"})
+    assert key({"fl.rounds": 2}) != key({"fl.rounds": 3}) != key({})
+    assert key({"fl.rounds": "", "overrides": ""}) == key({})

@@ -28,9 +28,18 @@ from car_fl.settings.schema import (
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("dataset=nope", r"(?s)Could not find 'dataset/nope'.*ag_news.*sms_spam"),
-        ("model=gpt9", r"(?s)Could not find 'model/gpt9'.*tinyllama"),
-        ("train.nonsense=1", r"train.nonsense"),
+        (
+            "dataset=nope",
+            r"dataset=nope is not an option of dataset; choose one of ag_news.*sms_spam",
+        ),
+        ("model=gpt9", r"model=gpt9 is not an option of model;.*tinyllama"),
+        ("model=minilmm", r"did you mean model=minilm\?"),
+        ("train.nonsense=1", r"train.nonsense is not a setting;.*\(train's keys: mode, epochs"),
+        # a misspelt key: the schema's setting, not Hydra's "+key" hint
+        ("fl.round=2", r"^fl.round is not a setting; did you mean fl.rounds\?"),
+        ("+fl.round=2", r"^fl.round is not a setting; did you mean fl.rounds\?"),
+        ("dataset.pth=x.tsv", r"^dataset.pth is not a setting; did you mean dataset.path\?"),
+        ("dpp=record", r"^dpp is not a setting; did you mean dp\?"),
         ("train.lr=abc", r"full_key: train.lr"),
         ("train.epochs=1.5", r"full_key: train.epochs"),
         ("train.lr=-1", r"train.lr must be > 0"),

@@ -126,8 +126,8 @@ def test_server_and_clients_resolve_the_same_configuration(base: list[str], tmp_
 def test_client_count_mismatch_fails_with_instructions(base: list[str], tmp_path: Path) -> None:
     with pytest.raises(
         ValueError,
-        match=r"3 SuperNodes are connected.*fl.clients=2.*"
-        r"num-supernodes=2",
+        match=r"this simulation runs 3 SuperNodes but fl.clients=2: run it with "
+        r"--federation-config 'num-supernodes=2'",
     ):
         run_simulation([*base, f"output_dir={tmp_path / 'fl'}"], num_supernodes=3)
 

@@ -1,0 +1,132 @@
+"""``car-fl run``: ``flwr run`` this project, follow its log, and exit with its outcome.
+
+``flwr run`` exits 0 for a run whose ServerApp failed; this command checks the configuration
+on this machine first (in seconds: unknown keys, misspelt overrides, an unreachable DP target,
+missing files, the Hub offline, a simulation's node count), then starts the run with the same
+``--run-config`` and ``--federation-config`` strings, streams its log and waits for its final
+status: 0 for ``finished:completed``, 1 with the reason on stderr for anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+NAME = "run"
+HELP = "flwr run this project (a simulation: connection local) and exit non-zero if it fails"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "connection",
+        nargs="?",
+        default="local",
+        help="the flwr SuperLink connection (default: local, Flower's simulation)",
+    )
+    parser.add_argument(
+        "--app", default=".", help="the Flower app folder (default: the current folder)"
+    )
+    parser.add_argument(
+        "--run-config",
+        "-c",
+        action="append",
+        default=[],
+        help='as for flwr run: \'fl.rounds=2 dp="record" overrides="train.lr=0.01"\'',
+    )
+    parser.add_argument(
+        "--federation-config",
+        action="append",
+        default=[],
+        help="as for flwr run, e.g. 'num-supernodes=3' (simulation; default: fl.clients)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=24 * 3600.0, help="seconds before the run is stopped"
+    )
+
+
+def is_local_simulation(connection: str) -> bool:
+    """Whether ``connection`` is Flower's managed local SuperLink (``address = ":local:"``)."""
+    from flwr.cli.constant import (
+        LOCAL_SUPERLINK_ADDRESS_MAGIC_VALUE,
+        LOCAL_SUPERLINK_ADDRESS_MAGIC_VALUE_IN_MEMORY,
+    )
+    from flwr.cli.flower_config import read_superlink_connection
+
+    try:
+        address = read_superlink_connection(connection).address
+    except Exception:  # no such connection: flwr run will say so
+        return False
+    return address in (
+        LOCAL_SUPERLINK_ADDRESS_MAGIC_VALUE,
+        LOCAL_SUPERLINK_ADDRESS_MAGIC_VALUE_IN_MEMORY,
+    )
+
+
+def simulation_config(items: list[str], clients: int) -> list[str]:
+    """``--federation-config`` strings for a simulation of ``clients`` SuperNodes.
+
+    ``num-supernodes`` defaults to ``fl.clients`` (a mismatch fails here, not after the
+    server's wait); each SuperNode gets an equal share of this machine's CPUs unless
+    ``client-resources-num-cpus`` is given.
+    """
+    from flwr.common.config import parse_config_args
+
+    given = parse_config_args(items)
+    nodes = given.get("num-supernodes")
+    extra = []
+    if nodes is None:
+        extra.append(f"num-supernodes={clients}")
+    elif nodes != clients:
+        raise ValueError(
+            f"--federation-config num-supernodes={nodes} but fl.clients={clients}: the "
+            f"simulation's fix is --federation-config 'num-supernodes={clients}' (or "
+            f"--run-config 'fl.clients={nodes}')"
+        )
+    if "client-resources-num-cpus" not in given:
+        extra.append(f"client-resources-num-cpus={max(1, (os.cpu_count() or 1) // clients)}")
+    return [*items, " ".join(extra)] if extra else items
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check, submit, follow; 0 only for a run that finished ``completed``."""
+    from car_fl.deploy.runs import COMPLETED, NO_INSTALL, follow_run, submit
+    from car_fl.method.sources import check_sources
+    from car_fl.settings.flower import run_config_from_args, settings_from_run_config
+    from car_fl.settings.schema import trains_nothing
+
+    app = Path(args.app).resolve()
+    settings = settings_from_run_config(run_config_from_args(app, args.run_config))
+    if trains_nothing(settings):
+        raise ValueError(
+            f"head.kind={settings.head.kind} with train.mode={settings.train.mode} trains "
+            "nothing, so there is nothing to federate; use car-fl train"
+        )
+    federation = args.federation_config
+    if federation or is_local_simulation(args.connection):
+        federation = simulation_config(federation, settings.fl.clients)
+        # This machine is the server: its files and the Hub are what the run will use.
+        check_sources(settings)
+    env = {**os.environ, **{k: os.environ.get(k, v) for k, v in NO_INSTALL.items()}}
+    run_id = submit(app, args.connection, args.run_config, federation, env=env)
+    print(
+        f"car-fl run: run {run_id} started on {args.connection}; following its log "
+        f"(Ctrl-C stops the run)",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        status = follow_run(args.connection, run_id, timeout=args.timeout, env=env)
+    except KeyboardInterrupt:
+        from car_fl.deploy.runs import stop_run
+
+        stop_run(args.connection, run_id, env=env)
+        print(f"car-fl run: run {run_id} stopped", file=sys.stderr)
+        return 130
+    if status["status"] == COMPLETED:
+        print(f"car-fl run: run {run_id} {COMPLETED}", file=sys.stderr)
+        return 0
+    details = " ".join(status["status-details"].split())
+    print(f"car-fl run: run {run_id} {status['status']}: {details}", file=sys.stderr)
+    return 1

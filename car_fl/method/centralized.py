@@ -1,0 +1,154 @@
+"""Centralised training: the whole training split on one machine, one row of metrics per epoch.
+
+What ``car-fl train`` and ``python -m car_fl.centralized`` run: the federation's reference.
+Writes ``config.yaml``, ``metrics.json``/``metrics.csv`` (same format as a federation, one
+"round" per epoch), ``curves.png`` and ``checkpoints/{best,final}`` to ``output_dir``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from car_fl.common.io import atomic_write_text
+from car_fl.data.splits import load_splits
+from car_fl.method.evaluation import HeldOut, LazyRetriever
+from car_fl.method.features import prepare_for
+from car_fl.method.model import build_retriever
+from car_fl.method.serving import checkpoint_extra
+from car_fl.method.sources import check_sources
+from car_fl.method.train import make_optimizer, train_epoch
+from car_fl.results.plots import data_label
+from car_fl.results.recorder import Recorder
+from car_fl.results.rows import RoundRow, RunSummary
+from car_fl.settings.compose import settings_to_yaml
+from car_fl.settings.schema import DPMode, HeadKind, Settings, trains_nothing
+
+log = logging.getLogger(__name__)
+
+
+def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any]:
+    """Train for ``train.epochs`` epochs, evaluating after each; returns the summary.
+
+    Centralised training does not implement differential privacy: any ``dp`` mode other than
+    ``none`` is refused here, before any work, rather than trained without it.
+    """
+    check_no_dp(settings)
+    check_sources(settings)  # seconds, not a minute of Hub retries, when offline
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config_yaml = settings_to_yaml(settings)
+    log.info("resolved configuration:\n%s", config_yaml)
+    atomic_write_text(out / "config.yaml", config_yaml)
+
+    # Data and model: the encoder is loaded only if a feature is not cached (or for MIPS)
+    splits = load_splits(settings.dataset, seed=settings.seed)
+    names = splits.label_map.names
+    lazy = LazyRetriever(settings, splits)
+    start = time.perf_counter()
+    train_data = prepare_for(
+        settings,
+        splits.train["text"],
+        splits.train["label"],
+        get_model=lazy,
+        desc="train features",
+    )
+    held_out = HeldOut.prepare(settings, splits, get_model=lazy)
+    if lazy.model is not None or settings.head.kind is HeadKind.MIPS:
+        model = lazy()  # MIPS: label documents
+    else:  # every feature was cached: the same head (same seed), no encoder
+        assert train_data.features is not None
+        hidden = int(train_data.features.shape[1])
+        model = build_retriever(settings, len(names), hidden_size=hidden, documents=lazy.documents)
+    if model.kind is HeadKind.KNN:
+        assert train_data.features is not None
+        model.set_memory(train_data.features, train_data.labels)
+    feature_seconds = time.perf_counter() - start
+    recorder = Recorder(
+        settings=settings,
+        output_dir=out,
+        label_map=splits.label_map,
+        unit="epoch",
+        title=f"centralised, {data_label(settings.dataset)}",
+        extra=checkpoint_extra(settings, names, model),
+    )
+
+    # Epochs (none for MIPS on the frozen encoder and kNN: one evaluation)
+    epochs = 0 if trains_nothing(settings) else settings.train.epochs
+    if epochs == 0:
+        tick = time.perf_counter()
+        metrics = held_out.evaluate(model, settings)
+        recorder.add(
+            RoundRow(round=0, epochs=0, metrics=metrics, seconds=time.perf_counter() - tick)
+        )
+        log.info(
+            "%s (nothing to train): test top1 %.4f mrr %.4f",
+            model.kind.value,
+            metrics["test_top1"],
+            metrics["test_mrr"],
+        )
+    else:
+        optimizer = make_optimizer(model, settings.train)
+    for epoch in range(epochs):
+        tick = time.perf_counter()
+        result = train_epoch(
+            model,
+            train_data,
+            optimizer,
+            batch_size=settings.train.batch_size,
+            seed=settings.seed,
+            epoch=epoch,
+            progress=settings.progress,
+            desc=f"epoch {epoch + 1}",
+        )
+        row = RoundRow(
+            round=epoch + 1,
+            epochs=epoch + 1,
+            train_loss=result.loss,
+            train_accuracy=result.accuracy,
+            metrics=held_out.evaluate(model, settings),
+            seconds=time.perf_counter() - tick,
+        )
+        recorder.record(row, model.trainable_state_dict())
+
+    final, best = recorder.history[-1], recorder.best
+    assert best is not None
+    recorder.save_final(model.trainable_state_dict())
+    summary = RunSummary(
+        kind="centralized",
+        clients=1,
+        mode=settings.train.mode,
+        head=settings.head.kind,
+        epochs=epochs,
+        num_labels=len(names),
+        final=final,
+        best=best,
+        feature_seconds=feature_seconds,
+        total_seconds=time.perf_counter() - start,
+        train_examples=len(train_data),
+        test_examples=len(held_out.test),
+        selection=held_out.selection,
+        data=splits.stats,
+    )
+    recorder.write(summary)
+    log.info(
+        "final test top1 %.4f; best on validation after epoch %d: test top1 %.4f; results in %s",
+        final.metrics["test_top1"],
+        best.round,
+        best.metrics["test_top1"],
+        out,
+    )
+    return summary.to_dict()
+
+
+def check_no_dp(settings: Settings) -> None:
+    """Refuse DP settings centralised training would silently ignore (``ValueError``)."""
+    if settings.dp.mode is not DPMode.NONE:
+        raise ValueError(
+            f"centralised training (car-fl train) does not train with differential privacy, "
+            f"and dp={settings.dp.mode.value} would be ignored; run it with dp=none, or train "
+            f"dp={settings.dp.mode.value} federated (car-fl run / flwr run .), where it is "
+            "honoured"
+        )

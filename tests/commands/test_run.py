@@ -1,0 +1,162 @@
+"""``car-fl run``: every configuration mistake fails in seconds with one line, before Flower
+starts anything; a real run's outcome is the command's exit code."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from car_fl.commands.run import is_local_simulation, simulation_config
+from car_fl.deploy.commands import flwr_bin
+from car_fl.deploy.connection import write_connection
+from car_fl.deploy.processes import Processes
+from car_fl.deploy.runs import COMPLETED, NO_INSTALL, submit, wait_for_run
+
+PROJECT = Path(__file__).resolve().parents[2]
+
+
+def car_fl(
+    *args: str, env: dict[str, str], timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """The installed ``car-fl`` command, run from the project folder as the README does."""
+    command = [sys.executable, "-m", "car_fl.cli", *args]
+    return subprocess.run(
+        command, cwd=PROJECT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    """Offline, an empty Hub cache, this test's own flwr configuration."""
+    return {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_HOME": str(tmp_path / "hf"),
+        "FLWR_HOME": str(tmp_path / "flwr"),
+    }
+
+
+def test_simulation_size_follows_fl_clients_and_a_mismatch_names_the_fix() -> None:
+    cpus = max(1, (os.cpu_count() or 1) // 3)
+    assert simulation_config([], 3) == [f"num-supernodes=3 client-resources-num-cpus={cpus}"]
+    assert simulation_config(["num-supernodes=3 client-resources-num-cpus=1"], 3) == [
+        "num-supernodes=3 client-resources-num-cpus=1"
+    ]
+    with pytest.raises(ValueError, match=r"num-supernodes=2 but fl.clients=3: the simulation's"):
+        simulation_config(["num-supernodes=2"], 3)
+
+
+def test_only_flowers_local_connection_counts_as_a_simulation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path))
+    assert is_local_simulation("local")  # Flower writes its default configuration, with it
+    write_connection(tmp_path, "lab", "192.168.1.10:9093")
+    assert is_local_simulation("local")
+    assert not is_local_simulation("lab")
+    assert not is_local_simulation("nowhere")
+
+
+SMS = PROJECT.parent / "shared" / "data" / "sms_spam" / "SMSSpamCollection.tsv"
+
+
+@pytest.mark.parametrize(
+    ("args", "reason"),
+    [
+        # the offline default: both fixes in one message
+        ((), r"HF_HUB_OFFLINE is set; offline, use model=minilm .*; and dataset.path="),
+        # a misspelt run-config key, and a misspelt override
+        (("-c", "fl.round=2"), r"'fl.round' is not one of car-fl's; did you mean fl.rounds\?"),
+        (("-c", 'overrides="fl.round=2"'), r"fl.round is not a setting; did you mean fl.rounds\?"),
+        # a missing data file
+        (("-c", 'model="minilm" dataset.path="/nope/sms.tsv"'), r"/nope/sms.tsv does not exist"),
+        # a DP target no noise can reach
+        (
+            ("-c", 'model="minilm" dp="record" epsilon=0.001'),
+            r"dp.target_epsilon=0.001 cannot be reached",
+        ),
+        # a simulation of another size than fl.clients
+        (
+            ("-c", "fl.clients=3", "--federation-config", "num-supernodes=2"),
+            r"num-supernodes=2 but fl.clients=3: the simulation's fix is --federation-config",
+        ),
+    ],
+)
+def test_each_mistake_exits_non_zero_in_seconds_with_one_line(
+    env: dict[str, str], args: tuple[str, ...], reason: str
+) -> None:
+    tick = time.monotonic()
+    done = car_fl("run", *args, env=env)
+    assert done.returncode == 1
+    assert time.monotonic() - tick < 10
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("car-fl run: "), done.stderr
+    assert re.search(reason, lines[0]), lines[0]
+    assert not (Path(env["FLWR_HOME"]) / "local-superlink").exists()  # Flower never started
+
+
+@pytest.fixture
+def simulation_link(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
+    """A simulation SuperLink of this test's own, on a free port, stopped by PID."""
+    from car_fl.deploy.cluster import free_port, listening
+
+    home, port = tmp_path / "flwr", free_port()
+    env = {**os.environ, **NO_INSTALL, "FLWR_HOME": str(home), "HF_HUB_OFFLINE": "1"}
+    processes = Processes(tmp_path / "link")
+    command = [flwr_bin("flower-superlink"), "--insecure", "--simulation", "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--isolation", "subprocess"]
+    command += ["--disable-runtime-dependency-installation"]
+    processes.start("superlink", command, env=env)
+    try:
+        write_connection(home, "sim", f"127.0.0.1:{port}")
+        deadline = time.monotonic() + 60
+        while not listening(f"127.0.0.1:{port}"):
+            assert processes.alive("superlink") and time.monotonic() < deadline
+            time.sleep(0.2)
+        yield "sim", env
+    finally:
+        processes.stop()
+
+
+@pytest.mark.slow
+def test_a_simulation_through_flower_exit_codes_and_run_config_keys(
+    simulation_link: tuple[str, dict[str, str]], tmp_path: Path, tiny_llama: Path, synthetic_tsv
+) -> None:
+    connection, env = simulation_link
+    tiny = f'model="local" dataset.path="{synthetic_tsv}"'
+    local = f"model.name_or_path={tiny_llama} progress=false device=cpu train.lr=0.01"
+    # car-fl run: Flower's run-config keys set the rounds; a completed run exits 0
+    done = car_fl(
+        "run",
+        connection,
+        "--federation-config",
+        "num-supernodes=2 client-resources-num-cpus=1",
+        "-c",
+        f'fl.rounds=2 {tiny} overrides="{local} output_dir={tmp_path / "ok"}"',
+        env=env,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1].endswith(COMPLETED)
+    history = json.loads((tmp_path / "ok" / "metrics.json").read_text())["history"]
+    assert [row["round"] for row in history] == [1, 2]
+    # flwr run itself keeps working with the same keys, and (Flower's behaviour) starts a run
+    # that fails without saying so in its exit code: every client refuses δ ≥ 1/n.
+    run_id = submit(
+        PROJECT,
+        connection,
+        [f'fl.rounds=1 dp="record" {tiny} overrides="{local} dp.delta=0.1"'],
+        ["num-supernodes=2 client-resources-num-cpus=1"],
+        env=env,
+    )
+    status = wait_for_run(connection, run_id, timeout=600, env=env)
+    assert status["status"] == "finished:failed"
+    assert "every round failed" in status["status-details"]
