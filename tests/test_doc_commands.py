@@ -1,5 +1,5 @@
 """scripts/doc_commands.py: every command of README.md and docs/ is found, marked and exists;
-the README's short ones run as written on a fresh clone."""
+the short ones (README and docs) run as written on a fresh clone."""
 
 from __future__ import annotations
 
@@ -91,9 +91,9 @@ def test_short_commands_run_and_a_failure_is_one_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_the_readmes_short_commands_run_on_a_fresh_clone() -> None:
+def test_the_short_commands_of_the_readme_and_docs_run_on_a_fresh_clone() -> None:
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "run", "--page", "README.md"],
+        [sys.executable, str(SCRIPT), "run"],
         cwd=ROOT,
         capture_output=True,
         text=True,
