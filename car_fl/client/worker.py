@@ -115,10 +115,9 @@ def new_secret(folder: Path) -> bytes:
     secret = secrets.token_hex(32).encode()
 
     def write(tmp: Path) -> None:
-        tmp.chmod(0o600)
         tmp.write_bytes(secret)
 
-    atomic_write(folder / SECRET_NAME, write)
+    atomic_write(folder / SECRET_NAME, write, mode=0o600)
     return secret
 
 
@@ -278,10 +277,9 @@ class NodeWorker:
         data = encode_content(state)
 
         def write(tmp: Path) -> None:
-            tmp.chmod(0o600)
             tmp.write_bytes(data)
 
-        atomic_write(self._state_file(run_id), write)
+        atomic_write(self._state_file(run_id), write, mode=0o600)  # the run's DP state
         self._states[run_id] = state
 
 

@@ -16,11 +16,17 @@ from pathlib import Path
 from typing import Any
 
 
-def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
-    """Call ``write(tmp_path)`` and rename the result to ``path``."""
+def atomic_write(
+    path: str | Path, write: Callable[[Path], None], *, mode: int | None = None
+) -> Path:
+    """Call ``write(tmp_path)`` and rename the result to ``path``.
+
+    The file is 0666 less the umask, or exactly ``mode`` (e.g. 0o600 for a secret) from the
+    moment it is created; a writer that recreates the file does not change that.
+    """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _new_file(target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    tmp = _new_file(target.parent, prefix=f".{target.name}.", suffix=".tmp", mode=mode)
     mode = tmp.stat().st_mode
     try:
         write(tmp)
@@ -35,14 +41,19 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
     return target
 
 
-def _new_file(folder: Path, *, prefix: str, suffix: str) -> Path:
-    """Create an empty file with a fresh random name in ``folder``, 0666 less the umask."""
+def _new_file(folder: Path, *, prefix: str, suffix: str, mode: int | None = None) -> Path:
+    """Create an empty file with a fresh random name in ``folder``: 0666 less the umask, or
+    exactly ``mode``."""
+    create = 0o666 if mode is None else mode
     while True:
         path = folder / f"{prefix}{secrets.token_hex(6)}{suffix}"
         try:
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, create)
         except FileExistsError:
             continue
+        if mode is not None:
+            os.fchmod(fd, mode)  # exactly: the umask only ever removes bits
+        os.close(fd)
         return path
 
 

@@ -54,3 +54,18 @@ def test_files_are_readable_as_the_umask_allows(tmp_path: Path, umask: int, mode
     finally:
         os.umask(old)
     assert [stat.S_IMODE(p.stat().st_mode) for p in written] == [mode] * 4
+
+
+def test_a_secret_is_written_with_exactly_its_mode_whatever_the_umask(tmp_path: Path) -> None:
+    seen: list[int] = []
+
+    def write(tmp: Path) -> None:
+        seen.append(stat.S_IMODE(tmp.stat().st_mode))  # before a byte is written
+        tmp.write_bytes(b"secret")
+
+    old = os.umask(0o000)
+    try:
+        path = atomic_write(tmp_path / "secret", write, mode=0o600)
+    finally:
+        os.umask(old)
+    assert seen == [0o600] and stat.S_IMODE(path.stat().st_mode) == 0o600
