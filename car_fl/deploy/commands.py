@@ -148,7 +148,7 @@ def supernode_command(
     """``flower-supernode`` for one client machine (insecure unless a CA is given).
 
     ``trusted_entities``: a YAML file of the Ed25519 keys whose signature a FAB must carry;
-    in Flower 1.39 only FABs fetched from Flower Hub carry any (docs/deployment.md, 7).
+    in Flower 1.39 only FABs fetched from Flower Hub carry any (docs/deployment.md, 5c).
     """
     cmd = [
         flwr_bin("flower-supernode"),
