@@ -75,6 +75,13 @@ def main() -> None:
         default=None,
         help="private key registered with the SuperLink (node authentication)",
     )
+    parser.add_argument(
+        "--trusted-entities",
+        type=Path,
+        default=None,
+        help="YAML of Ed25519 keys a FAB must be signed by (Flower Hub apps only in Flower "
+        "1.39: every FAB of 'flwr run .' is refused; docs/deployment.md, 5c)",
+    )
     parser.add_argument("--print", action="store_true", help="print the command, do not run it")
     args = parser.parse_args()
     node: dict[str, Any] = {
@@ -92,6 +99,7 @@ def main() -> None:
         runtime_port=args.port,
         root_cert=args.root_cert,
         private_key=args.auth_key,
+        trusted_entities=args.trusted_entities,
         node_config=node_config_string(**node, worker=args.worker),
     )
     if args.worker:

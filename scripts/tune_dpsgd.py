@@ -2,12 +2,14 @@
 
     python scripts/tune_dpsgd.py --epsilon 3 --clients 2 3 [--data PATH] [--grid small]
 
-The same local DP-SGD epochs as a ``dp=record`` client (``car_fl.method.train.train_epoch_dpsgd``,
-σ calibrated by ``car_fl.privacy.record_accounting.record_plan``) and example-weighted FedAvg,
-without Flower processes, so that a grid of settings takes minutes. Models are selected on a
-validation split: the dataset's own (``DataSplits.validation``) when it has one, otherwise a
-seeded stratified 10 % carved from the training split (the clients train on the rest). The
-test split is never read. Prints one line per setting, best last, and writes a JSON file.
+Each client's round is the client's own (:func:`car_fl.client.round.train_shard`: under
+``dp=record`` its DP-SGD epochs, σ calibrated by ``car_fl.settings.dp_plan.record_plan``, and
+its per-client DP state across rounds), on IID shards of cached features, followed by
+example-weighted FedAvg, without Flower processes, so that a grid of settings takes minutes.
+Models are selected on a validation split: the dataset's own (``DataSplits.validation``) when
+it has one, otherwise a seeded stratified 10 % carved from the training split (the clients
+train on the rest). The test split is never read. Prints one line per setting, best last,
+and writes a JSON file.
 """
 
 from __future__ import annotations
@@ -21,15 +23,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from flwr.app import RecordDict
 
+from car_fl.client.round import train_shard
+from car_fl.client.shard import Shard, local_retriever
 from car_fl.common.logs import setup_logging
+from car_fl.data.labels import LabelMap
 from car_fl.data.partition import partition
 from car_fl.data.splits import load_splits, stratified_split
 from car_fl.method.features import LocalData, prepare_for
 from car_fl.method.model import build_retriever
-from car_fl.method.train import evaluate, make_optimizer, train_epoch, train_epoch_dpsgd
+from car_fl.method.train import evaluate
 from car_fl.settings.compose import load_settings
 from car_fl.settings.dp_plan import record_plan
+from car_fl.settings.flower import NodeInfo
 from car_fl.settings.schema import DPMode, Settings
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/sms_spam/SMSSpamCollection.tsv"
@@ -49,8 +56,8 @@ GRIDS: dict[str, dict[str, list[Any]]] = {
 }
 
 
-def train_validation(settings: Settings) -> tuple[LocalData, LocalData, str]:
-    """Training and validation features; where the validation split comes from."""
+def train_validation(settings: Settings) -> tuple[LocalData, LocalData, LabelMap, str]:
+    """Training and validation features, the label map; where the validation split comes from."""
     splits = load_splits(settings.dataset, seed=settings.seed)
     model_holder: dict[str, Any] = {}
 
@@ -74,10 +81,10 @@ def train_validation(settings: Settings) -> tuple[LocalData, LocalData, str]:
     val = prepare_for(
         settings, validation["text"], validation["label"], get_model=get_model, desc="validation"
     )
-    return features, val, origin
+    return features, val, splits.label_map, origin
 
 
-def shards(data: LocalData, settings: Settings, clients: int) -> list[LocalData]:
+def shards(data: LocalData, label_map: LabelMap, settings: Settings, clients: int) -> list[Shard]:
     """IID shards of the training features, as the federation's clients would hold them."""
     from datasets import Dataset
 
@@ -94,50 +101,30 @@ def shards(data: LocalData, settings: Settings, clients: int) -> list[LocalData]
         )["i"]
         idx = torch.tensor(rows)
         assert data.features is not None
-        out.append(LocalData(labels=data.labels[idx], features=data.features[idx]))
+        part = LocalData(labels=data.labels[idx], features=data.features[idx])
+        out.append(Shard(data=part, label_map=label_map, examples=len(part)))
     return out
 
 
-def fedavg(settings: Settings, parts: list[LocalData], val: LocalData) -> dict[str, float]:
-    """fl.rounds rounds of clients (DP-SGD under dp=record) and weighted averaging."""
-    private = settings.dp.mode is DPMode.RECORD
-    plan = record_plan(settings) if private else None
-    assert val.features is not None
-    num_labels = int(torch.cat([val.labels, *(p.labels for p in parts)]).max()) + 1
-    model = build_retriever(settings, num_labels, hidden_size=int(val.features.shape[1]))
+def fedavg(settings: Settings, parts: list[Shard], val: LocalData) -> dict[str, float]:
+    """fl.rounds rounds of every client's own round (``train_shard``) and weighted averaging."""
+    plan = record_plan(settings) if settings.dp.mode is DPMode.RECORD else None
+    model = local_retriever(settings, val, parts[0].label_map)
     global_state = model.trainable_state_dict()
+    node_states = [RecordDict() for _ in parts]  # each client's DP state, across rounds
     for server_round in range(1, settings.fl.rounds + 1):
         states, weights = [], []
-        for pid, data in enumerate(parts):
-            model.load_trainable_state_dict(global_state)
-            optimizer = make_optimizer(model, settings.train)
-            for local in range(settings.fl.local_epochs):
-                epoch = (server_round - 1) * settings.fl.local_epochs + local
-                if plan is None:
-                    train_epoch(
-                        model,
-                        data,
-                        optimizer,
-                        batch_size=settings.train.batch_size,
-                        seed=settings.seed + 1000 * pid,
-                        epoch=epoch,
-                        progress=False,
-                    )
-                    continue
-                train_epoch_dpsgd(
-                    model,
-                    data,
-                    optimizer,
-                    sample_rate=plan.sample_rate,
-                    clip=plan.clip,
-                    noise_multiplier=plan.noise_multiplier,
-                    steps=plan.steps_per_round // settings.fl.local_epochs,
-                    seed=settings.seed + 1000 * pid,
-                    epoch=epoch,
-                    progress=False,
-                )
-            states.append(model.trainable_state_dict())
-            weights.append(len(data))
+        for pid, shard in enumerate(parts):
+            state, metrics = train_shard(
+                settings,
+                NodeInfo(partition_id=pid, num_partitions=len(parts)),
+                shard,
+                global_state,
+                server_round,
+                node_states[pid],
+            )
+            states.append(state)
+            weights.append(int(metrics["num-examples"]))
         total = sum(weights)
         global_state = {
             k: sum(s[k] * (w / total) for s, w in zip(states, weights, strict=True))
@@ -181,12 +168,12 @@ def main() -> None:
         *args.base,
     ]
     settings = load_settings(base)
-    features, val, origin = train_validation(settings)
+    features, val, label_map, origin = train_validation(settings)
     print(f"validation: {origin}, {len(val)} examples; training pool {len(features)}")
     for clients in [] if args.no_reference else args.clients:  # non-private, paper settings
         s = load_settings(["model=minilm", f"dataset.path={args.data.resolve()}", "progress=false"])
         s.fl.clients = clients
-        ref = fedavg(s, shards(features, s, clients), val)
+        ref = fedavg(s, shards(features, label_map, s, clients), val)
         print(
             f"non-private FL (paper settings), m={clients}: top1 {ref['top1']:.4f} "
             f"F1 {ref['macro_f1']:.3f}",
@@ -203,7 +190,7 @@ def main() -> None:
         for clients in args.clients:
             s = load_settings([*base, *overrides, f"fl.clients={clients}"])
             torch.manual_seed(0)
-            metrics = fedavg(s, shards(features, s, clients), val)
+            metrics = fedavg(s, shards(features, label_map, s, clients), val)
             row[f"{clients}"] = metrics
         row["mean_top1"] = sum(row[f"{c}"]["top1"] for c in args.clients) / len(args.clients)
         results.append(row)

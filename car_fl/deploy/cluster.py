@@ -214,12 +214,15 @@ class LocalCluster:
         max_wait_time: float | None = None,
         prefix: Sequence[str] = (),
         worker: Path | None = None,
+        trusted_entities: Path | None = None,
     ) -> str:
         """Start SuperNode ``partition_id`` of ``num_partitions``; returns its process name.
 
         Insecure unless ``root_cert`` is given; its feature cache is ``<folder>/cache-<i>``
         unless ``cache_dir`` is given. A second node for the same partition gets its own name.
         ``worker``: the folder of the node's worker (:meth:`start_worker`), which then trains.
+        ``trusted_entities``: the node runs only FABs signed by one of these keys (Flower's
+        ``--trusted-entities``; a FAB from ``flwr run .`` carries no signature).
         """
         name = f"supernode-{partition_id}"
         if name in self.processes.pids:
@@ -232,6 +235,7 @@ class LocalCluster:
             private_key=private_key,
             max_retries=max_retries,
             max_wait_time=max_wait_time,
+            trusted_entities=trusted_entities,
             node_config=node_config_string(
                 partition_id=partition_id,
                 num_partitions=num_partitions,

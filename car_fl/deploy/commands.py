@@ -143,8 +143,13 @@ def supernode_command(
     private_key: Path | None = None,
     max_retries: int | None = None,
     max_wait_time: float | None = None,
+    trusted_entities: Path | None = None,
 ) -> list[str]:
-    """``flower-supernode`` for one client machine (insecure unless a CA is given)."""
+    """``flower-supernode`` for one client machine (insecure unless a CA is given).
+
+    ``trusted_entities``: a YAML file of the Ed25519 keys whose signature a FAB must carry;
+    in Flower 1.39 only FABs fetched from Flower Hub carry any (docs/deployment.md, 5c).
+    """
     cmd = [
         flwr_bin("flower-supernode"),
         "--superlink",
@@ -161,6 +166,8 @@ def supernode_command(
         cmd += ["--max-retries", str(max_retries)]
     if max_wait_time is not None:
         cmd += ["--max-wait-time", str(max_wait_time)]
+    if trusted_entities is not None:
+        cmd += ["--trusted-entities", str(trusted_entities)]
     return cmd
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,11 @@ ClientTrain = Callable[[Message, Context], Message]
 
 
 class LocalGrid(Grid):
-    """Nodes ``first_node_id + i`` holding partition ``i``; messages handled synchronously."""
+    """Nodes ``first_node_id + i`` holding partition ``i``; messages handled synchronously.
+
+    Every node gets ``node_config``; ``node_configs[i]`` (if given) is added to node ``i``'s
+    own, as each owner's ``--node-config`` would be (its policy, its data file).
+    """
 
     def __init__(
         self,
@@ -39,8 +43,12 @@ class LocalGrid(Grid):
         num_nodes: int,
         run_config: dict[str, Any],
         node_config: dict[str, Any] | None = None,
+        node_configs: Sequence[Mapping[str, Any]] = (),
         first_node_id: int = 1001,
     ) -> None:
+        if len(node_configs) > num_nodes:
+            raise ValueError(f"{len(node_configs)} node configs for {num_nodes} nodes")
+        own = [*node_configs, *([{}] * (num_nodes - len(node_configs)))]
         self.client_train = client_train
         self.run_config = run_config
         self.contexts = {
@@ -51,6 +59,7 @@ class LocalGrid(Grid):
                     PARTITION_ID: i,
                     NUM_PARTITIONS: num_nodes,
                     **(node_config or {}),
+                    **own[i],
                 },
                 state=RecordDict(),
                 run_config=run_config,
@@ -105,11 +114,13 @@ def run_local(
     num_nodes: int | None = None,
     client_train: ClientTrain | None = None,
     node_config: dict[str, Any] | None = None,
+    node_configs: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
     """Run a whole federation in this process and return its ``metrics.json`` content.
 
     ``client_train`` replaces the project's ClientApp handler (e.g. to play a hostile
-    client); it receives the same message and context. ``settings.output_dir`` must be set.
+    client); it receives the same message and context. ``node_config`` is every node's,
+    ``node_configs[i]`` node ``i``'s own on top of it. ``settings.output_dir`` must be set.
     """
     if settings.output_dir is None:
         raise ValueError("run_local needs settings.output_dir (where the run's results go)")
@@ -119,6 +130,7 @@ def run_local(
         num_nodes=num_nodes or settings.fl.clients,
         run_config={"overrides": "", "settings": settings_to_yaml(settings)},
         node_config=node_config,
+        node_configs=node_configs,
     )
     started = time.perf_counter()
     run_federation(grid, settings)

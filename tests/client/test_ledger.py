@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,47 @@ def test_two_processes_at_once_cannot_both_spend_the_same_budget(tmp_path: Path)
     assert sum(made) == 6  # 30 attempts, 6 releases: never one more than the cap allows
     entries = Ledger.open(tmp_path, "shared").entries()
     assert len(entries) == 6 and entries[-1].epsilon <= cap
+    # consistent: each entry's ε is the composition of it and every release before it
+    assert [e.epsilon for e in entries] == [
+        pytest.approx(epsilon([ONE] * k, DELTA)) for k in range(1, 7)
+    ]
+
+
+def _hold_the_check(entries: list) -> None:  # under the lock: widen the read-to-write window
+    time.sleep(0.5)
+
+
+def _spend_once(folder: str, cap: float, start, results) -> None:  # a process
+    ledger = Ledger.open(folder, "shared")
+    name = multiprocessing.current_process().name
+    start.wait()
+    try:
+        ledger.spend(
+            ONE, run=name, server_round=1, mode="fixed", delta=DELTA, cap=cap, check=_hold_the_check
+        )
+        results.put((name, "spent"))
+    except BudgetExhausted:
+        results.put((name, "refused"))
+
+
+def test_of_two_runs_spending_at_once_only_one_gets_a_budget_that_allows_one(
+    tmp_path: Path,
+) -> None:
+    """Two OS processes, released together, each read the ledger, wait half a second and
+    write: without the lock both would see an empty ledger and both spend."""
+    cap = epsilon([ONE], DELTA) * 1.0001  # room for exactly one release
+    context = multiprocessing.get_context("spawn")
+    start, results = context.Barrier(2), context.Queue()
+    runs = [
+        context.Process(target=_spend_once, args=(str(tmp_path), cap, start, results), name=name)
+        for name in ("run-a", "run-b")
+    ]
+    for run in runs:
+        run.start()
+    outcome = dict(results.get(timeout=120) for _ in runs)
+    for run in runs:
+        run.join(timeout=60)
+    assert sorted(outcome.values()) == ["refused", "spent"]
+    entries = Ledger.open(tmp_path, "shared").entries()
+    assert [e.run for e in entries] == [run for run, said in outcome.items() if said == "spent"]
+    assert entries[0].epsilon == pytest.approx(epsilon([ONE], DELTA))

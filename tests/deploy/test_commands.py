@@ -75,7 +75,12 @@ def test_supernode_command_options() -> None:
     assert flag(plain, "--superlink") == "h:9092" and flag(plain, "--port") == "9094"
     assert flag(plain, "--node-config") == "partition-id=0 num-partitions=1"
     assert "--insecure" in plain
-    assert not {"--max-retries", "--max-wait-time", "--auth-supernode-private-key"} & set(plain)
+    assert not {
+        "--max-retries",
+        "--max-wait-time",
+        "--auth-supernode-private-key",
+        "--trusted-entities",
+    } & set(plain)
     full = supernode_command(
         superlink="h:9092",
         node_config="",
@@ -84,7 +89,9 @@ def test_supernode_command_options() -> None:
         private_key=Path("/k/node0.key"),
         max_retries=2,
         max_wait_time=30,
+        trusted_entities=Path("/k/trusted.yaml"),
     )
+    assert flag(full, "--trusted-entities") == "/k/trusted.yaml"
     assert flag(full, "--port") == "7010" and flag(full, "--root-certificates") == "/c/ca.crt"
     assert flag(full, "--auth-supernode-private-key") == "/k/node0.key"
     assert (flag(full, "--max-retries"), flag(full, "--max-wait-time")) == ("2", "30")

@@ -334,3 +334,37 @@ def test_superlink_and_supernodes_on_separate_network_hosts(
     status, out = deployment.run("fl.rounds=1")
     assert status["status"] == "finished:completed", status
     assert {r["status"] for r in client_rows(out)} == {"ok"}
+
+
+def write_trusted_entities(path: Path) -> Path:
+    """A ``--trusted-entities`` file naming one fresh Ed25519 key, as Flower expects it."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    public = ed25519.Ed25519PrivateKey.generate().public_key()
+    line = public.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    path.write_text(f"fpk_car_fl_reviewer: '{line.decode()} reviewer'\n", encoding="utf-8")
+    return path
+
+
+def test_a_node_that_pins_signed_apps_refuses_the_unsigned_fab_of_flwr_run(
+    make_deployment: MakeDeployment,
+) -> None:
+    """Flower 1.39 signs FABs only through Flower Hub: a SuperNode started with
+    ``--trusted-entities`` refuses every FAB that ``flwr run .`` sends (it carries no
+    signature), before any ClientApp runs; the node without it trains."""
+    deployment = make_deployment(env={"OMP_NUM_THREADS": "1"})
+    deployment.cluster.start_superlink()
+    trusted = write_trusted_entities(deployment.folder / "trusted-entities.yaml")
+    pinned = deployment.start_node(0, 2, trusted_entities=trusted)
+    deployment.start_node(1, 2)
+    status, out = deployment.run("fl.clients=2", "fl.rounds=1", "fl.local_epochs=1")
+    assert status["status"] == "finished:completed", status
+    rows = client_rows(out)
+    assert sorted(r["status"] for r in rows) == ["failed", "ok"], rows
+    refused = next(r for r in rows if r["status"] == "failed")
+    assert refused["reason"] == "The FAB could not be verified.", refused
+    assert "App verification is not supported by the connected SuperLink" in (
+        deployment.cluster.processes.log(pinned)
+    )
+    assert not (deployment.folder / "cache-0").exists()  # its ClientApp never ran

@@ -4,5 +4,4 @@
 TESTED_ELSEWHERE = {
     "apps": "tests/server/test_attacks.py::test_one_hostile_client_of_three_does_not_poison_the_model",
     "hostile": "tests/server/test_attacks.py::test_one_hostile_client_of_three_does_not_poison_the_model",
-    "in_process": "tests/server/test_strategy.py::test_every_strategy_runs_a_short_federation_end_to_end",
 }
