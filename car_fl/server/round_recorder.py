@@ -127,11 +127,13 @@ class RoundRecorder:
         """The round's row from the strategy's statistics and the server's evaluation."""
         replies = stats.client_metrics.values()
         epsilon = self.epsilon(stats)  # the server's figure, and this round's verdicts
+        private = dp_active(self.recorder.settings, stats.round)
+        # Under DP an honest client sends no train metric: one sent anyway is not used.
         return RoundRow(
             round=stats.round,
             epochs=stats.round * self.recorder.settings.fl.local_epochs,
-            train_loss=stats.weighted(wire_key("train_loss")),
-            train_accuracy=stats.weighted(wire_key("train_accuracy")),
+            train_loss=math.nan if private else stats.weighted(wire_key("train_loss")),
+            train_accuracy=math.nan if private else stats.weighted(wire_key("train_accuracy")),
             metrics=metrics,
             seconds=time.perf_counter() - stats.started,
             bytes_sent=sum(stats.bytes_sent.values()),
@@ -142,7 +144,7 @@ class RoundRecorder:
             clients_rejected=len(stats.rejected),
             clients_failed=len(stats.failed),
             skipped=int(not stats.aggregated),
-            dp_active=int(bool(replies) and dp_active(self.recorder.settings, stats.round)),
+            dp_active=int(bool(replies) and private),
             epsilon=epsilon,
             claims_flagged=sum(1 for v in self.verdicts.values() if v.mismatch),
             max_client_train_seconds=max(

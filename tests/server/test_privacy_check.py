@@ -173,7 +173,8 @@ def test_a_forged_epsilon_is_flagged_and_the_report_shows_the_servers_figure(
     strategy, rounds = recorder_of(settings, tmp_path)
     honest = honest_claims(settings, 2)
     for server_round in (1, 2):
-        hostile = {**honest[server_round - 1], "dp-epsilon": forged}
+        # It also sends a train loss, which an honest client never does under DP.
+        hostile = {**honest[server_round - 1], "dp-epsilon": forged, "train-loss": -math.inf}
         play_round(strategy, rounds, server_round, {10: hostile, 11: honest[server_round - 1]})
     server = rdp_epsilon({0.5: 2}, settings.dp.delta)
 
@@ -184,6 +185,7 @@ def test_a_forged_epsilon_is_flagged_and_the_report_shows_the_servers_figure(
     assert [row["epsilon"] for row in written["history"]] == pytest.approx(
         [rdp_epsilon({0.5: 1}, settings.dp.delta), server]
     )
+    assert all(math.isnan(row["train_loss"]) for row in written["history"])  # not the −∞
     rows = ClientRow.read_csv(tmp_path / CLIENTS_CSV)
     last = {row.node: row for row in rows if row.round == 2}
     assert last[10].server_epsilon == pytest.approx(server) and last[10].claim_mismatch
