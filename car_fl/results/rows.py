@@ -59,8 +59,11 @@ class RoundRow:
     clients_failed: int | None = None
     skipped: int | None = None
     dp_active: int | None = None
-    #: The largest ε any client has spent so far (δ = dp.delta); 0 without DP.
+    #: The largest ε any client has spent so far (δ = dp.delta), as the server computes it
+    #: from the settings it sent and the replies it received; 0 without DP.
     epsilon: float | None = None
+    #: Clients whose own ε claim this round differed from the server's figure.
+    claims_flagged: int | None = None
     max_client_train_seconds: float | None = None
     #: Columns this version does not know (kept so that reading and writing loses nothing).
     extra: dict[str, Any] = field(default_factory=dict)
@@ -111,6 +114,10 @@ class ClientRow:
     dp_noise_multiplier: float | None = None
     dp_sample_rate: float | None = None
     dp_steps: float | None = None
+    #: The server's ε of this node so far (the report's figure; ``dp_epsilon`` is the claim).
+    server_epsilon: float | None = None
+    #: Why the node's claim (``dp_epsilon``, ``dp_active``) differs from the server's; "" if not.
+    claim_mismatch: str = ""
 
     #: Counts and ids: written as integers (the wire may carry them as floats, 2.0).
     INTEGER_COLUMNS: ClassVar[tuple[str, ...]] = (
@@ -173,7 +180,10 @@ class ClientRow:
 
 @dataclass
 class ClientDP:
-    """A client's record-level DP (``dp=record``): σ, sampling rate, steps and ε so far."""
+    """A client's record-level DP (``dp=record``): σ, sampling rate, steps and ε so far.
+
+    A federation writes the server's own figures (the plan it sent, the steps of the replies it
+    received, the ε they give); :meth:`from_wire` reads a client's claim of them."""
 
     noise_multiplier: float
     sample_rate: float
@@ -218,6 +228,8 @@ class RunSummary:
     dp: str | None = None
     delta: float | None = None
     epsilon: float | None = None
+    #: Nodes whose ε claim differed from the server's figure in some round (sorted node ids).
+    flagged_clients: list[int] | None = None
     #: Record-level DP per partition id; written only when some client ran it.
     dp_clients: dict[int, ClientDP] = field(default_factory=dict)
     #: Whether the run ended (a federation rewrites its files after every round).

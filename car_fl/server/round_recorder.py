@@ -3,7 +3,9 @@
 The strategy hands :class:`RoundRecorder` each round's
 :class:`~car_fl.server.round_stats.RoundStats` (:meth:`RoundRecorder.receive`); it turns them,
 with the server's evaluation, into the round's row, client rows and ε, and gives them to the
-run's :class:`~car_fl.results.recorder.Recorder`.
+run's :class:`~car_fl.results.recorder.Recorder`. The ε it reports is the server's own figure
+(:class:`~car_fl.server.privacy_check.PrivacyCheck`), never a client's claim; a client whose
+claim differs is flagged in the round's row, its ``clients.csv`` row, the summary and the log.
 """
 
 from __future__ import annotations
@@ -19,13 +21,19 @@ from flwr.app import ArrayRecord, MetricRecord
 from car_fl.protocol.messages import from_record
 from car_fl.results.recorder import Recorder, best_row
 from car_fl.results.rows import CLIENTS_CSV, ClientDP, ClientRow, RoundRow, RunSummary, wire_key
+from car_fl.server.privacy_check import PrivacyCheck, Verdict
 from car_fl.server.round_stats import RoundStats
+from car_fl.settings.dp_plan import dp_active, record_plan
+from car_fl.settings.schema import DPMode
 
 log = logging.getLogger(__name__)
 
 
-def client_rows_of(stats: RoundStats) -> list[ClientRow]:
-    """One row per client the round involved, in node order."""
+def client_rows_of(
+    stats: RoundStats, verdicts: dict[int, Verdict] | None = None
+) -> list[ClientRow]:
+    """One row per client the round involved, in node order, with the server's ε verdicts."""
+    verdicts = verdicts or {}
     rows = []
     nodes = sorted({*stats.bytes_sent, *stats.client_metrics, *stats.rejected, *stats.failed})
     for node in nodes:
@@ -44,6 +52,8 @@ def client_rows_of(stats: RoundStats) -> list[ClientRow]:
                 bytes_received=stats.bytes_received.get(node, 0),
                 update_norm=stats.update_norms.get(node),
                 **{name: metrics.get(wire_key(name)) for name in ClientRow.FROM_WIRE},
+                server_epsilon=verdicts[node].epsilon if node in verdicts else None,
+                claim_mismatch=verdicts[node].mismatch if node in verdicts else "",
             )
         )
     return rows
@@ -59,15 +69,25 @@ class RoundRecorder:
     #: What the summary says of the run beyond its rows (clients, data, selection, ...).
     describe: Callable[[], RunSummary]
     client_rows: list[ClientRow] = field(default_factory=list)
+    #: The server's ε of each node (by node id) after its last reply.
     client_epsilon: dict[int, float] = field(default_factory=dict)
-    #: Record-level DP (dp=record): each client's σ, q, steps and ε, by partition id.
+    #: Record-level DP (dp=record): each client's σ, q, steps and ε, by partition id, as the
+    #: server computes them.
     client_dp: dict[int, ClientDP] = field(default_factory=dict)
+    #: Nodes whose ε claim differed from the server's figure in some round.
+    flagged: set[int] = field(default_factory=set)
     last_epsilon: float = 0.0
     initial: dict[str, float] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
     round_offset: int = 0
     #: The strategy's statistics of the round that just ended (see :meth:`receive`).
     pending: RoundStats | None = None
+    #: The releases received from each node, and the ε the server computes from them.
+    privacy: PrivacyCheck = field(init=False)
+    verdicts: dict[int, Verdict] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.privacy = PrivacyCheck(self.recorder.settings)
 
     def receive(self, stats: RoundStats) -> None:
         """The strategy hands over each round's statistics (aggregated or not) before evaluation."""
@@ -97,7 +117,7 @@ class RoundRecorder:
         if stats is None or stats.round != server_round:
             raise RuntimeError(f"round {server_round}: the strategy handed over no statistics")
         row = self.row(stats, metrics)
-        self.client_rows.extend(client_rows_of(stats))
+        self.client_rows.extend(client_rows_of(stats, self.verdicts))
         note = f" | asked {', '.join(map(str, stats.asked))}"
         self.recorder.record(row, from_record(arrays), epsilon=row.epsilon, note=note)
         self.write(final=False)
@@ -106,11 +126,14 @@ class RoundRecorder:
     def row(self, stats: RoundStats, metrics: dict[str, float]) -> RoundRow:
         """The round's row from the strategy's statistics and the server's evaluation."""
         replies = stats.client_metrics.values()
+        epsilon = self.epsilon(stats)  # the server's figure, and this round's verdicts
+        private = dp_active(self.recorder.settings, stats.round)
+        # Under DP an honest client sends no train metric: one sent anyway is not used.
         return RoundRow(
             round=stats.round,
             epochs=stats.round * self.recorder.settings.fl.local_epochs,
-            train_loss=stats.weighted(wire_key("train_loss")),
-            train_accuracy=stats.weighted(wire_key("train_accuracy")),
+            train_loss=math.nan if private else stats.weighted(wire_key("train_loss")),
+            train_accuracy=math.nan if private else stats.weighted(wire_key("train_accuracy")),
             metrics=metrics,
             seconds=time.perf_counter() - stats.started,
             bytes_sent=sum(stats.bytes_sent.values()),
@@ -121,24 +144,54 @@ class RoundRecorder:
             clients_rejected=len(stats.rejected),
             clients_failed=len(stats.failed),
             skipped=int(not stats.aggregated),
-            dp_active=int(any(m.get(wire_key("dp_active")) for m in replies)),
-            epsilon=self.epsilon(stats),
+            dp_active=int(bool(replies) and private),
+            epsilon=epsilon,
+            claims_flagged=sum(1 for v in self.verdicts.values() if v.mismatch),
             max_client_train_seconds=max(
                 (m.get(wire_key("train_seconds"), 0.0) for m in replies), default=0.0
             ),
         )
 
     def epsilon(self, stats: RoundStats) -> float:
-        """Max over clients of the ε they report; clients that did not reply keep theirs."""
-        for node, metrics in stats.client_metrics.items():
-            if wire_key("dp_epsilon") in metrics:
-                self.client_epsilon[node] = metrics[wire_key("dp_epsilon")]
-            dp = ClientDP.from_wire(metrics)
-            if dp is not None:  # record-level DP, by partition (a non-finite claim: by node)
+        """Max over nodes of the server's ε; nodes that did not reply keep theirs.
+
+        Each reply's claim is checked against the server's figure (:attr:`verdicts`); a node
+        whose claim differs is flagged and logged, and its claim is used nowhere.
+        """
+        self.verdicts = {}
+        for node, metrics in sorted(stats.client_metrics.items()):
+            verdict = self.privacy.receive(stats.round, node, metrics)
+            self.verdicts[node] = verdict
+            self.client_epsilon[node] = verdict.epsilon
+            if verdict.mismatch:
+                self.flagged.add(node)
+                log.warning(
+                    "round %d: node %d's privacy claim is flagged: %s (the report uses the "
+                    "server's ε %.4g)",
+                    stats.round,
+                    node,
+                    verdict.mismatch,
+                    verdict.epsilon,
+                )
+            if self.recorder.settings.dp.mode is DPMode.RECORD:  # by partition id (or node)
                 claimed = metrics.get(wire_key("partition_id"), float(node))
-                self.client_dp[int(claimed) if math.isfinite(claimed) else node] = dp
+                self.client_dp[int(claimed) if math.isfinite(claimed) else node] = self.record_dp(
+                    node, verdict
+                )
         self.last_epsilon = max(self.client_epsilon.values(), default=0.0)
         return self.last_epsilon
+
+    def record_dp(self, node: int, verdict: Verdict) -> ClientDP:
+        """A node's record-level DP as the server computes it: the plan it sent, the steps
+        of the replies it received, their ε."""
+        plan = record_plan(self.recorder.settings)
+        steps = sum(r.count for r in self.privacy.releases.get(node, []))
+        return ClientDP(
+            noise_multiplier=plan.noise_multiplier,
+            sample_rate=plan.sample_rate,
+            steps=float(steps),
+            epsilon=verdict.epsilon,
+        )
 
     def resume(
         self,
@@ -149,6 +202,7 @@ class RoundRecorder:
     ) -> None:
         """Continue after round ``done`` of a run whose rows were read back."""
         self.recorder.history, self.client_rows, self.initial = history, client_rows, initial
+        self.flagged = {row.node for row in client_rows if row.claim_mismatch}
         self.recorder.best = best_row(history)
         self.last_epsilon = max((row.epsilon or 0.0 for row in history), default=0.0)
         self.round_offset = done
@@ -162,6 +216,7 @@ class RoundRecorder:
         summary.total_seconds = time.perf_counter() - self.started
         summary.skipped_rounds = [row.round for row in history if row.skipped]
         summary.epsilon = self.last_epsilon
+        summary.flagged_clients = sorted(self.flagged)
         summary.dp_clients = dict(self.client_dp)
         summary.complete = final
         return summary

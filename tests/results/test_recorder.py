@@ -12,6 +12,7 @@ import torch
 from flwr.app import ArrayRecord
 
 from car_fl.data.labels import LabelMap
+from car_fl.privacy.accountant import epsilon as rdp_epsilon
 from car_fl.protocol.messages import to_record
 from car_fl.results.checkpoint import load_checkpoint
 from car_fl.results.recorder import Recorder, round_line
@@ -129,7 +130,12 @@ def federated_summary() -> RunSummary:
 
 
 def round_of(
-    strategy: CaRFedAvg, rounds: RoundRecorder, server_round: int, epsilons: tuple[float, float]
+    strategy: CaRFedAvg,
+    rounds: RoundRecorder,
+    server_round: int,
+    epsilons: tuple[float, float],
+    *,
+    active: float,
 ) -> None:
     """One aggregated round of two clients, then the server's evaluation call."""
     replies = [
@@ -137,7 +143,7 @@ def round_of(
             node,
             {"w": np.full(3, float(server_round), np.float32)},
             n,
-            **{"train-loss": loss, "train-accuracy": 0.5, "dp-active": 1.0, "dp-epsilon": eps},
+            **{"train-loss": loss, "train-accuracy": 0.5, "dp-active": active, "dp-epsilon": eps},
             **{"partition-id": pid},
         )
         for node, n, loss, eps, pid in (
@@ -150,10 +156,23 @@ def round_of(
     rounds(server_round, arrays)
 
 
+def same(left: object, right: object) -> bool:
+    """Equal, NaN included (a DP round's train loss is NaN)."""
+    return json.dumps(left, default=lambda row: row.to_dict()) == json.dumps(
+        right, default=lambda row: row.to_dict()
+    )
+
+
 def test_the_strategy_hands_its_round_statistics_to_the_recorder(
     make_settings, tmp_path: Path
 ) -> None:
-    settings = make_settings("fl.rounds=5", "fl.local_epochs=2")
+    settings = make_settings(
+        "fl.rounds=5",
+        "fl.local_epochs=2",
+        "dp=fixed",
+        "dp.noise_multiplier=1.0",
+        "dp.warmup_rounds=1",
+    )
     (tmp_path / "config.yaml").write_text(settings_to_yaml(settings))
     evaluations = iter([scores(0.3, 1.0, 0.3), scores(0.6, 0.9, 0.5), scores(0.5, 0.8, 0.7)])
     rounds = RoundRecorder(
@@ -163,37 +182,44 @@ def test_the_strategy_hands_its_round_statistics_to_the_recorder(
     )
     strategy = CaRFedAvg(spec=SPEC)
     strategy.on_round = rounds.receive
+    # dp=fixed with σ₀ = 1 after one warm-up round: one Gaussian of μ = 0.5 per client in round 2.
+    one = rdp_epsilon({0.5: 1}, settings.dp.delta)
     rounds(0, global_model())  # the initial model: no statistics needed
-    round_of(strategy, rounds, 1, (0.5, 0.7))
-    round_of(strategy, rounds, 2, (0.9, 0.8))
+    round_of(strategy, rounds, 1, (0.0, 0.0), active=0.0)  # the warm-up round
+    round_of(strategy, rounds, 2, (one, 0.5), active=1.0)  # node 12 claims less than it spent
 
     history = rounds.recorder.history
     assert [row.round for row in history] == [1, 2]
-    first = history[0]
+    first, second = history
     assert first.epochs == 2 and first.clients_ok == 2 and first.clients_rejected == 0
     assert first.train_loss == pytest.approx((10 * 1.0 + 30 * 2.0) / 40)  # example-weighted
-    assert [row.epsilon for row in history] == [0.7, 0.9]  # the largest ε any client spent
-    assert first.dp_active == 1 and first.skipped == 0
-    assert [(r.round, r.node, r.dp_epsilon) for r in rounds.client_rows] == [
-        (1, 11, 0.5),
-        (1, 12, 0.7),
-        (2, 11, 0.9),
-        (2, 12, 0.8),
+    # Under DP an honest client sends no train metric: the ones these clients sent are not used.
+    assert second.train_loss is not None and math.isnan(second.train_loss)
+    # The largest ε any client spent, as the server computes it; node 12's claim is flagged.
+    assert [row.epsilon for row in history] == [0.0, one]
+    assert [row.claims_flagged for row in history] == [0, 1]
+    assert [row.dp_active for row in history] == [0, 1] and first.skipped == 0
+    assert [(r.round, r.node, r.dp_epsilon, r.server_epsilon) for r in rounds.client_rows] == [
+        (1, 11, 0.0, 0.0),
+        (1, 12, 0.0, 0.0),
+        (2, 11, one, one),
+        (2, 12, 0.5, one),
     ]
+    assert [bool(r.claim_mismatch) for r in rounds.client_rows] == [False, False, False, True]
     # Files after every round; the best round (on validation) has its checkpoint.
     metrics = MetricsFile.read(tmp_path)
-    assert metrics.history == history and metrics.summary.complete is False
+    assert same(metrics.history, history) and metrics.summary.complete is False
     # Round 2 has the better test top-1, round 1 the better validation top-1.
     assert metrics.summary.best == history[0] and metrics.summary.initial == scores(0.3, 1.0, 0.3)
-    assert metrics.summary.epsilon == 0.9
+    assert metrics.summary.epsilon == one and metrics.summary.flagged_clients == [12]
     assert ClientRow.read_csv(tmp_path / CLIENTS_CSV) == rounds.client_rows
     ckpt = load_checkpoint(tmp_path / "checkpoints" / "round-002")
-    assert ckpt.epsilon == 0.9 and ckpt.metrics == history[1].to_dict()
+    assert ckpt.epsilon == one and same(ckpt.metrics, history[1].to_dict())
     assert load_checkpoint(tmp_path / "checkpoints" / "best").round == 1
 
     # Resume reads the same typed rows back and restores selection and ε.
     point = load_resume_point(tmp_path, settings)
-    assert point.round == 2 and point.history == history
+    assert point.round == 2 and same(point.history, history)
     assert point.client_rows == rounds.client_rows
     assert point.initial == scores(0.3, 1.0, 0.3)
     again = RoundRecorder(
@@ -202,8 +228,9 @@ def test_the_strategy_hands_its_round_statistics_to_the_recorder(
         describe=federated_summary,
     )
     again.resume(point.history, point.client_rows, point.initial, done=point.round)
-    assert again.recorder.best == history[0] and again.last_epsilon == 0.9
-    assert json.loads((tmp_path / "metrics.json").read_text())["summary"]["epsilon"] == 0.9
+    assert again.recorder.best == history[0] and again.last_epsilon == one
+    assert again.flagged == {12}
+    assert json.loads((tmp_path / "metrics.json").read_text())["summary"]["epsilon"] == one
 
 
 @pytest.mark.parametrize(
@@ -227,14 +254,15 @@ def test_a_hostile_clients_metrics_cannot_end_the_run_or_poison_epsilon(
     )
     strategy = CaRFedAvg(spec=SPEC, max_examples=100)
     strategy.on_round = rounds.receive
-    honest = reply(11, {"w": np.ones(3, np.float32)}, 10, **{"dp-epsilon": 2.0})
+    honest = reply(11, {"w": np.ones(3, np.float32)}, 10, **{"dp-epsilon": 0.0})  # dp=none
     hostile = reply(10, {"w": np.ones(3, np.float32)}, 10, **{"partition-id": partition}, **metrics)
     arrays, _ = strategy.aggregate_train(1, [hostile, honest])  # the hostile reply first
     assert arrays is not None
     rounds(1, arrays)  # evaluates and records the round without raising
     row = rounds.recorder.history[-1]
     assert row.clients_ok == 2
-    assert row.epsilon == 2.0  # the largest finite ε reported; a NaN does not take over
+    assert row.epsilon == 0.0  # the server's figure under dp=none; no claim takes over
+    assert rounds.verdicts[11].mismatch == ""
     dp = MetricsFile.read(tmp_path).summary.dp_clients or {}
     assert all(math.isfinite(float(key)) for key in dp)
 

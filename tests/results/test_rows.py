@@ -43,7 +43,10 @@ def test_files_of_the_previous_format_read_back_and_write_byte_for_byte(
         ClientRow.write_csv(tmp_path / CLIENTS_CSV, ClientRow.read_csv(FORMAT / run / CLIENTS_CSV))
         old = list(csv.DictReader((FORMAT / run / CLIENTS_CSV).open()))
         new = list(csv.DictReader((tmp_path / CLIENTS_CSV).open()))
-        assert [list(row) for row in new] == [list(row) for row in old]
+        # The columns since added (the server's ε check) come last, empty for old rows.
+        added = ["server_epsilon", "claim_mismatch"]
+        assert [list(row) for row in new] == [[*row, *added] for row in old]
+        assert all(row[column] == "" for row in new for column in added)
         for before, after in zip(old, new, strict=True):
             for column, cell in before.items():
                 if column in ClientRow.INTEGER_COLUMNS and cell:  # 144.0 is now written 144
@@ -128,7 +131,8 @@ def test_client_rows_map_wire_keys_to_file_columns(tmp_path: Path) -> None:
     with (tmp_path / CLIENTS_CSV).open() as handle:
         header = next(csv.reader(handle))
     with (FORMAT / "federated" / CLIENTS_CSV).open() as handle:
-        assert header == next(csv.reader(handle))  # the same columns in the same order
+        # The same columns in the same order, then those of the server's ε check.
+        assert header == [*next(csv.reader(handle)), "server_epsilon", "claim_mismatch"]
     assert ClientRow.read_csv(tmp_path / CLIENTS_CSV) == rows
     # Counts and ids are integers in the file (partition 2, not 2.0), and read back as such.
     line = (tmp_path / CLIENTS_CSV).read_text().splitlines()[1]

@@ -144,6 +144,7 @@ def test_adaptive_dp_simulation_reports_epsilon_and_keeps_each_clients_state(
     # z = 0.1: update and clipped-indicator together cost one Gaussian of multiplier z/2 a round.
     assert eps == pytest.approx([epsilon({0.05: r}, 1e-5) for r in (1, 2, 3)], rel=1e-6)
     assert metrics["summary"]["epsilon"] == eps[-1]
+    assert metrics["summary"]["flagged_clients"] == []  # the clients' claims match the server's
     assert load_checkpoint(out / "checkpoints" / "final").epsilon == eps[-1]
     # Under DP no train metric reaches the server.
     assert all(math.isnan(row["train_loss"]) for row in history)

@@ -43,6 +43,9 @@ def test_record_dp_federation_reports_each_clients_privacy(
         assert figures["epsilon"] == pytest.approx(plan.epsilon(20))
         assert 4 * 0.99 <= figures["epsilon"] <= 4
     assert summary["epsilon"] == max(f["epsilon"] for f in clients.values())
+    assert summary["flagged_clients"] == []  # honest clients: their claims match the server's
     rows = list(csv.DictReader((tmp_path / "run" / "clients.csv").open()))
     assert {float(r["dp_steps"]) for r in rows} == {10.0, 20.0}
+    assert all(float(r["dp_epsilon"]) == float(r["server_epsilon"]) for r in rows)
+    assert all(r["claim_mismatch"] == "" for r in rows)
     assert all(r["train_loss"] == "" for r in rows)  # never sent under record-level DP

@@ -1,0 +1,224 @@
+"""car_fl.server.privacy_check: the server's own ε of each client, and flagged claims.
+
+The honest client is the real client code (its accounting and reply metrics); the hostile one
+forges its reply's ``dp-epsilon`` / ``dp-active``. Through the strategy and the round recorder,
+the report (metrics.json, clients.csv) shows the server's figure and flags the forger.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ArrayRecord, RecordDict
+
+from car_fl.client.local_dp import LocalDPRound
+from car_fl.client.record_dp import RecordDPRound
+from car_fl.data.labels import LabelMap
+from car_fl.privacy.accountant import epsilon as rdp_epsilon
+from car_fl.protocol.messages import to_record
+from car_fl.results.recorder import Recorder
+from car_fl.results.rows import CLIENTS_CSV, ClientRow, RunSummary
+from car_fl.server.privacy_check import PrivacyCheck, disagreement
+from car_fl.server.round_recorder import RoundRecorder
+from car_fl.settings.compose import load_settings
+from car_fl.settings.dp_plan import record_plan
+from car_fl.settings.flower import NodeInfo
+from car_fl.settings.schema import Mode, Settings
+from tests.helpers import reply
+from tests.reference import CaRFedAvg
+
+EXAMPLES = 50
+SPEC = {"w": ((3,), np.dtype("float32"))}
+
+
+def honest_claims(settings: Settings, rounds: int) -> list[dict[str, float]]:
+    """The reply metrics of an honest client over ``rounds`` rounds: the client's own code."""
+    node, state = NodeInfo(partition_id=0, num_partitions=2), RecordDict()
+    replies = []
+    for server_round in range(1, rounds + 1):
+        round_dp: LocalDPRound | RecordDPRound
+        if settings.dp.mode.value == "record":
+            round_dp = RecordDPRound(settings, node, state)
+            round_dp.check(EXAMPLES)
+        else:
+            start = {"w": torch.zeros(3)}
+            round_dp = LocalDPRound(
+                settings, node, state, server_round=server_round, global_state=start
+            )
+            round_dp.check(EXAMPLES)
+            round_dp.release({"w": torch.ones(3)})
+        round_dp.save(state)
+        replies.append({**round_dp.reply_metrics(), "num-examples": EXAMPLES})
+    return replies
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        "dp=none",
+        "dp=fixed dp.noise_multiplier=1.0",
+        "dp=adaptive dp.warmup_rounds=1",
+        "dp=fixed dp.granularity=step",
+        "dp=fixed dp.noise_multiplier=0",  # not private: ε = ∞ on both sides
+        "dp=record dp.target_epsilon=4",
+    ],
+)
+def test_the_server_computes_what_an_honest_client_reports(overrides: str) -> None:
+    settings = load_settings(f"fl.rounds=3 {overrides}")
+    check = PrivacyCheck(settings)
+    for server_round, metrics in enumerate(honest_claims(settings, 3), start=1):
+        verdict = check.receive(server_round, 7, metrics)
+        assert verdict.mismatch == ""
+        assert verdict.epsilon == pytest.approx(metrics["dp-epsilon"], rel=1e-9)
+    if settings.dp.mode.value == "record":  # PLD, replace-one: the plan's own figure
+        assert check.epsilon(7) == record_plan(settings).epsilon(
+            3 * record_plan(settings).steps_per_round
+        )
+
+
+def test_the_server_counts_only_the_rounds_it_received() -> None:
+    settings = load_settings("fl.rounds=3 dp=fixed dp.noise_multiplier=1.0")
+    check = PrivacyCheck(settings)
+    claims = honest_claims(settings, 3)
+    check.receive(1, 7, claims[0])  # round 2's reply never arrived
+    verdict = check.receive(3, 7, claims[2])
+    assert verdict.epsilon == rdp_epsilon({0.5: 2}, settings.dp.delta)
+    assert "more than the server's" in verdict.mismatch  # it claims 3 releases
+
+
+@pytest.mark.parametrize(
+    ("claimed", "claimed_active", "why"),
+    [
+        (0.5, 1.0, "less than the server's"),
+        (math.inf, 1.0, "more than the server's"),
+        (math.nan, 1.0, "unlike the server's"),
+        (None, 1.0, "claims no ε"),
+        (3.0, 0.0, "dp-active=0"),
+    ],
+)
+def test_a_forged_claim_under_dp_is_a_mismatch(
+    claimed: float | None, claimed_active: float, why: str
+) -> None:
+    assert why in disagreement(3.0, claimed, active=True, claimed_active=claimed_active)
+
+
+def test_a_claim_within_tolerance_agrees() -> None:
+    assert disagreement(3.0, 3.0 * (1 + 1e-4), active=True, claimed_active=1.0) == ""
+    assert disagreement(3.0, 3.0 * (1 + 1e-2), active=True, claimed_active=1.0) != ""
+    assert disagreement(0.0, None, active=False, claimed_active=None) == ""
+
+
+def recorder_of(settings: Settings, out: Path) -> tuple[CaRFedAvg, RoundRecorder]:
+    rounds = RoundRecorder(
+        Recorder(
+            settings=settings,
+            output_dir=out,
+            label_map=LabelMap.from_labels(["a", "b"]),
+            unit="round",
+            title="test",
+        ),
+        evaluate=lambda arrays: {
+            "val_loss": 1.0,
+            "val_top1": 0.5,
+            "test_loss": 1.0,
+            "test_top1": 0.5,
+        },
+        describe=lambda: RunSummary(
+            kind="federated",
+            clients=2,
+            mode=Mode.CLASSIFIER,
+            head="classifier",
+            num_labels=2,
+            final=None,
+            best=None,
+            total_seconds=0.0,
+            test_examples=10,
+            selection="validation",
+            data={},
+        ),
+    )
+    strategy = CaRFedAvg(spec=SPEC)
+    strategy.on_round = rounds.receive
+    rounds(0, ArrayRecord())
+    return strategy, rounds
+
+
+def play_round(
+    strategy: CaRFedAvg, rounds: RoundRecorder, server_round: int, claims: dict[int, dict]
+) -> None:
+    replies = [
+        reply(
+            node,
+            {"w": np.ones(3, np.float32)},
+            EXAMPLES,
+            **{k: v for k, v in m.items() if k != "num-examples"},
+        )
+        for node, m in claims.items()
+    ]
+    arrays, _ = strategy.aggregate_train(server_round, replies)
+    assert arrays is not None
+    rounds(server_round, to_record({"w": torch.zeros(3)}))
+
+
+@pytest.mark.parametrize("forged", [0.5, math.inf, math.nan])
+def test_a_forged_epsilon_is_flagged_and_the_report_shows_the_servers_figure(
+    tmp_path: Path, forged: float
+) -> None:
+    settings = load_settings("fl.rounds=2 dp=fixed dp.noise_multiplier=1.0")
+    strategy, rounds = recorder_of(settings, tmp_path)
+    honest = honest_claims(settings, 2)
+    for server_round in (1, 2):
+        # It also sends a train loss, which an honest client never does under DP.
+        hostile = {**honest[server_round - 1], "dp-epsilon": forged, "train-loss": -math.inf}
+        play_round(strategy, rounds, server_round, {10: hostile, 11: honest[server_round - 1]})
+    server = rdp_epsilon({0.5: 2}, settings.dp.delta)
+
+    written = json.loads((tmp_path / "metrics.json").read_text())
+    assert written["summary"]["epsilon"] == pytest.approx(server)  # never the forged claim
+    assert written["summary"]["flagged_clients"] == [10]
+    assert [row["claims_flagged"] for row in written["history"]] == [1, 1]
+    assert [row["epsilon"] for row in written["history"]] == pytest.approx(
+        [rdp_epsilon({0.5: 1}, settings.dp.delta), server]
+    )
+    assert all(math.isnan(row["train_loss"]) for row in written["history"])  # not the −∞
+    rows = ClientRow.read_csv(tmp_path / CLIENTS_CSV)
+    last = {row.node: row for row in rows if row.round == 2}
+    assert last[10].server_epsilon == pytest.approx(server) and last[10].claim_mismatch
+    assert last[11].server_epsilon == pytest.approx(server) and last[11].claim_mismatch == ""
+
+
+def test_a_client_claiming_dp_in_a_run_without_dp_is_flagged(tmp_path: Path) -> None:
+    settings = load_settings("fl.rounds=2 dp=none")
+    strategy, rounds = recorder_of(settings, tmp_path)
+    forged = {"dp-active": 1.0, "dp-epsilon": 0.5, "train-loss": 1.0}
+    honest = honest_claims(settings, 1)[0]
+    play_round(strategy, rounds, 1, {10: forged, 11: honest})
+    row = rounds.recorder.history[-1]
+    assert row.epsilon == 0.0 and row.dp_active == 0 and row.claims_flagged == 1
+    assert "dp-active=1" in rounds.verdicts[10].mismatch
+    assert rounds.summary(final=False).flagged_clients == [10]
+
+
+def test_forged_record_level_figures_are_replaced_by_the_servers(tmp_path: Path) -> None:
+    settings = load_settings("fl.rounds=2 dp=record dp.target_epsilon=4")
+    strategy, rounds = recorder_of(settings, tmp_path)
+    honest = honest_claims(settings, 1)[0]
+    forged = {**honest, "dp-steps": 1.0, "dp-noise-multiplier": 50.0, "dp-epsilon": 0.01}
+    play_round(
+        strategy,
+        rounds,
+        1,
+        {10: {**forged, "partition-id": 0.0}, 11: {**honest, "partition-id": 1.0}},
+    )
+    plan = record_plan(settings)
+    summary = rounds.summary(final=False)
+    assert summary.flagged_clients == [10]
+    for figures in summary.dp_clients.values():
+        assert figures.noise_multiplier == plan.noise_multiplier
+        assert figures.steps == plan.steps_per_round
+        assert figures.epsilon == pytest.approx(plan.epsilon(plan.steps_per_round))
