@@ -1,5 +1,6 @@
 """Centralised training from Hydra's command line (the training itself:
-:mod:`car_fl.method.centralized`).
+:mod:`car_fl.method.centralized`; with ``dp=record``, DP-SGD through
+:mod:`car_fl.simulation.centralized_dp`).
 
     car-fl train dataset=sms_spam model=tinyllama mode=classifier
     python -m car_fl.centralized dataset=sms_spam model=tinyllama mode=classifier   # Hydra's CLI
@@ -14,8 +15,9 @@ from omegaconf import DictConfig
 
 from car_fl.method.centralized import run_centralized
 from car_fl.settings.compose import conf_dir, register_configs, to_settings
+from car_fl.simulation.centralized_dp import train_centrally
 
-__all__ = ["main", "run_centralized"]
+__all__ = ["main", "run_centralized", "train_centrally"]
 
 register_configs()  # the schema and generated groups, before Hydra composes conf/
 
@@ -25,7 +27,7 @@ def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     settings = to_settings(cfg)
-    run_centralized(settings, settings.output_dir or HydraConfig.get().runtime.output_dir)
+    train_centrally(settings, settings.output_dir or HydraConfig.get().runtime.output_dir)
 
 
 if __name__ == "__main__":

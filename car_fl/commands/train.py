@@ -32,14 +32,17 @@ def run(args: argparse.Namespace) -> int:
 
     settings = load_settings(args.overrides)
     check_sources(settings)  # before torch and transformers are even imported
-    from car_fl.method.centralized import run_centralized
+    from car_fl.simulation.centralized_dp import train_centrally
 
     setup_logging()
     out = Path(settings.output_dir) if settings.output_dir else default_output_dir()
-    summary = run_centralized(settings, out)
+    summary = train_centrally(settings, out)  # dp=record: DP-SGD; local DP modes: refused
     best = summary["best"]
+    private = (
+        f" at ε {summary['epsilon']:.3g} (δ {summary['delta']:g})" if "epsilon" in summary else ""
+    )
     print(
         f"car-fl train: best on validation after epoch {best['round']}: test top-1 "
-        f"{best['test_top1']:.4f}; results in {out}"
+        f"{best['test_top1']:.4f}{private}; results in {out}"
     )
     return 0

@@ -144,11 +144,21 @@ def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any
 
 
 def check_no_dp(settings: Settings) -> None:
-    """Refuse DP settings centralised training would silently ignore (``ValueError``)."""
+    """Refuse DP settings this loop would silently ignore (``ValueError``), before any work.
+
+    ``dp=record`` trains here through :mod:`car_fl.simulation.centralized_dp` (``car-fl train``
+    and ``python -m car_fl.centralized`` go there); ``dp=fixed`` and ``dp=adaptive`` protect an
+    update from the server that aggregates it, and one machine has no such server.
+    """
     if settings.dp.mode is not DPMode.NONE:
+        mode = settings.dp.mode.value
+        fix = (
+            "car-fl train dp=record trains it with DP-SGD (car_fl.simulation.centralized_dp)"
+            if settings.dp.mode is DPMode.RECORD
+            else f"dp={mode} is local DP, which protects an update from the server: train it "
+            "federated (car-fl run / flwr run .), or use dp=record (DP-SGD) on one machine"
+        )
         raise ValueError(
-            f"centralised training (car-fl train) does not train with differential privacy, "
-            f"and dp={settings.dp.mode.value} would be ignored; run it with dp=none, or train "
-            f"dp={settings.dp.mode.value} federated (car-fl run / flwr run .), where it is "
-            "honoured"
+            f"this centralised loop does not train with differential privacy, and dp={mode} "
+            f"would be ignored; run it with dp=none, or: {fix}"
         )
