@@ -185,7 +185,9 @@ class ClientPrivacy:
             log.warning("%s; releasing a zero update (noise only) instead", err)
             after = before
             delta = {k: torch.zeros_like(v) for k, v in before.items()}
-        bound = self.state.clip
+        # fixed: this run's dp.clip, never a bound kept from an earlier configuration (the noise
+        # is σ·dp.clip); adaptive: the bound the private rule has reached
+        bound = self.cfg.clip if self.mode is DPMode.FIXED else self.state.clip
         norm = flat_norm(delta)
         std = self.noise_std(norm)
         self.check_target()

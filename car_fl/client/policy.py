@@ -106,6 +106,11 @@ class NodePolicy:
         """Every way the run's DP settings are weaker than this policy (empty: accepted)."""
         dp = settings.dp
         found: list[str] = []
+        if settings.model.trust_remote_code:  # code from the model's repository: it could
+            found.append(  # skip this policy and the ledger, whatever the DP settings say
+                "model.trust_remote_code=true would run the model repository's own code on "
+                "this node, beside its data and its privacy ledger"
+            )
         if dp.mode not in self.modes:
             accepted = ", ".join(sorted(m.value for m in self.modes))
             found.append(f"dp={dp.mode.value} is not among the accepted modes ({accepted})")

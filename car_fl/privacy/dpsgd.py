@@ -195,6 +195,10 @@ def clipped_gradient_sum(
             grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
             used = {k: g for k, g in zip(leaves, grads, strict=True) if g is not None}
             norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in used.values()))
+            if not math.isfinite(norm):  # as clip_per_example: a zero gradient, within the bound
+                losses.append(loss.detach().reshape(1))
+                predicted.append(logits.detach().argmax(dim=-1).reshape(1))
+                continue
             factor = min(1.0, clip / norm) if norm > 0 else 1.0
             for k, g in used.items():
                 total[k] += g * factor

@@ -232,13 +232,25 @@ def settings_from_run_config(run_config: Mapping[str, Any]) -> Settings:
     return settings_from_yaml(text) if text else load_settings(overrides)
 
 
+#: How OmegaConf interpolations start (``${oc.env:HOME}``, ``${package_model_dir:name}``).
+INTERPOLATION = "${"
+
+
 def run_inputs(run_config: Mapping[str, Any]) -> tuple[str, str]:
     """The run config's whole settings YAML (or ``""``) and all its Hydra overrides, as one
     shell-quoted string (a node's settings cache is keyed by it)."""
     text = run_config.get(SETTINGS_YAML, "")
     if text and not isinstance(text, str):
         raise ValueError(f"run config 'settings' must be YAML text, got {type(text).__name__}")
-    return str(text or ""), shlex.join(run_overrides(run_config))
+    overrides = run_overrides(run_config)
+    if any(INTERPOLATION in item for item in [str(text or ""), *overrides]):
+        # Resolved on each node: ${oc.env:...} would read its environment, a custom resolver
+        # import a module by name; a run config is the server's, so it gets values only
+        raise ValueError(
+            f"a run config may not hold an interpolation ({INTERPOLATION}...}}): write the value "
+            "itself; interpolations are resolved on every node"
+        )
+    return str(text or ""), shlex.join(overrides)
 
 
 def run_overrides(run_config: Mapping[str, Any]) -> list[str]:

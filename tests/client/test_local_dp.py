@@ -144,3 +144,14 @@ def test_step_granularity_with_adaptive_clipping_adapts_every_step(round_inputs)
     assert metrics["dp-releases"] == steps
     assert metrics["dp-epsilon"] == pytest.approx(epsilon({0.05: steps}, s.dp.delta), rel=1e-6)
     assert load_privacy(s, node, state).state.clip != pytest.approx(0.01)
+
+
+def test_fixed_dp_clips_at_this_runs_clip_whatever_bound_an_earlier_state_kept() -> None:
+    # A worker keeps a run's DP state on disk by run id; a server that reuses the id with a
+    # tiny dp.clip must not get an update clipped at the old bound and noised at the new one
+    p = client_privacy("fixed", clip=0.001, noise_multiplier=1e-6)
+    p.state = DPState(clip=100.0)
+    before = {"w": torch.zeros(1000)}
+    after = {"w": torch.ones(1000)}  # norm 31.6
+    released = p.release(before, after, server_round=1)
+    assert float(flat_norm(released)) <= 0.001 * (1 + 1e-2)

@@ -91,6 +91,8 @@ POLICY = NodePolicy(
         ("dp=fixed dp.noise_multiplier=2 dp.warmup_rounds=1000", "allow-warmup is false"),
         # a raised target: σ calibrated for ε = 1000 is far below the floor
         ("dp=record dp.target_epsilon=1000", "below min-noise-multiplier"),
+        # code from the model's repository would run beside the data and the ledger
+        ("dp=fixed dp.noise_multiplier=2 model.trust_remote_code=true", "trust_remote_code"),
     ],
 )
 def test_weaker_runs_are_refused_with_every_reason(overrides: str, found: str) -> None:

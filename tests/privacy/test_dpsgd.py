@@ -19,6 +19,7 @@ from car_fl.method.optim import Optimizer
 from car_fl.method.train import epoch_order, make_optimizer, train_epoch, train_epoch_dpsgd
 from car_fl.privacy.dpsgd import (
     clip_per_example,
+    clipped_gradient_sum,
     dpsgd_step,
     noisy_gradient,
     per_example_gradients,
@@ -86,6 +87,26 @@ def test_clipping_real_per_example_gradients_of_the_head(make_settings) -> None:
     clipped, norms = clip_per_example(grads, 0.1)
     assert bool((norms > 0.1).any())
     assert bool((per_example_norms(clipped) <= 0.1 * (1 + 1e-6)).all())
+
+
+@pytest.mark.parametrize("loop", [False, True])
+def test_an_example_with_a_non_finite_gradient_adds_zero_on_either_path(
+    make_settings, monkeypatch: pytest.MonkeyPatch, loop: bool
+) -> None:
+    # A server can craft global weights so that chosen inputs overflow; that one example
+    # must neither poison the clipped sum nor make the round fail (both tell the server)
+    model = build_retriever(make_settings(), 3, hidden_size=6).double()
+    if loop:  # the one-example-at-a-time path (adapter mode, routed mixtures)
+        monkeypatch.setattr(type(model), "per_example_loop", property(lambda _self: True))
+    params = {k: p.detach() for k, p in model.trainable_parameters().items()}
+    features = torch.randn(4, 6, dtype=torch.float64)
+    labels = torch.tensor([0, 1, 2, 0])
+    clean, _, _ = clipped_gradient_sum(model, params, labels[1:], clip=0.5, features=features[1:])
+    features[0, 0] = math.nan
+    total, _, _ = clipped_gradient_sum(model, params, labels, clip=0.5, features=features)
+    for name, value in clean.items():
+        assert torch.isfinite(total[name]).all(), name
+        torch.testing.assert_close(total[name], value)
 
 
 # ------------------------------------------------------------- per-example gradients are right

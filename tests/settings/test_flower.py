@@ -143,3 +143,20 @@ def test_a_nodes_settings_cache_key_follows_the_run_config_keys() -> None:
     assert key({"fl.rounds": 2, "overrides": ""}) == key({"overrides": "fl.rounds=2"})
     assert key({"fl.rounds": 2}) != key({"fl.rounds": 3}) != key({})
     assert key({"fl.rounds": "", "overrides": ""}) == key({})
+
+
+@pytest.mark.parametrize(
+    "run_config",
+    [
+        {"overrides": "dataset.path=${oc.env:HOME}/data.tsv"},
+        {"dataset.path": "${oc.env:HOME}"},
+        {"overrides": "model.name_or_path=${package_model_dir:this}"},
+        {"settings": "seed: ${oc.env:SEED}\n"},
+    ],
+)
+def test_a_run_config_may_not_hold_interpolations_resolved_on_the_nodes(
+    run_config: dict[str, str],
+) -> None:
+    # the server's run config would read a node's environment or import a module by name
+    with pytest.raises(ValueError, match="may not hold an interpolation"):
+        run_inputs(run_config)
