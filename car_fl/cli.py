@@ -12,10 +12,10 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from car_fl.commands import ledger, report, retrieve, run, train, worker
+from car_fl.commands import ask, ledger, report, retrieve, run, train, worker
 
 #: The subcommands, in the order ``car-fl --help`` lists them.
-COMMANDS: tuple[ModuleType, ...] = (train, run, retrieve, report, ledger, worker)
+COMMANDS: tuple[ModuleType, ...] = (train, run, retrieve, ask, report, ledger, worker)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -60,6 +60,12 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_generator(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with its LM head (``LlamaForCausalLM``): a generator for RAG."""
+    return build_llama(tmp_path_factory.mktemp("models") / "tiny-generator", causal=True)
+
+
+@pytest.fixture(scope="session")
 def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_bert(tmp_path_factory.mktemp("models") / "tiny-bert")
 

@@ -68,3 +68,21 @@ def test_bench_deploy_runs_every_part(tmp_path: Path) -> None:
     first = r["first_update"]
     assert len(first["with_worker"]["round_seconds"]) == 2
     assert positive(first["ratio_last_round"])
+
+
+def test_scale_benchmark_compares_the_dense_head_with_the_mixture(tmp_path: Path) -> None:
+    r = run_script("scale_benchmark.py", tmp_path, "--out", str(tmp_path / "scale"))
+    dense, moe = r["rows"]
+    assert (dense["variant"], moe["variant"]) == ("dense", "moe")
+    for row in (dense, moe):
+        for key in ("seconds_per_epoch", "peak_rss_mib", "head_macs_per_query"):
+            assert positive(row[key]), (row["variant"], key)
+        assert 0 <= row["recall@10"] <= 1 and row["recall@1"] <= row["recall@10"]
+    assert dense["head_macs_per_query"] == dense["documents"] * dense["dim"]
+    # the mixture scores fewer documents and a client is sent one block of experts
+    assert moe["head_macs_per_query"] < dense["head_macs_per_query"]
+    assert moe["bytes_per_client_round"] < dense["bytes_per_client_round"]
+    assert r["ratios"]["bytes_ratio"] == pytest.approx(
+        dense["bytes_per_client_round"] / moe["bytes_per_client_round"]
+    )
+    assert (tmp_path / "scale" / "table.md").read_text().count("\n") == 4

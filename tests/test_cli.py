@@ -87,6 +87,7 @@ def test_every_subcommand_is_listed() -> None:
         "train",
         "run",
         "retrieve",
+        "ask",
         "report",
         "ledger",
         "worker",

@@ -223,6 +223,7 @@ class MixtureHead(DocumentHead):
             (len(q), self.num_labels), float("-inf"), dtype=q.dtype, device=q.device
         )
         scale = self.scale
+        at_query, at_document, values = [], [], []  # one index_put for all experts
         for expert in torch.unique(chosen).tolist():
             if not bool(self.available[expert]):
                 continue
@@ -231,9 +232,15 @@ class MixtureHead(DocumentHead):
             delta = self.experts[expert] if len(self.experts) else None
             rows = self.document_rows(index, delta)
             block = scale * q[rows_of] @ rows.T  # (queries routed here, its documents)
-            scores = scores.index_put((rows_of[:, None], index[None, :]), block)
+            at_query.append(rows_of[:, None].expand(-1, len(index)).reshape(-1))
+            at_document.append(index[None, :].expand(len(rows_of), -1).reshape(-1))
+            values.append(block.reshape(-1))
             if self.training:
                 self.touched.add(expert)
+        if values:
+            scores = scores.index_put(
+                (torch.cat(at_query), torch.cat(at_document)), torch.cat(values)
+            )
         if self.training:
             scores = scores.masked_fill(~self.trained, float("-inf"))
         return scores

@@ -50,15 +50,19 @@ def build_llama(
     heads: int = 4,
     kv_heads: int = 2,
     dtype: str = "float32",
+    causal: bool = False,
 ) -> Path:
     """A 2-layer Llama (hidden 64) and a word-level tokenizer that adds BOS but not EOS.
+
+    ``causal``: a ``LlamaForCausalLM`` (with its LM head: a generator) instead of the bare
+    ``LlamaModel`` (an encoder).
 
     ``intermediate`` defaults to twice ``hidden``; a TinyLlama-shaped one (random weights):
     ``hidden=2048, layers=22, intermediate=5632, heads=32, kv_heads=4, dtype="bfloat16"``.
     """
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import LlamaConfig, LlamaModel, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel, PreTrainedTokenizerFast
 
     specials = ["<unk>", "<s>", "</s>"]
     vocab = {tok: i for i, tok in enumerate(specials + WORDS)}
@@ -84,7 +88,7 @@ def build_llama(
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = LlamaModel(config).to(getattr(torch, dtype))
+    model = (LlamaForCausalLM if causal else LlamaModel)(config).to(getattr(torch, dtype))
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     fast.save_pretrained(folder)

@@ -1,0 +1,76 @@
+"""``car-fl ask``: retrieve a question's top-K documents and let a causal LM answer from them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+NAME = "ask"
+HELP = "answer a question with a causal LM from a corpus checkpoint's top-K documents (RAG)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("question", help="the question")
+    parser.add_argument(
+        "--checkpoint",
+        required=True,
+        help="a corpus checkpoint folder, e.g. outputs/<date>/<time>/checkpoints/best",
+    )
+    parser.add_argument(
+        "--generator",
+        required=True,
+        help="the causal LM that answers: a hub id (e.g. Qwen/Qwen2.5-0.5B-Instruct) or folder",
+    )
+    parser.add_argument("-k", type=int, default=3, help="how many documents it reads (3)")
+    parser.add_argument(
+        "--documents",
+        default=None,
+        help="the corpus's documents file, if not where the checkpoint's settings name it",
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="encoder hub id or folder, if not the one the checkpoint was trained with",
+    )
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=128, help="most tokens generated (128)"
+    )
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="let the generator's hub repository run its own code",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Retrieve, prompt, generate; print the answer and its sources."""
+    from car_fl.method.rag import load_generator  # torch: only when asking
+    from car_fl.method.serving import load_retriever
+
+    if args.k < 1:
+        raise ValueError(f"-k must be >= 1, got {args.k}")
+    # the generator first: a wrong name fails before the retriever is loaded
+    generator = load_generator(
+        args.generator, device=args.device, trust_remote_code=args.trust_remote_code
+    )
+    retriever = load_retriever(
+        args.checkpoint, device=args.device, model=args.model, documents_path=args.documents
+    )
+    hits = retriever.retrieve([args.question], args.k)[0].hits
+    answer = generator.answer(args.question, hits, max_new_tokens=args.max_new_tokens)
+    if args.json:
+        payload = {
+            "question": args.question,
+            "answer": answer.text,
+            "sources": [{"id": h.id, "score": h.score, "text": h.text} for h in hits],
+        }
+        print(json.dumps(payload, indent=2))
+    else:
+        print(answer.text)
+        print()
+        print("Sources:")
+        for rank, hit in enumerate(hits, 1):
+            print(f"  {rank:>2d}. {hit.id}\t{hit.score:.4f}")
+    return 0
