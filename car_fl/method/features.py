@@ -227,6 +227,12 @@ def prepare_data(
     classifier-mode dataset never loads it.
     """
     label_tensor = torch.tensor(list(labels), dtype=torch.long)
+    if not texts:  # no examples (a node none of whose labels the server's map has): no error,
+        # since whether a round fails must not depend on the data
+        if mode is Mode.ADAPTER_CLASSIFIER:
+            return LocalData(labels=label_tensor, input_ids=[])
+        hidden = get_model().encoder.hidden_size
+        return LocalData(labels=label_tensor, features=torch.zeros(0, hidden))
     if mode is Mode.ADAPTER_CLASSIFIER:
         tokens = get_model().encoder.tokenize(list(texts))
         return LocalData(labels=label_tensor, input_ids=tokens.input_ids)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from flwr.app import RecordDict
 
@@ -35,3 +36,34 @@ def test_a_fully_cached_classifier_round_never_loads_the_encoder(make_settings) 
     assert loads == encoder_module.LOAD_COUNT
     assert not client_module._ENCODERS
     assert metrics["num-examples"] > 0 and set(state) == set(initial)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        "dp=fixed dp.noise_multiplier=1",
+        "dp=record dp.target_epsilon=3",
+        "mode=adapter dp=fixed dp.noise_multiplier=1",
+    ],
+)
+def test_a_label_map_the_node_shares_nothing_with_gets_the_same_kind_of_reply(
+    make_settings, overrides: str
+) -> None:
+    # A crafted label map must not learn "does this node have label L?" from whether the
+    # round fails: with none of its labels the node still trains (on nothing) and replies
+    settings = make_settings("fl.local_epochs=1", *overrides.split())
+    node = NodeInfo(partition_id=0, num_partitions=2)
+    replies = {}
+    for name, labels in {"some": ["topic0", "zz"], "none": ["yy", "zz"]}.items():
+        initial = build_retriever(settings, 2, hidden_size=64).trainable_state_dict()
+        if settings.train.mode.value != "classifier":
+            initial = build_retriever(
+                settings, 2, encoder=client_module.cached_encoder(settings)
+            ).trainable_state_dict()
+        state, metrics = train_round(settings, node, initial, 1, RecordDict(), labels)
+        assert set(state) == set(initial)
+        assert all(bool(torch.isfinite(v).all()) for v in state.values())
+        replies[name] = metrics
+    assert replies["some"].keys() == replies["none"].keys()
+    assert replies["some"]["num-examples"] == replies["none"]["num-examples"]
+    assert replies["some"]["dp-epsilon"] == replies["none"]["dp-epsilon"]
