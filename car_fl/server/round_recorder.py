@@ -155,11 +155,15 @@ class RoundRecorder:
     def epsilon(self, stats: RoundStats) -> float:
         """Max over nodes of the server's ε; nodes that did not reply keep theirs.
 
+        Every well-formed reply counts, also one the update-norm bound rejected: the server saw
+        its update (a rejection must not leave an honest client flagged later for claiming the
+        release it made).
+
         Each reply's claim is checked against the server's figure (:attr:`verdicts`); a node
         whose claim differs is flagged and logged, and its claim is used nowhere.
         """
         self.verdicts = {}
-        for node, metrics in sorted(stats.client_metrics.items()):
+        for node, metrics in sorted(stats.released.items()):  # rejected replies too: seen
             verdict = self.privacy.receive(stats.round, node, metrics)
             self.verdicts[node] = verdict
             self.client_epsilon[node] = verdict.epsilon

@@ -20,6 +20,9 @@ class RoundStats:
     bytes_received: dict[int, int] = field(default_factory=dict)
     #: Each valid reply's metrics, under their wire (kebab-case) keys.
     client_metrics: dict[int, dict[str, float]] = field(default_factory=dict)
+    #: The metrics of every well-formed reply, also those the update-norm bound rejected later:
+    #: the server saw their update, so its ε counts them (client_metrics loses them).
+    released: dict[int, dict[str, float]] = field(default_factory=dict)
     rejected: dict[int, str] = field(default_factory=dict)
     failed: dict[int, str] = field(default_factory=dict)
     #: ‖θᵢ − θ‖ of every reply that passed validation, and this round's bound (if any).

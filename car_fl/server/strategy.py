@@ -260,6 +260,7 @@ class GuardedStrategy(Strategy):
             for k, v in metrics.items()
             if isinstance(v, int | float) and not math.isnan(v)
         }
+        stats.released[node] = stats.client_metrics[node]
         return arrays, int(metrics[NUM_EXAMPLES])  # type: ignore[arg-type]
 
     def _bound_norms(

@@ -222,3 +222,32 @@ def test_forged_record_level_figures_are_replaced_by_the_servers(tmp_path: Path)
         assert figures.noise_multiplier == plan.noise_multiplier
         assert figures.steps == plan.steps_per_round
         assert figures.epsilon == pytest.approx(plan.epsilon(plan.steps_per_round))
+
+
+def test_a_reply_the_norm_bound_rejects_still_counts_in_the_servers_epsilon(
+    tmp_path: Path,
+) -> None:
+    # The server saw the rejected update: its ε counts it, and the honest client that sent it
+    # is not flagged in later rounds for claiming the release it made
+    from car_fl.server.update_norm import NormBound, NormBoundMode
+
+    settings = load_settings("fl.rounds=2 dp=fixed dp.noise_multiplier=1.0")
+    strategy, rounds = recorder_of(settings, tmp_path)
+    strategy.norm_bound = NormBound(mode=NormBoundMode.FIXED, value=2.0)
+    honest = honest_claims(settings, 2)
+    for server_round in (1, 2):
+        strategy.reference = {"w": np.zeros(3)}
+        big = 5.0 if server_round == 1 else 1.0  # node 10's first update is over the bound
+        replies = [
+            reply(node, {"w": np.full(3, value, np.float32)}, EXAMPLES, **honest[server_round - 1])
+            for node, value in ((10, big), (11, 1.0))
+        ]
+        arrays, _ = strategy.aggregate_train(server_round, replies)
+        assert arrays is not None
+        rounds(server_round, to_record({"w": torch.zeros(3)}))
+    rows = {(r.round, r.node): r for r in ClientRow.read_csv(tmp_path / CLIENTS_CSV)}
+    assert rows[(1, 10)].status == "rejected"
+    delta = settings.dp.delta
+    assert rows[(1, 10)].server_epsilon == pytest.approx(rdp_epsilon({0.5: 1}, delta))
+    assert rows[(2, 10)].server_epsilon == pytest.approx(rdp_epsilon({0.5: 2}, delta))
+    assert rows[(2, 10)].claim_mismatch == "" and rounds.flagged == set()
