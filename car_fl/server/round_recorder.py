@@ -37,7 +37,8 @@ def client_rows_of(
     rows = []
     nodes = sorted({*stats.bytes_sent, *stats.client_metrics, *stats.rejected, *stats.failed})
     for node in nodes:
-        metrics = stats.client_metrics.get(node, {})
+        # a reply the norm bound rejected keeps its metrics: its n is part of the server's ε
+        metrics = stats.client_metrics.get(node) or stats.released.get(node, {})
         if node in stats.client_metrics:
             status = "ok"
         else:
@@ -207,6 +208,17 @@ class RoundRecorder:
         """Continue after round ``done`` of a run whose rows were read back."""
         self.recorder.history, self.client_rows, self.initial = history, client_rows, initial
         self.flagged = {row.node for row in client_rows if row.claim_mismatch}
+        # The releases the server saw before the resume count in its ε after it, too
+        for row in client_rows:
+            if row.round > done or row.server_epsilon is None or row.num_examples is None:
+                continue  # not a release the server saw (or a file from before the check)
+            verdict = self.privacy.receive(
+                row.round, row.node, {wire_key("num_examples"): float(row.num_examples)}
+            )
+            self.client_epsilon[row.node] = verdict.epsilon
+            if self.recorder.settings.dp.mode is DPMode.RECORD:
+                place = row.partition_id if row.partition_id is not None else row.node
+                self.client_dp[int(place)] = self.record_dp(row.node, verdict)
         self.recorder.best = best_row(history)
         self.last_epsilon = max((row.epsilon or 0.0 for row in history), default=0.0)
         self.round_offset = done

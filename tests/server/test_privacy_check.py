@@ -251,3 +251,24 @@ def test_a_reply_the_norm_bound_rejects_still_counts_in_the_servers_epsilon(
     assert rows[(1, 10)].server_epsilon == pytest.approx(rdp_epsilon({0.5: 1}, delta))
     assert rows[(2, 10)].server_epsilon == pytest.approx(rdp_epsilon({0.5: 2}, delta))
     assert rows[(2, 10)].claim_mismatch == "" and rounds.flagged == set()
+
+
+def test_after_a_resume_the_servers_epsilon_counts_the_releases_before_it(tmp_path: Path) -> None:
+    settings = load_settings("fl.rounds=3 dp=fixed dp.noise_multiplier=1.0")
+    honest = honest_claims(settings, 3)
+    strategy, rounds = recorder_of(settings, tmp_path)
+    for server_round in (1, 2):
+        play_round(strategy, rounds, server_round, {10: honest[server_round - 1]})
+    # A new server process resumes after round 2 from what the first one wrote
+    strategy, resumed = recorder_of(settings, tmp_path / "again")
+    resumed.resume(
+        list(rounds.recorder.history),
+        ClientRow.read_csv(tmp_path / CLIENTS_CSV),
+        dict(rounds.initial),
+        2,
+    )
+    strategy.round_offset = 2  # as run_federation sets it: Flower counts from 1 again
+    play_round(strategy, resumed, 1, {10: honest[2]})
+    row = resumed.recorder.history[-1]
+    assert row.epsilon == pytest.approx(rdp_epsilon({0.5: 3}, settings.dp.delta))
+    assert row.claims_flagged == 0  # the honest client's claim (3 releases) agrees
