@@ -23,7 +23,11 @@ def train(msg: Message, context: Context) -> Message:
     if folder is not None:
         # The node's worker trains E local epochs (with its own node configuration) and replies
         content = worker_link.hand_over(
-            folder, run_id=context.run_id, run_config=context.run_config, content=msg.content
+            folder,
+            run_id=context.run_id,
+            run_config=context.run_config,
+            content=msg.content,
+            policy=context.node_config.get(worker_link.POLICY_KEY),  # the worker checks its own
         )
     else:
         # No worker: the same round in this process, its DP state in Flower's context.state

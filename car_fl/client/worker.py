@@ -39,6 +39,7 @@ from car_fl.client.answer import answer_train
 from car_fl.client.failures import failure_of
 from car_fl.client.worker_link import (
     HANDSHAKE_TIMEOUT,
+    POLICY_KEY,
     SECRET_NAME,
     WORKER_KEY,
     check_client,
@@ -52,6 +53,7 @@ from car_fl.client.worker_link import (
 )
 from car_fl.common.io import atomic_write
 from car_fl.method import encoder as encoder_module
+from car_fl.protocol.failures import Failure
 from car_fl.settings.flower import CACHE_DIR, NUM_PARTITIONS, PARTITION_ID
 
 log = logging.getLogger(__name__)
@@ -233,6 +235,11 @@ class NodeWorker:
             run_config = dict(header["run-config"])
         except (KeyError, TypeError, ValueError):
             return {"ok": False, "error": "a train request needs 'run-id' and 'run-config'"}, b""
+        refused = self._policy_mismatch(header.get("policy"))
+        if refused:
+            self.failed += 1
+            log.error("run %d: round refused: %s", run_id, refused)
+            return {"ok": False, "failure": int(Failure.NODE_CONFIG), "error": refused}, b""
         with self._round:  # one round at a time on this node's device, whatever the run
             self.busy_run = run_id
             tick = time.perf_counter()
@@ -259,6 +266,25 @@ class NodeWorker:
             self.rounds += 1
             log.info("run %d: round answered in %.2f s", run_id, time.perf_counter() - tick)
             return {"ok": True}, payload
+
+    def _policy_mismatch(self, named: object) -> str | None:
+        """Why a round must be refused: the SuperNode names a privacy policy that this worker's
+        own node config does not (the worker trains with its own; a policy set on the
+        SuperNode only would silently not hold). ``None``: nothing to refuse."""
+        if not named:
+            return None
+        mine = self.node_config.get(POLICY_KEY)
+
+        def where(path: object) -> Path:
+            return Path(str(path)).expanduser().resolve()
+
+        if mine and where(mine) == where(named):
+            return None
+        return (
+            f"the SuperNode's node config names the privacy policy {named}, but this worker's "
+            f"--node-config has {POLICY_KEY}={mine or '(none)'}; start the worker with "
+            f"{POLICY_KEY}={named} in its --node-config"
+        )
 
     # ---------------------------------------------------------------------------- run states
     def _state_file(self, run_id: int) -> Path:

@@ -36,6 +36,8 @@ from car_fl.protocol.failures import Failure
 #: The node-config key that names the worker's folder (``car_fl.settings.flower.WORKER``; not
 #: imported from there: it would import OmegaConf).
 WORKER_KEY = "worker"
+#: The node-config key of the node owner's privacy policy (``car_fl.settings.flower``'s).
+POLICY_KEY = "privacy-policy"
 SOCKET_NAME = "worker.sock"
 SECRET_NAME = "secret"
 PROTOCOL = b"car-fl-worker/1"
@@ -239,14 +241,23 @@ def request(
 
 
 def hand_over(
-    folder: Path, *, run_id: int, run_config: Mapping[str, Any], content: RecordDict
+    folder: Path,
+    *,
+    run_id: int,
+    run_config: Mapping[str, Any],
+    content: RecordDict,
+    policy: object = None,
 ) -> RecordDict:
     """Have the node's worker answer a train message; the reply's content.
 
     ``run_config`` is the run's (the server's) configuration; the worker adds its own node
-    configuration. ``run_id`` keeps each run's state apart in the worker.
+    configuration. ``run_id`` keeps each run's state apart in the worker. ``policy``: the
+    privacy policy in the SuperNode's node config, which the worker's own must name too (an
+    owner who set it on the SuperNode only would otherwise train without it).
     """
     header = {"kind": "train", "run-id": int(run_id), "run-config": dict(run_config)}
+    if policy:
+        header["policy"] = str(policy)
     _, payload = request(folder, header, encode_content(content))
     return decode_content(payload)
 

@@ -153,6 +153,29 @@ def test_a_refusal_in_the_worker_reaches_the_clientapp_as_its_fixed_code_only(
     assert failure_of(err.value) is Failure.POLICY_REFUSED
 
 
+def test_a_policy_set_on_the_supernode_only_is_refused_not_silently_dropped(
+    short_dir: Path, tmp_path: Path
+) -> None:
+    policy = tmp_path / "policy.toml"
+    content = RecordDict({"config": ConfigRecord({"server-round": 1})})
+
+    def hand(named: Path) -> int:
+        reply = worker_link.hand_over(
+            short_dir, run_id=1, run_config={}, content=content, policy=str(named)
+        )
+        return int(cast(int, reply.metric_records["metrics"]["count"]))
+
+    answer = Recorder()
+    with serving(short_dir, answer):  # the worker's node config has no policy
+        with pytest.raises(WorkerFailed, match="names the privacy policy") as err:
+            hand(policy)
+        assert err.value.failure is Failure.NODE_CONFIG and answer.calls == []
+    with serving(short_dir, Recorder(), {**NODE, "privacy-policy": str(policy)}):
+        assert hand(policy) == 1  # the same policy on both: the round runs
+        with pytest.raises(WorkerFailed, match="names the privacy policy"):
+            hand(tmp_path / "another.toml")
+
+
 def test_rounds_of_several_runs_are_served_one_at_a_time(short_dir: Path) -> None:
     answer = Recorder(delay=0.3)
     counts: dict[int, list[int]] = {1: [], 2: []}
