@@ -75,6 +75,8 @@ class RoundRecorder:
     #: Record-level DP (dp=record): each client's σ, q, steps and ε, by partition id, as the
     #: server computes them.
     client_dp: dict[int, ClientDP] = field(default_factory=dict)
+    #: Which node's row each partition id's key holds (the first node to claim it).
+    dp_owner: dict[int, int] = field(default_factory=dict)
     #: Nodes whose ε claim differed from the server's figure in some round.
     flagged: set[int] = field(default_factory=set)
     last_epsilon: float = 0.0
@@ -180,11 +182,17 @@ class RoundRecorder:
                 )
             if self.recorder.settings.dp.mode is DPMode.RECORD:  # by partition id (or node)
                 claimed = metrics.get(wire_key("partition_id"), float(node))
-                self.client_dp[int(claimed) if math.isfinite(claimed) else node] = self.record_dp(
-                    node, verdict
-                )
+                place = int(claimed) if math.isfinite(claimed) else node
+                self.client_dp[self.dp_key(place, node)] = self.record_dp(node, verdict)
         self.last_epsilon = max(self.client_epsilon.values(), default=0.0)
         return self.last_epsilon
+
+    def dp_key(self, place: int, node: int) -> int:
+        """The key of ``node``'s record-level row: the partition id it claims, unless another
+        node claimed that partition first (then its node id: a node cannot overwrite the row
+        of another by claiming its partition)."""
+        owner = self.dp_owner.setdefault(place, node)
+        return place if owner == node else node
 
     def record_dp(self, node: int, verdict: Verdict) -> ClientDP:
         """A node's record-level DP as the server computes it: the plan it sent, the steps
@@ -218,7 +226,9 @@ class RoundRecorder:
             self.client_epsilon[row.node] = verdict.epsilon
             if self.recorder.settings.dp.mode is DPMode.RECORD:
                 place = row.partition_id if row.partition_id is not None else row.node
-                self.client_dp[int(place)] = self.record_dp(row.node, verdict)
+                self.client_dp[self.dp_key(int(place), row.node)] = self.record_dp(
+                    row.node, verdict
+                )
         self.recorder.best = best_row(history)
         self.last_epsilon = max((row.epsilon or 0.0 for row in history), default=0.0)
         self.round_offset = done

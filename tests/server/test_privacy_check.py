@@ -272,3 +272,14 @@ def test_after_a_resume_the_servers_epsilon_counts_the_releases_before_it(tmp_pa
     row = resumed.recorder.history[-1]
     assert row.epsilon == pytest.approx(rdp_epsilon({0.5: 3}, settings.dp.delta))
     assert row.claims_flagged == 0  # the honest client's claim (3 releases) agrees
+
+
+def test_a_node_claiming_another_nodes_partition_cannot_overwrite_its_dp_row(
+    tmp_path: Path,
+) -> None:
+    settings = load_settings("fl.rounds=2 dp=record dp.target_epsilon=4")
+    strategy, rounds = recorder_of(settings, tmp_path)
+    honest = {**honest_claims(settings, 1)[0], "partition-id": 0.0}
+    play_round(strategy, rounds, 1, {10: honest, 11: dict(honest)})  # 11 claims partition 0 too
+    rows = rounds.summary(final=False).dp_clients
+    assert set(rows) == {0, 11}  # node 10 keeps partition 0's row; node 11 gets its own
