@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -53,3 +55,15 @@ def client_privacy(
         state=ClientPrivacy.initial_state(cfg),
         generator=generator,
     )
+
+
+def gone(pid: int, timeout: float = 20) -> bool:
+    """Whether process ``pid`` has exited within ``timeout`` seconds (polled)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False

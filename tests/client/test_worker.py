@@ -41,6 +41,7 @@ from car_fl.protocol.messages import from_record, to_record
 from car_fl.settings.compose import load_settings
 from car_fl.settings.flower import fingerprint
 from car_fl.testing.tiny import tiny_overrides
+from tests.helpers import gone
 
 PROJECT = Path(__file__).resolve().parents[2]
 NODE = {"partition-id": 1, "num-partitions": 2, "device": "cpu"}
@@ -250,17 +251,6 @@ def wait_status(
         except WorkerUnavailable:
             assert time.monotonic() < deadline, "the worker does not answer"
             time.sleep(0.2)
-
-
-def gone(pid: int, timeout: float = 20) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 @pytest.mark.slow

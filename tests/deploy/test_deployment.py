@@ -26,6 +26,7 @@ from car_fl.deploy.cluster import LocalCluster
 from car_fl.deploy.connection import register_node
 from car_fl.protocol.failures import Failure
 from car_fl.testing.tiny import tiny_overrides
+from tests.helpers import gone
 
 pytestmark = pytest.mark.slow
 
@@ -185,17 +186,6 @@ def test_a_supernode_killed_mid_round_does_not_stop_the_run(deployment: Deployme
     assert all(row["skipped"] == 0 for row in history)
     weights = load_file(str(out / "checkpoints" / "final" / "weights.safetensors"))
     assert all(math.isfinite(float(v.abs().sum())) for v in weights.values())
-
-
-def gone(pid: int, timeout: float = 20) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def test_a_worker_killed_mid_round_fails_that_round_and_the_run_goes_on(
