@@ -16,10 +16,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         required=True,
         help="a corpus checkpoint folder, e.g. outputs/<date>/<time>/checkpoints/best",
     )
-    parser.add_argument(
+    who = parser.add_mutually_exclusive_group(required=True)
+    who.add_argument(
         "--generator",
-        required=True,
-        help="the causal LM that answers: a hub id (e.g. Qwen/Qwen2.5-0.5B-Instruct) or folder",
+        help="the causal LM that answers: a hub id (e.g. Qwen/Qwen2.5-0.5B-Instruct), a folder, "
+        "or a GGUF preset (gguf:smollm2)",
+    )
+    who.add_argument(
+        "--same-model",
+        action="store_true",
+        help="the checkpoint's own encoder answers too: one copy of the weights in memory "
+        "(it must be a causal LM, e.g. model=smollm2)",
     )
     parser.add_argument("-k", type=int, default=3, help="how many documents it reads (3)")
     parser.add_argument(
@@ -52,11 +59,30 @@ def run(args: argparse.Namespace) -> int:
     if args.k < 1:
         raise ValueError(f"-k must be >= 1, got {args.k}")
     # the generator first: a wrong name fails before the retriever is loaded
-    generator = load_generator(
-        args.generator, device=args.device, trust_remote_code=args.trust_remote_code
-    )
+    encoder = None
+    if args.same_model:
+        from car_fl.results.checkpoint import load_checkpoint
+
+        model = load_checkpoint(args.checkpoint).settings.model
+        if args.model is not None:
+            model.name_or_path = args.model
+        generator = load_generator(
+            model.name_or_path,
+            device=args.device,
+            trust_remote_code=args.trust_remote_code,
+            dtype=model.dtype,
+        )
+        encoder = generator.as_encoder(model)
+    else:
+        generator = load_generator(
+            args.generator, device=args.device, trust_remote_code=args.trust_remote_code
+        )
     retriever = load_retriever(
-        args.checkpoint, device=args.device, model=args.model, documents_path=args.documents
+        args.checkpoint,
+        device=args.device,
+        model=args.model,
+        documents_path=args.documents,
+        encoder=encoder,
     )
     hits = retriever.retrieve([args.question], args.k)[0].hits
     answer = generator.answer(args.question, hits, max_new_tokens=args.max_new_tokens)

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from car_fl.method.head import Hit
+
+if TYPE_CHECKING:
+    from car_fl.method.encoder import Encoder
+    from car_fl.settings.schema import ModelConfig
 
 #: What the generator is told before the documents.
 INSTRUCTION = (
@@ -100,6 +104,13 @@ class Generator:
         self.tokenizer = tokenizer
         self.context = context_length(model, tokenizer)
 
+    def as_encoder(self, cfg: ModelConfig) -> Encoder:
+        """The same weights as the frozen encoder (the paper's on-device case: one copy in
+        memory): the causal LM's transformer without its LM head, and the same tokenizer."""
+        from car_fl.method.encoder import Encoder
+
+        return Encoder(self.model.get_decoder(), self.tokenizer, cfg)
+
     def prompt(self, question: str, hits: Sequence[Hit], *, max_new_tokens: int) -> str:
         """The prompt :meth:`answer` sends: documents cut to fit the context."""
         fitted = fit_documents(
@@ -135,18 +146,29 @@ class Generator:
 
 
 def load_generator(
-    name_or_path: str, *, device: str = "auto", trust_remote_code: bool = False
+    name_or_path: str,
+    *,
+    device: str = "auto",
+    trust_remote_code: bool = False,
+    dtype: str = "auto",
 ) -> Generator:
-    """A Hugging Face causal LM and its tokenizer (hub id or folder), in eval mode."""
+    """A Hugging Face causal LM and its tokenizer (hub id, folder, or a GGUF file or preset
+    such as ``gguf:smollm2``: :mod:`car_fl.method.gguf`), in eval mode, in ``dtype``
+    (``auto``: as :func:`~car_fl.method.encoder.pick_dtype` chooses for the device)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from car_fl.method.encoder import pick_device
+    from car_fl.method.encoder import pick_device, pick_dtype
+    from car_fl.method.gguf import GgufError, resolve
 
     target = pick_device(device)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+        folder = resolve(name_or_path)
+    except GgufError as err:
+        raise GeneratorLoadError(str(err)) from err
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
-            name_or_path, trust_remote_code=trust_remote_code
+            folder, trust_remote_code=trust_remote_code, dtype=pick_dtype(dtype, target)
         )
     except Exception as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

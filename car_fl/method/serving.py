@@ -14,6 +14,7 @@ from typing import Any
 
 from car_fl.data.labels import LabelMap
 from car_fl.method.documents import document_texts, documents_identity
+from car_fl.method.encoder import Encoder
 from car_fl.method.experts import ExpertLayout, MixtureHead
 from car_fl.method.features import LocalData, QueryEncoder, prepare_for
 from car_fl.method.model import CaRRetriever, build_retriever
@@ -28,13 +29,16 @@ def load_retriever(
     device: str | None = "auto",
     model: str | None = None,
     documents_path: str | Path | None = None,
+    encoder: Encoder | None = None,
 ) -> CaRRetriever:
     """A retriever ready for ``retrieve``, from a folder written by
     :func:`car_fl.results.checkpoint.save_checkpoint`: its settings, label map and weights.
 
     ``device``: where to run (``None``: the checkpoint's setting); ``model``: an encoder hub id
     or folder in place of the one it was trained with; ``documents_path``: a corpus's
-    documents file in place of the one it names (its digest must match the checkpoint's).
+    documents file in place of the one it names (its digest must match the checkpoint's);
+    ``encoder``: an encoder already in memory (e.g. a generator's own weights,
+    :meth:`car_fl.method.rag.Generator.as_encoder`) instead of loading one.
     A corpus checkpoint returns each hit's document id, text and score. MIPS gets its label
     documents; kNN, which has no weights, rebuilds its memory from the training split its
     settings name (``FileNotFoundError`` when that data cannot be read).
@@ -54,6 +58,7 @@ def load_retriever(
     retriever = build_retriever(
         settings,
         len(names),
+        encoder=encoder,
         documents=documents,
         layout=ExpertLayout.from_text(layout) if layout else None,
     )

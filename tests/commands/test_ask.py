@@ -52,3 +52,57 @@ def test_a_bad_generator_or_k_is_one_line_and_a_non_zero_exit(
     assert "config.json" in line
     assert main(["ask", "--checkpoint", ckpt, "--generator", str(missing), "-k", "0", "w5"]) == 1
     assert "car-fl ask: -k must be >= 1" in capsys.readouterr().err
+
+
+@pytest.fixture
+def causal_checkpoint(make_corpus_settings, tiny_generator: Path, tmp_path: Path) -> str:
+    """A document-head checkpoint whose frozen encoder is the tiny causal Llama itself."""
+    settings = make_corpus_settings(
+        "approach=document", "train.epochs=1", f"model.name_or_path={tiny_generator}"
+    )
+    run_centralized(settings, tmp_path / "run")
+    return str(tmp_path / "run" / "checkpoints" / "final")
+
+
+def test_same_model_answers_with_one_copy_of_the_weights_as_two_copies_do(
+    causal_checkpoint: str,
+    tiny_generator: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from car_fl.method.rag import load_generator
+    from car_fl.method.serving import load_retriever
+
+    generator = load_generator(str(tiny_generator), device="cpu")
+    shared = load_retriever(
+        causal_checkpoint, device="cpu", encoder=generator.as_encoder(_model(causal_checkpoint))
+    )
+    assert shared.encoder.model is generator.model.get_decoder()  # one copy in memory
+    separate = load_retriever(causal_checkpoint, device="cpu")
+    assert separate.encoder.model is not generator.model.get_decoder()
+    question = ["w5 w47"]
+    assert [h.id for h in shared.retrieve(question, 3)[0].hits] == [
+        h.id for h in separate.retrieve(question, 3)[0].hits
+    ]
+    common = ["ask", "--checkpoint", causal_checkpoint, "--device", "cpu", "--json"]
+    common += ["--max-new-tokens", "4"]
+    assert main([*common, "--same-model", "w5 w47"]) == 0
+    one_copy = json.loads(capsys.readouterr().out)
+    assert main([*common, "--generator", str(tiny_generator), "w5 w47"]) == 0
+    assert json.loads(capsys.readouterr().out) == one_copy  # same documents, same answer
+
+
+def _model(checkpoint: str):  # the checkpoint's encoder settings
+    from car_fl.results.checkpoint import load_checkpoint
+
+    return load_checkpoint(checkpoint).settings.model
+
+
+def test_same_model_and_a_generator_are_refused_together(
+    causal_checkpoint: str, tiny_generator: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["ask", "--checkpoint", causal_checkpoint, "--same-model"]
+    with pytest.raises(SystemExit) as exit_:
+        main([*args, "--generator", str(tiny_generator), "w5"])
+    assert exit_.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
