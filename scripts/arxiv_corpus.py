@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import re
 from pathlib import Path
 
@@ -71,22 +72,30 @@ def main() -> None:
     parser.add_argument("source", type=Path, help="arXiv metadata, JSON lines")
     parser.add_argument("out", type=Path, help="folder for documents.jsonl and queries.jsonl")
     parser.add_argument("--limit", type=int, default=None, help="only the first N papers")
+    parser.add_argument(
+        "--sample", type=int, default=None, help="a seeded random sample of N papers (file order)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="the sample's seed (0)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     documents, queries = [], []
     with args.source.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                paper = json.loads(line)
-                document, paper_queries = paper_records(paper)
-            except (json.JSONDecodeError, KeyError) as err:
-                raise SystemExit(f"{args.source}, line {number}: {err!r}") from err
-            documents.append(document)
-            queries.extend(paper_queries)
-            if args.limit is not None and len(documents) >= args.limit:
-                break
+        lines = [(n, line) for n, line in enumerate(handle, start=1) if line.strip()]
+    if args.sample is not None:
+        if not 0 < args.sample <= len(lines):
+            parser.error(f"--sample must be in 1..{len(lines)} (the papers in {args.source})")
+        kept = set(random.Random(args.seed).sample(range(len(lines)), args.sample))
+        lines = [item for i, item in enumerate(lines) if i in kept]
+    for number, line in lines:
+        try:
+            paper = json.loads(line)
+            document, paper_queries = paper_records(paper)
+        except (json.JSONDecodeError, KeyError) as err:
+            raise SystemExit(f"{args.source}, line {number}: {err!r}") from err
+        documents.append(document)
+        queries.extend(paper_queries)
+        if args.limit is not None and len(documents) >= args.limit:
+            break
     for name, rows in (("documents.jsonl", documents), ("queries.jsonl", queries)):
         with (args.out / name).open("w", encoding="utf-8") as handle:
             handle.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)

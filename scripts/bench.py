@@ -3,6 +3,7 @@
     python scripts/bench.py                      # ../shared SMS data, offline MiniLM; ~6 min
     python scripts/bench.py --data PATH --json bench.json
     python scripts/bench.py --smoke              # every figure on a tiny random Llama (a test)
+    python scripts/bench.py --slm --json bench-slm.json   # figure 8 only: real small LMs
 
 Figures (each printed with what it is compared against, and its target on a 2-core CPU):
  1. feature extraction with length bucketing vs arrival-order batches (same outputs)
@@ -14,6 +15,9 @@ Figures (each printed with what it is compared against, and its target on a 2-co
  5. peak RSS of a client process (one round, cold cache) vs the encoder's weight bytes
  6. bytes sent per client per round vs the trainable parameters' bytes
  7. accuracy, time and bytes with comm.dtype float32 vs float16
+ 8. (``--slm``) SmolLM2-135M and Gemma 3 270M (GGUF presets) and a random TinyLlama-shaped
+    Llama as the frozen encoder: adapter step vs forward, examples/s, peak RSS; bf16 and MFU on
+    CUDA (``--device cuda``)
 On a CUDA device it also times adapter+classifier training of a randomly initialised
 TinyLlama-sized Llama (22 layers, hidden 2048) in bfloat16 on SMS-sized data.
 
@@ -449,6 +453,106 @@ def bench_gpu(texts: list[str], minilm_dir: str) -> dict[str, Any]:
     }
 
 
+# ----------------------------------------------------------------------------- figure 8
+#: Peak dense bf16 matrix throughput of known GPUs (FLOP/s), for MFU.
+GPU_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+SLM_NAMES = ("smollm2", "gemma3", "tinyllama-shape")
+
+
+def slm_encoder(name: str, device: str, minilm_dir: str) -> Any:
+    """A real small LM preset (``smollm2``, ``gemma3``), or a random TinyLlama-shaped Llama."""
+    from car_fl.method.encoder import Encoder, load_encoder, pick_device, pick_dtype
+    from car_fl.settings.schema import ModelConfig
+
+    if name != "tinyllama-shape":
+        return load_encoder(load_settings([f"model={name}"]).model, device=device)
+    from transformers import AutoTokenizer, LlamaConfig, LlamaModel
+
+    target = pick_device(device)
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+    )
+    torch.manual_seed(0)
+    dtype = pick_dtype("auto", target)
+    llama = LlamaModel(config).to(device=target, dtype=dtype)  # type: ignore[call-arg]
+    tokenizer = AutoTokenizer.from_pretrained(minilm_dir)  # a real subword vocabulary (< 32000)
+    cfg = ModelConfig(name=name, name_or_path="random", dtype=str(dtype).removeprefix("torch."))
+    return Encoder(llama, tokenizer, cfg)
+
+
+def bench_slm_one(name: str, texts: list[str], device: str, minilm_dir: str) -> dict[str, Any]:
+    """An adapter+classifier step against a forward on one batch of 16 SMS: seconds, the
+    ratio, examples per second, the process's peak memory and, on CUDA, MFU."""
+    encoder = slm_encoder(name, device, minilm_dir)
+    model = CaRRetriever(
+        encoder, 2, head=load_settings([]).head, mode=Mode.ADAPTER_CLASSIFIER, device=encoder.device
+    )
+    repeats = 3 if name == "tinyllama-shape" and encoder.device.type == "cpu" else 8
+    row = bench_step_vs_forward(model, texts, repeats=repeats, label=name)
+    tokens = sum(encoder.tokenize(texts).lengths())
+    params = sum(p.numel() for p in encoder.parameters())
+    row.update(
+        {
+            "device": str(encoder.device),
+            "dtype": str(encoder.dtype).removeprefix("torch."),
+            "frozen_parameters": params,
+            "tokens": tokens,
+            "forward_examples_per_second": len(texts) / row["forward_seconds"],
+            "step_examples_per_second": len(texts) / row["step_seconds"],
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        }
+    )
+    if encoder.device.type == "cuda":
+        gpu = torch.cuda.get_device_name()
+        peak = next((v for k, v in GPU_PEAK.items() if k in gpu), None)
+        # forward 2·N·T; backward into the adapter needs activation gradients only: ~2·N·T more
+        flops = 4 * params * tokens
+        row["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
+        row["gpu"] = gpu
+        row["step_mfu"] = flops / row["step_seconds"] / peak if peak else None
+    return row
+
+
+def bench_slm(data: Path, names: list[str], device: str) -> list[dict[str, Any]]:
+    """:func:`bench_slm_one` for each model, each in a fresh process (an honest peak memory)."""
+    rows = []
+    for name in names:
+        done = subprocess.run(
+            [sys.executable, __file__, "--slm-one", name, "--data", str(data), "--device", device],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if done.returncode != 0:
+            tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            rows.append({"model": name, "error": tail})
+            continue
+        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return rows
+
+
+def print_slm(rows: list[dict[str, Any]]) -> None:
+    for r in rows:
+        if "error" in r:
+            print(f"8. {r['model']}: not measured ({r['error']})")
+            continue
+        mfu = f", MFU {r['step_mfu']:.1%}" if r.get("step_mfu") else ""
+        print(
+            f"8. {r['model']} ({r['frozen_parameters'] / 1e6:.0f}M, {r['dtype']} on "
+            f"{r['device']}), batch {r['batch'][0]}x{r['batch'][1]}: step {r['step_seconds']:.3f}"
+            f" s vs forward {r['forward_seconds']:.3f} s = {r['ratio']:.2f}x "
+            f"({verdict('3_step_vs_forward', r['ratio'])}); {r['step_examples_per_second']:.1f}"
+            f" train / {r['forward_examples_per_second']:.1f} forward examples/s; peak RSS "
+            f"{r['peak_rss_bytes'] / 2**30:.2f} GiB{mfu}"
+        )
+
+
 # --------------------------------------------------------------------------------- main
 def smoke_setup(work: Path) -> Path:
     """A tiny random Llama as every figure's encoder, and synthetic data; the data file."""
@@ -476,10 +580,34 @@ def main(argv: list[str] | None = None) -> int:
         help="every figure on a tiny random Llama and synthetic data (checks that the script "
         "runs to the end; its numbers mean nothing)",
     )
+    parser.add_argument(
+        "--slm",
+        nargs="*",
+        choices=SLM_NAMES,
+        default=None,
+        help="only figure 8: real small LMs (and a random TinyLlama-shaped Llama) as the "
+        "encoder, adapter step vs forward, examples/s, peak memory; no name: all",
+    )
+    parser.add_argument("--slm-one", choices=SLM_NAMES, help=argparse.SUPPRESS)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if not args.smoke and not args.data.is_file():
         parser.error(f"{args.data} not found; pass --data path/to/SMSSpamCollection.tsv")
+    if args.slm_one or args.slm is not None:
+        settings = load_settings(base_overrides(args.data, Path(tempfile.mkdtemp())))
+        splits = load_splits(settings.dataset, seed=settings.seed)
+        batch = random.Random(1).sample(list(splits.train["text"]), 16)
+        if args.slm_one:
+            row = bench_slm_one(args.slm_one, batch, args.device, settings.model.name_or_path)
+            print(json.dumps(row))
+            return 0
+        rows = bench_slm(args.data, args.slm or list(SLM_NAMES), args.device)
+        load = [round(x, 2) for x in os.getloadavg()]
+        args.json.write_text(json.dumps({"8_slm": rows, "load_after": load}, indent=2))
+        print_slm(rows)
+        print(f"load average {load}; results: {args.json}")
+        return 0
     results: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()},
         "torch": torch.__version__,

@@ -40,6 +40,19 @@ VARIANTS: dict[str, tuple[bool, list[str]]] = {
     "document_rows_only": (False, [*DOCUMENT, "head.query_map=none", "train.epochs=2"]),
     "moe": (False, [*MOE, *MOE_LAYOUT, "train.epochs=2"]),
     "query_map": (False, [*DOCUMENT, "head.train_rows=false", "train.epochs=1"]),
+    # the soft-embedding adapter before the frozen encoder, with the document head (rows and
+    # query map frozen: what the adapter alone adds), 1 epoch of batch 16
+    "adapter_document": (
+        False,
+        [
+            "approach=adapter_document",
+            "head.query_map=none",
+            "head.train_rows=false",
+            "train.adapter_lr=1e-4",
+            "train.batch_size=16",
+            "train.epochs=1",
+        ],
+    ),
     "fl_document": (True, [*DOCUMENT, *FL, "fl.rounds=2"]),
     "fl_query_map": (True, [*DOCUMENT, *FL, "fl.rounds=2", "head.train_rows=false"]),
     "fl_moe_schedule": (
@@ -123,14 +136,19 @@ def evaluate_untrained(settings: Any) -> dict[str, Any]:
     return summary
 
 
-def run_variant(name: str, corpus: Path, out: Path) -> dict[str, Any]:
+def run_variant(
+    name: str, corpus: Path, out: Path, extra: list[str] | None = None
+) -> dict[str, Any]:
     from car_fl.centralized import run_centralized
     from car_fl.settings.compose import load_settings
     from car_fl.simulation.in_process import run_local
 
     federated, overrides = VARIANTS[name]
     folder = out / name
-    settings = load_settings([*corpus_overrides(corpus), *overrides, f"output_dir={folder}"])
+    extra = extra or []
+    settings = load_settings(
+        [*corpus_overrides(corpus), *overrides, *extra, f"output_dir={folder}"]
+    )
     load = os.getloadavg()
     tick = time.perf_counter()
     if name in UNTRAINED:
@@ -145,7 +163,11 @@ def run_variant(name: str, corpus: Path, out: Path) -> dict[str, Any]:
         history = []
     seconds = time.perf_counter() - tick
     best = summary["best"]
-    row: dict[str, Any] = {"name": name, "federated": federated, "overrides": " ".join(overrides)}
+    row: dict[str, Any] = {
+        "name": name,
+        "federated": federated,
+        "overrides": " ".join([*overrides, *extra]),
+    }
     row.update({f"test_{k}": best.get(f"test_{k}") for k in COLUMNS})
     row.update({f"val_{k}": best.get(f"val_{k}") for k in ("recall@10",)})
     for part in ("new", "old"):
@@ -211,6 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--corpus", type=Path, required=True, help="folder of arxiv_corpus.py")
     parser.add_argument("--out", type=Path, required=True, help="results folder")
     parser.add_argument("--only", nargs="*", choices=sorted(VARIANTS), help="variants to run")
+    parser.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="Hydra overrides applied after each variant's (e.g. model=smollm2)",
+    )
     args = parser.parse_args(argv)
     for name in ("documents.jsonl", "queries.jsonl"):
         if not (args.corpus / name).is_file():
@@ -226,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.only or list(VARIANTS):
         if name in done and args.only is None:
             continue
-        row = run_variant(name, args.corpus, args.out)
+        row = run_variant(name, args.corpus, args.out, args.set)
         done[name] = row
         print(json.dumps(row), flush=True)
         with results.open("w", encoding="utf-8") as f:

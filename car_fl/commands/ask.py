@@ -48,12 +48,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="let the generator's hub repository run its own code",
     )
+    parser.add_argument(
+        "--instruction",
+        default=None,
+        help="what the generator is told before the documents (default: answer from the "
+        "documents only, or say you do not know; 'plain': answer using the documents, which "
+        "very small models such as SmolLM2-135M follow better)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
 def run(args: argparse.Namespace) -> int:
     """Retrieve, prompt, generate; print the answer and its sources."""
-    from car_fl.method.rag import load_generator  # torch: only when asking
+    from car_fl.method.rag import INSTRUCTION, PLAIN_INSTRUCTION, load_generator
     from car_fl.method.serving import load_retriever
 
     if args.k < 1:
@@ -85,7 +92,12 @@ def run(args: argparse.Namespace) -> int:
         encoder=encoder,
     )
     hits = retriever.retrieve([args.question], args.k)[0].hits
-    answer = generator.answer(args.question, hits, max_new_tokens=args.max_new_tokens)
+    instruction = {None: INSTRUCTION, "plain": PLAIN_INSTRUCTION}.get(
+        args.instruction, args.instruction
+    )
+    answer = generator.answer(
+        args.question, hits, max_new_tokens=args.max_new_tokens, instruction=instruction
+    )
     if args.json:
         payload = {
             "question": args.question,

@@ -23,6 +23,8 @@ INSTRUCTION = (
     "Answer the question using only the documents below. "
     "If they do not hold the answer, say that you do not know."
 )
+#: A simpler instruction for very small generators (``car-fl ask --instruction``).
+PLAIN_INSTRUCTION = "Answer the question using the documents below."
 #: A context length to assume when neither the model nor its tokenizer states one.
 FALLBACK_CONTEXT = 2048
 
@@ -45,9 +47,15 @@ def document_block(hits: Sequence[Hit]) -> str:
     return "\n\n".join(f"[{rank}] ({hit.id}) {hit.text}" for rank, hit in enumerate(hits, 1))
 
 
-def build_prompt(question: str, hits: Sequence[Hit], tokenizer: Any | None = None) -> str:
+def build_prompt(
+    question: str,
+    hits: Sequence[Hit],
+    tokenizer: Any | None = None,
+    *,
+    instruction: str = INSTRUCTION,
+) -> str:
     """The prompt for ``question`` given ``hits``: chat template if ``tokenizer`` has one."""
-    user = f"{INSTRUCTION}\n\nDocuments:\n{document_block(hits)}\n\nQuestion: {question}"
+    user = f"{instruction}\n\nDocuments:\n{document_block(hits)}\n\nQuestion: {question}"
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
         text: str = tokenizer.apply_chat_template(
             [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
@@ -65,14 +73,22 @@ def cut_to_tokens(text: str, tokenizer: Any, budget: int) -> str:
 
 
 def fit_documents(
-    question: str, hits: Sequence[Hit], tokenizer: Any, *, context: int, max_new_tokens: int
+    question: str,
+    hits: Sequence[Hit],
+    tokenizer: Any,
+    *,
+    context: int,
+    max_new_tokens: int,
+    instruction: str = INSTRUCTION,
 ) -> list[Hit]:
     """``hits`` with texts cut so that the prompt and ``max_new_tokens`` fit in ``context``.
 
     Each document gets an equal share of the tokens the prompt leaves free; a
     ``ValueError`` when the question alone leaves no room.
     """
-    bare = build_prompt(question, [Hit(h.id, "", h.score) for h in hits], tokenizer)
+    bare = build_prompt(
+        question, [Hit(h.id, "", h.score) for h in hits], tokenizer, instruction=instruction
+    )
     used = len(tokenizer(bare, add_special_tokens=True)["input_ids"])
     free = context - max_new_tokens - used
     if hits and free < len(hits):
@@ -111,7 +127,14 @@ class Generator:
 
         return Encoder(self.model.get_decoder(), self.tokenizer, cfg)
 
-    def prompt(self, question: str, hits: Sequence[Hit], *, max_new_tokens: int) -> str:
+    def prompt(
+        self,
+        question: str,
+        hits: Sequence[Hit],
+        *,
+        max_new_tokens: int,
+        instruction: str = INSTRUCTION,
+    ) -> str:
         """The prompt :meth:`answer` sends: documents cut to fit the context."""
         fitted = fit_documents(
             question,
@@ -119,16 +142,27 @@ class Generator:
             self.tokenizer,
             context=self.context,
             max_new_tokens=max_new_tokens,
+            instruction=instruction,
         )
-        return build_prompt(question, fitted, self.tokenizer)
+        return build_prompt(question, fitted, self.tokenizer, instruction=instruction)
 
-    def answer(self, question: str, hits: Sequence[Hit], *, max_new_tokens: int = 128) -> Answer:
-        """Greedy generation of at most ``max_new_tokens`` tokens after the prompt."""
+    def answer(
+        self,
+        question: str,
+        hits: Sequence[Hit],
+        *,
+        max_new_tokens: int = 128,
+        instruction: str = INSTRUCTION,
+    ) -> Answer:
+        """Greedy generation of at most ``max_new_tokens`` tokens after the prompt, which opens
+        with ``instruction`` (small models may need a simpler one than :data:`INSTRUCTION`:
+        SmolLM2-135M answers "not available" to a question its one document answers when told
+        to say so if the documents do not hold the answer)."""
         import torch
 
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        prompt = self.prompt(question, hits, max_new_tokens=max_new_tokens)
+        prompt = self.prompt(question, hits, max_new_tokens=max_new_tokens, instruction=instruction)
         templated = bool(getattr(self.tokenizer, "chat_template", None))
         # a chat template already holds the special tokens it needs
         inputs = self.tokenizer(prompt, return_tensors="pt", add_special_tokens=not templated)

@@ -1,0 +1,259 @@
+"""End-to-end RAG on a document corpus: does the answer name the right paper?
+
+    python scripts/arxiv_corpus.py ../shared/data/arxiv_dev/arxiv_dev.jsonl runs/arxiv_1k \
+        --sample 1000 --seed 0
+    python scripts/rag_benchmark.py --corpus runs/arxiv_1k --out runs/bench/rag \
+        --retriever "MIPS (MiniLM)=runs/bench/slm_docs_minilm/mips" ... --queries 60
+
+For a seeded sample of held-out test queries (an abstract's last sentence, never inside its
+document's text), the generator is asked which paper the sentence comes from, with the top-3
+documents of each retriever in the prompt (``car_fl.method.rag``: the same prompt and greedy
+decoding as ``car-fl ask --instruction plain``). An answer *names the paper* when some span of
+the answer as long as the title has token F1 >= ``--f1`` (0.5) against the paper's title
+(SQuAD's normalisation: lower case, no punctuation or articles). Rows: no retrieval, each
+``--retriever`` (a run folder: its ``checkpoints/best``, else ``final``), and the true
+document first in the prompt (the generator's ceiling: the true document, then the last
+retriever's next two). A retriever whose
+encoder is the generator's own model shares its weights (``Generator.as_encoder``).
+``--memory`` also measures peak memory of one ``car-fl ask`` with one copy of SmolLM2 (the
+encoder is the generator's) against two, each in a fresh process.
+Writes ``results.json``, ``answers.jsonl`` (every question, prompt's documents and answer) and
+``table.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import random
+import re
+import resource
+import string
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+QUESTION = 'What is the title of the paper that says: "{sentence}"?'
+CEILING = "true document first (ceiling)"
+NONE = "no retrieval"
+
+
+def normalise(text: str) -> list[str]:
+    """SQuAD's answer normalisation: lower case, no punctuation, no articles, single spaces."""
+    text = text.lower()
+    text = "".join(ch for ch in text if ch not in set(string.punctuation))
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return text.split()
+
+
+def f1(got: list[str], want: list[str]) -> float:
+    common = sum((collections.Counter(got) & collections.Counter(want)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(got), common / len(want)
+    return 2 * precision * recall / (precision + recall)
+
+
+def title_f1(answer: str, title: str) -> float:
+    """The best token F1 of the title against any span of the answer as long as the title,
+    after :func:`normalise`: a verbose answer that names the title scores as the title does."""
+    got, want = normalise(answer), normalise(title)
+    if not got or not want:
+        return 0.0
+    width = min(len(want), len(got))
+    return max(f1(got[i : i + width], want) for i in range(len(got) - width + 1))
+
+
+def checkpoint_of(run: Path) -> Path:
+    for name in ("best", "final"):
+        if (run / "checkpoints" / name).is_dir():
+            return run / "checkpoints" / name
+    raise SystemExit(f"{run} has no checkpoints/best or checkpoints/final")
+
+
+def load_queries(corpus: Path, count: int, seed: int) -> list[dict[str, str]]:
+    rows = [json.loads(line) for line in (corpus / "queries.jsonl").open(encoding="utf-8")]
+    test = [r for r in rows if r["split"] == "test"]
+    return random.Random(seed).sample(test, min(count, len(test)))
+
+
+def peak_memory(checkpoint: Path, generator: str, shared: bool) -> dict[str, Any]:
+    """Peak RSS of one ``car-fl ask`` in a fresh process: one copy of the weights or two."""
+    how = ["--same-model"] if shared else ["--generator", generator]
+    code = (
+        "import resource, sys; from car_fl.cli import main; "
+        "code = main(sys.argv[1:]); "
+        "print('PEAK', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(code)"
+    )
+    args = ["ask", "--checkpoint", str(checkpoint), *how, "--device", "cpu"]
+    args += ["--max-new-tokens", "8", "which paper studies federated learning?"]
+    tick = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"car-fl ask failed: {done.stderr.strip().splitlines()[-1:]}")
+    peak_kib = int(done.stdout.split("PEAK")[-1].split()[0])
+    return {
+        "copies": 1 if shared else 2,
+        "peak_rss_mib": round(peak_kib / 1024),
+        "seconds": round(time.perf_counter() - tick, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--corpus", type=Path, required=True, help="folder of arxiv_corpus.py")
+    parser.add_argument("--out", type=Path, required=True, help="results folder")
+    parser.add_argument(
+        "--retriever",
+        action="append",
+        default=[],
+        metavar="NAME=RUN",
+        help="a row: its name and a run folder (repeat; the last is the ceiling's fallback)",
+    )
+    parser.add_argument("--generator", default="gguf:smollm2", help="causal LM (gguf:smollm2)")
+    parser.add_argument("--queries", type=int, default=60, help="seeded sample of test queries")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("-k", type=int, default=3, help="documents in the prompt (3)")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--f1", type=float, default=0.5, help="token F1 that names the paper")
+    parser.add_argument("--memory", action="store_true", help="also peak memory: 1 vs 2 copies")
+    args = parser.parse_args(argv)
+    from car_fl.method.gguf import resolve
+    from car_fl.method.head import Hit
+    from car_fl.method.rag import PLAIN_INSTRUCTION, load_generator
+    from car_fl.method.serving import load_retriever
+    from car_fl.results.checkpoint import load_checkpoint
+
+    retrievers: dict[str, Path] = {}
+    for item in args.retriever:
+        name, _, run = item.partition("=")
+        if not run:
+            parser.error(f"--retriever {item!r}: write NAME=RUN_FOLDER")
+        retrievers[name] = checkpoint_of(Path(run))
+    args.out.mkdir(parents=True, exist_ok=True)
+    documents = {d["id"]: d for d in map(json.loads, (args.corpus / "documents.jsonl").open())}
+    queries = load_queries(args.corpus, args.queries, args.seed)
+    load = [round(x, 2) for x in os.getloadavg()]
+    generator = load_generator(args.generator, device="cpu")
+    generator_folder = resolve(args.generator)
+
+    hits_by_row: dict[str, list[list[Hit]]] = {NONE: [[] for _ in queries]}
+    texts = [q["query"] for q in queries]
+    for name, ckpt in retrievers.items():
+        model = load_checkpoint(ckpt).settings.model
+        shared = resolve(model.name_or_path) == generator_folder
+        retriever = load_retriever(
+            ckpt,
+            device="cpu",
+            documents_path=args.corpus / "documents.jsonl",
+            encoder=generator.as_encoder(model) if shared else None,
+        )
+        hits_by_row[name] = [r.hits for r in retriever.retrieve(texts, args.k)]
+    if retrievers:  # the ceiling: the true document first, then the last retriever's next ones
+        last = hits_by_row[list(retrievers)[-1]]
+        ceiling = []
+        for query, hits in zip(queries, last, strict=True):
+            truth = documents[query["document_id"]]
+            others = [h for h in hits if h.id != truth["id"]][: args.k - 1]
+            ceiling.append([Hit(truth["id"], truth["text"], 1.0), *others])
+        hits_by_row[CEILING] = ceiling
+
+    rows, answers = [], []
+    for name, per_query in hits_by_row.items():
+        tick = time.perf_counter()
+        named = in_prompt = 0
+        f1s = []
+        for query, hits in zip(queries, per_query, strict=True):
+            title = documents[query["document_id"]]["title"]
+            question = QUESTION.format(sentence=query["query"])
+            answer = generator.answer(
+                question, hits, max_new_tokens=args.max_new_tokens, instruction=PLAIN_INSTRUCTION
+            )
+            score = title_f1(answer.text, title)
+            f1s.append(score)
+            named += score >= args.f1
+            in_prompt += any(h.id == query["document_id"] for h in hits)
+            answers.append(
+                {
+                    "row": name,
+                    "sentence": query["query"],
+                    "title": title,
+                    "sources": list(answer.sources),
+                    "answer": answer.text,
+                    "f1": round(score, 3),
+                }
+            )
+        rows.append(
+            {
+                "row": name,
+                "names_the_paper": named / len(queries),
+                "mean_f1": sum(f1s) / len(f1s),
+                "true_document_in_prompt": in_prompt / len(queries),
+                "seconds": round(time.perf_counter() - tick, 1),
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+    memory = []
+    if args.memory and retrievers:
+        shared_ckpt = next(
+            (
+                c
+                for c in retrievers.values()
+                if resolve(load_checkpoint(c).settings.model.name_or_path) == generator_folder
+            ),
+            None,
+        )
+        if shared_ckpt is not None:
+            memory = [peak_memory(shared_ckpt, args.generator, s) for s in (True, False)]
+    command = "python " + " ".join(["scripts/rag_benchmark.py", *(argv or sys.argv[1:])])
+    result = {
+        "command": command,
+        "queries": len(queries),
+        "seed": args.seed,
+        "k": args.k,
+        "generator": args.generator,
+        "f1_threshold": args.f1,
+        "load_before": load,
+        "load_after": [round(x, 2) for x in os.getloadavg()],
+        "rows": rows,
+        "memory": memory,
+        "peak_rss_mib_this_process": round(
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        ),
+    }
+    (args.out / "results.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    with (args.out / "answers.jsonl").open("w", encoding="utf-8") as handle:
+        handle.writelines(json.dumps(a, ensure_ascii=False) + "\n" for a in answers)
+    lines = [
+        f"{len(queries)} test sentences (seed {args.seed}), top-{args.k} documents, generator "
+        f"{args.generator}; names the paper: token F1 with its title >= {args.f1}",
+        "",
+        "| prompt's documents | names the paper | mean F1 | true document in prompt | s |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['row']} | {r['names_the_paper']:.1%} | {r['mean_f1']:.3f} | "
+        f"{r['true_document_in_prompt']:.1%} | {r['seconds']:.0f} |"
+        for r in rows
+    ]
+    if memory:
+        lines += ["", "| copies of the weights | peak RSS (MiB) |", "|---|---|"]
+        lines += [f"| {m['copies']} | {m['peak_rss_mib']:,} |" for m in memory]
+    (args.out / "table.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
