@@ -94,6 +94,9 @@ def _model_fingerprint(cfg: ModelConfig) -> dict[str, object]:
     """What identifies the encoder's weights without loading them."""
     info: dict[str, object] = {"name_or_path": cfg.name_or_path, "revision": cfg.revision}
     folder = Path(cfg.name_or_path).expanduser()
+    if folder.is_file():  # a GGUF file: its size and time stand for its bytes
+        stat = folder.stat()
+        info["file"] = [stat.st_size, stat.st_mtime_ns]
     if folder.is_dir():
         files = {}
         for path in sorted(folder.iterdir()):

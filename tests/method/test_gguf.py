@@ -230,3 +230,16 @@ def test_the_cache_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("XDG_CACHE_HOME", "/somewhere")
     assert gguf.cache_root() == Path("/somewhere/car-fl/models")
     assert os.environ.get("CAR_FL_MODEL_CACHE") is None
+
+
+def test_a_rewritten_gguf_file_changes_the_feature_cache_key(
+    tiny_gguf: Path, tmp_path: Path
+) -> None:
+    from car_fl.method.features import feature_key
+
+    copy = tmp_path / "copy.gguf"
+    copy.write_bytes(tiny_gguf.read_bytes())
+    settings = load_settings(["model=local", f"model.name_or_path={copy}", "device=cpu"])
+    before = feature_key(settings.model, ["a text"], device="cpu")
+    copy.write_bytes(tiny_gguf.read_bytes() + b"\0")  # another file at the same path
+    assert feature_key(settings.model, ["a text"], device="cpu") != before
