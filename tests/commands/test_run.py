@@ -160,3 +160,55 @@ def test_a_simulation_through_flower_exit_codes_and_run_config_keys(
     status = wait_for_run(connection, run_id, timeout=600, env=env)
     assert status["status"] == "finished:failed"
     assert "every round failed" in status["status-details"]
+
+
+FAKE_FLWR = """#!{python}
+import json, os, sys, time
+marks = os.environ["FAKE_FLWR_DIR"]
+open(os.path.join(marks, sys.argv[1]), "a").close()
+if sys.argv[1] == "run":
+    print(json.dumps({{"success": True, "run-id": 7}}))
+elif sys.argv[1] == "ls":
+    print(json.dumps({{"runs": [{{"status": "running", "status-details": ""}}]}}))
+elif sys.argv[1] == "log":
+    time.sleep(120)  # as flwr log --stream: a Ctrl-C it receives ends it with a traceback
+"""
+
+DRIVER = """
+import sys
+import car_fl.deploy.runs as runs
+runs.flwr_bin = lambda name: sys.argv[1]
+from car_fl.cli import main
+sys.exit(main(["run", "elsewhere", "--app", sys.argv[2]]))
+"""
+
+
+def test_ctrl_c_stops_the_run_in_one_line_with_exit_130_and_no_traceback_of_flwr(
+    tmp_path: Path,
+) -> None:
+    """Ctrl-C reaches the terminal's whole process group; the ``flwr`` children are not in it."""
+    import signal
+
+    fake = tmp_path / "flwr"
+    fake.write_text(FAKE_FLWR.format(python=sys.executable))
+    fake.chmod(0o755)
+    env = {**os.environ, "FAKE_FLWR_DIR": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-c", DRIVER, str(fake), str(PROJECT)]
+    proc = subprocess.Popen(
+        command, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "log").exists():  # the run is being followed
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr
+            time.sleep(0.1)
+        time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    assert stderr.strip().splitlines()[-1] == "car-fl run: run 7 stopped", stderr
+    assert (tmp_path / "stop").exists()  # flwr stop was called for the run
