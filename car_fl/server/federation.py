@@ -27,6 +27,7 @@ from car_fl.results.recorder import Recorder
 from car_fl.results.rows import RunSummary
 from car_fl.server.aggregation import build_strategy
 from car_fl.server.evaluation import ServerEvaluator
+from car_fl.server.failure_summary import failure_summary
 from car_fl.server.resume import load_resume_point
 from car_fl.server.round_recorder import RoundRecorder
 from car_fl.server.strategy import spec_of
@@ -172,8 +173,8 @@ def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
     summary = recorder.summary(final=True)
     if len(summary.skipped_rounds or []) == settings.fl.rounds:
         raise RuntimeError(
-            f"every round failed: no client sent a valid update in {settings.fl.rounds} rounds; "
-            f"see the errors above (results in {output_dir})"
+            f"every round failed: no client sent a valid update in {settings.fl.rounds} rounds: "
+            f"{failure_summary(strategy.history)} (results in {output_dir})"
         )
     assert summary.final is not None and summary.best is not None
     log.info(

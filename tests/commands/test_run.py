@@ -160,6 +160,9 @@ def test_a_simulation_through_flower_exit_codes_and_run_config_keys(
     status = wait_for_run(connection, run_id, timeout=600, env=env)
     assert status["status"] == "finished:failed"
     assert "every round failed" in status["status-details"]
+    # the last line counts the nodes per failure code and says what it means
+    assert "2 nodes failed the round (unreadable data" in status["status-details"]
+    assert "(ROUND_FAILED), their owners have the details" in status["status-details"]
 
 
 FAKE_FLWR = """#!{python}
