@@ -11,6 +11,7 @@ files, the plot and a checkpoint.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -88,8 +89,9 @@ def wait_for_nodes(
 
 def default_output_dir(settings: Settings) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    name = f"{stamp}-{settings.dataset.name}-{settings.model.name}-{settings.train.mode}"
-    return Path("runs") / name.replace("+", "-")
+    data = settings.dataset.label.rsplit(".", 1)[0]  # synthetic.tsv -> synthetic
+    name = f"{stamp}-{data}-{settings.model.name}-{settings.train.mode}"
+    return Path("runs") / re.sub(r"[^A-Za-z0-9_.-]+", "-", name)
 
 
 def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
