@@ -50,4 +50,6 @@ def test_ask_without_the_hub_fails_in_seconds_in_one_line(tmp_path: Path) -> Non
     assert done.returncode == 1
     [line] = done.stderr.strip().splitlines()  # no retry lines from the Hub's client
     assert line.startswith("car-fl ask: could not load the generator 'someone/a-generator'")
-    assert seconds < 20  # the Hub's client alone retries for about 25 s
+    # the Hub's client alone retries for about 25 s per file (51 s in all, unloaded); with the
+    # probe it is the imports' time (about 9 s unloaded), with room for a loaded machine
+    assert seconds < 45
