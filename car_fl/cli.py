@@ -1,7 +1,7 @@
 """The ``car-fl`` command: wiring only; each subcommand lives in :mod:`car_fl.commands`.
 
-A failing subcommand prints one line, ``car-fl <command>: <reason>``, to stderr and exits 1
-(``--debug`` shows the traceback instead).
+A failing subcommand prints one line, ``car-fl <command>: <reason>``, to stderr and exits 1,
+or 130 after Ctrl-C (``--debug`` shows the traceback instead).
 """
 
 from __future__ import annotations

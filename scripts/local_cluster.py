@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
+import time
 from pathlib import Path
 
 from car_fl.deploy.cluster import LocalCluster
@@ -46,17 +48,29 @@ def start(args: argparse.Namespace) -> None:
     )
 
 
+def results_folder(folder: Path, overrides: str) -> tuple[str, Path]:
+    """The overrides with an ``output_dir`` (``<dir>/runs/<time>`` unless given) and that folder
+    (the ServerApp runs in the SuperLink's folder: a relative path is not where you are)."""
+    given = [w.split("=", 1)[1] for w in shlex.split(overrides) if w.startswith("output_dir=")]
+    if given:
+        return overrides, Path(given[-1]).expanduser().resolve()
+    out = folder / "runs" / time.strftime("%Y%m%d-%H%M%S")
+    return f"{overrides} output_dir={out}".strip(), out
+
+
 def run(args: argparse.Namespace) -> None:
     folder = args.dir.resolve()
     cluster = LocalCluster.attach(folder, connection=CONNECTION)
-    run_id = cluster.submit(PROJECT, args.overrides)
+    overrides, out = results_folder(folder, args.overrides)
+    run_id = cluster.submit(PROJECT, overrides)
     print(
-        f"run {run_id} started; waiting for it to finish (flwr ls {CONNECTION} "
-        f"--run-id {run_id} with FLWR_HOME={cluster.flwr_home})",
+        f"run {run_id} started, results in {out}; waiting for it to finish (flwr ls "
+        f"{CONNECTION} --run-id {run_id} with FLWR_HOME={cluster.flwr_home})",
         flush=True,
     )
     status = cluster.wait(run_id, timeout=args.timeout)
     print(json.dumps(status, indent=2))
+    print(f"run {run_id} {status['status']}; results in {out}")
     sys.exit(0 if status["status"] == COMPLETED else 1)
 
 

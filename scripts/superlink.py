@@ -1,6 +1,7 @@
 """Start a Flower SuperLink (the aggregator) for car-fl on this machine.
 
-Insecure for a trusted lab network, or TLS with --certs (see make_certs.py); with a state
+Listens on 127.0.0.1 (this machine only) unless given --bind; on any other address it needs
+TLS (--certs, see make_certs.py), or --insecure for a trusted lab network; with a state
 database so that a restart does not lose the run; runtime dependency installation off (every
 machine has car-fl installed). SuperNodes connect to --fleet-port (gRPC); `flwr run` connects
 to --control-port. With --restartable the ServerApp runs under a separate SuperExec, so that a
@@ -17,12 +18,24 @@ import sys
 from pathlib import Path
 
 from car_fl.deploy.certs import TLSFiles
-from car_fl.deploy.commands import CONTROL_PORT, FLEET_PORT, superexec_command, superlink_command
+from car_fl.deploy.commands import (
+    CONTROL_PORT,
+    FLEET_PORT,
+    LOOPBACK,
+    exposure_warning,
+    superexec_command,
+    superlink_command,
+)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--bind", default="0.0.0.0", help="address to listen on")
+    parser.add_argument(
+        "--bind",
+        default=LOOPBACK,
+        help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: every "
+        "interface, which needs --certs or --insecure)",
+    )
     parser.add_argument("--fleet-port", type=int, default=FLEET_PORT)
     parser.add_argument("--control-port", type=int, default=CONTROL_PORT)
     parser.add_argument(
@@ -34,6 +47,11 @@ def main() -> None:
         "--certs",
         default=None,
         help="folder with ca.crt, server.pem, server.key (TLS); default insecure",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a --bind other than loopback without TLS (a trusted lab network only)",
     )
     parser.add_argument(
         "--node-auth",
@@ -48,6 +66,12 @@ def main() -> None:
     parser.add_argument("--print", action="store_true", help="print the commands, do not run")
     args = parser.parse_args()
     tls = TLSFiles.in_folder(args.certs) if args.certs else None
+    try:
+        warning = exposure_warning(args.bind, tls=tls is not None, insecure=args.insecure)
+    except ValueError as err:
+        sys.exit(f"superlink.py: {err}")
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     cmd = superlink_command(
         fleet_address=f"{args.bind}:{args.fleet_port}",
         control_host=args.bind,

@@ -29,6 +29,7 @@ def final_state(out: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("head", ["classifier", "knn"])
+@pytest.mark.slow
 def test_centralised_classifier_run_on_cached_features_never_loads_the_encoder(
     tmp_path: Path, make_settings, head: str
 ) -> None:

@@ -13,6 +13,7 @@ from car_fl.cli import main as cli_main
 from car_fl.data.splits import load_splits
 
 
+@pytest.mark.slow
 def test_retrieve_command_prints_top_k_labels(
     make_settings, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -33,6 +34,7 @@ def test_retrieve_command_prints_top_k_labels(
     assert "topic1" in capsys.readouterr().out.splitlines()[1]
 
 
+@pytest.mark.slow
 def test_retrieve_command_serves_a_knn_run_from_its_training_split(
     make_settings, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -59,6 +61,7 @@ def test_a_wrong_checkpoint_is_one_line_without_traceback_unless_debug(
         cli_main(["--debug", "retrieve", "--checkpoint", str(tmp_path), "hello"])
 
 
+@pytest.mark.slow
 def test_retrieve_command_prints_a_corpus_checkpoints_documents(
     make_corpus_settings, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

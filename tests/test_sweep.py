@@ -142,6 +142,7 @@ def _experiment(name: str, *overrides: str):
 
 
 @pytest.mark.parametrize("name", ["sms_mips", "sms_scenarios", "ag_news", "arxiv"])
+@pytest.mark.slow
 def test_every_experiment_config_gives_valid_jobs(name: str) -> None:
     """Each combination of an experiment's sweep composes into valid settings (or a skip)."""
     extra = ["dataset.path=/data/arxiv.json"] if name == "arxiv" else []

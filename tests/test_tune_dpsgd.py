@@ -24,6 +24,7 @@ def load_script() -> Any:
     return module
 
 
+@pytest.mark.slow
 def test_each_client_round_is_train_shard_with_its_dp_state_across_rounds(
     make_settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -60,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Retrieve, prompt, generate; print the answer and its sources."""
+    from car_fl.common.hub import offline_unless_reachable
+
+    offline_unless_reachable()  # no Hub: the loaders read the local cache, and fail in seconds
     from car_fl.method.rag import INSTRUCTION, PLAIN_INSTRUCTION, load_generator
     from car_fl.method.serving import load_retriever
 

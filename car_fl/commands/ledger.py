@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 NAME = "ledger"
@@ -21,20 +20,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print every release recorded for ``data`` and the lifetime ε at the policy's δ."""
-    from car_fl.client.ledger import Ledger, LedgerError, data_key
-    from car_fl.client.policy import NodePolicy, PolicyError
+    from car_fl.client.ledger import Ledger, data_key
+    from car_fl.client.policy import NodePolicy
 
-    try:
-        policy = NodePolicy.load(args.policy)
-        if not Path(args.data).expanduser().is_file():
-            raise FileNotFoundError(f"data file {args.data} is not a file")
-        ledger = Ledger(policy.ledger, data_key(args.data))  # read only: nothing is created
-        entries = ledger.entries()
-        lifetime = ledger.epsilon(policy.max_delta)
-        non_private = ledger.non_private()
-    except (PolicyError, LedgerError, FileNotFoundError) as err:
-        print(f"car-fl ledger: {err}", file=sys.stderr)
-        return 2
+    # a wrong policy, data file or ledger: one line, exit 1 (car_fl.cli)
+    policy = NodePolicy.load(args.policy)
+    if not Path(args.data).expanduser().is_file():
+        raise FileNotFoundError(f"data file {args.data} is not a file")
+    ledger = Ledger(policy.ledger, data_key(args.data))  # read only: nothing is created
+    entries = ledger.entries()
+    lifetime = ledger.epsilon(policy.max_delta)
+    non_private = ledger.non_private()
     if args.json:
         content = {
             "ledger": str(ledger.path),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 NAME = "report"
@@ -20,11 +19,7 @@ def run(args: argparse.Namespace) -> int:
     from car_fl.results.report import write_report
 
     out = args.out or str(Path(args.paths[0]) / "report")
-    try:
-        report = write_report(args.paths, out)
-    except FileNotFoundError as err:
-        print(f"car-fl report: {err}", file=sys.stderr)
-        return 2
+    report = write_report(args.paths, out)  # a missing folder: one line, exit 1
     counts = ", ".join(f"{n} {status}" for status, n in sorted(report.counts.items()))
     print(f"{len(report.rows)} runs ({counts})")
     for path in (report.markdown, report.results_csv, report.retrieval_csv, *report.plots):

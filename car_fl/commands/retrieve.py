@@ -41,18 +41,21 @@ def read_queries(args: argparse.Namespace) -> list[str]:
     if args.file is not None:
         path = Path(args.file)
         if not path.is_file():
-            raise SystemExit(f"error: query file {path} not found")
+            raise FileNotFoundError(f"query file {path} not found")
         queries += [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     if not queries:
-        raise SystemExit("error: give queries as arguments or with --file (one per line)")
+        raise ValueError("give queries as arguments or with --file (one per line)")
     return queries
 
 
 def run(args: argparse.Namespace) -> int:
     """Load a checkpoint and its encoder; print the top-K labels and scores per query."""
-    from car_fl.method.serving import load_retriever  # torch: only when retrieving
+    from car_fl.common.hub import offline_unless_reachable
 
     queries = read_queries(args)
+    offline_unless_reachable()  # no Hub: the loaders read the local cache, and fail in seconds
+    from car_fl.method.serving import load_retriever  # torch: only when retrieving
+
     retriever = load_retriever(
         args.checkpoint, device=args.device, model=args.model, documents_path=args.documents
     )

@@ -91,6 +91,7 @@ def simulation_config(items: list[str], clients: int) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Check, submit, follow; 0 only for a run that finished ``completed``."""
+    from car_fl.deploy.local_superlink import check_local_superlink
     from car_fl.deploy.runs import COMPLETED, NO_INSTALL, follow_run, submit
     from car_fl.method.sources import check_sources
     from car_fl.settings.flower import run_config_from_args, settings_from_run_config
@@ -104,10 +105,13 @@ def run(args: argparse.Namespace) -> int:
             "nothing, so there is nothing to federate; use car-fl train"
         )
     federation = args.federation_config
-    if federation or is_local_simulation(args.connection):
+    local = is_local_simulation(args.connection)
+    if federation or local:
         federation = simulation_config(federation, settings.fl.clients)
         # This machine is the server: its files and the Hub are what the run will use.
         check_sources(settings)
+    if local:  # one a plain `flwr run` started would install dependencies in every run
+        check_local_superlink()
     env = {**os.environ, **{k: os.environ.get(k, v) for k, v in NO_INSTALL.items()}}
     run_id = submit(app, args.connection, args.run_config, federation, env=env)
     print(

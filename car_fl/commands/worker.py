@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     """Serve rounds until stopped (a supervisor restarts the worker unless --no-restart)."""
     from flwr.common.config import parse_config_args
 
-    from car_fl.client.worker import own_node_config, serve, supervise
+    from car_fl.client.worker import hold_folder, own_node_config, serve, supervise
     from car_fl.common.logs import setup_logging
 
     setup_logging()
@@ -56,8 +56,10 @@ def run(args: argparse.Namespace) -> int:
     try:  # a wrong node config fails here, before anything starts
         own_node_config(folder, parse_config_args([args.node_config]))
     except (ValueError, OSError) as err:
-        print(f"car-fl worker: --node-config {args.node_config!r}: {err}", file=sys.stderr)
-        return 2
+        raise ValueError(f"--node-config {args.node_config!r}: {err}") from err
+    if args.listen_fd is None:  # a folder another worker serves: one line, before anything starts
+        with hold_folder(folder):
+            pass
     if args.no_restart or args.listen_fd is not None:
         node_config = parse_config_args([args.node_config])
         return serve(folder, node_config, listen_fd=args.listen_fd)

@@ -222,7 +222,7 @@ def load_splits(cfg: DatasetConfig, *, seed: int, label_map: LabelMap | None = N
     log.info(
         "dataset %s: %d train, %d validation, %d test examples, %d labels; duplicates removed: "
         "%d copies, %d with conflicting labels, %d training texts also in the test file",
-        cfg.name,
+        cfg.label,
         len(train),
         len(validation),
         len(test),

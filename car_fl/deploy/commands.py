@@ -5,6 +5,7 @@ Pure functions: they build argument lists and strings, and start nothing.
 
 from __future__ import annotations
 
+import ipaddress
 import sys
 from pathlib import Path
 
@@ -22,6 +23,34 @@ from car_fl.settings.flower import (
 FLEET_PORT = 9092  # gRPC Fleet API: SuperNodes connect here (open it to the clients)
 CONTROL_PORT = 9093  # HTTP(S) Control API: `flwr run` connects here (open it to the operator)
 RUNTIME_PORT = 9094  # a SuperNode's local runtime API (its ClientApp processes connect here)
+LOOPBACK = "127.0.0.1"  # where a service listens unless told otherwise
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or name) can only be reached from this machine."""
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
+
+
+def exposure_warning(host: str, *, tls: bool, insecure: bool) -> str | None:
+    """A warning for a service listening on ``host``; ``ValueError`` if it would be reachable
+    from the network without TLS and ``insecure`` was not asked for explicitly."""
+    if tls or is_loopback(host):
+        return None
+    if not insecure:
+        raise ValueError(
+            f"--bind {host} without --certs would serve the SuperLink unencrypted to the "
+            "network: give --certs (scripts/make_certs.py), or add --insecure on a trusted "
+            "network, or keep the default --bind 127.0.0.1 (this machine only)"
+        )
+    return (
+        f"warning: the SuperLink listens on {host} without TLS (--insecure): anyone who "
+        "can reach this machine can join as a SuperNode or start runs"
+    )
 
 
 def flwr_bin(name: str) -> str:
@@ -37,15 +66,16 @@ def pinned(cmd: list[str], core: int | None) -> list[str]:
 
 def superlink_command(
     *,
-    fleet_address: str = f"0.0.0.0:{FLEET_PORT}",
-    control_host: str = "0.0.0.0",
+    fleet_address: str = f"{LOOPBACK}:{FLEET_PORT}",
+    control_host: str = LOOPBACK,
     control_port: int = CONTROL_PORT,
     database: str | Path = "superlink-state.db",
     tls: TLSFiles | None = None,
     node_auth: bool = False,
     isolation: str = "subprocess",
 ) -> list[str]:
-    """``flower-superlink`` for a deployment: runtime dependency installation off."""
+    """``flower-superlink`` for a deployment: runtime dependency installation off; on loopback
+    unless given other addresses (check those with :func:`exposure_warning`)."""
     cmd = [
         flwr_bin("flower-superlink"),
         "--fleet-api-address",

@@ -4,6 +4,9 @@
 from the first ``{``. ``flwr run`` can exit 0 for a run whose ServerApp failed, so the end of
 a run is read from its status (``finished:completed``, ``finished:failed``, ...):
 :func:`follow_run` streams a run's log while it polls that status (``car-fl run``).
+
+Every ``flwr`` child runs in its own session, so that Ctrl-C reaches this program alone: it
+stops the run and says so in one line, instead of each child printing its own traceback.
 """
 
 from __future__ import annotations
@@ -73,14 +76,18 @@ def submit(
         cmd += ["--run-config", item]
     for item in federation_config:
         cmd += ["--federation-config", item]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, env=env, check=False, start_new_session=True
+    )
     return run_id_from(out.stdout, out.stderr, out.returncode)
 
 
 def stop_run(connection: str, run_id: str, *, env: dict[str, str] | None = None) -> None:
     """``flwr stop RUN_ID CONNECTION`` (a run this program started)."""
     cmd = [flwr_bin("flwr"), "stop", run_id, connection]
-    subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    subprocess.run(
+        cmd, capture_output=True, text=True, env=env, check=False, start_new_session=True
+    )
 
 
 def run_status(
@@ -88,7 +95,9 @@ def run_status(
 ) -> dict[str, str]:
     """The run's ``status`` and ``status-details`` from ``flwr ls``."""
     cmd = [flwr_bin("flwr"), "ls", connection, "--run-id", run_id, "--format", "json"]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, env=env, check=False, start_new_session=True
+    )
     return status_from(out.stdout, out.stderr)
 
 
@@ -109,7 +118,7 @@ def follow_run(
     """
     read = status or (lambda: run_status(connection, run_id, env=env))
     cmd = [flwr_bin("flwr"), "log", run_id, connection, "--stream"]
-    stream = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+    stream = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + timeout
         while True:

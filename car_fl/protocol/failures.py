@@ -38,6 +38,12 @@ class Failure(IntEnum):
     def text(self) -> str:
         return FAILURE_TEXT[self]
 
+    @property
+    def meaning(self) -> str:
+        """What it means to the person who started the run: what happened (CODE), what to do."""
+        what, advice = FAILURE_MEANING[self]
+        return f"{what} ({self.name}), {advice}"
+
 
 FAILURE_TEXT: dict[Failure, str] = {
     Failure.ROUND_FAILED: "car-fl: the round failed on this node; details are in the node's log",
@@ -46,6 +52,35 @@ FAILURE_TEXT: dict[Failure, str] = {
     Failure.RUN_TARGET_REACHED: "car-fl: this release would pass the run's dp.target_epsilon",
     Failure.CONFIG_MISMATCH: "car-fl: this node resolved another configuration than the server's",
     Failure.NODE_CONFIG: "car-fl: this node's own configuration is incomplete or invalid",
+}
+
+
+#: Said to the operator after "N nodes": what happened, and what to do or read.
+FAILURE_MEANING: dict[Failure, tuple[str, str]] = {
+    Failure.ROUND_FAILED: (
+        "failed the round (unreadable data, a diverged round, a bug)",
+        "their owners have the details in the nodes' logs",
+    ),
+    Failure.POLICY_REFUSED: (
+        "refused: their privacy policy is stricter than this run's settings",
+        "see docs/privacy.md",
+    ),
+    Failure.BUDGET_EXHAUSTED: (
+        "refused: their lifetime privacy budget allows no more releases",
+        "see docs/privacy.md",
+    ),
+    Failure.RUN_TARGET_REACHED: (
+        "stopped: a release would pass this run's dp.target_epsilon",
+        "raise it or run fewer rounds",
+    ),
+    Failure.CONFIG_MISMATCH: (
+        "refused: they resolved another configuration than the server's",
+        "run the same car-fl version and conf/ on every machine",
+    ),
+    Failure.NODE_CONFIG: (
+        "refused: their own configuration (--node-config, policy file) is incomplete or invalid",
+        "their owners have the details in the nodes' logs",
+    ),
 }
 
 

@@ -28,9 +28,17 @@ def _save(fig: Any, path: Path) -> Path:
 
 def data_label(dataset: DatasetConfig) -> str:
     """What a plot calls the data a run used: the local file's name, else the Hub dataset."""
-    if dataset.path is not None:
-        return Path(dataset.path).name
-    return str(dataset.hub_id or dataset.name)
+    return dataset.label
+
+
+#: One colour per split, the same in the loss and the accuracy panel.
+SPLIT_COLOURS = {"train": "tab:blue", "val": "tab:orange", "test": "tab:green"}
+TOP_K_STYLES = ("--", ":", "-.")
+
+
+def split_colour(key: str) -> str:
+    """The colour of the split a metric key belongs to (``train_loss``, ``val_top1``, ...)."""
+    return SPLIT_COLOURS[key.split("_", 1)[0]]
 
 
 def shown_top_k(key: str, num_labels: int | None) -> bool:
@@ -75,15 +83,19 @@ def curves_figure(
     ):
         values = [row.get(key) for row in rows]
         if any(v is not None for v in values):
-            ax_loss.plot(x, values, marker="o", label=label)
+            ax_loss.plot(x, values, marker="o", label=label, color=split_colour(key))
     acc_keys = [k for k in ("val_top1",) if k in rows[-1]]
     acc_keys += [
         k
         for k in rows[-1]
         if k.startswith("test_top") and k[8:].isdigit() and shown_top_k(k, num_labels)
     ]
-    for key in acc_keys + (["train_accuracy"] if "train_accuracy" in rows[-1] else []):
-        ax_acc.plot(x, [row.get(key) for row in rows], marker="o", label=key)
+    acc_keys += ["train_accuracy"] if "train_accuracy" in rows[-1] else []
+    top_ks = [k for k in acc_keys if k.startswith("test_top") and k != "test_top1"]
+    for key in acc_keys:  # test top-K beside top-1: the test colour, dashed, dotted, ...
+        style = TOP_K_STYLES[top_ks.index(key) % len(TOP_K_STYLES)] if key in top_ks else "-"
+        values = [row.get(key) for row in rows]
+        ax_acc.plot(x, values, marker="o", label=key, color=split_colour(key), linestyle=style)
     ax_loss.set(xlabel=x_label, ylabel="cross-entropy", title=f"{title}: loss")
     ax_acc.set(xlabel=x_label, ylabel="accuracy", title=f"{title}: accuracy")
     for ax in (ax_loss, ax_acc):
@@ -99,6 +111,8 @@ def plot_against_epochs(path: Path, lines: dict[str, list[RoundRow]], *, title: 
 
     A run that trained nothing (one row, epoch 0) is drawn as a flat reference line.
     """
+    from matplotlib.ticker import MaxNLocator
+
     fig, (ax_loss, ax_acc) = _pyplot().subplots(1, 2, figsize=(11, 4))
     span = max((h.epochs for hist in lines.values() for h in hist), default=0) or 1
     for label, history in lines.items():
@@ -118,6 +132,7 @@ def plot_against_epochs(path: Path, lines: dict[str, list[RoundRow]], *, title: 
     ax_loss.set(xlabel="epochs (FL: round × local epochs)", ylabel="test loss", title=title)
     ax_acc.set(xlabel="epochs (FL: round × local epochs)", ylabel="test top-1 accuracy")
     for ax in (ax_loss, ax_acc):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()

@@ -119,7 +119,7 @@ class RunRecord:
         return {
             "job": self.path.name,
             "status": self.status,
-            "dataset": s.dataset.name if s else "",
+            "dataset": s.dataset.label if s else "",
             "model": s.model.name if s else "",
             "approach": approach_of(s) if s else "",
             "clients": self.clients if self.clients is not None else "",
@@ -251,7 +251,7 @@ def plot_runs(out: Path, runs: Sequence[RunRecord]) -> list[Path]:
     by_model: dict[tuple[str, str], list[RunRecord]] = defaultdict(list)
     for run in ok:
         assert run.settings is not None
-        key = (run.settings.dataset.name, run.settings.model.name)
+        key = (run.settings.dataset.label, run.settings.model.name)
         by_approach[(*key, approach_of(run.settings))].append(run)
         if run.clients == 1:
             by_model[key].append(run)

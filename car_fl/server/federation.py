@@ -11,6 +11,7 @@ files, the plot and a checkpoint.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from car_fl.results.recorder import Recorder
 from car_fl.results.rows import RunSummary
 from car_fl.server.aggregation import build_strategy
 from car_fl.server.evaluation import ServerEvaluator
+from car_fl.server.failure_summary import failure_summary
 from car_fl.server.resume import load_resume_point
 from car_fl.server.round_recorder import RoundRecorder
 from car_fl.server.strategy import spec_of
@@ -87,8 +89,9 @@ def wait_for_nodes(
 
 def default_output_dir(settings: Settings) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    name = f"{stamp}-{settings.dataset.name}-{settings.model.name}-{settings.train.mode}"
-    return Path("runs") / name.replace("+", "-")
+    data = settings.dataset.label.rsplit(".", 1)[0]  # synthetic.tsv -> synthetic
+    name = f"{stamp}-{data}-{settings.model.name}-{settings.train.mode}"
+    return Path("runs") / re.sub(r"[^A-Za-z0-9_.-]+", "-", name)
 
 
 def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
@@ -172,8 +175,8 @@ def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
     summary = recorder.summary(final=True)
     if len(summary.skipped_rounds or []) == settings.fl.rounds:
         raise RuntimeError(
-            f"every round failed: no client sent a valid update in {settings.fl.rounds} rounds; "
-            f"see the errors above (results in {output_dir})"
+            f"every round failed: no client sent a valid update in {settings.fl.rounds} rounds: "
+            f"{failure_summary(strategy.history)} (results in {output_dir})"
         )
     assert summary.final is not None and summary.best is not None
     log.info(

@@ -25,6 +25,8 @@ class RoundStats:
     released: dict[int, dict[str, float]] = field(default_factory=dict)
     rejected: dict[int, str] = field(default_factory=dict)
     failed: dict[int, str] = field(default_factory=dict)
+    #: The error code of each failed node's reply (a lost node, which sent none, has none).
+    failure_codes: dict[int, int] = field(default_factory=dict)
     #: ‖θᵢ − θ‖ of every reply that passed validation, and this round's bound (if any).
     update_norms: dict[int, float] = field(default_factory=dict)
     norm_bound: float | None = None
@@ -43,6 +45,8 @@ class RoundStats:
         anonymous = [n for n in self.failed if n not in self.bytes_sent]
         if len(silent) == 1 and len(anonymous) == 1:
             self.failed[silent[0]] = self.failed.pop(anonymous[0])
+            if anonymous[0] in self.failure_codes:
+                self.failure_codes[silent[0]] = self.failure_codes.pop(anonymous[0])
             return
         for node in silent:
             self.failed[node] = "no reply (the node was lost or the round timed out)"

@@ -192,6 +192,7 @@ class GuardedStrategy(Strategy):
             node = message.metadata.src_node_id
             if message.has_error():
                 stats.failed[node] = str(message.error.reason)
+                stats.failure_codes[node] = int(message.error.code)
                 log.error("round %d: node %d failed: %s", server_round, node, message.error.reason)
                 continue
             try:

@@ -385,6 +385,14 @@ class DatasetConfig:
                 "dataset.path (the queries file)"
             )
 
+    @property
+    def label(self) -> str:
+        """What logs, folder names and plots call the data: the local file's name, else the
+        Hub dataset (``name`` is the reader's format, also for a synthetic file)."""
+        if self.path is not None:
+            return self.path.rstrip("/").rsplit("/", 1)[-1]
+        return str(self.hub_id or self.name)
+
 
 @dataclass
 class ModelConfig:

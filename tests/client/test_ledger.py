@@ -97,6 +97,7 @@ def _spend_until_refused(folder: str, cap: float, start, results) -> None:  # a 
     results.put(made)
 
 
+@pytest.mark.slow
 def test_two_processes_at_once_cannot_both_spend_the_same_budget(tmp_path: Path) -> None:
     cap = epsilon([ONE] * 6, DELTA) * 1.0001  # room for exactly 6 releases in all
     context = multiprocessing.get_context("spawn")

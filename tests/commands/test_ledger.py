@@ -47,5 +47,6 @@ def test_a_missing_data_file_is_a_clear_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     policy, _, _ = node(tmp_path)
-    assert main(["ledger", str(policy), str(tmp_path / "none.tsv")]) == 2
-    assert "none.tsv is not a file" in capsys.readouterr().err
+    assert main(["ledger", str(policy), str(tmp_path / "none.tsv")]) == 1
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("car-fl ledger: ") and "none.tsv is not a file" in line

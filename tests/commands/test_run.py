@@ -160,3 +160,107 @@ def test_a_simulation_through_flower_exit_codes_and_run_config_keys(
     status = wait_for_run(connection, run_id, timeout=600, env=env)
     assert status["status"] == "finished:failed"
     assert "every round failed" in status["status-details"]
+    # the last line counts the nodes per failure code and says what it means
+    assert "2 nodes failed the round (unreadable data" in status["status-details"]
+    assert "(ROUND_FAILED), their owners have the details" in status["status-details"]
+
+
+FAKE_FLWR = """#!{python}
+import json, os, sys, time
+marks = os.environ["FAKE_FLWR_DIR"]
+open(os.path.join(marks, sys.argv[1]), "a").close()
+if sys.argv[1] == "run":
+    print(json.dumps({{"success": True, "run-id": 7}}))
+elif sys.argv[1] == "ls":
+    print(json.dumps({{"runs": [{{"status": "running", "status-details": ""}}]}}))
+elif sys.argv[1] == "log":
+    time.sleep(120)  # as flwr log --stream: a Ctrl-C it receives ends it with a traceback
+"""
+
+DRIVER = """
+import sys
+import car_fl.deploy.runs as runs
+runs.flwr_bin = lambda name: sys.argv[1]
+from car_fl.cli import main
+sys.exit(main(["run", "elsewhere", "--app", sys.argv[2]]))
+"""
+
+
+def test_ctrl_c_stops_the_run_in_one_line_with_exit_130_and_no_traceback_of_flwr(
+    tmp_path: Path,
+) -> None:
+    """Ctrl-C reaches the terminal's whole process group; the ``flwr`` children are not in it."""
+    import signal
+
+    fake = tmp_path / "flwr"
+    fake.write_text(FAKE_FLWR.format(python=sys.executable))
+    fake.chmod(0o755)
+    env = {**os.environ, "FAKE_FLWR_DIR": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-c", DRIVER, str(fake), str(PROJECT)]
+    proc = subprocess.Popen(
+        command, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "log").exists():  # the run is being followed
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr
+            time.sleep(0.1)
+        time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    assert stderr.strip().splitlines()[-1] == "car-fl run: run 7 stopped", stderr
+    assert (tmp_path / "stop").exists()  # flwr stop was called for the run
+
+
+@pytest.mark.slow
+def test_after_a_plain_flwr_run_car_fl_run_names_the_installing_superlink_then_completes(
+    tmp_path: Path, tiny_llama: Path, synthetic_tsv
+) -> None:
+    """``flwr run . local`` leaves a local SuperLink that installs dependencies in every run;
+    ``car-fl run`` refuses it in one line naming its PID, and completes once it is stopped."""
+    import signal
+
+    from car_fl.deploy.cluster import free_port
+    from car_fl.deploy.local_superlink import NO_INSTALL_VARIABLE, listener_pid
+
+    link_port, control_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if k != NO_INSTALL_VARIABLE}
+    env.update(
+        FLWR_HOME=str(tmp_path / "flwr"),
+        HF_HUB_OFFLINE="1",
+        FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(link_port),  # this test's own local SuperLink
+        FLWR_LOCAL_CONTROL_API_PORT=str(control_port),
+    )
+    tiny = f'model="local" dataset.path="{synthetic_tsv}"'
+    local = (
+        f"model.name_or_path={tiny_llama} progress=false device=cpu output_dir={tmp_path / 'ok'}"
+    )
+    config = f'fl.rounds=1 {tiny} overrides="{local}"'
+    try:
+        plain = [flwr_bin("flwr"), "run", str(PROJECT), "local", "--run-config", config]
+        plain += ["--federation-config", "num-supernodes=2 client-resources-num-cpus=1"]
+        subprocess.run(plain, env=env, capture_output=True, timeout=300, check=False)
+        pid = listener_pid(link_port)
+        assert pid is not None  # Flower's local SuperLink, started with installation on
+        refused = car_fl("run", "-c", config, env=env, timeout=120)
+        assert refused.returncode == 1
+        [line] = refused.stderr.strip().splitlines()
+        assert line.startswith("car-fl run: Flower's local SuperLink (PID ") and (
+            f"stop it with `kill {pid}`" in line
+        ), line
+        os.kill(pid, signal.SIGTERM)  # the recovery the line names
+        deadline = time.monotonic() + 60
+        while listener_pid(link_port) is not None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        done = car_fl("run", "-c", config, env=env, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stderr.strip().splitlines()[-1].endswith(COMPLETED)
+    finally:
+        pid = listener_pid(link_port)  # the local SuperLink car-fl run started
+        if pid is not None:
+            os.killpg(os.getpgid(pid), signal.SIGTERM)

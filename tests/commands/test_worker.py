@@ -1,4 +1,5 @@
-"""``car-fl worker``: a wrong node config or a folder another worker serves ends it at once."""
+"""``car-fl worker``: a wrong node config or a folder another worker serves ends it at once,
+in one line ``car-fl worker: <reason>`` and exit code 1."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from car_fl.cli import main as cli_main
-from car_fl.client.worker import EXIT_BUSY, EXIT_CONFIG, listening
+from car_fl.client.worker import listening
 
 
 def test_a_node_config_without_the_nodes_place_is_refused_before_anything_starts(
@@ -17,12 +18,13 @@ def test_a_node_config_without_the_nodes_place_is_refused_before_anything_starts
 ) -> None:
     folder = tmp_path / "w"
     code = cli_main(["worker", "--dir", str(folder), "--node-config", 'data-path="/d.tsv"'])
-    assert code == EXIT_CONFIG
-    assert "partition-id=<integer>" in capsys.readouterr().err
+    assert code == 1
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("car-fl worker: --node-config") and "partition-id=<integer>" in line
     assert not folder.exists()
 
 
-def test_a_second_worker_for_the_same_folder_exits_saying_which_holds_it(
+def test_a_second_worker_for_the_same_folder_exits_in_one_line_saying_which_holds_it(
     short_dir: Path,
 ) -> None:
     node = "partition-id=0 num-partitions=1"
@@ -36,5 +38,6 @@ def test_a_second_worker_for_the_same_folder_exits_saying_which_holds_it(
                 timeout=300,
                 check=False,
             )
-            assert result.returncode == EXIT_BUSY, result.stderr
-            assert "another car-fl worker" in result.stderr
+            assert result.returncode == 1, result.stderr
+            [line] = result.stderr.strip().splitlines()
+            assert line.startswith("car-fl worker: another car-fl worker"), line

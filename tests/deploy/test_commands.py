@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +13,8 @@ from flwr.common.config import parse_config_args
 from car_fl.client.worker_link import worker_folder
 from car_fl.deploy.certs import TLSFiles
 from car_fl.deploy.commands import (
+    exposure_warning,
+    is_loopback,
     node_config_string,
     pinned,
     superexec_command,
@@ -183,3 +187,51 @@ def test_node_config_string_rejects_unknown_values_and_quotes() -> None:
 def test_pinned() -> None:
     assert pinned(["python", "x.py"], None) == ["python", "x.py"]
     assert pinned(["python", "x.py"], 3) == ["taskset", "-c", "3", "python", "x.py"]
+
+
+def test_a_superlink_listens_on_loopback_unless_told_otherwise() -> None:
+    cmd = superlink_command()
+    assert flag(cmd, "--fleet-api-address").startswith("127.0.0.1:")
+    assert flag(cmd, "--host") == "127.0.0.1"
+    assert all(is_loopback(h) for h in ("127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"))
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "192.168.1.10", "aggregator.local"))
+
+
+def test_a_network_address_without_tls_needs_insecure_and_then_warns() -> None:
+    assert exposure_warning("127.0.0.1", tls=False, insecure=False) is None
+    assert exposure_warning("0.0.0.0", tls=True, insecure=False) is None
+    with pytest.raises(ValueError, match=r"--bind 0.0.0.0 without --certs .* --insecure"):
+        exposure_warning("0.0.0.0", tls=False, insecure=False)
+    warning = exposure_warning("192.168.1.10", tls=False, insecure=True)
+    assert warning is not None and "without TLS" in warning
+
+
+SUPERLINK_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "superlink.py"
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "address", "stderr"),
+    [
+        ((), 0, "127.0.0.1", ""),
+        (("--bind", "0.0.0.0"), 1, None, "superlink.py: --bind 0.0.0.0 without --certs"),
+        (("--bind", "0.0.0.0", "--insecure"), 0, "0.0.0.0", "warning: the SuperLink listens"),
+    ],
+)
+def test_the_superlink_script_defaults_to_loopback_and_refuses_an_open_insecure_address(
+    args: tuple[str, ...], code: int, address: str | None, stderr: str
+) -> None:
+    done = subprocess.run(
+        [sys.executable, str(SUPERLINK_SCRIPT), *args, "--print"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == code, done.stderr
+    if address is not None:
+        cmd = done.stdout.split()
+        assert flag(cmd, "--host") == address and flag(cmd, "--fleet-api-address").startswith(
+            f"{address}:"
+        )
+    lines = done.stderr.strip().splitlines()
+    assert (lines == []) if not stderr else (len(lines) == 1 and lines[0].startswith(stderr))

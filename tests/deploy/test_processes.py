@@ -223,3 +223,18 @@ def test_local_cluster_script_on_a_busy_port_exits_non_zero_with_one_line(tmp_pa
         "what holds it or start the cluster on other ports (--port)"
     ]
     assert not (tmp_path / "c" / "cluster.json").exists()  # nothing was started
+
+
+def test_local_cluster_run_writes_its_results_where_it_says(tmp_path: Path) -> None:
+    import importlib.util
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "local_cluster.py"
+    spec = importlib.util.spec_from_file_location("local_cluster", script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    overrides, out = module.results_folder(tmp_path, "model=minilm fl.clients=3")
+    assert out.parent == tmp_path / "runs"  # absolute: not the SuperLink's own folder
+    assert overrides == f"model=minilm fl.clients=3 output_dir={out}"
+    given = module.results_folder(tmp_path, f"output_dir={tmp_path / 'mine'} model=minilm")
+    assert given == (f"output_dir={tmp_path / 'mine'} model=minilm", tmp_path / "mine")

@@ -22,6 +22,7 @@ from car_fl.method.serving import training_features
 from car_fl.settings.schema import Mode
 
 
+@pytest.mark.slow
 def test_cached_classifier_features_do_not_load_the_encoder(make_settings) -> None:
     settings = make_settings()
     splits = load_splits(settings.dataset, seed=settings.seed)

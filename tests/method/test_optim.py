@@ -58,6 +58,7 @@ def test_bad_optimizer_and_empty_parameters_are_refused() -> None:
         Optimizer([{"params": [], "lr": 0.1}], kind="sgd")
 
 
+@pytest.mark.slow
 def test_a_training_step_does_not_import_torch_dynamo() -> None:
     code = (
         "import sys, torch\n"

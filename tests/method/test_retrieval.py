@@ -93,6 +93,7 @@ def easy_tsv(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("adapter_car", ["train.lr=1e-2"], 0.9),
     ],
 )
+@pytest.mark.slow
 def test_each_retrieval_head_learns_the_synthetic_task(
     approach: str,
     extra: list[str],

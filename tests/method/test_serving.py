@@ -77,6 +77,7 @@ def test_load_retriever_gives_mips_its_documents_through_the_trained_adapter(
     ]
 
 
+@pytest.mark.slow
 def test_load_retriever_rebuilds_the_knn_memory_from_the_training_split(
     make_settings, tmp_path: Path
 ) -> None:
@@ -104,6 +105,7 @@ def test_a_knn_checkpoint_whose_training_data_is_gone_says_what_it_needs(
         load_retriever(folder, device="cpu")
 
 
+@pytest.mark.slow
 def test_a_corpus_checkpoint_serves_documents_and_takes_new_ones_as_rows(
     make_corpus_settings, tmp_path: Path
 ) -> None:
@@ -130,6 +132,7 @@ def test_a_corpus_checkpoint_serves_documents_and_takes_new_ones_as_rows(
     assert (hit.id, hit.text) == ("new0", "k3 w77 w78")
 
 
+@pytest.mark.slow
 def test_a_corpus_checkpoint_refuses_other_documents(make_corpus_settings, tmp_path: Path) -> None:
     from car_fl.centralized import run_centralized
     from car_fl.data.corpus import read_documents

@@ -26,6 +26,7 @@ from car_fl.settings.schema import Mode
         ("adapter", "mean", "bert"),
     ],
 )
+@pytest.mark.slow
 def test_training_reaches_high_accuracy(
     make_settings, tmp_path: Path, tiny_bert: Path, mode: str, pooling: str, which: str
 ) -> None:

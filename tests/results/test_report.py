@@ -134,4 +134,7 @@ def test_the_report_command_on_run_directories(sweep: Path, tmp_path: Path, caps
     assert cli_main(["report", str(sweep / "0"), str(sweep / "2"), "--out", str(out)]) == 0
     assert sorted(r["job"] for r in _rows(out / "results.csv")) == ["0", "2"]
     assert "2 runs (2 ok)" in capsys.readouterr().out
-    assert cli_main(["report", str(tmp_path / "no-such-folder")]) == 2
+    capsys.readouterr()
+    assert cli_main(["report", str(tmp_path / "no-such-folder")]) == 1
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("car-fl report: ") and "no-such-folder" in line

@@ -170,6 +170,7 @@ def test_a_routed_reply_must_still_hold_the_shared_tensors() -> None:
     assert "missing ['head.gate', 'head.log_scale']" in strategy.history[-1].rejected[1]
 
 
+@pytest.mark.slow
 def test_a_scheduled_mixture_federation_sends_blocks_and_serves_its_checkpoint(
     make_corpus_settings, tmp_path
 ) -> None:

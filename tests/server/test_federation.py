@@ -138,3 +138,11 @@ def test_a_deployment_waits_for_missing_nodes_and_refuses_extra_ones() -> None:
         ValueError, match=r"4 SuperNodes are connected.*--run-config 'fl.clients=4'"
     ):
         wait_for_nodes(Nodes(4), 3, timeout=120, poll=0.1)  # type: ignore[arg-type]
+
+
+def test_a_runs_folder_names_the_data_file_it_read_not_the_reader(make_settings) -> None:
+    from car_fl.server.federation import default_output_dir
+
+    folder = default_output_dir(make_settings())
+    assert folder.parent.name == "runs"
+    assert "-synthetic-" in folder.name and "sms_spam" not in folder.name

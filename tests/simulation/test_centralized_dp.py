@@ -17,6 +17,7 @@ from car_fl.testing.tiny import tiny_overrides
 PROJECT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_record_level_dp_trains_the_whole_split_as_one_node_at_the_asked_epsilon(
     make_settings, tmp_path: Path
 ) -> None:
@@ -54,6 +55,7 @@ def test_local_dp_modes_are_refused_before_any_work(
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_without_dp_it_is_the_centralised_loop(make_settings, tmp_path: Path) -> None:
     summary = train_centrally(make_settings("train.epochs=1"), tmp_path / "run")
     assert summary["kind"] == "centralized" and "epsilon" not in summary
