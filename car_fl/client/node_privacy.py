@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from car_fl.client.failures import Refusal
-from car_fl.client.ledger import BudgetExhausted, Entry, Ledger, data_key
+from car_fl.client.ledger import BudgetExhausted, Entry, Ledger, data_key, record_keys
 from car_fl.client.policy import NodePolicy
 from car_fl.protocol.failures import Failure
 from car_fl.settings.dp_plan import round_release
@@ -33,18 +33,30 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class NodePrivacy:
-    """The owner's policy and the ledger of the node's data file."""
+    """The owner's policy, the node's ledger and the records of its data file."""
 
     policy: NodePolicy
     ledger: Ledger
+    #: The keys of the data file's records (:func:`car_fl.client.ledger.record_keys`): every
+    #: release is charged to all of them (the partition a run trains on is the server's
+    #: choice, and with a label-dependent partitioning every record shapes it).
+    records: frozenset[str] = field(default=frozenset(), repr=False)
 
     @classmethod
     def open(cls, policy: str | Path, data: str | Path) -> NodePrivacy:
-        """The policy file ``policy`` and the ledger of the data file ``data``."""
+        """The policy file ``policy``, its ledger and the records of the data file ``data``.
+
+        A per-file ledger of an earlier car-fl for this very data file is migrated
+        (:meth:`~car_fl.client.ledger.Ledger.migrate`).
+        """
         loaded = NodePolicy.load(policy)
         if not Path(data).expanduser().is_file():
-            raise NodeConfigError(f"data file {data} (the ledger's key) is not a file")
-        return cls(loaded, Ledger.open(loaded.ledger, data_key(data)))
+            raise NodeConfigError(f"data file {data} (the ledger's records) is not a file")
+        records = record_keys(data)
+        ledger = Ledger.open(loaded.ledger)
+        if ledger.migrate(data_key(data), records):
+            log.warning("privacy ledger: migrated the per-file ledger of %s to records", data)
+        return cls(loaded, ledger, records)
 
     @classmethod
     def from_node_config(cls, node_config: Mapping[str, Any]) -> NodePrivacy | None:
@@ -102,6 +114,7 @@ class NodePrivacy:
         try:
             entry = self.ledger.spend(
                 release,
+                records=self.records,
                 run=run,
                 server_round=server_round,
                 mode=settings.dp.mode.value,

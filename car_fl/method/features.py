@@ -180,7 +180,8 @@ class FeatureCache:
             return
         tensors = {"features": features.contiguous()}
         # bytes, not save_file: safetensors' own temporary file would outlive a killed writer
-        atomic_write(self.path(key), lambda tmp: _write_bytes(tmp, save(tensors)))
+        # 0600: a text's features can be inverted towards the text (a node's cache is its own)
+        atomic_write(self.path(key), lambda tmp: _write_bytes(tmp, save(tensors)), mode=0o600)
 
     @classmethod
     def clear_memory(cls) -> None:

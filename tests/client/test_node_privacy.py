@@ -8,6 +8,7 @@ leaves, the agreed run trains, and the ledger lists every release with its ε.
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -125,3 +126,28 @@ def test_the_policy_and_ledger_come_only_from_the_node_config(
         NodePrivacy.from_node_config({PRIVACY_POLICY: str(policy)})
     found = NodePrivacy.from_node_config({PRIVACY_POLICY: str(policy), DATA_PATH: synthetic_tsv})
     assert found is not None and found.policy.lifetime_epsilon == 10
+
+
+def test_a_data_file_grown_by_one_row_gives_no_old_record_a_fresh_budget(
+    tmp_path: Path, make_settings, synthetic_tsv: Path
+) -> None:
+    """The attacker's hole: with the ledger keyed by the file's bytes, the owner appending a
+    row (or a server waiting for it) made the old records a new data set with a fresh budget."""
+    data = Path(shutil.copy(synthetic_tsv, tmp_path / "data.tsv"))
+    settings = make_settings(*AGREED, f"dataset.path={data}")
+    probe = guard(tmp_path / "probe", data)
+    round_of(settings, probe, 1)
+    one = probe.ledger.entries()[-1].epsilon
+    node_privacy = guard(tmp_path, data, cap=one * 1.01)  # room for one release
+    round_of(settings, node_privacy, 1)
+    lines = data.read_text(encoding="utf-8").splitlines(keepends=True)
+    for changed in (
+        [*lines, "topic0\tk0 one more message\n"],  # grown
+        lines[1:],  # shrunk
+        lines[::-1],  # re-ordered
+    ):
+        data.write_text("".join(changed), encoding="utf-8")
+        with pytest.raises(Refusal) as err:
+            round_of(settings, guard(tmp_path, data, cap=one * 1.01), 1, run="2")
+        assert err.value.failure is Failure.BUDGET_EXHAUSTED
+    assert [e.run for e in node_privacy.ledger.entries()] == ["1"]
