@@ -208,6 +208,17 @@ class LocalData:
     def __len__(self) -> int:
         return len(self.labels)
 
+    def select(self, positions: Sequence[int]) -> LocalData:
+        """The examples at ``positions``, in that order."""
+        index = torch.as_tensor(list(positions), dtype=torch.long)
+        return LocalData(
+            labels=self.labels[index],
+            features=self.features[index] if self.features is not None else None,
+            input_ids=[self.input_ids[i] for i in positions]
+            if self.input_ids is not None
+            else None,
+        )
+
 
 def prepare_data(
     texts: Sequence[str],
