@@ -20,10 +20,12 @@ Every check a node makes before anything leaves it, in the order a train message
 2. **The configuration**: the run's settings must have the server's fingerprint
    (``CONFIG_MISMATCH``); the node's paths, and where it writes (its own cache folder, 0700,
    files 0600; a run config's ``cache_dir`` is ignored and logged), come from its node config
-   (:func:`car_fl.client.node_settings.node_settings`, :func:`~car_fl.client.node_settings.own_cache`).
-3. **The policy** (:meth:`NodePrivacy.admit`, rules in :meth:`car_fl.client.policy.NodePolicy.violations`):
-   accepted modes, σ floor, clip ceiling, δ ceiling, warm-up, ``trust_remote_code``, and (with
-   ``public-example-count``) no run whose reply would follow n (``POLICY_REFUSED``).
+   (:func:`car_fl.client.node_settings.node_settings`,
+   :func:`~car_fl.client.node_settings.own_cache`).
+3. **The policy** (:meth:`NodePrivacy.admit`; the rules:
+   :meth:`car_fl.client.policy.NodePolicy.violations`): accepted modes, σ floor, clip ceiling,
+   δ ceiling, warm-up, ``trust_remote_code``, and (with ``public-example-count``) no run
+   whose reply would follow n (``POLICY_REFUSED``).
 4. **The run's own budget**: local DP's target ε and DP-SGD's target ε and δ < 1/n
    (``RUN_TARGET_REACHED``; :class:`car_fl.client.local_dp.LocalDPRound`,
    :class:`car_fl.client.record_dp.RecordDPRound`).
