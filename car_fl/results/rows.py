@@ -100,10 +100,6 @@ class ClientRow:
     reason: str = ""
     partition_id: float | None = None
     num_examples: float | None = None
-    #: The server's own bound on the node's n (its partition size on record, or
-    #: fl.max_examples_per_client); empty where it has none. Under DP ``num_examples`` is the
-    #: public count the node sent, not its n.
-    server_examples_bound: float | None = None
     train_loss: float | None = None
     train_accuracy: float | None = None
     train_seconds: float | None = None
@@ -127,7 +123,6 @@ class ClientRow:
     INTEGER_COLUMNS: ClassVar[tuple[str, ...]] = (
         "partition_id",
         "num_examples",
-        "server_examples_bound",
         "encoder_loads",
         "torch_threads",
         "dp_active",
@@ -138,7 +133,6 @@ class ClientRow:
     FROM_WIRE: ClassVar[tuple[str, ...]] = (
         "partition_id",
         "num_examples",
-        "server_examples_bound",
         "train_loss",
         "train_accuracy",
         "train_seconds",

@@ -22,7 +22,7 @@ from car_fl.protocol.messages import from_record
 from car_fl.results.recorder import Recorder, best_row
 from car_fl.results.rows import CLIENTS_CSV, ClientDP, ClientRow, RoundRow, RunSummary, wire_key
 from car_fl.server.privacy_check import PrivacyCheck, Verdict
-from car_fl.server.round_stats import EXAMPLES_BOUND, RoundStats
+from car_fl.server.round_stats import RoundStats
 from car_fl.settings.dp_plan import dp_active, record_plan
 from car_fl.settings.schema import DPMode
 
@@ -220,9 +220,9 @@ class RoundRecorder:
         for row in client_rows:
             if row.round > done or row.server_epsilon is None or row.num_examples is None:
                 continue  # not a release the server saw (or a file from before the check)
+            # clients.csv keeps no bound: a per-step run resumes with fl.max_examples_per_client
+            # as the bound, or ε = ∞ without it (never the node's claim)
             seen = {wire_key("num_examples"): float(row.num_examples)}
-            if row.server_examples_bound is not None:
-                seen[EXAMPLES_BOUND] = float(row.server_examples_bound)
             verdict = self.privacy.receive(row.round, row.node, seen)
             self.client_epsilon[row.node] = verdict.epsilon
             if self.recorder.settings.dp.mode is DPMode.RECORD:
