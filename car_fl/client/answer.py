@@ -13,9 +13,11 @@ from typing import Any
 
 from flwr.app import RecordDict
 
+from car_fl.client.failures import Refusal
 from car_fl.client.node_privacy import NodePrivacy
 from car_fl.client.node_settings import node_settings
 from car_fl.client.round import train_round
+from car_fl.protocol.failures import Failure
 from car_fl.protocol.messages import read_train_message, train_reply
 from car_fl.settings.flower import NodeInfo
 
@@ -35,6 +37,13 @@ def answer_train(
     ``run`` Flower's run id (the node's privacy ledger keys its releases by it).
     """
     instruction = read_train_message(content)
+    # Without the server's label map the node's own would size the head: whether the round
+    # succeeds would then tell the label count. Refused the same way whatever the node holds
+    if not instruction.labels:
+        raise Refusal(
+            Failure.CONFIG_MISMATCH,
+            "the train message carries no label map; the node trains only with the server's",
+        )
     # Configuration: the run's with this node's paths, checked against the server's (composed
     # in the node's first round, then read from memory or from its disk cache)
     settings = node_settings(run_config, node_config, instruction.fingerprint)

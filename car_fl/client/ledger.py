@@ -1,22 +1,33 @@
-"""A node's privacy ledger: every release ever made from one data file, on the node's disk.
+"""A node's privacy ledger: every release ever made, accounted per record, on the node's disk.
 
 Written here because Flower keeps nothing security-relevant on the node across runs: its
-``context.state`` is per-run memory, and the server chooses the run. The ledger is keyed by a
-content hash of the node's data (:func:`data_key`), not by the run, so every release of every
-run, resume and SuperNode restart composes into one ε (:func:`car_fl.privacy.composition.epsilon`,
-replace-one, PLD).
+``context.state`` is per-run memory, and the server chooses the run. The ledger is not keyed
+by the run nor by the data file: each release lists the **records** it was made from (hashes
+of their normalised contents, :func:`record_keys`), and a record's lifetime ε composes every
+release that listed it (individual privacy accounting;
+:func:`car_fl.privacy.composition.epsilon`, replace-one, PLD). A data file that grows by a
+row, shrinks or is re-ordered keeps each old record's spend, and the lifetime cap holds for
+every record: the one that has spent most decides.
 
 - **Recorded before it leaves**: :meth:`Ledger.spend` writes the release before the round
   trains, let alone replies; a crash after it only over-counts, it never loses a spend.
 - **No double spending**: the check of the lifetime cap and the write happen under an
-  exclusive ``fcntl.flock`` on ``<key>.lock``, so two runs (or two processes) at once cannot
+  exclusive ``fcntl.flock`` on ``ledger.lock``, so two runs (or two processes) at once cannot
   both spend the same budget.
-- **Atomic**: the file is replaced whole (:func:`car_fl.common.io.atomic_write_json`); a reader
-  never sees half of it. An unreadable ledger refuses every release (it is never reset).
+- **Atomic, owner only**: the file is replaced whole (:func:`car_fl.common.io.atomic_write_json`,
+  mode 0600, folder 0700); a reader never sees half of it. An unreadable ledger refuses every
+  release (it is never reset).
+- **Earlier ledgers** (``car-fl-ledger-v1``: ``<sha256 of the data file>.json``, one per data
+  file): :meth:`Ledger.migrate` imports the one whose data file the node still holds unchanged
+  (its records are then known) and renames it ``*.json.migrated``; any other v1 file refuses
+  every release with a message saying what to do, because its releases cannot be tied to
+  records.
 
-File: ``<folder>/<key>.json`` = ``{"data_key", "entries": [{run, round, mode, release,
-delta, epsilon, time}, ...]}``, where ``epsilon`` is the lifetime ε (at the δ then in force)
-right after that release. ``car-fl ledger`` prints it.
+File: ``<folder>/ledger.json`` = ``{"format", "records": {set id: [record key, ...]},
+"entries": [{run, round, mode, release, records, delta, epsilon, time}, ...]}``, where
+``records`` names the set of records a release was made from and ``epsilon`` is the lifetime
+ε of the most-spent of them (at the δ then in force) right after that release.
+``car-fl ledger`` prints it.
 """
 
 from __future__ import annotations
@@ -26,8 +37,9 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+import unicodedata
+from collections.abc import Callable, Collection, Iterable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,8 +47,11 @@ from typing import Any
 from car_fl.common.io import atomic_write_json
 from car_fl.privacy.composition import Release, epsilon, non_private_count
 
-LEDGER_FORMAT = "car-fl-ledger-v1"
-_KEYS: dict[tuple[str, int, int], str] = {}
+LEDGER_FORMAT = "car-fl-ledger-v2"
+OLD_FORMAT = "car-fl-ledger-v1"
+LEDGER_FILE = "ledger.json"
+#: Hex digits kept of a record's SHA-256 (128 bits: no two records of a node collide).
+RECORD_KEY_HEX = 32
 
 
 class LedgerError(RuntimeError):
@@ -44,21 +59,57 @@ class LedgerError(RuntimeError):
 
 
 class BudgetExhausted(RuntimeError):
-    """This release would take the lifetime ε past the policy's cap (nothing was recorded)."""
+    """This release would take a record's lifetime ε past the policy's cap (nothing recorded)."""
 
 
 def data_key(path: str | Path) -> str:
-    """sha256 of the data file's bytes: the ledger's key (the same data, the same ledger)."""
-    target = Path(path).expanduser().resolve()
-    stat = target.stat()
-    memo = (str(target), stat.st_size, stat.st_mtime_ns)
-    if memo not in _KEYS:
-        digest = hashlib.sha256()
-        with target.open("rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
-        _KEYS[memo] = digest.hexdigest()
-    return _KEYS[memo]
+    """sha256 of the data file's bytes: the key of a v1 ledger (see :meth:`Ledger.migrate`)."""
+    digest = hashlib.sha256()
+    with Path(path).expanduser().open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _normalised(text: str) -> str:
+    """A record's text as the ledger compares it: Unicode NFC, whitespace runs as one space."""
+    return " ".join(unicodedata.normalize("NFC", text).split())
+
+
+def _key(canonical: str) -> str:
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:RECORD_KEY_HEX]
+
+
+def record_keys(path: str | Path) -> frozenset[str]:
+    """The keys of the records in the node's data file: hashes of their normalised contents.
+
+    A record is a non-empty line (TSV, CSV, JSON lines: all its fields, the label included,
+    normalised; a JSON object's keys in sorted order), or a row of a Parquet file. Nothing
+    here depends on the run's settings (which column is the text is the server's choice, and
+    must not change which record is which). Identical records are one record.
+    """
+    target = Path(path).expanduser()
+    if target.suffix.lower() == ".parquet":
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(target).to_pylist()
+        return frozenset(_key(json.dumps(r, sort_keys=True, default=str)) for r in rows)
+    keys = set()
+    with target.open(encoding="utf-8", errors="surrogateescape") as handle:
+        for line in handle:
+            text = _normalised(line)
+            if not text:
+                continue
+            if text.startswith("{"):
+                with suppress(ValueError):
+                    text = json.dumps(json.loads(text), sort_keys=True, ensure_ascii=False)
+            keys.add(_key(text))
+    return frozenset(keys)
+
+
+def records_id(records: Collection[str]) -> str:
+    """A set of records' id in the ledger file (a digest of its sorted keys)."""
+    return hashlib.sha256("\n".join(sorted(records)).encode()).hexdigest()[:RECORD_KEY_HEX]
 
 
 @dataclass(frozen=True)
@@ -70,7 +121,9 @@ class Entry:
     round: int
     mode: str
     release: Release
-    #: The δ the lifetime ε was computed at, and that ε right after this release.
+    #: The id of the set of records it was made from (``records`` of the file).
+    records: str
+    #: The δ the lifetime ε was computed at, and the ε of its most-spent record after it.
     delta: float
     epsilon: float
     time: str
@@ -81,6 +134,7 @@ class Entry:
             "round": self.round,
             "mode": self.mode,
             "release": self.release.to_dict(),
+            "records": self.records,
             "delta": self.delta,
             "epsilon": self.epsilon,
             "time": self.time,
@@ -93,32 +147,62 @@ class Entry:
             round=int(values["round"]),
             mode=str(values["mode"]),
             release=Release.from_dict(values["release"]),
+            records=str(values["records"]),
             delta=float(values["delta"]),
             epsilon=float(values["epsilon"]),
             time=str(values["time"]),
         )
 
 
-class Ledger:
-    """The releases of one data file (``key``) in ``folder``; safe across processes."""
+@dataclass(frozen=True)
+class Contents:
+    """What the ledger file holds: the record sets and the entries."""
 
-    def __init__(self, folder: Path, key: str) -> None:
-        self.folder, self.key = folder, key
+    records: dict[str, frozenset[str]]
+    entries: list[Entry]
+
+    def releases_of(self, records: Iterable[str]) -> list[list[Release]]:
+        """For each distinct way ``records`` were released, the releases (records grouped)."""
+        by_signature: dict[frozenset[str], None] = {}
+        for record in records:
+            signature = frozenset(sid for sid, keys in self.records.items() if record in keys)
+            by_signature.setdefault(signature, None)
+        return [
+            [e.release for e in self.entries if e.records in signature]
+            for signature in by_signature
+        ]
+
+    def epsilon(
+        self, delta: float, records: Iterable[str] | None = None, extra: Release | None = None
+    ) -> float:
+        """The largest lifetime ε at δ of ``records`` (default: every record ever released),
+        with ``extra`` released from all of them too."""
+        chosen = set().union(*self.records.values()) if records is None else set(records)
+        groups = self.releases_of(chosen) if chosen else [[]]
+        more = [extra] if extra is not None else []
+        return max(epsilon([*group, *more], delta) for group in groups)
+
+
+class Ledger:
+    """The node's releases in ``folder``, accounted per record; safe across processes."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
 
     @classmethod
-    def open(cls, folder: str | Path, key: str) -> Ledger:
-        """The ledger of data ``key`` in ``folder`` (created, readable by its owner only)."""
+    def open(cls, folder: str | Path) -> Ledger:
+        """The ledger in ``folder`` (created, readable by its owner only)."""
         folder = Path(folder).expanduser()
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        return cls(folder, key)
+        return cls(folder)
 
     @property
     def path(self) -> Path:
-        return self.folder / f"{self.key}.json"
+        return self.folder / LEDGER_FILE
 
     @property
     def lock_path(self) -> Path:
-        return self.folder / f"{self.key}.lock"
+        return self.folder / "ledger.lock"
 
     @contextmanager
     def locked(self) -> Iterator[None]:
@@ -131,24 +215,49 @@ class Ledger:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
 
-    def entries(self) -> list[Entry]:
-        """Every release recorded so far, in order (``LedgerError`` if the file is unreadable)."""
-        if not self.path.exists():
+    def _old_ledgers(self) -> list[Path]:
+        """v1 ledgers (one per data file's bytes) not migrated yet."""
+        if not self.folder.is_dir():
             return []
+        return sorted(
+            p for p in self.folder.glob("*.json") if p.name != LEDGER_FILE and len(p.stem) == 64
+        )
+
+    def contents(self) -> Contents:
+        """The record sets and every release so far (``LedgerError`` if unreadable)."""
+        old = self._old_ledgers()
+        if old:
+            raise LedgerError(
+                f"privacy ledger folder {self.folder} holds a per-file ledger ({OLD_FORMAT}) "
+                f"of a data file this node no longer holds unchanged ({old[0].name}): its "
+                "releases cannot be tied to records, so no release is made. Put that data "
+                "file back (unchanged) and run once to migrate it, or, if you accept losing "
+                "that spend, move the file out of the folder"
+            )
+        if not self.path.exists():
+            return Contents({}, [])
         try:
             content = json.loads(self.path.read_text(encoding="utf-8"))
-            if content.get("format") != LEDGER_FORMAT or content.get("data_key") != self.key:
-                raise ValueError("not this data's ledger")
-            return [Entry.from_dict(e) for e in content["entries"]]
+            if content.get("format") != LEDGER_FORMAT:
+                raise ValueError(f"format is not {LEDGER_FORMAT}")
+            records = {str(k): frozenset(map(str, v)) for k, v in content["records"].items()}
+            entries = [Entry.from_dict(e) for e in content["entries"]]
+            if any(e.records not in records for e in entries):
+                raise ValueError("an entry names a record set the file lacks")
+            return Contents(records, entries)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
             raise LedgerError(
                 f"privacy ledger {self.path} cannot be read ({err}); no release is made until "
                 "it is restored (it is never reset automatically)"
             ) from None
 
-    def epsilon(self, delta: float) -> float:
-        """The lifetime ε at δ of every private release recorded."""
-        return epsilon([e.release for e in self.entries()], delta)
+    def entries(self) -> list[Entry]:
+        """Every release recorded so far, in order (``LedgerError`` if the file is unreadable)."""
+        return self.contents().entries
+
+    def epsilon(self, delta: float, records: Iterable[str] | None = None) -> float:
+        """The largest lifetime ε at δ of ``records`` (default: of any record ever released)."""
+        return self.contents().epsilon(delta, records)
 
     def non_private(self) -> int:
         """How many releases carried no noise (their ε is infinite; not in :meth:`epsilon`)."""
@@ -158,6 +267,7 @@ class Ledger:
         self,
         release: Release,
         *,
+        records: frozenset[str],
         run: str,
         server_round: int,
         mode: str,
@@ -165,39 +275,77 @@ class Ledger:
         cap: float | None,
         check: Callable[[list[Entry]], None] | None = None,
     ) -> Entry:
-        """Record ``release`` unless it would take the lifetime ε past ``cap``; the new entry.
+        """Record ``release`` of ``records`` unless it would take the lifetime ε of any of them
+        past ``cap``; the new entry.
 
         Under the lock: ``check(entries)`` may refuse first (by raising), then the cap is
         checked and the entry written. Raises :class:`BudgetExhausted` (nothing written).
         """
         with self.locked():
-            entries = self.entries()
+            contents = self.contents()
             if check is not None:
-                check(entries)
-            after = epsilon([*(e.release for e in entries), release], delta)
+                check(contents.entries)
+            after = contents.epsilon(delta, records, extra=release)
             if cap is not None and after > cap:
                 raise BudgetExhausted(
-                    f"this release would bring the data's lifetime ε to {after:.4g} > "
-                    f"lifetime-epsilon {cap:g} (δ = {delta:g}; {len(entries)} entries in "
-                    f"{self.path})"
+                    f"this release would bring a record's lifetime ε to {after:.4g} > "
+                    f"lifetime-epsilon {cap:g} (δ = {delta:g}; {len(contents.entries)} "
+                    f"entries in {self.path})"
                 )
             entry = Entry(
                 run=run,
                 round=server_round,
                 mode=mode,
                 release=release,
+                records=records_id(records),
                 delta=delta,
                 epsilon=after,
                 time=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             )
-            content = {
-                "format": LEDGER_FORMAT,
-                "data_key": self.key,
-                "entries": [e.to_dict() for e in [*entries, entry]],
-            }
-            atomic_write_json(self.path, content)
-            _sync_folder(self.folder)  # the rename itself survives a power cut
+            sets = {**contents.records, entry.records: records}
+            self._write(sets, [*contents.entries, entry])
             return entry
+
+    def migrate(self, key: str, records: frozenset[str]) -> int:
+        """Import the v1 ledger of the data file whose sha256 is ``key`` (the node's data file,
+        unchanged since), its releases tied to ``records``; how many entries were imported."""
+        old = self.folder / f"{key}.json"
+        if not old.is_file():
+            return 0
+        with self.locked():
+            if not old.is_file():
+                return 0
+            try:
+                content = json.loads(old.read_text(encoding="utf-8"))
+                if content.get("format") != OLD_FORMAT or content.get("data_key") != key:
+                    raise ValueError(f"not a {OLD_FORMAT} ledger of this data")
+                imported = [
+                    Entry.from_dict({**e, "records": records_id(records)})
+                    for e in content["entries"]
+                ]
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+                raise LedgerError(
+                    f"old privacy ledger {old} cannot be read ({err}); no release is made "
+                    "until it is restored"
+                ) from None
+            old.rename(old.with_name(old.name + ".migrated"))  # before: so contents() reads
+            try:
+                contents = self.contents()
+            except LedgerError:
+                old.with_name(old.name + ".migrated").rename(old)
+                raise
+            sets = {**contents.records, records_id(records): records}
+            self._write(sets, [*imported, *contents.entries])
+            return len(imported)
+
+    def _write(self, sets: dict[str, frozenset[str]], entries: list[Entry]) -> None:
+        content = {
+            "format": LEDGER_FORMAT,
+            "records": {sid: sorted(keys) for sid, keys in sets.items()},
+            "entries": [e.to_dict() for e in entries],
+        }
+        atomic_write_json(self.path, content, mode=0o600)
+        _sync_folder(self.folder)  # the rename itself survives a power cut
 
 
 def _sync_folder(folder: Path) -> None:

@@ -34,8 +34,14 @@ from car_fl.privacy.adaptive import (
     update_noise_multiplier,
 )
 from car_fl.privacy.mechanism import State, check_finite, difference, flat_norm, privatize
-from car_fl.privacy.noise import gaussian_like
-from car_fl.settings.dp_plan import local_multiplier, local_steps, non_private_reason, sigma_b
+from car_fl.privacy.noise import gaussian_like, secure_generator
+from car_fl.settings.dp_plan import (
+    accounted_examples,
+    local_multiplier,
+    local_steps,
+    non_private_reason,
+    sigma_b,
+)
 from car_fl.settings.flower import NodeInfo
 from car_fl.settings.schema import AdaptiveRule, DPConfig, DPMode, Granularity, NoiseRule, Settings
 
@@ -315,8 +321,13 @@ class LocalDPRound:
         self.diverged = False
 
     def check(self, examples: int) -> None:
-        """The run's target ε for this round's releases, before any training."""
-        self.examples = examples
+        """The run's target ε for this round's releases, before any training.
+
+        Per step with ``fl.max_examples_per_client`` set, the round trains on at most that
+        many examples and accounts for exactly that many (:func:`accounted_examples`): the
+        number of releases, and so ε, is public.
+        """
+        self.examples = accounted_examples(self.settings, examples) if self.per_step else examples
         if self.private:
             self.privacy.check_target(self.planned_releases)
 
@@ -340,6 +351,9 @@ class LocalDPRound:
             )
         if self.diverged or len(data) == 0:  # nothing (more) to learn from
             return EpochResult(loss=math.nan, accuracy=math.nan, examples=0, steps=0)
+        if self.per_step and len(data) > self.examples:  # at most the accounted n, at random
+            chosen = torch.randperm(len(data), generator=secure_generator())[: self.examples]
+            data = data.select(sorted(chosen.tolist()))
         try:
             return train_epoch(
                 model,

@@ -53,13 +53,28 @@ SETTINGS_SOURCES = (
 
 
 def base_dir(cache_dir: str | os.PathLike[str] | None) -> Path:
-    """The node's cache folder: ``cache-dir`` of its node config, else car-fl's default."""
+    """The node's cache folder: ``cache-dir`` of its node config, else car-fl's default
+    (``$CAR_FL_CACHE``, else ``$XDG_CACHE_HOME/car-fl``, else ``~/.cache/car-fl``: all the
+    node owner's own environment, never the run config)."""
     if cache_dir not in (None, ""):
         return Path(str(cache_dir)).expanduser()
     env = os.environ.get("CAR_FL_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "car-fl"
     )
     return Path(env)
+
+
+def node_dir(cache_dir: str | os.PathLike[str] | None) -> Path:
+    """:func:`base_dir`, created readable by the node's owner only (0700, also if it was not).
+
+    Everything the node writes (settings, its shard's texts, their features) lies under it,
+    so nobody else on the machine can read it whatever the files' own modes.
+    """
+    folder = base_dir(cache_dir)
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if folder.stat().st_mode & 0o077:
+        os.chmod(folder, 0o700)
+    return folder
 
 
 def digest(header: Any, files: Mapping[str, Path] | None = None) -> str:
@@ -105,7 +120,7 @@ def load_settings_entry(path: Path) -> tuple[Settings, str] | None:
 
 
 def save_settings_entry(path: Path, settings: Settings, fingerprint: str) -> None:
-    atomic_write_json(path, {"settings": asdict(settings), "fingerprint": fingerprint})
+    atomic_write_json(path, {"settings": asdict(settings), "fingerprint": fingerprint}, mode=0o600)
 
 
 def settings_from_dict(values: Mapping[str, Any]) -> Settings:
@@ -190,4 +205,4 @@ def save_shard(
     settings: Settings, key: str, texts: Sequence[str], ids: Sequence[int], label_map: LabelMap
 ) -> None:
     stored = {"texts": list(texts), "labels": list(ids), "label_names": label_map.to_list()}
-    atomic_write_json(shard_path(settings, key), stored)
+    atomic_write_json(shard_path(settings, key), stored, mode=0o600)

@@ -10,18 +10,45 @@ run config, and nothing depends on Flower's per-run ``context.state``.
 
 The node-local worker (another process the owner starts, which holds the data) builds one with
 :meth:`NodePrivacy.open` from its own configuration and passes it to ``train_round``.
+
+Every check a node makes before anything leaves it, in the order a train message meets them
+(an auditor's list; each names where it lives):
+
+1. **The message**: a train message without the server's label map is refused
+   (``CONFIG_MISMATCH``) before any data is read, so the head's size cannot probe the label
+   count (:func:`car_fl.client.answer.answer_train`).
+2. **The configuration**: the run's settings must have the server's fingerprint
+   (``CONFIG_MISMATCH``); the node's paths, and where it writes (its own cache folder, 0700,
+   files 0600; a run config's ``cache_dir`` is ignored and logged), come from its node config
+   (:func:`car_fl.client.node_settings.node_settings`,
+   :func:`~car_fl.client.node_settings.own_cache`).
+3. **The policy** (:meth:`NodePrivacy.admit`; the rules:
+   :meth:`car_fl.client.policy.NodePolicy.violations`): accepted modes, σ floor, clip ceiling,
+   δ ceiling, warm-up, ``trust_remote_code``, and (with ``public-example-count``) no run
+   whose reply would follow n (``POLICY_REFUSED``).
+4. **The run's own budget**: local DP's target ε and DP-SGD's target ε and δ < 1/n
+   (``RUN_TARGET_REACHED``; :class:`car_fl.client.local_dp.LocalDPRound`,
+   :class:`car_fl.client.record_dp.RecordDPRound`).
+5. **The ledger** (:meth:`NodePrivacy.spend`): the round is within ``1..fl.rounds`` and after
+   every round of this run already released, and no record's lifetime ε passes
+   ``lifetime-epsilon`` (``POLICY_REFUSED``, ``BUDGET_EXHAUSTED``); recorded before training.
+6. **The release**: the adaptive clip never above ``max-clip``; clipping and noise from OS
+   entropy (:mod:`car_fl.client.local_dp`, :mod:`car_fl.privacy.dpsgd`); under DP the reply
+   carries a public example count and no train metric (:func:`car_fl.client.round.train_shard`).
+7. **Failures**: whatever is raised becomes a fixed code with fixed text
+   (:func:`car_fl.client.failures.data_free`); the details stay in the node's log.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from car_fl.client.failures import Refusal
-from car_fl.client.ledger import BudgetExhausted, Entry, Ledger, data_key
+from car_fl.client.ledger import BudgetExhausted, Entry, Ledger, data_key, record_keys
 from car_fl.client.policy import NodePolicy
 from car_fl.protocol.failures import Failure
 from car_fl.settings.dp_plan import round_release
@@ -33,18 +60,30 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class NodePrivacy:
-    """The owner's policy and the ledger of the node's data file."""
+    """The owner's policy, the node's ledger and the records of its data file."""
 
     policy: NodePolicy
     ledger: Ledger
+    #: The keys of the data file's records (:func:`car_fl.client.ledger.record_keys`): every
+    #: release is charged to all of them (the partition a run trains on is the server's
+    #: choice, and with a label-dependent partitioning every record shapes it).
+    records: frozenset[str] = field(default=frozenset(), repr=False)
 
     @classmethod
     def open(cls, policy: str | Path, data: str | Path) -> NodePrivacy:
-        """The policy file ``policy`` and the ledger of the data file ``data``."""
+        """The policy file ``policy``, its ledger and the records of the data file ``data``.
+
+        A per-file ledger of an earlier car-fl for this very data file is migrated
+        (:meth:`~car_fl.client.ledger.Ledger.migrate`).
+        """
         loaded = NodePolicy.load(policy)
         if not Path(data).expanduser().is_file():
-            raise NodeConfigError(f"data file {data} (the ledger's key) is not a file")
-        return cls(loaded, Ledger.open(loaded.ledger, data_key(data)))
+            raise NodeConfigError(f"data file {data} (the ledger's records) is not a file")
+        records = record_keys(data)
+        ledger = Ledger.open(loaded.ledger)
+        if ledger.migrate(data_key(data), records):
+            log.warning("privacy ledger: migrated the per-file ledger of %s to records", data)
+        return cls(loaded, ledger, records)
 
     @classmethod
     def from_node_config(cls, node_config: Mapping[str, Any]) -> NodePrivacy | None:
@@ -102,6 +141,7 @@ class NodePrivacy:
         try:
             entry = self.ledger.spend(
                 release,
+                records=self.records,
                 run=run,
                 server_round=server_round,
                 mode=settings.dp.mode.value,

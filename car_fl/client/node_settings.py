@@ -2,12 +2,18 @@
 
 Composed (Hydra) in the node's first round and cached on its disk (:mod:`car_fl.client.node_cache`),
 so that later rounds, each a new ClientApp process in deployment, compose no Hydra configuration.
+The node alone decides where it writes: ``cache_dir`` is its node config's ``cache-dir`` or the
+default under its owner's home (:func:`car_fl.client.node_cache.node_dir`, 0700); a run
+config's ``cache_dir`` is ignored on a node, and the node's log says so.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import logging
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from car_fl.client import node_cache
@@ -20,6 +26,8 @@ from car_fl.settings.flower import (
     settings_from_run_config,
 )
 from car_fl.settings.schema import Settings
+
+log = logging.getLogger(__name__)
 
 
 def node_settings(
@@ -45,7 +53,7 @@ def node_settings(
             path = node_cache.settings_path(node_config.get(CACHE_DIR), key)
         stored = node_cache.load_settings_entry(path) if path is not None else None
         if stored is None:
-            settings = apply_node_config(settings_from_run_config(run_config), node_config)
+            settings = own_cache(settings_from_run_config(run_config), node_config)
             stored = settings, fingerprint(settings)
             if path is not None:
                 node_cache.save_settings_entry(path, *stored)
@@ -53,6 +61,22 @@ def node_settings(
     settings, mine = _IN_PROCESS[memo]
     check_fingerprint(mine, server_fingerprint)
     return copy.deepcopy(settings)
+
+
+def own_cache(settings: Settings, node_config: Mapping[str, Any]) -> Settings:
+    """The run's ``settings`` with the node's paths (:func:`apply_node_config`), writing only
+    where the node decides: never the run config's ``cache_dir``, logged when it named one."""
+    mine = node_cache.node_dir(node_config.get(CACHE_DIR))
+    asked = settings.cache_dir
+    if asked not in (None, "") and Path(str(asked)).expanduser() != mine:
+        log.warning(
+            "the run config's cache_dir=%s is ignored: this node writes only under %s (its "
+            "node config's %s, or car-fl's default under its owner's home)",
+            asked,
+            mine,
+            CACHE_DIR,
+        )
+    return dataclasses.replace(apply_node_config(settings, node_config), cache_dir=str(mine))
 
 
 _IN_PROCESS: dict[str, tuple[Settings, str]] = {}

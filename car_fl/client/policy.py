@@ -10,7 +10,8 @@ TOML file and names it in the SuperNode's ``--node-config privacy-policy=/path/p
     max-clip = 1.0                # ceiling on C (the adaptive Cᵢ never moves above it)
     max-delta = 1e-5              # the largest δ accepted; the ledger's ε is at this δ
     allow-warmup = false          # accept dp.warmup_rounds > 0 (un-noised rounds)?
-    lifetime-epsilon = 30         # cap on the ledger's ε over every release of this data
+    lifetime-epsilon = 30         # cap on the ledger's ε of every record of this data
+    public-example-count = true   # refuse a run whose reply would depend on n (default true)
     ledger = "ledger"             # the ledger's folder (relative to this file)
 
 Before any training :meth:`NodePolicy.violations` compares the run's settings with the policy
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from car_fl.settings.dp_plan import non_private_reason, record_plan
+from car_fl.settings.dp_plan import non_private_reason, per_step, record_plan
 from car_fl.settings.schema import DPMode, Settings
 
 #: The ledger folder when the policy names none (relative to the policy file).
@@ -51,6 +52,8 @@ class NodePolicy:
     max_delta: float = DEFAULT_DELTA
     allow_warmup: bool = False
     lifetime_epsilon: float | None = None
+    #: Refuse runs whose reply would carry or follow the node's example count n.
+    public_example_count: bool = True
     ledger: Path = Path(DEFAULT_LEDGER)
     #: Where the policy was read from (for messages).
     source: Path = field(default=Path("<policy>"), compare=False)
@@ -93,6 +96,7 @@ class NodePolicy:
             ),
             allow_warmup=reader.flag("allow-warmup", False),
             lifetime_epsilon=reader.optional_number("lifetime-epsilon"),
+            public_example_count=reader.flag("public-example-count", True),
             ledger=ledger if ledger.is_absolute() else (source.parent / ledger),
             source=source,
         )
@@ -116,7 +120,18 @@ class NodePolicy:
             found.append(f"dp={dp.mode.value} is not among the accepted modes ({accepted})")
             return found
         if dp.mode is DPMode.NONE:
+            if self.public_example_count:
+                found.append(
+                    "dp=none sends the example count un-noised and public-example-count is true"
+                )
             return found
+        unbounded = settings.fl.max_examples_per_client is None
+        if self.public_example_count and per_step(settings) and unbounded:
+            found.append(
+                "dp.granularity=step without fl.max_examples_per_client: the number of "
+                "noised steps (and the ε a reply carries) would follow the example count, "
+                "and public-example-count is true"
+            )
         reason = non_private_reason(dp)
         if reason is not None and not self.accepts_non_private:
             found.append(f"{reason}: not private, and 'none' is not an accepted mode")
@@ -148,6 +163,7 @@ KEYS = (
     "max-delta",
     "allow-warmup",
     "lifetime-epsilon",
+    "public-example-count",
     "ledger",
 )
 

@@ -31,6 +31,7 @@ from car_fl.method.features import LocalData
 from car_fl.method.model import CaRRetriever
 from car_fl.method.optim import Optimizer
 from car_fl.method.train import EpochResult, make_optimizer
+from car_fl.settings.dp_plan import public_examples
 from car_fl.settings.flower import NodeInfo
 from car_fl.settings.schema import DPMode, Settings
 
@@ -194,8 +195,9 @@ def train_shard(
         "train-seconds": seconds,
     }
     metrics: dict[str, int | float] = {
-        # n: every example of the shard, also those the server's label map lacks
-        "num-examples": shard.examples,
+        # n: every example of the shard (also those the server's label map lacks), unless DP is
+        # active: then a public value (n is data-dependent and nothing noises it)
+        "num-examples": public_examples(settings) if privacy.private else shard.examples,
         # Under DP only private values leave: no train metrics (timing is a side channel too)
         **({} if privacy.private else train_metrics),
         "partition-id": node.partition_id,

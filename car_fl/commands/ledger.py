@@ -20,16 +20,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print every release recorded for ``data`` and the lifetime ε at the policy's δ."""
-    from car_fl.client.ledger import Ledger, data_key
+    from car_fl.client.ledger import Ledger, record_keys
     from car_fl.client.policy import NodePolicy
 
     # a wrong policy, data file or ledger: one line, exit 1 (car_fl.cli)
     policy = NodePolicy.load(args.policy)
     if not Path(args.data).expanduser().is_file():
         raise FileNotFoundError(f"data file {args.data} is not a file")
-    ledger = Ledger(policy.ledger, data_key(args.data))  # read only: nothing is created
+    ledger = Ledger(policy.ledger)  # read only: nothing is created
     entries = ledger.entries()
-    lifetime = ledger.epsilon(policy.max_delta)
+    # the most-spent record of the data file as it is now
+    lifetime = ledger.epsilon(policy.max_delta, record_keys(args.data))
     non_private = ledger.non_private()
     if args.json:
         content = {

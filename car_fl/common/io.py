@@ -57,14 +57,14 @@ def _new_file(folder: Path, *, prefix: str, suffix: str, mode: int | None = None
         return path
 
 
-def atomic_write_text(path: str | Path, text: str) -> Path:
+def atomic_write_text(path: str | Path, text: str, *, mode: int | None = None) -> Path:
     def write(tmp: Path) -> None:
         tmp.write_text(text, encoding="utf-8")
 
-    return atomic_write(path, write)
+    return atomic_write(path, write, mode=mode)
 
 
-def atomic_write_json(path: str | Path, data: Any) -> Path:
+def atomic_write_json(path: str | Path, data: Any, *, mode: int | None = None) -> Path:
     return atomic_write_text(
-        path, json.dumps(data, indent=2, sort_keys=False, allow_nan=True) + "\n"
+        path, json.dumps(data, indent=2, sort_keys=False, allow_nan=True) + "\n", mode=mode
     )

@@ -183,7 +183,8 @@ class FeatureCache:
             return
         tensors = {"features": features.contiguous()}
         # bytes, not save_file: safetensors' own temporary file would outlive a killed writer
-        atomic_write(self.path(key), lambda tmp: _write_bytes(tmp, save(tensors)))
+        # 0600: a text's features can be inverted towards the text (a node's cache is its own)
+        atomic_write(self.path(key), lambda tmp: _write_bytes(tmp, save(tensors)), mode=0o600)
 
     @classmethod
     def clear_memory(cls) -> None:
@@ -209,6 +210,17 @@ class LocalData:
 
     def __len__(self) -> int:
         return len(self.labels)
+
+    def select(self, positions: Sequence[int]) -> LocalData:
+        """The examples at ``positions``, in that order."""
+        index = torch.as_tensor(list(positions), dtype=torch.long)
+        return LocalData(
+            labels=self.labels[index],
+            features=self.features[index] if self.features is not None else None,
+            input_ids=[self.input_ids[i] for i in positions]
+            if self.input_ids is not None
+            else None,
+        )
 
 
 def prepare_data(

@@ -1,13 +1,20 @@
 """Each client's ε as the server computes it, and whether the client's own claim agrees.
 
-A reply's ``dp-epsilon`` and ``dp-active`` are claims: a hostile client can claim ε 0.5
-without any DP, or ε = ∞ or NaN. The server needs none of them: every client runs the
-settings the server sent (the fingerprint checks it), so the server knows what each reply it
-received released (:func:`~car_fl.settings.dp_plan.round_release`, with the reply's
-``num-examples`` for ``dp.granularity=step``) and composes a node's releases with the same
+A reply's ``dp-epsilon``, ``dp-active`` and ``num-examples`` are claims: a hostile client can
+claim ε 0.5 without any DP, ε = ∞ or NaN, or n = 10⁶. The server needs none of them: every
+client runs the settings the server sent (the fingerprint checks it), so the server knows
+what each reply it received released (:func:`~car_fl.settings.dp_plan.round_release`) and
+composes a node's releases with the same
 accounting the client uses (:func:`~car_fl.settings.dp_plan.run_epsilon`: Rényi DP for local
 DP, the PLD accountant under replace-one for DP-SGD, since n travels un-noised). Warm-up
 rounds release before DP starts and, as on the client, are not in the figure.
+
+Only ``dp.granularity=step`` needs a node's n (one release per optimizer step). The server
+then uses its own bound (:data:`~car_fl.server.round_stats.EXAMPLES_BOUND`: the partition size
+it has on record, or ``fl.max_examples_per_client``), never the claim; the largest n it allows
+is the value least favourable to privacy, and a node trains and accounts for at most that
+many (:func:`~car_fl.settings.dp_plan.accounted_examples`). Without any bound the figure would
+rest on the claim: the server reports ε = ∞ and says why (:attr:`Verdict.basis`).
 
 :class:`PrivacyCheck` keeps each node's releases (by Flower node id, never the claimed
 partition id) and gives a :class:`Verdict` per reply: the server's ε, which the report uses,
@@ -22,8 +29,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from car_fl.privacy.composition import Release
-from car_fl.protocol.messages import NUM_EXAMPLES
-from car_fl.settings.dp_plan import dp_active, round_release, run_epsilon
+from car_fl.server.round_stats import EXAMPLES_BOUND
+from car_fl.settings.dp_plan import (
+    accounted_examples,
+    dp_active,
+    per_step,
+    round_release,
+    run_epsilon,
+)
 from car_fl.settings.schema import Settings
 
 #: A claim agrees when |claimed − server| ≤ RELATIVE · server + ABSOLUTE.
@@ -41,6 +54,8 @@ class Verdict:
     epsilon: float
     claimed: float | None
     mismatch: str = ""
+    #: What the figure rests on besides the settings the server sent ("" when nothing else).
+    basis: str = ""
 
 
 def disagreement(
@@ -69,6 +84,8 @@ class PrivacyCheck:
 
     settings: Settings
     releases: dict[int, list[Release]] = field(default_factory=dict)
+    #: Nodes with a per-step release the server could not bound: their ε is ∞.
+    unbounded: set[int] = field(default_factory=set)
 
     def epsilon(self, node: int) -> float:
         """The server's ε (at ``dp.delta``) of every release received from ``node`` so far."""
@@ -77,17 +94,39 @@ class PrivacyCheck:
     def receive(self, server_round: int, node: int, metrics: Mapping[str, float]) -> Verdict:
         """Account for ``node``'s valid reply in ``server_round``, and judge its claim.
 
-        ``metrics`` passed the strategy's reply checks, so ``num-examples`` is a positive int.
+        ``metrics`` passed the strategy's reply checks; the strategy put its own bound on the
+        node's n beside them (:data:`EXAMPLES_BOUND`), where it has one.
         """
         active = dp_active(self.settings, server_round)
+        basis = ""
         if active:
+            examples, basis = self.examples(metrics)
+            if examples is None:
+                self.unbounded.add(node)
             release = round_release(
-                self.settings, server_round=server_round, examples=int(metrics[NUM_EXAMPLES])
+                self.settings, server_round=server_round, examples=examples or 1
             )
             self.releases.setdefault(node, []).append(release)
-        server = self.epsilon(node)
+        server = math.inf if node in self.unbounded else self.epsilon(node)
         claimed = metrics.get(CLAIMED_EPSILON)
         why = disagreement(
             server, claimed, active=active, claimed_active=metrics.get(CLAIMED_ACTIVE)
         )
-        return Verdict(node=node, epsilon=server, claimed=claimed, mismatch=why)
+        return Verdict(node=node, epsilon=server, claimed=claimed, mismatch=why, basis=basis)
+
+    def examples(self, metrics: Mapping[str, float]) -> tuple[int | None, str]:
+        """The n the server accounts a per-step reply for, and what it rests on; ``None``
+        (ε = ∞) when the server has no bound of its own. Other modes do not depend on n."""
+        if not per_step(self.settings):
+            return 1, ""
+        bound = metrics.get(EXAMPLES_BOUND)
+        cap = self.settings.fl.max_examples_per_client
+        if bound is not None and math.isfinite(bound) and bound >= 1:
+            n = accounted_examples(self.settings, int(bound))
+            return n, f"n ≤ {n}, the server's bound (not the node's claim)"
+        if cap is not None:
+            return cap, f"n ≤ fl.max_examples_per_client = {cap} (not the node's claim)"
+        return None, (
+            "dp.granularity=step and the server has no bound on this node's n (set "
+            "fl.max_examples_per_client): ε = ∞, the figure would rest on the node's claim"
+        )

@@ -220,9 +220,10 @@ class RoundRecorder:
         for row in client_rows:
             if row.round > done or row.server_epsilon is None or row.num_examples is None:
                 continue  # not a release the server saw (or a file from before the check)
-            verdict = self.privacy.receive(
-                row.round, row.node, {wire_key("num_examples"): float(row.num_examples)}
-            )
+            # clients.csv keeps no bound: a per-step run resumes with fl.max_examples_per_client
+            # as the bound, or ε = ∞ without it (never the node's claim)
+            seen = {wire_key("num_examples"): float(row.num_examples)}
+            verdict = self.privacy.receive(row.round, row.node, seen)
             self.client_epsilon[row.node] = verdict.epsilon
             if self.recorder.settings.dp.mode is DPMode.RECORD:
                 place = row.partition_id if row.partition_id is not None else row.node

@@ -46,7 +46,7 @@ from car_fl.protocol.messages import (
 )
 from car_fl.server.expert_plan import ExpertPlan
 from car_fl.server.replies import Spec, as_float64, spec_of, validate_reply
-from car_fl.server.round_stats import RoundStats
+from car_fl.server.round_stats import EXAMPLES_BOUND, RoundStats
 from car_fl.server.sampled_grid import SampledGrid
 from car_fl.server.shard_claims import ShardClaims
 from car_fl.server.update_norm import NormBound, clip_update, update_norm
@@ -72,8 +72,14 @@ class GuardedStrategy(Strategy):
         min_valid: int = 1,
         min_valid_fraction: float = 0.0,
         experts: ExpertPlan | None = None,
+        public_examples: int | None = None,
+        private_from: int = 1,
     ) -> None:
         """``inner`` is the Flower strategy that combines the valid replies.
+
+        From round ``private_from`` on, with ``public_examples`` set (the run's DP is active),
+        every valid reply weighs ``public_examples`` whatever count it claims: under DP a
+        node's count is not released, and a claim (n = 10⁶) must not buy a node the model.
 
         ``sample_size(connected)`` is how many nodes a round asks (default: all).
         ``shard_sizes`` (partition id → examples) caps each node's example count by the
@@ -96,6 +102,7 @@ class GuardedStrategy(Strategy):
         self.min_valid = min_valid
         self.min_valid_fraction = min_valid_fraction
         self.experts = experts
+        self.public_examples, self.private_from = public_examples, private_from
         #: This round's tensors per node: those sent, and those its reply may leave out.
         self.expected: dict[int, tuple[list[str], set[str]]] = {}
         self.current: RoundStats | None = None
@@ -196,7 +203,7 @@ class GuardedStrategy(Strategy):
                 log.error("round %d: node %d failed: %s", server_round, node, message.error.reason)
                 continue
             try:
-                checked_reply = self._check(node, message.content, stats)
+                checked_reply = self._check(node, message.content, stats, server_round)
             except Exception as err:  # whatever a client sends must not end the server's run
                 stats.rejected[node] = f"malformed reply ({type(err).__name__}: {err})"
                 checked_reply = None
@@ -238,9 +245,14 @@ class GuardedStrategy(Strategy):
         return arrays, summary
 
     def _check(
-        self, node: int, content: RecordDict, stats: RoundStats
+        self, node: int, content: RecordDict, stats: RoundStats, server_round: int
     ) -> tuple[dict[str, np.ndarray[Any, Any]], int] | None:
-        """The decoded arrays and example count of a valid reply; ``None`` (recorded) if not."""
+        """The decoded arrays and the weight of a valid reply; ``None`` (recorded) if not.
+
+        The weight is the claimed count within the server's cap, or under DP the public
+        count; the released metrics carry the server's own bound on the node's n
+        (:data:`EXAMPLES_BOUND`, never a value the node sent) for the privacy check.
+        """
         metrics = next(iter(content.metric_records.values()), None)
         claimed = metrics.get("partition-id") if metrics is not None else None
         cap, reason = self.claims.check(node, claimed)
@@ -261,7 +273,12 @@ class GuardedStrategy(Strategy):
             for k, v in metrics.items()
             if isinstance(v, int | float) and not math.isnan(v)
         }
+        stats.client_metrics[node].pop(EXAMPLES_BOUND, None)  # the server's key, not a node's
+        if cap is not None:
+            stats.client_metrics[node][EXAMPLES_BOUND] = float(cap)
         stats.released[node] = stats.client_metrics[node]
+        if self.public_examples is not None and server_round >= self.private_from:
+            return arrays, self.public_examples
         return arrays, int(metrics[NUM_EXAMPLES])  # type: ignore[arg-type]
 
     def _bound_norms(

@@ -112,6 +112,29 @@ def local_steps(settings: Settings, examples: int) -> int:
     return settings.fl.local_epochs * math.ceil(examples / settings.train.batch_size)
 
 
+def public_examples(settings: Settings) -> int:
+    """The example count a reply carries once DP is active: public, the same for every node.
+
+    ``fl.max_examples_per_client`` when the run sets it, else 1 (every DP reply weighs the
+    same in FedAvg). The node's true n never leaves it under DP: it is data-dependent (with
+    ``fl.partitioning=dirichlet`` one record's label moves it), and nothing noises it.
+    """
+    return settings.fl.max_examples_per_client or 1
+
+
+def per_step(settings: Settings) -> bool:
+    """Whether each optimizer step is a release (local DP with ``dp.granularity=step``)."""
+    dp = settings.dp
+    return dp.mode not in (DPMode.NONE, DPMode.RECORD) and dp.granularity is Granularity.STEP
+
+
+def accounted_examples(settings: Settings, examples: int) -> int:
+    """The n a per-step round is trained and accounted for: ``fl.max_examples_per_client``
+    when set (a node trains on at most that many and accounts for exactly that many, so the
+    number of releases is public), else the node's own n."""
+    return settings.fl.max_examples_per_client or examples
+
+
 def round_release(settings: Settings, *, server_round: int, examples: int) -> Release:
     """What one client's reply in ``server_round`` releases, for accounting.
 

@@ -127,20 +127,28 @@ def test_adaptive_state_persists_in_the_node_state(round_inputs) -> None:
 
 def test_step_granularity_clips_every_step(round_inputs) -> None:
     s, node, initial = round_inputs(
-        "dp=fixed", "dp.granularity=step", "dp.clip=1e-3", "dp.noise_multiplier=0", "train.lr=0.5"
+        "dp=fixed",
+        "dp.granularity=step",
+        "dp.clip=1e-3",
+        "dp.noise_multiplier=0",
+        "train.lr=0.5",
+        "fl.max_examples_per_client=60",  # public: the round trains and accounts for 60
     )
     state, metrics = train_round(s, node, initial, 1, RecordDict())
-    steps = math.ceil(int(metrics["num-examples"]) / s.train.batch_size)
+    assert metrics["num-examples"] == 60  # the public count, not the node's n
+    steps = math.ceil(60 / s.train.batch_size)
     assert metrics["dp-releases"] == steps
     moved = flat_norm({k: state[k] - initial[k] for k in state})
     assert moved <= steps * 1e-3 * (1 + 1e-5)
 
 
 def test_step_granularity_with_adaptive_clipping_adapts_every_step(round_inputs) -> None:
-    s, node, initial = round_inputs("dp=adaptive", "dp.granularity=step", "dp.clip=0.01")
+    s, node, initial = round_inputs(
+        "dp=adaptive", "dp.granularity=step", "dp.clip=0.01", "fl.max_examples_per_client=60"
+    )
     state = RecordDict()
     _, metrics = train_round(s, node, initial, 1, state)
-    steps = math.ceil(int(metrics["num-examples"]) / s.train.batch_size)
+    steps = math.ceil(60 / s.train.batch_size)
     assert metrics["dp-releases"] == steps
     assert metrics["dp-epsilon"] == pytest.approx(epsilon({0.05: steps}, s.dp.delta), rel=1e-6)
     assert load_privacy(s, node, state).state.clip != pytest.approx(0.01)

@@ -8,18 +8,28 @@ leaves, the agreed run trains, and the ledger lists every release with its ε.
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from flwr.app import RecordDict
+from flwr.app import ConfigRecord, RecordDict
 
+from car_fl.client.answer import answer_train
 from car_fl.client.failures import Refusal
 from car_fl.client.node_privacy import NodePrivacy
 from car_fl.client.round import train_round
 from car_fl.method.model import build_retriever
 from car_fl.protocol.failures import Failure
-from car_fl.settings.flower import DATA_PATH, PRIVACY_POLICY, NodeConfigError, NodeInfo
+from car_fl.protocol.messages import to_record
+from car_fl.settings.compose import settings_to_yaml
+from car_fl.settings.flower import (
+    DATA_PATH,
+    PRIVACY_POLICY,
+    NodeConfigError,
+    NodeInfo,
+    fingerprint,
+)
 
 POLICY = """\
 modes = ["fixed"]
@@ -125,3 +135,63 @@ def test_the_policy_and_ledger_come_only_from_the_node_config(
         NodePrivacy.from_node_config({PRIVACY_POLICY: str(policy)})
     found = NodePrivacy.from_node_config({PRIVACY_POLICY: str(policy), DATA_PATH: synthetic_tsv})
     assert found is not None and found.policy.lifetime_epsilon == 10
+
+
+def test_a_data_file_grown_by_one_row_gives_no_old_record_a_fresh_budget(
+    tmp_path: Path, make_settings, synthetic_tsv: Path
+) -> None:
+    """The attacker's hole: with the ledger keyed by the file's bytes, the owner appending a
+    row (or a server waiting for it) made the old records a new data set with a fresh budget."""
+    data = Path(shutil.copy(synthetic_tsv, tmp_path / "data.tsv"))
+    settings = make_settings(*AGREED, f"dataset.path={data}")
+    probe = guard(tmp_path / "probe", data)
+    round_of(settings, probe, 1)
+    one = probe.ledger.entries()[-1].epsilon
+    node_privacy = guard(tmp_path, data, cap=one * 1.01)  # room for one release
+    round_of(settings, node_privacy, 1)
+    lines = data.read_text(encoding="utf-8").splitlines(keepends=True)
+    for changed in (
+        [*lines, "topic0\tk0 one more message\n"],  # grown
+        lines[1:],  # shrunk
+        lines[::-1],  # re-ordered
+    ):
+        data.write_text("".join(changed), encoding="utf-8")
+        with pytest.raises(Refusal) as err:
+            round_of(settings, guard(tmp_path, data, cap=one * 1.01), 1, run="2")
+        assert err.value.failure is Failure.BUDGET_EXHAUSTED
+    assert [e.run for e in node_privacy.ledger.entries()] == ["1"]
+
+
+def test_a_policy_refuses_a_run_whose_reply_would_follow_the_example_count(
+    tmp_path: Path, make_settings, synthetic_tsv: Path
+) -> None:
+    """Per step, the number of noised releases (and the ε a reply carries) is ⌈n/B⌉ per
+    epoch: without a public cap on n it follows the node's data."""
+    node_privacy = guard(tmp_path, synthetic_tsv)
+    with pytest.raises(Refusal, match="public-example-count") as err:
+        node_privacy.admit(make_settings(*AGREED, "dp.granularity=step"))
+    assert err.value.failure is Failure.POLICY_REFUSED
+    node_privacy.admit(
+        make_settings(*AGREED, "dp.granularity=step", "fl.max_examples_per_client=50")
+    )
+
+
+@pytest.mark.parametrize("rows", [3, 4, 5])
+def test_a_message_without_a_label_map_is_refused_the_same_whatever_the_labels(
+    make_settings, synthetic_tsv: Path, rows: int
+) -> None:
+    """The attacker's hole: with no label map the node sized its head by its own labels, so a
+    head of 4 rows trained and 3 or 5 failed: the round's outcome told the label count."""
+    settings = make_settings(*AGREED)
+    head = build_retriever(settings, rows, hidden_size=64).trainable_state_dict()
+    config = ConfigRecord({"server-round": 1, "fingerprint": fingerprint(settings)})
+    content = RecordDict({"arrays": to_record(head), "config": config})
+    with pytest.raises(Refusal) as err:
+        answer_train(
+            content,
+            run_config={"settings": settings_to_yaml(settings)},
+            node_config={"partition-id": 0, "num-partitions": 2},
+            node_state=RecordDict(),
+            run="1",
+        )
+    assert err.value.failure is Failure.CONFIG_MISMATCH

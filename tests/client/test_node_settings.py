@@ -8,8 +8,9 @@ import pytest
 
 from car_fl.client import node_settings as node_settings_module
 from car_fl.client.node_settings import node_settings
+from car_fl.client.shard import shard_data
 from car_fl.settings.compose import load_settings, settings_to_yaml
-from car_fl.settings.flower import fingerprint
+from car_fl.settings.flower import NodeInfo, fingerprint
 
 
 def test_node_config_paths_apply_and_fingerprints_must_match(make_settings, tmp_path: Path) -> None:
@@ -48,3 +49,27 @@ def test_node_settings_compose_once_per_process(
     # another node config (or another run) is another entry
     node_settings(run_config, {**node, "partition-id": 1}, None)
     assert len(calls) == 2
+
+
+def test_the_server_cannot_choose_where_a_node_writes(
+    make_settings, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The attacker's hole: a run config's cache_dir made the node write its training texts
+    and their features into the server's folder, readable by every user."""
+    server_folder = tmp_path / "server-folder"
+    settings = make_settings(f"cache_dir={server_folder}")
+    run_config = {"settings": settings_to_yaml(settings)}
+    mine = tmp_path / "node-own-cache"
+    with caplog.at_level("WARNING", logger="car_fl.client.node_settings"):
+        local = node_settings(run_config, {"cache-dir": str(mine)}, fingerprint(settings))
+    assert local.cache_dir == str(mine)
+    assert "cache_dir" in caplog.text and "is ignored" in caplog.text
+    assert mine.stat().st_mode & 0o777 == 0o700  # the owner's only
+    # without a cache-dir of its own, the node's default (its owner's home), never the server's
+    default = node_settings(run_config, {"device": "cpu"}, fingerprint(settings))
+    assert default.cache_dir is not None and Path(default.cache_dir) != server_folder
+    # a whole round: nothing lands in the server's folder, everything the node wrote is 0600
+    shard_data(local, NodeInfo(partition_id=0, num_partitions=2))
+    assert not server_folder.exists()
+    written = [p for p in mine.rglob("*") if p.is_file()]
+    assert written and all(p.stat().st_mode & 0o777 == 0o600 for p in written)

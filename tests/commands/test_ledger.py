@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from car_fl.cli import main
-from car_fl.client.ledger import Ledger, data_key
+from car_fl.client.ledger import Ledger, record_keys
 from car_fl.client.policy import NodePolicy
 from car_fl.privacy.composition import Release, ReleaseKind
 
@@ -17,7 +17,7 @@ def node(tmp_path: Path) -> tuple[Path, Path, Ledger]:
     policy, data = tmp_path / "policy.toml", tmp_path / "data.tsv"
     policy.write_text('modes = ["fixed"]\nlifetime-epsilon = 50\n', encoding="utf-8")
     data.write_text("ham\thello\nspam\twin now\n", encoding="utf-8")
-    return policy, data, Ledger.open(NodePolicy.load(policy).ledger, data_key(data))
+    return policy, data, Ledger.open(NodePolicy.load(policy).ledger)
 
 
 def test_the_ledger_lists_every_release_as_a_table_and_as_json(
@@ -27,6 +27,7 @@ def test_the_ledger_lists_every_release_as_a_table_and_as_json(
     for run, server_round in (("7", 1), ("7", 2), ("8", 1)):
         ledger.spend(
             Release(ReleaseKind.GAUSSIAN, 1, noise_multiplier=1.0),
+            records=record_keys(data),
             run=run,
             server_round=server_round,
             mode="fixed",

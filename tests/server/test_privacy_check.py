@@ -20,13 +20,15 @@ from car_fl.client.local_dp import LocalDPRound
 from car_fl.client.record_dp import RecordDPRound
 from car_fl.data.labels import LabelMap
 from car_fl.privacy.accountant import epsilon as rdp_epsilon
-from car_fl.protocol.messages import to_record
+from car_fl.protocol.messages import decode, to_record
 from car_fl.results.recorder import Recorder
 from car_fl.results.rows import CLIENTS_CSV, ClientRow, RunSummary
+from car_fl.server.aggregation import build_strategy
 from car_fl.server.privacy_check import PrivacyCheck, disagreement
 from car_fl.server.round_recorder import RoundRecorder
+from car_fl.server.round_stats import EXAMPLES_BOUND
 from car_fl.settings.compose import load_settings
-from car_fl.settings.dp_plan import record_plan
+from car_fl.settings.dp_plan import record_plan, round_release, run_epsilon
 from car_fl.settings.flower import NodeInfo
 from car_fl.settings.schema import Mode, Settings
 from tests.helpers import reply
@@ -72,7 +74,8 @@ def test_the_server_computes_what_an_honest_client_reports(overrides: str) -> No
     settings = load_settings(f"fl.rounds=3 {overrides}")
     check = PrivacyCheck(settings)
     for server_round, metrics in enumerate(honest_claims(settings, 3), start=1):
-        verdict = check.receive(server_round, 7, metrics)
+        # the strategy puts the server's own bound on n beside the reply (the partition size)
+        verdict = check.receive(server_round, 7, {**metrics, EXAMPLES_BOUND: EXAMPLES})
         assert verdict.mismatch == ""
         assert verdict.epsilon == pytest.approx(metrics["dp-epsilon"], rel=1e-9)
     if settings.dp.mode.value == "record":  # PLD, replace-one: the plan's own figure
@@ -283,3 +286,38 @@ def test_a_node_claiming_another_nodes_partition_cannot_overwrite_its_dp_row(
     play_round(strategy, rounds, 1, {10: honest, 11: dict(honest)})  # 11 claims partition 0 too
     rows = rounds.summary(final=False).dp_clients
     assert set(rows) == {0, 11}  # node 10 keeps partition 0's row; node 11 gets its own
+
+
+@pytest.mark.parametrize("claimed", [1, 10**6])
+def test_a_claimed_count_moves_neither_the_servers_epsilon_nor_the_weights(claimed: int) -> None:
+    """The attacker's hole: with a deployment-like cap, a node claiming n = 10⁶ under per-step
+    DP made the server report ε 1,100,112 (its true ε: 223) and dominated FedAvg; claiming
+    n = 1 made the server report 16.5. The server now accounts with its own bound (the value
+    least favourable to privacy) and, under DP, weighs every reply the same."""
+    cap = 10**6
+    settings = load_settings(
+        "fl.rounds=3 dp=fixed dp.granularity=step dp.noise_multiplier=1.0 "
+        f"fl.max_examples_per_client={cap}"
+    )
+    strategy = build_strategy(settings, spec=SPEC)
+    strategy.reference = {"w": np.zeros(3)}
+    replies = [
+        reply(1, {"w": np.full(3, 1.0, np.float32)}, claimed, **{"partition-id": 0}),
+        reply(2, {"w": np.full(3, 3.0, np.float32)}, 1, **{"partition-id": 1}),
+    ]
+    arrays, _ = strategy.aggregate_train(1, replies)
+    assert arrays is not None
+    np.testing.assert_allclose(decode(arrays["w"]), np.full(3, 2.0))  # equal weights
+    check = PrivacyCheck(settings)
+    released = strategy.history[-1].released
+    verdict = check.receive(1, 1, released[1])
+    assert verdict.epsilon == check.receive(1, 2, released[2]).epsilon  # the claim is not used
+    bounded = round_release(settings, server_round=1, examples=cap)
+    assert verdict.epsilon == pytest.approx(run_epsilon(settings, [bounded]))
+    assert "server's bound" in verdict.basis
+
+
+def test_without_a_bound_a_per_step_figure_is_infinite_and_says_why() -> None:
+    settings = load_settings("fl.rounds=3 dp=fixed dp.granularity=step")
+    verdict = PrivacyCheck(settings).receive(1, 7, {"num-examples": 1, "dp-epsilon": 0.5})
+    assert verdict.epsilon == math.inf and "no bound" in verdict.basis

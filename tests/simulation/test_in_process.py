@@ -15,7 +15,7 @@ import pytest
 import torch
 from flwr.app import Context, Message
 
-from car_fl.client.ledger import Ledger, data_key
+from car_fl.client.ledger import Ledger
 from car_fl.protocol.failures import Failure
 from car_fl.settings.flower import DATA_PATH, PRIVACY_POLICY
 from car_fl.simulation.apps import import_app
@@ -65,7 +65,7 @@ def federation(settings, owner: dict[str, str]) -> tuple[dict, dict[int, Message
 
 
 def ledger_of(owner: dict[str, str]) -> Ledger:
-    return Ledger.open(Path(owner[PRIVACY_POLICY]).parent / "ledger", data_key(owner[DATA_PATH]))
+    return Ledger.open(Path(owner[PRIVACY_POLICY]).parent / "ledger")
 
 
 @pytest.mark.slow
