@@ -50,6 +50,7 @@ def test_centralised_classifier_run_on_cached_features_never_loads_the_encoder(
         assert all(torch.equal(cold_state[k], warm_state[k]) for k in cold_state)
 
 
+@pytest.mark.slow
 def test_mips_and_adapter_runs_still_load_the_encoder(tmp_path: Path, make_settings) -> None:
     for i, overrides in enumerate(
         (["head.kind=mips"], ["mode=adapter", "train.epochs=1", "dataset.max_examples=40"])

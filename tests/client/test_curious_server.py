@@ -78,6 +78,7 @@ def seeded_guess(like: dict[str, torch.Tensor], *, seed: int, client: int, serve
     ],
     ids=["fixed", "adaptive"],
 )
+@pytest.mark.slow
 def test_curious_server_cannot_rebuild_or_remove_the_noise(
     make_settings, wide_llama: Path, dp: list[str], expected_std: float
 ) -> None:
@@ -114,6 +115,7 @@ def test_curious_server_cannot_rebuild_or_remove_the_noise(
     assert flat_norm(clipped) == pytest.approx(s.dp.clip)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dp", MODES, ids=lambda m: " ".join(m))
 def test_a_dp_reply_holds_nothing_data_dependent_but_parameters_count_and_epsilon(
     make_settings, tmp_path: Path, dp: tuple[str, ...]

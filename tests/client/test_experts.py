@@ -57,6 +57,7 @@ def sent_experts(
     return {n for n in reply if n.startswith(EXPERT_PREFIX)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("send", ["all", "schedule"])
 def test_under_dp_the_experts_a_node_sends_do_not_depend_on_its_data(
     make_corpus_settings, send: str
@@ -82,6 +83,7 @@ def test_under_dp_the_experts_a_node_sends_do_not_depend_on_its_data(
         assert sent_experts(settings, partition, state, names, extra["moe_layout"]) == expected
 
 
+@pytest.mark.slow
 def test_outgoing_under_dp_ignores_which_experts_training_touched(make_corpus_settings) -> None:
     """Even a configuration that slipped past the settings (routed under DP) sends every
     expert it holds: the node checks again."""

@@ -248,6 +248,7 @@ def _spend_once(folder: str, cap: float, start, results) -> None:  # a process
         results.put((name, "refused"))
 
 
+@pytest.mark.slow
 def test_of_two_runs_spending_at_once_only_one_gets_a_budget_that_allows_one(
     tmp_path: Path,
 ) -> None:

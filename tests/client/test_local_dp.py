@@ -82,6 +82,7 @@ def round_inputs(make_settings):
     return make
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dp", ["fixed", "adaptive"])
 @pytest.mark.parametrize("granularity", ["round", "step"])
 def test_infinite_clip_and_zero_noise_reproduce_the_non_dp_round(

@@ -123,6 +123,7 @@ def test_cached_classifier_round_in_a_fresh_process_imports_no_heavy_library(
         assert not torch.equal(cold_state[name], initial[name]), f"{name} was not trained"
 
 
+@pytest.mark.slow
 def test_settings_are_composed_once_per_node_then_read_from_disk(
     tmp_path: Path, tiny_llama: Path, synthetic_tsv: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -13,6 +13,7 @@ from car_fl.settings.compose import load_settings, settings_to_yaml
 from car_fl.settings.flower import NodeInfo, fingerprint
 
 
+@pytest.mark.slow
 def test_node_config_paths_apply_and_fingerprints_must_match(make_settings, tmp_path: Path) -> None:
     settings = make_settings()
     run_config = {"settings": settings_to_yaml(settings)}

@@ -39,6 +39,7 @@ def test_client_with_delta_too_large_fails_before_training(record_inputs) -> Non
     assert STATE_KEY not in state.metric_records
 
 
+@pytest.mark.slow
 def test_curious_server_sees_parameters_count_and_public_privacy_figures_only(
     record_inputs,
 ) -> None:

@@ -16,6 +16,7 @@ from car_fl.settings.flower import NodeInfo
 STATE = {"head.classifier.weight": torch.randn(3, 8), "head.classifier.bias": torch.randn(3)}
 
 
+@pytest.mark.slow
 def test_a_fully_cached_classifier_round_never_loads_the_encoder(make_settings) -> None:
     settings = make_settings("fl.local_epochs=1")
     node = NodeInfo(partition_id=0, num_partitions=2)

@@ -64,6 +64,7 @@ def causal_checkpoint(make_corpus_settings, tiny_generator: Path, tmp_path: Path
     return str(tmp_path / "run" / "checkpoints" / "final")
 
 
+@pytest.mark.slow
 def test_same_model_answers_with_one_copy_of_the_weights_as_two_copies_do(
     causal_checkpoint: str,
     tiny_generator: Path,
@@ -98,6 +99,7 @@ def _model(checkpoint: str):  # the checkpoint's encoder settings
     return load_checkpoint(checkpoint).settings.model
 
 
+@pytest.mark.slow
 def test_same_model_and_a_generator_are_refused_together(
     causal_checkpoint: str, tiny_generator: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

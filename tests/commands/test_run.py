@@ -72,7 +72,7 @@ SMS = PROJECT.parent / "shared" / "data" / "sms_spam" / "SMSSpamCollection.tsv"
     ("args", "reason"),
     [
         # the offline default: both fixes in one message
-        ((), r"HF_HUB_OFFLINE is set; offline, use model=minilm .*; and dataset.path="),
+        ((), r"HF_HUB_OFFLINE is set; offline, use model=smollm2 .*; and dataset.path="),
         # a misspelt run-config key, and a misspelt override
         (("-c", "fl.round=2"), r"'fl.round' is not one of car-fl's; did you mean fl.rounds\?"),
         (("-c", 'overrides="fl.round=2"'), r"fl.round is not a setting; did you mean fl.rounds\?"),
@@ -90,6 +90,7 @@ SMS = PROJECT.parent / "shared" / "data" / "sms_spam" / "SMSSpamCollection.tsv"
         ),
     ],
 )
+@pytest.mark.slow
 def test_each_mistake_exits_non_zero_in_seconds_with_one_line(
     env: dict[str, str], args: tuple[str, ...], reason: str
 ) -> None:

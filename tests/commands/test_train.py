@@ -51,6 +51,7 @@ def test_mistakes_exit_non_zero_with_one_line(
     assert line.startswith(reason)
 
 
+@pytest.mark.slow
 def test_train_writes_results_others_can_read(
     tmp_path: Path, tiny_llama: Path, synthetic_tsv: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

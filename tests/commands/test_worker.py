@@ -24,6 +24,7 @@ def test_a_node_config_without_the_nodes_place_is_refused_before_anything_starts
     assert not folder.exists()
 
 
+@pytest.mark.slow
 def test_a_second_worker_for_the_same_folder_exits_in_one_line_saying_which_holds_it(
     short_dir: Path,
 ) -> None:

@@ -39,6 +39,7 @@ def test_an_unreachable_hub_turns_on_the_hubs_offline_mode(
     assert hub.offline_unless_reachable() == "HF_HUB_OFFLINE is set"  # no second probe
 
 
+@pytest.mark.slow
 def test_ask_without_the_hub_fails_in_seconds_in_one_line(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "car_fl.cli", "ask", "--checkpoint", str(tmp_path)]
     command += ["--generator", "someone/a-generator", "--device", "cpu", "a question"]

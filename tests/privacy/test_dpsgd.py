@@ -259,6 +259,7 @@ def test_an_empty_sampled_batch_still_makes_a_noisy_step(make_settings) -> None:
 # ------------------------------------------------------------------------------ accounting
 
 
+@pytest.mark.slow
 def test_epsilon_of_a_known_configuration_equals_dp_accounting() -> None:
     q, sigma, steps, delta = 64 / 2000, 1.0, 625, 1e-5
     replace_one = dp_accounting.NeighboringRelation.REPLACE_ONE
@@ -283,6 +284,7 @@ def test_epsilon_of_a_known_configuration_equals_dp_accounting() -> None:
 @pytest.mark.parametrize(
     ("target", "q", "steps"), [(1.0, 0.05, 200), (3.0, 0.1, 100), (8.0, 0.1, 100)]
 )
+@pytest.mark.slow
 def test_calibrated_sigma_reaches_the_target_within_one_percent(
     target: float, q: float, steps: int
 ) -> None:

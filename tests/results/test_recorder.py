@@ -163,6 +163,7 @@ def same(left: object, right: object) -> bool:
     )
 
 
+@pytest.mark.slow
 def test_the_strategy_hands_its_round_statistics_to_the_recorder(
     make_settings, tmp_path: Path
 ) -> None:
