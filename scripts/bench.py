@@ -408,7 +408,7 @@ def bench_comm_dtype(data: Path, work: Path, cache: Path, fp32: dict[str, Any]) 
 # ------------------------------------------------------------------------------ GPU only
 def bench_gpu(texts: list[str], minilm_dir: str) -> dict[str, Any]:
     """Adapter+classifier on a random TinyLlama-sized Llama in bf16: epoch time, step/forward."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaModel
+    from transformers import AutoTokenizer
 
     from car_fl.method.encoder import Encoder
     from car_fl.method.features import LocalData
@@ -416,17 +416,7 @@ def bench_gpu(texts: list[str], minilm_dir: str) -> dict[str, Any]:
     from car_fl.settings.schema import HeadConfig, ModelConfig
 
     tokenizer = AutoTokenizer.from_pretrained(minilm_dir)  # a real subword vocabulary
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=22,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        max_position_embeddings=2048,
-    )
-    torch.manual_seed(0)
-    llama = LlamaModel(config).to(device="cuda", dtype=torch.bfloat16)  # type: ignore[call-arg]
+    llama = tinyllama_shaped(len(tokenizer), torch.device("cuda"), torch.bfloat16)
     cfg = ModelConfig(
         name="tinyllama-shape", name_or_path="random", pooling="mean", dtype="bfloat16"
     )
@@ -459,18 +449,12 @@ GPU_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 SLM_NAMES = ("smollm2", "gemma3", "tinyllama-shape")
 
 
-def slm_encoder(name: str, device: str, minilm_dir: str) -> Any:
-    """A real small LM preset (``smollm2``, ``gemma3``), or a random TinyLlama-shaped Llama."""
-    from car_fl.method.encoder import Encoder, load_encoder, pick_device, pick_dtype
-    from car_fl.settings.schema import ModelConfig
+def tinyllama_shaped(vocab: int, device: torch.device, dtype: torch.dtype) -> Any:
+    """A randomly initialised Llama of TinyLlama-1.1B's shape (22 layers, hidden 2048)."""
+    from transformers import LlamaConfig, LlamaModel
 
-    if name != "tinyllama-shape":
-        return load_encoder(load_settings([f"model={name}"]).model, device=device)
-    from transformers import AutoTokenizer, LlamaConfig, LlamaModel
-
-    target = pick_device(device)
     config = LlamaConfig(
-        vocab_size=32000,
+        vocab_size=vocab,
         hidden_size=2048,
         intermediate_size=5632,
         num_hidden_layers=22,
@@ -479,9 +463,22 @@ def slm_encoder(name: str, device: str, minilm_dir: str) -> Any:
         max_position_embeddings=2048,
     )
     torch.manual_seed(0)
+    return LlamaModel(config).to(device=device, dtype=dtype)  # type: ignore[call-arg]
+
+
+def slm_encoder(name: str, device: str, minilm_dir: str) -> Any:
+    """A real small LM preset (``smollm2``, ``gemma3``), or a random TinyLlama-shaped Llama."""
+    from car_fl.method.encoder import Encoder, load_encoder, pick_device, pick_dtype
+    from car_fl.settings.schema import ModelConfig
+
+    if name != "tinyllama-shape":
+        return load_encoder(load_settings([f"model={name}"]).model, device=device)
+    from transformers import AutoTokenizer
+
+    target = pick_device(device)
     dtype = pick_dtype("auto", target)
-    llama = LlamaModel(config).to(device=target, dtype=dtype)  # type: ignore[call-arg]
-    tokenizer = AutoTokenizer.from_pretrained(minilm_dir)  # a real subword vocabulary (< 32000)
+    tokenizer = AutoTokenizer.from_pretrained(minilm_dir)  # a real subword vocabulary
+    llama = tinyllama_shaped(len(tokenizer), target, dtype)
     cfg = ModelConfig(name=name, name_or_path="random", dtype=str(dtype).removeprefix("torch."))
     return Encoder(llama, tokenizer, cfg)
 
