@@ -54,17 +54,13 @@ def _quiet_transformers() -> None:
     logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _node_cache_in_a_temporary_folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+@pytest.fixture(autouse=True)
+def _node_cache_in_a_temporary_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A node writes under its own default cache (the run config's cache_dir is ignored on a
-    node): in tests that default is a temporary folder, never the real ``~/.cache/car-fl``."""
-    before = os.environ.get("CAR_FL_CACHE")
-    os.environ["CAR_FL_CACHE"] = str(tmp_path_factory.mktemp("node-cache"))
-    yield
-    if before is None:
-        os.environ.pop("CAR_FL_CACHE", None)
-    else:
-        os.environ["CAR_FL_CACHE"] = before
+    node): in tests that default is a temporary folder of each test, never the real
+    ``~/.cache/car-fl`` and never one that an earlier test filled (a warm cache would hide
+    whether a test's node encoded its shard)."""
+    monkeypatch.setenv("CAR_FL_CACHE", str(tmp_path / "node-cache"))
 
 
 @pytest.fixture(scope="session")
