@@ -22,7 +22,6 @@ from flwr.app import MetricRecord, RecordDict
 
 from car_fl.method import encoder as encoder_module
 from car_fl.method.model import CaRRetriever
-from car_fl.method.optim import Optimizer
 from car_fl.method.train import EpochResult, train_epoch
 from car_fl.privacy.accountant import epsilon
 from car_fl.privacy.adaptive import (
@@ -339,7 +338,7 @@ class LocalDPRound:
         self,
         model: CaRRetriever,
         data: Any,
-        optimizer: Optimizer,
+        optimizer: torch.optim.Optimizer,
         *,
         seed: int,
         epoch: int,

@@ -20,7 +20,6 @@ from flwr.app import MetricRecord, RecordDict
 
 from car_fl.method.features import LocalData
 from car_fl.method.model import CaRRetriever
-from car_fl.method.optim import Optimizer
 from car_fl.method.train import EpochResult, train_epoch_dpsgd
 from car_fl.privacy.record_accounting import RecordPlan, check_delta
 from car_fl.settings.dp_plan import record_plan
@@ -101,7 +100,7 @@ class RecordDPRound:
         self,
         model: CaRRetriever,
         data: LocalData,
-        optimizer: Optimizer,
+        optimizer: torch.optim.Optimizer,
         *,
         seed: int,
         epoch: int,

@@ -29,7 +29,6 @@ from car_fl.client.shard import Shard, client_seed, local_retriever, shard_data
 from car_fl.method.experts import ExpertLayout
 from car_fl.method.features import LocalData
 from car_fl.method.model import CaRRetriever
-from car_fl.method.optim import Optimizer
 from car_fl.method.train import EpochResult, make_optimizer
 from car_fl.settings.dp_plan import public_examples
 from car_fl.settings.flower import NodeInfo
@@ -51,7 +50,7 @@ class RoundPrivacy(Protocol):
         self,
         model: CaRRetriever,
         data: LocalData,
-        optimizer: Optimizer,
+        optimizer: torch.optim.Optimizer,
         *,
         seed: int,
         epoch: int,

@@ -22,8 +22,7 @@ from car_fl.method.features import LocalData, extract_features
 from car_fl.method.metrics import rank_metrics
 from car_fl.method.metrics import ranks as rank_of_true
 from car_fl.method.model import CaRRetriever
-from car_fl.method.optim import Optimizer
-from car_fl.settings.schema import TrainConfig
+from car_fl.settings.schema import OptimizerKind, TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +31,12 @@ log = logging.getLogger(__name__)
 ROW_PREFIXES = ("head.rows", "head.experts.")
 
 
-def make_optimizer(model: CaRRetriever, cfg: TrainConfig) -> Optimizer:
-    """Optimizer over the trainable parameters only (no state for frozen weights).
+def make_optimizer(model: CaRRetriever, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """``torch.optim``'s SGD, Adam or AdamW over the trainable parameters only (no state for
+    frozen weights): the head, the document rows and the adapter each with its learning rate.
 
-    :class:`car_fl.method.optim.Optimizer`: the updates of ``torch.optim`` without its seconds of
-    start-up in every new process.
+    The first step in a process imports ``torch._dynamo`` (seconds); a node's worker
+    (``car-fl worker``) pays it once, not every round (docs/performance.md).
     """
     params = model.trainable_parameters()
     rows = [p for name, p in params.items() if name.startswith(ROW_PREFIXES)]
@@ -55,9 +55,11 @@ def make_optimizer(model: CaRRetriever, cfg: TrainConfig) -> Optimizer:
             f"nothing to train: head.kind={model.kind.value} in mode={model.mode.value} has no "
             "trainable parameter (evaluate it directly)"
         )
-    return Optimizer(
-        groups, kind=cfg.optimizer, weight_decay=cfg.weight_decay, momentum=cfg.momentum
-    )
+    kind = OptimizerKind.parse("train.optimizer", cfg.optimizer)
+    if kind is OptimizerKind.SGD:
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    adam = torch.optim.AdamW if kind is OptimizerKind.ADAMW else torch.optim.Adam
+    return adam(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
 def epoch_seed(seed: int, epoch: int) -> int:
@@ -85,7 +87,7 @@ StepHook = Callable[[CaRRetriever], None]
 def train_epoch(
     model: CaRRetriever,
     data: LocalData,
-    optimizer: Optimizer,
+    optimizer: torch.optim.Optimizer,
     *,
     batch_size: int,
     seed: int,
@@ -143,7 +145,7 @@ def train_epoch(
 def train_epoch_dpsgd(
     model: CaRRetriever,
     data: LocalData,
-    optimizer: Optimizer,
+    optimizer: torch.optim.Optimizer,
     *,
     sample_rate: float,
     clip: float,

@@ -248,7 +248,7 @@ def dpsgd_step(
 ) -> StepResult:
     """One DP-SGD step on a sampled batch: set each parameter's ``.grad`` and step.
 
-    ``optimizer`` is a :class:`car_fl.method.optim.Optimizer` (or anything with ``step``) over
+    ``optimizer`` is a ``torch.optim.Optimizer`` (or anything with ``step``) over
     ``params``. ``noise_multiplier`` σ gives noise std σ·C.
     """
     detached = {k: p.detach() for k, p in params.items()}

@@ -125,7 +125,7 @@ class Reader(Choice):
 
 
 class OptimizerKind(Choice):
-    """The optimisers of :mod:`car_fl.method.optim`."""
+    """The ``torch.optim`` optimisers a run may use (``train.optimizer``)."""
 
     SGD = "sgd"
     ADAM = "adam"
