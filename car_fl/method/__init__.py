@@ -8,7 +8,7 @@
   ``build_retriever``; :mod:`~car_fl.method.serving`: ``load_retriever`` from a checkpoint.
 - :mod:`~car_fl.method.features`: length-bucketed extraction and the feature cache
   (``prepare_for``, ``LocalData``).
-- :mod:`~car_fl.method.train`, :mod:`~car_fl.method.metrics`:
-  epochs (DP-SGD included) and their torch.optim optimisers, top-K/MRR/F1; :mod:`~car_fl.method.evaluation`:
+- :mod:`~car_fl.method.train`, :mod:`~car_fl.method.metrics`: epochs (DP-SGD included) and
+  their torch.optim optimisers, top-K/MRR/F1; :mod:`~car_fl.method.evaluation`:
   ``HeldOut`` (validation and test).
 """

@@ -57,7 +57,9 @@ def make_optimizer(model: CaRRetriever, cfg: TrainConfig) -> torch.optim.Optimiz
         )
     kind = OptimizerKind.parse("train.optimizer", cfg.optimizer)
     if kind is OptimizerKind.SGD:
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        return torch.optim.SGD(
+            groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        )
     adam = torch.optim.AdamW if kind is OptimizerKind.ADAMW else torch.optim.Adam
     return adam(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
 

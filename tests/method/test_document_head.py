@@ -6,9 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from car_fl.method.document_head import DocumentHead, ResidualMap
-from car_fl.method.optim import Optimizer
 from car_fl.method.scorers import MIPSScorer
-from car_fl.settings.schema import HeadConfig, MapKind, OptimizerKind, Similarity
+from car_fl.settings.schema import HeadConfig, MapKind, Similarity
 
 
 def head_config(**changes: object) -> HeadConfig:
@@ -21,9 +20,7 @@ def trained_head(
     """A head after a few steps, so that Δ, the maps and the scale are not at their start."""
     head = DocumentHead(docs.shape[1], len(docs), head_config(**cfg))
     head.set_document_features(docs)
-    optimizer = Optimizer(
-        [{"params": list(head.parameters()), "lr": 0.05}], kind=OptimizerKind.ADAM
-    )
+    optimizer = torch.optim.Adam(head.parameters(), lr=0.05)
     head.train()
     for _ in range(5):
         loss = F.cross_entropy(head(queries), labels)
@@ -72,9 +69,7 @@ def test_untrained_rows_stay_at_the_document_embedding_as_if_added_after_trainin
     masked = DocumentHead(8, 12, head_config())
     masked.set_document_features(docs)
     masked.set_trained_rows(torch.arange(12) < 9)
-    optimizer = Optimizer(
-        [{"params": list(masked.parameters()), "lr": 0.05}], kind=OptimizerKind.ADAM
-    )
+    optimizer = torch.optim.Adam(masked.parameters(), lr=0.05)
     masked.train()
     for _ in range(5):
         loss = F.cross_entropy(masked(queries), labels)

@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 from car_fl.data.splits import load_splits
 from car_fl.method.features import LocalData
 from car_fl.method.model import build_retriever
-from car_fl.method.optim import Optimizer
 from car_fl.method.train import epoch_order, make_optimizer, train_epoch, train_epoch_dpsgd
 from car_fl.privacy.dpsgd import (
     clip_per_example,
@@ -210,7 +209,7 @@ def test_a_dpsgd_step_adds_exactly_the_seeded_noise_to_the_clipped_sum(make_sett
         expected_batch_size=4.0,
         generator=torch.Generator().manual_seed(9),
     )
-    optimizer = Optimizer([{"params": list(params.values()), "lr": 1.0}], kind="sgd")
+    optimizer = torch.optim.SGD(list(params.values()), lr=1.0)
     dpsgd_step(
         model,
         params,
@@ -241,7 +240,7 @@ def test_an_empty_sampled_batch_still_makes_a_noisy_step(make_settings) -> None:
     model = build_retriever(make_settings(), 3, hidden_size=5)
     params = model.trainable_parameters()
     before = {k: p.detach().clone() for k, p in params.items()}
-    optimizer = Optimizer([{"params": list(params.values()), "lr": 1.0}], kind="sgd")
+    optimizer = torch.optim.SGD(list(params.values()), lr=1.0)
     result = dpsgd_step(
         model,
         params,

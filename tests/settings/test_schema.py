@@ -98,13 +98,12 @@ def test_names_come_from_the_code_that_uses_them() -> None:
     import torch
 
     from car_fl.method.encoder import pick_device, pick_dtype
-    from car_fl.method.optim import Optimizer
     from car_fl.protocol.messages import WIRE_DTYPES as RECORD_DTYPES
 
-    param = torch.zeros(2, requires_grad=True)
+    optimizers = {name.lower() for name in dir(torch.optim)}
     for kind in OptimizerKind:
         assert TrainConfig(optimizer=kind.value).optimizer is kind  # type: ignore[arg-type]
-        assert Optimizer([{"params": [param], "lr": 0.1}], kind=kind).kind is kind
+        assert kind.value in optimizers  # torch.optim's class of that name
     assert set(RECORD_DTYPES) == set(WIRE_DTYPES)
     for dtype in WIRE_DTYPES:
         assert CommConfig(dtype=dtype).dtype == dtype
