@@ -97,7 +97,9 @@ def test_each_mistake_exits_non_zero_in_seconds_with_one_line(
     tick = time.monotonic()
     done = car_fl("run", *args, env=env)
     assert done.returncode == 1
-    assert time.monotonic() - tick < 10
+    # 2 to 5 s on a quiet 2-core machine; the bound leaves room for a loaded one (CI failed
+    # at 10 s with test runs and benchmarks beside it); the one line below is the real check.
+    assert time.monotonic() - tick < 30
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("car-fl run: "), done.stderr
     assert re.search(reason, lines[0]), lines[0]
