@@ -1,11 +1,14 @@
 """car-fl ClientApp: hands the round to this node's worker, or runs it here when there is none.
 
 With a worker (node config ``worker``) this process imports Flower and the standard library
-only: the worker, started by the node's owner, holds the encoder and trains with the node's
-own configuration (``car_fl/client/worker.py``). Without one (simulation) the round runs here.
+only: the worker, started by the node's owner, keeps the node (``car_fl/client/node.py``) and
+trains with the node's own configuration (``car_fl/client/worker.py``). Without one the round
+runs here, by the node this process keeps for that node config.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
@@ -13,7 +16,13 @@ from flwr.clientapp import ClientApp
 from car_fl.client import worker_link
 from car_fl.client.failures import data_free
 
+if TYPE_CHECKING:
+    from car_fl.client.node import Node
+
 app = ClientApp()
+#: The nodes this process answers for (one in a deployment, where each message is a new
+#: process; several in a simulation's process), by their node config.
+NODES: dict[str, Node] = {}
 
 
 @app.train()
@@ -38,14 +47,15 @@ def train(msg: Message, context: Context) -> Message:
 
 def train_here(content: RecordDict, context: Context) -> RecordDict:
     """The round in this process (imports torch and the model code: only here)."""
-    from car_fl.client.answer import answer_train
+    from car_fl.client.node import Node
     from car_fl.common.logs import setup_logging
 
     setup_logging()
-    return answer_train(
+    key = repr(sorted((str(k), str(v)) for k, v in context.node_config.items()))
+    node = NODES.get(key) or NODES.setdefault(key, Node(dict(context.node_config)))
+    return node.answer(
         content,
         run_config=context.run_config,
-        node_config=context.node_config,
         node_state=context.state,
         run=str(context.run_id),
     )

@@ -1,5 +1,7 @@
 """The data owner's side: code that runs on a node (a Flower SuperNode), next to its data.
 
+- :mod:`~car_fl.client.node`: ``Node``, the data owner's side in one object: every check a
+  node makes before anything leaves it, and what it keeps between rounds.
 - :mod:`~car_fl.client.round`: ``train_round``, one round: shard → features → epochs → DP →
   reply, the same skeleton for every privacy mode.
 - :mod:`~car_fl.client.local_dp`: local DP (fixed or adaptive clipping) and its state.

@@ -31,23 +31,41 @@ class Refusal(RuntimeError):
         self.detail = detail
 
 
+class RunTargetReached(Refusal):
+    """This run's own budget (``dp.target_epsilon``, local DP or DP-SGD) would be passed by
+    the next release: the node stops contributing to the run (``RUN_TARGET_REACHED``)."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(Failure.RUN_TARGET_REACHED, detail)
+
+
+class LedgerError(Refusal):
+    """The ledger cannot be read or written: every release is refused until it is fixed
+    (``BUDGET_EXHAUSTED``: without its ledger a node cannot know a record's spend)."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(Failure.BUDGET_EXHAUSTED, detail)
+
+
+class BudgetExhausted(Refusal):
+    """The next release would take a record's lifetime ε past the node policy's cap; nothing
+    is recorded (``BUDGET_EXHAUSTED``)."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(Failure.BUDGET_EXHAUSTED, detail)
+
+
 def known() -> tuple[tuple[type[BaseException], Failure], ...]:
-    """Exception classes whose meaning is a fixed reply of its own; anything else: ROUND_FAILED.
+    """Errors of other modules whose meaning is a fixed reply of its own (a :class:`Refusal`
+    carries its own); anything else: ROUND_FAILED.
 
     Imported here, not at the top: the ClientApp of a node with a worker imports this module
-    and must stay free of torch (the DP modules import it).
+    and must stay free of torch and Hydra.
     """
-    from car_fl.client.ledger import BudgetExhausted, LedgerError
-    from car_fl.client.local_dp import PrivacyBudgetExhausted
     from car_fl.client.policy import PolicyError
-    from car_fl.client.record_dp import RecordBudgetExhausted
     from car_fl.settings.flower import FingerprintMismatch, NodeConfigError
 
     return (
-        (BudgetExhausted, Failure.BUDGET_EXHAUSTED),
-        (LedgerError, Failure.BUDGET_EXHAUSTED),
-        (PrivacyBudgetExhausted, Failure.RUN_TARGET_REACHED),
-        (RecordBudgetExhausted, Failure.RUN_TARGET_REACHED),
         (FingerprintMismatch, Failure.CONFIG_MISMATCH),
         (NodeConfigError, Failure.NODE_CONFIG),
         (PolicyError, Failure.NODE_CONFIG),

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from car_fl.client.failures import BudgetExhausted, LedgerError
 from car_fl.common.io import atomic_write_json
 from car_fl.privacy.composition import Release, epsilon, non_private_count
 
@@ -52,14 +53,6 @@ OLD_FORMAT = "car-fl-ledger-v1"
 LEDGER_FILE = "ledger.json"
 #: Hex digits kept of a record's SHA-256 (128 bits: no two records of a node collide).
 RECORD_KEY_HEX = 32
-
-
-class LedgerError(RuntimeError):
-    """The ledger cannot be read or written: every release is refused until it is fixed."""
-
-
-class BudgetExhausted(RuntimeError):
-    """This release would take a record's lifetime ε past the policy's cap (nothing recorded)."""
 
 
 def data_key(path: str | Path) -> str:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from flwr.app import MetricRecord, RecordDict
 
+from car_fl.client.failures import RunTargetReached
 from car_fl.method import encoder as encoder_module
 from car_fl.method.model import CaRRetriever
 from car_fl.method.train import EpochResult, train_epoch
@@ -47,12 +48,6 @@ from car_fl.settings.schema import AdaptiveRule, DPConfig, DPMode, Granularity, 
 log = logging.getLogger(__name__)
 
 STATE_KEY = "dp-state"
-
-_WARNED: set[str] = set()
-
-
-class PrivacyBudgetExhausted(RuntimeError):
-    """The next release would spend more than ``dp.target_epsilon``."""
 
 
 @dataclass
@@ -123,8 +118,7 @@ class ClientPrivacy:
             local_multiplier(cfg, num_clients) if self.mode is not DPMode.NONE else 0.0
         )
         self.not_private = non_private_reason(cfg) if self.mode is not DPMode.NONE else None
-        if self.not_private and self.not_private not in _WARNED:
-            _WARNED.add(self.not_private)
+        if self.not_private:
             log.warning("%s: not differentially private, ε is reported as inf", self.not_private)
 
     @classmethod
@@ -163,7 +157,7 @@ class ClientPrivacy:
         planned[self.release_multiplier] = planned.get(self.release_multiplier, 0) + count
         would = epsilon(planned, self.cfg.delta)
         if would > self.cfg.target_epsilon:
-            raise PrivacyBudgetExhausted(
+            raise RunTargetReached(
                 f"client {self.client} stops contributing: its next release would bring ε to "
                 f"{would:.4g} > dp.target_epsilon = {self.cfg.target_epsilon:g} "
                 f"(δ = {self.cfg.delta:g})"

@@ -8,35 +8,12 @@ ledger before it is made. Everything here comes from the node: the policy file a
 file are named in its ``--node-config`` (:meth:`NodePrivacy.from_node_config`), never in the
 run config, and nothing depends on Flower's per-run ``context.state``.
 
-The node-local worker (another process the owner starts, which holds the data) builds one with
-:meth:`NodePrivacy.open` from its own configuration and passes it to ``train_round``.
+A :class:`car_fl.client.node.Node` opens one from its own node configuration
+(:meth:`NodePrivacy.from_node_config`), again whenever the policy or the data file changes,
+and passes it to the round.
 
-Every check a node makes before anything leaves it, in the order a train message meets them
-(an auditor's list; each names where it lives):
-
-1. **The message**: a train message without the server's label map is refused
-   (``CONFIG_MISMATCH``) before any data is read, so the head's size cannot probe the label
-   count (:func:`car_fl.client.answer.answer_train`).
-2. **The configuration**: the run's settings must have the server's fingerprint
-   (``CONFIG_MISMATCH``); the node's paths, and where it writes (its own cache folder, 0700,
-   files 0600; a run config's ``cache_dir`` is ignored and logged), come from its node config
-   (:func:`car_fl.client.node_settings.node_settings`,
-   :func:`~car_fl.client.node_settings.own_cache`).
-3. **The policy** (:meth:`NodePrivacy.admit`; the rules:
-   :meth:`car_fl.client.policy.NodePolicy.violations`): accepted modes, σ floor, clip ceiling,
-   δ ceiling, warm-up, ``trust_remote_code``, and (with ``public-example-count``) no run
-   whose reply would follow n (``POLICY_REFUSED``).
-4. **The run's own budget**: local DP's target ε and DP-SGD's target ε and δ < 1/n
-   (``RUN_TARGET_REACHED``; :class:`car_fl.client.local_dp.LocalDPRound`,
-   :class:`car_fl.client.record_dp.RecordDPRound`).
-5. **The ledger** (:meth:`NodePrivacy.spend`): the round is within ``1..fl.rounds`` and after
-   every round of this run already released, and no record's lifetime ε passes
-   ``lifetime-epsilon`` (``POLICY_REFUSED``, ``BUDGET_EXHAUSTED``); recorded before training.
-6. **The release**: the adaptive clip never above ``max-clip``; clipping and noise from OS
-   entropy (:mod:`car_fl.client.local_dp`, :mod:`car_fl.privacy.dpsgd`); under DP the reply
-   carries a public example count and no train metric (:func:`car_fl.client.round.train_shard`).
-7. **Failures**: whatever is raised becomes a fixed code with fixed text
-   (:func:`car_fl.client.failures.data_free`); the details stay in the node's log.
+Every check a node makes before anything leaves it, in order, is listed in
+:mod:`car_fl.client.node` (the one file an auditor reads), with where each rule lives.
 """
 
 from __future__ import annotations
@@ -48,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from car_fl.client.failures import Refusal
-from car_fl.client.ledger import BudgetExhausted, Entry, Ledger, data_key, record_keys
+from car_fl.client.ledger import Entry, Ledger, data_key, record_keys
 from car_fl.client.policy import NodePolicy
 from car_fl.protocol.failures import Failure
 from car_fl.settings.dp_plan import round_release
@@ -138,19 +115,16 @@ class NodePrivacy:
                     "released; each round of a run is released once, in order",
                 )
 
-        try:
-            entry = self.ledger.spend(
-                release,
-                records=self.records,
-                run=run,
-                server_round=server_round,
-                mode=settings.dp.mode.value,
-                delta=self.policy.max_delta,
-                cap=self.policy.lifetime_epsilon,
-                check=check,
-            )
-        except BudgetExhausted as err:
-            raise Refusal(Failure.BUDGET_EXHAUSTED, str(err)) from None
+        entry = self.ledger.spend(  # raises BudgetExhausted past the cap (nothing recorded)
+            release,
+            records=self.records,
+            run=run,
+            server_round=server_round,
+            mode=settings.dp.mode.value,
+            delta=self.policy.max_delta,
+            cap=self.policy.lifetime_epsilon,
+            check=check,
+        )
         log.info(
             "privacy ledger: run %s round %d (%s, %d %s) recorded; lifetime ε %.4g at δ %g%s",
             run,

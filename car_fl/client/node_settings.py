@@ -29,24 +29,32 @@ from car_fl.settings.schema import Settings
 
 log = logging.getLogger(__name__)
 
+#: Settings a node composed, with their fingerprint, by a digest of the run's inputs and the
+#: node config (a :class:`car_fl.client.node.Node` keeps one for its life).
+SettingsMemory = dict[str, tuple[Settings, str]]
+
 
 def node_settings(
     run_config: Mapping[str, Any],
     node_config: Mapping[str, Any],
     server_fingerprint: str | None,
+    *,
+    memory: SettingsMemory | None = None,
 ) -> Settings:
     """This node's settings (the run's plus its local paths), checked against the server's.
 
     Composed (Hydra), given the node's paths and fingerprinted (OmegaConf) in the node's first
     round; later rounds, each a new process in deployment, read the result back from the
-    node's disk cache. A process that serves several rounds (simulation) keeps it in memory,
-    keyed by a digest of the run config and the node config. A run config that carries a
-    whole ``settings`` YAML (in-process simulations) is kept in memory only.
+    node's disk cache. A node that serves several rounds (a worker, a simulated client)
+    keeps it in its ``memory``, keyed by a digest of the run config and the node config. A run
+    config that carries a whole ``settings`` YAML (in-process simulations) is kept in memory
+    only.
     """
+    memory = {} if memory is None else memory
     text, overrides = run_inputs(run_config)
     node = sorted((str(k), str(v)) for k, v in node_config.items())
     memo = node_cache.digest({"settings": text, "overrides": overrides, "node_config": node})
-    if memo not in _IN_PROCESS:
+    if memo not in memory:
         path = None
         if not text:
             key = node_cache.settings_key(overrides, node_config)
@@ -57,8 +65,8 @@ def node_settings(
             stored = settings, fingerprint(settings)
             if path is not None:
                 node_cache.save_settings_entry(path, *stored)
-        _IN_PROCESS[memo] = stored
-    settings, mine = _IN_PROCESS[memo]
+        memory[memo] = stored
+    settings, mine = memory[memo]
     check_fingerprint(mine, server_fingerprint)
     return copy.deepcopy(settings)
 
@@ -77,6 +85,3 @@ def own_cache(settings: Settings, node_config: Mapping[str, Any]) -> Settings:
             CACHE_DIR,
         )
     return dataclasses.replace(apply_node_config(settings, node_config), cache_dir=str(mine))
-
-
-_IN_PROCESS: dict[str, tuple[Settings, str]] = {}

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from flwr.app import MetricRecord, RecordDict
 
+from car_fl.client.failures import RunTargetReached
 from car_fl.method.features import LocalData
 from car_fl.method.model import CaRRetriever
 from car_fl.method.train import EpochResult, train_epoch_dpsgd
@@ -27,10 +28,6 @@ from car_fl.settings.flower import NodeInfo
 from car_fl.settings.schema import Settings
 
 STATE_KEY = "dp-record-state"
-
-
-class RecordBudgetExhausted(RuntimeError):
-    """The next round's DP-SGD steps would spend more than ``dp.target_epsilon``."""
 
 
 @dataclass
@@ -64,7 +61,7 @@ def check_budget(plan: RecordPlan, state: RecordState, *, who: str) -> float:
     after = state.steps + plan.steps_per_round
     would = plan.epsilon(after)
     if plan.target_epsilon is not None and would > plan.target_epsilon:
-        raise RecordBudgetExhausted(
+        raise RunTargetReached(
             f"{who} stops contributing: this round's {plan.steps_per_round} DP-SGD steps would "
             f"bring its ε to {would:.4g} > dp.target_epsilon = {plan.target_epsilon:g} "
             f"(δ = {plan.delta:g}, {state.steps} steps taken)"

@@ -1,8 +1,10 @@
 """This node's training shard, ready to train on: its examples, features and retriever.
 
-The encoder is loaded at most once per process and kept (a simulation's processes and the
-node's worker serve many rounds). In ``classifier`` mode the shard's features come from the
-memory or disk cache, so a round that only needs cached features never loads the encoder.
+The encoder is loaded at most once per process and shared by the nodes it serves
+(:func:`car_fl.method.encoder.shared_encoder`: public weights, no data); the shards a node
+read are kept by its :class:`car_fl.client.node.Node`. In ``classifier`` mode the shard's
+features come from the memory or disk cache, so a round that only needs cached features never
+loads the encoder.
 
 The node reads, deduplicates and splits its data with its own label map (the server's map
 does not decide which examples land in which split), then encodes the labels with the
@@ -24,7 +26,7 @@ from dataclasses import asdict, astuple, dataclass
 from car_fl.client import node_cache
 from car_fl.data.labels import LabelMap
 from car_fl.method.documents import document_features, document_texts
-from car_fl.method.encoder import Encoder, load_encoder
+from car_fl.method.encoder import Encoder, shared_encoder
 from car_fl.method.experts import ExpertLayout
 from car_fl.method.features import LocalData, prepare_for
 from car_fl.method.model import CaRRetriever, build_retriever
@@ -32,11 +34,6 @@ from car_fl.settings.flower import NodeInfo
 from car_fl.settings.schema import HeadKind, Settings
 
 log = logging.getLogger(__name__)
-
-#: Encoders by their model settings and device (all hashable values).
-_ENCODERS: dict[tuple[object, ...], Encoder] = {}
-#: Shards by a digest of the settings, the server's labels and the node's place.
-_SHARDS: dict[str, Shard] = {}
 
 
 @dataclass(frozen=True)
@@ -57,10 +54,7 @@ class Shard:
 
 def cached_encoder(settings: Settings) -> Encoder:
     """The frozen encoder for these settings, loaded once per process."""
-    key = (*astuple(settings.model), settings.device)
-    if key not in _ENCODERS:
-        _ENCODERS[key] = load_encoder(settings.model, device=settings.device)
-    return _ENCODERS[key]
+    return shared_encoder(settings.model, device=settings.device)
 
 
 def client_seed(seed: int, partition_id: int) -> int:
@@ -68,14 +62,22 @@ def client_seed(seed: int, partition_id: int) -> int:
     return seed + 1000 * partition_id
 
 
-def shard_data(settings: Settings, node: NodeInfo, labels: Sequence[str] | None = None) -> Shard:
+def shard_data(
+    settings: Settings,
+    node: NodeInfo,
+    labels: Sequence[str] | None = None,
+    *,
+    memory: dict[str, Shard] | None = None,
+) -> Shard:
     """This node's training shard as features (classifier) or token ids (adapter).
 
     ``labels`` is the server's global label map; examples with a label outside it are left out
     of training (and counted, in this node's log only). A node whose file is its own shard
     (``data-is-shard``) trains on all of it; otherwise it takes its partition of the training
-    split of the full dataset.
+    split of the full dataset. ``memory``: the shards this node already read (its
+    :class:`~car_fl.client.node.Node`'s), by a digest of everything that decides one.
     """
+    memory = {} if memory is None else memory
     # The data files' identity is in the disk key: a process that lives across runs (the
     # node's worker) sees an edited data file as another shard
     disk_key = node_cache.shard_key(
@@ -85,8 +87,8 @@ def shard_data(settings: Settings, node: NodeInfo, labels: Sequence[str] | None 
         data_is_shard=node.data_is_shard,
     )
     key = node_cache.digest([asdict(settings), list(labels or []), astuple(node), disk_key])
-    if key in _SHARDS:
-        return _SHARDS[key]
+    if key in memory:
+        return memory[key]
     # The node's disk cache spares a new process reading, splitting and partitioning the data
     stored = node_cache.load_shard(settings, disk_key) if disk_key else None
     if stored is None:
@@ -111,8 +113,8 @@ def shard_data(settings: Settings, node: NodeInfo, labels: Sequence[str] | None 
         get_model=get_model,
         desc=f"client {node.partition_id} features",
     )
-    _SHARDS[key] = Shard(data=data, label_map=label_map, examples=len(texts))
-    return _SHARDS[key]
+    memory[key] = Shard(data=data, label_map=label_map, examples=len(texts))
+    return memory[key]
 
 
 def encode_for(

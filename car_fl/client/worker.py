@@ -7,7 +7,8 @@ node's owner starts this worker next to the SuperNode (``car-fl worker``); car-f
 hands it each round over a local socket (:mod:`car_fl.client.worker_link`) and returns its
 reply. The worker is the node's own code, run with the node's own configuration (data paths,
 partition, cache, device, privacy), never with node-level values from the ClientApp: it
-answers with :func:`car_fl.client.answer.answer_train`, the function a simulated client runs.
+keeps one :class:`car_fl.client.node.Node` for its whole life and answers with
+:meth:`~car_fl.client.node.Node.answer`, what a simulated client runs.
 
 - One round at a time, whatever the run (one worker per device); each run's state (the DP
   state Flower keeps in ``context.state``) is kept apart, in memory and in ``runs/<id>.state``
@@ -35,8 +36,7 @@ from typing import IO, Any
 
 from flwr.app import RecordDict
 
-from car_fl.client.answer import answer_train
-from car_fl.client.failures import failure_of
+from car_fl.client.node import Node
 from car_fl.client.worker_link import (
     HANDSHAKE_TIMEOUT,
     POLICY_KEY,
@@ -151,11 +151,13 @@ class NodeWorker:
     """Serves rounds over ``<folder>/worker.sock`` with the node's own configuration."""
 
     def __init__(
-        self, folder: Path, node_config: Mapping[str, Any], *, answer: Answer = answer_train
+        self, folder: Path, node_config: Mapping[str, Any], *, answer: Answer | None = None
     ) -> None:
         self.folder = Path(folder).expanduser().resolve()
         self.node_config = own_node_config(self.folder, node_config)
-        self.answer = answer
+        #: The node this worker keeps alive: its policy, ledger, settings and shards.
+        self.node = Node(self.node_config)
+        self.answer = answer or self.node.answer
         self.rounds = 0
         self.failed = 0
         self.busy_run: int | None = None
@@ -249,7 +251,6 @@ class NodeWorker:
                 reply = self.answer(
                     decode_content(body),
                     run_config=run_config,
-                    node_config=self.node_config,
                     node_state=state,
                     run=str(run_id),
                 )
@@ -257,7 +258,7 @@ class NodeWorker:
             except Exception as err:
                 self.failed += 1
                 log.exception("run %d: the round failed", run_id)
-                failure = failure_of(err)  # the fixed reply the ClientApp gives the server
+                failure = Node.failure(err)  # the fixed reply the ClientApp gives the server
                 error = f"{type(err).__name__}: {err}"
                 return {"ok": False, "failure": int(failure), "error": error}, b""
             finally:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 
 #: Incremented on every successful :func:`load_encoder`; tests count loads per process with it.
 LOAD_COUNT = 0
+#: Encoders loaded by :func:`shared_encoder`, by their model settings and device.
+_SHARED: dict[tuple[object, ...], Encoder] = {}
 
 
 class EncoderLoadError(RuntimeError):
@@ -221,6 +223,20 @@ def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: Pooling) -
     kept = torch.where(mask.unsqueeze(-1), hidden, torch.zeros_like(hidden))
     counts = mask.sum(dim=1, keepdim=True).clamp(min=1).to(hidden.dtype)
     return kept.sum(dim=1) / counts
+
+
+def shared_encoder(cfg: ModelConfig, *, device: str = "auto") -> Encoder:
+    """The encoder of ``cfg`` on ``device``, loaded once per process and shared by every node
+    the process serves: frozen public weights, which hold nothing of any node's data."""
+    key = (*astuple(cfg), device)
+    if key not in _SHARED:
+        _SHARED[key] = load_encoder(cfg, device=device)
+    return _SHARED[key]
+
+
+def forget_shared() -> None:
+    """Drop the encoders :func:`shared_encoder` keeps (tests: a new process)."""
+    _SHARED.clear()
 
 
 def load_encoder(cfg: ModelConfig, *, device: str = "auto") -> Encoder:

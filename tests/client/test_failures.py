@@ -7,8 +7,7 @@ import logging
 import pytest
 from flwr.app import Context, Message, RecordDict
 
-from car_fl.client.failures import Refusal, data_free
-from car_fl.client.ledger import BudgetExhausted
+from car_fl.client.failures import BudgetExhausted, Refusal, data_free
 from car_fl.protocol.failures import Failure
 from tests.helpers import set_task_identity
 

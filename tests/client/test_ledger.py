@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from car_fl.client.failures import BudgetExhausted, LedgerError
 from car_fl.client.ledger import (
     OLD_FORMAT,
-    BudgetExhausted,
     Ledger,
-    LedgerError,
     data_key,
     record_keys,
 )

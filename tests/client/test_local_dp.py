@@ -8,9 +8,9 @@ import pytest
 import torch
 from flwr.app import RecordDict
 
+from car_fl.client.failures import RunTargetReached
 from car_fl.client.local_dp import (
     DPState,
-    PrivacyBudgetExhausted,
     load_privacy,
 )
 from car_fl.client.round import train_round
@@ -40,7 +40,7 @@ def test_target_epsilon_stops_a_client_before_it_overspends() -> None:
     zero = {"w": torch.zeros(3)}
     p.release(zero, zero, server_round=1)
     p.release(zero, zero, server_round=2)
-    with pytest.raises(PrivacyBudgetExhausted, match=r"client 0 stops contributing.*target"):
+    with pytest.raises(RunTargetReached, match=r"client 0 stops contributing.*target"):
         p.release(zero, zero, server_round=3)
     assert sum(p.state.releases.values()) == 2
 

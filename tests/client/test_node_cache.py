@@ -134,7 +134,6 @@ def test_settings_are_composed_once_per_node_then_read_from_disk(
     first = node_settings_module.node_settings({"overrides": overrides}, node_config, server)
     assert first == expected
     # a new process: nothing in memory, and no composition may happen
-    monkeypatch.setattr(node_settings_module, "_IN_PROCESS", {})
 
     def no_composition(run_config: object) -> None:
         raise AssertionError("composed again although the node has the settings on disk")

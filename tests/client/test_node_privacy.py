@@ -15,8 +15,8 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, RecordDict
 
-from car_fl.client.answer import answer_train
 from car_fl.client.failures import Refusal
+from car_fl.client.node import Node
 from car_fl.client.node_privacy import NodePrivacy
 from car_fl.client.round import train_round
 from car_fl.method.model import build_retriever
@@ -187,10 +187,9 @@ def test_a_message_without_a_label_map_is_refused_the_same_whatever_the_labels(
     config = ConfigRecord({"server-round": 1, "fingerprint": fingerprint(settings)})
     content = RecordDict({"arrays": to_record(head), "config": config})
     with pytest.raises(Refusal) as err:
-        answer_train(
+        Node({"partition-id": 0, "num-partitions": 2}).answer(
             content,
             run_config={"settings": settings_to_yaml(settings)},
-            node_config={"partition-id": 0, "num-partitions": 2},
             node_state=RecordDict(),
             run="1",
         )

@@ -32,7 +32,7 @@ def test_node_config_paths_apply_and_fingerprints_must_match(make_settings, tmp_
 def test_node_settings_compose_once_per_process(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(node_settings_module, "_IN_PROCESS", {})
+    memory: dict = {}
     calls: list[object] = []
     real = node_settings_module.settings_from_run_config
 
@@ -43,13 +43,16 @@ def test_node_settings_compose_once_per_process(
     monkeypatch.setattr(node_settings_module, "settings_from_run_config", counting)
     run_config = {"settings": settings_to_yaml(load_settings("fl.rounds=3"))}
     node = {"partition-id": 0, "cache-dir": str(tmp_path)}
-    first = node_settings(run_config, node, None)
+    first = node_settings(run_config, node, None, memory=memory)
     first.fl.rounds = 99  # a copy: the caller may change it
-    assert node_settings(run_config, dict(node), None).fl.rounds == 3
+    assert node_settings(run_config, dict(node), None, memory=memory).fl.rounds == 3
     assert len(calls) == 1
     # another node config (or another run) is another entry
-    node_settings(run_config, {**node, "partition-id": 1}, None)
+    node_settings(run_config, {**node, "partition-id": 1}, None, memory=memory)
     assert len(calls) == 2
+    # a node without that memory (another Node, a new process) composes again
+    node_settings(run_config, node, None)
+    assert len(calls) == 3
 
 
 def test_the_server_cannot_choose_where_a_node_writes(

@@ -6,7 +6,8 @@ import pytest
 import torch
 from flwr.app import RecordDict
 
-from car_fl.client.record_dp import STATE_KEY, RecordBudgetExhausted, load_record_state
+from car_fl.client.failures import RunTargetReached
+from car_fl.client.record_dp import STATE_KEY, load_record_state
 from car_fl.client.round import shard_data, train_round
 from car_fl.data.splits import load_splits
 from car_fl.method.model import build_retriever
@@ -75,7 +76,7 @@ def test_a_client_never_releases_past_its_target_epsilon(record_inputs) -> None:
     assert eps[0] < eps[1] <= 2.0
     assert eps[1] >= 2.0 * 0.99  # σ was calibrated for exactly these 2 rounds
     assert load_record_state(state).steps == 20
-    with pytest.raises(RecordBudgetExhausted, match=r"client 0 stops contributing.*> dp.target"):
+    with pytest.raises(RunTargetReached, match=r"client 0 stops contributing.*> dp.target"):
         train_round(s, node, initial, 3, state)
     assert load_record_state(state).steps == 20  # nothing was trained or counted
 

@@ -23,8 +23,7 @@ def test_a_fully_cached_classifier_round_never_loads_the_encoder(make_settings) 
     initial = build_retriever(settings, 4, hidden_size=64).trainable_state_dict()
 
     def new_process() -> None:  # no shard, no encoder, no feature in memory
-        client_module._SHARDS.clear()
-        client_module._ENCODERS.clear()
+        encoder_module.forget_shared()
         FeatureCache.clear_memory()
 
     new_process()
@@ -35,7 +34,7 @@ def test_a_fully_cached_classifier_round_never_loads_the_encoder(make_settings) 
     loads = encoder_module.LOAD_COUNT
     state, metrics = train_round(settings, node, initial, 2, RecordDict())
     assert loads == encoder_module.LOAD_COUNT
-    assert not client_module._ENCODERS
+    assert not encoder_module._SHARED
     assert metrics["num-examples"] > 0 and set(state) == set(initial)
 
 

@@ -46,10 +46,11 @@ def test_a_long_lived_process_sees_an_edited_data_file_as_another_shard(
     local.write_text("topic0\tk0 w1\ntopic2\tk2 w2\n" * 3, encoding="utf-8")
     settings = make_settings(f"dataset.path={local}", "mode=adapter")
     node = NodeInfo(0, 1, data_is_shard=True)
-    first = shard_data(settings, node)
-    assert shard_data(settings, node) is first  # kept in memory
+    memory: dict = {}  # a Node's shards
+    first = shard_data(settings, node, memory=memory)
+    assert shard_data(settings, node, memory=memory) is first  # kept in memory
     with local.open("a", encoding="utf-8") as handle:
         handle.write("topic1\tk1 w3\n")
-    second = shard_data(settings, node)
+    second = shard_data(settings, node, memory=memory)
     assert (len(first.data), len(second.data)) == (6, 7)
     assert second.label_map.to_list() == ["topic0", "topic1", "topic2"]

@@ -25,8 +25,8 @@ import torch
 from flwr.app import ConfigRecord, MetricRecord, RecordDict
 
 from car_fl.client import worker_link
-from car_fl.client.answer import answer_train
 from car_fl.client.failures import Refusal, failure_of
+from car_fl.client.node import Node
 from car_fl.client.worker import (
     NodeWorker,
     WorkerBusy,
@@ -62,7 +62,6 @@ class Recorder:
         content: RecordDict,
         *,
         run_config: Mapping[str, Any],
-        node_config: Mapping[str, Any],
         node_state: RecordDict,
         run: str,
     ) -> RecordDict:
@@ -71,9 +70,7 @@ class Recorder:
             self.most_inside = max(self.most_inside, self.inside)
         try:
             time.sleep(self.delay)
-            self.calls.append(
-                {"run_config": dict(run_config), "node_config": dict(node_config), "run": run}
-            )
+            self.calls.append({"run_config": dict(run_config), "run": run})
             count = int(cast(int, node_state.metric_records["count"]["n"])) + 1 if node_state else 1
             node_state["count"] = MetricRecord({"n": count})
             if self.fail_first and len(self.calls) == 1:
@@ -111,15 +108,14 @@ def test_rounds_reach_the_worker_with_its_own_node_config_and_each_runs_state(
     short_dir: Path,
 ) -> None:
     answer = Recorder()
-    with serving(short_dir, answer):
+    with serving(short_dir, answer) as worker:
         assert [train(short_dir, 1, overrides="a"), train(short_dir, 1)] == [1, 2]
         assert train(short_dir, 2, overrides="b") == 1  # another run: its own state
         assert train(short_dir, 1) == 3
         assert worker_link.status(short_dir)["runs"] == [1, 2]
-    # the worker's own node config, its cache in its folder; the run's config as sent
-    assert {frozenset(c["node_config"].items()) for c in answer.calls} == {
-        frozenset({**NODE, "cache-dir": str(short_dir.resolve() / "cache")}.items())
-    }
+    # the worker's node is built from its own node config, its cache in its folder
+    assert dict(worker.node.config) == {**NODE, "cache-dir": str(short_dir.resolve() / "cache")}
+    # the run's config as sent
     assert answer.calls[0]["run_config"] == {"overrides": "a"}
     # a new worker in the same folder (a restart) goes on with each run's state
     with serving(short_dir, Recorder()):
@@ -372,10 +368,9 @@ def test_a_second_round_with_a_worker_loads_no_encoder_and_the_clientapp_imports
         worker.send_signal(signal.SIGTERM)
         assert worker.wait(30) == 0
     # The worker trained on its own data, as the in-process round with its node config does
-    expected = answer_train(
+    expected = Node(node_config).answer(
         train_content(initial, 1, fingerprint(settings), labels),
         run_config={"overrides": overrides},
-        node_config=node_config,
         node_state=RecordDict(),
         run="1",
     )

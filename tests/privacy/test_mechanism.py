@@ -191,7 +191,6 @@ def test_geometric_bound_tracks_the_target_quantile(sigma_b: float, c_tolerance:
 def test_linear_rule_follows_the_paper_on_scripted_norms_and_is_not_private(
     decay: float, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("car_fl.client.local_dp._WARNED", set())
     beta, gamma, c0 = 0.05, 0.9, 1.0
     p = client_privacy(
         "adaptive",

@@ -1,0 +1,156 @@
+"""The data owner's side of car-fl: one :class:`Node`, built from the node's own configuration.
+
+A Node owns everything a node decides or remembers: its node configuration (never a value the
+server sent), the owner's privacy policy and lifetime ledger, the settings it composed for each
+run, the shards it read, and the mapping from every refusal to its fixed failure code. Its one
+method, :meth:`Node.answer`, turns a train message into a reply. The node's worker
+(:mod:`car_fl.client.worker`) keeps one Node for its whole life; without a worker the
+ClientApp keeps one per node for the life of its process (in a deployment, a new process per
+message: one Node per message). The frozen encoder's weights are public and hold no data: a
+process shares them between the nodes it serves (:func:`car_fl.method.encoder.shared_encoder`).
+
+Every check a node makes before anything leaves it, in the order a train message meets them.
+This list is the code of :meth:`Node.answer` and :func:`car_fl.client.round.train_shard`;
+each step names where its rule lives:
+
+1. **The message**: a train message without the server's label map is refused
+   (``CONFIG_MISMATCH``) before any data is read, so the head's size cannot probe the label
+   count.
+2. **The configuration**: the run's settings must have the server's fingerprint
+   (``CONFIG_MISMATCH``); the node's paths, and where it writes (its own cache folder, 0700,
+   files 0600; a run config's ``cache_dir`` is ignored and logged), come from its node config
+   (:func:`car_fl.client.node_settings.node_settings`).
+3. **The policy** (:meth:`car_fl.client.node_privacy.NodePrivacy.admit`; the rules:
+   :meth:`car_fl.client.policy.NodePolicy.violations`): accepted modes, σ floor, clip ceiling,
+   δ ceiling, warm-up, ``trust_remote_code``, and (with ``public-example-count``) no run whose
+   reply would follow n (``POLICY_REFUSED``). Before any data is read.
+4. **The shard**: the node reads its own data file with its own label map; examples whose label
+   the server's map lacks are left out and still counted, so nothing depends on which labels
+   the node holds (:func:`car_fl.client.shard.shard_data`).
+5. **The run's own budget**: local DP's target ε, DP-SGD's target ε and δ < 1/n
+   (``RUN_TARGET_REACHED``; :class:`car_fl.client.local_dp.LocalDPRound`,
+   :class:`car_fl.client.record_dp.RecordDPRound`).
+6. **The ledger** (:meth:`car_fl.client.node_privacy.NodePrivacy.spend`): the round is within
+   ``1..fl.rounds`` and after every round of this run already released, and no record's
+   lifetime ε passes ``lifetime-epsilon`` (``POLICY_REFUSED``, ``BUDGET_EXHAUSTED``); recorded
+   before training.
+7. **The release**: the adaptive clip never above ``max-clip``; clipping and noise from OS
+   entropy (:mod:`car_fl.client.local_dp`, :mod:`car_fl.privacy.dpsgd`); under DP the reply
+   carries a public example count and no train metric (:func:`car_fl.client.round.train_shard`).
+8. **Failures**: whatever is raised becomes a fixed code with fixed text (:meth:`Node.failure`,
+   :func:`car_fl.client.failures.failure_of`); the details stay in the node's log.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from flwr.app import RecordDict
+
+from car_fl.client.failures import Refusal, failure_of
+from car_fl.client.node_privacy import NodePrivacy
+from car_fl.client.node_settings import SettingsMemory, node_settings
+from car_fl.client.round import train_shard
+from car_fl.client.shard import Shard, shard_data
+from car_fl.protocol.failures import Failure
+from car_fl.protocol.messages import read_train_message, train_reply
+from car_fl.settings.flower import DATA_PATH, PRIVACY_POLICY, NodeInfo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Node:
+    """A data owner's node: its own configuration, privacy, and what it keeps between rounds."""
+
+    #: The node's own configuration (``--node-config``, or the worker's): never the server's.
+    config: Mapping[str, Any]
+    #: The owner's policy and ledger (``None``: no policy; the node trusts the run's settings),
+    #: opened by the first answer and again whenever the policy or data file changes.
+    privacy: NodePrivacy | None = None
+    #: The settings composed for each run (by the run's inputs and this node's config).
+    settings_memory: SettingsMemory = field(default_factory=dict, repr=False)
+    #: The shards read (by settings, the server's label map and the node's place).
+    shards: dict[str, Shard] = field(default_factory=dict, repr=False)
+    #: The policy and data files' identity when :attr:`privacy` was opened: an edited file is
+    #: read again, so a grown data file's new records are charged from their first release.
+    _opened: tuple[object, ...] = field(default=(), repr=False)
+
+    # --------------------------------------------------------------------------------- answer
+    def answer(
+        self,
+        content: RecordDict,
+        *,
+        run_config: Mapping[str, Any],
+        node_state: RecordDict,
+        run: str,
+    ) -> RecordDict:
+        """The reply's content to a train message's ``content`` (raises a refusal or error:
+        :meth:`failure` says which fixed code the server gets).
+
+        ``run_config`` is the run's configuration (the server's), ``node_state`` this run's
+        state on the node (its DP state; updated in place), ``run`` Flower's run id (the
+        ledger keys its releases by it).
+        """
+        instruction = read_train_message(content)
+        # 1. Without the server's label map the node's own would size the head: whether the
+        # round succeeds would then tell the label count. Refused whatever the node holds
+        if not instruction.labels:
+            raise Refusal(
+                Failure.CONFIG_MISMATCH,
+                "the train message carries no label map; the node trains only with the server's",
+            )
+        # 2. The run's settings with this node's paths, checked against the server's
+        settings = node_settings(
+            run_config, self.config, instruction.fingerprint, memory=self.settings_memory
+        )
+        place = NodeInfo.from_node_config(self.config, settings)
+        # 3. The owner's policy, before any data is read
+        privacy = self._open_privacy()
+        if privacy is not None:
+            privacy.admit(settings)
+        # 4. The node's shard, with the server's label map
+        shard = shard_data(settings, place, instruction.labels, memory=self.shards)
+        # 5-7. The run's budget, the ledger, the local epochs and the release
+        state, metrics = train_shard(
+            settings,
+            place,
+            shard,
+            instruction.global_state,
+            instruction.server_round,
+            node_state,
+            guard=privacy,
+            run=run,
+            layout=instruction.layout,
+        )
+        return train_reply(state, metrics, dtype=settings.comm.dtype)
+
+    @staticmethod
+    def failure(err: BaseException) -> Failure:
+        """8. The fixed, data-free code the server receives for ``err``."""
+        return failure_of(err)
+
+    # -------------------------------------------------------------------------------- privacy
+    def _open_privacy(self) -> NodePrivacy | None:
+        """The owner's policy and ledger, opened again when the policy or data file changed."""
+        identity = tuple(_identity(self.config.get(key)) for key in (PRIVACY_POLICY, DATA_PATH))
+        if identity != self._opened:
+            self.privacy = NodePrivacy.from_node_config(self.config)
+            self._opened = identity
+        return self.privacy
+
+
+def _identity(path: object) -> tuple[str, int, int] | None:
+    """A file's path, size and modification time (``None``: not named or not there)."""
+    if path in (None, ""):
+        return None
+    name = os.path.expanduser(str(path))
+    try:
+        stat = os.stat(name)
+    except OSError:
+        return (name, -1, -1)
+    return (name, stat.st_size, stat.st_mtime_ns)
