@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from car_fl.deploy.cluster import LocalCluster
-from car_fl.deploy.commands import pinned
+from car_fl.deploy.commands import FlowerNotFound, check_flower, pinned
 from car_fl.testing.tiny import tiny_overrides
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -459,6 +459,10 @@ def main(argv: list[str] | None = None) -> int:
         "script runs to the end; its numbers mean nothing)",
     )
     args = parser.parse_args(argv)
+    try:
+        check_flower()
+    except FlowerNotFound as err:
+        parser.exit(1, f"bench_deploy.py: {err}\n")
     if args.part in ("all", "speedup") and not args.smoke and not args.data.is_file():
         parser.error(f"{args.data} not found; pass --data path/to/SMSSpamCollection.tsv")
     results: dict[str, Any] = {"cpus": os.cpu_count(), "smoke": args.smoke}
