@@ -190,8 +190,10 @@ def bench_speedup(
     local_epochs: int,
     model: str = "model=minilm",
     settle: float = 8.0,
+    fl_overrides: str = "",
 ) -> dict[str, Any]:
-    """One workload per ``examples`` value: centralised on one core vs N pinned clients."""
+    """One workload per ``examples`` value: centralised on one core vs N pinned clients
+    (``fl_overrides``: Hydra overrides of the federated runs only, e.g. ``eval.*``)."""
     work.mkdir(parents=True, exist_ok=True)
     if model == "model=minilm":
         _warm_page_cache()
@@ -205,6 +207,7 @@ def bench_speedup(
             local_epochs=local_epochs,
             model=model,
             settle=settle,
+            fl_overrides=fl_overrides,
         )
         for n in examples
     }
@@ -220,6 +223,7 @@ def bench_workload(
     local_epochs: int,
     model: str,
     settle: float,
+    fl_overrides: str = "",
 ) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     available = sorted(os.sched_getaffinity(0))
@@ -278,8 +282,8 @@ def bench_workload(
         ) as local:
             overrides = (
                 f"{common} fl.clients={n} fl.rounds={rounds} fl.local_epochs={local_epochs} "
-                f"output_dir={folder / 'run'}"
-            )
+                f"output_dir={folder / 'run'} {fl_overrides}"
+            ).strip()
             wall, metrics = timed_run(local, PROJECT, overrides)
         rows = metrics["history"]
         clients_csv = list(csv.DictReader((folder / "run" / "clients.csv").open()))
@@ -290,6 +294,12 @@ def bench_workload(
             "speedup": central_wall / wall,
             "round_seconds": [r["seconds"] for r in rows],
             "slowest_client_work_seconds": [r["max_client_train_seconds"] for r in rows],
+            # per round: what is not the slowest client's own work (Flower's floor, the
+            # server's aggregation, and its evaluation where that runs between the rounds)
+            "outside_clients_work_seconds": [
+                r["seconds"] - r["max_client_train_seconds"] for r in rows
+            ],
+            "fl_overrides": fl_overrides,
             # flwr run, ServerApp start, data, encoder, round-0 evaluation, results
             "outside_rounds_seconds": wall - sum(r["seconds"] for r in rows),
             "client_torch_threads": sorted({int(float(r["torch_threads"])) for r in clients_csv}),
@@ -411,13 +421,16 @@ def print_speedup(workloads: dict[str, Any]) -> None:
                 else ""
             )
             work = " + ".join(f"{s:.1f}" for s in f["slowest_client_work_seconds"])
+            outside = " + ".join(f"{s:.1f}" for s in f["outside_clients_work_seconds"])
             print(
                 f"  {n} clients (workers) on cores {f['client_cores']}, server on core "
                 f"{f['server_core']}: {f['wall_seconds']:.1f} s = {f['speedup']:.2f}x{verdict}\n"
                 f"    = rounds {' + '.join(f'{s:.1f}' for s in f['round_seconds'])} s (of which "
-                f"the slowest client's work {work} s) + start-up, round-0 evaluation and results "
+                f"the slowest client's work {work} s; outside it {outside} s) + start-up, "
+                f"round-0 evaluation, the end's evaluation and results "
                 f"{f['outside_rounds_seconds']:.1f} s; torch threads per client "
                 f"{f['client_torch_threads']}; top-1 {f['final_test_top1']:.4f} (load {f['load']})"
+                + (f"; {f['fl_overrides']}" if f.get("fl_overrides") else "")
             )
 
 
@@ -451,6 +464,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--fl-rounds", type=int, default=2, help="rounds of the speedup part")
     parser.add_argument("--local-epochs", type=int, default=2)
+    parser.add_argument(
+        "--fl-overrides",
+        default="",
+        help="Hydra overrides of the speedup part's federated runs only, e.g. "
+        "'eval.background=false eval.test_every_round=true' (evaluation as before issue 36)",
+    )
     parser.add_argument("--json", type=Path, default=Path("runs/bench-deploy.json"))
     parser.add_argument(
         "--smoke",
@@ -492,6 +511,7 @@ def main(argv: list[str] | None = None) -> int:
                 local_epochs=args.local_epochs,
                 model=model,
                 settle=settle,
+                fl_overrides=args.fl_overrides,
             )
         if args.part in ("all", "first-update"):
             print("time to a round's first update, TinyLlama-shaped Llama ...", flush=True)
