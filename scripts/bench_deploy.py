@@ -22,7 +22,10 @@ messages. A centralised run pinned to one core (``taskset``, one torch thread) f
 against a deployment of R rounds x E local epochs whose N SuperNodes (and so their ClientApp
 processes) each run pinned to a core of their own, one torch thread each; the SuperLink and its
 ServerApp (the aggregator) get one core too, the first core not given to a client, else core 0
-(its evaluation runs between rounds, while the clients wait). Wall time from start to the
+(in adapter mode its evaluation of round r runs while round r + 1 trains, and the test split
+is evaluated once at the end; ``--fl-overrides "eval.background=false
+eval.test_every_round=true"`` evaluates both splits between the rounds, while the clients wait,
+as before issue 36). Wall time from start to the
 written results, both; N needs N cores (the GPU machine of the ``device`` tool has 16).
 Each ``--examples`` value is one workload (today's short one, 1000, and one whose rounds are at
 least ten times Flower's floor); each client trains in its worker.

@@ -170,9 +170,10 @@ def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
     )
 
     # Final results: what is still evaluated, the test split for the selected and final state
-    recorder.finish()
+    final_state = from_record(result.arrays or initial)
+    recorder.finish(final_state)
     recorder.recorder.save_final(
-        from_record(result.arrays or initial),
+        final_state,
         round=settings.fl.rounds,
         epsilon=recorder.last_epsilon,
     )

@@ -183,10 +183,11 @@ class RoundRecorder:
             self.best_state = state
         self.write(final=False)
 
-    def finish(self) -> None:
+    def finish(self, final_state: dict[str, torch.Tensor] | None = None) -> None:
         """After the last round: record what is still being evaluated, then (with ``test``)
-        the test metrics of the state selected on validation and of the final state, written
-        into their rows and checkpoints."""
+        the test metrics of the state selected on validation and of the final state
+        (``final_state``, else its round's checkpoint), written into their rows and
+        checkpoints."""
         self.flush()
         if self.executor is not None:
             self.executor.shutdown()
@@ -201,7 +202,7 @@ class RoundRecorder:
                 continue
             if math.isfinite(row.metrics.get("test_top1", math.nan)):
                 continue  # tested in its round
-            state = self.state_of(row)
+            state = final_state if row is final and final_state is not None else self.state_of(row)
             if row.round not in tested:
                 tested[row.round] = self.test(state)
             row.metrics.update(tested[row.round])
@@ -215,10 +216,14 @@ class RoundRecorder:
 
     def state_of(self, row: RoundRow) -> dict[str, torch.Tensor]:
         """The trainable state of a recorded row: in memory, else from its checkpoint."""
-        if row is self.recorder.best and self.best_state is not None:
+        best = row is self.recorder.best
+        if best and self.best_state is not None:
             return self.best_state
-        name = f"round-{row.round:03d}" if self.recorder.round_checkpoints else "best"
-        return load_checkpoint(self.recorder.checkpoints / name).state
+        if self.recorder.round_checkpoints:
+            return load_checkpoint(self.recorder.checkpoints / f"round-{row.round:03d}").state
+        if best:
+            return load_checkpoint(self.recorder.checkpoints / "best").state
+        raise RuntimeError(f"round {row.round}: its state was not kept (no round checkpoints)")
 
     def row(
         self, stats: RoundStats, metrics: dict[str, float], *, seconds: float | None = None
