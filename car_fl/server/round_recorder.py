@@ -7,8 +7,9 @@ run's :class:`~car_fl.results.recorder.Recorder`. The ε it reports is the serve
 (:class:`~car_fl.server.privacy_check.PrivacyCheck`), never a client's claim; a client whose
 claim differs is flagged in the round's row, its ``clients.csv`` row, the summary and the log.
 
-With ``background`` a round's evaluation runs in a thread while the next round trains, and its
-row is recorded once it is done (at the next round's end, or at :meth:`RoundRecorder.finish`).
+With ``background`` a round's evaluation and its recording (row, log line, files, checkpoints)
+run in a thread while the next round trains; the next call (or :meth:`RoundRecorder.finish`)
+waits for them before it touches the recorder.
 With ``test`` the rows' test metrics wait for the end (NaN until then): :meth:`finish` evaluates
 the test split for the state selected on validation and for the final state, and writes them
 into those rows and their checkpoints.
@@ -88,7 +89,7 @@ class Evaluation:
     stats: RoundStats | None  # None for round 0
     #: The round's wall seconds when its evaluation does not count (background), else None.
     seconds: float | None = None
-    future: Future[dict[str, float]] | None = None
+    future: Future[None] | None = None
 
 
 @dataclass
@@ -154,16 +155,19 @@ class RoundRecorder:
             job.seconds = time.perf_counter() - stats.started
         if self.executor is None:
             self.executor = ThreadPoolExecutor(1, thread_name_prefix="car-fl-evaluation")
-        job.future = self.executor.submit(self.evaluate, arrays)
+        # the evaluation and the round's files (log line, metrics, plot, checkpoints) both
+        # in the thread; the next call waits for them before it touches the recorder again
+        job.future = self.executor.submit(lambda: self.complete(job, self.evaluate(arrays)))
         self.running = job
         return None  # Flower's result holds no server metrics: car-fl's files do
 
     def flush(self) -> None:
-        """Wait for the evaluation running in the background, if any, and record it."""
+        """Wait for the evaluation running in the background, and its recording, if any (an
+        error in either is raised here)."""
         job, self.running = self.running, None
         if job is not None:
             assert job.future is not None
-            self.complete(job, job.future.result())
+            job.future.result()
 
     def complete(self, job: Evaluation, metrics: dict[str, float]) -> None:
         """Record an evaluated state: round 0's metrics, or the round's row and files."""

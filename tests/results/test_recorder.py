@@ -314,13 +314,13 @@ def test_a_background_evaluation_lets_the_next_round_start_and_the_end_tests_bes
     import threading
 
     settings = make_settings("dp=none")
-    release = threading.Event()
+    gates = [threading.Event() for _ in range(4)]  # round r's evaluation waits for gates[r]
     started: list[float] = []
     validation = iter([0.3, 0.4, 0.6, 0.5])  # rounds 0..3: round 2 is the best
 
     def evaluate(arrays: ArrayRecord) -> dict[str, float]:
-        started.append(float(from_record(arrays)["w"][0]))
-        assert release.wait(30), "the test never released the evaluation"
+        started.append(float(from_record(arrays)["w"][0]))  # w = the round
+        assert gates[int(started[-1])].wait(30), "the test never released the evaluation"
         val = next(validation)
         return {"val_top1": val, "val_loss": 1 - val, "test_top1": math.nan, "test_loss": math.nan}
 
@@ -340,11 +340,11 @@ def test_a_background_evaluation_lets_the_next_round_start_and_the_end_tests_bes
     strategy = CaRFedAvg(spec=SPEC)
     strategy.on_round = rounds.receive
     assert rounds(0, global_model()) is None  # returns at once: the evaluation waits
-    release.set()
+    gates[0].set()
     for r in (1, 2, 3):
-        round_of(strategy, rounds, r, (0.0, 0.0), active=0.0)
-        # round r's evaluation may still run; the rows recorded are those before it
+        round_of(strategy, rounds, r, (0.0, 0.0), active=0.0)  # returns while r's waits
         assert [row.round for row in rounds.recorder.history] == list(range(1, r))
+        gates[r].set()
     rounds.finish(final_state={"w": torch.full((3,), 3.0)})
     history = rounds.recorder.history
     assert [row.round for row in history] == [1, 2, 3] and started == [0.0, 1.0, 2.0, 3.0]
