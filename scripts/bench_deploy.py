@@ -22,7 +22,10 @@ messages. A centralised run pinned to one core (``taskset``, one torch thread) f
 against a deployment of R rounds x E local epochs whose N SuperNodes (and so their ClientApp
 processes) each run pinned to a core of their own, one torch thread each; the SuperLink and its
 ServerApp (the aggregator) get one core too, the first core not given to a client, else core 0
-(its evaluation runs between rounds, while the clients wait). Wall time from start to the
+(in adapter mode its evaluation of round r runs while round r + 1 trains, and the test split
+is evaluated once at the end; ``--fl-overrides "eval.background=false
+eval.test_every_round=true"`` evaluates both splits between the rounds, while the clients wait,
+as before issue 36). Wall time from start to the
 written results, both; N needs N cores (the GPU machine of the ``device`` tool has 16).
 Each ``--examples`` value is one workload (today's short one, 1000, and one whose rounds are at
 least ten times Flower's floor); each client trains in its worker.
@@ -51,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from car_fl.deploy.cluster import LocalCluster
-from car_fl.deploy.commands import pinned
+from car_fl.deploy.commands import FlowerNotFound, check_flower, pinned
 from car_fl.testing.tiny import tiny_overrides
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -190,8 +193,10 @@ def bench_speedup(
     local_epochs: int,
     model: str = "model=minilm",
     settle: float = 8.0,
+    fl_overrides: str = "",
 ) -> dict[str, Any]:
-    """One workload per ``examples`` value: centralised on one core vs N pinned clients."""
+    """One workload per ``examples`` value: centralised on one core vs N pinned clients
+    (``fl_overrides``: Hydra overrides of the federated runs only, e.g. ``eval.*``)."""
     work.mkdir(parents=True, exist_ok=True)
     if model == "model=minilm":
         _warm_page_cache()
@@ -205,6 +210,7 @@ def bench_speedup(
             local_epochs=local_epochs,
             model=model,
             settle=settle,
+            fl_overrides=fl_overrides,
         )
         for n in examples
     }
@@ -220,6 +226,7 @@ def bench_workload(
     local_epochs: int,
     model: str,
     settle: float,
+    fl_overrides: str = "",
 ) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     available = sorted(os.sched_getaffinity(0))
@@ -278,8 +285,8 @@ def bench_workload(
         ) as local:
             overrides = (
                 f"{common} fl.clients={n} fl.rounds={rounds} fl.local_epochs={local_epochs} "
-                f"output_dir={folder / 'run'}"
-            )
+                f"output_dir={folder / 'run'} {fl_overrides}"
+            ).strip()
             wall, metrics = timed_run(local, PROJECT, overrides)
         rows = metrics["history"]
         clients_csv = list(csv.DictReader((folder / "run" / "clients.csv").open()))
@@ -290,6 +297,12 @@ def bench_workload(
             "speedup": central_wall / wall,
             "round_seconds": [r["seconds"] for r in rows],
             "slowest_client_work_seconds": [r["max_client_train_seconds"] for r in rows],
+            # per round: what is not the slowest client's own work (Flower's floor, the
+            # server's aggregation, and its evaluation where that runs between the rounds)
+            "outside_clients_work_seconds": [
+                r["seconds"] - r["max_client_train_seconds"] for r in rows
+            ],
+            "fl_overrides": fl_overrides,
             # flwr run, ServerApp start, data, encoder, round-0 evaluation, results
             "outside_rounds_seconds": wall - sum(r["seconds"] for r in rows),
             "client_torch_threads": sorted({int(float(r["torch_threads"])) for r in clients_csv}),
@@ -411,13 +424,16 @@ def print_speedup(workloads: dict[str, Any]) -> None:
                 else ""
             )
             work = " + ".join(f"{s:.1f}" for s in f["slowest_client_work_seconds"])
+            outside = " + ".join(f"{s:.1f}" for s in f["outside_clients_work_seconds"])
             print(
                 f"  {n} clients (workers) on cores {f['client_cores']}, server on core "
                 f"{f['server_core']}: {f['wall_seconds']:.1f} s = {f['speedup']:.2f}x{verdict}\n"
                 f"    = rounds {' + '.join(f'{s:.1f}' for s in f['round_seconds'])} s (of which "
-                f"the slowest client's work {work} s) + start-up, round-0 evaluation and results "
+                f"the slowest client's work {work} s; outside it {outside} s) + start-up, "
+                f"round-0 evaluation, the end's evaluation and results "
                 f"{f['outside_rounds_seconds']:.1f} s; torch threads per client "
                 f"{f['client_torch_threads']}; top-1 {f['final_test_top1']:.4f} (load {f['load']})"
+                + (f"; {f['fl_overrides']}" if f.get("fl_overrides") else "")
             )
 
 
@@ -451,6 +467,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--fl-rounds", type=int, default=2, help="rounds of the speedup part")
     parser.add_argument("--local-epochs", type=int, default=2)
+    parser.add_argument(
+        "--fl-overrides",
+        default="",
+        help="Hydra overrides of the speedup part's federated runs only, e.g. "
+        "'eval.background=false eval.test_every_round=true' (evaluation as before issue 36)",
+    )
     parser.add_argument("--json", type=Path, default=Path("runs/bench-deploy.json"))
     parser.add_argument(
         "--smoke",
@@ -459,6 +481,10 @@ def main(argv: list[str] | None = None) -> int:
         "script runs to the end; its numbers mean nothing)",
     )
     args = parser.parse_args(argv)
+    try:
+        check_flower()
+    except FlowerNotFound as err:
+        parser.exit(1, f"bench_deploy.py: {err}\n")
     if args.part in ("all", "speedup") and not args.smoke and not args.data.is_file():
         parser.error(f"{args.data} not found; pass --data path/to/SMSSpamCollection.tsv")
     results: dict[str, Any] = {"cpus": os.cpu_count(), "smoke": args.smoke}
@@ -488,6 +514,7 @@ def main(argv: list[str] | None = None) -> int:
                 local_epochs=args.local_epochs,
                 model=model,
                 settle=settle,
+                fl_overrides=args.fl_overrides,
             )
         if args.part in ("all", "first-update"):
             print("time to a round's first update, TinyLlama-shaped Llama ...", flush=True)

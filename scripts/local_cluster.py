@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from car_fl.deploy.cluster import LocalCluster
+from car_fl.deploy.commands import FlowerNotFound
 from car_fl.deploy.runs import COMPLETED
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -111,7 +112,10 @@ def main() -> None:
     p.add_argument("--dir", type=Path, required=True)
     p.set_defaults(func=stop)
     args = parser.parse_args()
-    args.func(args)
+    try:
+        args.func(args)
+    except FlowerNotFound as err:
+        sys.exit(f"local_cluster.py {args.command}: {err}")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,9 @@ from car_fl.deploy.commands import (
     CONTROL_PORT,
     FLEET_PORT,
     LOOPBACK,
+    FlowerNotFound,
     exposure_warning,
+    flower_env,
     superexec_command,
     superlink_command,
 )
@@ -72,29 +74,22 @@ def main() -> None:
         sys.exit(f"superlink.py: {err}")
     if warning:
         print(warning, file=sys.stderr, flush=True)
-    cmd = superlink_command(
-        fleet_address=f"{args.bind}:{args.fleet_port}",
-        control_host=args.bind,
-        control_port=args.control_port,
-        database=args.database,
-        tls=tls,
-        node_auth=args.node_auth,
-        isolation="process" if args.restartable else "subprocess",
-    )
+    try:
+        cmd, exec_cmd = commands(args, tls)
+    except FlowerNotFound as err:
+        sys.exit(f"superlink.py: {err}")
+    env = flower_env()  # the SuperLink starts flower-superexec by name from PATH
     print(" ".join(cmd), flush=True)
     if not args.restartable:
         if not args.print:
-            os.execvp(cmd[0], cmd)
+            os.execvpe(cmd[0], cmd, env)
         return
-    host = "127.0.0.1" if args.bind in ("0.0.0.0", "::") else args.bind
-    exec_cmd = superexec_command(
-        runtime_address=f"{host}:{args.control_port}", root_cert=Path(tls.ca_cert) if tls else None
-    )
+    assert exec_cmd is not None
     print(" ".join(exec_cmd), flush=True)
     if args.print:
         return
-    superlink = subprocess.Popen(cmd)
-    superexec = subprocess.Popen(exec_cmd)
+    superlink = subprocess.Popen(cmd, env=env)
+    superexec = subprocess.Popen(exec_cmd, env=env)
     try:
         sys.exit(superlink.wait())
     except KeyboardInterrupt:
@@ -104,6 +99,26 @@ def main() -> None:
             proc.terminate()
         for proc in (superexec, superlink):
             proc.wait()
+
+
+def commands(args: argparse.Namespace, tls: TLSFiles | None) -> tuple[list[str], list[str] | None]:
+    """The SuperLink's command, and the SuperExec's with ``--restartable`` (else None)."""
+    cmd = superlink_command(
+        fleet_address=f"{args.bind}:{args.fleet_port}",
+        control_host=args.bind,
+        control_port=args.control_port,
+        database=args.database,
+        tls=tls,
+        node_auth=args.node_auth,
+        isolation="process" if args.restartable else "subprocess",
+    )
+    if not args.restartable:
+        return cmd, None
+    host = "127.0.0.1" if args.bind in ("0.0.0.0", "::") else args.bind
+    exec_cmd = superexec_command(
+        runtime_address=f"{host}:{args.control_port}", root_cert=Path(tls.ca_cert) if tls else None
+    )
+    return cmd, exec_cmd
 
 
 if __name__ == "__main__":

@@ -12,11 +12,14 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
 from car_fl.deploy.commands import (
     FLEET_PORT,
+    FlowerNotFound,
+    flower_env,
     node_config_string,
     supernode_command,
     worker_command,
@@ -94,21 +97,25 @@ def main() -> None:
         "data_is_shard": args.data_is_shard,
         "privacy_policy": args.privacy_policy,
     }
-    cmd = supernode_command(
-        superlink=args.superlink,
-        runtime_port=args.port,
-        root_cert=args.root_cert,
-        private_key=args.auth_key,
-        trusted_entities=args.trusted_entities,
-        node_config=node_config_string(**node, worker=args.worker),
-    )
+    try:
+        cmd = supernode_command(
+            superlink=args.superlink,
+            runtime_port=args.port,
+            root_cert=args.root_cert,
+            private_key=args.auth_key,
+            trusted_entities=args.trusted_entities,
+            node_config=node_config_string(**node, worker=args.worker),
+        )
+    except FlowerNotFound as err:
+        sys.exit(f"supernode.py: {err}")
     if args.worker:
         mine = node_config_string(**node)  # the worker's: the same values and policy, no worker
         worker = worker_command(folder=args.worker.expanduser(), node_config=mine)
         print("this node's worker (start it first):", shlex.join(worker), flush=True)
     print(shlex.join(cmd), flush=True)
     if not args.print:
-        os.execvp(cmd[0], cmd)
+        # the SuperNode starts flower-superexec (and that flwr-clientapp) by name from PATH
+        os.execvpe(cmd[0], cmd, flower_env())
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ from car_fl.client import worker_link
 from car_fl.common.io import atomic_write_json
 from car_fl.deploy.certs import TLSFiles, make_certificates, make_node_key
 from car_fl.deploy.commands import (
+    check_flower,
+    flower_env,
     node_config_string,
     pinned,
     superexec_command,
@@ -117,12 +119,16 @@ class LocalCluster:
         self.ports = ports
         self.fleet_port = ports if ports is not None else free_port()
         self.control_port = ports + 1 if ports is not None else free_port()
-        self.env = {
-            **os.environ,
-            "FLWR_HOME": str(self.flwr_home),
-            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-            **(env or {}),
-        }
+        # Flower's executables start each other by name from PATH: the running Python's
+        # folder goes first on it, so a venv that is not activated works too
+        self.env = flower_env(
+            {
+                **os.environ,
+                "FLWR_HOME": str(self.flwr_home),
+                "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+                **(env or {}),
+            }
+        )
         self.processes = Processes(self.folder)
         self.tls: TLSFiles | None = None
 
@@ -328,6 +334,7 @@ class LocalCluster:
         one CPU core. ``settle``: seconds to let the SuperNodes connect before returning.
         ``workers``: each node gets its worker (:meth:`start_worker`), started first.
         """
+        check_flower()  # before anything starts: one line if Flower is not found
         self.check_ports(nodes)
         files = make_certificates(self.folder / "certs", [self.host, "localhost"]) if tls else None
         try:

@@ -6,7 +6,10 @@ Pure functions: they build argument lists and strings, and start nothing.
 from __future__ import annotations
 
 import ipaddress
+import os
+import shutil
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from car_fl.deploy.certs import TLSFiles
@@ -53,10 +56,54 @@ def exposure_warning(host: str, *, tls: bool, insecure: bool) -> str | None:
     )
 
 
+class FlowerNotFound(RuntimeError):
+    """A Flower executable is neither beside the running Python nor on ``PATH``."""
+
+
+def python_bin() -> Path:
+    """The folder of the running Python (a venv's ``bin``), where pip put Flower's executables.
+
+    Not resolved: a venv's ``python`` is a link to the system's, whose folder has no Flower.
+    """
+    return Path(sys.executable).absolute().parent
+
+
 def flwr_bin(name: str) -> str:
-    """A Flower executable from the running interpreter's environment, else from PATH."""
-    beside = Path(sys.executable).parent / name
-    return str(beside) if beside.exists() else name
+    """A Flower executable (``flwr``, ``flower-superlink``, ...) beside the running Python,
+    else from ``PATH``; :class:`FlowerNotFound`, in one line, if it is in neither."""
+    beside = python_bin() / name
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which(name)
+    if found is None:
+        raise FlowerNotFound(
+            f"Flower's {name!r} is neither beside the running Python ({python_bin()}) nor on "
+            f"PATH: install car-fl with its Flower (pip install -e .) into the environment of "
+            f"{sys.executable}, or run with the Python of the environment that has it"
+        )
+    return found
+
+
+#: Flower's executables a local deployment starts (or that those start by name).
+FLOWER_EXECUTABLES = ("flower-superlink", "flower-supernode", "flower-superexec", "flwr")
+
+
+def check_flower() -> None:
+    """:class:`FlowerNotFound` unless every one of :data:`FLOWER_EXECUTABLES` is found."""
+    for name in FLOWER_EXECUTABLES:
+        flwr_bin(name)
+
+
+def flower_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's environment) with the running Python's folder first
+    on ``PATH``, for Flower processes: the SuperLink and the SuperNode start
+    ``flower-superexec`` by name from ``PATH``, and that starts ``flwr-serverapp`` /
+    ``flwr-clientapp`` the same way, so a venv that is not activated must be on it."""
+    env = dict(os.environ if env is None else env)
+    here = str(python_bin())
+    rest = [p for p in env.get("PATH", "").split(os.pathsep) if p and p != here]
+    env["PATH"] = os.pathsep.join([here, *rest])
+    return env
 
 
 def pinned(cmd: list[str], core: int | None) -> list[str]:

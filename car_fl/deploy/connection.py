@@ -9,7 +9,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from car_fl.deploy.commands import flwr_bin
+from car_fl.deploy.commands import flower_env, flwr_bin
 
 
 def connection_block(name: str, address: str, *, root_cert: Path | None = None) -> list[str]:
@@ -46,6 +46,6 @@ def register_node(
         [flwr_bin("flwr"), "supernode", "register", str(public_key), connection],
         capture_output=True,
         text=True,
-        env=env,
+        env=flower_env(env),
         check=False,
     )

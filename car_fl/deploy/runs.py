@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from car_fl.deploy.commands import flwr_bin
+from car_fl.deploy.commands import flower_env, flwr_bin
 
 COMPLETED = "finished:completed"
 #: Flower starts runs with runtime dependency installation unless this is set (its local
@@ -77,7 +77,12 @@ def submit(
     for item in federation_config:
         cmd += ["--federation-config", item]
     out = subprocess.run(
-        cmd, capture_output=True, text=True, env=env, check=False, start_new_session=True
+        cmd,
+        capture_output=True,
+        text=True,
+        env=flower_env(env),
+        check=False,
+        start_new_session=True,
     )
     return run_id_from(out.stdout, out.stderr, out.returncode)
 
@@ -86,7 +91,12 @@ def stop_run(connection: str, run_id: str, *, env: dict[str, str] | None = None)
     """``flwr stop RUN_ID CONNECTION`` (a run this program started)."""
     cmd = [flwr_bin("flwr"), "stop", run_id, connection]
     subprocess.run(
-        cmd, capture_output=True, text=True, env=env, check=False, start_new_session=True
+        cmd,
+        capture_output=True,
+        text=True,
+        env=flower_env(env),
+        check=False,
+        start_new_session=True,
     )
 
 
@@ -96,7 +106,12 @@ def run_status(
     """The run's ``status`` and ``status-details`` from ``flwr ls``."""
     cmd = [flwr_bin("flwr"), "ls", connection, "--run-id", run_id, "--format", "json"]
     out = subprocess.run(
-        cmd, capture_output=True, text=True, env=env, check=False, start_new_session=True
+        cmd,
+        capture_output=True,
+        text=True,
+        env=flower_env(env),
+        check=False,
+        start_new_session=True,
     )
     return status_from(out.stdout, out.stderr)
 
@@ -118,7 +133,9 @@ def follow_run(
     """
     read = status or (lambda: run_status(connection, run_id, env=env))
     cmd = [flwr_bin("flwr"), "log", run_id, connection, "--stream"]
-    stream = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+    stream = subprocess.Popen(
+        cmd, env=flower_env(env), stdin=subprocess.DEVNULL, start_new_session=True
+    )
     try:
         deadline = time.monotonic() + timeout
         while True:

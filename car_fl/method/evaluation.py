@@ -91,18 +91,34 @@ class HeldOut:
 
     def evaluate(self, model: CaRRetriever, settings: Settings) -> dict[str, float]:
         """``val_*`` and ``test_*`` metrics of ``model``."""
-        batch, top_k = settings.train.eval_batch_size, settings.eval.top_k
-        return eval_row(
-            evaluate(
-                model,
-                self.validation,
-                batch_size=batch,
-                top_k=top_k,
-                subsets=self.subsets(self.validation),
-            )
-            if self.validation is not None
-            else None,
-            evaluate(
-                model, self.test, batch_size=batch, top_k=top_k, subsets=self.subsets(self.test)
-            ),
+        return eval_row(self.on(self.validation, model, settings), self.on_test(model, settings))
+
+    def on(
+        self, data: LocalData | None, model: CaRRetriever, settings: Settings
+    ) -> dict[str, float] | None:
+        """The metrics of ``model`` on ``data`` (unprefixed), or None without data."""
+        if data is None:
+            return None
+        return evaluate(
+            model,
+            data,
+            batch_size=settings.train.eval_batch_size,
+            top_k=settings.eval.top_k,
+            subsets=self.subsets(data),
         )
+
+    def on_test(self, model: CaRRetriever, settings: Settings) -> dict[str, float]:
+        """The metrics of ``model`` on the test split (unprefixed)."""
+        metrics = self.on(self.test, model, settings)
+        assert metrics is not None
+        return metrics
+
+    def sample_validation(self, size: int, *, seed: int) -> HeldOut:
+        """The same splits with validation cut to ``size`` examples drawn with ``seed`` (kept
+        in their order); as it is when ``size`` is 0 or not smaller than validation."""
+        if self.validation is None or size == 0 or size >= len(self.validation):
+            return self
+        generator = torch.Generator().manual_seed(seed)
+        chosen = torch.randperm(len(self.validation), generator=generator)[:size]
+        positions = sorted(int(i) for i in chosen)
+        return HeldOut(self.test, self.validation.select(positions), self.new_documents)

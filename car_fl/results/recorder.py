@@ -9,6 +9,7 @@ and the plot. The federation feeds it through :class:`car_fl.server.round_record
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,9 +36,14 @@ def round_line(row: RoundRow, *, unit: str = "round") -> str:
     val = f"val loss {m['val_loss']:.4f} top1 {m['val_top1']:.4f} | " if "val_top1" in m else ""
     train_loss = row.train_loss if row.train_loss is not None else float("nan")
     train_acc = row.train_accuracy if row.train_accuracy is not None else float("nan")
+    test = (
+        f"test loss {m['test_loss']:.4f} top1 {m['test_top1']:.4f}"
+        if math.isfinite(m.get("test_top1", math.nan))
+        else "test at the end"  # eval.test_every_round=false: the selected and final state
+    )
     return (
         f"{unit} {row.round:>3d} | train loss {train_loss:.4f} acc {train_acc:.4f} | {val}"
-        f"test loss {m['test_loss']:.4f} top1 {m['test_top1']:.4f} | {row.seconds:.1f}s | "
+        f"{test} | {row.seconds:.1f}s | "
         f"sent {row.bytes_sent:,} B recv {row.bytes_received:,} B"
         + (f" | ε {row.epsilon:.4g}" if row.dp_active else "")
     )

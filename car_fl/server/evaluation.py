@@ -1,13 +1,18 @@
 """The server's evaluation of the global model, which holds validation and test.
 
 Clients train on shards of the training split only; the server prepares the held-out splits
-once (:class:`~car_fl.method.evaluation.HeldOut`) and evaluates every round's global model.
+once (:class:`~car_fl.method.evaluation.HeldOut`) and evaluates every round's global model on
+validation (selection), and on test every round or once at the end (:class:`EvalPlan`).
+Clients never evaluate: selection rests on the server's own figures, never on a client's
+report, and under DP no client sends an un-noised data-dependent value for it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+import torch
 from flwr.app import ArrayRecord
 
 from car_fl.data.labels import LabelMap
@@ -17,7 +22,31 @@ from car_fl.method.evaluation import HeldOut, LazyRetriever
 from car_fl.method.experts import ExpertLayout, MixtureHead
 from car_fl.method.model import CaRRetriever, build_retriever
 from car_fl.protocol.messages import from_record
-from car_fl.settings.schema import Settings
+from car_fl.results.selection import eval_row
+from car_fl.settings.schema import Mode, Settings
+
+
+@dataclass(frozen=True)
+class EvalPlan:
+    """What the server evaluates when, from ``eval.*`` (null: by mode, see
+    :class:`~car_fl.settings.schema.EvalConfig`)."""
+
+    #: Test metrics every round; else once at the end, for the final and the selected state.
+    test_every_round: bool
+    #: Validation examples evaluated each round (0: all).
+    val_sample: int
+    #: Round r's evaluation runs while round r + 1 trains.
+    background: bool
+
+    @classmethod
+    def of(cls, settings: Settings) -> EvalPlan:
+        cheap = settings.train.mode is Mode.CLASSIFIER  # cached features: a head's pass
+        test, background = settings.eval.test_every_round, settings.eval.background
+        return cls(
+            test_every_round=cheap if test is None else test,
+            val_sample=settings.eval.val_sample,
+            background=(not cheap) if background is None else background,
+        )
 
 
 @dataclass
@@ -32,6 +61,16 @@ class ServerEvaluator:
     shard_sizes: dict[int, int] = field(default_factory=dict)
     #: Split sizes and the duplicates removed before splitting.
     data_stats: dict[str, int] = field(default_factory=dict)
+    #: What is evaluated each round (exact, every round, by default).
+    plan: EvalPlan = EvalPlan(test_every_round=True, val_sample=0, background=False)
+    #: The validation each round is evaluated on (``held_out``'s, or its seeded sample).
+    per_round: HeldOut | None = None
+
+    def __post_init__(self) -> None:
+        if self.per_round is None:
+            self.per_round = self.held_out.sample_validation(
+                self.plan.val_sample, seed=self.settings.seed
+            )
 
     @classmethod
     def build(cls, settings: Settings) -> ServerEvaluator:
@@ -68,6 +107,7 @@ class ServerEvaluator:
             model=model,
             shard_sizes=shard_sizes,
             data_stats=splits.stats,
+            plan=EvalPlan.of(settings),
         )
 
     @property
@@ -76,7 +116,36 @@ class ServerEvaluator:
         head = self.model.head
         return head.layout if isinstance(head, MixtureHead) else None
 
+    @property
+    def tests_every_round(self) -> bool:
+        """Whether each round has test metrics (always without a validation split: there
+        would be nothing else to report, and nothing to select on)."""
+        return self.plan.test_every_round or self.held_out.validation is None
+
+    @property
+    def selection(self) -> str:
+        """How the best state is chosen (the summary's ``selection``)."""
+        held = self.per_round
+        assert held is not None
+        if held.validation is None or held.validation is self.held_out.validation:
+            return self.held_out.selection
+        whole = len(self.held_out.validation or [])
+        return f"validation sample ({len(held.validation)} of {whole})"
+
     def __call__(self, arrays: ArrayRecord) -> dict[str, float]:
-        """``val_*`` and ``test_*`` metrics of the global model ``arrays``."""
+        """One round's metrics of the global model ``arrays``: ``val_*`` (on the sample, if
+        one is set) and ``test_*``, which are NaN when the test set waits for the end."""
         self.model.load_trainable_state_dict(from_record(arrays))
-        return self.held_out.evaluate(self.model, self.settings)
+        held = self.per_round
+        assert held is not None
+        if self.tests_every_round:
+            return held.evaluate(self.model, self.settings)
+        validation = held.on(held.validation, self.model, self.settings)
+        assert validation is not None
+        later = {name: math.nan for name in validation}  # the same metrics, on test, later
+        return eval_row(validation, later)
+
+    def test(self, state: dict[str, torch.Tensor]) -> dict[str, float]:
+        """``test_*`` metrics of the trainable ``state`` (the whole test split)."""
+        self.model.load_trainable_state_dict(state)
+        return eval_row(None, self.held_out.on_test(self.model, self.settings))

@@ -137,6 +137,10 @@ def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
         ),
         evaluate=evaluator,
         describe=lambda: describe(settings, evaluator),
+        # adapter mode by default: test once at the end, each round's evaluation in the
+        # background while the next round trains (docs/performance.md)
+        test=None if evaluator.tests_every_round else evaluator.test,
+        background=evaluator.plan.background,
     )
     strategy.on_round = recorder.receive  # the strategy hands each round's statistics over
     done = 0
@@ -165,9 +169,11 @@ def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
         evaluate_fn=recorder,
     )
 
-    # Final results
+    # Final results: what is still evaluated, the test split for the selected and final state
+    final_state = from_record(result.arrays or initial)
+    recorder.finish(final_state)
     recorder.recorder.save_final(
-        from_record(result.arrays or initial),
+        final_state,
         round=settings.fl.rounds,
         epsilon=recorder.last_epsilon,
     )
@@ -203,7 +209,7 @@ def describe(settings: Settings, evaluator: ServerEvaluator) -> RunSummary:
         best=None,
         total_seconds=0.0,
         test_examples=len(evaluator.held_out.test),
-        selection=evaluator.held_out.selection,
+        selection=evaluator.selection,
         data=evaluator.data_stats,
         dp=settings.dp.mode,
         delta=settings.dp.delta,

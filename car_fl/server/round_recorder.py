@@ -6,6 +6,13 @@ with the server's evaluation, into the round's row, client rows and ε, and give
 run's :class:`~car_fl.results.recorder.Recorder`. The ε it reports is the server's own figure
 (:class:`~car_fl.server.privacy_check.PrivacyCheck`), never a client's claim; a client whose
 claim differs is flagged in the round's row, its ``clients.csv`` row, the summary and the log.
+
+With ``background`` a round's evaluation and its recording (row, log line, files, checkpoints)
+run in a thread while the next round trains; the next call (or :meth:`RoundRecorder.finish`)
+waits for them before it touches the recorder.
+With ``test`` the rows' test metrics wait for the end (NaN until then): :meth:`finish` evaluates
+the test split for the state selected on validation and for the final state, and writes them
+into those rows and their checkpoints.
 """
 
 from __future__ import annotations
@@ -14,11 +21,14 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import torch
 from flwr.app import ArrayRecord, MetricRecord
 
 from car_fl.protocol.messages import from_record
+from car_fl.results.checkpoint import load_checkpoint, save_checkpoint
 from car_fl.results.recorder import Recorder, best_row
 from car_fl.results.rows import CLIENTS_CSV, ClientDP, ClientRow, RoundRow, RunSummary, wire_key
 from car_fl.server.privacy_check import PrivacyCheck, Verdict
@@ -60,6 +70,28 @@ def client_rows_of(
     return rows
 
 
+def brief(metrics: dict[str, float]) -> str:
+    """``val``/``test`` loss and top-1 of a row's metrics, those that were evaluated."""
+    parts = [
+        f"{split} loss {metrics[f'{split}_loss']:.4f} top1 {metrics[f'{split}_top1']:.4f}"
+        for split in ("val", "test")
+        if math.isfinite(metrics.get(f"{split}_top1", math.nan))
+    ]
+    return ", ".join(parts) or "not evaluated"
+
+
+@dataclass
+class Evaluation:
+    """One global state waiting to be evaluated and recorded."""
+
+    round: int  # the run's round (after a resume's offset); 0: the initial state
+    arrays: ArrayRecord
+    stats: RoundStats | None  # None for round 0
+    #: The round's wall seconds when its evaluation does not count (background), else None.
+    seconds: float | None = None
+    future: Future[None] | None = None
+
+
 @dataclass
 class RoundRecorder:
     """``evaluate_fn`` for ``Strategy.start``: after each round, evaluate, record, write files."""
@@ -85,6 +117,16 @@ class RoundRecorder:
     round_offset: int = 0
     #: The strategy's statistics of the round that just ended (see :meth:`receive`).
     pending: RoundStats | None = None
+    #: Test metrics of a trainable state, evaluated at the end for the selected and the
+    #: final state; None: every round's ``evaluate`` already has them.
+    test: Callable[[dict[str, torch.Tensor]], dict[str, float]] | None = None
+    #: Evaluate round r in a thread while round r + 1 trains.
+    background: bool = False
+    #: The evaluation running in the background, recorded at the next call or at the end.
+    running: Evaluation | None = None
+    #: The trainable state of :attr:`recorder`'s best row (for its test metrics at the end).
+    best_state: dict[str, torch.Tensor] | None = None
+    executor: ThreadPoolExecutor | None = field(default=None, repr=False)
     #: The releases received from each node, and the ε the server computes from them.
     privacy: PrivacyCheck = field(init=False)
     verdicts: dict[int, Verdict] = field(default_factory=dict)
@@ -96,38 +138,102 @@ class RoundRecorder:
         """The strategy hands over each round's statistics (aggregated or not) before evaluation."""
         self.pending = stats
 
-    def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        metrics = self.evaluate(arrays)
-        reply = MetricRecord({k: float(v) for k, v in metrics.items()})
-        if server_round == 0 and self.round_offset:
-            log.info(
-                "resumed after round %d: test loss %.4f top1 %.4f",
-                self.round_offset,
-                metrics["test_loss"],
-                metrics["test_top1"],
-            )
-            return reply
-        server_round += self.round_offset
-        if server_round == 0:
-            self.initial = metrics
-            log.info(
-                "round   0 | initial global model: test loss %.4f top1 %.4f",
-                metrics["test_loss"],
-                metrics["test_top1"],
-            )
-            return reply
-        stats, self.pending = self.pending, None
-        if stats is None or stats.round != server_round:
-            raise RuntimeError(f"round {server_round}: the strategy handed over no statistics")
-        row = self.row(stats, metrics)
-        self.client_rows.extend(client_rows_of(stats, self.verdicts))
-        note = f" | asked {', '.join(map(str, stats.asked))}"
-        self.recorder.record(row, from_record(arrays), epsilon=row.epsilon, note=note)
-        self.write(final=False)
-        return reply
+    def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
+        self.flush()  # the previous round's evaluation, done while this round trained
+        stats = None
+        if server_round > 0:  # Flower's round 0 is the initial (or the resumed) state
+            stats, self.pending = self.pending, None
+            expected = server_round + self.round_offset
+            if stats is None or stats.round != expected:
+                raise RuntimeError(f"round {expected}: the strategy handed over no statistics")
+        job = Evaluation(server_round + self.round_offset, arrays, stats)
+        if not self.background:
+            metrics = self.evaluate(arrays)
+            self.complete(job, metrics)
+            return MetricRecord({k: float(v) for k, v in metrics.items()})
+        if stats is not None:  # the round's own time: its evaluation runs during the next
+            job.seconds = time.perf_counter() - stats.started
+        if self.executor is None:
+            self.executor = ThreadPoolExecutor(1, thread_name_prefix="car-fl-evaluation")
+        # the evaluation and the round's files (log line, metrics, plot, checkpoints) both
+        # in the thread; the next call waits for them before it touches the recorder again
+        job.future = self.executor.submit(lambda: self.complete(job, self.evaluate(arrays)))
+        self.running = job
+        return None  # Flower's result holds no server metrics: car-fl's files do
 
-    def row(self, stats: RoundStats, metrics: dict[str, float]) -> RoundRow:
-        """The round's row from the strategy's statistics and the server's evaluation."""
+    def flush(self) -> None:
+        """Wait for the evaluation running in the background, and its recording, if any (an
+        error in either is raised here)."""
+        job, self.running = self.running, None
+        if job is not None:
+            assert job.future is not None
+            job.future.result()
+
+    def complete(self, job: Evaluation, metrics: dict[str, float]) -> None:
+        """Record an evaluated state: round 0's metrics, or the round's row and files."""
+        if job.stats is None:
+            if job.round == 0:
+                self.initial = metrics
+                log.info("round   0 | initial global model: %s", brief(metrics))
+            else:
+                log.info("resumed after round %d: %s", job.round, brief(metrics))
+            return
+        row = self.row(job.stats, metrics, seconds=job.seconds)
+        self.client_rows.extend(client_rows_of(job.stats, self.verdicts))
+        note = f" | asked {', '.join(map(str, job.stats.asked))}"
+        state = from_record(job.arrays)
+        self.recorder.record(row, state, epsilon=row.epsilon, note=note)
+        if self.recorder.best is row:
+            self.best_state = state
+        self.write(final=False)
+
+    def finish(self, final_state: dict[str, torch.Tensor] | None = None) -> None:
+        """After the last round: record what is still being evaluated, then (with ``test``)
+        the test metrics of the state selected on validation and of the final state
+        (``final_state``, else its round's checkpoint), written into their rows and
+        checkpoints."""
+        self.flush()
+        if self.executor is not None:
+            self.executor.shutdown()
+            self.executor = None
+        history = self.recorder.history
+        if self.test is None or not history:
+            return
+        best, final = self.recorder.best, history[-1]
+        tested: dict[int, dict[str, float]] = {}
+        for row in [best, final] if final is not best else [final]:
+            if row is None:
+                continue
+            if math.isfinite(row.metrics.get("test_top1", math.nan)):
+                continue  # tested in its round
+            state = final_state if row is final and final_state is not None else self.state_of(row)
+            if row.round not in tested:
+                tested[row.round] = self.test(state)
+            row.metrics.update(tested[row.round])
+            what = "selected on validation" if row is best else "final"
+            log.info("round %3d (%s) | %s", row.round, what, brief(row.metrics))
+            checkpoint = self.recorder.checkpoint(state, row, epsilon=row.epsilon)
+            if row is best:
+                save_checkpoint(self.recorder.checkpoints / "best", checkpoint)
+            if self.recorder.round_checkpoints:
+                save_checkpoint(self.recorder.checkpoints / f"round-{row.round:03d}", checkpoint)
+
+    def state_of(self, row: RoundRow) -> dict[str, torch.Tensor]:
+        """The trainable state of a recorded row: in memory, else from its checkpoint."""
+        best = row is self.recorder.best
+        if best and self.best_state is not None:
+            return self.best_state
+        if self.recorder.round_checkpoints:
+            return load_checkpoint(self.recorder.checkpoints / f"round-{row.round:03d}").state
+        if best:
+            return load_checkpoint(self.recorder.checkpoints / "best").state
+        raise RuntimeError(f"round {row.round}: its state was not kept (no round checkpoints)")
+
+    def row(
+        self, stats: RoundStats, metrics: dict[str, float], *, seconds: float | None = None
+    ) -> RoundRow:
+        """The round's row from the strategy's statistics and the server's evaluation;
+        ``seconds``: the round's wall time (default: until now)."""
         replies = stats.client_metrics.values()
         epsilon = self.epsilon(stats)  # the server's figure, and this round's verdicts
         private = dp_active(self.recorder.settings, stats.round)
@@ -138,7 +244,7 @@ class RoundRecorder:
             train_loss=math.nan if private else stats.weighted(wire_key("train_loss")),
             train_accuracy=math.nan if private else stats.weighted(wire_key("train_accuracy")),
             metrics=metrics,
-            seconds=time.perf_counter() - stats.started,
+            seconds=time.perf_counter() - stats.started if seconds is None else seconds,
             bytes_sent=sum(stats.bytes_sent.values()),
             bytes_received=sum(stats.bytes_received.values()),
             bytes_sent_per_client=max(stats.bytes_sent.values(), default=0),

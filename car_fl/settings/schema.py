@@ -514,14 +514,35 @@ class TrainConfig:
 
 @dataclass
 class EvalConfig:
-    """Which top-K accuracies are reported; the largest K is the retrieval K by default."""
+    """Which top-K accuracies are reported (the largest K is the retrieval K by default), and
+    what a federation's server evaluates when (docs/performance.md, "Evaluation in a
+    federation"). Selection is always on validation, on the server, never on test and never
+    on a client's report.
+    """
 
     top_k: list[int] = field(default_factory=lambda: [1, 3, 5, 10])
+    #: Federated runs: test metrics of every round's global state. null: yes in classifier
+    #: mode (cached features, evaluation is cheap), no in adapter mode (every test text goes
+    #: through the adapted encoder): the test set is then evaluated once, after the last round,
+    #: for the final state and for the state selected on validation.
+    test_every_round: bool | None = None
+    #: Federated runs: the validation examples the server evaluates each round, a sample of
+    #: this many drawn with the run's seed (the same every round); 0: all of them (exact).
+    val_sample: int = 0
+    #: Federated runs: evaluate round r's global state in a thread of the ServerApp while
+    #: round r + 1 trains, instead of between the rounds while the clients wait. null: yes in
+    #: adapter mode, no in classifier mode. The results are the same; only when they are
+    #: written changes (round r's row once its evaluation is done).
+    background: bool | None = None
 
     def __post_init__(self) -> None:
         if not self.top_k or any(k < 1 for k in self.top_k):
             raise ValueError(f"eval.top_k must be a non-empty list of K >= 1, got {self.top_k}")
         self.top_k = sorted(set(self.top_k))
+        if self.val_sample < 0:
+            raise ValueError(
+                f"eval.val_sample must be >= 0 (0: all validation examples), got {self.val_sample}"
+            )
 
 
 @dataclass

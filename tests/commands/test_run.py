@@ -267,3 +267,22 @@ def test_after_a_plain_flwr_run_car_fl_run_names_the_installing_superlink_then_c
         pid = listener_pid(link_port)  # the local SuperLink car-fl run started
         if pid is not None:
             os.killpg(os.getpgid(pid), signal.SIGTERM)
+
+
+def test_car_fl_run_without_flower_beside_python_or_on_path_fails_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from car_fl import cli
+    from car_fl.deploy import commands
+
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    monkeypatch.setattr(commands.sys, "executable", str(bin_dir / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr"))
+    assert cli.main(["run", "lab", "--app", str(PROJECT)]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(
+        f"car-fl run: Flower's 'flwr' is neither beside the running Python ({bin_dir})"
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,9 +12,16 @@ import pytest
 from flwr.common.config import parse_config_args
 
 from car_fl.client.worker_link import worker_folder
+from car_fl.deploy import commands
 from car_fl.deploy.certs import TLSFiles
+from car_fl.deploy.cluster import LocalCluster
 from car_fl.deploy.commands import (
+    FLOWER_EXECUTABLES,
+    FlowerNotFound,
+    check_flower,
     exposure_warning,
+    flower_env,
+    flwr_bin,
     is_loopback,
     node_config_string,
     pinned,
@@ -235,3 +243,59 @@ def test_the_superlink_script_defaults_to_loopback_and_refuses_an_open_insecure_
         )
     lines = done.stderr.strip().splitlines()
     assert (lines == []) if not stderr else (len(lines) == 1 and lines[0].startswith(stderr))
+
+
+def executable(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\n")
+    path.chmod(0o755)
+    return path
+
+
+@pytest.fixture
+def venv_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fake venv's ``bin`` that ``sys.executable`` lives in, with an empty ``PATH``."""
+    bin_dir = tmp_path / "venv" / "bin"
+    monkeypatch.setattr(commands.sys, "executable", str(executable(bin_dir / "python")))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    return bin_dir
+
+
+def test_flower_executables_are_found_beside_the_running_python_before_path(
+    venv_python: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    on_path = executable(tmp_path / "elsewhere" / "flwr")
+    monkeypatch.setenv("PATH", str(on_path.parent))
+    assert flwr_bin("flwr") == str(on_path)  # not beside the Python: from PATH
+    for name in FLOWER_EXECUTABLES:
+        executable(venv_python / name)
+    assert flwr_bin("flwr") == str(venv_python / "flwr")  # beside it wins
+    assert Path(superlink_command()[0]) == venv_python / "flower-superlink"
+    check_flower()
+
+
+def test_a_missing_flower_executable_fails_in_one_line_naming_it_and_where_it_looked(
+    venv_python: Path, tmp_path: Path
+) -> None:
+    executable(venv_python / "flwr")
+    with pytest.raises(FlowerNotFound) as err:
+        check_flower()
+    message = str(err.value)
+    assert "'flower-superlink'" in message and str(venv_python) in message
+    assert "\n" not in message
+    # A cluster checks before it starts anything
+    cluster = LocalCluster(tmp_path / "cluster", ports=None)
+    with pytest.raises(FlowerNotFound, match="flower-superlink"):
+        cluster.start(1, data=tmp_path / "data.tsv")
+    assert cluster.processes.pids == {}
+
+
+def test_flower_processes_get_the_running_pythons_folder_first_on_path(
+    venv_python: Path,
+) -> None:
+    here = str(venv_python)
+    env = flower_env({"PATH": f"/usr/bin{os.pathsep}{here}{os.pathsep}/bin", "X": "1"})
+    assert env["PATH"].split(os.pathsep) == [here, "/usr/bin", "/bin"] and env["X"] == "1"
+    assert flower_env({})["PATH"] == here
+    # A cluster's processes (SuperLink, SuperNodes, flwr) all get it
+    assert LocalCluster(venv_python / "c").env["PATH"].split(os.pathsep)[0] == here

@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,7 +23,7 @@ from safetensors.torch import load_file
 
 from car_fl.client import worker_link
 from car_fl.deploy.certs import make_certificates, make_node_key
-from car_fl.deploy.cluster import LocalCluster
+from car_fl.deploy.cluster import LocalCluster, free_port
 from car_fl.deploy.connection import register_node
 from car_fl.protocol.failures import Failure
 from car_fl.testing.tiny import tiny_overrides
@@ -358,3 +359,47 @@ def test_a_node_that_pins_signed_apps_refuses_the_unsigned_fab_of_flwr_run(
         deployment.cluster.processes.log(pinned)
     )
     assert not (deployment.folder / "cache-0").exists()  # its ClientApp never ran
+
+
+def test_the_local_cluster_script_starts_and_runs_from_a_venv_that_is_not_activated(
+    tmp_path: Path, tiny_llama: Path, synthetic_tsv: Path
+) -> None:
+    """``scripts/local_cluster.py`` run with the venv's Python and a PATH without the venv's
+    ``bin``: the SuperLink, the SuperNode and the flower-superexec each starts by name from
+    PATH find Flower beside that Python (before, the SuperLink died: "Application startup
+    failed"), and a round runs to the end."""
+    path = os.pathsep.join(["/usr/bin", "/bin"])
+    for name in ("flwr", "flower-superlink", "flower-supernode", "flower-superexec"):
+        assert shutil.which(name, path=path) is None, f"{name} on {path}: the test shows nothing"
+    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"} | {"PATH": path}
+    script = [sys.executable, str(PROJECT / "scripts" / "local_cluster.py")]
+    folder = tmp_path / "cluster"
+
+    def call(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*script, *args, "--dir", str(folder)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+
+    port = free_port()
+    started = call("start", "--nodes", "1", "--data", str(synthetic_tsv), "--port", str(port),
+                   "--no-workers")  # fmt: skip
+    try:
+        assert started.returncode == 0, started.stderr
+        out = tmp_path / "run"
+        overrides = " ".join(tiny_overrides(tiny_llama, synthetic_tsv))
+        overrides += f" fl.clients=1 fl.rounds=1 fl.wait_for_nodes=120 output_dir={out}"
+        ran = call("run", "--overrides", overrides, "--timeout", "300", timeout=400)
+        assert ran.returncode == 0, ran.stdout + ran.stderr
+        metrics = json.loads((out / "metrics.json").read_text())
+        assert metrics["summary"]["complete"] and len(metrics["history"]) == 1
+    finally:
+        state = folder / "cluster.json"
+        pids = json.loads(state.read_text())["processes"] if state.is_file() else {}
+        stopped = call("stop")
+        assert stopped.returncode == 0, stopped.stderr
+        assert all(gone(pid) for pid in pids.values())

@@ -13,7 +13,7 @@ from flwr.app import ArrayRecord
 
 from car_fl.data.labels import LabelMap
 from car_fl.privacy.accountant import epsilon as rdp_epsilon
-from car_fl.protocol.messages import to_record
+from car_fl.protocol.messages import from_record, to_record
 from car_fl.results.checkpoint import load_checkpoint
 from car_fl.results.recorder import Recorder, round_line
 from car_fl.results.rows import CLIENTS_CSV, ClientRow, MetricsFile, RoundRow, RunSummary
@@ -303,3 +303,57 @@ def test_centralised_and_federated_runs_record_through_the_same_recorder(
     assert set(central.history[0].to_dict()) <= set(federated.history[0].to_dict())
     assert central.summary.best is not None and federated.summary.best is not None
     assert load_checkpoint(out / "checkpoints" / "best").round == federated.summary.best.round
+
+
+def test_a_background_evaluation_lets_the_next_round_start_and_the_end_tests_best_and_final(
+    make_settings, tmp_path: Path
+) -> None:
+    """``background``: the call returns while the evaluation runs; the round is recorded at
+    the next call (or at ``finish``). ``test``: only the best and the final state get test
+    metrics, at ``finish``, in their rows and checkpoints."""
+    import threading
+
+    settings = make_settings("dp=none")
+    gates = [threading.Event() for _ in range(4)]  # round r's evaluation waits for gates[r]
+    started: list[float] = []
+    validation = iter([0.3, 0.4, 0.6, 0.5])  # rounds 0..3: round 2 is the best
+
+    def evaluate(arrays: ArrayRecord) -> dict[str, float]:
+        started.append(float(from_record(arrays)["w"][0]))  # w = the round
+        assert gates[int(started[-1])].wait(30), "the test never released the evaluation"
+        val = next(validation)
+        return {"val_top1": val, "val_loss": 1 - val, "test_top1": math.nan, "test_loss": math.nan}
+
+    tested: list[float] = []
+
+    def test(state: dict[str, torch.Tensor]) -> dict[str, float]:
+        tested.append(float(state["w"][0]))
+        return {"test_top1": 0.1 * float(state["w"][0]), "test_loss": 0.5}
+
+    rounds = RoundRecorder(
+        recorder(settings, tmp_path, unit="round", per_round=True),
+        evaluate=evaluate,
+        describe=federated_summary,
+        test=test,
+        background=True,
+    )
+    strategy = CaRFedAvg(spec=SPEC)
+    strategy.on_round = rounds.receive
+    assert rounds(0, global_model()) is None  # returns at once: the evaluation waits
+    gates[0].set()
+    for r in (1, 2, 3):
+        round_of(strategy, rounds, r, (0.0, 0.0), active=0.0)  # returns while r's waits
+        assert [row.round for row in rounds.recorder.history] == list(range(1, r))
+        gates[r].set()
+    rounds.finish(final_state={"w": torch.full((3,), 3.0)})
+    history = rounds.recorder.history
+    assert [row.round for row in history] == [1, 2, 3] and started == [0.0, 1.0, 2.0, 3.0]
+    assert rounds.recorder.best is history[1] and tested == [2.0, 3.0]
+    assert history[1].metrics["test_top1"] == pytest.approx(0.2)
+    assert history[2].metrics["test_top1"] == pytest.approx(0.3)
+    assert math.isnan(history[0].metrics["test_top1"])
+    best = load_checkpoint(tmp_path / "checkpoints" / "best")
+    assert best.round == 2 and best.metrics["test_top1"] == pytest.approx(0.2)
+    assert load_checkpoint(tmp_path / "checkpoints" / "round-003").metrics[
+        "test_top1"
+    ] == pytest.approx(0.3)

@@ -3,7 +3,6 @@
 #: module → the test that covers it (checked by ``tests/test_layout.py``).
 TESTED_ELSEWHERE = {
     "aggregation": "tests/server/test_strategy.py::test_every_strategy_name_builds_flowers_own_strategy",
-    "evaluation": "tests/simulation/test_flower.py::test_two_client_simulation_learns_and_ships_only_trainable_tensors",
     "resume": "tests/simulation/test_flower.py::test_a_resumed_run_matches_an_uninterrupted_one",
     "round_recorder": "tests/results/test_recorder.py::test_the_strategy_hands_its_round_statistics_to_the_recorder",
     "round_stats": "tests/server/test_federation.py::test_an_anonymous_error_reply_is_attributed_to_the_silent_node",

@@ -77,7 +77,10 @@ def test_two_client_simulation_learns_and_ships_only_trainable_tensors(
     )
     history = metrics["history"]
     assert [r["round"] for r in history] == list(range(1, rounds + 1))
-    assert history[-1]["test_top1"] > metrics["summary"]["initial"]["test_top1"] + 0.2
+    # Adapter mode tests once, at the end (eval.test_every_round): its learning shows on
+    # validation, evaluated every round; the final state's test top-1 is there either way.
+    learned = "test_top1" if mode == "classifier" else "val_top1"
+    assert history[-1][learned] > metrics["summary"]["initial"][learned] + 0.2
     assert history[-1]["test_top1"] >= 0.75
     # Results people can read, and the resolved config the clients agreed on.
     for name in ("config.yaml", "metrics.csv", "clients.csv", "curves.png"):
