@@ -108,13 +108,10 @@ class RoundRecorder:
             )
             return reply
         server_round += self.round_offset
-        if server_round == 0:
+        if server_round == 0:  # the starting point: a candidate for best, like any round
             self.initial = metrics
-            log.info(
-                "round   0 | initial global model: test loss %.4f top1 %.4f",
-                metrics["test_loss"],
-                metrics["test_top1"],
-            )
+            start = RoundRow(round=0, epochs=0, metrics=metrics, seconds=0.0)
+            self.recorder.start(start, from_record(arrays), epsilon=0.0)
             return reply
         stats, self.pending = self.pending, None
         if stats is None or stats.round != server_round:
@@ -230,7 +227,9 @@ class RoundRecorder:
                 self.client_dp[self.dp_key(int(place), row.node)] = self.record_dp(
                     row.node, verdict
                 )
-        self.recorder.best = best_row(history)
+        start = RoundRow(round=0, epochs=0, metrics=initial, seconds=0.0) if initial else None
+        self.recorder.initial = start
+        self.recorder.best = best_row(history, initial=start)
         self.last_epsilon = max((row.epsilon or 0.0 for row in history), default=0.0)
         self.round_offset = done
 
