@@ -183,5 +183,5 @@ def test_evaluation_loss_is_finite_when_the_true_document_was_not_routed() -> No
 def test_eval_route_below_route_or_above_the_experts_is_refused() -> None:
     with pytest.raises(ValueError, match=r"moe.eval_route must be in \[moe.route=4, moe.experts"):
         MoEConfig(experts=8, route=4, eval_route=2)
-    with pytest.raises(ValueError, match="moe.eval_route must be in"):
+    with pytest.raises(ValueError, match=r"moe.eval_route must be in"):
         MoEConfig(experts=8, route=4, eval_route=9)

@@ -27,9 +27,7 @@ def save(model: CaRRetriever, settings: Settings, folder: Path) -> Path:
     return save_checkpoint(folder, ckpt)
 
 
-def expected(
-    model: CaRRetriever, k: int
-) -> tuple[list[list[str]], torch.Tensor, torch.Tensor]:
+def expected(model: CaRRetriever, k: int) -> tuple[list[list[str]], torch.Tensor, torch.Tensor]:
     """Top-k label names, logits and softmax probabilities straight from the model's forward."""
     ids, mask = model.encoder.pad(model.encoder.tokenize(QUERIES).input_ids)
     with torch.no_grad():
