@@ -69,23 +69,17 @@ def jobs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
 
 
 def warm_feature_cache(args: argparse.Namespace) -> None:
-    """Each IID shard's features as rows of the whole training split's: one encoder pass.
+    """The whole training split's features in the node cache: one encoder pass.
 
-    The encoder is frozen, so an example's pooled features do not depend on which shard it is
-    in (up to float rounding from length-bucketed padding); without this every client count
-    would run the encoder over the training split again.
+    The cache is per text (:class:`car_fl.method.features.FeatureCache`), so every client's
+    shard, whatever the client count, is then answered from it without the encoder.
     """
-    import torch
-
-    from car_fl.data.partition import iid_indices
     from car_fl.data.splits import load_splits
-    from car_fl.method.features import FeatureCache, feature_key, prepare_for
+    from car_fl.method.features import prepare_for
     from car_fl.method.model import build_retriever
 
     base = ["+experiment=sms_privacy", f"dataset.path={args.data.resolve()}", "progress=false"]
     settings = load_settings([*base, *args.extra])
-    if settings.fl.partitioning != "iid":
-        return
     splits = load_splits(settings.dataset, seed=settings.seed)
     holder: dict[str, Any] = {}
 
@@ -95,17 +89,7 @@ def warm_feature_cache(args: argparse.Namespace) -> None:
         return holder["m"]
 
     texts, labels = splits.train["text"], splits.train["label"]
-    full = prepare_for(settings, texts, labels, get_model=get_model, desc="train features")
-    assert full.features is not None
-    cache = FeatureCache(settings.cache_dir)
-    for clients in args.clients:
-        for pid in range(clients):
-            rows = iid_indices(
-                len(texts), partition_id=pid, num_partitions=clients, seed=settings.seed
-            )
-            key = feature_key(settings.model, [texts[i] for i in rows], device=settings.device)
-            if cache.get(key) is None:
-                cache.put(key, full.features[torch.tensor(rows)])
+    prepare_for(settings, texts, labels, get_model=get_model, desc="train features")
 
 
 def run_one(name: str, overrides: list[str], args: argparse.Namespace) -> dict[str, Any]:

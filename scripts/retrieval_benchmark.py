@@ -9,7 +9,16 @@ cache: the first run encodes, the others read). The model of each run is the one
 validation (``val_top1``); the table reports its held-out test queries: Recall@1/5/10, MRR,
 nDCG@10, and Recall@10 on the queries of *new* documents (no training query) and of the others.
 Results: ``results.jsonl`` and ``results.csv`` (one row per variant) and ``table.md``; each
-row names its overrides, so one variant re-runs with ``--only NAME``.
+row names its overrides, so one variant re-runs with ``--only NAME``. Every row also gives the
+starting point (epoch or round 0: the untrained head) beside the selected model.
+
+Tunable from the command line: Hydra overrides after the variant's own (``--set KEY=VALUE``
+or positional ``KEY=VALUE``: epochs, batch size, ``dataset.new_fraction``, the model, ...),
+and ``--clients N [--rounds R] [--dp-epsilon E]`` to run any variant as an N-client
+federation in one process, optionally with record-level DP-SGD::
+
+    python scripts/retrieval_benchmark.py --corpus runs/arxiv_dev --out runs/bench/fl \\
+        --only query_map --clients 2 --rounds 1 --dp-epsilon 3 train.epochs=1
 """
 
 from __future__ import annotations
@@ -80,6 +89,13 @@ UNTRAINED = ("document_untrained", "moe_untrained")
 COLUMNS = ("recall@1", "recall@5", "recall@10", "mrr", "ndcg@10")
 
 
+#: What every variant shares before its own overrides: 10 % new documents (held out of
+#: training on purpose, to measure documents that arrive later; the corpus config's default is
+#: none) and batches of 64, which make an epoch of ~11k training queries ~180 steps, not the
+#: schema default 4's ~2,800.
+BENCHMARK = ["dataset.new_fraction=0.1", "train.batch_size=64"]
+
+
 def corpus_overrides(corpus: Path) -> list[str]:
     return [
         "dataset=corpus",
@@ -89,7 +105,45 @@ def corpus_overrides(corpus: Path) -> list[str]:
         "model.document_max_length=256",
         "device=cpu",
         "progress=false",
+        *BENCHMARK,
     ]
+
+
+def federation_overrides(
+    *, clients: int | None, rounds: int | None, epsilon: float | None
+) -> list[str]:
+    """``--clients``/``--rounds``/``--dp-epsilon`` as overrides (any variant, federated).
+
+    ``--dp-epsilon`` is record-level DP-SGD (``dp=record``) at that ε per client for the whole
+    run (δ = 10⁻⁵, sampling rate 0.01, clip 1); the query map is then the only trained part
+    (``head.train_rows=false``), as in ``fl_document_dp_eps3``.
+    """
+    if clients is not None and clients < 1:
+        raise ValueError(f"--clients must be >= 1, got {clients}")
+    if rounds is not None and rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {rounds}")
+    if epsilon is not None and not epsilon > 0:
+        raise ValueError(f"--dp-epsilon must be > 0, got {epsilon}")
+    out: list[str] = []
+    if clients is not None:
+        out += [
+            f"fl.clients={clients}",
+            f"fl.min_clients={clients}",
+            "fl.partitioning=iid",
+            "fl.local_epochs=1",
+        ]
+    if rounds is not None:
+        out.append(f"fl.rounds={rounds}")
+    if epsilon is not None:
+        out += [
+            "dp=record",
+            f"dp.target_epsilon={epsilon:g}",
+            "dp.delta=1e-5",
+            "dp.sample_rate=0.01",
+            "dp.clip=1.0",
+            "head.train_rows=false",
+        ]
+    return out
 
 
 def head_cost(summary: dict[str, Any], settings: Any) -> dict[str, float]:
@@ -137,13 +191,20 @@ def evaluate_untrained(settings: Any) -> dict[str, Any]:
 
 
 def run_variant(
-    name: str, corpus: Path, out: Path, extra: list[str] | None = None
+    name: str,
+    corpus: Path,
+    out: Path,
+    extra: list[str] | None = None,
+    *,
+    federate: bool = False,
 ) -> dict[str, Any]:
+    """One variant's row; ``federate``: run it as a federation (``extra`` sets ``fl.*``)."""
     from car_fl.centralized import run_centralized
     from car_fl.settings.compose import load_settings
     from car_fl.simulation.in_process import run_local
 
     federated, overrides = VARIANTS[name]
+    federated = federated or federate
     folder = out / name
     extra = extra or []
     settings = load_settings(
@@ -151,7 +212,7 @@ def run_variant(
     )
     load = os.getloadavg()
     tick = time.perf_counter()
-    if name in UNTRAINED:
+    if name in UNTRAINED and not federated:
         summary = evaluate_untrained(settings)
         history: list[dict[str, Any]] = []
     elif federated:
@@ -173,6 +234,12 @@ def run_variant(
     for part in ("new", "old"):
         row[f"test_{part}_recall@10"] = best.get(f"test_{part}_recall@10")
     row["selected"] = best.get("round")
+    # the starting point (epoch or round 0): what selection could always fall back to
+    initial = summary.get("initial") or {}
+    row["start_test_recall@10"] = initial.get("test_recall@10")
+    row["start_val_recall@10"] = initial.get("val_recall@10")
+    row["clients"] = settings.fl.clients if federated else None
+    row["feature_seconds"] = summary.get("feature_seconds")
     row["seconds"] = round(seconds, 1)
     row["load_before"] = [round(x, 2) for x in load]
     row["load_after"] = [round(x, 2) for x in os.getloadavg()]
@@ -208,7 +275,7 @@ def table(rows: list[dict[str, Any]], command: str) -> str:
             + " | ".join(
                 [
                     r["name"],
-                    "3 clients" if r["federated"] else "–",
+                    f"{r.get('clients') or 3} clients" if r["federated"] else "–",
                     fmt(r["test_recall@1"]),
                     fmt(r["test_recall@5"]),
                     fmt(r["test_recall@10"]),
@@ -238,9 +305,33 @@ def main(argv: list[str] | None = None) -> int:
         nargs="*",
         default=[],
         metavar="KEY=VALUE",
-        help="Hydra overrides applied after each variant's (e.g. model=smollm2)",
+        help="Hydra overrides applied after each variant's (e.g. model=smollm2 "
+        "train.epochs=3 train.batch_size=128 dataset.new_fraction=0)",
+    )
+    parser.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE", help="more Hydra overrides, as with --set"
+    )
+    parser.add_argument("--clients", type=int, help="run every chosen variant federated")
+    parser.add_argument("--rounds", type=int, help="federated rounds (fl.rounds)")
+    parser.add_argument(
+        "--dp-epsilon",
+        type=float,
+        help="record-level DP-SGD at this ε per client (δ = 1e-5), federated",
     )
     args = parser.parse_args(argv)
+    try:
+        fed = federation_overrides(
+            clients=args.clients, rounds=args.rounds, epsilon=args.dp_epsilon
+        )
+    except ValueError as err:
+        parser.error(str(err))
+    federate = args.clients is not None or args.dp_epsilon is not None
+    if (args.rounds is not None or args.dp_epsilon is not None) and args.clients is None:
+        parser.error("--rounds and --dp-epsilon need --clients (a federation)")
+    extra = [*fed, *args.set, *args.overrides]
+    bad = [o for o in extra if "=" not in o]
+    if bad:
+        parser.error(f"overrides are KEY=VALUE, got {' '.join(bad)}")
     for name in ("documents.jsonl", "queries.jsonl"):
         if not (args.corpus / name).is_file():
             parser.error(f"{args.corpus / name} not found; build it with scripts/arxiv_corpus.py")
@@ -255,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.only or list(VARIANTS):
         if name in done and args.only is None:
             continue
-        row = run_variant(name, args.corpus, args.out, args.set)
+        row = run_variant(name, args.corpus, args.out, extra, federate=federate)
         done[name] = row
         print(json.dumps(row), flush=True)
         with results.open("w", encoding="utf-8") as f:

@@ -87,6 +87,7 @@ def settings_for(variant: str, args: argparse.Namespace) -> Any:
             "approach=moe",
             f"moe.experts={args.experts}",
             f"moe.route={args.route}",
+            *([f"moe.eval_route={args.eval_route}"] if args.eval_route else []),
             "moe.send=schedule",
             f"moe.schedule_blocks={args.blocks}",
             "moe.iterations=5",
@@ -164,6 +165,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
         "epochs": args.epochs,
         "experts": args.experts if variant == "moe" else None,
         "route": args.route if variant == "moe" else None,
+        "eval_route": (args.eval_route or args.route) if variant == "moe" else None,
         "blocks": args.blocks if variant == "moe" else None,
         "build_seconds": build_seconds,
         "steps_per_epoch": -(-len(train) // settings.train.batch_size),
@@ -188,7 +190,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = []
     for r in rows:
         name = (
-            f"MoE {r['experts']} experts, route {r['route']}, schedule {r['blocks']} blocks"
+            f"MoE {r['experts']} experts, route {r['route']} (evaluation "
+            f"{r.get('eval_route') or r['route']}), schedule {r['blocks']} blocks"
             if r["variant"] == "moe"
             else "dense document head"
         )
@@ -230,6 +233,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--route", type=int, default=4)
+    p.add_argument("--eval-route", type=int, default=None, help="moe.eval_route (default: --route)")
     p.add_argument("--blocks", type=int, default=8, help="moe.schedule_blocks")
     p.add_argument("--clients", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -51,15 +52,21 @@ def test_centralised_classifier_run_on_cached_features_never_loads_the_encoder(
 
 
 @pytest.mark.slow
-def test_mips_and_adapter_runs_still_load_the_encoder(tmp_path: Path, make_settings) -> None:
-    for i, overrides in enumerate(
-        (["head.kind=mips"], ["mode=adapter", "train.epochs=1", "dataset.max_examples=40"])
+def test_adapter_runs_still_load_the_encoder_and_cached_mips_runs_do_not(
+    tmp_path: Path, make_settings
+) -> None:
+    for i, (overrides, loads) in enumerate(
+        (
+            (["head.kind=mips"], 0),  # documents and held-out queries cached
+            (["mode=adapter", "train.epochs=1", "dataset.max_examples=40"], 1),
+        )
     ):
         settings = make_settings(*overrides)
         run_centralized(settings, tmp_path / f"fill{i}")
+        FeatureCache.clear_memory()  # as in a new process
         before = encoder_module.LOAD_COUNT
         run_centralized(settings, tmp_path / f"run{i}")
-        assert loads_since(before) == 1, overrides
+        assert loads_since(before) == loads, overrides
 
 
 def test_centralized_run_writes_config_metrics_plot_and_checkpoints(
@@ -106,3 +113,85 @@ def test_dp_modes_are_refused_before_any_work(
     with pytest.raises(ValueError, match=r"does not train with differential privacy.*dp=none"):
         run_centralized(make_settings(*dp), out)
     assert not out.exists()  # nothing written, nothing trained
+
+
+def test_an_untrained_start_is_selected_when_training_makes_validation_worse(
+    make_corpus_settings, tmp_path: Path
+) -> None:
+    # A document head starts as MIPS; a learning rate this large wrecks it in one epoch.
+    settings = make_corpus_settings(
+        "approach=document", "train.epochs=2", "train.lr=500", "train.rows_lr=500"
+    )
+    out = tmp_path / "run"
+    summary = run_centralized(settings, out)
+    start, trained = summary["initial"], summary["final"]
+    assert (
+        max(row["val_top1"] for row in json.loads((out / "metrics.json").read_text())["history"])
+        < start["val_top1"]
+    ), "training did not make validation worse: the test proves nothing"
+    assert summary["best"]["round"] == 0 and summary["best"]["val_top1"] == start["val_top1"]
+    assert trained["round"] == 2
+    # the best checkpoint is the untrained head, and it scores as MIPS (cosine) does
+    best = load_checkpoint(out / "checkpoints" / "best")
+    assert best.round == 0 and best.metrics["val_top1"] == start["val_top1"]
+    mips = run_centralized(
+        make_corpus_settings("approach=mips", "head.similarity=cosine"), tmp_path / "mips"
+    )
+    assert mips["best"]["test_top1"] == pytest.approx(start["test_top1"])
+
+
+@pytest.mark.slow
+def test_a_trained_head_is_selected_over_its_start_only_when_better_on_validation(
+    make_settings, tmp_path: Path
+) -> None:
+    summary = run_centralized(make_settings("train.epochs=3", "train.lr=0.01"), tmp_path / "run")
+    start, best = summary["initial"], summary["best"]
+    assert best["round"] > 0 and best["val_top1"] > start["val_top1"]  # a random head starts
+    assert load_checkpoint(tmp_path / "run" / "checkpoints" / "best").round == best["round"]
+
+
+@pytest.mark.slow
+def test_a_mips_run_writes_best_and_final_and_its_best_checkpoint_retrieves(
+    make_corpus_settings, tmp_path: Path
+) -> None:
+    from car_fl.method.serving import load_retriever
+
+    settings = make_corpus_settings(
+        "approach=mips", "head.similarity=cosine", "head.temperature=0.05"
+    )
+    run_centralized(settings, tmp_path / "run")
+    for name in ("best", "final"):
+        assert load_checkpoint(tmp_path / "run" / "checkpoints" / name).round == 0
+    retriever = load_retriever(tmp_path / "run" / "checkpoints" / "best", device="cpu")
+    [result] = retriever.retrieve(["w5 w47"], 3)
+    assert result.score_kind == "cosine" and result.probabilities is None
+    # the score is the cosine itself, not divided by the temperature nor a softmax
+    assert all(-1.0 <= s <= 1.0 for s in result.scores) and result.scores[0] > 0.05
+    assert list(result.scores) == sorted(result.scores, reverse=True)
+    assert all(hit.probability is None for hit in result.hits)
+
+
+@pytest.mark.slow
+def test_a_second_run_over_other_lists_of_the_same_texts_encodes_nothing_new(
+    make_corpus_settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = make_corpus_settings("approach=document", "train.epochs=1")
+    run_centralized(settings, tmp_path / "first")  # encodes every query and document
+    puts: list[int] = []
+    original = FeatureCache.put
+
+    def spy(self: FeatureCache, space: str, texts: Any, features: torch.Tensor) -> None:
+        puts.append(len(texts))
+        original(self, space, texts, features)
+
+    monkeypatch.setattr(FeatureCache, "put", spy)
+    FeatureCache.clear_memory()  # as in a new process: only the disk cache is left
+    before = encoder_module.LOAD_COUNT
+    # more new documents: a shorter list of training queries (the old whole-list key missed
+    # it); then MIPS, which encodes documents and held-out queries only
+    for i, extra in enumerate((["dataset.new_fraction=0.5"], ["approach=mips"])):
+        run_centralized(
+            make_corpus_settings("approach=document", "train.epochs=1", *extra),
+            tmp_path / f"again{i}",
+        )
+    assert puts == [] and before == encoder_module.LOAD_COUNT

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 NAME = "retrieve"
-HELP = "top-K labels or documents (id, text, score) for queries, from a checkpoint"
+HELP = "top-K labels or documents (id, text, score, probability) for queries, from a checkpoint"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,11 +63,21 @@ def run(args: argparse.Namespace) -> int:
     k = args.k or max(retriever.settings.eval.top_k)
     results = retriever.retrieve(queries, k)
     if args.json:  # "label" is the document id (kept for label-classification checkpoints)
+        # "score" is what the head computed ("score_kind": logit, cosine, dot or votes);
+        # "probability" its softmax over all labels where the head was trained with
+        # cross-entropy, null for MIPS and kNN (no calibrated probability)
         payload = [
             {
                 "query": q,
+                "score_kind": r.score_kind,
                 "results": [
-                    {"label": hit.id, "id": hit.id, "text": hit.text, "score": hit.score}
+                    {
+                        "label": hit.id,
+                        "id": hit.id,
+                        "text": hit.text,
+                        "score": hit.score,
+                        "probability": hit.probability,
+                    }
                     for hit in r.hits
                 ],
             }
@@ -76,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(payload, indent=2))
     else:
         for query, res in zip(queries, results, strict=True):
-            print(query)
+            print(f"{query}\t(scores: {res.score_kind})")
             for rank, hit in enumerate(res.hits, 1):
                 text = "" if hit.text == hit.id else f"\t{shorten(hit.text, TEXT_WIDTH)}"
                 print(f"  {rank:>2d}. {hit.id}\t{hit.score:.4f}{text}")

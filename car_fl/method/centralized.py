@@ -2,7 +2,10 @@
 
 What ``car-fl train`` and ``python -m car_fl.centralized`` run: the federation's reference.
 Writes ``config.yaml``, ``metrics.json``/``metrics.csv`` (same format as a federation, one
-"round" per epoch), ``curves.png`` and ``checkpoints/{best,final}`` to ``output_dir``.
+"round" per epoch), ``curves.png`` and ``checkpoints/{best,final}`` to ``output_dir``, also for
+a run that trains nothing (MIPS, kNN). The starting point (epoch 0, the untrained head) is
+evaluated first and may be selected as best: a trained head is kept only when it is better on
+validation; the summary's ``initial`` holds its metrics beside ``best``.
 """
 
 from __future__ import annotations
@@ -43,27 +46,34 @@ def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any
     log.info("resolved configuration:\n%s", config_yaml)
     atomic_write_text(out / "config.yaml", config_yaml)
 
-    # Data and model: the encoder is loaded only if a feature is not cached (or for MIPS)
+    # Data and model: the encoder is loaded only if a feature is not cached. MIPS scores
+    # held-out queries against documents: it encodes no training query.
     splits = load_splits(settings.dataset, seed=settings.seed)
     names = splits.label_map.names
     lazy = LazyRetriever(settings, splits)
     start = time.perf_counter()
-    train_data = prepare_for(
-        settings,
-        splits.train["text"],
-        splits.train["label"],
-        get_model=lazy,
-        desc="train features",
+    frozen_mips = trains_nothing(settings) and settings.head.kind is HeadKind.MIPS
+    train_data = (
+        None
+        if frozen_mips
+        else prepare_for(
+            settings,
+            splits.train["text"],
+            splits.train["label"],
+            get_model=lazy,
+            desc="train features",
+        )
     )
     held_out = HeldOut.prepare(settings, splits, get_model=lazy)
-    if lazy.model is not None or settings.head.kind is HeadKind.MIPS:
-        model = lazy()  # MIPS: label documents
+    if lazy.model is not None:
+        model = lazy()
     else:  # every feature was cached: the same head (same seed), no encoder
-        assert train_data.features is not None
-        hidden = int(train_data.features.shape[1])
+        features = (train_data or held_out.test).features
+        assert features is not None
+        hidden = int(features.shape[1])
         model = build_retriever(settings, len(names), hidden_size=hidden, documents=lazy.documents)
     if model.kind is HeadKind.KNN:
-        assert train_data.features is not None
+        assert train_data is not None and train_data.features is not None
         model.set_memory(train_data.features, train_data.labels)
     feature_seconds = time.perf_counter() - start
     recorder = Recorder(
@@ -75,23 +85,30 @@ def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any
         extra=checkpoint_extra(settings, names, model),
     )
 
-    # Epochs (none for MIPS on the frozen encoder and kNN: one evaluation)
+    # Epochs (none for MIPS on the frozen encoder and kNN: one evaluation). The starting
+    # point is evaluated first and is a candidate for best: selection never keeps a trained
+    # head worse on validation than the one it started from.
     epochs = 0 if trains_nothing(settings) else settings.train.epochs
-    if epochs == 0:
-        tick = time.perf_counter()
-        metrics = held_out.evaluate(model, settings)
-        recorder.add(
-            RoundRow(round=0, epochs=0, metrics=metrics, seconds=time.perf_counter() - tick)
-        )
+    tick = time.perf_counter()
+    start_row = RoundRow(
+        round=0,
+        epochs=0,
+        metrics=held_out.evaluate(model, settings),
+        seconds=time.perf_counter() - tick,
+    )
+    if epochs == 0:  # the starting point is the run's only row, its best and final
+        recorder.record(start_row, model.trainable_state_dict())
         log.info(
             "%s (nothing to train): test top1 %.4f mrr %.4f",
             model.kind.value,
-            metrics["test_top1"],
-            metrics["test_mrr"],
+            start_row.metrics["test_top1"],
+            start_row.metrics["test_mrr"],
         )
     else:
+        recorder.start(start_row, model.trainable_state_dict())
         optimizer = make_optimizer(model, settings.train)
     for epoch in range(epochs):
+        assert train_data is not None
         tick = time.perf_counter()
         result = train_epoch(
             model,
@@ -123,21 +140,25 @@ def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any
         head=settings.head.kind,
         epochs=epochs,
         num_labels=len(names),
+        initial=start_row.metrics,
         final=final,
         best=best,
         feature_seconds=feature_seconds,
         total_seconds=time.perf_counter() - start,
-        train_examples=len(train_data),
+        train_examples=len(splits.train),
         test_examples=len(held_out.test),
         selection=held_out.selection,
         data=splits.stats,
     )
     recorder.write(summary)
     log.info(
-        "final test top1 %.4f; best on validation after epoch %d: test top1 %.4f; results in %s",
+        "final test top1 %.4f; best on validation after epoch %d: test top1 %.4f (starting "
+        "point: val top1 %s, test top1 %.4f); results in %s",
         final.metrics["test_top1"],
         best.round,
         best.metrics["test_top1"],
+        f"{start_row.metrics['val_top1']:.4f}" if "val_top1" in start_row.metrics else "-",
+        start_row.metrics["test_top1"],
         out,
     )
     return summary.to_dict()

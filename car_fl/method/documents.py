@@ -3,7 +3,7 @@
 A corpus (``dataset.reader=corpus``) names its documents file; other datasets have one short
 text per label (``dataset.label_texts``, or the label's name). Document heads start from the
 documents' embeddings through the frozen encoder without the adapter, at
-``model.document_max_length`` tokens, cached by content like query features
+``model.document_max_length`` tokens, cached per text like query features
 (:class:`~car_fl.method.features.FeatureCache`): a party whose document features are cached
 never loads the encoder for them.
 """
@@ -20,7 +20,7 @@ import torch
 from car_fl.data.corpus import Document, documents_digest, read_documents
 from car_fl.data.corpus_splits import new_document_indices
 from car_fl.method.encoder import Encoder
-from car_fl.method.features import FeatureCache, extract_features, feature_key
+from car_fl.method.features import FeatureCache, extract_features, space_key
 from car_fl.method.retrieval import label_documents
 from car_fl.settings.schema import ModelConfig, Reader, Settings
 
@@ -79,21 +79,20 @@ def document_features(
 ) -> torch.Tensor:
     """Frozen embeddings ``(documents, d)`` of ``texts`` (no adapter), through the cache."""
     model_cfg = document_model_config(settings.model)
-    key = feature_key(model_cfg, texts, device=settings.device)
     cache = cache if cache is not None else FeatureCache(settings.cache_dir)
-    cached = cache.get(key)
-    if cached is not None:
-        log.info("documents: %d cached embeddings (key %s)", len(cached), key)
-        return cached
-    features = encode_documents(
-        get_encoder(),
-        texts,
-        max_length=model_cfg.max_length,
-        batch_size=settings.train.feature_batch_size,
-        progress=settings.progress,
+
+    def compute(todo: list[str]) -> torch.Tensor:
+        return encode_documents(
+            get_encoder(),
+            todo,
+            max_length=model_cfg.max_length,
+            batch_size=settings.train.feature_batch_size,
+            progress=settings.progress,
+        )
+
+    return cache.features(
+        space_key(model_cfg, device=settings.device), texts, compute, desc="documents"
     )
-    cache.put(key, features)
-    return features
 
 
 def encode_documents(

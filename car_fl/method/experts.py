@@ -6,10 +6,12 @@ document head (:mod:`car_fl.method.document_head`) with its Δ rows split into o
 expert (``experts.<c>``) and a gate (``gate``: one vector per expert, starting at its documents'
 mean; ``group_gate`` per group in two-level mode):
 
-- a query goes to its ``route`` best experts by s_g·cos(f(q̂), gate) (within its
-  ``route_groups`` best groups); its documents in those experts get the document head's score
-  s·cos(f(q̂), rowᵢ), the others -inf. Cost per query: (experts [or groups + route_groups ·
-  experts/groups] + route · documents/experts)·d multiply-adds instead of documents·d.
+- a query goes to its ``route`` best experts by s_g·cos(f(q̂), gate) (``eval_route`` outside
+  training; within its ``route_groups`` best groups); its documents in those experts get the
+  document head's score s·cos(f(q̂), rowᵢ), the others -inf. All routed experts are scored in
+  one gather and one einsum (padded slot tables), no loop over experts. Cost per query:
+  (experts [or groups + route_groups · experts/groups] + route · documents/experts)·d
+  multiply-adds instead of documents·d.
 - training adds the true document's expert to the routed ones (teacher forcing) and a gate
   loss (cross-entropy of the gate over experts, target the true document's expert), so the
   gate learns to route; with one expert the head is exactly the dense document head.
@@ -110,6 +112,9 @@ class MixtureHead(DocumentHead):
     expert_of: torch.Tensor  # (documents,) buffers
     group_of: torch.Tensor  # (experts,)
     available: torch.Tensor  # (experts,) bool
+    order: torch.Tensor  # (documents,) label ids, expert by expert
+    slots: torch.Tensor  # (experts + 1, width) positions in ``order``; padding: documents
+    slot_labels: torch.Tensor  # (experts + 1, width) label ids; padding: documents
 
     def __init__(
         self,
@@ -126,9 +131,27 @@ class MixtureHead(DocumentHead):
             )
         self.layout = layout
         self.route = min(moe.route, layout.experts)
+        #: Experts a query reaches outside training (more than while training: recall for
+        #: a few more documents scored).
+        self.eval_route = min(moe.eval_route or moe.route, layout.experts)
         self.route_groups = moe.route_groups
         members = [torch.from_numpy(layout.members(c)) for c in range(layout.experts)]
         self.member_index = members  # label indices of each expert's rows
+        # Slot tables for scoring every routed expert at once (no loop over experts): expert
+        # c's documents padded to the largest expert's size; row ``experts`` is an empty
+        # expert (all padding), which stands for "no expert" (unavailable, or routed twice).
+        width = max(len(m) for m in members)
+        order = torch.cat(members)  # label ids, expert by expert
+        slots = torch.full((layout.experts + 1, width), len(order), dtype=torch.long)
+        slot_labels = torch.full((layout.experts + 1, width), num_labels, dtype=torch.long)
+        start = 0
+        for c, m in enumerate(members):  # built once, at construction
+            slots[c, : len(m)] = torch.arange(start, start + len(m))
+            slot_labels[c, : len(m)] = m
+            start += len(m)
+        self.register_buffer("order", order, persistent=False)  # (documents,)
+        self.register_buffer("slots", slots, persistent=False)  # (experts + 1, width)
+        self.register_buffer("slot_labels", slot_labels, persistent=False)  # same; pad: N
         self.experts = nn.ParameterList(
             [nn.Parameter(torch.zeros(len(m), dim)) for m in members] if cfg.train_rows else []
         )
@@ -146,6 +169,7 @@ class MixtureHead(DocumentHead):
             "available", torch.ones(layout.experts, dtype=torch.bool), persistent=False
         )
         self.last_gate: torch.Tensor | None = None
+        self.last_queries: torch.Tensor | None = None
         #: Experts that took part in a training step since :meth:`clear_touched`.
         self.touched: set[int] = set()
 
@@ -192,8 +216,8 @@ class MixtureHead(DocumentHead):
         return self.log_gate_scale.exp() * q @ F.normalize(self.gate, dim=-1).T
 
     def route_experts(self, q: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """Each query's ``route`` best available experts ``(batch, route)`` (two levels: within
-        its ``route_groups`` best groups)."""
+        """Each query's best available experts ``(batch, route)`` (``eval_route`` outside
+        training; two levels: within its ``route_groups`` best groups)."""
         with torch.no_grad():
             logits = gate.detach().masked_fill(~self.available, float("-inf"))
             if self.group_gate is not None:
@@ -201,8 +225,18 @@ class MixtureHead(DocumentHead):
                 top = groups.topk(min(self.route_groups, groups.shape[1]), dim=1).indices
                 reached = (self.group_of[None, :, None] == top[:, None, :]).any(dim=2)
                 logits = logits.masked_fill(~reached, float("-inf"))
-            k = min(self.route, int(self.available.sum()))
-            return logits.topk(k, dim=1).indices
+            route = self.route if self.training else self.eval_route
+            k = min(route, int(self.available.sum()))
+            best = logits.topk(k, dim=1)
+            # an expert out of reach (another group, or unavailable) is "no expert"
+            return best.indices.masked_fill(~torch.isfinite(best.values), self.layout.experts)
+
+    def all_rows(self) -> torch.Tensor:
+        """Every document's row ``(g(d̂ᵢ) + Δᵢ)^`` in expert order ``(documents + 1, d)``, with a
+        zero row last (the padding slots')."""
+        delta = torch.cat(list(self.experts)) if len(self.experts) else None
+        rows = self.document_rows(self.order, delta)
+        return torch.cat([rows, rows.new_zeros(1, self.dim)])
 
     def forward(
         self,
@@ -211,39 +245,55 @@ class MixtureHead(DocumentHead):
         labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``(batch, d)`` → ``(batch, documents)``: -inf outside the routed experts. While
-        training, ``labels`` add each query's true expert (teacher forcing)."""
+        training, ``labels`` add each query's true expert (teacher forcing).
+
+        All routed experts are scored at once: their documents' rows are gathered through the
+        slot tables ``(batch, routed, width, d)`` and scattered back to label order.
+        """
         labels = labels if self.training else None
-        q = self.queries(features)
+        q = self.queries(features)  # (batch, d)
         gate = self.gate_scores(q)
-        self.last_gate = gate
+        self.last_gate, self.last_queries = gate, q
         chosen = self.route_experts(q, gate)  # (batch, route)
-        if labels is not None:  # teacher forcing: the true document's expert
-            chosen = torch.cat([chosen, self.expert_of[labels][:, None]], dim=1)
+        none = self.layout.experts
+        if labels is not None:  # teacher forcing: the true document's expert, if not routed
+            true = self.expert_of[labels][:, None]
+            true = true.masked_fill((chosen == true).any(dim=1, keepdim=True), none)
+            chosen = torch.cat([chosen, true], dim=1)
+        chosen = chosen.masked_fill(~self.available_or_none[chosen], none)
+        rows = self.all_rows()[self.slots[chosen]]  # (batch, routed, width, d)
+        block = self.scale * torch.einsum("bd,brwd->brw", q, rows)  # (batch, routed, width)
+        at = self.slot_labels[chosen].reshape(len(q), -1)  # label ids; padding: num_labels
         scores = torch.full(
-            (len(q), self.num_labels), float("-inf"), dtype=q.dtype, device=q.device
+            (len(q), self.num_labels + 1), float("-inf"), dtype=q.dtype, device=q.device
         )
-        scale = self.scale
-        at_query, at_document, values = [], [], []  # one index_put for all experts
-        for expert in torch.unique(chosen).tolist():
-            if not bool(self.available[expert]):
-                continue
-            rows_of = (chosen == expert).any(dim=1).nonzero().flatten()
-            index = self.member_index[expert].to(q.device)
-            delta = self.experts[expert] if len(self.experts) else None
-            rows = self.document_rows(index, delta)
-            block = scale * q[rows_of] @ rows.T  # (queries routed here, its documents)
-            at_query.append(rows_of[:, None].expand(-1, len(index)).reshape(-1))
-            at_document.append(index[None, :].expand(len(rows_of), -1).reshape(-1))
-            values.append(block.reshape(-1))
-            if self.training:
-                self.touched.add(expert)
-        if values:
-            scores = scores.index_put(
-                (torch.cat(at_query), torch.cat(at_document)), torch.cat(values)
-            )
+        scores = scores.scatter(1, at, block.reshape(len(q), -1))[:, : self.num_labels]
         if self.training:
+            self.touched.update(int(c) for c in torch.unique(chosen).tolist() if c != none)
             scores = scores.masked_fill(~self.trained, float("-inf"))
         return scores
+
+    @property
+    def available_or_none(self) -> torch.Tensor:
+        """:attr:`available` with the empty expert ("no expert") appended as available."""
+        return torch.cat([self.available, self.available.new_ones(1)])
+
+    def true_scores(self, labels: torch.Tensor) -> torch.Tensor:
+        """The last queries' exact score of their true documents ``(batch,)``, routed or not."""
+        assert self.last_queries is not None, "forward first"
+        rows = self.all_rows()
+        position = self.slots[self.expert_of[labels], self.rank_in_expert[labels]]
+        return self.scale * (self.last_queries * rows[position]).sum(-1)
+
+    @property
+    def rank_in_expert(self) -> torch.Tensor:
+        """Each document's slot within its expert ``(documents,)``."""
+        rank = torch.empty(self.num_labels, dtype=torch.long, device=self.slots.device)
+        width = self.slots.shape[1]
+        filled = self.slot_labels[:-1] < self.num_labels  # (experts, width)
+        columns = torch.arange(width, device=rank.device).expand_as(filled)
+        rank[self.slot_labels[:-1][filled]] = columns[filled]
+        return rank
 
     def loss(self, scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Cross-entropy of the documents (queries whose expert is available) plus the gate's."""
@@ -258,10 +308,17 @@ class MixtureHead(DocumentHead):
         )
         return (gate_loss + torch.where(held, doc_loss, torch.zeros_like(doc_loss))).mean()
 
+    def evaluation_loss(self, scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Summed cross-entropy of the documents, finite when a query's true document was not
+        routed: its exact score (d multiply-adds) stands in for the -inf it was given."""
+        true = self.true_scores(labels).to(scores.dtype)
+        filled = scores.scatter(1, labels[:, None], true[:, None])
+        return F.cross_entropy(filled, labels, reduction="sum")
+
     def head_flops_per_query(self) -> int:
         """Multiply-adds of one query's scores (gate and routed experts; maps excluded)."""
         sizes = self.layout.sizes()
-        largest = np.sort(sizes)[::-1][: self.route].sum()
+        largest = np.sort(sizes)[::-1][: self.eval_route].sum()
         if self.group_gate is None:
             gate = self.layout.experts
         else:

@@ -257,7 +257,8 @@ class CaRRetriever(nn.Module):
     def retrieve(
         self, texts: Sequence[str], k: int, *, batch_size: int | None = None
     ) -> list[Retrieval]:
-        """For each query text, its ``k`` best labels with softmax scores and documents."""
+        """For each query text, its ``k`` best labels with the head's scores, probabilities
+        (heads trained with cross-entropy) and documents (:class:`Retrieval`)."""
         if self.label_names is None or self.label_texts is None:
             raise RuntimeError("retrieve needs the labels: use load_retriever or set_labels")
         if not texts:
@@ -280,7 +281,14 @@ class CaRRetriever(nn.Module):
             for start in range(0, len(features), batch_size):  # one batch of scores at a time
                 batch = features[start : start + batch_size].to(self.device)
                 scores = self.score(batch, index=index).float().cpu()  # (batch, labels)
-                out += retrieve(scores, k, self.label_names, self.label_texts)
+                out += retrieve(
+                    self.head.reported(scores),
+                    k,
+                    self.label_names,
+                    self.label_texts,
+                    score_kind=self.head.score_kind,
+                    calibrated=self.head.calibrated,
+                )
         return out
 
 

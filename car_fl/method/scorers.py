@@ -40,6 +40,20 @@ class Scorer(nn.Module):
     #: ``torch.func.vmap`` cannot trace it).
     per_example_loop: ClassVar[bool] = False
 
+    #: Whether the softmax of the scores is a probability the head was trained to give
+    #: (cross-entropy over the labels); MIPS and kNN have none.
+    calibrated: ClassVar[bool] = True
+
+    @property
+    def score_kind(self) -> str:
+        """What :meth:`reported` scores are (:data:`car_fl.method.head.SCORE_KINDS`)."""
+        return "logit"
+
+    def reported(self, scores: torch.Tensor) -> torch.Tensor:
+        """The scores retrieval returns: those :meth:`forward` computed (MIPS undoes its
+        temperature, so that a hit's score is its similarity)."""
+        return scores
+
     def index(self, encode: EncodeIds, *, adapted: bool) -> torch.Tensor | None:
         """What the queries are scored against, through the adapter (``None``: nothing)."""
         return None
@@ -56,6 +70,10 @@ class Scorer(nn.Module):
     def loss(self, scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The training loss of ``scores`` from :meth:`forward`: cross-entropy."""
         return F.cross_entropy(scores, labels)
+
+    def evaluation_loss(self, scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The summed cross-entropy of evaluation ``scores`` (from the last :meth:`forward`)."""
+        return F.cross_entropy(scores, labels, reduction="sum")
 
 
 class ClassifierScorer(ClassifierHead, Scorer):
@@ -92,6 +110,9 @@ class MixtureScorer(MixtureHead, Scorer):
     kind = HeadKind.MOE
     per_example_loop = True
 
+    def evaluation_loss(self, scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return MixtureHead.evaluation_loss(self, scores, labels)
+
 
 class MIPSScorer(Scorer):
     """MIPS over the label documents: similarity to each label's document, / temperature.
@@ -102,6 +123,7 @@ class MIPSScorer(Scorer):
     """
 
     kind = HeadKind.MIPS
+    calibrated = False
 
     def __init__(
         self,
@@ -118,6 +140,13 @@ class MIPSScorer(Scorer):
         self.device = torch.device(device)
         self.document_ids: list[list[int]] | None = None
         self.document_features: torch.Tensor | None = None  # (labels, d)
+
+    @property
+    def score_kind(self) -> str:  # cosine or dot
+        return self.similarity.value
+
+    def reported(self, scores: torch.Tensor) -> torch.Tensor:
+        return scores * self.temperature  # the similarity itself
 
     def set_documents(self, input_ids: list[list[int]]) -> None:
         """The labels' documents as token ids, in label order."""
@@ -161,6 +190,11 @@ class KNNScorer(Scorer):
     """kNN over training examples: votes of the ``k`` most similar memory rows per label."""
 
     kind = HeadKind.KNN
+    calibrated = False
+
+    @property
+    def score_kind(self) -> str:
+        return "votes"
 
     def __init__(
         self,

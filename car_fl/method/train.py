@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from car_fl.method.features import LocalData, extract_features
@@ -284,7 +283,7 @@ def evaluate(
             batch = features[start : start + batch_size].to(model.device)
             labels = data.labels[start : start + batch_size].to(model.device)
             scores = model.score(batch, index=index).float()  # (batch, labels)
-            loss_sum += float(F.cross_entropy(scores, labels, reduction="sum"))
+            loss_sum += float(model.head.evaluation_loss(scores, labels))
             ranks.append(rank_of_true(scores, labels).cpu())
             predictions.append(scores.argmax(dim=1).cpu())
     rank, predicted = torch.cat(ranks), torch.cat(predictions)

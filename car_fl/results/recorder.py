@@ -49,9 +49,10 @@ def round_line(row: RoundRow, *, unit: str = "round") -> str:
     )
 
 
-def best_row(rows: list[RoundRow]) -> RoundRow | None:
-    """The row selection keeps when the rows arrive in order (on validation)."""
-    return select_best(rows, scores=lambda row: row.metrics)
+def best_row(rows: list[RoundRow], *, initial: RoundRow | None = None) -> RoundRow | None:
+    """The row selection keeps when the rows arrive in order (on validation), the starting
+    point ``initial`` first."""
+    return select_best([initial, *rows] if initial else rows, scores=lambda row: row.metrics)
 
 
 @dataclass
@@ -69,6 +70,10 @@ class Recorder:
     round_checkpoints: bool = False
     history: list[RoundRow] = field(default_factory=list)
     best: RoundRow | None = None
+    #: The starting point (epoch or round 0, before any training), evaluated like any other
+    #: row and a candidate for ``best``, so that selection never keeps a trained model worse
+    #: on validation than the one it started from. Not part of :attr:`history`.
+    initial: RoundRow | None = None
     #: What every checkpoint also records (a corpus's digest, a mixture of experts' layout).
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -83,6 +88,25 @@ class Recorder:
         if better:
             self.best = row
         return better
+
+    def start(
+        self,
+        row: RoundRow,
+        state: dict[str, torch.Tensor],
+        *,
+        epsilon: float | None = None,
+    ) -> None:
+        """The starting point ``row`` (round 0) of the model ``state``: logged, the first
+        candidate for ``best`` (checkpointed as such), kept as :attr:`initial`."""
+        if self.history or self.initial is not None:
+            raise RuntimeError("the starting point is recorded once, before any other row")
+        self.initial = row
+        better = is_better(row.metrics, self.best.metrics if self.best is not None else None)
+        if better:
+            self.best = row
+        log.info("%s | starting point", round_line(row, unit=self.unit))
+        if better:
+            save_checkpoint(self.checkpoints / "best", self.checkpoint(state, row, epsilon=epsilon))
 
     def record(
         self,
@@ -126,8 +150,12 @@ class Recorder:
         round: int | None = None,
         epsilon: float | None = None,
     ) -> None:
-        """``checkpoints/final``: ``state`` with the last row's metrics."""
-        checkpoint = self.checkpoint(state, self.history[-1], round=round, epsilon=epsilon)
+        """``checkpoints/final``: ``state`` with the last row's metrics (the starting point's
+        when no row followed it)."""
+        last = self.history[-1] if self.history else self.initial
+        if last is None:
+            raise RuntimeError("no row to save a final checkpoint of")
+        checkpoint = self.checkpoint(state, last, round=round, epsilon=epsilon)
         save_checkpoint(self.checkpoints / "final", checkpoint)
 
     def write(self, summary: RunSummary) -> None:

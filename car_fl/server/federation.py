@@ -186,10 +186,12 @@ def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
         )
     assert summary.final is not None and summary.best is not None
     log.info(
-        "final test top1 %.4f; best on validation in round %d: test top1 %.4f; results in %s",
+        "final test top1 %.4f; best on validation in round %d: test top1 %.4f (round 0, the "
+        "starting point: test top1 %s); results in %s",
         summary.final.metrics["test_top1"],
         summary.best.round,
         summary.best.metrics["test_top1"],
+        f"{summary.initial['test_top1']:.4f}" if summary.initial else "-",
         output_dir,
     )
     return summary.to_dict()

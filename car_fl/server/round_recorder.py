@@ -172,9 +172,13 @@ class RoundRecorder:
     def complete(self, job: Evaluation, metrics: dict[str, float]) -> None:
         """Record an evaluated state: round 0's metrics, or the round's row and files."""
         if job.stats is None:
-            if job.round == 0:
+            if job.round == 0:  # the starting point: a candidate for best, like any round
                 self.initial = metrics
-                log.info("round   0 | initial global model: %s", brief(metrics))
+                start = RoundRow(round=0, epochs=0, metrics=metrics, seconds=0.0)
+                state = from_record(job.arrays)
+                self.recorder.start(start, state, epsilon=0.0)
+                if self.recorder.best is start:
+                    self.best_state = state
             else:
                 log.info("resumed after round %d: %s", job.round, brief(metrics))
             return
@@ -336,7 +340,9 @@ class RoundRecorder:
                 self.client_dp[self.dp_key(int(place), row.node)] = self.record_dp(
                     row.node, verdict
                 )
-        self.recorder.best = best_row(history)
+        start = RoundRow(round=0, epochs=0, metrics=initial, seconds=0.0) if initial else None
+        self.recorder.initial = start
+        self.recorder.best = best_row(history, initial=start)
         self.last_epsilon = max((row.epsilon or 0.0 for row in history), default=0.0)
         self.round_offset = done
 

@@ -812,6 +812,9 @@ class MoEConfig:
 
     experts: int = 64
     route: int = 4
+    #: Experts a query reaches at evaluation and retrieval (null: ``route``): routing to more
+    #: experts than in training costs a few more documents scored and recovers recall.
+    eval_route: int | None = None
     #: Two levels: the experts in this many groups (null: one level, a gate over all experts).
     groups: int | None = None
     route_groups: int = 2
@@ -829,6 +832,11 @@ class MoEConfig:
         if not 1 <= self.route <= self.experts:
             raise ValueError(
                 f"moe.route must be in [1, moe.experts={self.experts}], got {self.route}"
+            )
+        if self.eval_route is not None and not self.route <= self.eval_route <= self.experts:
+            raise ValueError(
+                f"moe.eval_route must be in [moe.route={self.route}, moe.experts="
+                f"{self.experts}] (or null: route), got {self.eval_route}"
             )
         if self.groups is not None:
             if not 2 <= self.groups <= self.experts or self.experts % self.groups:
@@ -888,7 +896,9 @@ class Settings:
     seed: int = 42
     #: auto: CUDA, then Apple MPS, then CPU.
     device: str = "auto"
-    #: Feature cache (classifier mode). null: ~/.cache/car-fl/features
+    #: car-fl's cache folder (features per text under features/, classifier mode). null:
+    #: $CAR_FL_CACHE, else ~/.cache/car-fl. Ignored on a federated node, which writes only
+    #: under its own node config's cache-dir (the same default).
     cache_dir: str | None = None
     #: Where results go. null: the Hydra run directory (centralised) or runs/<timestamp> (Flower).
     output_dir: str | None = None

@@ -67,3 +67,27 @@ def test_a_label_map_the_node_shares_nothing_with_gets_the_same_kind_of_reply(
     assert replies["some"].keys() == replies["none"].keys()
     assert replies["some"]["num-examples"] == replies["none"]["num-examples"]
     assert replies["some"]["dp-epsilon"] == replies["none"]["dp-epsilon"]
+
+
+@pytest.mark.slow
+def test_a_federated_client_after_a_centralised_run_on_the_same_node_encodes_nothing_new(
+    make_settings, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from car_fl.centralized import run_centralized
+    from car_fl.client.node_settings import own_cache
+
+    # the node owner's default cache ($CAR_FL_CACHE), for the centralised run and the node alike
+    settings = make_settings("train.epochs=1", "cache_dir=null")
+    run_centralized(settings, tmp_path / "central")
+    node_settings = own_cache(settings, {})  # what a node without a cache-dir resolves to
+    encoder_module.forget_shared()
+    FeatureCache.clear_memory()  # another process: only the disk cache is shared
+    puts: list[int] = []
+    monkeypatch.setattr(FeatureCache, "put", lambda self, space, texts, f: puts.append(len(texts)))
+    loads = encoder_module.LOAD_COUNT
+    initial = build_retriever(settings, 4, hidden_size=64).trainable_state_dict()
+    for partition in range(2):  # each client's shard: a list of texts no run encoded as such
+        node = NodeInfo(partition_id=partition, num_partitions=2)
+        state, metrics = train_round(node_settings, node, initial, 1, RecordDict())
+        assert metrics["num-examples"] > 0 and set(state) == set(initial)
+    assert puts == [] and loads == encoder_module.LOAD_COUNT and not encoder_module._SHARED

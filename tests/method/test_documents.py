@@ -28,9 +28,11 @@ def test_document_embeddings_are_cached_so_a_second_party_never_loads_the_encode
     again = document_features(settings, texts, get_encoder=get_encoder)
     assert loads == [1] and first.shape == (12, again.shape[1])
     torch.testing.assert_close(first, again)
-    other = document_features(settings, texts[:3], get_encoder=get_encoder)
-    assert loads == [1, 1]  # other texts: another key
-    torch.testing.assert_close(other, first[:3], atol=1e-5, rtol=1e-4)
+    subset = document_features(settings, texts[:3], get_encoder=get_encoder)
+    assert loads == [1] and torch.equal(subset, first[:3])  # cached per text: no encoder
+    other = document_features(settings, [texts[0], texts[1] + " w1"], get_encoder=get_encoder)
+    assert loads == [1, 1]  # one text never seen: the encoder for it alone
+    assert torch.equal(other[0], first[0]) and not torch.equal(other[1], first[1])
 
 
 def test_new_documents_are_the_untrained_rows_and_other_files_are_refused(

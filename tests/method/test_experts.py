@@ -119,3 +119,69 @@ def test_layouts_travel_as_text_and_name_their_experts() -> None:
     assert experts_in(["head.gate"]) is None
     with pytest.raises(ValueError, match="at least one document in every expert"):
         ExpertLayout(np.array([0, 2]))
+
+
+def dense_with_the_same_state(moe: MixtureHead, docs: torch.Tensor) -> DocumentHead:
+    """The dense document head holding the mixture's Δ rows (in label order) and query map."""
+    dense = DocumentHead(docs.shape[1], len(docs), cfg())
+    dense.set_document_features(docs)
+    with torch.no_grad():
+        assert dense.rows is not None and dense.query_map is not None
+        assert moe.query_map is not None
+        for c, members in enumerate(moe.member_index):
+            dense.rows[members] = moe.experts[c]
+        dense.query_map.weight.copy_(moe.query_map.weight)
+    return dense
+
+
+def test_routed_documents_score_exactly_as_the_dense_head_and_the_rest_are_minus_inf() -> None:
+    docs = blobs(n_per=9, centres=5)  # 45 documents in 6 experts of unequal size: padding
+    g = torch.Generator().manual_seed(5)
+    moe = mixture(docs, MoEConfig(experts=6, route=2, eval_route=3))
+    with torch.no_grad():
+        for rows in moe.experts:
+            rows.copy_(torch.randn(rows.shape, generator=g) * 0.3)
+        assert moe.query_map is not None
+        moe.query_map.weight.copy_(torch.randn(8, 8, generator=g) * 0.1)
+    dense = dense_with_the_same_state(moe, docs).eval()
+    queries = torch.randn(12, 8, generator=g)
+    labels = torch.randint(0, 45, (12,), generator=g)
+    for training, reach in ((False, 3), (True, 2)):
+        moe.train(training)
+        scores = moe(queries, labels=labels if training else None)
+        gate = moe.gate_scores(moe.queries(queries))
+        routed = gate.topk(reach, dim=1).indices
+        if training:  # and each query's true expert
+            routed = torch.cat([routed, moe.expert_of[labels][:, None]], dim=1)
+        reached = (moe.expert_of[None, :, None] == routed[:, None, :]).any(dim=2)
+        expected = dense(queries).masked_fill(~reached, float("-inf"))
+        torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5)
+    assert moe.head_flops_per_query() == (6 + 3 * 8) * 8  # 3 experts of at most ⌈45/6⌉ = 8
+
+
+def test_evaluation_loss_is_finite_when_the_true_document_was_not_routed() -> None:
+    docs = blobs()
+    moe = mixture(docs, MoEConfig(experts=4, route=1)).eval()
+    queries = docs[:1] + 0.01  # the first document's own query...
+    far = (moe.expert_of[0] + 1) % 4
+    members = moe.member_index[int(far)]
+    scores = moe(queries)
+    labels = members[:1]  # ...labelled with a document of an expert it was not routed to
+    assert torch.isinf(scores[0, labels[0]])
+    loss = moe.evaluation_loss(scores, labels)
+    assert torch.isfinite(loss)
+    dense = dense_with_the_same_state(moe, docs).eval()
+    exact = dense(queries)[0, labels[0]]
+    filled = scores.clone()
+    filled[0, labels[0]] = exact
+    torch.testing.assert_close(loss, F.cross_entropy(filled, labels, reduction="sum"))
+    routed_label = moe.member_index[int(moe.expert_of[0])][:1]
+    same = moe.evaluation_loss(scores, routed_label)  # routed: the ordinary cross-entropy
+    torch.testing.assert_close(same, F.cross_entropy(scores, routed_label, reduction="sum"))
+
+
+def test_eval_route_below_route_or_above_the_experts_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"moe.eval_route must be in \[moe.route=4, moe.experts"):
+        MoEConfig(experts=8, route=4, eval_route=2)
+    with pytest.raises(ValueError, match=r"moe.eval_route must be in"):
+        MoEConfig(experts=8, route=4, eval_route=9)

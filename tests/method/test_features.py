@@ -85,23 +85,48 @@ def test_local_data_needs_features_or_ids_of_the_right_length() -> None:
     assert len(LocalData(labels=labels, input_ids=[[1], [2], [3]])) == 3
 
 
-def test_the_disk_cache_round_trips_and_leaves_no_temporary_file(tmp_path: Path) -> None:
+def test_the_disk_cache_round_trips_per_text_and_leaves_no_temporary_file(tmp_path: Path) -> None:
     features = torch.randn(5, 4)
-    FeatureCache(tmp_path).put("k", features)
-    assert [p.name for p in tmp_path.iterdir()] == ["k.safetensors"]
+    texts = [f"text {i}" for i in range(5)]
+    FeatureCache(tmp_path).put("space", texts, features)
+    [chunk] = (tmp_path / "features" / "space").iterdir()
+    assert chunk.suffix == ".safetensors" and chunk.stat().st_mode & 0o777 == 0o600
     FeatureCache.clear_memory()  # a new process: only the disk is left
     fresh = FeatureCache(tmp_path)
-    got = fresh.get("k")
-    assert got is not None and torch.equal(got, features)
-    assert (fresh.hits, fresh.misses) == (1, 0)
+    got, missing = fresh.lookup("space", [texts[3], "never seen", texts[0]])
+    assert missing == [1] and got is not None
+    assert torch.equal(got[0], features[3]) and torch.equal(got[2], features[0])
+    assert fresh.lookup("another space", texts) == (None, [0, 1, 2, 3, 4])
+
+
+def test_only_texts_no_chunk_holds_are_encoded_once_each(tmp_path: Path) -> None:
+    encoded: list[list[str]] = []
+
+    def compute(texts: list[str]) -> torch.Tensor:  # a stand-in encoder: one row per text
+        encoded.append(list(texts))
+        return torch.tensor([[float(len(t)), float(sum(map(ord, t)))] for t in texts])
+
+    cache = FeatureCache(tmp_path)
+    first = cache.features("s", ["a", "bb", "a"], compute)
+    assert encoded == [["a", "bb"]] and (cache.hits, cache.misses) == (0, 2)
+    FeatureCache.clear_memory()
+    again = FeatureCache(tmp_path)  # another list: a shard of other texts and known ones
+    second = again.features("s", ["ccc", "bb", "a"], compute)
+    assert encoded[1:] == [["ccc"]] and (again.hits, again.misses) == (2, 1)
+    assert torch.equal(second[1:], torch.stack([first[1], first[0]]))
+    assert torch.equal(second, compute(["ccc", "bb", "a"]))
+    assert again.features("s", ["a", "ccc"], compute).shape == (2, 2) and len(encoded) == 3
 
 
 def test_an_unreadable_cache_file_is_a_miss_not_an_error(tmp_path: Path) -> None:
-    (tmp_path / "bad.safetensors").write_bytes(b"not a safetensors file")
+    folder = tmp_path / "features" / "space"
+    folder.mkdir(parents=True)
+    (folder / "bad.safetensors").write_bytes(b"not a safetensors file")
     FeatureCache.clear_memory()
     cache = FeatureCache(tmp_path)
-    assert cache.get("bad") is None
-    assert (cache.hits, cache.misses) == (0, 1)
+    assert cache.lookup("space", ["a"]) == (None, [0])
+    feats = cache.features("space", ["a"], lambda texts: torch.ones(len(texts), 3))
+    assert torch.equal(feats, torch.ones(1, 3)) and (cache.hits, cache.misses) == (0, 1)
 
 
 def test_training_features_are_the_training_split_with_the_given_label_ids(

@@ -235,11 +235,11 @@ def test_the_cache_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> N
 def test_a_rewritten_gguf_file_changes_the_feature_cache_key(
     tiny_gguf: Path, tmp_path: Path
 ) -> None:
-    from car_fl.method.features import feature_key
+    from car_fl.method.features import space_key
 
     copy = tmp_path / "copy.gguf"
     copy.write_bytes(tiny_gguf.read_bytes())
     settings = load_settings(["model=local", f"model.name_or_path={copy}", "device=cpu"])
-    before = feature_key(settings.model, ["a text"], device="cpu")
+    before = space_key(settings.model, device="cpu")
     copy.write_bytes(tiny_gguf.read_bytes() + b"\0")  # another file at the same path
-    assert feature_key(settings.model, ["a text"], device="cpu") != before
+    assert space_key(settings.model, device="cpu") != before

@@ -26,7 +26,15 @@ def test_top_k_and_retrieve_return_best_labels_first() -> None:
     assert torch.all(scores[:, 0] >= scores[:, 1])
     results = retrieve(logits, 5, ["a", "b", "c"])
     assert list(results[0].labels) == ["b", "c", "a"]
-    assert abs(sum(results[1].scores) - 1.0) < 1e-6
+    assert results[0].scores == pytest.approx((3.0, 2.0, 0.1))  # the head's own scores
+    assert results[1].probabilities is not None
+    assert sum(results[1].probabilities) == pytest.approx(1.0)  # softmax over all labels
+    assert results[1].hits[0].probability == pytest.approx(torch.softmax(logits[1], 0)[0].item())
+    [mips] = retrieve(logits[:1], 2, ["a", "b", "c"], score_kind="cosine", calibrated=False)
+    assert mips.score_kind == "cosine" and mips.probabilities is None
+    assert [h.probability for h in mips.hits] == [None, None]
+    with pytest.raises(ValueError, match="score_kind must be one of"):
+        retrieve(logits, 1, ["a", "b", "c"], score_kind="softmax")
     with pytest.raises(ValueError, match="K must be >= 1"):
         top_k(logits, 0)
 

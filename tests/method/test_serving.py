@@ -27,13 +27,14 @@ def save(model: CaRRetriever, settings: Settings, folder: Path) -> Path:
     return save_checkpoint(folder, ckpt)
 
 
-def expected(model: CaRRetriever, k: int) -> tuple[list[list[str]], torch.Tensor]:
-    """Top-k label names and softmax scores straight from the trained model's forward."""
+def expected(model: CaRRetriever, k: int) -> tuple[list[list[str]], torch.Tensor, torch.Tensor]:
+    """Top-k label names, logits and softmax probabilities straight from the model's forward."""
     ids, mask = model.encoder.pad(model.encoder.tokenize(QUERIES).input_ids)
     with torch.no_grad():
         logits, _ = model(ids, mask)
-    scores, idx = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
-    return [[LABELS.names[i] for i in row] for row in idx.tolist()], scores
+    scores, idx = logits.float().topk(k, dim=-1)
+    probs = torch.softmax(logits.float(), dim=-1).gather(-1, idx)
+    return [[LABELS.names[i] for i in row] for row in idx.tolist()], scores, probs
 
 
 def test_load_retriever_retrieves_what_the_trained_classifier_scores(
@@ -49,9 +50,11 @@ def test_load_retriever_retrieves_what_the_trained_classifier_scores(
     retriever = load_retriever(folder, device="cpu")
     assert retriever.kind is HeadKind.CLASSIFIER and retriever.label_names == LABELS.names
     results = retriever.retrieve(QUERIES, 3)
-    labels, scores = expected(model, 3)
+    labels, scores, probs = expected(model, 3)
     assert [list(r.labels) for r in results] == labels
-    torch.testing.assert_close(torch.tensor([r.scores for r in results]), scores)
+    assert all(r.score_kind == "logit" for r in results)
+    torch.testing.assert_close(torch.tensor([r.scores for r in results]), scores)  # logits
+    torch.testing.assert_close(torch.tensor([r.probabilities for r in results]), probs)
     assert all(r.documents == r.labels for r in results)  # no label_texts: the names
     assert retriever.retrieve([], 3) == []
 
@@ -69,9 +72,12 @@ def test_load_retriever_gives_mips_its_documents_through_the_trained_adapter(
     retriever = load_retriever(folder, device="cpu")
     assert isinstance(retriever.head, MIPSScorer)
     results = retriever.retrieve(QUERIES, 2)
-    labels, scores = expected(model, 2)
+    labels, scores, _ = expected(model, 2)
     assert [list(r.labels) for r in results] == labels
-    torch.testing.assert_close(torch.tensor([r.scores for r in results]), scores)
+    # the cosine similarities themselves (forward divides them by the temperature), no softmax
+    assert all(r.score_kind == "cosine" and r.probabilities is None for r in results)
+    temperature = settings.head.temperature
+    torch.testing.assert_close(torch.tensor([r.scores for r in results]), scores * temperature)
     assert [r.documents for r in results] == [
         tuple(documents[LABELS.index(name)] for name in row) for row in labels
     ]

@@ -78,6 +78,28 @@ def test_best_follows_validation_and_its_checkpoint_is_that_rounds_model(
     assert load_checkpoint(tmp_path / "checkpoints" / "final").round == 3
 
 
+def test_the_starting_point_is_selected_when_every_trained_epoch_is_worse_on_validation(
+    make_settings, tmp_path: Path
+) -> None:
+    rec = recorder(make_settings(), tmp_path, unit="epoch", per_round=False)
+    start = RoundRow(round=0, epochs=0, metrics=scores(0.6, 1.0, 0.6), seconds=0.0)
+    rec.start(start, {"w": torch.zeros(3)})
+    for epoch, val in enumerate([0.5, 0.6]):  # worse, then equal top-1 at a higher loss
+        row = RoundRow(
+            round=epoch + 1, epochs=epoch + 1, metrics=scores(val, 1.5, 0.9), seconds=1.0
+        )
+        rec.record(row, {"w": torch.ones(3)})
+    assert rec.best is start and rec.initial is start
+    assert [row.round for row in rec.history] == [1, 2]  # the start is no row of the history
+    best = load_checkpoint(tmp_path / "checkpoints" / "best")
+    assert best.round == 0 and torch.equal(best.state["w"], torch.zeros(3))
+    # a trained epoch that is better on validation replaces it
+    rec.record(RoundRow(round=3, epochs=3, metrics=scores(0.7, 1.5, 0.1), seconds=1.0), {})
+    assert rec.best is not None and rec.best.round == 3
+    with pytest.raises(RuntimeError, match="recorded once"):
+        rec.start(start, {})
+
+
 def test_a_round_without_validation_selects_the_latest() -> None:
     rec = Recorder(
         settings=Settings(), output_dir=Path("."), label_map=LABELS, unit="round", title=""

@@ -1,0 +1,86 @@
+"""scripts/retrieval_benchmark.py: overrides, federation flags, and a run's row (tiny model)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from car_fl.settings.compose import load_settings
+from car_fl.settings.schema import DPMode
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "retrieval_benchmark.py"
+
+
+def load_script() -> Any:
+    spec = importlib.util.spec_from_file_location("retrieval_benchmark", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_federation_flags_become_settings_that_compose(tiny_corpus: tuple[Path, Path]) -> None:
+    bench = load_script()
+    corpus = tiny_corpus[0].parent
+    fed = bench.federation_overrides(clients=2, rounds=3, epsilon=3.0)
+    settings = load_settings(
+        [*bench.corpus_overrides(corpus), *bench.VARIANTS["query_map"][1], *fed]
+    )
+    assert (settings.fl.clients, settings.fl.min_clients, settings.fl.rounds) == (2, 2, 3)
+    assert settings.dp.mode is DPMode.RECORD and settings.dp.target_epsilon == 3.0
+    assert settings.head.train_rows is False
+    # the benchmark's own defaults: batches of 64 and 10 % new documents
+    assert settings.train.batch_size == 64 and settings.dataset.new_fraction == 0.1
+    assert bench.federation_overrides(clients=None, rounds=None, epsilon=None) == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"clients": 0, "rounds": None, "epsilon": None}, "--clients must be >= 1, got 0"),
+        ({"clients": 2, "rounds": 0, "epsilon": None}, "--rounds must be >= 1, got 0"),
+        ({"clients": 2, "rounds": 1, "epsilon": -1.0}, "--dp-epsilon must be > 0"),
+    ],
+)
+def test_bad_federation_flags_are_one_line_errors(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        load_script().federation_overrides(**kwargs)
+
+
+def test_rounds_without_clients_and_overrides_without_a_value_are_refused(
+    tiny_corpus: tuple[Path, Path], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    bench = load_script()
+    corpus = str(tiny_corpus[0].parent)
+    for args, message in (
+        (["--rounds", "2"], "--rounds and --dp-epsilon need --clients"),
+        (["train.epochs"], "overrides are KEY=VALUE, got train.epochs"),
+    ):
+        with pytest.raises(SystemExit):
+            bench.main(["--corpus", corpus, "--out", str(tmp_path), *args])
+        assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_variant_run_reports_its_starting_point_beside_the_selected_model(
+    tiny_corpus: tuple[Path, Path], tiny_llama: Path, tmp_path: Path
+) -> None:
+    bench = load_script()
+    corpus = tiny_corpus[0].parent
+    model = ["model=local", f"model.name_or_path={tiny_llama}", "train.epochs=1"]
+    row = bench.run_variant("query_map", corpus, tmp_path, model)
+    assert row["selected"] in (0, 1) and row["start_test_recall@10"] is not None
+    if row["selected"] == 0:
+        assert row["test_recall@10"] == row["start_test_recall@10"]
+    fed = bench.run_variant(
+        "query_map",
+        corpus,
+        tmp_path / "fl",
+        [*bench.federation_overrides(clients=2, rounds=1, epsilon=None), *model],
+        federate=True,
+    )
+    assert fed["federated"] and fed["clients"] == 2 and fed["start_test_recall@10"] is not None
