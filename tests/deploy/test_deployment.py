@@ -123,7 +123,7 @@ def test_superlink_and_three_supernodes_train_and_reuse_the_feature_cache(
     assert {float(r["encoder_loads"]) for r in rows if r["round"] == "2"} == {0.0}
     for i in range(3):
         cache = deployment.folder / f"cache-{i}"
-        assert list(cache.glob("*.safetensors"))
+        assert list((cache / "features").rglob("*.safetensors"))  # its per-text features
         # and the node kept its composed settings and its shard for later ClientApp processes
         assert len(list((cache / "settings").glob("*.json"))) == 1
         assert len(list((cache / "shards").glob("*.json"))) == 1
@@ -173,7 +173,7 @@ def test_a_supernode_killed_mid_round_does_not_stop_the_run(deployment: Deployme
     # its ClientApp) then. Flower notices a dead node after its heartbeat times out (~60 s).
     cache = deployment.folder / "cache-2"
     deadline = time.monotonic() + 300
-    while not list(cache.glob("*.safetensors")) and time.monotonic() < deadline:
+    while not list((cache / "features").rglob("*.safetensors")) and time.monotonic() < deadline:
         time.sleep(0.2)
     deployment.cluster.kill(names[2], signal.SIGKILL)
     status = deployment.cluster.wait(run_id, timeout=600)
