@@ -76,7 +76,14 @@ def submit(
         cmd += ["--run-config", item]
     for item in federation_config:
         cmd += ["--federation-config", item]
-    out = subprocess.run(
+    out = _flwr(cmd, env)
+    return run_id_from(out.stdout, out.stderr, out.returncode)
+
+
+def _flwr(cmd: list[str], env: dict[str, str] | None) -> subprocess.CompletedProcess[str]:
+    """``cmd`` (an ``flwr`` command line) run to its end, its output captured, in a session of
+    its own, with Flower's folder first on PATH."""
+    return subprocess.run(
         cmd,
         capture_output=True,
         text=True,
@@ -84,20 +91,12 @@ def submit(
         check=False,
         start_new_session=True,
     )
-    return run_id_from(out.stdout, out.stderr, out.returncode)
 
 
 def stop_run(connection: str, run_id: str, *, env: dict[str, str] | None = None) -> None:
     """``flwr stop RUN_ID CONNECTION`` (a run this program started)."""
     cmd = [flwr_bin("flwr"), "stop", run_id, connection]
-    subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        env=flower_env(env),
-        check=False,
-        start_new_session=True,
-    )
+    _flwr(cmd, env)
 
 
 def run_status(
@@ -105,14 +104,7 @@ def run_status(
 ) -> dict[str, str]:
     """The run's ``status`` and ``status-details`` from ``flwr ls``."""
     cmd = [flwr_bin("flwr"), "ls", connection, "--run-id", run_id, "--format", "json"]
-    out = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        env=flower_env(env),
-        check=False,
-        start_new_session=True,
-    )
+    out = _flwr(cmd, env)
     return status_from(out.stdout, out.stderr)
 
 
