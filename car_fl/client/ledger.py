@@ -5,7 +5,8 @@ Written here because Flower keeps nothing security-relevant on the node across r
 by the run nor by the data file: each release lists the **records** it was made from (hashes
 of their normalised contents, :func:`record_keys`), and a record's lifetime ε composes every
 release that listed it (individual privacy accounting;
-:func:`car_fl.privacy.composition.epsilon`, replace-one, PLD). A data file that grows by a
+:class:`car_fl.privacy.accountant.Accountant`, replace-one, PLD: the same accounting as the
+run's own report and the server's figure). A data file that grows by a
 row, shrinks or is re-ordered keeps each old record's spend, and the lifetime cap holds for
 every record: the one that has spent most decides.
 
@@ -46,7 +47,7 @@ from typing import Any
 
 from car_fl.client.failures import BudgetExhausted, LedgerError
 from car_fl.common.io import atomic_write_json
-from car_fl.privacy.composition import Release, epsilon, non_private_count
+from car_fl.privacy.accountant import Release, non_private_count, private_epsilon
 
 LEDGER_FORMAT = "car-fl-ledger-v2"
 OLD_FORMAT = "car-fl-ledger-v1"
@@ -173,7 +174,7 @@ class Contents:
         chosen = set().union(*self.records.values()) if records is None else set(records)
         groups = self.releases_of(chosen) if chosen else [[]]
         more = [extra] if extra is not None else []
-        return max(epsilon([*group, *more], delta) for group in groups)
+        return max(private_epsilon([*group, *more], delta) for group in groups)
 
 
 class Ledger:

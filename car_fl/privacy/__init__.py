@@ -3,9 +3,9 @@
 - :mod:`~car_fl.privacy.noise`: Gaussian noise from OS entropy on the tensors' device.
 - :mod:`~car_fl.privacy.mechanism`: norms, clipping, the noised release (``privatize``).
 - :mod:`~car_fl.privacy.adaptive`: the private geometric clipping rule (and the paper's).
-- :mod:`~car_fl.privacy.accountant`: ε of client-level releases (RDP, dp-accounting).
+- :mod:`~car_fl.privacy.accountant`: the one accountant (PLD, replace-one) every party uses.
 - :mod:`~car_fl.privacy.dpsgd`: a DP-SGD step (Poisson sampling, per-example clipping).
-- :mod:`~car_fl.privacy.record_accounting`: ε of DP-SGD (PLD) and σ calibration.
+- :mod:`~car_fl.privacy.record_accounting`: DP-SGD plans and σ calibration.
 
 The stateful use of these on a node is :mod:`car_fl.client`.
 """

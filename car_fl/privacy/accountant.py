@@ -1,18 +1,52 @@
-"""Privacy spent: Rényi-DP accounting of Gaussian releases with dp-accounting.
+"""Privacy spent, one way for every party: dp-accounting's PLD accountant under replace-one.
 
-The unit is one client's whole data (client-level DP, neighbouring = that data replaced).
-A clipped update is a vector of sensitivity 2C (two clipped updates differ by at most 2C);
-with noise standard deviation s its noise multiplier is s / (2C). The adaptive rule's
-clipped-indicator bᵢ ∈ {0, 1} has sensitivity 1, so with noise σ_b its multiplier is σ_b.
-Two Gaussian releases of one round compose exactly into one of multiplier
-(μ₁⁻² + μ₂⁻²)^(−1/2). Releases compose over rounds (or steps); there is no subsampling
-amplification (every client releases in every round). ε is reported at the configured δ.
+One interface (:class:`Accountant`, Opacus's shape: :meth:`~Accountant.step` with a release's
+mechanism parameters, :meth:`~Accountant.get_epsilon` for a δ, a :meth:`~Accountant.state_dict`
+that names its mechanism and is checked on load) composes every release: a client's report of
+its run, the server's own figure for each node (:mod:`car_fl.server.privacy_check`) and the
+node's lifetime ledger (:mod:`car_fl.client.ledger`). The same releases give the same ε
+everywhere.
+
+Neighbouring datasets differ by one record **replaced**: that is what holds while a node's
+example count n is a public value or travels un-noised (the add-or-remove relation changes n),
+and it is the only relation under which dp-accounting's PLD handles Poisson-sampled DP-SGD
+steps and plain Gaussian releases alike (its RDP accountant has no replace-one sampling). The
+releases:
+
+- ``gaussian``: one client-level local-DP release (``dp=fixed|adaptive``, or one step of
+  ``dp.granularity=step``) of multiplier μ = noise std / (2C), the sensitivity 2C being that of
+  replacing the client's *whole* data, so also of replacing one record. Under replace-one
+  dp-accounting reads ``GaussianDpEvent(s)`` with sensitivity 2, so the release is
+  ``GaussianDpEvent(2μ)`` there. The private adaptive rule's update and clipped-indicator
+  (sensitivity 1, multiplier σ_b) compose exactly into one Gaussian of multiplier
+  (μ₁⁻² + μ₂⁻²)^(−1/2) (:func:`combined_multiplier`).
+- ``dpsgd``: record-level DP-SGD steps, ``PoissonSampledDpEvent(q, GaussianDpEvent(σ))``.
+- ``non-private``: a release with no noise (``dp=none``, a warm-up round, the non-private
+  adaptive rules). Its ε is infinite: a run's figure becomes ∞, and a ledger counts them apart.
+
+Gaussian releases compose exactly into one (k of multiplier μ are one of μ/√k), whose ε is
+the analytic Gaussian mechanism's (exact; PLD is a discretised upper bound of it, < 0.1 %
+above). DP-SGD steps, and mixtures, go through the PLD. ε is cached per (releases, δ), so a
+ledger of thousands of entries composes in milliseconds. Before this one accountant, local-DP
+runs were accounted with Rényi DP, which reports a 3-7 % larger ε for the same releases.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from functools import lru_cache
+from typing import Any
 
+#: The accounting every figure uses; a saved accountant state names it and is refused under
+#: another one (its ε would not be comparable).
+MECHANISM = "pld-replace-one"
+#: The PLD accountant's discretisation of privacy-loss values: 10× its default, 10× faster,
+#: and still a pessimistic (valid) upper bound; ε differs from the default's by < 0.1 %.
+VALUE_DISCRETIZATION = 1e-3
 #: Sensitivity of the clipped-indicator bᵢ ∈ {0, 1} when one client's data is replaced.
 INDICATOR_SENSITIVITY = 1.0
 
@@ -36,46 +70,265 @@ def combined_multiplier(*multipliers: float) -> float:
     return float(sum(m**-2 for m in multipliers) ** -0.5)
 
 
+class ReleaseKind(StrEnum):
+    """What a release is, for accounting."""
+
+    GAUSSIAN = "gaussian"
+    DPSGD = "dpsgd"
+    NON_PRIVATE = "non-private"
+
+
+@dataclass(frozen=True)
+class Release:
+    """``count`` identical releases (``gaussian``, ``non-private``) or DP-SGD steps (``dpsgd``).
+
+    ``noise_multiplier``: μ = std / (2C) for ``gaussian``, σ for ``dpsgd``. ``sample_rate``: q
+    for ``dpsgd`` (1 otherwise).
+    """
+
+    kind: ReleaseKind
+    count: int
+    noise_multiplier: float = 0.0
+    sample_rate: float = 1.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", ReleaseKind(self.kind))
+        if self.count < 0:
+            raise ValueError(f"a release count must be >= 0, got {self.count}")
+        if self.kind is not ReleaseKind.NON_PRIVATE and not self.noise_multiplier > 0:
+            raise ValueError(
+                f"a {self.kind.value} release needs a noise multiplier > 0, got "
+                f"{self.noise_multiplier}; a release without noise is non-private"
+            )
+        if not 0 < self.sample_rate <= 1:
+            raise ValueError(f"a sampling rate must be in (0, 1], got {self.sample_rate}")
+
+    @property
+    def private(self) -> bool:
+        return self.kind is not ReleaseKind.NON_PRIVATE
+
+    def event(self) -> Any:
+        """This release as one dp-accounting event (replace-one relation)."""
+        import dp_accounting
+
+        if self.kind is ReleaseKind.GAUSSIAN:
+            one = dp_accounting.GaussianDpEvent(2.0 * self.noise_multiplier)
+        elif self.kind is ReleaseKind.DPSGD:
+            one = dp_accounting.PoissonSampledDpEvent(
+                self.sample_rate, dp_accounting.GaussianDpEvent(self.noise_multiplier)
+            )
+        else:
+            one = dp_accounting.NonPrivateDpEvent()
+        return dp_accounting.SelfComposedDpEvent(one, self.count)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind.value,
+            "count": self.count,
+            "noise_multiplier": self.noise_multiplier,
+            "sample_rate": self.sample_rate,
+        }
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> Release:
+        return cls(
+            kind=ReleaseKind(values["kind"]),
+            count=int(values["count"]),
+            noise_multiplier=float(values["noise_multiplier"]),
+            sample_rate=float(values["sample_rate"]),
+        )
+
+
+def grouped(releases: Iterable[Release]) -> list[Release]:
+    """The same releases with identical ones merged (their counts added), in a fixed order."""
+    counts: Counter[tuple[ReleaseKind, float, float]] = Counter()
+    for release in releases:
+        counts[(release.kind, release.noise_multiplier, release.sample_rate)] += release.count
+    return [
+        Release(kind=kind, count=count, noise_multiplier=mu, sample_rate=q)
+        for (kind, mu, q), count in sorted(counts.items(), key=lambda item: str(item[0]))
+        if count > 0
+    ]
+
+
+def non_private_count(releases: Iterable[Release]) -> int:
+    """How many of the releases carried no noise at all."""
+    return sum(r.count for r in releases if not r.private)
+
+
+def _check_delta(delta: float) -> None:
+    if not 0 < delta < 1:
+        raise ValueError(f"δ (dp.delta) must be in (0, 1), got {delta}")
+
+
+def gaussian_epsilon(mu: float, delta: float) -> float:
+    """Exact ε at δ of one Gaussian release of multiplier μ (sensitivity 1, std μ), by the
+    analytic Gaussian mechanism (Balle & Wang, 2018, Thm. 8):
+    δ(ε) = Φ(1/(2μ) − εμ) − e^ε·Φ(−1/(2μ) − εμ), solved for ε.
+
+    Written here (scipy's ``log_ndtr`` and ``brentq``) because dp-accounting's PLD of a
+    Gaussian with little noise needs a grid of privacy-loss values that grows as 1/μ² (tens of
+    GiB at μ = 0.005); this is exact and needs none. k releases of μ are one of μ/√k.
+    """
+    from scipy.optimize import brentq
+    from scipy.special import log_ndtr, ndtr
+
+    _check_delta(delta)
+    if not mu > 0:
+        return math.inf
+
+    def excess(eps: float) -> float:
+        upper = float(ndtr(1 / (2 * mu) - eps * mu))
+        lower = math.exp(eps + float(log_ndtr(-1 / (2 * mu) - eps * mu)))
+        return upper - lower - delta
+
+    if excess(0.0) <= 0:
+        return 0.0
+    high = 1.0
+    while excess(high) > 0:
+        high *= 2
+    return float(brentq(excess, high / 2 if high > 1 else 0.0, high, xtol=1e-12, rtol=1e-12))
+
+
+#: Below this combined multiplier a Gaussian part is not put in a PLD (see
+#: :func:`gaussian_epsilon`); with DP-SGD steps beside it, the two are then composed basically
+#: at δ/2 each, a valid and pessimistic bound (ε that large means little anyway).
+PLD_GAUSSIAN_FLOOR = 0.05
+
+
+@lru_cache(maxsize=4096)
+def _epsilon(private: tuple[Release, ...], delta: float) -> float:
+    import dp_accounting
+    from dp_accounting import pld
+
+    gaussian = [r for r in private if r.kind is ReleaseKind.GAUSSIAN]
+    steps = [r for r in private if r.kind is ReleaseKind.DPSGD]
+    mu = sum(r.count * r.noise_multiplier**-2 for r in gaussian) ** -0.5 if gaussian else 0.0
+    if not steps:
+        return gaussian_epsilon(mu, delta)
+    if gaussian and mu < PLD_GAUSSIAN_FLOOR:
+        return gaussian_epsilon(mu, delta / 2) + _epsilon(tuple(steps), delta / 2)
+    events = [r.event() for r in steps]
+    if gaussian:
+        events.append(Release(ReleaseKind.GAUSSIAN, 1, noise_multiplier=mu).event())
+    accountant = pld.PLDAccountant(
+        dp_accounting.NeighboringRelation.REPLACE_ONE,
+        value_discretization_interval=VALUE_DISCRETIZATION,
+    )
+    accountant.compose(dp_accounting.ComposedDpEvent(events))
+    value = float(accountant.get_epsilon(target_delta=delta))
+    return value if math.isfinite(value) else math.inf
+
+
+def private_epsilon(releases: Iterable[Release], delta: float) -> float:
+    """ε at δ of the *private* releases together; 0 with none. Non-private releases are left
+    out (a ledger reports how many there were beside this figure, :func:`non_private_count`).
+
+    Gaussian releases alone: exact (:func:`gaussian_epsilon`); with DP-SGD steps: one PLD.
+    """
+    _check_delta(delta)
+    private = tuple(r for r in grouped(releases) if r.private)
+    return _epsilon(private, float(delta)) if private else 0.0
+
+
+class Accountant:
+    """The releases one party has seen of one data owner, and the ε they spend.
+
+    ``step`` adds releases, ``get_epsilon(δ)`` composes them all (∞ once any is non-private),
+    ``state_dict``/``load_state_dict`` save and restore them with :data:`MECHANISM` checked.
+    """
+
+    mechanism = MECHANISM
+
+    def __init__(self, releases: Iterable[Release] = ()) -> None:
+        self.history: list[Release] = grouped(releases)
+
+    def step(
+        self,
+        *,
+        noise_multiplier: float,
+        sample_rate: float = 1.0,
+        count: int = 1,
+        kind: ReleaseKind | str | None = None,
+    ) -> None:
+        """Account for ``count`` releases: Gaussian (μ, ``sample_rate`` 1), DP-SGD steps
+        (σ, q < 1, or ``kind="dpsgd"``), or non-private (μ = 0)."""
+        if kind is None:
+            kind = (
+                ReleaseKind.NON_PRIVATE
+                if noise_multiplier <= 0
+                else ReleaseKind.GAUSSIAN
+                if sample_rate == 1.0
+                else ReleaseKind.DPSGD
+            )
+        mu = noise_multiplier if ReleaseKind(kind) is not ReleaseKind.NON_PRIVATE else 0.0
+        self.add(Release(ReleaseKind(kind), count, noise_multiplier=mu, sample_rate=sample_rate))
+
+    def add(self, *releases: Release) -> None:
+        self.history = grouped([*self.history, *releases])
+
+    def get_epsilon(self, delta: float) -> float:
+        """ε at δ of everything accounted; ∞ if a release was not private; 0 with none."""
+        _check_delta(delta)
+        if non_private_count(self.history):
+            return math.inf
+        return private_epsilon(self.history, delta)
+
+    def would_spend(self, delta: float, *releases: Release) -> float:
+        """ε at δ once ``releases`` are added, without adding them."""
+        return Accountant([*self.history, *releases]).get_epsilon(delta)
+
+    def __len__(self) -> int:
+        return sum(r.count for r in self.history)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"mechanism": self.mechanism, "history": [r.to_dict() for r in self.history]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        found = state.get("mechanism")
+        if found != self.mechanism:
+            raise ValueError(
+                f"a saved accountant state of mechanism {found!r} cannot be read as "
+                f"{self.mechanism!r}: its ε would not be comparable"
+            )
+        self.history = grouped(Release.from_dict(r) for r in state["history"])
+
+
 def epsilon(releases: Mapping[float, int], delta: float) -> float:
-    """ε at δ after the given releases (noise multiplier → count); inf if one had no noise.
+    """ε at δ of Gaussian local-DP releases (multiplier μ → count); ∞ if one had μ = 0.
 
     A multiplier of 0 also stands for a release that is not private at all (the linear
     adaptive rule, the ``bound`` noise rule), so any such release makes ε infinite.
     """
-    if not 0 < delta < 1:
-        raise ValueError(f"dp.delta must be in (0, 1), got {delta}")
-    if not releases or sum(releases.values()) == 0:
-        return 0.0
-    if any(m <= 0 for m, count in releases.items() if count > 0):
-        return float("inf")
-    import dp_accounting
-    from dp_accounting.rdp import RdpAccountant
-
-    accountant = RdpAccountant()
-    for multiplier, count in releases.items():
+    accountant = Accountant()
+    for mu, count in releases.items():
         if count > 0:
-            accountant.compose(
-                dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(multiplier), count)
-            )
-    return float(accountant.get_epsilon(delta))
+            accountant.step(noise_multiplier=mu, count=count)
+    return accountant.get_epsilon(delta)
 
 
 def noise_multiplier_for(target_epsilon: float, *, releases: int, delta: float) -> float:
     """The σ₀ (or z) whose ``releases`` rounds spend ``target_epsilon`` at δ.
 
     Each round is one Gaussian release of multiplier σ₀/2 (fixed clipping, or the private
-    adaptive rule's update and indicator together); calibrated by dp-accounting.
+    adaptive rule's update and indicator together); calibrated by bisection over this
+    module's accounting, to ε within 0.01 % below the target.
     """
     if not target_epsilon > 0 or releases < 1:
         raise ValueError(f"need target ε > 0 and releases >= 1, got {target_epsilon}, {releases}")
-    import dp_accounting
-    from dp_accounting.rdp import RdpAccountant
 
-    def rounds(sigma: float) -> dp_accounting.DpEvent:
-        return dp_accounting.SelfComposedDpEvent(
-            dp_accounting.GaussianDpEvent(sigma / 2.0), releases
-        )
+    def spend(sigma: float) -> float:
+        return epsilon({sigma / 2.0: releases}, delta)
 
-    return float(
-        dp_accounting.calibrate_dp_mechanism(RdpAccountant, rounds, target_epsilon, delta, tol=1e-6)
-    )
+    low, high = 0.0, 1.0
+    while spend(high) > target_epsilon:
+        low, high = high, 2.0 * high
+    while high - low > 1e-9 * high:
+        middle = (low + high) / 2
+        if spend(middle) > target_epsilon:
+            low = middle
+        else:
+            high = middle
+        if spend(high) >= target_epsilon * (1 - 1e-4):
+            break
+    return high

@@ -6,9 +6,9 @@ is not the one that holds; replace-one is (dp-accounting's ``NeighboringRelation
 up to twice the add-or-remove ε for the same run). Each DP-SGD step samples every example
 independently with probability q, sums the per-example gradients clipped to C and adds
 N(0, σ²C²·I): one ``PoissonSampledDpEvent`` of a ``GaussianDpEvent(σ)``. A client composes it
-over every step of every round it takes part in; ε at δ comes from dp-accounting's
-privacy-loss-distribution (PLD) accountant, tighter than RDP, and σ is calibrated for the same
-relation.
+over every step of every round it takes part in; ε at δ comes from the one accountant of
+every party (:class:`car_fl.privacy.accountant.Accountant`: dp-accounting's privacy-loss
+distribution, tighter than RDP), and σ is calibrated for the same relation.
 
 σ calibration for a target ε (:func:`calibrate_noise_multiplier`) is written here, as a
 bisection over σ like Opacus's ``get_noise_multiplier``, because Opacus is not a dependency
@@ -21,13 +21,12 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from car_fl.privacy.accountant import Accountant, Release, ReleaseKind
+
 #: Beyond this noise multiplier a target ε is treated as unreachable (the model learns nothing).
 MAX_NOISE_MULTIPLIER = 100.0
 #: A calibrated σ gives ε in [target · (1 − CALIBRATION_TOLERANCE), target].
 CALIBRATION_TOLERANCE = 0.005
-#: The PLD accountant's discretisation of privacy-loss values: 10× its default, 10× faster,
-#: and still a pessimistic (valid) upper bound; ε differs from the default's by < 0.1 %.
-VALUE_DISCRETIZATION = 1e-3
 
 
 def _check(*, sample_rate: float, noise_multiplier: float, steps: int, delta: float) -> None:
@@ -41,28 +40,16 @@ def _check(*, sample_rate: float, noise_multiplier: float, steps: int, delta: fl
         raise ValueError(f"dp.delta must be in (0, 1), got {delta}")
 
 
-@lru_cache(maxsize=1024)
 def epsilon(*, sample_rate: float, noise_multiplier: float, steps: int, delta: float) -> float:
-    """ε at δ after ``steps`` Poisson-sampled Gaussian steps (PLD accountant, replace-one)."""
+    """ε at δ after ``steps`` Poisson-sampled Gaussian steps (:mod:`car_fl.privacy.accountant`:
+    PLD, replace-one; cached there)."""
     _check(sample_rate=sample_rate, noise_multiplier=noise_multiplier, steps=steps, delta=delta)
     if steps == 0:
         return 0.0
-    import dp_accounting
-    from dp_accounting import pld
-
-    event = dp_accounting.SelfComposedDpEvent(
-        dp_accounting.PoissonSampledDpEvent(
-            sampling_probability=sample_rate,
-            event=dp_accounting.GaussianDpEvent(noise_multiplier=noise_multiplier),
-        ),
-        count=steps,
+    step = Release(
+        ReleaseKind.DPSGD, steps, noise_multiplier=noise_multiplier, sample_rate=sample_rate
     )
-    accountant = pld.PLDAccountant(
-        dp_accounting.NeighboringRelation.REPLACE_ONE,
-        value_discretization_interval=VALUE_DISCRETIZATION,
-    )
-    accountant.compose(event)
-    return float(accountant.get_epsilon(target_delta=delta))
+    return Accountant([step]).get_epsilon(delta)
 
 
 @lru_cache(maxsize=256)

@@ -5,8 +5,8 @@ claim ε 0.5 without any DP, ε = ∞ or NaN, or n = 10⁶. The server needs non
 client runs the settings the server sent (the fingerprint checks it), so the server knows
 what each reply it received released (:func:`~car_fl.settings.dp_plan.round_release`) and
 composes a node's releases with the same
-accounting the client uses (:func:`~car_fl.settings.dp_plan.run_epsilon`: Rényi DP for local
-DP, the PLD accountant under replace-one for DP-SGD, since n travels un-noised). Warm-up
+accountant the client and its ledger use (:func:`~car_fl.settings.dp_plan.run_epsilon`:
+:class:`~car_fl.privacy.accountant.Accountant`, PLD under replace-one). Warm-up
 rounds release before DP starts and, as on the client, are not in the figure.
 
 Only ``dp.granularity=step`` needs a node's n (one release per optimizer step). The server
@@ -28,7 +28,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from car_fl.privacy.composition import Release
+from car_fl.privacy.accountant import Release
 from car_fl.server.round_stats import EXAMPLES_BOUND
 from car_fl.settings.dp_plan import (
     accounted_examples,

@@ -13,9 +13,14 @@ from __future__ import annotations
 
 import math
 
-from car_fl.privacy.accountant import combined_multiplier, epsilon, indicator_multiplier
+from car_fl.privacy.accountant import (
+    Accountant,
+    Release,
+    ReleaseKind,
+    combined_multiplier,
+    indicator_multiplier,
+)
 from car_fl.privacy.adaptive import paper_sigma_b, update_noise_multiplier
-from car_fl.privacy.composition import Release, ReleaseKind
 from car_fl.privacy.record_accounting import RecordPlan
 from car_fl.privacy.record_accounting import record_plan as _plan
 from car_fl.settings.schema import (
@@ -160,18 +165,8 @@ def round_release(settings: Settings, *, server_round: int, examples: int) -> Re
 
 
 def run_epsilon(settings: Settings, releases: list[Release]) -> float:
-    """ε at ``dp.delta`` of one client's releases in a run, as the client itself reports it.
-
-    Client-level local DP composes with Rényi-DP (:func:`car_fl.privacy.accountant.epsilon`),
-    DP-SGD with the PLD accountant under replace-one (:meth:`RecordPlan.epsilon`); a
-    non-private release makes it infinite. No release: 0.
-    """
-    if any(not r.private and r.count for r in releases):
-        return math.inf
-    steps = sum(r.count for r in releases if r.kind is ReleaseKind.DPSGD)
-    if steps:
-        return record_plan(settings).epsilon(steps)
-    counts: dict[float, int] = {}
-    for r in releases:
-        counts[r.noise_multiplier] = counts.get(r.noise_multiplier, 0) + r.count
-    return epsilon(counts, settings.dp.delta)
+    """ε at ``dp.delta`` of one client's releases in a run, as the client itself reports it
+    and the server recomputes it, with the one accountant the node's ledger uses too
+    (:class:`~car_fl.privacy.accountant.Accountant`). A non-private release makes it
+    infinite; no release: 0."""
+    return Accountant(releases).get_epsilon(settings.dp.delta)

@@ -17,7 +17,8 @@ from car_fl.client.ledger import (
     data_key,
     record_keys,
 )
-from car_fl.privacy.composition import Release, ReleaseKind, epsilon
+from car_fl.privacy.accountant import Release, ReleaseKind
+from car_fl.privacy.accountant import private_epsilon as epsilon
 
 ONE = Release(ReleaseKind.GAUSSIAN, 1, noise_multiplier=1.0)
 DELTA = 1e-5

@@ -194,3 +194,39 @@ def test_a_message_without_a_label_map_is_refused_the_same_whatever_the_labels(
             run="1",
         )
     assert err.value.failure is Failure.CONFIG_MISMATCH
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [AGREED, ("dp=record", "dp.target_epsilon=3", "dp.sample_rate=0.25", "fl.rounds=2")],
+    ids=["local-dp", "dp-sgd"],
+)
+def test_the_run_the_server_and_the_ledger_give_the_same_releases_the_same_epsilon(
+    tmp_path: Path, make_settings, synthetic_tsv: Path, mode: tuple[str, ...]
+) -> None:
+    """One accountant for every party: the ε a node reports for its run, the ε the server
+    computes from the settings it sent, and the lifetime ε the node's ledger writes for the
+    same releases (one run: every record in every release) are one number."""
+    from car_fl.server.privacy_check import PrivacyCheck
+    from car_fl.server.round_stats import EXAMPLES_BOUND
+
+    policy = tmp_path / "policy.toml"
+    policy.write_text('modes = ["fixed", "record"]\nlifetime-epsilon = 100\n', encoding="utf-8")
+    node_privacy = NodePrivacy.open(policy, synthetic_tsv)
+    settings = make_settings(*mode)
+    check = PrivacyCheck(settings)
+    node_state = RecordDict()
+    for server_round in (1, 2):
+        _, metrics = train_round(
+            settings,
+            NODE,
+            initial(settings),
+            server_round,
+            node_state,
+            guard=node_privacy,
+            run="1",
+        )
+        verdict = check.receive(server_round, 7, {**metrics, EXAMPLES_BOUND: 1000})
+        ledger = node_privacy.ledger.entries()[-1].epsilon
+        assert 0 < metrics["dp-epsilon"] < math.inf and verdict.mismatch == ""
+        assert metrics["dp-epsilon"] == verdict.epsilon == ledger

@@ -10,7 +10,7 @@ import pytest
 from car_fl.cli import main
 from car_fl.client.ledger import Ledger, record_keys
 from car_fl.client.policy import NodePolicy
-from car_fl.privacy.composition import Release, ReleaseKind
+from car_fl.privacy.accountant import Release, ReleaseKind
 
 
 def node(tmp_path: Path) -> tuple[Path, Path, Ledger]:

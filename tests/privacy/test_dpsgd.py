@@ -16,6 +16,7 @@ from car_fl.data.splits import load_splits
 from car_fl.method.features import LocalData
 from car_fl.method.model import build_retriever
 from car_fl.method.train import epoch_order, make_optimizer, train_epoch, train_epoch_dpsgd
+from car_fl.privacy.accountant import VALUE_DISCRETIZATION
 from car_fl.privacy.dpsgd import (
     clip_per_example,
     clipped_gradient_sum,
@@ -26,7 +27,6 @@ from car_fl.privacy.dpsgd import (
     poisson_sample,
 )
 from car_fl.privacy.record_accounting import (
-    VALUE_DISCRETIZATION,
     calibrate_noise_multiplier,
     check_delta,
     epsilon,

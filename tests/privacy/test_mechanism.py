@@ -242,10 +242,8 @@ def test_adaptive_epsilon_is_the_composition_of_update_and_indicator(
     one_round = dp_accounting.ComposedDpEvent(
         [dp_accounting.GaussianDpEvent(p.z_delta / 2), dp_accounting.GaussianDpEvent(sigma_b)]
     )
-    accountant = RdpAccountant()
-    accountant.compose(dp_accounting.SelfComposedDpEvent(one_round, releases))
-    explicit = accountant.get_epsilon(1e-5)
-    assert p.metrics()["dp-epsilon"] == pytest.approx(explicit, rel=1e-9)
+    explicit = pld_epsilon(dp_accounting.SelfComposedDpEvent(one_round, releases))
+    assert p.metrics()["dp-epsilon"] == pytest.approx(explicit, rel=1e-3)
     # ... which is what the z_Δ formula promises: one Gaussian of multiplier z/2.
     assert combined_multiplier(p.z_delta / 2, indicator_multiplier(sigma_b)) == pytest.approx(z / 2)
     assert p.metrics()["dp-epsilon"] == pytest.approx(epsilon({z / 2: releases}, 1e-5), rel=1e-6)
@@ -258,13 +256,28 @@ def test_huge_clip_and_zero_noise_give_back_the_update_exactly() -> None:
     assert torch.equal(released["w"], after["w"])
 
 
+def pld_epsilon(event: dp_accounting.DpEvent) -> float:
+    """dp-accounting's own PLD figure (client-level: add-or-remove, sensitivity 1), finely
+    discretised: the exact analytic Gaussian is at most this and within 0.1 % of it."""
+    from dp_accounting import pld
+
+    accountant = pld.PLDAccountant(
+        dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE, value_discretization_interval=1e-4
+    )
+    accountant.compose(event)
+    return float(accountant.get_epsilon(1e-5))
+
+
 def test_one_release_epsilon_matches_dp_accounting_and_grows() -> None:
     one = epsilon({0.5: 1}, 1e-5)
-    accountant = RdpAccountant()
-    accountant.compose(dp_accounting.GaussianDpEvent(0.5))
-    assert one == pytest.approx(accountant.get_epsilon(1e-5))
-    # Flower 1.39's own test vector: multiplier 0.5, 5 releases, δ = 1e-5 -> ε ≈ 30.127.
-    assert epsilon({0.5: 5}, 1e-5) == pytest.approx(30.127, abs=1e-3)
+    assert one == pytest.approx(pld_epsilon(dp_accounting.GaussianDpEvent(0.5)), rel=1e-3)
+    five = pld_epsilon(dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(0.5), 5))
+    assert epsilon({0.5: 5}, 1e-5) == pytest.approx(five, rel=1e-3)
+    # Flower 1.39's RDP test vector for the same releases (ε ≈ 30.127) is a looser bound.
+    rdp = RdpAccountant()
+    rdp.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(0.5), 5))
+    assert rdp.get_epsilon(1e-5) == pytest.approx(30.127, abs=1e-3)
+    assert epsilon({0.5: 5}, 1e-5) < 30.127
     eps = [epsilon({0.5: k}, 1e-5) for k in range(1, 6)]
     assert eps == sorted(eps) and eps[0] < eps[-1]
     assert release_multiplier(noise_std=0.3, clip_bound=1.5) == pytest.approx(0.1)

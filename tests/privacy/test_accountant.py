@@ -1,4 +1,4 @@
-"""car_fl.privacy.composition: heterogeneous releases composed into one lifetime ε."""
+"""car_fl.privacy.accountant: heterogeneous releases composed into one lifetime ε."""
 
 from __future__ import annotations
 
@@ -9,8 +9,17 @@ import dp_accounting
 import pytest
 from dp_accounting import pld
 
-from car_fl.privacy.composition import Release, ReleaseKind, epsilon, grouped, non_private_count
-from car_fl.privacy.record_accounting import VALUE_DISCRETIZATION
+from car_fl.privacy.accountant import (
+    MECHANISM,
+    VALUE_DISCRETIZATION,
+    Accountant,
+    Release,
+    ReleaseKind,
+    grouped,
+    non_private_count,
+)
+from car_fl.privacy.accountant import epsilon as gaussian_epsilon
+from car_fl.privacy.accountant import private_epsilon as epsilon
 from car_fl.privacy.record_accounting import epsilon as record_epsilon
 
 GAUSSIAN, DPSGD, NONE = ReleaseKind.GAUSSIAN, ReleaseKind.DPSGD, ReleaseKind.NON_PRIVATE
@@ -80,6 +89,47 @@ def test_grouping_makes_a_long_ledger_cheap() -> None:
     value = epsilon(many, 1e-5)
     # grouped: one composition of 2,000 steps; 15 s bounds it on a loaded 2-core machine
     assert time.perf_counter() - tick < 15.0 and math.isfinite(value)
+
+
+def test_the_accountant_steps_saves_and_refuses_another_mechanisms_state() -> None:
+    accountant = Accountant()
+    assert accountant.get_epsilon(1e-5) == 0.0
+    accountant.step(noise_multiplier=1.5, count=3)  # Gaussian: sample rate 1
+    accountant.step(noise_multiplier=2.0, sample_rate=0.1, count=100)  # DP-SGD steps
+    accountant.step(noise_multiplier=1.5)
+    assert accountant.history == grouped(
+        [
+            Release(GAUSSIAN, 4, noise_multiplier=1.5),
+            Release(DPSGD, 100, noise_multiplier=2.0, sample_rate=0.1),
+        ]
+    )
+    assert len(accountant) == 104
+    value = accountant.get_epsilon(1e-5)
+    assert value == epsilon(accountant.history, 1e-5) and 0 < value < math.inf
+    again = Accountant()
+    again.load_state_dict(accountant.state_dict())
+    assert again.get_epsilon(1e-5) == value
+    assert accountant.would_spend(1e-5, Release(GAUSSIAN, 1, noise_multiplier=1.5)) > value
+    assert accountant.get_epsilon(1e-5) == value  # would_spend adds nothing
+    state = {**accountant.state_dict(), "mechanism": "rdp"}
+    with pytest.raises(ValueError, match="mechanism 'rdp'"):
+        Accountant().load_state_dict(state)
+    assert accountant.state_dict()["mechanism"] == MECHANISM
+    accountant.step(noise_multiplier=0.0)  # no noise: not private, the run's ε is infinite
+    assert accountant.get_epsilon(1e-5) == math.inf
+    assert epsilon(accountant.history, 1e-5) == value  # a ledger counts it apart
+
+
+def test_local_dp_figures_are_the_accountants_and_tighter_than_renyi_dp() -> None:
+    from dp_accounting.rdp import RdpAccountant
+
+    mu, k = 0.5, 5
+    ours = gaussian_epsilon({mu: k}, 1e-5)
+    assert ours == Accountant([Release(GAUSSIAN, k, noise_multiplier=mu)]).get_epsilon(1e-5)
+    rdp = RdpAccountant()
+    rdp.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(mu), k))
+    assert ours < rdp.get_epsilon(1e-5)  # RDP's conversion to (ε, δ) is looser
+    assert math.isinf(gaussian_epsilon({0.0: 1}, 1e-5)) and gaussian_epsilon({}, 1e-5) == 0.0
 
 
 @pytest.mark.parametrize(
