@@ -27,9 +27,13 @@ each step names where its rule lives:
 4. **The shard**: the node reads its own data file with its own label map; examples whose label
    the server's map lacks are left out and still counted, so nothing depends on which labels
    the node holds (:func:`car_fl.client.shard.shard_data`).
-5. **The run's own budget**: local DP's target ε, DP-SGD's target ε and δ < 1/n
-   (``RUN_TARGET_REACHED``; :class:`car_fl.client.local_dp.LocalDPRound`,
-   :class:`car_fl.client.record_dp.RecordDPRound`).
+5. **The run's own budget**: local DP's and DP-SGD's target ε (``RUN_TARGET_REACHED``;
+   :class:`car_fl.client.local_dp.LocalDPRound`, :class:`car_fl.client.record_dp.RecordDPRound`),
+   functions of the configuration and the rounds trained only. The shard's size decides
+   nothing: DP-SGD trains on at most ⌈1/δ⌉ − 1 examples (a fresh OS-random subset, so δ < 1/n
+   holds for what it trains on), and an empty shard takes noise-only steps. Every ε is the one
+   accountant's (:class:`car_fl.privacy.accountant.Accountant`), as on the server and in the
+   ledger.
 6. **The ledger** (:meth:`car_fl.client.node_privacy.NodePrivacy.spend`): the round is within
    ``1..fl.rounds`` and after every round of this run already released, and no record's
    lifetime ε passes ``lifetime-epsilon`` (``POLICY_REFUSED``, ``BUDGET_EXHAUSTED``); recorded

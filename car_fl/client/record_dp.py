@@ -1,8 +1,12 @@
 """One client's record-level DP (``dp=record``): DP-SGD epochs, its state, the ε spent.
 
 Before any training the client fixes its plan (σ calibrated for the target ε over the planned
-steps, see :func:`~car_fl.settings.dp_plan.record_plan`), checks δ < 1/n for its n
-examples, and refuses a round whose steps would take its ε past ``dp.target_epsilon``. The
+steps, see :func:`~car_fl.settings.dp_plan.record_plan`) and refuses a round whose steps would
+take its ε past ``dp.target_epsilon``: a function of the configuration and of the rounds
+trained only. Nothing about its data decides whether a round succeeds: a node with at least
+1/δ examples trains the round on an OS-random subset of ⌈1/δ⌉ − 1 of them (so δ < 1/n holds
+for what it trains on, :func:`~car_fl.privacy.record_accounting.trained_cap`), and a node with
+none takes the same steps with nothing sampled (noise only). The
 steps taken so far live in Flower's persistent node state, so a client's ε composes over every
 step of every round it takes part in. The reply carries the DP-SGD parameters, num-examples
 and the privacy figures, which are all functions of the public configuration and of how many
@@ -22,7 +26,8 @@ from car_fl.client.failures import RunTargetReached
 from car_fl.method.features import LocalData
 from car_fl.method.model import CaRRetriever
 from car_fl.method.train import EpochResult, train_epoch_dpsgd
-from car_fl.privacy.record_accounting import RecordPlan, check_delta
+from car_fl.privacy.noise import secure_generator
+from car_fl.privacy.record_accounting import RecordPlan, trained_cap
 from car_fl.settings.dp_plan import record_plan
 from car_fl.settings.flower import NodeInfo
 from car_fl.settings.schema import Settings
@@ -72,9 +77,11 @@ def check_budget(plan: RecordPlan, state: RecordState, *, who: str) -> float:
 class RecordDPRound:
     """A round's DP-SGD epochs, for :func:`~car_fl.client.round.train_round` (``dp=record``).
 
-    The plan (σ, q, C, steps) is fixed from the configuration; :meth:`check` verifies δ < 1/n
-    and the budget before any training (n: the whole shard, examples the server's label map
-    lacks included). The model after DP-SGD is the release as it is.
+    The plan (σ, q, C, steps) is fixed from the configuration; :meth:`check` verifies the
+    budget before any training. n is the whole shard, examples the server's label map lacks
+    included; at most :func:`~car_fl.privacy.record_accounting.trained_cap` of them are trained
+    on (a fresh OS-random subset each round), and an empty shard takes noise-only steps. The
+    model after DP-SGD is the release as it is.
     """
 
     private = True
@@ -86,12 +93,28 @@ class RecordDPRound:
         self.state = load_record_state(node_state)
         self.epsilon_after = 0.0
         self.examples = 0
+        self.trained: tuple[LocalData, int] | None = None
 
     def check(self, examples: int) -> None:
-        """δ < 1/n and this round's steps within the target ε: before any training."""
+        """This round's steps within the target ε: before any training. ``examples`` (n)
+        decides nothing here: it only sizes what :meth:`epoch` trains on."""
         self.examples = examples
-        check_delta(self.plan.delta, examples)
         self.epsilon_after = check_budget(self.plan, self.state, who=self.who)
+
+    def round_data(self, data: LocalData) -> tuple[LocalData, int]:
+        """What this round trains on, and the n it stands for: all of ``data`` (n =
+        :attr:`examples`, left-out examples included), or, when n ≥ 1/δ, the examples among a
+        uniformly random ⌈1/δ⌉ − 1 of the n (OS entropy, drawn once per round). An empty shard
+        stands for n = 1: its steps sample nothing and release noise only."""
+        if self.trained is None:
+            cap = trained_cap(self.plan.delta)
+            if self.examples > cap:
+                chosen = torch.randperm(self.examples, generator=secure_generator("cpu"))[:cap]
+                kept = sorted(i for i in chosen.tolist() if i < len(data))
+                self.trained = (data.select(kept), cap)
+            else:
+                self.trained = (data, max(self.examples, 1))
+        return self.trained
 
     def epoch(
         self,
@@ -104,9 +127,10 @@ class RecordDPRound:
         desc: str,
     ) -> EpochResult:
         plan = self.plan
+        trained, population = self.round_data(data)
         return train_epoch_dpsgd(
             model,
-            data,
+            trained,
             optimizer,
             sample_rate=plan.sample_rate,
             clip=plan.clip,
@@ -116,7 +140,7 @@ class RecordDPRound:
             epoch=epoch,
             progress=self.settings.progress,
             desc=f"DP-SGD {desc}",
-            population=self.examples,  # n, also counting examples left out (see shard)
+            population=population,  # n, also counting examples left out (see shard)
         )
 
     def release(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

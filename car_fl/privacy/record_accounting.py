@@ -168,17 +168,11 @@ def record_plan(
     )
 
 
-def check_delta(delta: float, examples: int) -> None:
-    """δ must be below 1/n for n examples (δ ≥ 1/n allows releasing one example outright)."""
-    if examples < 1:
-        raise ValueError("record-level DP needs at least one training example on the client")
-    if not delta < 1 / examples:
-        raise ValueError(
-            f"dp.delta={delta:g} is not below 1/n = {1 / examples:.3g} for this client's "
-            f"n = {examples} examples; set dp.delta={_round_down(0.1 / examples)} or smaller"
-        )
-
-
-def _round_down(value: float) -> str:
-    exponent = math.floor(math.log10(value))
-    return f"{math.floor(value / 10**exponent) * 10**exponent:.0e}"
+def trained_cap(delta: float) -> int:
+    """The most examples one DP-SGD round trains on: ⌈1/δ⌉ − 1, so that δ < 1/n holds for the
+    n it trains on (δ ≥ 1/n would allow releasing one example outright). A public function of
+    the configuration: a node with more examples trains on a random subset of that many
+    instead of failing, so whether a round succeeds never tells the server anything about n."""
+    if not 0 < delta < 1:
+        raise ValueError(f"dp.delta must be in (0, 1), got {delta}")
+    return max(1, math.ceil(1 / delta - 1e-9) - 1)

@@ -7,11 +7,13 @@ import torch
 from flwr.app import RecordDict
 
 from car_fl.client.failures import RunTargetReached
-from car_fl.client.record_dp import STATE_KEY, load_record_state
-from car_fl.client.round import shard_data, train_round
+from car_fl.client.record_dp import RecordDPRound, load_record_state
+from car_fl.client.round import shard_data, train_round, train_shard
+from car_fl.client.shard import Shard
 from car_fl.data.splits import load_splits
 from car_fl.method.model import build_retriever
-from car_fl.settings.dp_plan import record_plan
+from car_fl.privacy.record_accounting import trained_cap
+from car_fl.settings.dp_plan import public_examples, record_plan
 from car_fl.settings.flower import NodeInfo
 
 
@@ -28,16 +30,41 @@ def record_inputs(make_settings):
     return make
 
 
-def test_client_with_delta_too_large_fails_before_training(record_inputs) -> None:
+def test_whether_a_dpsgd_round_succeeds_does_not_depend_on_the_shards_size(record_inputs) -> None:
+    """The attacker's probe: δ = 0.01 and shards of 0, 1, 50 and ≥ 1/δ examples. Before, n ≥
+    1/δ and n = 0 failed the round (one un-noised bit about n per run). Now every size trains,
+    and the reply is the same function of the configuration whatever n is."""
     s, node, initial = record_inputs("dp.delta=0.01")
-    n = shard_data(s, node).examples
-    assert 1 / n <= 0.01  # so δ = 0.01 must be refused
-    state = RecordDict()
-    with pytest.raises(
-        ValueError, match=rf"dp.delta=0.01 is not below 1/n = {1 / n:.3g} .* n = {n} examples"
-    ):
-        train_round(s, node, initial, 1, state)
-    assert STATE_KEY not in state.metric_records
+    whole = shard_data(s, node)
+    assert whole.examples >= 100 and len(whole.data) == whole.examples  # n ≥ 1/δ
+    replies = []
+    for size in (0, 1, 50, whole.examples):
+        shard = Shard(whole.data.select(range(size)), whole.label_map, examples=size)
+        state, metrics = train_shard(s, node, shard, initial, 1, RecordDict())
+        assert set(state) == set(initial)
+        assert all(bool(torch.isfinite(t).all()) for t in state.values())
+        replies.append(metrics)
+    assert all(reply == replies[0] for reply in replies), replies
+    assert replies[0]["num-examples"] == public_examples(s)
+
+
+def test_a_shard_of_at_least_one_over_delta_trains_on_a_fresh_random_subset(record_inputs) -> None:
+    s, node, _ = record_inputs("dp.delta=0.01")
+    whole = shard_data(s, node)
+    assert trained_cap(0.01) == 99 and whole.examples > 99
+    subsets = []
+    for _ in range(2):
+        dp_round = RecordDPRound(s, node, RecordDict())
+        dp_round.check(whole.examples)
+        trained, population = dp_round.round_data(whole.data)
+        assert population == 99 and len(trained) == 99  # every example has a known label here
+        assert dp_round.round_data(whole.data)[0] is trained  # one subset per round
+        subsets.append(trained.features)
+    assert not torch.equal(subsets[0], subsets[1])  # OS entropy: not reproducible by the server
+    dp_round = RecordDPRound(s, node, RecordDict())
+    dp_round.check(0)
+    empty, population = dp_round.round_data(whole.data.select([]))
+    assert len(empty) == 0 and population == 1  # an empty shard: noise-only steps
 
 
 @pytest.mark.slow

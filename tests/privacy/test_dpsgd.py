@@ -28,9 +28,9 @@ from car_fl.privacy.dpsgd import (
 )
 from car_fl.privacy.record_accounting import (
     calibrate_noise_multiplier,
-    check_delta,
     epsilon,
     steps_per_epoch,
+    trained_cap,
 )
 from car_fl.settings.compose import load_settings
 from car_fl.settings.dp_plan import record_plan
@@ -344,10 +344,12 @@ def test_the_suggested_reachable_epsilon_works() -> None:
     assert record_plan(s).noise_multiplier <= 100
 
 
-def test_delta_must_be_below_one_over_n() -> None:
-    check_delta(1e-3, 999)
-    with pytest.raises(ValueError, match=r"dp.delta=0.001 is not below 1/n .* n = 1000 .*1e-04"):
-        check_delta(1e-3, 1000)
+def test_the_trained_cap_keeps_delta_below_one_over_the_trained_n() -> None:
+    assert trained_cap(1e-3) == 999 and trained_cap(1e-5) == 99_999 and trained_cap(0.7) == 1
+    for delta in (1e-3, 3e-4, 0.01, 0.3):
+        assert delta < 1 / trained_cap(delta) and not delta < 1 / (trained_cap(delta) + 1)
+    with pytest.raises(ValueError, match=r"dp\.delta"):
+        trained_cap(1.0)
 
 
 # ------------------------------------------------------------------- through a client's round
