@@ -59,6 +59,7 @@ def test_a_shard_of_at_least_one_over_delta_trains_on_a_fresh_random_subset(reco
         trained, population = dp_round.round_data(whole.data)
         assert population == 99 and len(trained) == 99  # every example has a known label here
         assert dp_round.round_data(whole.data)[0] is trained  # one subset per round
+        assert trained.features is not None
         subsets.append(trained.features)
     assert not torch.equal(subsets[0], subsets[1])  # OS entropy: not reproducible by the server
     dp_round = RecordDPRound(s, node, RecordDict())
