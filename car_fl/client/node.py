@@ -2,7 +2,10 @@
 
 A Node owns everything a node decides or remembers: its node configuration (never a value the
 server sent), the owner's privacy policy and lifetime ledger, the settings it composed for each
-run, the shards it read, and the mapping from every refusal to its fixed failure code. Its one
+run, the shards it read, every run's DP state (:class:`car_fl.client.run_states.RunStates`:
+a worker's, on disk; without a worker Flower's ``context.state`` of the message, which the
+ClientApp hands to :meth:`Node.answer`), and the mapping from every refusal to its fixed
+failure code. Its one
 method, :meth:`Node.answer`, turns a train message into a reply. The node's worker
 (:mod:`car_fl.client.worker`) keeps one Node for its whole life; without a worker the
 ClientApp keeps one per node for the life of its process (in a deployment, a new process per
@@ -59,6 +62,7 @@ from car_fl.client.failures import Refusal, failure_of
 from car_fl.client.node_privacy import NodePrivacy
 from car_fl.client.node_settings import SettingsMemory, node_settings
 from car_fl.client.round import train_shard
+from car_fl.client.run_states import RunStates
 from car_fl.client.shard import Shard, shard_data
 from car_fl.protocol.failures import Failure
 from car_fl.protocol.messages import read_train_message, train_reply
@@ -80,6 +84,9 @@ class Node:
     settings_memory: SettingsMemory = field(default_factory=dict, repr=False)
     #: The shards read (by settings, the server's label map and the node's place).
     shards: dict[str, Shard] = field(default_factory=dict, repr=False)
+    #: Every run's state (its DP state) when this node keeps them itself: a worker's, on disk.
+    #: Without a worker the run's state is Flower's ``context.state``, handed to :meth:`answer`.
+    states: RunStates = field(default_factory=RunStates, repr=False)
     #: The policy and data files' identity when :attr:`privacy` was opened: an edited file is
     #: read again, so a grown data file's new records are charged from their first release.
     _opened: tuple[object, ...] = field(default=(), repr=False)

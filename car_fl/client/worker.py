@@ -11,8 +11,9 @@ keeps one :class:`car_fl.client.node.Node` for its whole life and answers with
 :meth:`~car_fl.client.node.Node.answer`, what a simulated client runs.
 
 - One round at a time, whatever the run (one worker per device); each run's state (the DP
-  state Flower keeps in ``context.state``) is kept apart, in memory and in ``runs/<id>.state``
-  in the worker's folder, so a restarted worker goes on where it was.
+  state Flower keeps in ``context.state`` without a worker) is the Node's
+  (:class:`car_fl.client.run_states.RunStates`), in memory and in ``runs/<id>.state`` in the
+  worker's folder, so a restarted worker goes on where it was.
 - One worker per folder (a file lock); a dead worker's socket is replaced at the next start.
 - :func:`supervise` starts the worker again when it dies (``car-fl worker`` does by default);
   a round whose worker is gone fails with a message that says how to start it.
@@ -37,6 +38,7 @@ from typing import IO, Any
 from flwr.app import RecordDict
 
 from car_fl.client.node import Node
+from car_fl.client.run_states import RUNS_DIR, RunStates
 from car_fl.client.worker_link import (
     HANDSHAKE_TIMEOUT,
     POLICY_KEY,
@@ -62,7 +64,6 @@ log = logging.getLogger(__name__)
 EXIT_CONFIG = 2  # its node configuration is wrong (as argparse's usage errors)
 EXIT_BUSY = 3  # another worker serves the folder
 LOCK_NAME = "worker.lock"
-RUNS_DIR = "runs"
 
 Answer = Callable[..., RecordDict]
 
@@ -156,14 +157,13 @@ class NodeWorker:
         self.folder = Path(folder).expanduser().resolve()
         self.node_config = own_node_config(self.folder, node_config)
         #: The node this worker keeps alive: its policy, ledger, settings and shards.
-        self.node = Node(self.node_config)
+        self.node = Node(self.node_config, states=RunStates(self.folder / RUNS_DIR))
         self.answer = answer or self.node.answer
         self.rounds = 0
         self.failed = 0
         self.busy_run: int | None = None
         self._round = threading.Lock()
         self._stop = threading.Event()
-        self._states: dict[int, RecordDict] = {}
         self.ready = threading.Event()
 
     def stop(self) -> None:
@@ -201,7 +201,7 @@ class NodeWorker:
             "rounds": self.rounds,
             "failed": self.failed,
             "encoder-loads": encoder_module.LOAD_COUNT,
-            "runs": sorted(self._states),
+            "runs": [int(run) for run in self.node.states.runs()],
             "busy-run": self.busy_run,
         }
 
@@ -246,7 +246,7 @@ class NodeWorker:
             self.busy_run = run_id
             tick = time.perf_counter()
             log.info("run %d: a round starts", run_id)
-            state = self._state_of(run_id)
+            state = self.node.states.get(str(run_id))  # a copy: kept if the round succeeds
             try:
                 reply = self.answer(
                     decode_content(body),
@@ -263,7 +263,7 @@ class NodeWorker:
                 return {"ok": False, "failure": int(failure), "error": error}, b""
             finally:
                 self.busy_run = None
-            self._keep_state(run_id, state)
+            self.node.states.keep(str(run_id), state)
             self.rounds += 1
             log.info("run %d: round answered in %.2f s", run_id, time.perf_counter() - tick)
             return {"ok": True}, payload
@@ -286,28 +286,6 @@ class NodeWorker:
             f"--node-config has {POLICY_KEY}={mine or '(none)'}; start the worker with "
             f"{POLICY_KEY}={named} in its --node-config"
         )
-
-    # ---------------------------------------------------------------------------- run states
-    def _state_file(self, run_id: int) -> Path:
-        return self.folder / RUNS_DIR / f"{run_id}.state"
-
-    def _state_of(self, run_id: int) -> RecordDict:
-        """A copy of the run's state (committed only when its round succeeds)."""
-        if run_id not in self._states:
-            path = self._state_file(run_id)
-            self._states[run_id] = (
-                decode_content(path.read_bytes()) if path.is_file() else RecordDict()
-            )
-        return decode_content(encode_content(self._states[run_id]))
-
-    def _keep_state(self, run_id: int, state: RecordDict) -> None:
-        data = encode_content(state)
-
-        def write(tmp: Path) -> None:
-            tmp.write_bytes(data)
-
-        atomic_write(self._state_file(run_id), write, mode=0o600)  # the run's DP state
-        self._states[run_id] = state
 
 
 def serve(folder: Path, node_config: Mapping[str, Any], *, listen_fd: int | None = None) -> int:

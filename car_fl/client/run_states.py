@@ -1,0 +1,69 @@
+"""Every run's state on a node (its DP state), in one store the node's :class:`Node` owns.
+
+A run's state is what a node remembers between the rounds of one run: local DP's clipping
+bound and releases, DP-SGD's steps and σ (:mod:`car_fl.client.local_dp`,
+:mod:`car_fl.client.record_dp`). A round works on a copy (:meth:`RunStates.get`) and the store
+keeps it only once the round succeeded (:meth:`RunStates.keep`), so a refused or failed round
+changes nothing. Where it lies:
+
+- a node with a worker (:mod:`car_fl.client.worker`): in memory and in
+  ``<worker folder>/runs/<run id>.state`` (0600, written atomically), so a restarted worker
+  goes on where it was;
+- a node without one: in Flower's ``context.state`` of the message, which the SuperNode keeps
+  per run and node (a ClientApp process lives for one message); the ClientApp hands it to
+  :meth:`car_fl.client.node.Node.answer` as the run's state.
+
+What the state holds is never trusted for privacy beyond the run: the node's lifetime ledger
+(:mod:`car_fl.client.ledger`) is what caps a record's spend across runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from flwr.app import RecordDict
+
+from car_fl.client.worker_link import decode_content, encode_content
+from car_fl.common.io import atomic_write
+
+#: The folder of the run states, under a worker's folder.
+RUNS_DIR = "runs"
+
+
+class RunStates:
+    """Each run's state by run id: in memory, and in ``folder`` when there is one."""
+
+    def __init__(self, folder: Path | None = None) -> None:
+        self.folder = folder
+        self._states: dict[str, RecordDict] = {}
+
+    def runs(self) -> list[str]:
+        """The runs whose state this store holds in memory."""
+        return sorted(self._states, key=lambda run: (len(run), run))
+
+    def _file(self, run: str) -> Path | None:
+        return self.folder / f"{int(run)}.state" if self.folder is not None else None
+
+    def get(self, run: str) -> RecordDict:
+        """A copy of the run's state (empty for a run never seen)."""
+        if run not in self._states:
+            path = self._file(run)
+            self._states[run] = (
+                decode_content(path.read_bytes())
+                if path is not None and path.is_file()
+                else RecordDict()
+            )
+        return decode_content(encode_content(self._states[run]))
+
+    def keep(self, run: str, state: RecordDict) -> None:
+        """The run's state after a round that succeeded."""
+        path = self._file(run)
+        if path is not None:
+            data = encode_content(state)
+
+            def write(tmp: Path) -> None:
+                tmp.write_bytes(data)
+
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            atomic_write(path, write, mode=0o600)  # the run's DP state
+        self._states[run] = state
