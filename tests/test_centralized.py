@@ -195,3 +195,34 @@ def test_a_second_run_over_other_lists_of_the_same_texts_encodes_nothing_new(
             tmp_path / f"again{i}",
         )
     assert puts == [] and before == encoder_module.LOAD_COUNT
+
+
+@pytest.mark.slow
+def test_a_federation_selects_its_untrained_round_0_when_training_makes_validation_worse(
+    make_corpus_settings, tmp_path: Path
+) -> None:
+    """The federated counterpart: round 0 (the untrained document head, = MIPS) is the first
+    candidate, and rounds that only make validation worse never replace it."""
+    from car_fl.simulation.in_process import run_local
+
+    out = tmp_path / "fl"
+    settings = make_corpus_settings(
+        "approach=document",
+        "fl.clients=2",
+        "fl.rounds=2",
+        "fl.local_epochs=1",
+        "train.lr=500",
+        "train.rows_lr=500",
+        f"output_dir={out}",
+    )
+    metrics = run_local(settings)
+    summary = metrics["summary"]
+    start = summary["initial"]
+    rounds = [row for row in metrics["history"] if row["round"] > 0]
+    assert len(rounds) == 2 and max(row["val_top1"] for row in rounds) < start["val_top1"], (
+        "training did not make validation worse: the test proves nothing"
+    )
+    assert summary["best"]["round"] == 0 and summary["best"]["val_top1"] == start["val_top1"]
+    assert summary["final"]["round"] == 2
+    best = load_checkpoint(out / "checkpoints" / "best")
+    assert best.round == 0 and best.metrics["val_top1"] == start["val_top1"]
