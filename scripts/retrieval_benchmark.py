@@ -295,11 +295,24 @@ def table(rows: list[dict[str, Any]], command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def split_only(only: list[str] | None) -> tuple[list[str] | None, list[str]]:
+    """``--only``'s variant names, and the KEY=VALUE overrides that followed them (argparse
+    gives ``--only moe moe.eval_route=12`` all to ``--only``)."""
+    if only is None:
+        return None, []
+    return [o for o in only if "=" not in o], [o for o in only if "=" in o]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--corpus", type=Path, required=True, help="folder of arxiv_corpus.py")
     parser.add_argument("--out", type=Path, required=True, help="results folder")
-    parser.add_argument("--only", nargs="*", choices=sorted(VARIANTS), help="variants to run")
+    parser.add_argument(
+        "--only",
+        nargs="*",
+        metavar="VARIANT",
+        help=f"variants to run ({', '.join(VARIANTS)}); KEY=VALUE overrides may follow them",
+    )
     parser.add_argument(
         "--set",
         nargs="*",
@@ -328,7 +341,11 @@ def main(argv: list[str] | None = None) -> int:
     federate = args.clients is not None or args.dp_epsilon is not None
     if (args.rounds is not None or args.dp_epsilon is not None) and args.clients is None:
         parser.error("--rounds and --dp-epsilon need --clients (a federation)")
-    extra = [*fed, *args.set, *args.overrides]
+    names, after_only = split_only(args.only)
+    unknown = [name for name in names or [] if name not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variant {', '.join(unknown)}; valid: {', '.join(VARIANTS)}")
+    extra = [*fed, *args.set, *after_only, *args.overrides]
     bad = [o for o in extra if "=" not in o]
     if bad:
         parser.error(f"overrides are KEY=VALUE, got {' '.join(bad)}")
@@ -343,8 +360,8 @@ def main(argv: list[str] | None = None) -> int:
         for line in results.read_text(encoding="utf-8").splitlines():
             row = json.loads(line)
             done[row["name"]] = row
-    for name in args.only or list(VARIANTS):
-        if name in done and args.only is None:
+    for name in names or list(VARIANTS):
+        if name in done and names is None:
             continue
         row = run_variant(name, args.corpus, args.out, extra, federate=federate)
         done[name] = row

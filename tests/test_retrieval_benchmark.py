@@ -65,6 +65,22 @@ def test_rounds_without_clients_and_overrides_without_a_value_are_refused(
         assert message in capsys.readouterr().err
 
 
+def test_overrides_after_only_are_overrides_and_an_unknown_variant_is_named(
+    tiny_corpus: tuple[Path, Path], capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    bench = load_script()
+    assert bench.split_only(["moe", "moe.eval_route=12", "knn"]) == (
+        ["moe", "knn"],
+        ["moe.eval_route=12"],
+    )
+    assert bench.split_only(None) == (None, [])
+    with pytest.raises(SystemExit):
+        bench.main(
+            ["--corpus", str(tiny_corpus[0].parent), "--out", str(tmp_path), "--only", "mpis"]
+        )
+    assert "unknown variant mpis; valid: mips, document_untrained" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_a_variant_run_reports_its_starting_point_beside_the_selected_model(
     tiny_corpus: tuple[Path, Path], tiny_llama: Path, tmp_path: Path
