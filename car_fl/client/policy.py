@@ -132,6 +132,12 @@ class NodePolicy:
                 "noised steps (and the ε a reply carries) would follow the example count, "
                 "and public-example-count is true"
             )
+        if self.public_example_count and dp.mode is DPMode.RECORD and unbounded:
+            found.append(
+                "dp=record without fl.max_examples_per_client: each DP-SGD step divides its "
+                "noised sum by q·n, so the update's scale would follow the example count, and "
+                "public-example-count is true"
+            )
         reason = non_private_reason(dp)
         if reason is not None and not self.accepts_non_private:
             found.append(f"{reason}: not private, and 'none' is not an accepted mode")

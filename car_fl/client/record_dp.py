@@ -4,9 +4,12 @@ Before any training the client fixes its plan (σ calibrated for the target ε o
 steps, see :func:`~car_fl.settings.dp_plan.record_plan`) and refuses a round whose steps would
 take its ε past ``dp.target_epsilon``: a function of the configuration and of the rounds
 trained only. Nothing about its data decides whether a round succeeds: a node with at least
-1/δ examples trains the round on an OS-random subset of ⌈1/δ⌉ − 1 of them (so δ < 1/n holds
-for what it trains on, :func:`~car_fl.privacy.record_accounting.trained_cap`), and a node with
-none takes the same steps with nothing sampled (noise only). The
+1/δ examples (or more than ``fl.max_examples_per_client``) trains the round on an OS-random
+subset of ⌈1/δ⌉ − 1 (or that many) of them (so δ < 1/n holds for what it trains on,
+:func:`~car_fl.privacy.record_accounting.trained_cap`), and a node with none takes the same
+steps with nothing sampled (noise only). With ``fl.max_examples_per_client`` every step
+divides by that public value, so not even the update's scale follows n
+(:meth:`RecordDPRound.round_data`). The
 steps taken so far live in Flower's persistent node state, so a client's ε composes over every
 step of every round it takes part in. The reply carries the DP-SGD parameters, num-examples
 and the privacy figures, which are all functions of the public configuration and of how many
@@ -37,17 +40,31 @@ STATE_KEY = "dp-record-state"
 
 @dataclass
 class RecordState:
-    """What a client remembers between rounds: the DP-SGD steps it has taken, and σ."""
+    """What a client remembers between rounds: the DP-SGD steps it has taken, with σ, q and δ
+    (a run's steps compose into one ε only if all three stay the same)."""
 
     steps: int = 0
     noise_multiplier: float = 0.0
+    sample_rate: float | None = None
+    delta: float | None = None
 
     def to_record(self) -> MetricRecord:
-        return MetricRecord({"steps": self.steps, "noise-multiplier": self.noise_multiplier})
+        values: dict[str, int | float | list[int] | list[float]] = {
+            "steps": self.steps,
+            "noise-multiplier": self.noise_multiplier,
+        }
+        if self.sample_rate is not None and self.delta is not None:
+            values |= {"sample-rate": self.sample_rate, "delta": self.delta}
+        return MetricRecord(values)
 
     @classmethod
     def from_record(cls, record: Any) -> RecordState:
-        return cls(steps=int(record["steps"]), noise_multiplier=float(record["noise-multiplier"]))
+        return cls(
+            steps=int(record["steps"]),
+            noise_multiplier=float(record["noise-multiplier"]),
+            sample_rate=float(record["sample-rate"]) if "sample-rate" in record else None,
+            delta=float(record["delta"]) if "delta" in record else None,
+        )
 
 
 def load_record_state(node_state: RecordDict) -> RecordState:
@@ -57,11 +74,14 @@ def load_record_state(node_state: RecordDict) -> RecordState:
 
 def check_budget(plan: RecordPlan, state: RecordState, *, who: str) -> float:
     """ε after this round's steps; raises before training if it would pass the target."""
-    if state.steps and state.noise_multiplier != plan.noise_multiplier:
+    before = (state.noise_multiplier, state.sample_rate, state.delta)
+    now = (plan.noise_multiplier, plan.sample_rate, plan.delta)
+    changed = [old is not None and old != new for old, new in zip(before, now, strict=True)]
+    if state.steps and any(changed):
         raise ValueError(
-            f"{who} took {state.steps} DP-SGD steps with σ = {state.noise_multiplier:g} and "
-            f"is now configured with σ = {plan.noise_multiplier:g}; a client's σ is fixed "
-            "for its whole life (same dp.* and fl.rounds as before)"
+            f"{who} took {state.steps} DP-SGD steps with (σ, q, δ) = {before} and is now "
+            f"configured with {now}; they are fixed for a run's whole life (same dp.* and "
+            "fl.rounds as before), or its steps would not compose into the ε it reports"
         )
     after = state.steps + plan.steps_per_round
     would = plan.epsilon(after)
@@ -102,18 +122,27 @@ class RecordDPRound:
         self.epsilon_after = check_budget(self.plan, self.state, who=self.who)
 
     def round_data(self, data: LocalData) -> tuple[LocalData, int]:
-        """What this round trains on, and the n it stands for: all of ``data`` (n =
-        :attr:`examples`, left-out examples included), or, when n ≥ 1/δ, the examples among a
-        uniformly random ⌈1/δ⌉ − 1 of the n (OS entropy, drawn once per round). An empty shard
-        stands for n = 1: its steps sample nothing and release noise only."""
+        """What this round trains on, and the n its steps divide by (q·n is the expected batch).
+
+        It trains on all of ``data`` or, when n is above a public cap (⌈1/δ⌉ − 1, so that
+        δ < 1/n holds for what it trains on, and ``fl.max_examples_per_client`` when set), on
+        the examples among a uniformly random cap of the n (OS entropy, drawn once per round;
+        n counts the examples the server's label map lacks). It divides by
+        ``fl.max_examples_per_client`` when the run sets one: a public value, so the update's
+        scale says nothing about n (a policy with ``public-example-count`` demands it), else by
+        the n it trains on (an empty shard: 1, its steps release noise only).
+        """
         if self.trained is None:
+            bound = self.settings.fl.max_examples_per_client
             cap = trained_cap(self.plan.delta)
+            cap = cap if bound is None else min(cap, bound)
             if self.examples > cap:
                 chosen = torch.randperm(self.examples, generator=secure_generator("cpu"))[:cap]
                 kept = sorted(i for i in chosen.tolist() if i < len(data))
-                self.trained = (data.select(kept), cap)
+                trained, used = data.select(kept), cap
             else:
-                self.trained = (data, max(self.examples, 1))
+                trained, used = data, self.examples
+            self.trained = (trained, bound if bound is not None else max(used, 1))
         return self.trained
 
     def epoch(
@@ -152,8 +181,12 @@ class RecordDPRound:
         return self.state.steps + self.plan.steps_per_round
 
     def save(self, node_state: RecordDict) -> None:
+        plan = self.plan
         node_state[STATE_KEY] = RecordState(
-            steps=self.steps, noise_multiplier=self.plan.noise_multiplier
+            steps=self.steps,
+            noise_multiplier=plan.noise_multiplier,
+            sample_rate=plan.sample_rate,
+            delta=plan.delta,
         ).to_record()
 
     def describe(self, result: EpochResult) -> str:

@@ -10,8 +10,9 @@ changes nothing. Where it lies:
   ``<worker folder>/runs/<run id>.state`` (0600, written atomically), so a restarted worker
   goes on where it was;
 - a node without one: in Flower's ``context.state`` of the message, which the SuperNode keeps
-  per run and node (a ClientApp process lives for one message); the ClientApp hands it to
-  :meth:`car_fl.client.node.Node.answer` as the run's state.
+  per run and node (a ClientApp process lives for one message); the ClientApp hands a copy to
+  :meth:`car_fl.client.node.Node.answer` and writes it back (:func:`replace_contents`) only
+  when the round succeeded.
 
 What the state holds is never trusted for privacy beyond the run: the node's lifetime ledger
 (:mod:`car_fl.client.ledger`) is what caps a record's spend across runs.
@@ -30,6 +31,20 @@ from car_fl.common.io import atomic_write
 RUNS_DIR = "runs"
 
 
+def run_key(run: str | int) -> str:
+    """A run id as its one spelling: Flower's run ids are integers ("07" is run 7; anything
+    else, a path included, is refused)."""
+    return str(int(run))
+
+
+def replace_contents(target: RecordDict, source: RecordDict) -> None:
+    """Make ``target`` (Flower's ``context.state``) hold exactly ``source``'s records."""
+    for key in list(target.keys()):
+        del target[key]
+    for key, record in source.items():
+        target[key] = record
+
+
 class RunStates:
     """Each run's state by run id: in memory, and in ``folder`` when there is one."""
 
@@ -42,10 +57,11 @@ class RunStates:
         return sorted(self._states, key=lambda run: (len(run), run))
 
     def _file(self, run: str) -> Path | None:
-        return self.folder / f"{int(run)}.state" if self.folder is not None else None
+        return self.folder / f"{run}.state" if self.folder is not None else None
 
     def get(self, run: str) -> RecordDict:
         """A copy of the run's state (empty for a run never seen)."""
+        run = run_key(run)
         if run not in self._states:
             path = self._file(run)
             self._states[run] = (
@@ -57,6 +73,7 @@ class RunStates:
 
     def keep(self, run: str, state: RecordDict) -> None:
         """The run's state after a round that succeeded."""
+        run = run_key(run)
         path = self._file(run)
         if path is not None:
             data = encode_content(state)

@@ -100,6 +100,8 @@ class Release:
                 f"a {self.kind.value} release needs a noise multiplier > 0, got "
                 f"{self.noise_multiplier}; a release without noise is non-private"
             )
+        if not math.isfinite(self.noise_multiplier):
+            raise ValueError(f"a noise multiplier must be finite, got {self.noise_multiplier}")
         if not 0 < self.sample_rate <= 1:
             raise ValueError(f"a sampling rate must be in (0, 1], got {self.sample_rate}")
 
@@ -174,8 +176,10 @@ def gaussian_epsilon(mu: float, delta: float) -> float:
     from scipy.special import log_ndtr, ndtr
 
     _check_delta(delta)
-    if not mu > 0:
+    if not mu > TINY_MULTIPLIER:  # ε beyond 10¹¹: no guarantee at all (and beyond floats)
         return math.inf
+    if math.isinf(mu):
+        return 0.0
 
     def excess(eps: float) -> float:
         upper = float(ndtr(1 / (2 * mu) - eps * mu))
@@ -190,10 +194,28 @@ def gaussian_epsilon(mu: float, delta: float) -> float:
     return float(brentq(excess, high / 2 if high > 1 else 0.0, high, xtol=1e-12, rtol=1e-12))
 
 
+#: Below this multiplier :func:`gaussian_epsilon` reports ε = ∞ (the true ε, ~1/(2μ²), is
+#: beyond 10¹¹ and beyond what its floating-point evaluation resolves).
+TINY_MULTIPLIER = 1e-6
 #: Below this combined multiplier a Gaussian part is not put in a PLD (see
 #: :func:`gaussian_epsilon`); with DP-SGD steps beside it, the two are then composed basically
 #: at δ/2 each, a valid and pessimistic bound (ε that large means little anyway).
 PLD_GAUSSIAN_FLOOR = 0.05
+#: Below this σ DP-SGD steps are not put in a PLD either (its grid grows as 1/σ²: 1.3 GB and
+#: 32 s for one step at σ = 0.02, and a server chooses σ): k steps are accounted as the one
+#: Gaussian of multiplier σ/(2√k) they are at most without sampling, a valid upper bound.
+PLD_DPSGD_FLOOR = 0.1
+
+
+def _without_small_sigma(private: tuple[Release, ...]) -> tuple[Release, ...]:
+    """DP-SGD steps of σ < :data:`PLD_DPSGD_FLOOR` as the Gaussian releases that bound them
+    (per step: replace-one sensitivity 2C against noise σC, multiplier σ/2)."""
+    return tuple(
+        Release(ReleaseKind.GAUSSIAN, r.count, noise_multiplier=r.noise_multiplier / 2)
+        if r.kind is ReleaseKind.DPSGD and r.noise_multiplier < PLD_DPSGD_FLOOR
+        else r
+        for r in private
+    )
 
 
 @lru_cache(maxsize=4096)
@@ -201,15 +223,17 @@ def _epsilon(private: tuple[Release, ...], delta: float) -> float:
     import dp_accounting
     from dp_accounting import pld
 
+    private = _without_small_sigma(private)
     gaussian = [r for r in private if r.kind is ReleaseKind.GAUSSIAN]
     steps = [r for r in private if r.kind is ReleaseKind.DPSGD]
-    mu = sum(r.count * r.noise_multiplier**-2 for r in gaussian) ** -0.5 if gaussian else 0.0
+    precision = sum(r.count * r.noise_multiplier**-2 for r in gaussian)
+    mu = precision**-0.5 if precision > 0 else math.inf  # no Gaussian part: no loss from it
     if not steps:
         return gaussian_epsilon(mu, delta)
     if gaussian and mu < PLD_GAUSSIAN_FLOOR:
         return gaussian_epsilon(mu, delta / 2) + _epsilon(tuple(steps), delta / 2)
     events = [r.event() for r in steps]
-    if gaussian:
+    if gaussian and math.isfinite(mu):
         events.append(Release(ReleaseKind.GAUSSIAN, 1, noise_multiplier=mu).event())
     accountant = pld.PLDAccountant(
         dp_accounting.NeighboringRelation.REPLACE_ONE,
@@ -246,23 +270,18 @@ class Accountant:
     def step(
         self,
         *,
-        noise_multiplier: float,
+        kind: ReleaseKind | str,
+        noise_multiplier: float = 0.0,
         sample_rate: float = 1.0,
         count: int = 1,
-        kind: ReleaseKind | str | None = None,
     ) -> None:
-        """Account for ``count`` releases: Gaussian (μ, ``sample_rate`` 1), DP-SGD steps
-        (σ, q < 1, or ``kind="dpsgd"``), or non-private (μ = 0)."""
-        if kind is None:
-            kind = (
-                ReleaseKind.NON_PRIVATE
-                if noise_multiplier <= 0
-                else ReleaseKind.GAUSSIAN
-                if sample_rate == 1.0
-                else ReleaseKind.DPSGD
-            )
-        mu = noise_multiplier if ReleaseKind(kind) is not ReleaseKind.NON_PRIVATE else 0.0
-        self.add(Release(ReleaseKind(kind), count, noise_multiplier=mu, sample_rate=sample_rate))
+        """Account for ``count`` releases of ``kind``: ``gaussian`` (client-level multiplier μ
+        = std / (2C)), ``dpsgd`` (steps of noise multiplier σ at sampling rate q) or
+        ``non-private``. The kind is required: read as a Gaussian release's μ, a DP-SGD step's
+        σ at q = 1 would be credited twice its noise."""
+        kind = ReleaseKind(kind)
+        mu = noise_multiplier if kind is not ReleaseKind.NON_PRIVATE else 0.0
+        self.add(Release(kind, count, noise_multiplier=mu, sample_rate=sample_rate))
 
     def add(self, *releases: Release) -> None:
         self.history = grouped([*self.history, *releases])
@@ -303,7 +322,8 @@ def epsilon(releases: Mapping[float, int], delta: float) -> float:
     accountant = Accountant()
     for mu, count in releases.items():
         if count > 0:
-            accountant.step(noise_multiplier=mu, count=count)
+            kind = ReleaseKind.GAUSSIAN if mu > 0 else ReleaseKind.NON_PRIVATE
+            accountant.step(kind=kind, noise_multiplier=mu, count=count)
     return accountant.get_epsilon(delta)
 
 

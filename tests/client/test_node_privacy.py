@@ -198,7 +198,16 @@ def test_a_message_without_a_label_map_is_refused_the_same_whatever_the_labels(
 
 @pytest.mark.parametrize(
     "mode",
-    [AGREED, ("dp=record", "dp.target_epsilon=3", "dp.sample_rate=0.25", "fl.rounds=2")],
+    [
+        AGREED,
+        (
+            "dp=record",
+            "dp.target_epsilon=3",
+            "dp.sample_rate=0.25",
+            "fl.rounds=2",
+            "fl.max_examples_per_client=500",
+        ),
+    ],
     ids=["local-dp", "dp-sgd"],
 )
 def test_the_run_the_server_and_the_ledger_give_the_same_releases_the_same_epsilon(

@@ -97,6 +97,11 @@ POLICY = NodePolicy(
         ),
         # code from the model's repository would run beside the data and the ledger
         ("dp=fixed dp.noise_multiplier=2 model.trust_remote_code=true", "trust_remote_code"),
+        # DP-SGD divides by q·n: without a public n the update's scale follows the data
+        (
+            "dp=record dp.target_epsilon=3 dp.sample_rate=0.1",
+            "dp=record without fl.max_examples_per_client",
+        ),
     ],
 )
 def test_weaker_runs_are_refused_with_every_reason(overrides: str, found: str) -> None:
@@ -106,7 +111,10 @@ def test_weaker_runs_are_refused_with_every_reason(overrides: str, found: str) -
 
 @pytest.mark.parametrize(
     "overrides",
-    ["dp=fixed dp.noise_multiplier=1", "dp=record dp.target_epsilon=3 dp.sample_rate=0.1"],
+    [
+        "dp=fixed dp.noise_multiplier=1",
+        "dp=record dp.target_epsilon=3 dp.sample_rate=0.1 fl.max_examples_per_client=1000",
+    ],
 )
 def test_the_agreed_configurations_are_accepted(overrides: str) -> None:
     assert POLICY.violations(load_settings(overrides)) == []

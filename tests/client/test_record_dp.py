@@ -30,22 +30,66 @@ def record_inputs(make_settings):
     return make
 
 
-def test_whether_a_dpsgd_round_succeeds_does_not_depend_on_the_shards_size(record_inputs) -> None:
+def norm(update: dict[str, torch.Tensor], start: dict[str, torch.Tensor]) -> float:
+    return float(sum(float(((update[k] - start[k]) ** 2).sum()) for k in start) ** 0.5)
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_whether_a_dpsgd_round_succeeds_and_what_it_sends_do_not_depend_on_the_shards_size(
+    record_inputs, optimizer: str
+) -> None:
     """The attacker's probe: δ = 0.01 and shards of 0, 1, 50 and ≥ 1/δ examples. Before, n ≥
-    1/δ and n = 0 failed the round (one un-noised bit about n per run). Now every size trains,
-    and the reply is the same function of the configuration whatever n is."""
-    s, node, initial = record_inputs("dp.delta=0.01")
+    1/δ and n = 0 failed the round (one un-noised bit about n per run), and, since each step
+    divided by q·n, plain SGD's update was ~100× larger for an empty shard. With a public
+    fl.max_examples_per_client every size trains, the reply's metrics are the same, and the
+    update's size does not tell the sizes apart."""
+    s, node, initial = record_inputs(
+        "dp.delta=0.01", "fl.max_examples_per_client=200", f"train.optimizer={optimizer}"
+    )
     whole = shard_data(s, node)
     assert whole.examples >= 100 and len(whole.data) == whole.examples  # n ≥ 1/δ
-    replies = []
+    replies, norms = [], []
     for size in (0, 1, 50, whole.examples):
         shard = Shard(whole.data.select(range(size)), whole.label_map, examples=size)
         state, metrics = train_shard(s, node, shard, initial, 1, RecordDict())
         assert set(state) == set(initial)
         assert all(bool(torch.isfinite(t).all()) for t in state.values())
         replies.append(metrics)
+        norms.append(norm(state, initial))
     assert all(reply == replies[0] for reply in replies), replies
-    assert replies[0]["num-examples"] == public_examples(s)
+    assert replies[0]["num-examples"] == public_examples(s) == 200
+    assert max(norms) / min(norms) < 3, norms  # noise, the same scale for every size
+
+
+def test_a_hostile_learning_rate_fails_or_passes_a_round_whatever_the_shards_size(
+    record_inputs,
+) -> None:
+    s, node, initial = record_inputs(
+        "dp.delta=0.01", "fl.max_examples_per_client=200", "train.optimizer=sgd", "train.lr=3e36"
+    )
+    whole = shard_data(s, node)
+    outcomes = set()
+    for size in (0, whole.examples):
+        shard = Shard(whole.data.select(range(size)), whole.label_map, examples=size)
+        try:
+            train_shard(s, node, shard, initial, 1, RecordDict())
+            outcomes.add("ok")
+        except FloatingPointError:
+            outcomes.add("FloatingPointError")
+    assert len(outcomes) == 1, outcomes
+
+
+def test_a_run_that_changes_q_or_delta_mid_run_is_refused(record_inputs) -> None:
+    """σ, q and δ are fixed for a run's life: otherwise its steps would not compose into the ε
+    it reports (the ledger, which keeps q per release, stays right either way)."""
+    fixed = ("dp.target_epsilon=null", "dp.noise_multiplier=1.0")
+    s, node, initial = record_inputs(*fixed)
+    state = RecordDict()
+    train_round(s, node, initial, 1, state)
+    for change in ("dp.sample_rate=0.2", "dp.delta=1e-6"):
+        changed, _, _ = record_inputs(*fixed, change)
+        with pytest.raises(ValueError, match="fixed for a run's whole life"):
+            train_round(changed, node, initial, 2, state)
 
 
 def test_a_shard_of_at_least_one_over_delta_trains_on_a_fresh_random_subset(record_inputs) -> None:

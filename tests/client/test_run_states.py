@@ -43,3 +43,42 @@ def test_the_node_owns_the_store_a_worker_gives_it(tmp_path: Path) -> None:
     worker = NodeWorker(tmp_path, {"partition-id": 0, "num-partitions": 1})
     assert isinstance(worker.node, Node) and worker.node.states.folder == tmp_path / "runs"
     assert Node({}).states.folder is None  # no worker: memory (the ClientApp hands Flower's)
+
+
+def test_two_spellings_of_one_run_id_are_one_run(tmp_path: Path) -> None:
+    states = RunStates(tmp_path / "runs")
+    first = states.get("7")
+    first["dp"] = MetricRecord({"steps": 10})
+    states.keep("7", first)
+    second = states.get("07")
+    assert steps(second) == 10
+    second["dp"] = MetricRecord({"steps": 20})
+    states.keep("07", second)
+    assert steps(states.get("7")) == 20 and states.runs() == ["7"]
+
+
+def test_without_a_worker_a_failed_round_leaves_flowers_state_as_it_was(tmp_path: Path) -> None:
+    """The ClientApp hands the Node a copy of context.state and writes it back only when the
+    round succeeded."""
+    from flwr.app import Context
+
+    import client_app
+
+    context = Context(
+        run_id=3, node_id=1, node_config={"partition-id": 0}, state=RecordDict(), run_config={}
+    )
+    context.state["dp"] = MetricRecord({"steps": 5})
+
+    class Failing:
+        def answer(self, content: RecordDict, *, node_state: RecordDict, **_: object) -> None:
+            node_state["dp"] = MetricRecord({"steps": 99})  # counted, then the round fails
+            raise RuntimeError("the round failed after its state changed")
+
+    key = repr(sorted((str(k), str(v)) for k, v in context.node_config.items()))
+    client_app.NODES[key] = Failing()  # type: ignore[assignment]
+    try:
+        with pytest.raises(RuntimeError):
+            client_app.train_here(RecordDict(), context)
+    finally:
+        client_app.NODES.pop(key)
+    assert steps(context.state) == 5

@@ -94,9 +94,9 @@ def test_grouping_makes_a_long_ledger_cheap() -> None:
 def test_the_accountant_steps_saves_and_refuses_another_mechanisms_state() -> None:
     accountant = Accountant()
     assert accountant.get_epsilon(1e-5) == 0.0
-    accountant.step(noise_multiplier=1.5, count=3)  # Gaussian: sample rate 1
-    accountant.step(noise_multiplier=2.0, sample_rate=0.1, count=100)  # DP-SGD steps
-    accountant.step(noise_multiplier=1.5)
+    accountant.step(kind="gaussian", noise_multiplier=1.5, count=3)
+    accountant.step(kind="dpsgd", noise_multiplier=2.0, sample_rate=0.1, count=100)
+    accountant.step(kind=GAUSSIAN, noise_multiplier=1.5)
     assert accountant.history == grouped(
         [
             Release(GAUSSIAN, 4, noise_multiplier=1.5),
@@ -115,7 +115,7 @@ def test_the_accountant_steps_saves_and_refuses_another_mechanisms_state() -> No
     with pytest.raises(ValueError, match="mechanism 'rdp'"):
         Accountant().load_state_dict(state)
     assert accountant.state_dict()["mechanism"] == MECHANISM
-    accountant.step(noise_multiplier=0.0)  # no noise: not private, the run's ε is infinite
+    accountant.step(kind=NONE)  # no noise: not private, the run's ε is infinite
     assert accountant.get_epsilon(1e-5) == math.inf
     assert epsilon(accountant.history, 1e-5) == value  # a ledger counts it apart
 
@@ -130,6 +130,47 @@ def test_local_dp_figures_are_the_accountants_and_tighter_than_renyi_dp() -> Non
     rdp.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(mu), k))
     assert ours < rdp.get_epsilon(1e-5)  # RDP's conversion to (ε, δ) is looser
     assert math.isinf(gaussian_epsilon({0.0: 1}, 1e-5)) and gaussian_epsilon({}, 1e-5) == 0.0
+
+
+def test_little_noise_is_accounted_in_bounded_memory_and_time_as_a_valid_upper_bound() -> None:
+    """A server chooses σ: DP-SGD steps of σ = 0.01 would need a PLD grid of gigabytes (the
+    reviewer's MemoryError under 1.5 GiB). They are bounded by the Gaussian without sampling."""
+    tick = time.perf_counter()
+    small = epsilon([Release(DPSGD, 1, noise_multiplier=0.01, sample_rate=1.0)], 1e-5)
+    assert small == gaussian_epsilon_of(0.01 / 2) and time.perf_counter() - tick < 2.0
+    # above the floor the PLD stays: q = 1 steps are exactly the Gaussian (within 0.1 %)
+    exact = epsilon([Release(DPSGD, 4, noise_multiplier=0.5, sample_rate=1.0)], 1e-5)
+    assert exact == pytest.approx(gaussian_epsilon_of(0.5 / 2 / 2), rel=2e-3)
+    # the bound is never below what the PLD gives where both run
+    sampled = Release(DPSGD, 10, noise_multiplier=0.12, sample_rate=0.1)
+    bound = gaussian_epsilon_of(0.12 / 2 / math.sqrt(10))
+    assert epsilon([sampled], 1e-5) <= bound
+
+
+def gaussian_epsilon_of(mu: float) -> float:
+    from car_fl.privacy.accountant import gaussian_epsilon
+
+    return gaussian_epsilon(mu, 1e-5)
+
+
+def test_extreme_multipliers_give_a_figure_or_a_clear_error_not_a_crash() -> None:
+    assert epsilon([Release(GAUSSIAN, 3, noise_multiplier=1e200)], 1e-5) == 0.0
+    assert epsilon([Release(GAUSSIAN, 3, noise_multiplier=1e-9)], 1e-5) == math.inf
+    for bad in (math.inf, math.nan):
+        with pytest.raises(ValueError, match=r"finite|> 0"):
+            Release(GAUSSIAN, 1, noise_multiplier=bad)
+
+
+def test_a_dpsgd_step_must_say_it_is_one() -> None:
+    """Opacus's step(noise_multiplier, sample_rate=1) read as a Gaussian release's μ would
+    credit twice the noise; the kind is required."""
+    accountant = Accountant()
+    with pytest.raises(TypeError):
+        accountant.step(noise_multiplier=1.0, sample_rate=1.0)  # type: ignore[call-arg]
+    accountant.step(kind="dpsgd", noise_multiplier=1.0, sample_rate=1.0)
+    assert accountant.get_epsilon(1e-5) == pytest.approx(
+        record_epsilon(sample_rate=1.0, noise_multiplier=1.0, steps=1, delta=1e-5)
+    )
 
 
 @pytest.mark.parametrize(
