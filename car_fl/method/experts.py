@@ -9,7 +9,8 @@ mean; ``group_gate`` per group in two-level mode):
 - a query goes to its ``route`` best experts by s_g·cos(f(q̂), gate) (``eval_route`` outside
   training; within its ``route_groups`` best groups); its documents in those experts get the
   document head's score s·cos(f(q̂), rowᵢ), the others -inf. All routed experts are scored in
-  one gather and one einsum (padded slot tables), no loop over experts. Cost per query:
+  one batched matmul, the (query, expert) pairs grouped by expert (:func:`score_by_expert`),
+  no loop over experts. Cost per query:
   (experts [or groups + route_groups · experts/groups] + route · documents/experts)·d
   multiply-adds instead of documents·d.
 - training adds the true document's expert to the routed ones (teacher forcing) and a gate
