@@ -263,10 +263,15 @@ class MixtureHead(DocumentHead):
             true = true.masked_fill((chosen == true).any(dim=1, keepdim=True), none)
             chosen = torch.cat([chosen, true], dim=1)
         chosen = chosen.masked_fill(~self.available_or_none[chosen], none)
-        rows = self.all_rows()[self.slots[:none]]  # (experts, width, d): each row once
         # the scale goes in before the -inf fill: its gradient would be 0 · -inf = NaN after it
-        scaled = self.scale * q
-        scores = score_by_expert(scaled, chosen, rows, self.slot_labels[:none], self.num_labels)
+        scores = score_by_expert(
+            self.scale * q,
+            chosen,
+            self.all_rows(),
+            self.slots[:none],
+            self.slot_labels[:none],
+            self.num_labels,
+        )
         if self.training:
             self.touched.update(int(c) for c in torch.unique(chosen).tolist() if c != none)
             scores = scores.masked_fill(~self.trained, float("-inf"))
@@ -330,21 +335,26 @@ def score_by_expert(
     q: torch.Tensor,
     chosen: torch.Tensor,
     rows: torch.Tensor,
+    slots: torch.Tensor,
     slot_labels: torch.Tensor,
     num_labels: int,
 ) -> torch.Tensor:
     """``(batch, num_labels)`` dot products of each query with the documents of its chosen
-    experts, -inf elsewhere. ``chosen`` ``(batch, route)`` holds expert ids (``len(rows)``: no
-    expert), ``rows`` ``(experts, width, d)`` each expert's document rows (padding: zero rows),
-    ``slot_labels`` ``(experts, width)`` their label ids (padding: ``num_labels``).
+    experts, -inf elsewhere. ``chosen`` ``(batch, route)`` holds expert ids (``len(slots)``: no
+    expert); ``rows`` ``(documents + 1, d)`` every document's row and a zero row last;
+    ``slots`` ``(experts, width)`` each expert's rows in ``rows`` (padding: the zero row) and
+    ``slot_labels`` their label ids (padding: ``num_labels``).
 
-    Written here because torch has no grouped matmul on CPU: the (query, expert) pairs are
-    sorted by expert into a padded ``(experts, most queries of one expert, d)`` block, so one
-    ``bmm`` scores them and no expert's rows are copied once per query (gathering them per
-    query, ``(batch, routed, width, d)``, took 2.6 GB and 18 s a step at 100,000 documents).
+    Written here because torch has no grouped matmul on CPU. The (query, expert) pairs are
+    grouped by expert, the experts put in buckets of similar load (up to 2^k queries), and
+    each bucket is one ``bmm`` of its queries against its experts' rows: only the experts some
+    query reached are read, each once per batch (gathering them once per query,
+    ``(batch, routed, width, d)``, took 2.6 GB and 18 s a step at 100,000 documents), and a
+    popular expert does not pad every other one to its load. The rows are gathered once and
+    split per bucket, so the backward pass writes their gradient once, not once per bucket.
     """
-    experts, width, dim = rows.shape
-    batch = len(q)
+    experts, width = slots.shape
+    batch, dim = q.shape
     pair_query = torch.arange(batch, device=q.device).repeat_interleave(chosen.shape[1])
     pair_expert = chosen.reshape(-1)
     keep = pair_expert < experts
@@ -352,17 +362,35 @@ def score_by_expert(
     scores = q.new_full((batch, num_labels + 1), float("-inf"))
     if len(pair_expert) == 0:
         return scores[:, :num_labels]
-    order = torch.argsort(pair_expert, stable=True)
+    counts = torch.bincount(pair_expert, minlength=experts)
+    used = torch.nonzero(counts).flatten()
+    level = torch.ceil(torch.log2(counts[used].to(torch.float64))).long()
+    used = used[torch.argsort(level, stable=True)]  # reached experts, bucket by bucket
+    level = torch.ceil(torch.log2(counts[used].to(torch.float64))).long()
+    rank = torch.empty(experts, dtype=torch.long, device=q.device)
+    rank[used] = torch.arange(len(used), device=q.device)
+    order = torch.argsort(rank[pair_expert], stable=True)  # pairs, bucket by bucket
     pair_query, pair_expert = pair_query[order], pair_expert[order]
-    # only the experts some query reached: an unreached one's rows (possibly never sent to
-    # this client) must not enter the product, not even as 0 · x in the backward pass
-    used, group = torch.unique_consecutive(pair_expert, return_inverse=True)
-    counts = torch.bincount(group, minlength=len(used))
-    starts = torch.cumsum(counts, 0) - counts
+    group = rank[pair_expert]  # the pair's expert's place among the reached ones
+    starts = torch.cumsum(counts[used], 0) - counts[used]
     position = torch.arange(len(group), device=q.device) - starts[group]
-    block = q.new_zeros(len(used), int(counts.max()), dim)
-    block = block.index_put((group, position), q[pair_query])
-    pair_scores = torch.bmm(block, rows[used].transpose(1, 2))[group, position]  # (pairs, w)
+    levels, experts_per_level = torch.unique_consecutive(level, return_counts=True)
+    pairs_per_level = torch.zeros_like(levels).index_add_(
+        0, torch.searchsorted(levels, level), counts[used]
+    )
+    reached = rows[slots[used]]  # (reached experts, width, d): one gather
+    pieces = torch.split(reached, experts_per_level.tolist())
+    first_expert, first_pair, products = 0, 0, []
+    for piece, n_experts, n_pairs in zip(
+        pieces, experts_per_level.tolist(), pairs_per_level.tolist(), strict=True
+    ):
+        span = slice(first_pair, first_pair + n_pairs)
+        slot, place = group[span] - first_expert, position[span]
+        most = int(counts[used[first_expert : first_expert + n_experts]].max())
+        block = q.new_zeros(n_experts, most, dim).index_put((slot, place), q[pair_query[span]])
+        products.append(torch.bmm(block, piece.transpose(1, 2))[slot, place])
+        first_expert, first_pair = first_expert + n_experts, first_pair + n_pairs
+    pair_scores = torch.cat(products)  # (pairs, width), bucket by bucket
     labels = slot_labels[pair_expert]  # (pairs, width); padding: num_labels
     query_index = pair_query[:, None].expand(-1, width)
     scores = scores.index_put((query_index, labels), pair_scores)
