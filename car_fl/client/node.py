@@ -34,7 +34,9 @@ each step names where its rule lives:
    :class:`car_fl.client.local_dp.LocalDPRound`, :class:`car_fl.client.record_dp.RecordDPRound`),
    functions of the configuration and the rounds trained only. The shard's size decides
    nothing: DP-SGD trains on at most ⌈1/δ⌉ − 1 examples (a fresh OS-random subset, so δ < 1/n
-   holds for what it trains on), and an empty shard takes noise-only steps. Every ε is the one
+   holds for what it trains on), an empty shard takes noise-only steps, and every step
+   divides by the public ``fl.max_examples_per_client`` (which a policy with
+   ``public-example-count`` demands under ``dp=record``). Every ε is the one
    accountant's (:class:`car_fl.privacy.accountant.Accountant`), as on the server and in the
    ledger.
 6. **The ledger** (:meth:`car_fl.client.node_privacy.NodePrivacy.spend`): the round is within
