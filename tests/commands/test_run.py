@@ -202,7 +202,14 @@ def test_ctrl_c_stops_the_run_in_one_line_with_exit_130_and_no_traceback_of_flwr
     env = {**os.environ, "FAKE_FLWR_DIR": str(tmp_path), "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-c", DRIVER, str(fake), str(PROJECT)]
     proc = subprocess.Popen(
-        command, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True
+        command,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        # as in a terminal: a suite started in the background (`cmd &` in a script) inherits
+        # SIGINT ignored, and this process would then never see the Ctrl-C
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         deadline = time.monotonic() + 120
