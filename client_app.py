@@ -48,19 +48,16 @@ def train(msg: Message, context: Context) -> Message:
 def train_here(content: RecordDict, context: Context) -> RecordDict:
     """The round in this process (imports torch and the model code: only here)."""
     from car_fl.client.node import Node
-    from car_fl.client.run_states import replace_contents
-    from car_fl.client.worker_link import decode_content, encode_content
+    from car_fl.client.run_states import working_copy
     from car_fl.common.logs import setup_logging
 
     setup_logging()
     key = repr(sorted((str(k), str(v)) for k, v in context.node_config.items()))
     node = NODES.get(key) or NODES.setdefault(key, Node(dict(context.node_config)))
-    state = decode_content(encode_content(context.state))  # a copy: kept if the round succeeds
-    reply = node.answer(
-        content,
-        run_config=context.run_config,
-        node_state=state,
-        run=str(context.run_id),
-    )
-    replace_contents(context.state, state)
-    return reply
+    with working_copy(context.state) as state:  # kept only if the round succeeds
+        return node.answer(
+            content,
+            run_config=context.run_config,
+            node_state=state,
+            run=str(context.run_id),
+        )

@@ -11,7 +11,7 @@ changes nothing. Where it lies:
   goes on where it was;
 - a node without one: in Flower's ``context.state`` of the message, which the SuperNode keeps
   per run and node (a ClientApp process lives for one message); the ClientApp hands a copy to
-  :meth:`car_fl.client.node.Node.answer` and writes it back (:func:`replace_contents`) only
+  :meth:`car_fl.client.node.Node.answer` and writes it back (:func:`working_copy`) only
   when the round succeeded.
 
 What the state holds is never trusted for privacy beyond the run: the node's lifetime ledger
@@ -20,6 +20,8 @@ What the state holds is never trusted for privacy beyond the run: the node's lif
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from flwr.app import RecordDict
@@ -37,12 +39,26 @@ def run_key(run: str | int) -> str:
     return str(int(run))
 
 
+def copy_of(state: RecordDict) -> RecordDict:
+    """An independent copy of a run's state (through its serialised form)."""
+    return decode_content(encode_content(state))
+
+
 def replace_contents(target: RecordDict, source: RecordDict) -> None:
     """Make ``target`` (Flower's ``context.state``) hold exactly ``source``'s records."""
     for key in list(target.keys()):
         del target[key]
     for key, record in source.items():
         target[key] = record
+
+
+@contextmanager
+def working_copy(state: RecordDict) -> Iterator[RecordDict]:
+    """A copy of ``state`` (Flower's ``context.state``) for a round, written back into it only
+    when the round's block ends without an exception."""
+    copy = copy_of(state)
+    yield copy
+    replace_contents(state, copy)
 
 
 class RunStates:
@@ -69,7 +85,7 @@ class RunStates:
                 if path is not None and path.is_file()
                 else RecordDict()
             )
-        return decode_content(encode_content(self._states[run]))
+        return copy_of(self._states[run])
 
     def keep(self, run: str, state: RecordDict) -> None:
         """The run's state after a round that succeeded."""
