@@ -16,8 +16,10 @@ Figures (each printed with what it is compared against, and its target on a 2-co
  6. bytes sent per client per round vs the trainable parameters' bytes
  7. accuracy, time and bytes with comm.dtype float32 vs float16
  8. (``--slm``) SmolLM2-135M and Gemma 3 270M (GGUF presets) and a random TinyLlama-shaped
-    Llama as the frozen encoder: adapter step vs forward, examples/s, peak RSS; bf16 and MFU on
-    CUDA (``--device cuda``)
+    Llama as the frozen encoder, in float32 and with ``model.dtype=auto`` side by side (which
+    dtype auto picked, and why): forward and adapter step on one batch, the product's feature
+    extraction (256 SMS) and adapter epoch (64 SMS), wall and CPU seconds, the speed-ups;
+    MFU on CUDA (``--device cuda``)
 On a CUDA device it also times adapter+classifier training of a randomly initialised
 TinyLlama-sized Llama (22 layers, hidden 2048) in bfloat16 on SMS-sized data.
 
@@ -76,6 +78,13 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     tick = time.perf_counter()
     out = fn()
     return time.perf_counter() - tick, out
+
+
+def timed_cpu(fn: Callable[[], Any]) -> tuple[float, float]:
+    """Wall and CPU seconds (this process, all its threads) of ``fn()``."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def rss_bytes() -> int:
@@ -215,15 +224,17 @@ def bench_step_vs_forward(
     step()
     fwd, stp = [], []
     for _ in range(repeats):
-        fwd.append(timed(forward)[0])
-        stp.append(timed(step)[0])
+        fwd.append(timed_cpu(forward))
+        stp.append(timed_cpu(step))
     frozen_grads = sum(p.grad is not None for p in model.encoder.parameters())
     return {
         "model": label,
         "batch": list(ids.shape),
-        "forward_seconds": statistics.median(fwd),
-        "step_seconds": statistics.median(stp),
-        "ratio": statistics.median(stp) / statistics.median(fwd),
+        "forward_seconds": statistics.median(w for w, _ in fwd),
+        "step_seconds": statistics.median(w for w, _ in stp),
+        "forward_cpu_seconds": statistics.median(c for _, c in fwd),
+        "step_cpu_seconds": statistics.median(c for _, c in stp),
+        "ratio": statistics.median(w for w, _ in stp) / statistics.median(w for w, _ in fwd),
         "frozen_weights_with_grad": frozen_grads,
     }
 
@@ -466,33 +477,46 @@ def tinyllama_shaped(vocab: int, device: torch.device, dtype: torch.dtype) -> An
     return LlamaModel(config).to(device=device, dtype=dtype)  # type: ignore[call-arg]
 
 
-def slm_encoder(name: str, device: str, minilm_dir: str) -> Any:
-    """A real small LM preset (``smollm2``, ``gemma3``), or a random TinyLlama-shaped Llama."""
+def slm_encoder(name: str, dtype: str, device: str, minilm_dir: str) -> Any:
+    """A real small LM preset (``smollm2``, ``gemma3``) in ``dtype`` (``auto``: the product's
+    choice), or a random TinyLlama-shaped Llama."""
     from car_fl.method.encoder import Encoder, load_encoder, pick_device, pick_dtype
     from car_fl.settings.schema import ModelConfig
 
     if name != "tinyllama-shape":
-        return load_encoder(load_settings([f"model={name}"]).model, device=device)
+        return load_encoder(
+            load_settings([f"model={name}", f"model.dtype={dtype}"]).model, device=device
+        )
     from transformers import AutoTokenizer
 
     target = pick_device(device)
-    dtype = pick_dtype("auto", target)
+    torch_dtype = pick_dtype(dtype, target)
     tokenizer = AutoTokenizer.from_pretrained(minilm_dir)  # a real subword vocabulary
-    llama = tinyllama_shaped(len(tokenizer), target, dtype)
-    cfg = ModelConfig(name=name, name_or_path="random", dtype=str(dtype).removeprefix("torch."))
+    llama = tinyllama_shaped(len(tokenizer), target, torch_dtype)
+    cfg = ModelConfig(
+        name=name, name_or_path="random", dtype=str(torch_dtype).removeprefix("torch.")
+    )
     return Encoder(llama, tokenizer, cfg)
 
 
-def bench_slm_one(name: str, texts: list[str], device: str, minilm_dir: str) -> dict[str, Any]:
-    """An adapter+classifier step against a forward on one batch of 16 SMS: seconds, the
-    ratio, examples per second, the process's peak memory and, on CUDA, MFU."""
-    encoder = slm_encoder(name, device, minilm_dir)
+def bench_slm_dtype(
+    name: str, dtype: str, batch: list[str], pool: list[str], device: str, minilm_dir: str
+) -> dict[str, Any]:
+    """One dtype of one model: the micro-benchmark (an adapter+classifier step against a
+    forward on one batch of 16 SMS) and the product's own paths (feature extraction over
+    ``pool``, length-bucketed, and an adapter epoch over its first 64 texts with
+    :func:`~car_fl.method.train.train_epoch`), wall and CPU seconds each."""
+    from car_fl.method.features import LocalData, extract_features
+    from car_fl.method.train import train_epoch
+
+    encoder = slm_encoder(name, dtype, device, minilm_dir)
     model = CaRRetriever(
         encoder, 2, head=load_settings([]).head, mode=Mode.ADAPTER_CLASSIFIER, device=encoder.device
     )
-    repeats = 3 if name == "tinyllama-shape" and encoder.device.type == "cpu" else 8
-    row = bench_step_vs_forward(model, texts, repeats=repeats, label=name)
-    tokens = sum(encoder.tokenize(texts).lengths())
+    on_cpu = encoder.device.type == "cpu"
+    repeats = 3 if name == "tinyllama-shape" and on_cpu else 6
+    row = bench_step_vs_forward(model, batch, repeats=repeats, label=name)
+    tokens = sum(encoder.tokenize(batch).lengths())
     params = sum(p.numel() for p in encoder.parameters())
     row.update(
         {
@@ -500,11 +524,27 @@ def bench_slm_one(name: str, texts: list[str], device: str, minilm_dir: str) -> 
             "dtype": str(encoder.dtype).removeprefix("torch."),
             "frozen_parameters": params,
             "tokens": tokens,
-            "forward_examples_per_second": len(texts) / row["forward_seconds"],
-            "step_examples_per_second": len(texts) / row["step_seconds"],
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "forward_examples_per_second": len(batch) / row["forward_seconds"],
+            "step_examples_per_second": len(batch) / row["step_seconds"],
         }
     )
+    if not (name == "tinyllama-shape" and on_cpu):  # a 1.1B model's epoch: GPU only
+        ids = encoder.tokenize(pool).input_ids
+
+        def extract() -> None:
+            extract_features(model.encode, encoder.pad, ids, batch_size=32, progress=False)
+
+        row["extract_texts"] = len(ids)
+        row["extract_seconds"], row["extract_cpu_seconds"] = timed_cpu(extract)
+        epoch_ids = ids[:64]
+        data = LocalData(labels=torch.arange(len(epoch_ids)) % 2, input_ids=epoch_ids)
+        optimizer = make_optimizer(model, load_settings([]).train)
+
+        def epoch() -> None:
+            train_epoch(model, data, optimizer, batch_size=16, seed=0, epoch=0, progress=False)
+
+        row["epoch_texts"] = len(epoch_ids)
+        row["epoch_seconds"], row["epoch_cpu_seconds"] = timed_cpu(epoch)
     if encoder.device.type == "cuda":
         gpu = torch.cuda.get_device_name()
         peak = next((v for k, v in GPU_PEAK.items() if k in gpu), None)
@@ -514,6 +554,45 @@ def bench_slm_one(name: str, texts: list[str], device: str, minilm_dir: str) -> 
         row["gpu"] = gpu
         row["step_mfu"] = flops / row["step_seconds"] / peak if peak else None
     return row
+
+
+def bench_slm_one(
+    name: str, batch: list[str], pool: list[str], device: str, minilm_dir: str
+) -> dict[str, Any]:
+    """float32 and ``model.dtype=auto`` side by side in one process, float32 first, each
+    model built, timed and freed in turn; which dtype ``auto`` picked and why; the ratios."""
+    import gc
+
+    from car_fl.method.encoder import dtype_choice, pick_device
+
+    chosen, why = dtype_choice("auto", pick_device(device))
+    rows = {}
+    for dtype in ("float32", "auto"):
+        rows[dtype] = bench_slm_dtype(name, dtype, batch, pool, device, minilm_dir)
+        gc.collect()
+    f32, auto = rows["float32"], rows["auto"]
+    speedups = {
+        key: f32[f"{key}_seconds"] / auto[f"{key}_seconds"]
+        for key in ("forward", "step", "extract", "epoch")
+        if f"{key}_seconds" in auto
+    }
+    cpu_speedups = {
+        key: f32[f"{key}_cpu_seconds"] / auto[f"{key}_cpu_seconds"]
+        for key in ("forward", "step", "extract", "epoch")
+        if f"{key}_cpu_seconds" in auto
+    }
+    return {
+        "model": name,
+        "auto_dtype": str(chosen).removeprefix("torch."),
+        "auto_reason": why,
+        "float32": f32,
+        "auto": auto,
+        "speedup_wall": speedups,
+        "speedup_cpu": cpu_speedups,
+        "torch_threads": torch.get_num_threads(),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "load_after": [round(x, 2) for x in os.getloadavg()],
+    }
 
 
 def bench_slm(data: Path, names: list[str], device: str) -> list[dict[str, Any]]:
@@ -534,20 +613,41 @@ def bench_slm(data: Path, names: list[str], device: str) -> list[dict[str, Any]]
     return rows
 
 
+#: Goals of the dtype choice on a CPU with native bf16 (issue: auto against float32).
+SLM_GOALS = {"step": 2.0, "epoch": 2.0, "forward": 3.0, "extract": 3.0}
+
+
 def print_slm(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         if "error" in r:
             print(f"8. {r['model']}: not measured ({r['error']})")
             continue
-        mfu = f", MFU {r['step_mfu']:.1%}" if r.get("step_mfu") else ""
+        f32, auto = r["float32"], r["auto"]
         print(
-            f"8. {r['model']} ({r['frozen_parameters'] / 1e6:.0f}M, {r['dtype']} on "
-            f"{r['device']}), batch {r['batch'][0]}x{r['batch'][1]}: step {r['step_seconds']:.3f}"
-            f" s vs forward {r['forward_seconds']:.3f} s = {r['ratio']:.2f}x "
-            f"({verdict('3_step_vs_forward', r['ratio'])}); {r['step_examples_per_second']:.1f}"
-            f" train / {r['forward_examples_per_second']:.1f} forward examples/s; peak RSS "
-            f"{r['peak_rss_bytes'] / 2**30:.2f} GiB{mfu}"
+            f"8. {r['model']} ({f32['frozen_parameters'] / 1e6:.0f}M on {f32['device']}, "
+            f"{r['torch_threads']} threads): auto = {r['auto_dtype']} ({r['auto_reason']}); "
+            f"peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB; load after {r['load_after']}"
         )
+        print(f"   {'':<34}{'float32':>16}{'auto':>16}{'speed-up':>20}")
+        for key, what in (
+            ("forward", f"forward, batch {f32['batch'][0]}x{f32['batch'][1]}"),
+            ("step", "adapter step, same batch"),
+            ("extract", f"feature extraction, {f32.get('extract_texts')} texts"),
+            ("epoch", f"adapter epoch, {f32.get('epoch_texts')} texts"),
+        ):
+            if f"{key}_seconds" not in auto:
+                continue
+            goal = SLM_GOALS[key]
+            wall, cpu = r["speedup_wall"][key], r["speedup_cpu"][key]
+            met = "met" if wall >= goal else "MISSED"
+            print(
+                f"   {what:<34}{f32[f'{key}_seconds']:>7.2f}s/{f32[f'{key}_cpu_seconds']:>5.1f}c"
+                f"{auto[f'{key}_seconds']:>8.2f}s/{auto[f'{key}_cpu_seconds']:>5.1f}c"
+                f"{wall:>7.2f}x wall {cpu:.2f}x cpu  (goal >= {goal}x: {met})"
+            )
+        mfu = auto.get("step_mfu")
+        if mfu:
+            print(f"   adapter step MFU ({auto['dtype']}, {auto['gpu']}): {mfu:.1%}")
 
 
 # --------------------------------------------------------------------------------- main
@@ -594,9 +694,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.slm_one or args.slm is not None:
         settings = load_settings(base_overrides(args.data, Path(tempfile.mkdtemp())))
         splits = load_splits(settings.dataset, seed=settings.seed)
-        batch = random.Random(1).sample(list(splits.train["text"]), 16)
+        texts = list(splits.train["text"])
+        batch = random.Random(1).sample(texts, 16)
+        pool = random.Random(2).sample(texts, 256)
         if args.slm_one:
-            row = bench_slm_one(args.slm_one, batch, args.device, settings.model.name_or_path)
+            row = bench_slm_one(args.slm_one, batch, pool, args.device, settings.model.name_or_path)
             print(json.dumps(row))
             return 0
         rows = bench_slm(args.data, args.slm or list(SLM_NAMES), args.device)

@@ -140,6 +140,30 @@ def test_an_untrained_start_is_selected_when_training_makes_validation_worse(
     assert mips["best"]["test_top1"] == pytest.approx(start["test_top1"])
 
 
+def test_patience_stops_training_once_validation_stops_improving(
+    make_corpus_settings, tmp_path: Path
+) -> None:
+    # The same wrecking learning rate: epoch 0 stays best, so patience 2 stops after epoch 2.
+    settings = make_corpus_settings(
+        "approach=document",
+        "train.epochs=6",
+        "train.lr=500",
+        "train.rows_lr=500",
+        "train.patience=2",
+    )
+    out = tmp_path / "run"
+    summary = run_centralized(settings, out)
+    history = json.loads((out / "metrics.json").read_text())["history"]
+    assert [row["round"] for row in history] == [1, 2]  # round 0 is the summary's initial
+    assert summary["best"]["round"] == 0 and summary["final"]["round"] == 2
+    assert summary["epochs"] == 2
+    improving = run_centralized(
+        make_corpus_settings("approach=document", "train.epochs=2", "train.patience=2"),
+        tmp_path / "improving",
+    )
+    assert improving["final"]["round"] == 2  # no stop before the ceiling without a stall
+
+
 @pytest.mark.slow
 def test_a_trained_head_is_selected_over_its_start_only_when_better_on_validation(
     make_settings, tmp_path: Path

@@ -129,6 +129,15 @@ def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any
             seconds=time.perf_counter() - tick,
         )
         recorder.record(row, model.trainable_state_dict())
+        if stalled(recorder, epoch + 1, settings.train.patience):
+            log.info(
+                "early stop after epoch %d: validation has not improved for %d epochs "
+                "(train.patience); best: epoch %d",
+                epoch + 1,
+                settings.train.patience,
+                recorder.best.round if recorder.best else 0,
+            )
+            break
 
     final, best = recorder.history[-1], recorder.best
     assert best is not None
@@ -138,7 +147,7 @@ def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any
         clients=1,
         mode=settings.train.mode,
         head=settings.head.kind,
-        epochs=epochs,
+        epochs=final.epochs,
         num_labels=len(names),
         initial=start_row.metrics,
         final=final,
@@ -162,6 +171,12 @@ def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any
         out,
     )
     return summary.to_dict()
+
+
+def stalled(recorder: Recorder, epoch: int, patience: int | None) -> bool:
+    """``patience`` epochs have passed since the epoch validation selected as best."""
+    best = recorder.best
+    return patience is not None and best is not None and epoch - best.round >= patience
 
 
 def check_no_dp(settings: Settings) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from car_fl.settings.schema import DEVICES, DTYPES, ModelConfig, Pooling, one_of
+from car_fl.settings.schema import DEVICES, DTYPES, FeatureNorm, ModelConfig, Pooling, one_of
 
 log = logging.getLogger(__name__)
 
@@ -46,17 +46,43 @@ def pick_device(requested: str = "auto") -> torch.device:
     return torch.device(requested)
 
 
-def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
-    """``auto``: bfloat16 on CUDA devices that support it, float16 on MPS, else float32."""
+#: CPU features with native bfloat16 matrix instructions, as ``torch.cpu.get_capabilities()``
+#: names them: AVX512-BF16 (Zen 4, Cooper Lake and later) and AMX-BF16 (Sapphire Rapids).
+NATIVE_BF16_CPU_FEATURES = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_bf16_features() -> list[str]:
+    """The native-bf16 features of this CPU that torch reports (empty: bf16 is emulated)."""
+    capabilities: dict[str, object] = getattr(torch.cpu, "get_capabilities", dict)()
+    return [name for name in NATIVE_BF16_CPU_FEATURES if capabilities.get(name)]
+
+
+def dtype_choice(requested: str, device: torch.device) -> tuple[torch.dtype, str]:
+    """The frozen model's dtype for ``requested`` on ``device``, and why, in a few words.
+
+    ``auto`` takes the device's fast path: bfloat16 on CUDA devices that support it (else
+    float16), float16 on MPS, bfloat16 on a CPU with native bf16 instructions, float32 on any
+    other CPU (emulated bf16 is slower than float32 there). Only the frozen weights take it:
+    what is trained (adapter, head, optimiser state) and the pooled features stay float32.
+    """
     one_of("model.dtype", requested, DTYPES)
-    if requested == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        if device.type == "mps":
-            return torch.float16
-        return torch.float32
-    dtype: torch.dtype = getattr(torch, requested)
-    return dtype
+    if requested != "auto":
+        dtype: torch.dtype = getattr(torch, requested)
+        return dtype, "as set by model.dtype"
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16, "auto: CUDA device with bf16"
+        return torch.float16, "auto: CUDA device without bf16"
+    if device.type == "mps":
+        return torch.float16, "auto: Apple MPS"
+    if device.type == "cpu" and (native := cpu_bf16_features()):
+        return torch.bfloat16, f"auto: the CPU has native bf16 ({', '.join(native)})"
+    return torch.float32, "auto: the CPU has no native bf16 (AVX512-BF16 or AMX)"
+
+
+def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
+    """The frozen model's dtype (:func:`dtype_choice` without its reason)."""
+    return dtype_choice(requested, device)[0]
 
 
 def _load_error(name: str, what: str, err: Exception) -> EncoderLoadError:
@@ -111,6 +137,8 @@ class Encoder(nn.Module):
         self._takes_position_ids = "position_ids" in params
         self._takes_use_cache = "use_cache" in params
         self.eos_id, self.append_eos = self._eos_policy()
+        if self.pooling is Pooling.LAST:  # the text's own last token: nothing appended
+            self.append_eos = False
         self.pad_id = self._pad_id()
 
     # ----------------------------------------------------------------------------- properties
@@ -150,16 +178,40 @@ class Encoder(nn.Module):
 
     def tokenize(self, texts: list[str], *, max_length: int | None = None) -> Tokenized:
         """Tokenize without padding, truncated to ``max_length`` (default: the model's
-        ``max_length``) including the EOS token."""
+        ``max_length``) including the EOS token and the ``model.prompt`` template's tokens
+        (the text is cut, never the template)."""
         max_length = max_length or self.cfg.max_length
         limit = max_length - 1 if self.append_eos else max_length
-        encoded = self.tokenizer(
-            list(texts), add_special_tokens=True, truncation=True, max_length=limit
-        )["input_ids"]
+        if self.cfg.prompt is None:
+            encoded = self.tokenizer(
+                list(texts), add_special_tokens=True, truncation=True, max_length=limit
+            )["input_ids"]
+        else:
+            encoded = self._templated(list(texts), limit)
         if self.append_eos:
             assert self.eos_id is not None
             encoded = [[*ids, self.eos_id] for ids in encoded]
         return Tokenized(input_ids=[list(ids) for ids in encoded])
+
+    def _templated(self, texts: list[str], limit: int) -> list[list[int]]:
+        """``model.prompt`` around each text: the special tokens the tokenizer adds to a
+        sequence, the template's tokens before and after the text, the text cut to fit."""
+        assert self.cfg.prompt is not None
+        before, after = self.cfg.prompt.split("{text}")
+        marker = self.tokenizer("", add_special_tokens=True)["input_ids"]
+        plain = self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+        head = self.tokenizer(before, add_special_tokens=False)["input_ids"] if before else []
+        tail = self.tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
+        # BERT-style tokenizers wrap a sequence ([CLS] ... [SEP]); Llama-style ones prefix BOS.
+        closing = [marker[-1]] if len(marker) > 1 else []
+        opening = marker[: len(marker) - len(closing)]
+        room = limit - len(opening) - len(head) - len(tail) - len(closing)
+        if room < 1:
+            raise ValueError(
+                f"model.prompt takes {limit - room} of model.max_length={limit} tokens, leaving "
+                "no room for the text; raise model.max_length or shorten the template"
+            )
+        return [[*opening, *head, *ids[:room], *tail, *closing] for ids in plain]
 
     def pad(self, batch: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Pad a batch of id lists to its own longest length: ``(batch, seq)`` ids and mask."""
@@ -196,33 +248,51 @@ class Encoder(nn.Module):
             kwargs["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         if self._takes_use_cache:
             kwargs["use_cache"] = False
+        if self.cfg.layer != -1:
+            kwargs["output_hidden_states"] = True
         out = self.model(**kwargs)
+        if self.cfg.layer != -1:
+            states = out.hidden_states
+            if not -len(states) <= self.cfg.layer < len(states):
+                raise ValueError(
+                    f"model.layer={self.cfg.layer} is out of range: {self.cfg.name_or_path} has "
+                    f"{len(states) - 1} blocks, so choose from {-len(states)} to "
+                    f"{len(states) - 1} (-1: the final layer)"
+                )
+            layer: torch.Tensor = states[self.cfg.layer]
+            return layer
         hidden: torch.Tensor = (
             out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         )
         return hidden
 
     def pool(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Final hidden states ``(batch, seq, hidden)`` → one vector per sequence."""
-        return pool(hidden, attention_mask, self.pooling)
+        """Final hidden states ``(batch, seq, hidden)`` → one float32 vector per sequence (a
+        bf16 or fp16 model's states are pooled in float32: features feed float32 heads),
+        scaled as ``model.normalize`` says."""
+        pooled = pool(hidden, attention_mask, self.pooling).float()
+        if self.cfg.normalize is FeatureNorm.L2:
+            pooled = torch.nn.functional.normalize(pooled, dim=-1)
+        return pooled
 
 
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: Pooling) -> torch.Tensor:
-    """``eos``: the hidden state of the last real token; ``mean``: masked mean over real tokens.
+    """``eos`` and ``last``: the hidden state of the last real token (an appended EOS, or the
+    text's own last token); ``mean``: masked mean over real tokens, summed in float32.
 
     Works for either padding side; padded positions are never read (``where`` rather than
     multiplication, so that non-finite values at padded positions cannot leak in).
     """
     mask = attention_mask.bool()
-    if pooling is Pooling.EOS:
+    if pooling in (Pooling.EOS, Pooling.LAST):
         positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
         last = torch.where(mask, positions, torch.full_like(positions, -1)).amax(dim=1)
         if bool((last < 0).any()):
             raise ValueError("a sequence in the batch has no real token (all-zero attention mask)")
         return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
     kept = torch.where(mask.unsqueeze(-1), hidden, torch.zeros_like(hidden))
-    counts = mask.sum(dim=1, keepdim=True).clamp(min=1).to(hidden.dtype)
-    return kept.sum(dim=1) / counts
+    counts = mask.sum(dim=1, keepdim=True).clamp(min=1).to(torch.float32)
+    return kept.sum(dim=1, dtype=torch.float32) / counts
 
 
 def shared_encoder(cfg: ModelConfig, *, device: str = "auto") -> Encoder:
@@ -253,7 +323,7 @@ def load_encoder(cfg: ModelConfig, *, device: str = "auto") -> Encoder:
     except GgufError as err:
         raise EncoderLoadError(str(err)) from err
     target = pick_device(device)
-    dtype = pick_dtype(cfg.dtype, target)
+    dtype, why = dtype_choice(cfg.dtype, target)
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             name, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
@@ -281,10 +351,11 @@ def load_encoder(cfg: ModelConfig, *, device: str = "auto") -> Encoder:
     LOAD_COUNT += 1
     frozen = sum(p.numel() for p in model.parameters())
     log.info(
-        "encoder %s loaded on %s in %s: hidden size %d, %s frozen parameters, pooling %s",
+        "encoder %s loaded on %s in %s (%s): hidden size %d, %s frozen parameters, pooling %s",
         cfg.name_or_path,
         target,
         str(dtype).removeprefix("torch."),
+        why,
         encoder.hidden_size,
         f"{frozen:,}",
         cfg.pooling,

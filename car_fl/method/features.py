@@ -124,6 +124,10 @@ def space_key(cfg: ModelConfig, *, device: str) -> str:
         "device_type": target.type,
         "pooling": cfg.pooling,
         "max_length": cfg.max_length,
+        # new keys only when set, so that the features cached before them stay found
+        **({"layer": cfg.layer} if cfg.layer != -1 else {}),
+        **({"prompt": cfg.prompt} if cfg.prompt is not None else {}),
+        **({"normalize": cfg.normalize} if cfg.normalize != "none" else {}),
     }
     return hashlib.sha256(json.dumps(header, sort_keys=True).encode()).hexdigest()[:32]
 

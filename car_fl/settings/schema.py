@@ -51,10 +51,27 @@ class Mode(Choice):
 
 
 class Pooling(Choice):
-    """How a sequence's final hidden states become one vector."""
+    """How a sequence's hidden states become one vector.
+
+    ``eos``: the state of an EOS token appended to every text (the method's choice for
+    generative LMs); ``last``: the state of the text's own last token, nothing appended (what
+    PromptEOL-style templates read); ``mean``: the masked mean over the real tokens.
+    """
 
     EOS = "eos"
+    LAST = "last"
     MEAN = "mean"
+
+
+class FeatureNorm(Choice):
+    """What each pooled vector is divided by, per example (nothing about other records).
+
+    ``l2``: its Euclidean norm, so every feature has norm 1 (a linear head and DP clipping see
+    one scale whatever a model's few very large dimensions do).
+    """
+
+    NONE = "none"
+    L2 = "l2"
 
 
 class DPMode(Choice):
@@ -403,6 +420,15 @@ class ModelConfig:
     revision: str | None = None
     dtype: str = "auto"
     pooling: Pooling = Pooling.EOS
+    #: Which hidden layer is pooled: -1 the final one (after the model's last norm), 0 the
+    #: embeddings, k the output of block k; negative counts from the end, as in Python.
+    layer: int = -1
+    #: A template around every text the encoder reads (queries and documents alike), with
+    #: ``{text}`` where the text goes, e.g. PromptEOL's
+    #: ``This sentence : "{text}" means in one word:"`` (with ``pooling: last``); null: none.
+    prompt: str | None = None
+    #: Per-example scaling of the pooled vector (:class:`FeatureNorm`).
+    normalize: FeatureNorm = FeatureNorm.NONE
     max_length: int = 128
     #: Token limit of document texts (document heads, MIPS over a corpus); null: max_length.
     document_max_length: int | None = None
@@ -412,6 +438,12 @@ class ModelConfig:
     def __post_init__(self) -> None:
         one_of("model.dtype", self.dtype, DTYPES)
         self.pooling = Pooling.parse("model.pooling", self.pooling)
+        self.normalize = FeatureNorm.parse("model.normalize", self.normalize)
+        if self.prompt is not None and self.prompt.count("{text}") != 1:
+            raise ValueError(
+                f"model.prompt={self.prompt!r} must hold {{text}} exactly once (where the text "
+                'goes), e.g. \'This sentence : "{text}" means in one word:"\''
+            )
         one_of("model.padding_side", self.padding_side, PADDING_SIDES)
         if self.max_length < 2:
             raise ValueError(f"model.max_length must be >= 2, got {self.max_length}")
@@ -496,9 +528,15 @@ class TrainConfig:
     momentum: float = 0.0
     eval_batch_size: int = 64
     feature_batch_size: int = 32
+    #: Centralised training stops once this many epochs in a row have not improved the
+    #: validation metric that selects the best epoch (``train.epochs`` is then a ceiling);
+    #: null: every epoch runs.
+    patience: int | None = None
 
     def __post_init__(self) -> None:
         self.mode = Mode.parse("train.mode", self.mode)
+        if self.patience is not None and self.patience < 1:
+            raise ValueError(f"train.patience must be >= 1 or null, got {self.patience}")
         self.optimizer = OptimizerKind.parse("train.optimizer", self.optimizer)
         for key in ("epochs", "batch_size", "eval_batch_size", "feature_batch_size"):
             if getattr(self, key) < 1:

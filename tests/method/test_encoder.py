@@ -7,9 +7,24 @@ from pathlib import Path
 import pytest
 import torch
 
-from car_fl.method.encoder import EncoderLoadError, load_encoder, pick_device, pick_dtype, pool
+from car_fl.method.encoder import (
+    EncoderLoadError,
+    dtype_choice,
+    load_encoder,
+    pick_device,
+    pick_dtype,
+    pool,
+)
 from car_fl.method.model import CaRRetriever
-from car_fl.settings.schema import HeadConfig, Mode, ModelConfig, Pooling
+from car_fl.method.train import make_optimizer
+from car_fl.settings.schema import (
+    HeadConfig,
+    Mode,
+    ModelConfig,
+    OptimizerKind,
+    Pooling,
+    TrainConfig,
+)
 
 
 def cfg(path: Path, **kw: object) -> ModelConfig:
@@ -113,9 +128,60 @@ def test_unreachable_hub_model_error_names_both_offline_fixes() -> None:
         load_encoder(bad, device="cpu")
 
 
+@pytest.fixture
+def native_bf16_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU that torch says runs bf16 natively (AVX512-BF16), whatever this one is."""
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx512_bf16": True, "avx2": True})
+
+
+@pytest.fixture
+def emulated_bf16_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An AVX2/AVX512 CPU without bf16 instructions."""
+    caps = {"avx512_bf16": False, "amx_bf16": False, "avx512_f": True, "avx2": True}
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: caps)
+
+
+def test_auto_takes_bf16_on_a_cpu_with_native_bf16_and_says_why(native_bf16_cpu: None) -> None:
+    dtype, why = dtype_choice("auto", torch.device("cpu"))
+    assert dtype is torch.bfloat16 and "avx512_bf16" in why
+
+
+def test_auto_falls_back_to_float32_on_a_cpu_without_native_bf16(emulated_bf16_cpu: None) -> None:
+    dtype, why = dtype_choice("auto", torch.device("cpu"))
+    assert dtype is torch.float32 and "no native bf16" in why
+    assert dtype_choice("bfloat16", torch.device("cpu")) == (
+        torch.bfloat16,
+        "as set by model.dtype",
+    )
+
+
+def test_auto_on_a_native_bf16_cpu_keeps_every_trained_tensor_float32(
+    tiny_llama: Path, native_bf16_cpu: None
+) -> None:
+    encoder = load_encoder(cfg(tiny_llama, dtype="auto"), device="cpu")
+    assert encoder.dtype is torch.bfloat16  # the frozen weights take the fast path
+    head = HeadConfig(pre_classifier_dim=8)
+    model = CaRRetriever(encoder, 2, head=head, mode=Mode.ADAPTER_CLASSIFIER)
+    optimizer = make_optimizer(model, TrainConfig(optimizer=OptimizerKind.ADAM, lr=1e-3))
+    ids, mask = encoder.pad(encoder.tokenize(["w1 w2 w3", "k1"]).input_ids)
+    features = model.encode(ids, mask)
+    assert features.dtype is torch.float32  # pooled in float32, cached and clipped as such
+    _, loss = model(ids, mask, labels=torch.tensor([0, 1]))
+    assert loss is not None
+    loss.backward()
+    optimizer.step()
+    trained = model.trainable_parameters()
+    assert "adapter.weight" in trained and len(trained) >= 3
+    for name, param in trained.items():
+        assert param.dtype is torch.float32, name
+        assert param.grad is not None and param.grad.dtype is torch.float32, name
+        assert all(v.dtype is torch.float32 for v in optimizer.state[param].values() if v.dim())
+    assert not torch.equal(trained["adapter.weight"], torch.eye(encoder.hidden_size))
+
+
 def test_device_and_dtype_selection() -> None:
     assert pick_device("cpu").type == "cpu"
-    assert pick_dtype("auto", torch.device("cpu")) is torch.float32
+    assert pick_dtype("float32", torch.device("cpu")) is torch.float32
     assert pick_dtype("bfloat16", torch.device("cpu")) is torch.bfloat16
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
@@ -130,3 +196,57 @@ def test_bfloat16_encoder_runs_and_pools(tiny_llama: Path) -> None:
     logits, _ = model(ids, mask)
     assert logits.dtype is torch.float32 and torch.isfinite(logits).all()
     assert model.adapter.weight.dtype is torch.float32
+
+
+def test_last_pooling_appends_nothing_and_reads_the_texts_own_last_token(tiny_llama: Path) -> None:
+    eos = load_encoder(cfg(tiny_llama, pooling="eos"), device="cpu")
+    last = load_encoder(cfg(tiny_llama, pooling="last"), device="cpu")
+    raw = last.tokenizer("w1 w2", add_special_tokens=True)["input_ids"]
+    assert last.tokenize(["w1 w2"]).input_ids == [raw]
+    assert eos.tokenize(["w1 w2"]).input_ids == [[*raw, eos.eos_id]]
+    hidden = torch.arange(6, dtype=torch.float32).view(1, 3, 2)
+    assert pool(hidden, torch.tensor([[1, 1, 0]]), Pooling.LAST).tolist() == [[2.0, 3.0]]
+
+
+def test_a_prompt_template_wraps_the_text_and_cuts_the_text_never_the_template(
+    tiny_llama: Path,
+) -> None:
+    prompt = 'This sentence : "{text}" means in one word:"'
+    encoder = load_encoder(cfg(tiny_llama, pooling="last", prompt=prompt), device="cpu")
+    tok = encoder.tokenizer
+    before = tok('This sentence : "', add_special_tokens=False)["input_ids"]
+    after = tok('" means in one word:"', add_special_tokens=False)["input_ids"]
+    text = tok("w1 w2 w3", add_special_tokens=False)["input_ids"]
+    bos = tok("", add_special_tokens=True)["input_ids"]
+    assert encoder.tokenize(["w1 w2 w3"]).input_ids == [[*bos, *before, *text, *after]]
+    budget = len(bos) + len(before) + len(after) + 2
+    (cut,) = encoder.tokenize(["w1 w2 w3 w4 w5"], max_length=budget).input_ids
+    assert len(cut) == budget and cut[-len(after) :] == after
+    with pytest.raises(ValueError, match="no room for the text"):
+        encoder.tokenize(["w1"], max_length=budget - 2)
+
+
+def test_a_prompt_without_exactly_one_text_slot_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"model.prompt=.*\{text\} exactly once"):
+        ModelConfig(prompt="no slot here")
+
+
+def test_a_chosen_layer_is_pooled_and_an_impossible_one_is_named(tiny_llama: Path) -> None:
+    first = load_encoder(cfg(tiny_llama, layer=0, pooling="mean"), device="cpu")
+    ids, mask = first.pad(first.tokenize(["w1 w2 w3"]).input_ids)
+    with torch.no_grad():
+        embeddings = first.embed(ids)
+        assert torch.equal(first.transform(embeddings, mask), embeddings)  # layer 0: TKN
+        final = load_encoder(cfg(tiny_llama, pooling="mean"), device="cpu")
+        assert not torch.equal(final.transform(embeddings, mask), embeddings)
+    wrong = load_encoder(cfg(tiny_llama, layer=99), device="cpu")
+    with pytest.raises(ValueError, match=r"model.layer=99 is out of range.*2 blocks"):
+        wrong.transform(embeddings, mask)
+
+
+def test_l2_normalised_features_have_unit_norm_whatever_the_model_scale(tiny_llama: Path) -> None:
+    encoder = load_encoder(cfg(tiny_llama, normalize="l2", pooling="mean"), device="cpu")
+    ids, mask = encoder.pad(encoder.tokenize(["w1 w2 w3", "k1", "w4 w5"]).input_ids)
+    with torch.no_grad():
+        pooled = encoder.pool(encoder.transform(encoder.embed(ids) * 1e3, mask), mask)
+    torch.testing.assert_close(pooled.norm(dim=-1), torch.ones(3))

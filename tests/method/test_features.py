@@ -142,3 +142,24 @@ def test_training_features_are_the_training_split_with_the_given_label_ids(
         *model.encoder.pad(model.encoder.tokenize([splits.train["text"][0]]).input_ids)
     )
     torch.testing.assert_close(data.features[0], first[0].detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_every_setting_that_changes_a_feature_changes_its_space() -> None:
+    import dataclasses
+
+    from car_fl.method.features import space_key
+    from car_fl.settings.schema import ModelConfig
+
+    base = ModelConfig(name="local", name_or_path="/nowhere", dtype="float32")
+    changes: dict[str, Any] = {
+        "pooling": "mean",
+        "layer": 3,
+        "prompt": 'This sentence : "{text}" means in one word:"',
+        "normalize": "l2",
+        "max_length": 64,
+        "dtype": "bfloat16",
+    }
+    keys = {space_key(base, device="cpu")}
+    for field, value in changes.items():
+        keys.add(space_key(dataclasses.replace(base, **{field: value}), device="cpu"))
+    assert len(keys) == 1 + len(changes)
