@@ -556,6 +556,27 @@ def bench_slm_dtype(
     return row
 
 
+MATMUL_REPEATS = 40
+
+
+def matmul_ceiling(device: str) -> dict[str, float]:
+    """GFLOP/s of one frozen-layer-shaped matmul (816 tokens x 576 -> 1536, SmolLM2's MLP) in
+    float32 and in the dtype ``auto`` picks: the most a dtype can speed a matmul-bound pass."""
+    from car_fl.method.encoder import pick_device, pick_dtype
+
+    target = pick_device(device)
+    out = {}
+    for dtype in {torch.float32, pick_dtype("auto", target)}:
+        a = torch.randn(816, 576, dtype=dtype, device=target)
+        w = torch.randn(1536, 576, dtype=dtype, device=target)
+        for _ in range(3):
+            a @ w.T
+        wall, _ = timed_cpu(lambda a=a, w=w: [a @ w.T for _ in range(MATMUL_REPEATS)])
+        flops = 2 * 816 * 576 * 1536 * MATMUL_REPEATS
+        out[str(dtype).removeprefix("torch.")] = flops / wall / 1e9
+    return out
+
+
 def bench_slm_one(
     name: str, batch: list[str], pool: list[str], device: str, minilm_dir: str
 ) -> dict[str, Any]:
@@ -589,6 +610,7 @@ def bench_slm_one(
         "auto": auto,
         "speedup_wall": speedups,
         "speedup_cpu": cpu_speedups,
+        "matmul_gflops": matmul_ceiling(device),
         "torch_threads": torch.get_num_threads(),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "load_after": [round(x, 2) for x in os.getloadavg()],
@@ -644,6 +666,14 @@ def print_slm(rows: list[dict[str, Any]]) -> None:
                 f"   {what:<34}{f32[f'{key}_seconds']:>7.2f}s/{f32[f'{key}_cpu_seconds']:>5.1f}c"
                 f"{auto[f'{key}_seconds']:>8.2f}s/{auto[f'{key}_cpu_seconds']:>5.1f}c"
                 f"{wall:>7.2f}x wall {cpu:.2f}x cpu  (goal >= {goal}x: {met})"
+            )
+        gflops = r.get("matmul_gflops", {})
+        if len(gflops) == 2:
+            f32_rate, auto_rate = gflops["float32"], gflops[r["auto_dtype"]]
+            print(
+                f"   one layer's matmul: {f32_rate:.0f} GFLOP/s in float32, {auto_rate:.0f} in "
+                f"{r['auto_dtype']} = {auto_rate / f32_rate:.2f}x, the ceiling of a "
+                "matmul-bound pass"
             )
         mfu = auto.get("step_mfu")
         if mfu:

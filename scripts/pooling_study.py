@@ -1,8 +1,8 @@
 """Which pooling fits a model and a task: CaR (a head on cached features) per pooling variant.
 
     python scripts/pooling_study.py --model smollm2 --task sms --out docs/results/pooling
-    python scripts/pooling_study.py --model gemma3 --task arxiv --max-examples 2000 --out ...
-    python scripts/pooling_study.py --model smollm2 --task sms --only eos mean  # some variants
+    python scripts/pooling_study.py --model gemma3 --task arxiv --out docs/results/pooling
+    python scripts/pooling_study.py --model smollm2 --task sms --only eos mean --set seed=1
 
 Every variant is a real centralised run of the product (``car_fl.method.centralized``, the code
 ``car-fl train`` runs) with ``approach=car`` and its ``model.*`` overrides, so a row is
@@ -75,7 +75,7 @@ def run_variant(
         f"model={model}",
         *[o.replace("MIDDLE", str(MIDDLE[model])) for o in VARIANTS[name]],
         *[o for o in task_overrides(task, data, args.max_examples) if o != "dataset=arxiv"],
-        "approach=car",
+        f"approach={args.approach}",
         f"train.epochs={args.epochs}",
         f"train.batch_size={args.batch_size}",
         f"train.lr={args.lr}",
@@ -91,7 +91,7 @@ def run_variant(
     after = resource.getrusage(resource.RUSAGE_SELF)
     best = summary["best"]
     return {
-        "variant": name,
+        "variant": name + (f" {args.tag}" if args.tag else ""),
         "model": model,
         "task": task,
         "command": "car-fl train " + " ".join(overrides),
@@ -137,9 +137,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--approach", default="car", help="car (default), adapter_car, ...")
+    parser.add_argument("--tag", default="", help="a name for these rows (e.g. the lr tried)")
     parser.add_argument("--only", nargs="+", choices=sorted(VARIANTS), help="these variants")
     parser.add_argument("--out", type=Path, default=Path("pooling-study"))
-    parser.add_argument("overrides", nargs="*", help="more KEY=VALUE settings for every row")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one more setting for every row (repeatable)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     data = args.data or DATA[args.task]
@@ -158,7 +167,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"load {row['load']}",
                 flush=True,
             )
-    stem = args.out / f"{args.task}-{args.model}"
+    stem = (
+        args.out
+        / f"{args.task}-{args.model}{'-' + args.approach if args.approach != 'car' else ''}"
+    )
     existing = (
         json.loads(stem.with_suffix(".json").read_text())
         if stem.with_suffix(".json").exists()

@@ -165,6 +165,27 @@ def test_patience_stops_training_once_validation_stops_improving(
 
 
 @pytest.mark.slow
+def test_probing_starts_the_adapter_from_the_head_car_trains_on_the_same_features(
+    make_settings, tmp_path: Path
+) -> None:
+    common = ("model.dtype=float32", "train.lr=0.01", "train.batch_size=16")
+    car = run_centralized(
+        make_settings("approach=car", "train.epochs=2", *common), tmp_path / "car"
+    )
+    probed = run_centralized(
+        make_settings("approach=adapter_car", "train.epochs=1", "train.probe_epochs=2", *common),
+        tmp_path / "probed",
+    )
+    plain = run_centralized(
+        make_settings("approach=adapter_car", "train.epochs=1", *common), tmp_path / "plain"
+    )
+    # the adapter run's starting point is CaR's head after the same two epochs
+    assert probed["initial"]["val_top1"] == pytest.approx(car["final"]["val_top1"])
+    assert probed["initial"]["test_loss"] == pytest.approx(car["final"]["test_loss"], rel=1e-4)
+    assert probed["initial"]["test_loss"] != pytest.approx(plain["initial"]["test_loss"])
+
+
+@pytest.mark.slow
 def test_a_trained_head_is_selected_over_its_start_only_when_better_on_validation(
     make_settings, tmp_path: Path
 ) -> None:

@@ -33,7 +33,15 @@ from car_fl.privacy.adaptive import (
     smoothed_norm,
     update_noise_multiplier,
 )
-from car_fl.privacy.mechanism import State, check_finite, difference, flat_norm, privatize
+from car_fl.privacy.mechanism import (
+    Part,
+    State,
+    check_finite,
+    difference,
+    flat_norm,
+    privatize,
+    privatize_parts,
+)
 from car_fl.privacy.noise import gaussian_like, secure_generator
 from car_fl.settings.dp_plan import (
     accounted_examples,
@@ -48,6 +56,8 @@ from car_fl.settings.schema import AdaptiveRule, DPConfig, DPMode, Granularity, 
 log = logging.getLogger(__name__)
 
 STATE_KEY = "dp-state"
+#: The adapter's tensors (``dp.adapter_clip`` clips them apart from the head's).
+ADAPTER_PREFIX = "adapter."
 
 
 @dataclass
@@ -171,7 +181,9 @@ class ClientPrivacy:
     def release(
         self, before: State, after: State, *, server_round: int, step: int = 0
     ) -> dict[str, torch.Tensor]:
-        """Clip θᵢ − θ to the current bound, add noise, account, then adapt the bound.
+        """Clip θᵢ − θ to the current bound, add noise, account, then adapt the bound. With
+        ``dp.adapter_clip`` the adapter and the head are clipped and noised as two parts
+        (:meth:`parts`); the adaptive bound follows the head's norm.
 
         An update with NaN or inf is released as a zero update (θ plus noise): failing the
         round instead would tell the server something about the data.
@@ -187,12 +199,19 @@ class ClientPrivacy:
         # fixed: this run's dp.clip, never a bound kept from an earlier configuration (the noise
         # is σ·dp.clip); adaptive: the bound the private rule has reached
         bound = self.cfg.clip if self.mode is DPMode.FIXED else self.state.clip
-        norm = flat_norm(delta)
+        parts = self.parts(delta, bound)
+        head = parts[-1].names if parts else tuple(delta)
+        norm = flat_norm({k: delta[k] for k in head})  # what the adaptive bound follows
         std = self.noise_std(norm)
         self.check_target()
-        released, _ = privatize(
-            before, after, bound=bound, std=std, generator=self.generator, delta=delta
-        )
+        if parts:
+            released = privatize_parts(
+                before, after, self.scaled(parts, std), generator=self.generator, delta=delta
+            )
+        else:
+            released, _ = privatize(
+                before, after, bound=bound, std=std, generator=self.generator, delta=delta
+            )
         self.count()
         if self.mode is DPMode.ADAPTIVE:
             self.state.clip = self.next_clip(bound, norm)
@@ -207,6 +226,31 @@ class ClientPrivacy:
             std,
         )
         return released
+
+    def parts(self, delta: State, bound: float) -> list[Part]:
+        """With ``dp.adapter_clip``, the adapter (and the rest, the head, last) as parts
+        clipped on their own; none (one joint release at dp.clip) otherwise."""
+        adapter = tuple(k for k in delta if k.startswith(ADAPTER_PREFIX))
+        rest = tuple(k for k in delta if not k.startswith(ADAPTER_PREFIX))
+        if self.cfg.adapter_clip is None or not adapter:
+            return []
+        head = [Part(rest, bound, 0.0)] if rest else []
+        return [Part(adapter, self.cfg.adapter_clip, 0.0), *head]
+
+    def scaled(self, parts: list[Part], head_std: float) -> list[Part]:
+        """Each part's noise: the update's multiplier z over the square root of its share of
+        the budget (all of it for an adapter sent alone), times its bound (the head's std
+        from :meth:`noise_std`, which the adaptive noise rules set), so that Σ z_g⁻² = z⁻²:
+        the ε of one joint release."""
+        z = self.cfg.noise_multiplier if self.mode is DPMode.FIXED else (self.z_delta or 0.0)
+        adapter, *head = parts
+        if not head:
+            return [Part(adapter.names, adapter.bound, z * adapter.bound)]
+        share = self.cfg.adapter_share
+        return [
+            Part(adapter.names, adapter.bound, z * adapter.bound / math.sqrt(share)),
+            Part(head[0].names, head[0].bound, head_std / math.sqrt(1.0 - share)),
+        ]
 
     def noised_indicator(self, norm: float, bound: float) -> float:
         """b̃ᵢ = 1[‖Δ‖ ≤ Cᵢ] + N(0, σ_b²), the noise from OS entropy."""

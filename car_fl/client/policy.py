@@ -151,6 +151,8 @@ class NodePolicy:
             )
         if dp.clip > self.max_clip:
             found.append(f"dp.clip={dp.clip:g} is above max-clip {self.max_clip:g}")
+        if dp.adapter_clip is not None and dp.adapter_clip > self.max_clip:
+            found.append(f"dp.adapter_clip={dp.adapter_clip:g} is above max-clip {self.max_clip:g}")
         if dp.delta > self.max_delta:
             found.append(f"dp.delta={dp.delta:g} is above max-delta {self.max_delta:g}")
         if dp.warmup_rounds and not self.allow_warmup:

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from car_fl.common.io import atomic_write_text
 from car_fl.data.splits import load_splits
 from car_fl.method.evaluation import HeldOut, LazyRetriever
-from car_fl.method.features import prepare_for
-from car_fl.method.model import build_retriever
+from car_fl.method.features import FeatureCache, prepare_data, prepare_for
+from car_fl.method.model import CaRRetriever, build_retriever
 from car_fl.method.serving import checkpoint_extra
 from car_fl.method.sources import check_sources
 from car_fl.method.train import make_optimizer, train_epoch
@@ -27,7 +28,7 @@ from car_fl.results.plots import data_label
 from car_fl.results.recorder import Recorder
 from car_fl.results.rows import RoundRow, RunSummary
 from car_fl.settings.compose import settings_to_yaml
-from car_fl.settings.schema import DPMode, HeadKind, Settings, trains_nothing
+from car_fl.settings.schema import DPMode, HeadKind, Mode, Settings, trains_nothing
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,8 @@ def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any
     if model.kind is HeadKind.KNN:
         assert train_data is not None and train_data.features is not None
         model.set_memory(train_data.features, train_data.labels)
+    if settings.train.probe_epochs and model.mode is Mode.ADAPTER_CLASSIFIER:
+        probe_head(settings, model, splits.train["text"], splits.train["label"])
     feature_seconds = time.perf_counter() - start
     recorder = Recorder(
         settings=settings,
@@ -171,6 +174,43 @@ def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any
         out,
     )
     return summary.to_dict()
+
+
+def probe_head(
+    settings: Settings, model: CaRRetriever, texts: Sequence[str], labels: Sequence[int]
+) -> None:
+    """Linear probing before fine-tuning: ``train.probe_epochs`` epochs of the head alone on
+    the frozen features of the training texts (the identity adapter changes nothing; the
+    features come from the cache CaR runs fill), with an optimiser of its own."""
+    data = prepare_data(
+        texts,
+        labels,
+        mode=Mode.CLASSIFIER,
+        model_cfg=settings.model,
+        device=settings.device,
+        get_model=lambda: model,
+        cache=FeatureCache(settings.cache_dir),
+        batch_size=settings.train.feature_batch_size,
+        progress=settings.progress,
+        desc="probe features",
+    )
+    optimizer = make_optimizer(model, settings.train)
+    for epoch in range(settings.train.probe_epochs):
+        result = train_epoch(
+            model,
+            data,
+            optimizer,
+            batch_size=settings.train.batch_size,
+            seed=settings.seed,
+            epoch=epoch,
+            progress=settings.progress,
+            desc=f"probe {epoch + 1}",
+        )
+    log.info(
+        "probed the head for %d epochs on frozen features (train loss %.4f)",
+        settings.train.probe_epochs,
+        result.loss,
+    )
 
 
 def stalled(recorder: Recorder, epoch: int, patience: int | None) -> bool:

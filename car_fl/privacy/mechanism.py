@@ -1,14 +1,16 @@
 """The local DP mechanism as pure functions of tensors: norms, clipping, the noised release.
 
-Send θ + min(1, C/‖Δ‖)·Δ + N(0, s²·I), with Δ = θᵢ − θ over all sent tensors together. The
-noise comes from :mod:`car_fl.privacy.noise` (OS entropy, on the tensors' device and dtype).
-The adaptive rules for C live in :mod:`car_fl.privacy.adaptive`.
+Send θ + min(1, C/‖Δ‖)·Δ + N(0, s²·I), with Δ = θᵢ − θ over all sent tensors together, or
+part by part (:func:`privatize_parts`: each part with its own bound and noise, e.g. the
+adapter and the head). The noise comes from :mod:`car_fl.privacy.noise` (OS entropy, on the
+tensors' device and dtype). The adaptive rules for C live in :mod:`car_fl.privacy.adaptive`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -80,3 +82,45 @@ def privatize(
         noise = gaussian_like(released, std=std, generator=generator)
         released = {k: v + noise[k] for k, v in released.items()}
     return released, norm
+
+
+@dataclass(frozen=True)
+class Part:
+    """Tensors clipped together to ``bound`` and noised with ``std`` per coordinate."""
+
+    names: tuple[str, ...]
+    bound: float
+    std: float
+
+
+def privatize_parts(
+    before: State,
+    after: State,
+    parts: Sequence[Part],
+    *,
+    generator: torch.Generator | None = None,
+    delta: State | None = None,
+) -> dict[str, torch.Tensor]:
+    """:func:`privatize` of each part on its own: its Δ clipped to its bound, its noise.
+
+    The parts must cover every tensor exactly once. Releasing parts with multipliers z_g
+    (std z_g·C_g, sensitivity 2C_g each) is one Gaussian release of multiplier z with
+    z⁻² = Σ z_g⁻² (:func:`car_fl.privacy.accountant.combined_multiplier`).
+    """
+    delta = delta if delta is not None else difference(after, before)
+    named = [name for part in parts for name in part.names]
+    if sorted(named) != sorted(before):
+        raise ValueError(f"parts {named} do not cover the tensors {sorted(before)} once each")
+    released: dict[str, torch.Tensor] = {}
+    for part in parts:
+        subset = {k: before[k] for k in part.names}
+        out, _ = privatize(
+            subset,
+            {k: after[k] for k in part.names},
+            bound=part.bound,
+            std=part.std,
+            generator=generator,
+            delta={k: delta[k] for k in part.names},
+        )
+        released.update(out)
+    return {k: released[k] for k in before}

@@ -532,9 +532,16 @@ class TrainConfig:
     #: validation metric that selects the best epoch (``train.epochs`` is then a ceiling);
     #: null: every epoch runs.
     patience: int | None = None
+    #: adapter+classifier, centralised: first train the head alone for this many epochs on
+    #: the frozen features (cached, as CaR does), then the adapter and that head together
+    #: (linear probing, then fine-tuning: Kumar et al., 2022). The probed head is the run's
+    #: starting point (epoch 0), so validation never selects worse than CaR's head. 0: none.
+    probe_epochs: int = 0
 
     def __post_init__(self) -> None:
         self.mode = Mode.parse("train.mode", self.mode)
+        if self.probe_epochs < 0:
+            raise ValueError(f"train.probe_epochs must be >= 0, got {self.probe_epochs}")
         if self.patience is not None and self.patience < 1:
             raise ValueError(f"train.patience must be >= 1 or null, got {self.patience}")
         self.optimizer = OptimizerKind.parse("train.optimizer", self.optimizer)
@@ -728,6 +735,14 @@ class DPConfig:
     #: σ_b, noise std of the clipped-indicator b (sensitivity 1); null: the paper's m/20
     #: (m = fl.clients). It takes the share z²/(2σ_b)² of each release's privacy budget.
     count_noise: float | None = None
+    #: fixed, adaptive: a clipping bound of the adapter's own (adapter+classifier mode); null:
+    #: one bound for every sent tensor together (dp.clip). Set, the adapter's update is clipped
+    #: to it and the head's to dp.clip (or the adaptive C_i) separately, and each part's noise
+    #: takes its share of the same budget (dp.adapter_share): ε is that of one joint release.
+    adapter_clip: float | None = None
+    #: w, the adapter's share of each release's update budget when dp.adapter_clip is set: its
+    #: noise multiplier is z/√w and the head's z/√(1 − w), and (z/√w)⁻² + (z/√(1−w))⁻² = z⁻².
+    adapter_share: float = 0.5
 
     # --- record-level DP-SGD (dp=record): clip = per-example C, noise_multiplier = σ (unless
     # target_epsilon calibrates it), delta = δ; see car_fl.privacy.record_accounting
@@ -743,6 +758,16 @@ class DPConfig:
         _positive("dp.clip_lr (η_C)", self.clip_lr)
         if self.count_noise is not None:
             _positive("dp.count_noise (σ_b)", self.count_noise)
+        if self.adapter_clip is not None and not self.adapter_clip > 0:
+            raise ValueError(
+                f"dp.adapter_clip (the adapter's own clipping bound) must be > 0 or null, got "
+                f"{self.adapter_clip}; e.g. dp.adapter_clip=0.01"
+            )
+        if not 0 < self.adapter_share < 1:
+            raise ValueError(
+                f"dp.adapter_share (the adapter's share of the noise budget) must be in (0, 1), "
+                f"got {self.adapter_share}; e.g. dp.adapter_share=0.5"
+            )
         if (
             self.mode is DPMode.ADAPTIVE
             and self.adaptive_rule is AdaptiveRule.GEOMETRIC

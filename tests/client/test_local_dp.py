@@ -17,6 +17,7 @@ from car_fl.client.round import train_round
 from car_fl.data.splits import load_splits
 from car_fl.method.model import build_retriever
 from car_fl.privacy.accountant import (
+    combined_multiplier,
     epsilon,
 )
 from car_fl.privacy.mechanism import flat_norm, privatize
@@ -164,3 +165,101 @@ def test_fixed_dp_clips_at_this_runs_clip_whatever_bound_an_earlier_state_kept()
     after = {"w": torch.ones(1000)}  # norm 31.6
     released = p.release(before, after, server_round=1)
     assert float(flat_norm(released)) <= 0.001 * (1 + 1e-2)
+
+
+# ----------------------------------------------------------------- the adapter's own bound
+def _adapter_and_head(scale: float) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    before = {
+        "adapter.weight": torch.eye(40),
+        "head.classifier.weight": torch.zeros(2, 500),
+        "head.classifier.bias": torch.zeros(2),
+    }
+    after = {k: v.clone() for k, v in before.items()}
+    after["adapter.weight"] += scale  # a large adapter change
+    after["head.classifier.weight"][0, 0] = 0.3  # a head change within its bound
+    return before, after
+
+
+def test_an_adapter_bound_clips_the_adapter_apart_from_the_head() -> None:
+    p = client_privacy("fixed", clip=1.0, noise_multiplier=0.0, adapter_clip=0.01)
+    before, after = _adapter_and_head(scale=1.0)
+    released = p.release(before, after, server_round=1)
+    adapter_change = released["adapter.weight"] - before["adapter.weight"]
+    assert adapter_change.norm() == pytest.approx(0.01, rel=1e-5)  # clipped to its own bound
+    # the head keeps its whole update: one joint bound would have scaled it by 1/40
+    assert torch.equal(released["head.classifier.weight"], after["head.classifier.weight"])
+    joint = client_privacy("fixed", clip=1.0, noise_multiplier=0.0)
+    shrunk = joint.release(before, after, server_round=1)["head.classifier.weight"][0, 0]
+    assert float(shrunk) < 0.3 / 30
+
+
+@pytest.mark.parametrize("mode", ["fixed", "adaptive"])
+def test_each_part_gets_its_share_of_the_noise_and_epsilon_is_that_of_one_joint_release(
+    mode: str,
+) -> None:
+    sigma, share, c_adapter = 0.4, 0.25, 0.02
+    extra = {"count_noise": 5.0} if mode == "adaptive" else {}
+    p = client_privacy(
+        mode,
+        clip=1.0,
+        noise_multiplier=sigma,
+        adapter_clip=c_adapter,
+        adapter_share=share,
+        generator=torch.Generator().manual_seed(3),
+        **extra,
+    )
+    joint = client_privacy(mode, clip=1.0, noise_multiplier=sigma, **extra)
+    before, _ = _adapter_and_head(scale=0.0)
+    released = p.release(before, before, server_round=1)  # a zero update: noise alone
+    z = sigma if mode == "fixed" else p.z_delta
+    assert z is not None
+    adapter_noise = (released["adapter.weight"] - before["adapter.weight"]).std()
+    head_noise = (released["head.classifier.weight"] - before["head.classifier.weight"]).std()
+    assert float(adapter_noise) == pytest.approx(z * c_adapter / math.sqrt(share), rel=0.05)
+    assert float(head_noise) == pytest.approx(z * 1.0 / math.sqrt(1 - share), rel=0.05)
+    # the two parts compose to the joint release's multiplier: the same ε, client and server
+    parts = combined_multiplier(
+        z / math.sqrt(share) / 2, z / math.sqrt(1 - share) / 2, *p_indicator(p, mode)
+    )
+    assert parts == pytest.approx(joint.release_multiplier, rel=1e-9)
+    assert p.release_multiplier == joint.release_multiplier
+    assert p.metrics()["dp-epsilon"] == pytest.approx(epsilon({joint.release_multiplier: 1}, 1e-5))
+
+
+def p_indicator(p: object, mode: str) -> tuple[float, ...]:
+    """The adaptive rule's clipped-indicator release, composed with the update's parts."""
+    from car_fl.privacy.accountant import indicator_multiplier
+
+    return (indicator_multiplier(p.sigma_b),) if mode == "adaptive" else ()  # type: ignore[attr-defined]
+
+
+def test_a_policy_caps_the_adapter_bound_as_it_caps_dp_clip() -> None:
+    from car_fl.client.policy import NodePolicy
+    from car_fl.settings.schema import DPMode
+
+    policy = NodePolicy(modes=frozenset({DPMode.FIXED}), max_clip=0.5)
+    settings = make_settings_for_policy("dp.adapter_clip=0.9")
+    assert any(
+        "dp.adapter_clip=0.9 is above max-clip 0.5" in f for f in policy.violations(settings)
+    )
+    assert not any("adapter_clip" in f for f in policy.violations(make_settings_for_policy()))
+
+
+def make_settings_for_policy(*extra: str):  # type: ignore[no-untyped-def]
+    from car_fl.settings.compose import load_settings
+
+    return load_settings(["dp=fixed", "dp.noise_multiplier=1.0", "dp.clip=0.4", *extra])
+
+
+def test_an_adapter_sent_alone_is_clipped_to_its_own_bound_with_the_whole_budget() -> None:
+    p = client_privacy(
+        "fixed",
+        clip=1.0,
+        noise_multiplier=0.5,
+        adapter_clip=0.05,
+        generator=torch.Generator().manual_seed(5),
+    )
+    before = {"adapter.weight": torch.eye(60)}
+    released = p.release(before, {"adapter.weight": torch.eye(60) * 3}, server_round=1)
+    noise = released["adapter.weight"] - before["adapter.weight"]
+    assert float(noise.std()) == pytest.approx(0.5 * 0.05, rel=0.05)  # z·C_A, not z·dp.clip
