@@ -10,6 +10,7 @@ from flwr.app import RecordDict
 
 from car_fl.client.failures import RunTargetReached
 from car_fl.client.local_dp import (
+    ClientPrivacy,
     DPState,
     load_privacy,
 )
@@ -198,7 +199,7 @@ def test_each_part_gets_its_share_of_the_noise_and_epsilon_is_that_of_one_joint_
     mode: str,
 ) -> None:
     sigma, share, c_adapter = 0.4, 0.25, 0.02
-    extra = {"count_noise": 5.0} if mode == "adaptive" else {}
+    extra: dict[str, object] = {"count_noise": 5.0} if mode == "adaptive" else {}
     p = client_privacy(
         mode,
         clip=1.0,
@@ -226,11 +227,11 @@ def test_each_part_gets_its_share_of_the_noise_and_epsilon_is_that_of_one_joint_
     assert p.metrics()["dp-epsilon"] == pytest.approx(epsilon({joint.release_multiplier: 1}, 1e-5))
 
 
-def p_indicator(p: object, mode: str) -> tuple[float, ...]:
+def p_indicator(p: ClientPrivacy, mode: str) -> tuple[float, ...]:
     """The adaptive rule's clipped-indicator release, composed with the update's parts."""
     from car_fl.privacy.accountant import indicator_multiplier
 
-    return (indicator_multiplier(p.sigma_b),) if mode == "adaptive" else ()  # type: ignore[attr-defined]
+    return (indicator_multiplier(p.sigma_b),) if mode == "adaptive" else ()
 
 
 def test_a_policy_caps_the_adapter_bound_as_it_caps_dp_clip() -> None:
