@@ -22,7 +22,9 @@ from car_fl.privacy.accountant import (
     epsilon,
 )
 from car_fl.privacy.mechanism import flat_norm, privatize
+from car_fl.settings.compose import load_settings
 from car_fl.settings.flower import NodeInfo
+from car_fl.settings.schema import Settings
 from tests.helpers import client_privacy
 
 
@@ -199,7 +201,7 @@ def test_each_part_gets_its_share_of_the_noise_and_epsilon_is_that_of_one_joint_
     mode: str,
 ) -> None:
     sigma, share, c_adapter = 0.4, 0.25, 0.02
-    extra: dict[str, object] = {"count_noise": 5.0} if mode == "adaptive" else {}
+    count_noise = 5.0 if mode == "adaptive" else None
     p = client_privacy(
         mode,
         clip=1.0,
@@ -207,9 +209,9 @@ def test_each_part_gets_its_share_of_the_noise_and_epsilon_is_that_of_one_joint_
         adapter_clip=c_adapter,
         adapter_share=share,
         generator=torch.Generator().manual_seed(3),
-        **extra,
+        count_noise=count_noise,
     )
-    joint = client_privacy(mode, clip=1.0, noise_multiplier=sigma, **extra)
+    joint = client_privacy(mode, clip=1.0, noise_multiplier=sigma, count_noise=count_noise)
     before, _ = _adapter_and_head(scale=0.0)
     released = p.release(before, before, server_round=1)  # a zero update: noise alone
     z = sigma if mode == "fixed" else p.z_delta
@@ -246,8 +248,7 @@ def test_a_policy_caps_the_adapter_bound_as_it_caps_dp_clip() -> None:
     assert not any("adapter_clip" in f for f in policy.violations(make_settings_for_policy()))
 
 
-def make_settings_for_policy(*extra: str):  # type: ignore[no-untyped-def]
-    from car_fl.settings.compose import load_settings
+def make_settings_for_policy(*extra: str) -> Settings:
 
     return load_settings(["dp=fixed", "dp.noise_multiplier=1.0", "dp.clip=0.4", *extra])
 
