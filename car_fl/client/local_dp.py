@@ -334,8 +334,10 @@ class LocalDPRound:
     ``dp.warmup_rounds`` have passed, or with ``dp=none``, nothing is privatised. Under DP a
     round whose training diverges (a non-finite loss) stops there and releases what it has:
     whether a round fails must not depend on the data. Per step, the round accounts for
-    ``fl.local_epochs`` × ⌈n/B⌉ releases with n the whole shard (the number the server can
-    compute), even when fewer steps ran.
+    ``fl.local_epochs`` × ⌈n/B⌉ releases with n the public ``fl.max_examples_per_client`` (or
+    the whole shard without it), and makes every one of them: the steps a smaller shard (or a
+    diverged round) did not take are released as zero updates with their noise, so the
+    update's size carries nothing about how many steps ran.
     """
 
     def __init__(
@@ -414,10 +416,14 @@ class LocalDPRound:
 
     def release(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """What leaves: the round's update clipped and noised once (unless per step or off)."""
-        if self.per_step:
+        if self.per_step:  # every accounted step is a noised release, made or not
             made = self._hook.step if self._hook is not None else 0
-            self.privacy.count(max(0, self.planned_releases - made))  # accounted, never made
-            return state
+            current = {k: v.detach().clone() for k, v in state.items()}
+            for step in range(made, self.planned_releases):
+                current = self.privacy.release(
+                    current, current, server_round=self.server_round, step=step
+                )
+            return current
         if self.private:
             return self.privacy.release(self.global_state, state, server_round=self.server_round)
         check_finite(difference(state, self.global_state), who=self.who)

@@ -265,3 +265,38 @@ def test_an_adapter_sent_alone_is_clipped_to_its_own_bound_with_the_whole_budget
     released = p.release(before, {"adapter.weight": torch.eye(60) * 3}, server_round=1)
     noise = released["adapter.weight"] - before["adapter.weight"]
     assert float(noise.std()) == pytest.approx(0.5 * 0.05, rel=0.05)  # z·C_A, not z·dp.clip
+
+
+@pytest.mark.slow
+def test_per_step_dp_noises_every_accounted_step_so_the_update_size_does_not_tell_n(
+    round_inputs,
+) -> None:
+    """The attacker's probe (issue 41, finding 3): per-step local DP with a public bound of
+    1,000 examples and batch 1 accounts 1,000 releases whatever the shard holds. Before, only
+    the steps made were noised, so ‖Δ‖²/(σ²C²d) estimated n (5.4, 28.3, 71.5, 138.8 for 6, 29,
+    73 and 144 examples). Now every accounted step adds its noise: shards of 0, 1, 50 and all
+    of them send updates of one scale and the same metrics."""
+    from car_fl.client.round import shard_data, train_shard
+    from car_fl.client.shard import Shard
+
+    s, node, initial = round_inputs(
+        "dp=fixed",
+        "dp.granularity=step",
+        "dp.clip=0.5",
+        "dp.noise_multiplier=1.0",
+        "fl.max_examples_per_client=1000",
+        "train.batch_size=1",
+    )
+    whole = shard_data(s, node)
+    dims = sum(t.numel() for t in initial.values())
+    estimates, replies = [], []
+    for size in (0, 1, 50, whole.examples):
+        shard = Shard(whole.data.select(range(size)), whole.label_map, examples=size)
+        state, metrics = train_shard(s, node, shard, initial, 1, RecordDict())
+        squared = sum(float(((state[k] - initial[k]) ** 2).sum()) for k in initial)
+        estimates.append(squared / (1.0**2 * 0.5**2 * dims))
+        replies.append(metrics)
+    assert all(reply == replies[0] for reply in replies), replies
+    assert replies[0]["dp-releases"] == 1000
+    # every shard's estimate is the accounted count (noise of 1,000 steps), not its size
+    assert all(600 < e < 1600 for e in estimates), estimates  # chi-squared spread: few dims
