@@ -13,8 +13,9 @@ message: one Node per message). The frozen encoder's weights are public and hold
 process shares them between the nodes it serves (:func:`car_fl.method.encoder.shared_encoder`).
 
 Every check a node makes before anything leaves it, in the order a train message meets them.
-This list is the code of :meth:`Node.answer` and :func:`car_fl.client.round.train_shard`;
-each step names where its rule lives:
+This list is the code of :meth:`Node.answer` and :func:`car_fl.client.round.train_round`;
+each step names where its rule lives. Policy and budget come before any record is read, and
+no failure that the records could cause is an answer a server can read (argued after the list):
 
 1. **The message**: a train message without the server's label map is refused
    (``CONFIG_MISMATCH``) before any data is read, so the head's size cannot probe the label
@@ -24,30 +25,49 @@ each step names where its rule lives:
    files 0600; a run config's ``cache_dir`` is ignored and logged), come from its node config
    (:func:`car_fl.client.node_settings.node_settings`).
 3. **The policy** (:meth:`car_fl.client.node_privacy.NodePrivacy.admit`; the rules:
-   :meth:`car_fl.client.policy.NodePolicy.violations`): accepted modes, σ floor, clip ceiling,
-   δ ceiling, warm-up, ``trust_remote_code``, and (with ``public-example-count``) no run whose
-   reply would follow n (``POLICY_REFUSED``). Before any data is read.
-4. **The shard**: the node reads its own data file with its own label map; examples whose label
+   :meth:`car_fl.client.policy.NodePolicy.violations`): accepted modes, σ floor, clip ceilings
+   (``dp.clip`` and ``dp.adapter_clip``), δ ceiling, warm-up, ``trust_remote_code``, and (with
+   ``public-example-count``) no run whose reply would follow n (``POLICY_REFUSED``). Before
+   any data is read.
+4. **The ledger, before any record** (:meth:`car_fl.client.node_privacy.NodePrivacy.spend_ahead`
+   and ``spend``): the round is within ``1..fl.rounds`` and after every round of this run
+   already released, and no record's lifetime ε passes ``lifetime-epsilon``
+   (``POLICY_REFUSED``, ``BUDGET_EXHAUSTED``); the release is recorded now. Its size is a
+   function of the settings alone whenever the reply does not follow n (every run a policy
+   with ``public-example-count`` admits), so this step reads no record. Only a per-step run
+   without ``fl.max_examples_per_client``, which such a policy refuses, is charged after step
+   5 instead.
+5. **The shard**: the node reads its own data file with its own label map; examples whose label
    the server's map lacks are left out and still counted, so nothing depends on which labels
-   the node holds (:func:`car_fl.client.shard.shard_data`).
-5. **The run's own budget**: local DP's and DP-SGD's target ε (``RUN_TARGET_REACHED``;
+   the node holds (:func:`car_fl.client.shard.shard_data`). After step 4 charged the round,
+   anything reading the records raises (a reader or column that does not fit, a label filter
+   such as ``dataset.min_examples_per_label`` that leaves nothing) gives an empty shard: the
+   round releases noise alone (:func:`car_fl.client.round.node_shard`).
+6. **The run's own budget**: local DP's and DP-SGD's target ε (``RUN_TARGET_REACHED``;
    :class:`car_fl.client.local_dp.LocalDPRound`, :class:`car_fl.client.record_dp.RecordDPRound`),
    functions of the configuration and the rounds trained only. The shard's size decides
    nothing: DP-SGD trains on at most ⌈1/δ⌉ − 1 examples (a fresh OS-random subset, so δ < 1/n
    holds for what it trains on), an empty shard takes noise-only steps, and every step
    divides by the public ``fl.max_examples_per_client`` (which a policy with
-   ``public-example-count`` demands under ``dp=record``). Every ε is the one
-   accountant's (:class:`car_fl.privacy.accountant.Accountant`), as on the server and in the
-   ledger.
-6. **The ledger** (:meth:`car_fl.client.node_privacy.NodePrivacy.spend`): the round is within
-   ``1..fl.rounds`` and after every round of this run already released, and no record's
-   lifetime ε passes ``lifetime-epsilon`` (``POLICY_REFUSED``, ``BUDGET_EXHAUSTED``); recorded
-   before training.
+   ``public-example-count`` demands under ``dp=record``); per-step local DP noises every
+   accounted step, made or not. Every ε is the one accountant's
+   (:class:`car_fl.privacy.accountant.Accountant`), as on the server and in the ledger.
 7. **The release**: the adaptive clip never above ``max-clip``; clipping and noise from OS
    entropy (:mod:`car_fl.client.local_dp`, :mod:`car_fl.privacy.dpsgd`); under DP the reply
    carries a public example count and no train metric (:func:`car_fl.client.round.train_shard`).
 8. **Failures**: whatever is raised becomes a fixed code with fixed text (:meth:`Node.failure`,
    :func:`car_fl.client.failures.failure_of`); the details stay in the node's log.
+
+Which failures can depend on the records, and why a server sees none of them: steps 1 to 4
+read no record, so their refusals are functions of the message, the settings, the policy and
+the ledger. Step 5's read can fail because of the records (the first line read as a header,
+too few examples of a label), and under DP it then gives a noise-only release that is charged
+like any other and carries the same public figures: the server receives a reply either way.
+Steps 6 and 7 depend on the records only through what is clipped and noised: a diverging
+local-DP round releases what it has (clipped, noised), a non-finite update is released as a
+zero update with its noise, and a DP-SGD step with a learning rate beyond float range fails
+for every shard size alike. Without DP (a policy that accepts ``none``), nothing is private
+and a failure is reported as it is.
 """
 
 from __future__ import annotations
@@ -63,9 +83,9 @@ from flwr.app import RecordDict
 from car_fl.client.failures import Refusal, failure_of
 from car_fl.client.node_privacy import NodePrivacy
 from car_fl.client.node_settings import SettingsMemory, node_settings
-from car_fl.client.round import train_shard
+from car_fl.client.round import train_round
 from car_fl.client.run_states import RunStates
-from car_fl.client.shard import Shard, shard_data
+from car_fl.client.shard import Shard
 from car_fl.protocol.failures import Failure
 from car_fl.protocol.messages import read_train_message, train_reply
 from car_fl.settings.flower import DATA_PATH, PRIVACY_POLICY, NodeInfo
@@ -122,23 +142,18 @@ class Node:
             run_config, self.config, instruction.fingerprint, memory=self.settings_memory
         )
         place = NodeInfo.from_node_config(self.config, settings)
-        # 3. The owner's policy, before any data is read
-        privacy = self._open_privacy()
-        if privacy is not None:
-            privacy.admit(settings)
-        # 4. The node's shard, with the server's label map
-        shard = shard_data(settings, place, instruction.labels, memory=self.shards)
-        # 5-7. The run's budget, the ledger, the local epochs and the release
-        state, metrics = train_shard(
+        # 3-8. The policy, the ledger before any record, the shard, the budget, the release
+        state, metrics = train_round(
             settings,
             place,
-            shard,
             instruction.global_state,
             instruction.server_round,
             node_state,
-            guard=privacy,
+            instruction.labels,
+            guard=self._open_privacy(),
             run=run,
             layout=instruction.layout,
+            shards=self.shards,
         )
         return train_reply(state, metrics, dtype=settings.comm.dtype)
 

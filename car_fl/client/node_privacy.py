@@ -28,7 +28,7 @@ from car_fl.client.failures import Refusal
 from car_fl.client.ledger import Entry, Ledger, data_key, record_keys
 from car_fl.client.policy import NodePolicy
 from car_fl.protocol.failures import Failure
-from car_fl.settings.dp_plan import round_release
+from car_fl.settings.dp_plan import per_step, round_release
 from car_fl.settings.flower import DATA_PATH, PRIVACY_POLICY, NodeConfigError
 from car_fl.settings.schema import Settings
 
@@ -90,6 +90,17 @@ class NodePrivacy:
                 Failure.POLICY_REFUSED,
                 f"privacy policy {self.policy.source} refuses this run: " + "; ".join(found),
             )
+
+    def spend_ahead(self, settings: Settings, *, run: str, server_round: int) -> bool:
+        """:meth:`spend` before any record is read, when what the round releases does not
+        follow the node's n (not per-step DP, or per-step under a public
+        ``fl.max_examples_per_client``): so BUDGET_EXHAUSTED and a refused round are decided on
+        the ledger alone, and any failure that reading the records could cause comes after the
+        charge. Returns whether it spent (False: the release follows n, spend after reading)."""
+        if per_step(settings) and settings.fl.max_examples_per_client is None:
+            return False
+        self.spend(settings, run=run, server_round=server_round, examples=0)
+        return True
 
     def spend(self, settings: Settings, *, run: str, server_round: int, examples: int) -> Entry:
         """Record this round's release in the ledger, or refuse it; before any training.

@@ -25,12 +25,12 @@ from car_fl.client.experts import outgoing
 from car_fl.client.local_dp import LocalDPRound
 from car_fl.client.node_privacy import NodePrivacy
 from car_fl.client.record_dp import RecordDPRound
-from car_fl.client.shard import Shard, client_seed, local_retriever, shard_data
+from car_fl.client.shard import Shard, client_seed, empty_shard, local_retriever, shard_data
 from car_fl.method.experts import ExpertLayout
 from car_fl.method.features import LocalData
 from car_fl.method.model import CaRRetriever
 from car_fl.method.train import EpochResult, make_optimizer
-from car_fl.settings.dp_plan import public_examples
+from car_fl.settings.dp_plan import dp_active, public_examples
 from car_fl.settings.flower import NodeInfo
 from car_fl.settings.schema import DPMode, Settings
 
@@ -108,8 +108,11 @@ def train_round(
     guard: NodePrivacy | None = None,
     run: str = "",
     layout: str | None = None,
+    shards: dict[str, Shard] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, int | float]]:
-    """``fl.local_epochs`` epochs from the global state, under the configured privacy.
+    """``fl.local_epochs`` epochs from the global state, under the configured privacy: the
+    policy, then the ledger (before any record is read, when what the round releases does not
+    follow n: :meth:`NodePrivacy.spend_ahead`), then the shard, then :func:`train_shard`.
 
     Returns what the client sends (never an un-noised update once DP is active) and the reply
     metrics: once DP is active they hold nothing data-dependent besides ``num-examples`` and
@@ -118,10 +121,13 @@ def train_round(
     there. ``labels`` is the server's global label map; ``layout`` a mixture of experts' (the
     server's). ``guard`` is the node owner's policy and ledger (``run``: Flower's run id, for
     the ledger); without it the node trusts the run's settings (see docs/privacy.md).
+    ``shards``: the shards this node already read (its :class:`~car_fl.client.node.Node`'s).
     """
     if guard is not None:
         guard.admit(settings)  # before any data is read
-    shard = shard_data(settings, node, labels)
+    spent = guard is not None and guard.spend_ahead(settings, run=run, server_round=server_round)
+    private = spent and dp_active(settings, server_round)
+    shard = node_shard(settings, node, labels, memory=shards, noise_only=private)
     return train_shard(
         settings,
         node,
@@ -132,7 +138,35 @@ def train_round(
         guard=guard,
         run=run,
         layout=layout,
+        spent=spent,
     )
+
+
+def node_shard(
+    settings: Settings,
+    node: NodeInfo,
+    labels: Sequence[str] | None,
+    *,
+    memory: dict[str, Shard] | None = None,
+    noise_only: bool = False,
+) -> Shard:
+    """The node's shard (:func:`shard_data`). With ``noise_only`` (a round already in the
+    ledger, under DP), whatever reading the records raises gives an empty shard instead: the
+    round then releases noise alone, with the same public figures as any other, so whether
+    the records parse, or pass a label filter, is no answer a server can read."""
+    if not noise_only:
+        return shard_data(settings, node, labels, memory=memory)
+    try:
+        return shard_data(settings, node, labels, memory=memory)
+    except Exception as err:  # the node's own log only; the reply is a noise-only release
+        log.warning(
+            "client %d: its data could not be read for this run (%s: %s); the round releases "
+            "noise only, already charged to the ledger",
+            node.partition_id,
+            type(err).__name__,
+            str(err).splitlines()[0] if str(err) else "",
+        )
+        return empty_shard(settings, node, labels)
 
 
 def train_shard(
@@ -146,8 +180,10 @@ def train_shard(
     guard: NodePrivacy | None = None,
     run: str = "",
     layout: str | None = None,
+    spent: bool = False,
 ) -> tuple[dict[str, torch.Tensor], dict[str, int | float]]:
-    """:func:`train_round` on a shard already read (privacy checks, ledger, epochs, release)."""
+    """:func:`train_round` on a shard already read (privacy checks, ledger, epochs, release).
+    ``spent``: the round is already in the ledger (:meth:`NodePrivacy.spend_ahead`)."""
     tick = time.perf_counter()
     who = f"client {node.partition_id}"
     data = shard.data
@@ -160,7 +196,7 @@ def train_shard(
         max_clip=guard.policy.max_clip if guard is not None else math.inf,
     )
     privacy.check(shard.examples)  # before any training
-    if guard is not None:  # recorded before training, let alone the reply
+    if guard is not None and not spent:  # recorded before training, let alone the reply
         guard.spend(settings, run=run, server_round=server_round, examples=shard.examples)
     experts = ExpertLayout.from_text(layout) if layout is not None else None
     model = local_retriever(settings, data, shard.label_map, experts)

@@ -117,6 +117,21 @@ def shard_data(
     return memory[key]
 
 
+def empty_shard(settings: Settings, node: NodeInfo, labels: Sequence[str] | None) -> Shard:
+    """A shard of no example (nothing read from the data file) with the server's label map:
+    what a round releases as noise alone."""
+    label_map = LabelMap(tuple(labels or ()))
+
+    def get_model() -> CaRRetriever:
+        head = dataclasses.replace(settings.head, kind=HeadKind.CLASSIFIER)
+        return CaRRetriever(
+            cached_encoder(settings), max(len(label_map), 1), head=head, mode=settings.train.mode
+        )
+
+    data = prepare_for(settings, [], [], get_model=get_model, desc=f"client {node.partition_id}")
+    return Shard(data=data, label_map=label_map, examples=0)
+
+
 def encode_for(
     label_map: LabelMap, own_map: LabelMap, own_ids: Sequence[int], *, who: str
 ) -> tuple[list[int], list[int]]:

@@ -144,8 +144,9 @@ def round_release(settings: Settings, *, server_round: int, examples: int) -> Re
     """What one client's reply in ``server_round`` releases, for accounting.
 
     ``examples`` is the client's n (its reply carries it): under ``dp.granularity=step`` each
-    of the round's optimizer steps is a release. Under ``dp=none``, a warm-up round or a
-    non-private rule the release is ``non-private``.
+    of the round's optimizer steps is a release, as many as :func:`accounted_examples` gives
+    (the public ``fl.max_examples_per_client`` when set, whatever the shard holds). Under
+    ``dp=none``, a warm-up round or a non-private rule the release is ``non-private``.
     """
     dp = settings.dp
     if dp.mode is DPMode.RECORD:
@@ -156,8 +157,8 @@ def round_release(settings: Settings, *, server_round: int, examples: int) -> Re
             noise_multiplier=plan.noise_multiplier,
             sample_rate=plan.sample_rate,
         )
-    per_step = dp.mode is not DPMode.NONE and dp.granularity is Granularity.STEP
-    count = local_steps(settings, examples) if per_step else 1
+    stepwise = dp.mode is not DPMode.NONE and dp.granularity is Granularity.STEP
+    count = local_steps(settings, accounted_examples(settings, examples)) if stepwise else 1
     mu = local_multiplier(dp, settings.fl.clients) if dp_active(settings, server_round) else 0.0
     if mu == 0:
         return Release(ReleaseKind.NON_PRIVATE, count)

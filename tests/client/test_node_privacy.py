@@ -55,9 +55,20 @@ def initial(settings) -> dict[str, torch.Tensor]:
     return build_retriever(settings, 4, hidden_size=64).trainable_state_dict()
 
 
+#: The server's label map of the synthetic data (a train message always carries one).
+LABELS = [f"topic{i}" for i in range(4)]
+
+
 def round_of(settings, node_privacy: NodePrivacy, server_round: int, run: str = "1"):
     return train_round(
-        settings, NODE, initial(settings), server_round, RecordDict(), guard=node_privacy, run=run
+        settings,
+        NODE,
+        initial(settings),
+        server_round,
+        RecordDict(),
+        LABELS,
+        guard=node_privacy,
+        run=run,
     )
 
 
@@ -239,3 +250,52 @@ def test_the_run_the_server_and_the_ledger_give_the_same_releases_the_same_epsil
         ledger = node_privacy.ledger.entries()[-1].epsilon
         assert 0 < metrics["dp-epsilon"] < math.inf and verdict.mismatch == ""
         assert metrics["dp-epsilon"] == verdict.epsilon == ledger
+
+
+# ------------------------------------------------- issue 41: data-dependent failure is no answer
+#: Run settings the agreed policy admits whose reading of the node's file fails, or not,
+#: depending on the records: a label filter (finding 1: a binary search over M recovered a
+#: label's count in 9 runs) and a reader that does not fit the file.
+READ_PROBES = [
+    ("dataset.min_examples_per_label=1",),
+    ("dataset.min_examples_per_label=1000000",),
+    ("dataset=arxiv",),
+]
+
+
+def test_whether_the_records_can_be_read_is_no_answer_a_server_can_read(
+    tmp_path: Path, make_settings, synthetic_tsv: Path
+) -> None:
+    """Finding 1: a round the policy admits failed exactly when the records failed the run's
+    reading of them (a label filter, a header guess), and failing runs spent nothing. Now the
+    round is charged first, and a read that fails releases noise alone: every probe gets a
+    reply with the same public figures, and every one is in the ledger."""
+    node_privacy = guard(tmp_path, synthetic_tsv)
+    replies = []
+    for run, probe in enumerate(READ_PROBES, start=1):
+        settings = make_settings(*AGREED, *probe)
+        state, metrics = round_of(settings, node_privacy, 1, run=str(run))
+        assert set(state) == set(initial(settings))
+        assert all(bool(torch.isfinite(t).all()) for t in state.values())
+        replies.append(metrics)
+    assert all(reply == replies[0] for reply in replies), replies
+    assert [e.run for e in node_privacy.ledger.entries()] == ["1", "2", "3"]  # all charged
+
+
+def test_after_the_lifetime_budget_is_spent_every_probe_gets_budget_exhausted(
+    tmp_path: Path, make_settings, synthetic_tsv: Path
+) -> None:
+    """Finding 2: the data were read before the ledger was consulted, so after the budget was
+    spent a probe whose read failed got a data failure and one whose read succeeded got
+    BUDGET_EXHAUSTED: the same oracle, for free, forever. Now the ledger comes first."""
+    settings = make_settings(*AGREED)
+    probe = guard(tmp_path / "probe", synthetic_tsv)
+    round_of(settings, probe, 1, run="1")
+    one = probe.ledger.entries()[-1].epsilon
+    node_privacy = guard(tmp_path, synthetic_tsv, cap=one * 1.01)  # room for one release
+    round_of(settings, node_privacy, 1, run="1")
+    for run, extra in enumerate(READ_PROBES, start=2):
+        with pytest.raises(Refusal) as err:
+            round_of(make_settings(*AGREED, *extra), node_privacy, 1, run=str(run))
+        assert err.value.failure is Failure.BUDGET_EXHAUSTED, extra
+    assert [e.run for e in node_privacy.ledger.entries()] == ["1"]
