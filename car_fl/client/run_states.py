@@ -33,10 +33,19 @@ from car_fl.common.io import atomic_write
 RUNS_DIR = "runs"
 
 
+#: Flower's run ids are unsigned 64-bit integers.
+MAX_RUN_ID = 2**64 - 1
+
+
 def run_key(run: str | int) -> str:
-    """A run id as its one spelling: Flower's run ids are integers ("07" is run 7; anything
-    else, a path included, is refused)."""
-    return str(int(run))
+    """A run id as its one spelling: Flower's run ids are unsigned 64-bit integers, written
+    in ASCII digits ("07" is run 7). Anything else is refused with a ``ValueError``: a sign
+    ("-7"), an underscore ("7_0"), other scripts' digits ("٧", which ``int`` reads as 7), a
+    path."""
+    text = str(run) if not isinstance(run, bool) else ""
+    if not (text.isascii() and text.isdigit()) or int(text) > MAX_RUN_ID:
+        raise ValueError(f"run id {run!r} is not an unsigned 64-bit integer in ASCII digits")
+    return str(int(text))
 
 
 def copy_of(state: RecordDict) -> RecordDict:

@@ -38,7 +38,7 @@ from typing import IO, Any
 from flwr.app import RecordDict
 
 from car_fl.client.node import Node
-from car_fl.client.run_states import RUNS_DIR, RunStates
+from car_fl.client.run_states import RUNS_DIR, RunStates, run_key
 from car_fl.client.worker_link import (
     HANDSHAKE_TIMEOUT,
     POLICY_KEY,
@@ -233,7 +233,7 @@ class NodeWorker:
 
     def _train(self, header: Mapping[str, Any], body: bytes) -> tuple[dict[str, Any], bytes]:
         try:
-            run_id = int(header["run-id"])
+            run_id = int(run_key(header["run-id"]))
             run_config = dict(header["run-config"])
         except (KeyError, TypeError, ValueError):
             return {"ok": False, "error": "a train request needs 'run-id' and 'run-config'"}, b""

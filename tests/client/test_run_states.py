@@ -82,3 +82,15 @@ def test_without_a_worker_a_failed_round_leaves_flowers_state_as_it_was(tmp_path
     finally:
         client_app.NODES.pop(key)
     assert steps(context.state) == 5
+
+
+@pytest.mark.parametrize("spelling", ["-7", "7_0", "\u0667", "7.0", " 7", "", str(2**64)])
+def test_a_run_id_is_ascii_digits_only(tmp_path: Path, spelling: str) -> None:
+    """Issue 41: "-7", "7_0" and Arabic-Indic digits were accepted as integers by int()."""
+    from car_fl.client.run_states import run_key
+
+    with pytest.raises(ValueError, match="ASCII digits"):
+        run_key(spelling)
+    with pytest.raises(ValueError):
+        RunStates(tmp_path / "runs").get(spelling)
+    assert run_key("07") == run_key(7) == "7"
