@@ -113,6 +113,11 @@ class ClientPrivacy:
         self.cfg = cfg
         self.mode = cfg.mode
         self.client = client
+        # A stored bound is re-validated against this run and the policy before any use: a
+        # state file is the node's, but a bound above max-clip must not make one release
+        if not state.clip > 0:  # NaN, zero or negative: start from the run's bound
+            state.clip = cfg.clip
+        state.clip = min(state.clip, max_clip)
         self.state = state
         self.generator = generator
         self.max_clip = max_clip

@@ -12,6 +12,8 @@ TOML file and names it in the SuperNode's ``--node-config privacy-policy=/path/p
     allow-warmup = false          # accept dp.warmup_rounds > 0 (un-noised rounds)?
     lifetime-epsilon = 30         # cap on the ledger's ε of every record of this data
     public-example-count = true   # refuse a run whose reply would depend on n (default true)
+    max-steps-per-round = 100000  # the most DP steps (DP-SGD, or per-step local DP) a round may
+                                  # plan (default 100,000): bounds the work a server can ask
     ledger = "ledger"             # the ledger's folder (relative to this file)
 
 Before any training :meth:`NodePolicy.violations` compares the run's settings with the policy
@@ -30,7 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from car_fl.settings.dp_plan import non_private_reason, per_step, record_plan
+from car_fl.privacy.record_accounting import steps_per_epoch
+from car_fl.settings.dp_plan import local_steps, non_private_reason, per_step, record_plan
 from car_fl.settings.schema import DPMode, Settings
 
 #: The ledger folder when the policy names none (relative to the policy file).
@@ -54,6 +57,9 @@ class NodePolicy:
     lifetime_epsilon: float | None = None
     #: Refuse runs whose reply would carry or follow the node's example count n.
     public_example_count: bool = True
+    #: The most DP steps one round may plan (DP-SGD's fl.local_epochs × ⌈1/q⌉, or per-step
+    #: local DP's steps): a server's dp.sample_rate=1e-7 would plan 10⁷ per-example steps.
+    max_steps_per_round: int = 100_000
     ledger: Path = Path(DEFAULT_LEDGER)
     #: Where the policy was read from (for messages).
     source: Path = field(default=Path("<policy>"), compare=False)
@@ -97,6 +103,7 @@ class NodePolicy:
             allow_warmup=reader.flag("allow-warmup", False),
             lifetime_epsilon=reader.optional_number("lifetime-epsilon"),
             public_example_count=reader.flag("public-example-count", True),
+            max_steps_per_round=int(reader.number("max-steps-per-round", 100_000, low=1.0)),
             ledger=ledger if ledger.is_absolute() else (source.parent / ledger),
             source=source,
         )
@@ -126,6 +133,14 @@ class NodePolicy:
                 )
             return found
         unbounded = settings.fl.max_examples_per_client is None
+        steps = planned_steps(settings)
+        if steps is not None and steps > self.max_steps_per_round:  # before any accounting
+            found.append(
+                f"a round plans {steps:,} DP steps (dp.sample_rate={dp.sample_rate:g}, "
+                f"fl.local_epochs={settings.fl.local_epochs}), above max-steps-per-round "
+                f"{self.max_steps_per_round:,}"
+            )
+            return found
         if self.public_example_count and per_step(settings) and unbounded:
             found.append(
                 "dp.granularity=step without fl.max_examples_per_client: the number of "
@@ -163,6 +178,18 @@ class NodePolicy:
         return found
 
 
+def planned_steps(settings: Settings) -> int | None:
+    """The DP steps one round plans, from the settings alone (no accountant): DP-SGD's
+    ``fl.local_epochs`` × ⌈1/q⌉, per-step local DP's steps over the public
+    ``fl.max_examples_per_client``; ``None`` when it is not a function of the settings."""
+    dp = settings.dp
+    if dp.mode is DPMode.RECORD:
+        return settings.fl.local_epochs * steps_per_epoch(dp.sample_rate)
+    if per_step(settings) and settings.fl.max_examples_per_client is not None:
+        return local_steps(settings, settings.fl.max_examples_per_client)
+    return None
+
+
 #: The policy file's keys, in the order the docs list them.
 KEYS = (
     "modes",
@@ -172,6 +199,7 @@ KEYS = (
     "allow-warmup",
     "lifetime-epsilon",
     "public-example-count",
+    "max-steps-per-round",
     "ledger",
 )
 

@@ -300,3 +300,15 @@ def test_per_step_dp_noises_every_accounted_step_so_the_update_size_does_not_tel
     assert replies[0]["dp-releases"] == 1000
     # every shard's estimate is the accounted count (noise of 1,000 steps), not its size
     assert all(600 < e < 1600 for e in estimates), estimates  # chi-squared spread: few dims
+
+
+def test_a_stored_bound_above_the_policys_ceiling_is_never_used() -> None:
+    """Issue 41: an adaptive bound of 10⁶ read from a state file was used for one release
+    before the rule clamped it to max-clip. It is clamped before the first release now."""
+    from car_fl.settings.schema import DPConfig
+
+    cfg = DPConfig(mode="adaptive", clip=0.5, noise_multiplier=0.1, count_noise=5.0)  # type: ignore[arg-type]
+    for stored in (1e6, float("nan"), -1.0):
+        p = ClientPrivacy(cfg, num_clients=2, client=0, state=DPState(clip=stored), max_clip=1.0)
+        assert p.state.clip == (1.0 if stored == 1e6 else 0.5)
+        assert p.noise_std(0.0) == pytest.approx(p.z_delta * p.state.clip)  # type: ignore[operator]

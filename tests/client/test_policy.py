@@ -128,3 +128,40 @@ def test_non_private_rules_need_none_among_the_modes() -> None:
     anything = NodePolicy(modes=frozenset(DPMode), allow_warmup=True)
     assert anything.violations(linear) == []
     assert anything.violations(load_settings("dp=fixed dp.noise_multiplier=0")) == []
+
+
+def test_a_round_of_too_many_dp_steps_is_refused_before_any_accounting() -> None:
+    """Issue 41: dp.sample_rate=1e-7 was accepted and planned 10⁷ DP-SGD steps a round (a
+    denial of service through the node's one worker). The policy bounds the steps a round may
+    plan (max-steps-per-round), from the settings alone, before σ is calibrated."""
+    import time
+
+    settings = load_settings(
+        "dp=record dp.target_epsilon=3 dp.sample_rate=1e-5 fl.max_examples_per_client=1000 "
+        "fl.local_epochs=2 fl.rounds=1"
+    )
+    tick = time.perf_counter()
+    violations = POLICY.violations(settings)
+    assert time.perf_counter() - tick < 1.0  # no accountant ran
+    assert any("plans 200,000 DP steps" in v and "max-steps-per-round" in v for v in violations)
+    owner = NodePolicy(modes=frozenset({DPMode.FIXED}), max_steps_per_round=10)
+    per_step = load_settings(
+        "dp=fixed dp.noise_multiplier=1 dp.granularity=step fl.max_examples_per_client=100"
+    )
+    assert any("max-steps-per-round 10" in v for v in owner.violations(per_step))
+
+
+def test_a_plan_of_more_steps_than_the_accountant_can_compose_in_seconds_is_refused() -> None:
+    from car_fl.privacy.record_accounting import MAX_PLANNED_STEPS, record_plan
+
+    with pytest.raises(ValueError, match=r"dp.sample_rate=1e-07 plans .* more than"):
+        record_plan(
+            sample_rate=1e-7,
+            noise_multiplier=1.0,
+            clip=1.0,
+            delta=1e-5,
+            target_epsilon=3.0,
+            rounds=1,
+            local_epochs=1,
+        )
+    assert MAX_PLANNED_STEPS <= 10**7
