@@ -61,6 +61,8 @@ def _node_cache_in_a_temporary_folder(tmp_path: Path, monkeypatch: pytest.Monkey
     ``~/.cache/car-fl`` and never one that an earlier test filled (a warm cache would hide
     whether a test's node encoded its shard)."""
     monkeypatch.setenv("CAR_FL_CACHE", str(tmp_path / "node-cache"))
+    # the owner's ledger registry (car_fl.client.ledger_registry): each test's own
+    monkeypatch.setenv("CAR_FL_STATE", str(tmp_path / "owner-state"))
 
 
 @pytest.fixture(scope="session")

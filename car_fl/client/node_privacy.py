@@ -26,6 +26,7 @@ from typing import Any
 
 from car_fl.client.failures import Refusal
 from car_fl.client.ledger import Entry, Ledger, data_key, record_keys
+from car_fl.client.ledger_registry import claim
 from car_fl.client.policy import NodePolicy
 from car_fl.protocol.failures import Failure
 from car_fl.settings.dp_plan import per_step, round_release
@@ -50,6 +51,9 @@ class NodePrivacy:
     def open(cls, policy: str | Path, data: str | Path) -> NodePrivacy:
         """The policy file ``policy``, its ledger and the records of the data file ``data``.
 
+        Refused (``NodeConfigError``) when another ledger of this node's owner already covers
+        any of the records (:func:`car_fl.client.ledger_registry.claim`).
+
         A per-file ledger of an earlier car-fl for this very data file is migrated
         (:meth:`~car_fl.client.ledger.Ledger.migrate`).
         """
@@ -57,6 +61,7 @@ class NodePrivacy:
         if not Path(data).expanduser().is_file():
             raise NodeConfigError(f"data file {data} (the ledger's records) is not a file")
         records = record_keys(data)
+        claim(loaded.ledger, records, data=data)  # one ledger per record, whatever the policy
         ledger = Ledger.open(loaded.ledger)
         if ledger.migrate(data_key(data), records):
             log.warning("privacy ledger: migrated the per-file ledger of %s to records", data)

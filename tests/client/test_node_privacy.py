@@ -51,6 +51,14 @@ def guard(tmp_path: Path, data: Path, cap: float = 1e6) -> NodePrivacy:
     return NodePrivacy.open(policy, data)
 
 
+def probe_guard(tmp_path: Path, data: Path) -> NodePrivacy:
+    """A ledger of another owner (another registry), for measuring what releases cost: one
+    owner's second ledger over the same records is refused (one ledger per record)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CAR_FL_STATE", str(tmp_path / "probe-owner"))
+        return guard(tmp_path / "probe", data)
+
+
 def initial(settings) -> dict[str, torch.Tensor]:
     return build_retriever(settings, 4, hidden_size=64).trainable_state_dict()
 
@@ -122,7 +130,7 @@ def test_new_runs_cannot_pass_the_lifetime_cap(
     tmp_path: Path, make_settings, synthetic_tsv: Path
 ) -> None:
     settings = make_settings(*AGREED)
-    probe = guard(tmp_path / "probe", synthetic_tsv)
+    probe = probe_guard(tmp_path, synthetic_tsv)
     for run in ("1", "2"):
         round_of(settings, probe, 1, run=run)
     two = probe.ledger.entries()[-1].epsilon  # lifetime ε after two releases
@@ -155,7 +163,7 @@ def test_a_data_file_grown_by_one_row_gives_no_old_record_a_fresh_budget(
     row (or a server waiting for it) made the old records a new data set with a fresh budget."""
     data = Path(shutil.copy(synthetic_tsv, tmp_path / "data.tsv"))
     settings = make_settings(*AGREED, f"dataset.path={data}")
-    probe = guard(tmp_path / "probe", data)
+    probe = probe_guard(tmp_path, data)
     round_of(settings, probe, 1)
     one = probe.ledger.entries()[-1].epsilon
     node_privacy = guard(tmp_path, data, cap=one * 1.01)  # room for one release
@@ -289,7 +297,7 @@ def test_after_the_lifetime_budget_is_spent_every_probe_gets_budget_exhausted(
     spent a probe whose read failed got a data failure and one whose read succeeded got
     BUDGET_EXHAUSTED: the same oracle, for free, forever. Now the ledger comes first."""
     settings = make_settings(*AGREED)
-    probe = guard(tmp_path / "probe", synthetic_tsv)
+    probe = probe_guard(tmp_path, synthetic_tsv)
     round_of(settings, probe, 1, run="1")
     one = probe.ledger.entries()[-1].epsilon
     node_privacy = guard(tmp_path, synthetic_tsv, cap=one * 1.01)  # room for one release
@@ -299,3 +307,25 @@ def test_after_the_lifetime_budget_is_spent_every_probe_gets_budget_exhausted(
             round_of(make_settings(*AGREED, *extra), node_privacy, 1, run=str(run))
         assert err.value.failure is Failure.BUDGET_EXHAUSTED, extra
     assert [e.run for e in node_privacy.ledger.entries()] == ["1"]
+
+
+def test_two_policies_cannot_keep_two_ledgers_of_the_same_records(
+    tmp_path: Path, make_settings, synthetic_tsv: Path
+) -> None:
+    """Finding 4: two policy files naming the same data file kept two ledgers, each allowing
+    the whole lifetime budget (a per-record ε of 46.2 against a cap of 30). One record has one
+    ledger now: a second ledger over any of the same records is refused at open, naming the
+    first; the same policy opens again, and a copy of the file is the same records."""
+    first = guard(tmp_path / "a", synthetic_tsv)
+    round_of(make_settings(*AGREED), first, 1)
+    with pytest.raises(NodeConfigError, match=r"already covered by the ledger in .*a/ledger"):
+        guard(tmp_path / "b", synthetic_tsv)
+    copy = tmp_path / "copy.tsv"
+    shutil.copy(synthetic_tsv, copy)
+    with pytest.raises(NodeConfigError, match="already covered"):
+        guard(tmp_path / "c", copy)
+    again = guard(tmp_path / "a", copy)  # the same ledger over the same records: fine
+    assert [e.run for e in again.ledger.entries()] == ["1"]
+    other = tmp_path / "other.tsv"
+    other.write_text("ham\ta record no other ledger covers\n", encoding="utf-8")
+    guard(tmp_path / "d", other)  # disjoint records: a ledger of their own
