@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import resource
+import shlex
 import sys
 import tempfile
 import time
@@ -94,7 +95,7 @@ def run_variant(
         "variant": name + (f" {args.tag}" if args.tag else ""),
         "model": model,
         "task": task,
-        "command": "car-fl train " + " ".join(overrides),
+        "command": "car-fl train " + " ".join(shlex.quote(o) for o in shown(overrides)),
         "val_top1": best.get("val_top1"),
         "test_top1": best["test_top1"],
         "test_mrr": best.get("test_mrr"),
@@ -108,6 +109,12 @@ def run_variant(
         "cpu_seconds": (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime),
         "load": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
+
+
+def shown(overrides: list[str]) -> list[str]:
+    """The overrides as a person types them in the clone: data under ``../shared``."""
+    shared = str(ROOT.parent / "shared")
+    return [o.replace(shared, "../shared") for o in overrides]
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:

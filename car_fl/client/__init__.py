@@ -9,4 +9,6 @@
 - :mod:`~car_fl.client.shard`: this node's shard, features and local retriever.
 - :mod:`~car_fl.client.node_settings`: the run's settings with this node's own paths.
 - :mod:`~car_fl.client.node_cache`: what the node keeps on disk between rounds.
+- :mod:`~car_fl.client.ledger_registry`: which ledger covers which records, for all of an
+  owner's policies (one ledger per record).
 """
