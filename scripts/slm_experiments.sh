@@ -11,7 +11,10 @@ set -euo pipefail
 model="${1:?usage: bash scripts/slm_experiments.sh smollm2|gemma3 [data.tsv] [steps]}"
 data="${2:-../shared/data/sms_spam/SMSSpamCollection.tsv}"
 steps="${3:-1 2 3 4 5}"
-common=("model=$model" "dataset.path=$data" dataset.max_examples=1200 train.batch_size=16)
+# model.pooling=eos model.dtype=float32: how this table was measured (before 2026-11-26 the
+# presets pooled the appended EOS token's state, and the CPU ran float32); docs/conventions.md
+pinned=(model.pooling=eos model.dtype=float32)
+common=("model=$model" "${pinned[@]}" "dataset.path=$data" dataset.max_examples=1200 train.batch_size=16)
 for step in $steps; do
   case "$step" in
     # 1. Centralised, on cached features: MIPS, CaR, kNN; 3 epochs.
@@ -23,7 +26,7 @@ for step in $steps; do
          dp=none,adaptive fl.rounds=3 fl.local_epochs=1 hydra.sweep.dir="sweeps/slm_sms_fl_$model" ;;
     # 3. Federated CaR, 2 clients, record-level DP-SGD at epsilon = 3 (delta 1e-5): the settings
     #    of experiment=sms_privacy_record (5 rounds x 5 local epochs, Adam lr 0.02, q 0.1, clip 1).
-    3) python -m car_fl.sweep -m experiment=sms_privacy_record "model=$model" "dataset.path=$data" \
+    3) python -m car_fl.sweep -m experiment=sms_privacy_record "model=$model" "${pinned[@]}" "dataset.path=$data" \
          dataset.max_examples=1200 clients=2 dp.target_epsilon=3 \
          hydra.sweep.dir="sweeps/slm_sms_record_$model" ;;
     # 4. Centralised through the LM: adapter + MIPS, adapter + CaR; 1 epoch.
