@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import torch
-from flwr.app import RecordDict
+from flwr.app import ConfigRecord, RecordDict
 
 from car_fl.client.experts import outgoing
 from car_fl.client.local_dp import LocalDPRound
@@ -169,6 +169,27 @@ def node_shard(
         return empty_shard(settings, node, labels)
 
 
+#: The key of a run's DP mechanism in its state (a run keeps one for its whole life).
+MECHANISM_KEY = "dp-mechanism"
+
+
+def keep_one_mechanism(settings: Settings, node_state: RecordDict, *, who: str) -> None:
+    """Refuse a round whose DP mode differs from the one this run's earlier rounds used.
+
+    A run reports the ε of its own mechanism's releases; rounds of one run id under two
+    mechanisms (a shipped app can send each message its own settings) would report an ε
+    that leaves the other's releases out (the ledger counts both). So a run keeps one."""
+    mode = settings.dp.mode.value
+    record = node_state.config_records.get(MECHANISM_KEY)
+    used = str(record["mode"]) if record is not None and "mode" in record else None
+    if used is not None and used != mode:
+        raise ValueError(
+            f"{who}: this run's earlier rounds used dp={used} and this round asks dp={mode}; "
+            "a run keeps one DP mechanism for its whole life (start a new run)"
+        )
+    node_state[MECHANISM_KEY] = ConfigRecord({"mode": mode})
+
+
 def train_shard(
     settings: Settings,
     node: NodeInfo,
@@ -187,6 +208,7 @@ def train_shard(
     tick = time.perf_counter()
     who = f"client {node.partition_id}"
     data = shard.data
+    keep_one_mechanism(settings, node_state, who=who)
     privacy = round_privacy(
         settings,
         node,

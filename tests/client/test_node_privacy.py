@@ -329,3 +329,24 @@ def test_two_policies_cannot_keep_two_ledgers_of_the_same_records(
     other = tmp_path / "other.tsv"
     other.write_text("ham\ta record no other ledger covers\n", encoding="utf-8")
     guard(tmp_path / "d", other)  # disjoint records: a ledger of their own
+
+
+def test_a_run_keeps_one_dp_mechanism_for_its_whole_life(make_settings) -> None:
+    """Issue 41: a run id whose rounds mixed dp=record and dp=fixed reported an ε that left out
+    its DP-SGD steps (the ledger counted both). A run keeps one mechanism now."""
+    from car_fl.client.round import train_round as one_round
+
+    fixed = make_settings(*AGREED)
+    state = RecordDict()
+    one_round(fixed, NODE, initial(fixed), 1, state, LABELS)
+    record = make_settings(
+        "dp=record",
+        "dp.target_epsilon=3",
+        "dp.sample_rate=0.25",
+        "fl.rounds=2",
+        "fl.local_epochs=1",
+        "fl.max_examples_per_client=500",
+    )
+    with pytest.raises(ValueError, match=r"earlier rounds used dp=fixed .* one DP mechanism"):
+        one_round(record, NODE, initial(record), 2, state, LABELS)
+    one_round(fixed, NODE, initial(fixed), 2, state, LABELS)  # the same mechanism goes on
