@@ -12,6 +12,8 @@ TOML file and names it in the SuperNode's ``--node-config privacy-policy=/path/p
     allow-warmup = false          # accept dp.warmup_rounds > 0 (un-noised rounds)?
     lifetime-epsilon = 30         # cap on the ledger's ε of every record of this data
     public-example-count = true   # refuse a run whose reply would depend on n (default true)
+    protect = "records"           # "records" (default) or "mix": "mix" accepts client-level
+                                  # DP only (fixed, adaptive), which hides a shard's label mix
     max-steps-per-round = 100000  # the most DP steps (DP-SGD, or per-step local DP) a round may
                                   # plan (default 100,000): bounds the work a server can ask
     ledger = "ledger"             # the ledger's folder (relative to this file)
@@ -60,6 +62,10 @@ class NodePolicy:
     #: The most DP steps one round may plan (DP-SGD's fl.local_epochs × ⌈1/q⌉, or per-step
     #: local DP's steps): a server's dp.sample_rate=1e-7 would plan 10⁷ per-example steps.
     max_steps_per_round: int = 100_000
+    #: ``records``: any accepted mode; ``mix``: client-level DP only (dp=fixed or adaptive),
+    #: whose unit is the node's whole update, so what its shard holds as a whole (its label
+    #: mix) is protected too; record-level DP-SGD protects single records, not the mix.
+    protect: str = "records"
     ledger: Path = Path(DEFAULT_LEDGER)
     #: Where the policy was read from (for messages).
     source: Path = field(default=Path("<policy>"), compare=False)
@@ -104,6 +110,7 @@ class NodePolicy:
             lifetime_epsilon=reader.optional_number("lifetime-epsilon"),
             public_example_count=reader.flag("public-example-count", True),
             max_steps_per_round=int(reader.number("max-steps-per-round", 100_000, low=1.0)),
+            protect=reader.choice("protect", "records", PROTECT),
             ledger=ledger if ledger.is_absolute() else (source.parent / ledger),
             source=source,
         )
@@ -125,6 +132,12 @@ class NodePolicy:
         if dp.mode not in self.modes:
             accepted = ", ".join(sorted(m.value for m in self.modes))
             found.append(f"dp={dp.mode.value} is not among the accepted modes ({accepted})")
+            return found
+        if self.protect == "mix" and dp.mode not in (DPMode.FIXED, DPMode.ADAPTIVE):
+            found.append(
+                f'dp={dp.mode.value} does not protect the shard as a whole and protect = "mix" '
+                "asks client-level DP (dp=fixed or dp=adaptive)"
+            )
             return found
         if dp.mode is DPMode.NONE:
             if self.public_example_count:
@@ -200,8 +213,11 @@ KEYS = (
     "lifetime-epsilon",
     "public-example-count",
     "max-steps-per-round",
+    "protect",
     "ledger",
 )
+#: The values of ``protect``.
+PROTECT = ("records", "mix")
 
 
 class _Reader:
@@ -233,6 +249,12 @@ class _Reader:
         if unknown:
             raise PolicyError(self.where("modes") + f"unknown mode {unknown[0]!r}; valid: {valid}")
         return frozenset(DPMode(m) for m in raw)
+
+    def choice(self, key: str, default: str, valid: tuple[str, ...]) -> str:
+        value = self.values.get(key, default)
+        if value not in valid:
+            raise PolicyError(self.where(key) + f"must be one of {', '.join(valid)}, got {value!r}")
+        return str(value)
 
     def number(
         self,

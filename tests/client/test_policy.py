@@ -165,3 +165,17 @@ def test_a_plan_of_more_steps_than_the_accountant_can_compose_in_seconds_is_refu
             local_epochs=1,
         )
     assert MAX_PLANNED_STEPS <= 10**7
+
+
+def test_an_owner_can_require_protection_of_the_shards_mix_not_only_of_records(
+    tmp_path: Path,
+) -> None:
+    """Issue 41: a curious server learns a shard's label mix from a record-level DP-SGD reply
+    (it protects single records, not the mix); protect = "mix" accepts client-level DP only."""
+    text = 'modes = ["record", "fixed"]\nprotect = "mix"\n'
+    policy = NodePolicy.load(write(tmp_path, text))
+    record = "dp=record dp.target_epsilon=3 dp.sample_rate=0.1 fl.max_examples_per_client=1000"
+    assert any('protect = "mix"' in v for v in policy.violations(load_settings(record)))
+    assert policy.violations(load_settings("dp=fixed dp.noise_multiplier=1")) == []
+    with pytest.raises(PolicyError, match=r"'protect': must be one of records, mix"):
+        NodePolicy.load(write(tmp_path, 'modes = ["fixed"]\nprotect = "everything"\n'))
