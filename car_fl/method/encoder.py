@@ -316,8 +316,10 @@ def load_encoder(cfg: ModelConfig, *, device: str = "auto") -> Encoder:
     global LOAD_COUNT
     from transformers import AutoModel, AutoTokenizer
 
+    from car_fl.common.progress import quiet_hub_bars
     from car_fl.method.gguf import GgufError, resolve
 
+    quiet_hub_bars()
     try:
         name = resolve(cfg.name_or_path)
     except GgufError as err:

@@ -25,9 +25,9 @@ from typing import ClassVar, Protocol
 
 import torch
 from safetensors.torch import load_file, save
-from tqdm.auto import tqdm
 
 from car_fl.common.io import atomic_write
+from car_fl.common.progress import bar
 from car_fl.method.encoder import Encoder, pick_device, pick_dtype
 from car_fl.settings.schema import Mode, ModelConfig, Settings
 
@@ -80,7 +80,7 @@ def extract_features(
         length_batches(lengths, batch_size) if bucket else arrival_batches(len(lengths), batch_size)
     )
     out: torch.Tensor | None = None
-    for batch in tqdm(batches, desc=desc, disable=not progress, unit="batch", leave=False):
+    for batch in bar(batches, desc=desc, unit="batch", enabled=progress):
         with torch.inference_mode():
             ids, mask = pad([input_ids[i] for i in batch])
             pooled = encode(ids, mask)  # (batch, d)

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
+from car_fl.common.progress import bar
 from car_fl.method.features import LocalData, extract_features
 from car_fl.method.metrics import rank_metrics
 from car_fl.method.metrics import ranks as rank_of_true
@@ -116,7 +116,7 @@ def train_epoch(
     labels_all = data.labels.to(device)
     total_loss, correct, steps = 0.0, 0, 0
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-    for batch in tqdm(batches, desc=desc, disable=not progress, unit="step", leave=False):
+    for batch in bar(batches, desc=desc, unit="step", enabled=progress):
         labels = labels_all[batch.to(device)]
         if features is not None:
             logits, loss = model(features=features[batch.to(device)], labels=labels)
@@ -186,7 +186,7 @@ def train_epoch_dpsgd(
     planned = list(batches) if batches is not None else [None] * steps
     expected = sample_rate * population
     total_loss, correct, seen = 0.0, 0, 0
-    for batch in tqdm(planned, desc=desc, disable=not progress, unit="step", leave=False):
+    for batch in bar(planned, desc=desc, unit="step", enabled=progress):
         index = batch if batch is not None else poisson_sample(len(data), sample_rate)
         labels = data.labels[index].to(device)
         if features is not None:
