@@ -42,8 +42,9 @@ def main() -> None:
     parser.add_argument("--control-port", type=int, default=CONTROL_PORT)
     parser.add_argument(
         "--database",
-        default="superlink-state.db",
-        help="state database (a restart resumes from it)",
+        default=str(default_database()),
+        help="state database (a restart resumes from it; default: car-fl's state folder, "
+        "$CAR_FL_STATE or ~/.local/state/car-fl, never the folder this is run from)",
     )
     parser.add_argument(
         "--certs",
@@ -79,6 +80,10 @@ def main() -> None:
     except FlowerNotFound as err:
         sys.exit(f"superlink.py: {err}")
     env = flower_env()  # the SuperLink starts flower-superexec by name from PATH
+    if not args.print:
+        busy = busy_flag(args)
+        if busy:
+            sys.exit(f"superlink.py: {busy}")
     print(" ".join(cmd), flush=True)
     if not args.restartable:
         if not args.print:
@@ -99,6 +104,26 @@ def main() -> None:
             proc.terminate()
         for proc in (superexec, superlink):
             proc.wait()
+
+
+def default_database() -> Path:
+    """The state database unless --database says otherwise: in car-fl's state folder."""
+    from car_fl.common.io import state_dir
+
+    return state_dir() / "superlink-state.db"
+
+
+def busy_flag(args: argparse.Namespace) -> str | None:
+    """One line naming the flag to change when a port the SuperLink needs is taken."""
+    from car_fl.deploy.cluster import port_in_use
+
+    for flag, port in (("--fleet-port", args.fleet_port), ("--control-port", args.control_port)):
+        if port_in_use(args.bind, port):
+            return (
+                f"port {port} on {args.bind} is already in use (another SuperLink?); choose a "
+                f"free one with {flag}, e.g. {flag} {port + 100}"
+            )
+    return None
 
 
 def commands(args: argparse.Namespace, tls: TLSFiles | None) -> tuple[list[str], list[str] | None]:

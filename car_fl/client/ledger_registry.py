@@ -16,28 +16,15 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from car_fl.common.io import atomic_write_json
+from car_fl.common.io import atomic_write_json, state_dir
 from car_fl.settings.flower import NodeConfigError
 
 REGISTRY_FORMAT = "car-fl-ledger-registry-v1"
 REGISTRY_FILE = "ledgers.json"
-
-
-def state_dir() -> Path:
-    """The node owner's car-fl state folder (created 0700)."""
-    base = os.environ.get("CAR_FL_STATE")
-    if base:
-        folder = Path(base).expanduser()
-    else:
-        xdg = os.environ.get("XDG_STATE_HOME")
-        folder = (Path(xdg) if xdg else Path.home() / ".local" / "state") / "car-fl"
-    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-    return folder
 
 
 @contextmanager

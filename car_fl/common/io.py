@@ -68,3 +68,17 @@ def atomic_write_json(path: str | Path, data: Any, *, mode: int | None = None) -
     return atomic_write_text(
         path, json.dumps(data, indent=2, sort_keys=False, allow_nan=True) + "\n", mode=mode
     )
+
+
+def state_dir() -> Path:
+    """The node owner's or operator's car-fl state folder (created 0700): ``$CAR_FL_STATE``,
+    else ``$XDG_STATE_HOME/car-fl``, else ``~/.local/state/car-fl``. State, not cache:
+    deleting a cache must lose nothing that matters (a ledger registry, a SuperLink's runs)."""
+    base = os.environ.get("CAR_FL_STATE")
+    if base:
+        folder = Path(base).expanduser()
+    else:
+        xdg = os.environ.get("XDG_STATE_HOME")
+        folder = (Path(xdg) if xdg else Path.home() / ".local" / "state") / "car-fl"
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return folder

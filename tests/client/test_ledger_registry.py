@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from car_fl.client.ledger_registry import REGISTRY_FILE, claim, state_dir
+from car_fl.client.ledger_registry import REGISTRY_FILE, claim
+from car_fl.common.io import state_dir
 from car_fl.settings.flower import NodeConfigError
 
 

@@ -299,3 +299,29 @@ def test_flower_processes_get_the_running_pythons_folder_first_on_path(
     assert flower_env({})["PATH"] == here
     # A cluster's processes (SuperLink, SuperNodes, flwr) all get it
     assert LocalCluster(venv_python / "c").env["PATH"].split(os.pathsep)[0] == here
+
+
+@pytest.mark.parametrize("flag_name", ["--fleet-port", "--control-port"])
+def test_a_busy_port_is_one_line_naming_the_flag_to_change(flag_name: str) -> None:
+    """Issue 43: with 9092 taken the script exited 3 after a ~45-line uvicorn traceback that
+    never named --fleet-port or --control-port."""
+    import socket
+
+    from car_fl.deploy.cluster import free_port
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        other = "--control-port" if flag_name == "--fleet-port" else "--fleet-port"
+        done = subprocess.run(
+            [sys.executable, str(SUPERLINK_SCRIPT), flag_name, str(port), other, str(free_port())],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and flag_name in lines[0] and str(port) in lines[0], lines
+    assert "Traceback" not in done.stderr and done.stdout == ""
