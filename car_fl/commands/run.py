@@ -10,9 +10,16 @@ status: 0 for ``finished:completed``, 1 with the reason on stderr for anything e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from car_fl.settings.schema import Settings
 
 NAME = "run"
 HELP = "flwr run this project (a simulation: connection local) and exit non-zero if it fails"
@@ -99,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
 
     app = Path(args.app).resolve()
     settings = settings_from_run_config(run_config_from_args(app, args.run_config))
+    check_dataset_path(settings)
     if trains_nothing(settings):
         raise ValueError(
             f"head.kind={settings.head.kind} with train.mode={settings.train.mode} trains "
@@ -113,24 +121,63 @@ def run(args: argparse.Namespace) -> int:
     if local:  # one a plain `flwr run` started would install dependencies in every run
         check_local_superlink()
     env = {**os.environ, **{k: os.environ.get(k, v) for k, v in NO_INSTALL.items()}}
-    run_id = submit(app, args.connection, args.run_config, federation, env=env)
-    print(
-        f"car-fl run: run {run_id} started on {args.connection}; following its log "
-        f"(Ctrl-C stops the run)",
-        file=sys.stderr,
-        flush=True,
-    )
-    try:
-        status = follow_run(args.connection, run_id, timeout=args.timeout, env=env)
-    except KeyboardInterrupt:
-        from car_fl.deploy.runs import stop_run
+    with stop_signals():
+        run_id = submit(app, args.connection, args.run_config, federation, env=env)
+        print(
+            f"car-fl run: run {run_id} started on {args.connection}; following its log "
+            f"(Ctrl-C stops the run)",
+            file=sys.stderr,
+            flush=True,
+        )
+        try:
+            status = follow_run(args.connection, run_id, timeout=args.timeout, env=env)
+        except (KeyboardInterrupt, Stopped) as err:
+            from car_fl.deploy.runs import stop_run
 
-        stop_run(args.connection, run_id, env=env)
-        print(f"car-fl run: run {run_id} stopped", file=sys.stderr)
-        return 130
+            stop_run(args.connection, run_id, env=env)
+            why = f" ({err.name})" if isinstance(err, Stopped) else ""
+            print(f"car-fl run: run {run_id} stopped{why}", file=sys.stderr)
+            return err.code if isinstance(err, Stopped) else 130
     if status["status"] == COMPLETED:
         print(f"car-fl run: run {run_id} {COMPLETED}", file=sys.stderr)
         return 0
     details = " ".join(status["status-details"].split())
     print(f"car-fl run: run {run_id} {status['status']}: {details}", file=sys.stderr)
     return 1
+
+
+class Stopped(Exception):
+    """SIGTERM or SIGHUP reached ``car-fl run``: stop the run as Ctrl-C does."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.name = signal.Signals(signum).name
+        self.code = 128 + signum  # the shell's convention: 143 for SIGTERM, 129 for SIGHUP
+
+
+@contextlib.contextmanager
+def stop_signals() -> Iterator[None]:
+    """SIGTERM (a ``timeout``, a service manager) and SIGHUP (a closed terminal) raise
+    :class:`Stopped` while the run is submitted and followed, so that the run is stopped in
+    the SuperLink and the log stream (this command's child) ended, instead of both living on."""
+
+    def stop(signum: int, _frame: object) -> None:
+        raise Stopped(signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def check_dataset_path(settings: Settings) -> None:
+    """A relative ``dataset.path`` would be read from the folder of Flower's processes, not
+    from where the command was typed: refused in one line before any work."""
+    path = settings.dataset.path
+    if path and not Path(path).expanduser().is_absolute():
+        raise ValueError(
+            f"dataset.path={path!r} is relative, and the run's processes read it from their "
+            f'own folder; give the absolute path: dataset.path="{Path(path).resolve()}"'
+        )

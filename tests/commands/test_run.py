@@ -19,6 +19,7 @@ from car_fl.deploy.commands import flwr_bin
 from car_fl.deploy.connection import write_connection
 from car_fl.deploy.processes import Processes
 from car_fl.deploy.runs import COMPLETED, NO_INSTALL, submit, wait_for_run
+from tests.helpers import gone
 
 PROJECT = Path(__file__).resolve().parents[2]
 
@@ -294,3 +295,80 @@ def test_car_fl_run_without_flower_beside_python_or_on_path_fails_in_one_line(
     assert lines[0].startswith(
         f"car-fl run: Flower's 'flwr' is neither beside the running Python ({bin_dir})"
     )
+
+
+@pytest.mark.parametrize(("signame", "code"), [("SIGTERM", 143), ("SIGHUP", 129)])
+def test_sigterm_stops_the_run_like_ctrl_c_and_leaves_no_process_behind(
+    tmp_path: Path, signame: str, code: int
+) -> None:
+    """Issue 43: a `timeout` or a service manager's SIGTERM printed nothing, the run went on in
+    the SuperLink, and the `flwr log --stream` child stayed behind. Now the run is stopped, the
+    child ended by its PID, one line, exit 128 + the signal's number."""
+    import signal
+
+    fake = tmp_path / "flwr"
+    fake.write_text(FAKE_FLWR.format(python=sys.executable))
+    fake.chmod(0o755)
+    env = {**os.environ, "FAKE_FLWR_DIR": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", DRIVER, str(fake), str(PROJECT)],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "log").exists():  # the run is being followed
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr
+            time.sleep(0.1)
+        time.sleep(0.5)
+        streams = children_of(proc.pid)
+        assert streams, "the log stream (flwr log --stream) was not running"
+        os.kill(proc.pid, getattr(signal, signame))  # to car-fl run alone, not its group
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == code, stderr
+    assert "Traceback" not in stderr, stderr
+    assert stderr.strip().splitlines()[-1] == f"car-fl run: run 7 stopped ({signame})", stderr
+    assert (tmp_path / "stop").exists()  # flwr stop was called for the run
+    assert all(gone(pid) for pid in streams)  # no orphan
+
+
+def children_of(pid: int) -> list[int]:
+    """The PIDs whose parent is ``pid`` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def test_a_relative_dataset_path_is_refused_in_one_line_before_any_work(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "car_fl.cli",
+            "run",
+            "--app",
+            str(PROJECT),
+            "-c",
+            'model="minilm" dataset.path="../shared/data/sms_spam/SMSSpamCollection.tsv"',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "is relative" in lines[0] and "dataset.path=" in lines[0], lines
