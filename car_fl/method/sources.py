@@ -146,6 +146,23 @@ def gguf_problem(name_or_path: str, where: str) -> str | None:
     return None
 
 
+def near_names(path: str) -> str:
+    """``" (did you mean ...?)"`` with the names in the path's folder closest to its name, or
+    what the folder holds when none is close; ``""`` when the folder is not there either."""
+    import difflib
+
+    target = Path(path).expanduser()
+    try:
+        names = sorted(p.name for p in target.parent.iterdir())
+    except OSError:
+        return ""
+    close = difflib.get_close_matches(target.name, names, n=3, cutoff=0.6)
+    if close:
+        return f" (did you mean {', '.join(str(target.parent / n) for n in close)}?)"
+    shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+    return f" ({target.parent} holds: {shown})" if names else f" ({target.parent} is empty)"
+
+
 def check_sources(settings: Settings, *, where: str = "here") -> None:
     """Fail at once, naming every fix, if this machine cannot get the encoder or the data.
 
@@ -159,7 +176,7 @@ def check_sources(settings: Settings, *, where: str = "here") -> None:
         ("dataset.test_path", settings.dataset.test_path),
     ):
         if value is not None and not Path(value).expanduser().exists():
-            missing.append(f"{key}={value} does not exist {where}")
+            missing.append(f"{key}={value} does not exist {where}{near_names(value)}")
     model = settings.model.name_or_path
     if is_gguf(model):
         problem = gguf_problem(model, where)

@@ -240,6 +240,23 @@ def _raise_choice_error(err: ValidationError) -> None:
         kind = hints[part]
     if isinstance(kind, type) and issubclass(kind, Choice):
         kind.parse(str(err.full_key), err.value)
+    examples = {int: "3", float: "0.01", bool: "true"}
+    base = _optional_of(kind)
+    if base in examples:  # a number or a flag given as something else
+        raise ValueError(
+            f"{err.full_key}={err.value!r} is not {TYPE_NAMES[base]}; write e.g. "
+            f"{err.full_key}={examples[base]}"
+        )
+
+
+#: How a type is called in car-fl's messages.
+TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false"}
+
+
+def _optional_of(kind: Any) -> Any:
+    """``int`` for ``int`` and ``int | None``; other types as they are."""
+    args = [a for a in getattr(kind, "__args__", ()) if a is not type(None)]
+    return args[0] if len(args) == 1 else kind
 
 
 def load_settings(overrides: str | list[str] | tuple[str, ...] | None = None) -> Settings:

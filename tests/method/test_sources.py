@@ -100,3 +100,17 @@ def test_an_unreachable_hub_fails_in_seconds(empty_cache: Path, monkeypatch) -> 
     with pytest.raises(SourceError, match=r"could not be reached.*model=minilm.*dataset.path="):
         check_sources(load_settings())
     assert time.monotonic() - tick < 5.0
+
+
+def test_a_missing_data_file_names_the_near_names_in_its_folder(
+    make_settings, tmp_path: Path
+) -> None:
+    (tmp_path / "SMSSpamCollection.tsv").write_text("ham\thi\n", encoding="utf-8")
+    typo = make_settings(f"dataset.path={tmp_path / 'SMSSpamColection.tsv'}")
+    with pytest.raises(
+        SourceError, match=r"does not exist here \(did you mean .*SMSSpamCollection"
+    ):
+        check_sources(typo)
+    elsewhere = make_settings(f"dataset.path={tmp_path / 'other.csv'}")
+    with pytest.raises(SourceError, match=r"holds: SMSSpamCollection.tsv\)"):
+        check_sources(elsewhere)

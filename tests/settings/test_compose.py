@@ -157,3 +157,23 @@ def test_settings_are_typed_dataclasses() -> None:
     s = load_settings()
     assert isinstance(s, Settings)
     assert isinstance(s.eval.top_k, list) and s.eval.top_k == [1, 3, 5, 10]
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("train.epochs=three", "train.epochs='three' is not an integer; write e.g. train.epochs=3"),
+        ("train.lr=fast", "train.lr='fast' is not a number; write e.g. train.lr=0.01"),
+        ("progress=maybe", "progress='maybe' is not true or false; write e.g. progress=true"),
+        ("dp.target_epsilon=big", "dp.target_epsilon='big' is not a number"),
+    ],
+)
+def test_a_wrong_type_is_named_in_car_fls_voice_with_an_example(
+    override: str, message: str
+) -> None:
+    """Issue 43: OmegaConf's raw text (`Value 'three' of type 'str' could not be converted to
+    Integer full_key: ...`) where every other mistake speaks car-fl."""
+    with pytest.raises(ValueError) as err:
+        load_settings([override])
+    assert str(err.value) == message or str(err.value).startswith(message), str(err.value)
+    assert "could not be converted" not in str(err.value)
