@@ -11,8 +11,10 @@ files, the plot and a checkpoint.
 from __future__ import annotations
 
 import logging
+import math
 import re
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -191,10 +193,18 @@ def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
         summary.final.metrics["test_top1"],
         summary.best.round,
         summary.best.metrics["test_top1"],
-        f"{summary.initial['test_top1']:.4f}" if summary.initial else "-",
+        starting_point(summary.initial),
         output_dir,
     )
     return summary.to_dict()
+
+
+def starting_point(initial: Mapping[str, float] | None) -> str:
+    """Round 0's test top-1 for the last line, or why there is none (never "nan")."""
+    value = (initial or {}).get("test_top1")
+    if value is None or not math.isfinite(value):
+        return "not evaluated"
+    return f"{value:.4f}"
 
 
 def describe(settings: Settings, evaluator: ServerEvaluator) -> RunSummary:

@@ -146,3 +146,13 @@ def test_a_runs_folder_names_the_data_file_it_read_not_the_reader(make_settings)
     folder = default_output_dir(make_settings())
     assert folder.parent.name == "runs"
     assert "-synthetic-" in folder.name and "sms_spam" not in folder.name
+
+
+def test_a_starting_point_not_evaluated_is_said_so_not_nan() -> None:
+    """Issue 43: federated runs printed "(round 0, the starting point: test top1 nan)"."""
+    from car_fl.server.federation import starting_point
+
+    assert starting_point(None) == "not evaluated"
+    assert starting_point({"test_top1": float("nan")}) == "not evaluated"
+    assert starting_point({"val_top1": 0.5}) == "not evaluated"
+    assert starting_point({"test_top1": 0.9751}) == "0.9751"
