@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,18 @@ def curves_figure(
     return fig
 
 
+def wide_range(ax: Any, ratio: float = 100.0) -> bool:
+    """Whether the positive values an axis draws span more than ``ratio`` (then a log scale
+    keeps the small ones readable beside the large)."""
+    values = [
+        float(y)
+        for line in ax.get_lines()
+        for y in line.get_ydata()
+        if math.isfinite(float(y)) and float(y) > 0
+    ]
+    return bool(values) and max(values) / min(values) > ratio
+
+
 def plot_against_epochs(path: Path, lines: dict[str, list[RoundRow]], *, title: str) -> None:
     """Test loss and top-1 against epochs (FL: round × local epochs), one line per label.
 
@@ -130,6 +143,9 @@ def plot_against_epochs(path: Path, lines: dict[str, list[RoundRow]], *, title: 
         ax_loss.plot(x, loss, marker="o", markersize=3, label=label)
         ax_acc.plot(x, top1, marker="o", markersize=3, label=label)
     ax_loss.set(xlabel="epochs (FL: round × local epochs)", ylabel="test loss", title=title)
+    if wide_range(ax_loss):  # e.g. MIPS's loss near 32 beside CaR's near 0: log, or unreadable
+        ax_loss.set_yscale("log")
+        ax_loss.set_ylabel("test loss (log scale)")
     ax_acc.set(xlabel="epochs (FL: round × local epochs)", ylabel="test top-1 accuracy")
     for ax in (ax_loss, ax_acc):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers

@@ -136,6 +136,8 @@ class RunRecord:
             "reason": self.reason,
             "overrides": " ".join(self.overrides),
             "path": str(self.path),
+            "source": source_of(self.path),
+            "differs": "",
         }
 
 
@@ -196,10 +198,60 @@ def collect_runs(paths: Sequence[str | Path]) -> list[RunRecord]:
     return runs
 
 
+def source_of(path: Path) -> str:
+    """Where a row came from, short: a sweep member as ``sweep/job``, a run as its folder."""
+    return f"{path.parent.name}/{path.name}" if path.parent.name else path.name
+
+
+#: Settings that differ between any two runs and say nothing about what was run.
+NOT_DIFFERENCES = ("output_dir", "cache_dir", "resume", "progress")
+
+
+def differences(runs: Sequence[RunRecord]) -> dict[Path, str]:
+    """For runs whose rows would otherwise look the same (one dataset, model, approach,
+    clients and scenario), the settings in which each differs from the others."""
+    from car_fl.settings.compose import plain
+
+    groups: dict[tuple[Any, ...], list[RunRecord]] = defaultdict(list)
+    for run in runs:
+        if run.settings is not None:
+            s = run.settings
+            key = (s.dataset.label, s.model.name, approach_of(s), run.clients)
+            groups[(*key, scenario_of(s, run.clients or 1))].append(run)
+    out: dict[Path, str] = {}
+    for group in groups.values():
+        if len(group) < 2:
+            continue
+        flat = [_flatten(plain(r.settings)) for r in group if r.settings is not None]
+        keys = sorted(
+            k
+            for k in set().union(*flat)
+            if not k.startswith(NOT_DIFFERENCES) and len({repr(f.get(k)) for f in flat}) > 1
+        )
+        for run, values in zip(group, flat, strict=True):
+            out[run.path] = " ".join(f"{k}={values.get(k)}" for k in keys)
+    return out
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
 # --------------------------------------------------------------------------------- tables
 def results_rows(runs: Sequence[RunRecord]) -> list[dict[str, Any]]:
-    """One row per run, with the speed-up against the matching centralised run."""
+    """One row per run, with the speed-up against the matching centralised run, where it
+    came from and what sets it apart from rows that would otherwise look the same."""
     rows = [r.row() for r in runs]
+    differ = differences(runs)
+    for run, row in zip(runs, rows, strict=True):
+        row["differs"] = differ.get(run.path, "")
     reference: dict[tuple[Any, ...], float] = {}
     for row in rows:
         if row["status"] == "ok" and row["clients"] == 1 and row["seconds"]:
@@ -260,9 +312,11 @@ def plot_runs(out: Path, runs: Sequence[RunRecord]) -> list[Path]:
         trained = [r for r in group if any(h.epochs for h in r.history)]
         if not trained:
             continue
-        lines = {
+        differ = differences(trained)
+        lines = {  # one line per run: runs of one scenario told apart by what differs
             f"{scenario_of(r.settings, r.clients or 1)}, {r.clients} client"
-            + ("s" if (r.clients or 1) > 1 else ""): r.history
+            + ("s" if (r.clients or 1) > 1 else "")
+            + (f" ({differ[r.path]})" if differ.get(r.path) else ""): r.history
             for r in trained
             if r.settings is not None
         }
@@ -272,7 +326,14 @@ def plot_runs(out: Path, runs: Sequence[RunRecord]) -> list[Path]:
     for (dataset, model), group in sorted(by_model.items()):
         if len({approach_of(r.settings) for r in group if r.settings}) < 2:
             continue
-        lines = {approach_of(r.settings): r.history for r in group if r.settings is not None}
+        differ = differences(group)
+        lines = {
+            approach_of(r.settings) + (f" ({differ[r.path]})" if differ.get(r.path) else ""): (
+                r.history
+            )
+            for r in group
+            if r.settings is not None
+        }
         path = out / f"retrieval-{_slug(dataset, model)}.png"
         plot_against_epochs(
             path, lines, title=f"{dataset}, {model}: retrieval approaches (centralised)"

@@ -38,6 +38,8 @@ RESULT_COLUMNS = [
     ("speedup", "speed-up", "x"),
     ("epsilon", "ε", "eps"),
     ("status", "status", "str"),
+    ("differs", "differs in", "str"),
+    ("source", "source", "str"),
 ]
 RETRIEVAL_COLUMNS = [
     ("model", "model", "str"),
@@ -48,6 +50,8 @@ RETRIEVAL_COLUMNS = [
     ("macro_f1", "macro-F1", "float"),
     ("seconds", "train + val (s)", "sec"),
     ("status", "status", "str"),
+    ("differs", "differs in", "str"),
+    ("source", "source", "str"),
 ]
 
 

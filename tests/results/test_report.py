@@ -138,3 +138,60 @@ def test_the_report_command_on_run_directories(sweep: Path, tmp_path: Path, caps
     assert cli_main(["report", str(tmp_path / "no-such-folder")]) == 1
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("car-fl report: ") and "no-such-folder" in line
+
+
+def test_two_runs_that_differ_only_in_their_data_size_say_so_and_each_gets_its_curve(
+    make_settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 43: two rows looked identical ("smollm2 | classifier (CaR) | 1 | centralised",
+    95.00 and 97.50) with nothing saying which run each came from, and the curves figure drew
+    one of them (one label per scenario: the second overwrote the first)."""
+    import car_fl.results.report as report_module
+
+    small = write_run(
+        tmp_path / "runs" / "small",
+        make_settings("dataset.max_examples=400"),
+        clients=1,
+        top1=[0.90, 0.95],
+        seconds=10.0,
+    )
+    large = write_run(
+        tmp_path / "runs" / "large",
+        make_settings("dataset.max_examples=800"),
+        clients=1,
+        top1=[0.93, 0.975],
+        seconds=20.0,
+    )
+    drawn: dict[str, list[str]] = {}
+    real = report_module.plot_against_epochs
+
+    def spy(path: Path, lines: dict, *, title: str) -> None:
+        drawn[path.name] = sorted(lines)
+        real(path, lines, title=title)
+
+    monkeypatch.setattr(report_module, "plot_against_epochs", spy)
+    report = write_report([small, large], tmp_path / "report")
+    by_source = {row["source"]: row for row in report.rows}
+    assert set(by_source) == {"runs/small", "runs/large"}
+    assert by_source["runs/small"]["differs"] == "dataset.max_examples=400"
+    assert by_source["runs/large"]["differs"] == "dataset.max_examples=800"
+    (curves,) = [labels for name, labels in drawn.items() if name.startswith("curves-")]
+    assert len(curves) == 2 and all("dataset.max_examples=" in label for label in curves)
+    text = report.markdown.read_text(encoding="utf-8")
+    assert "runs/small" in text and "dataset.max_examples=800" in text
+
+
+def test_a_loss_panel_whose_lines_differ_by_orders_of_magnitude_is_drawn_in_log_scale(
+    tmp_path: Path,
+) -> None:
+    """Issue 43: MIPS's test loss near 32 flattened CaR's near 0 in the retrieval figure."""
+    from matplotlib import pyplot
+
+    from car_fl.results.plots import wide_range
+
+    fig, ax = pyplot.subplots()
+    ax.plot([0, 1, 2], [0.05, 0.03, 0.02])
+    assert not wide_range(ax)
+    ax.plot([0, 2], [32.0, 32.0])
+    assert wide_range(ax)
+    pyplot.close(fig)
