@@ -264,7 +264,7 @@ def dequantised_folder(path: Path, *, sha256: str | None = None) -> Path:
         except ImportError as err:
             raise GgufError(
                 f"reading GGUF files needs the gguf and accelerate packages ({err}); "
-                "pip install gguf accelerate"
+                'pip install -e ".[slm]" in the clone (or pip install "car-fl[slm]")'
             ) from err
         except Exception as err:
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

@@ -17,7 +17,7 @@ from car_fl.method.rag import load_generator
 from car_fl.settings.compose import load_settings
 
 pytestmark = pytest.mark.slow
-pytest.importorskip("gguf", reason="reading GGUF files needs `pip install gguf accelerate`")
+pytest.importorskip("gguf", reason='reading GGUF files needs `pip install -e ".[slm]"`')
 SMS = Path(__file__).resolve().parents[3] / "shared" / "data" / "sms_spam" / "SMSSpamCollection.tsv"
 
 
