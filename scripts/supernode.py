@@ -112,6 +112,15 @@ def main() -> None:
         mine = node_config_string(**node)  # the worker's: the same values and policy, no worker
         worker = worker_command(folder=args.worker.expanduser(), node_config=mine)
         print("this node's worker (start it first):", shlex.join(worker), flush=True)
+    if not args.print:
+        from car_fl.deploy.cluster import port_in_use
+
+        if port_in_use("127.0.0.1", args.port):
+            sys.exit(
+                f"supernode.py: port {args.port} on 127.0.0.1 (this node's local runtime API) "
+                f"is already in use (another SuperNode?); choose a free one with --port, e.g. "
+                f"--port {args.port + 100}"
+            )
     print(shlex.join(cmd), flush=True)
     if not args.print:
         # the SuperNode starts flower-superexec (and that flwr-clientapp) by name from PATH

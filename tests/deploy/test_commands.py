@@ -325,3 +325,35 @@ def test_a_busy_port_is_one_line_naming_the_flag_to_change(flag_name: str) -> No
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and flag_name in lines[0] and str(port) in lines[0], lines
     assert "Traceback" not in done.stderr and done.stdout == ""
+
+
+def test_a_busy_runtime_port_of_the_supernode_script_names_its_flag() -> None:
+    import socket
+
+    script = SUPERLINK_SCRIPT.parent / "supernode.py"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [
+                sys.executable,
+                str(script),
+                "--superlink",
+                "127.0.0.1:9092",
+                "--partition-id",
+                "0",
+                "--num-partitions",
+                "1",
+                "--port",
+                str(port),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--port" in lines[0] and str(port) in lines[0], lines
+    assert "Traceback" not in done.stderr
