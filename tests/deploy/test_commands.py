@@ -301,59 +301,41 @@ def test_flower_processes_get_the_running_pythons_folder_first_on_path(
     assert LocalCluster(venv_python / "c").env["PATH"].split(os.pathsep)[0] == here
 
 
-@pytest.mark.parametrize("flag_name", ["--fleet-port", "--control-port"])
-def test_a_busy_port_is_one_line_naming_the_flag_to_change(flag_name: str) -> None:
-    """Issue 43: with 9092 taken the script exited 3 after a ~45-line uvicorn traceback that
-    never named --fleet-port or --control-port."""
+def run_with_a_busy_port(script: Path, *args: str) -> tuple[int, subprocess.CompletedProcess]:
+    """``script`` run with ``args`` and a port this test holds (``{port}`` in ``args``)."""
     import socket
-
-    from car_fl.deploy.cluster import free_port
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        other = "--control-port" if flag_name == "--fleet-port" else "--fleet-port"
-        done = subprocess.run(
-            [sys.executable, str(SUPERLINK_SCRIPT), flag_name, str(port), other, str(free_port())],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
+        command = [sys.executable, str(script), *(a.format(port=port) for a in args)]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    return port, done
+
+
+def assert_one_line_naming(done: subprocess.CompletedProcess, flag_name: str, port: int) -> None:
     assert done.returncode != 0
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and flag_name in lines[0] and str(port) in lines[0], lines
     assert "Traceback" not in done.stderr and done.stdout == ""
 
 
-def test_a_busy_runtime_port_of_the_supernode_script_names_its_flag() -> None:
-    import socket
+@pytest.mark.parametrize("flag_name", ["--fleet-port", "--control-port"])
+def test_a_busy_port_is_one_line_naming_the_flag_to_change(flag_name: str) -> None:
+    """Issue 43: with 9092 taken the script exited 3 after a ~45-line uvicorn traceback that
+    never named --fleet-port or --control-port."""
+    from car_fl.deploy.cluster import free_port
 
+    other = "--control-port" if flag_name == "--fleet-port" else "--fleet-port"
+    port, done = run_with_a_busy_port(
+        SUPERLINK_SCRIPT, flag_name, "{port}", other, str(free_port())
+    )
+    assert_one_line_naming(done, flag_name, port)
+
+
+def test_a_busy_runtime_port_of_the_supernode_script_names_its_flag() -> None:
     script = SUPERLINK_SCRIPT.parent / "supernode.py"
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        done = subprocess.run(
-            [
-                sys.executable,
-                str(script),
-                "--superlink",
-                "127.0.0.1:9092",
-                "--partition-id",
-                "0",
-                "--num-partitions",
-                "1",
-                "--port",
-                str(port),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-    assert done.returncode != 0
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "--port" in lines[0] and str(port) in lines[0], lines
-    assert "Traceback" not in done.stderr
+    args = ("--superlink", "127.0.0.1:9092", "--partition-id", "0", "--num-partitions", "1")
+    port, done = run_with_a_busy_port(script, *args, "--port", "{port}")
+    assert_one_line_naming(done, "--port", port)
