@@ -3,13 +3,14 @@ starts anything; a real run's outcome is the command's exit code."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -197,32 +198,11 @@ def test_ctrl_c_stops_the_run_in_one_line_with_exit_130_and_no_traceback_of_flwr
     """Ctrl-C reaches the terminal's whole process group; the ``flwr`` children are not in it."""
     import signal
 
-    fake = tmp_path / "flwr"
-    fake.write_text(FAKE_FLWR.format(python=sys.executable))
-    fake.chmod(0o755)
-    env = {**os.environ, "FAKE_FLWR_DIR": str(tmp_path), "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, "-c", DRIVER, str(fake), str(PROJECT)]
-    proc = subprocess.Popen(
-        command,
-        env=env,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        # as in a terminal: a suite started in the background (`cmd &` in a script) inherits
-        # SIGINT ignored, and this process would then never see the Ctrl-C
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while not (tmp_path / "log").exists():  # the run is being followed
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr
-            time.sleep(0.1)
-        time.sleep(0.5)
+    # as in a terminal: a suite started in the background (`cmd &` in a script) inherits
+    # SIGINT ignored, and this process would then never see the Ctrl-C
+    with following_a_run(tmp_path, lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) as proc:
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
         _, stderr = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 130, stderr
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
     assert stderr.strip().splitlines()[-1] == "car-fl run: run 7 stopped", stderr
@@ -306,6 +286,24 @@ def test_sigterm_stops_the_run_like_ctrl_c_and_leaves_no_process_behind(
     child ended by its PID, one line, exit 128 + the signal's number."""
     import signal
 
+    with following_a_run(tmp_path) as proc:
+        streams = children_of(proc.pid)
+        assert streams, "the log stream (flwr log --stream) was not running"
+        os.kill(proc.pid, getattr(signal, signame))  # to car-fl run alone, not its group
+        _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == code, stderr
+    assert "Traceback" not in stderr, stderr
+    assert stderr.strip().splitlines()[-1] == f"car-fl run: run 7 stopped ({signame})", stderr
+    assert (tmp_path / "stop").exists()  # flwr stop was called for the run
+    assert all(gone(pid) for pid in streams)  # no orphan
+
+
+@contextlib.contextmanager
+def following_a_run(
+    tmp_path: Path, preexec: Callable[[], object] | None = None
+) -> Iterator[subprocess.Popen[str]]:
+    """``car-fl run`` against a fake ``flwr``, yielded once it follows the run's log; killed
+    on the way out if it is still running."""
     fake = tmp_path / "flwr"
     fake.write_text(FAKE_FLWR.format(python=sys.executable))
     fake.chmod(0o755)
@@ -316,6 +314,7 @@ def test_sigterm_stops_the_run_like_ctrl_c_and_leaves_no_process_behind(
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=preexec,
     )
     try:
         deadline = time.monotonic() + 120
@@ -323,18 +322,10 @@ def test_sigterm_stops_the_run_like_ctrl_c_and_leaves_no_process_behind(
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr
             time.sleep(0.1)
         time.sleep(0.5)
-        streams = children_of(proc.pid)
-        assert streams, "the log stream (flwr log --stream) was not running"
-        os.kill(proc.pid, getattr(signal, signame))  # to car-fl run alone, not its group
-        _, stderr = proc.communicate(timeout=60)
+        yield proc
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == code, stderr
-    assert "Traceback" not in stderr, stderr
-    assert stderr.strip().splitlines()[-1] == f"car-fl run: run 7 stopped ({signame})", stderr
-    assert (tmp_path / "stop").exists()  # flwr stop was called for the run
-    assert all(gone(pid) for pid in streams)  # no orphan
 
 
 def children_of(pid: int) -> list[int]:
