@@ -9,6 +9,15 @@
 - :mod:`~car_fl.client.shard`: this node's shard, features and local retriever.
 - :mod:`~car_fl.client.node_settings`: the run's settings with this node's own paths.
 - :mod:`~car_fl.client.node_cache`: what the node keeps on disk between rounds.
+- :mod:`~car_fl.client.node_privacy`: the owner's policy and lifetime ledger, together in a round.
+- :mod:`~car_fl.client.policy`: the owner's privacy policy file, validated.
+- :mod:`~car_fl.client.node_reading`: how a node with a policy reads its data (never the run's way).
+- :mod:`~car_fl.client.ledger`: every release ever made, accounted per record.
+- :mod:`~car_fl.client.failures`: refusals and errors turned into data-free replies.
+- :mod:`~car_fl.client.experts`: what a node sends of a mixture of experts.
+- :mod:`~car_fl.client.run_states`: every run's state on a node, in one store.
+- :mod:`~car_fl.client.worker`, :mod:`~car_fl.client.worker_link`: the node's worker process,
+  and the ClientApp's side of its local socket.
 - :mod:`~car_fl.client.ledger_registry`: which ledger covers which records, for all of an
   owner's policies (one ledger per record).
 """

@@ -39,10 +39,12 @@ no failure that the records could cause is an answer a server can read (argued a
    5 instead.
 5. **The shard**: the node reads its own data file with its own label map; examples whose label
    the server's map lacks are left out and still counted, so nothing depends on which labels
-   the node holds (:func:`car_fl.client.shard.shard_data`). After step 4 charged the round,
-   anything reading the records raises (a reader or column that does not fit, a label filter
-   such as ``dataset.min_examples_per_label`` that leaves nothing) gives an empty shard: the
-   round releases noise alone (:func:`car_fl.client.round.node_shard`).
+   the node holds (:func:`car_fl.client.shard.shard_data`). With a policy, *how* it reads (the
+   reader, the columns, duplicate removal, label filters, the split seed) is the policy's
+   ``[data]`` table's, never the run's (:mod:`car_fl.client.node_reading`). After step 4
+   charged the round, anything reading the records raises (the owner's reading does not fit
+   the file, a label-dependent partition of a shared file) gives an empty shard: the round
+   releases noise alone (:func:`car_fl.client.round.node_shard`).
 6. **The run's own budget**: local DP's and DP-SGD's target ε (``RUN_TARGET_REACHED``;
    :class:`car_fl.client.local_dp.LocalDPRound`, :class:`car_fl.client.record_dp.RecordDPRound`),
    functions of the configuration and the rounds trained only. The shard's size decides
@@ -60,8 +62,9 @@ no failure that the records could cause is an answer a server can read (argued a
 
 Which failures can depend on the records, and why a server sees none of them: steps 1 to 4
 read no record, so their refusals are functions of the message, the settings, the policy and
-the ledger. Step 5's read can fail because of the records (the first line read as a header,
-too few examples of a label), and under DP it then gives a noise-only release that is charged
+the ledger. Step 5 reads as the owner set (a run cannot make one record decide how the others
+parse, or make a label vanish with a filter); if that read still fails because of the records,
+under DP it then gives a noise-only release that is charged
 like any other and carries the same public figures: the server receives a reply either way.
 Steps 6 and 7 depend on the records only through what is clipped and noised: a diverging
 local-DP round releases what it has (clipped, noised), a non-finite update is released as a

@@ -18,6 +18,9 @@ TOML file and names it in the SuperNode's ``--node-config privacy-policy=/path/p
                                   # plan (default 100,000): bounds the work a server can ask
     ledger = "ledger"             # the ledger's folder (relative to this file)
 
+    [data]                        # how this node reads its data file: the run cannot change it
+    reader = "sms_spam"           # (car_fl.client.node_reading: every key, and why)
+
 Before any training :meth:`NodePolicy.violations` compares the run's settings with the policy
 (:mod:`car_fl.client.node_privacy` refuses the round when it finds any). A run the policy
 accepts can still be refused by the lifetime cap, which the ledger
@@ -34,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from car_fl.client.node_reading import NodeReading, ReadingError
 from car_fl.privacy.record_accounting import steps_per_epoch
 from car_fl.settings.dp_plan import local_steps, non_private_reason, per_step, record_plan
 from car_fl.settings.schema import DPMode, Settings
@@ -67,6 +71,8 @@ class NodePolicy:
     #: mix) is protected too; record-level DP-SGD protects single records, not the mix.
     protect: str = "records"
     ledger: Path = Path(DEFAULT_LEDGER)
+    #: How the node reads its data file (the ``[data]`` table): the run config cannot change it.
+    data: NodeReading = field(default_factory=NodeReading)
     #: Where the policy was read from (for messages).
     source: Path = field(default=Path("<policy>"), compare=False)
 
@@ -99,6 +105,10 @@ class NodePolicy:
             )
         modes = reader.modes()
         ledger = Path(reader.text("ledger", DEFAULT_LEDGER)).expanduser()
+        try:
+            data = NodeReading.parse(values.get("data", {}), where=reader.where)
+        except ReadingError as err:
+            raise PolicyError(str(err)) from None
         return cls(
             modes=modes,
             min_noise_multiplier=reader.number("min-noise-multiplier", 0.0, low=0.0),
@@ -112,6 +122,7 @@ class NodePolicy:
             max_steps_per_round=int(reader.number("max-steps-per-round", 100_000, low=1.0)),
             protect=reader.choice("protect", "records", PROTECT),
             ledger=ledger if ledger.is_absolute() else (source.parent / ledger),
+            data=data,
             source=source,
         )
 
@@ -215,6 +226,7 @@ KEYS = (
     "max-steps-per-round",
     "protect",
     "ledger",
+    "data",
 )
 #: The values of ``protect``.
 PROTECT = ("records", "mix")

@@ -125,6 +125,7 @@ def train_round(
     """
     if guard is not None:
         guard.admit(settings)  # before any data is read
+        settings = guard.policy.data.apply(settings, source=guard.policy.source)  # its reading
     spent = guard is not None and guard.spend_ahead(settings, run=run, server_round=server_round)
     private = spent and dp_active(settings, server_round)
     shard = node_shard(settings, node, labels, memory=shards, noise_only=private)

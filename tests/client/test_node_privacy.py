@@ -309,6 +309,59 @@ def test_after_the_lifetime_budget_is_spent_every_probe_gets_budget_exhausted(
     assert [e.run for e in node_privacy.ledger.entries()] == ["1"]
 
 
+def reading_probes(data: Path) -> list[tuple[str, ...]]:
+    """Finding 1's reading attacks: a header guess (right and wrong) and a label filter."""
+    first = data.read_text(encoding="utf-8").splitlines()[0].split("\t")[0]
+    guess = (
+        ("dataset=file", f"dataset.text_column={label}", f"dataset.label_column={label}")
+        for label in (first, "not-" + first)
+    )
+    filters = (f"dataset.min_examples_per_label={m}" for m in (1, 61, 1_000_000))
+    return [*guess, *((f,) for f in filters), ("dataset.dedupe=false", "seed=3")]
+
+
+def test_a_node_with_a_policy_reads_its_records_its_own_way_whatever_the_run_says(
+    tmp_path: Path, make_settings, synthetic_tsv: Path
+) -> None:
+    """Finding 1 (issue 41): the run config chose the reader, the columns and the label
+    filters, so which examples a round trained on (and, under record-level DP, how one line
+    decided how the others parse) followed the records: a header guess recovered the first
+    record's label, a filter over M a label's count. Now the node reads with its policy's
+    [data] table: every probe trains on the very shard the agreed run trains on."""
+    node_privacy = guard(tmp_path, synthetic_tsv)
+    shards: dict = {}
+    train_round(
+        make_settings(*AGREED),
+        NODE,
+        initial(make_settings(*AGREED)),
+        1,
+        RecordDict(),
+        LABELS,
+        guard=node_privacy,
+        run="1",
+        shards=shards,
+    )
+    (own,) = shards.values()
+    assert own.examples > 0
+    for run, probe in enumerate(reading_probes(synthetic_tsv), start=2):
+        shards.clear()
+        settings = make_settings(*AGREED, *probe)
+        train_round(
+            settings,
+            NODE,
+            initial(settings),
+            1,
+            RecordDict(),
+            LABELS,
+            guard=node_privacy,
+            run=str(run),
+            shards=shards,
+        )
+        (read,) = shards.values()
+        assert read.examples == own.examples, probe
+        assert torch.equal(read.data.labels, own.data.labels), probe
+
+
 def test_two_policies_cannot_keep_two_ledgers_of_the_same_records(
     tmp_path: Path, make_settings, synthetic_tsv: Path
 ) -> None:

@@ -1,0 +1,167 @@
+"""How a node whose owner set a privacy policy reads its data file: its own way, never the run's.
+
+Everything that decides how the node's file becomes examples (the reader, the columns, the
+duplicate removal, label filters such as ``min_examples_per_label``, the subsample, the split
+fractions and the split seed) is a function of the records: a run config that chose it could
+make one line decide how the others parse (``dataset.reader=table`` with
+``text_column=label_column=<guess>`` reads the first record as a header, so the round trains
+only when the first record's label is the guess) or make a whole label appear or vanish with
+one record (``dataset.min_examples_per_label=M``: a binary search recovered a label's count in
+9 runs). Under record-level DP that breaks the unit the guarantee is about. So on a node with a
+policy these keys come from the policy's ``[data]`` table, or car-fl's own default for a key the
+table leaves out (:class:`car_fl.settings.schema.DatasetConfig`'s), and a run config's values
+are ignored, with a line in the node's log::
+
+    [data]                        # how this node reads its data file
+    reader = "sms_spam"           # sms_spam, ag_news, arxiv, table, corpus
+    text-column = "text"          # reader = "table": the columns
+    label-column = "label"
+    dedupe = true
+    min-examples-per-label = 1
+    seed = 42                     # the split (and partition) seed
+
+The run still sets everything else (the model, the head, training, DP within the policy,
+rounds, the partitioning of a shared file). A node without a policy trusts the run and reads as
+it says. Written here because Flower has no node-side notion of how a node reads its data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from car_fl.settings.schema import DatasetConfig, Reader, Settings
+
+log = logging.getLogger(__name__)
+
+_DEFAULTS = DatasetConfig()
+_DEFAULT_SEED = Settings().seed
+
+#: The ``[data]`` keys and the setting each fixes (``seed`` is the run's top-level seed).
+KEYS: Mapping[str, str] = MappingProxyType(
+    {
+        "reader": "dataset.reader",
+        "text-column": "dataset.text_column",
+        "label-column": "dataset.label_column",
+        "dedupe": "dataset.dedupe",
+        "stratify": "dataset.stratify",
+        "min-examples-per-label": "dataset.min_examples_per_label",
+        "max-examples": "dataset.max_examples",
+        "test-fraction": "dataset.test_fraction",
+        "val-fraction": "dataset.val_fraction",
+        "new-fraction": "dataset.new_fraction",
+        "topic-key": "dataset.topic_key",
+        "seed": "seed",
+    }
+)
+
+
+class ReadingError(ValueError):
+    """A ``[data]`` value of the policy is invalid (the message names where and why)."""
+
+
+@dataclass(frozen=True)
+class NodeReading:
+    """The node owner's reading of its data file (see the module docstring)."""
+
+    reader: Reader = _DEFAULTS.reader
+    text_column: str = _DEFAULTS.text_column
+    label_column: str = _DEFAULTS.label_column
+    dedupe: bool = _DEFAULTS.dedupe
+    stratify: bool = _DEFAULTS.stratify
+    min_examples_per_label: int = _DEFAULTS.min_examples_per_label
+    max_examples: int | None = _DEFAULTS.max_examples
+    test_fraction: float = _DEFAULTS.test_fraction
+    val_fraction: float = _DEFAULTS.val_fraction
+    new_fraction: float = _DEFAULTS.new_fraction
+    topic_key: str = _DEFAULTS.topic_key
+    seed: int = _DEFAULT_SEED
+
+    @classmethod
+    def parse(cls, table: object, *, where: Callable[[str], str]) -> NodeReading:
+        """The reading of a policy's ``[data]`` table (``where(key)`` prefixes errors with the
+        file, line and key); a key the table leaves out keeps car-fl's default."""
+        if not isinstance(table, Mapping):
+            raise ReadingError(where("data") + "must be a table: [data] with reader = ... below it")
+        unknown = sorted(set(table) - set(KEYS))
+        if unknown:
+            raise ReadingError(
+                where(unknown[0]) + f"unknown [data] key; the keys are: {', '.join(KEYS)}"
+            )
+        values: dict[str, Any] = {}
+        for key, value in table.items():
+            name = key.replace("-", "_")
+            values[name] = _checked(name, value, where(key))
+        try:  # the schema's own checks (fractions, a corpus without documents is the run's)
+            reading = cls(**values)
+            DatasetConfig(**{**_reading_fields(reading), "path": "-"})
+        except ValueError as err:
+            raise ReadingError(where("data") + str(err)) from None
+        return reading
+
+    def apply(self, settings: Settings, *, source: object = "the privacy policy") -> Settings:
+        """``settings`` with this reading; a run's value that differs is logged and ignored."""
+        mine = _reading_fields(self)
+        readers = {self.reader, settings.dataset.reader}
+        ignored = [
+            f"{KEYS[key.replace('_', '-')]}={getattr(settings.dataset, key)!r}"
+            for key, value in mine.items()
+            if getattr(settings.dataset, key) != value and _matters(key, readers)
+        ]
+        if settings.seed != self.seed:
+            ignored.append(f"seed={settings.seed}")
+        if ignored:
+            log.warning(
+                "this node reads its data file as its owner set in %s ([data]), not as the run "
+                "says: ignored %s",
+                source,
+                ", ".join(ignored),
+            )
+        dataset = dataclasses.replace(settings.dataset, **mine)
+        return dataclasses.replace(settings, dataset=dataset, seed=self.seed)
+
+
+def _matters(key: str, readers: set[Reader]) -> bool:
+    """Whether a differing ``key`` changes what either reader reads (the columns only name a
+    table's fields, the corpus keys only a corpus's): the others are not worth a log line."""
+    if key in ("text_column", "label_column"):
+        return Reader.TABLE in readers
+    if key in ("new_fraction", "topic_key"):
+        return Reader.CORPUS in readers
+    return True
+
+
+def _reading_fields(reading: NodeReading) -> dict[str, Any]:
+    """The dataset fields of ``reading`` (all but the seed)."""
+    return {
+        f.name: getattr(reading, f.name) for f in dataclasses.fields(reading) if f.name != "seed"
+    }
+
+
+def _checked(name: str, value: object, where: str) -> object:
+    """``value`` of the ``[data]`` key ``name``, of the type its setting has."""
+    if name == "reader":
+        valid = ", ".join(r.value for r in Reader)
+        if value not in {r.value for r in Reader}:
+            raise ReadingError(where + f"must be one of {valid}, got {value!r}")
+        return Reader(value)
+    if name in ("dedupe", "stratify"):
+        if not isinstance(value, bool):
+            raise ReadingError(where + f"must be true or false, got {value!r}")
+        return value
+    if name in ("text_column", "label_column", "topic_key"):
+        if not isinstance(value, str) or not value:
+            raise ReadingError(where + f"must be a non-empty string, got {value!r}")
+        return value
+    if name in ("min_examples_per_label", "max_examples", "seed"):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ReadingError(where + f"must be a whole number, got {value!r}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ReadingError(where + f"must be a number, got {value!r}")
+    return float(value)

@@ -1,0 +1,98 @@
+"""car_fl.client.node_reading: a node with a policy reads its data as its owner says."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from car_fl.client.node_reading import NodeReading
+from car_fl.client.policy import NodePolicy, PolicyError
+from car_fl.settings.schema import DatasetConfig, Reader
+
+BASE = 'modes = ["fixed"]\n'
+
+
+def policy(tmp_path: Path, data: str) -> NodePolicy:
+    path = tmp_path / "policy.toml"
+    path.write_text(BASE + data, encoding="utf-8")
+    return NodePolicy.load(path)
+
+
+def test_without_a_data_table_the_node_reads_with_car_fls_defaults(tmp_path: Path) -> None:
+    reading = policy(tmp_path, "").data
+    defaults = DatasetConfig()
+    assert reading.reader is defaults.reader
+    assert (reading.text_column, reading.label_column) == (
+        defaults.text_column,
+        defaults.label_column,
+    )
+    assert reading.min_examples_per_label == defaults.min_examples_per_label
+    assert reading.dedupe is True and reading.max_examples is None
+
+
+def test_the_data_table_reads_back(tmp_path: Path) -> None:
+    reading = policy(
+        tmp_path,
+        '[data]\nreader = "table"\ntext-column = "question"\nlabel-column = "doc"\n'
+        "dedupe = false\nmin-examples-per-label = 3\nseed = 7\nval-fraction = 0\n",
+    ).data
+    assert reading.reader is Reader.TABLE
+    assert (reading.text_column, reading.label_column) == ("question", "doc")
+    assert (reading.dedupe, reading.min_examples_per_label, reading.seed) == (False, 3, 7)
+    assert reading.val_fraction == 0.0
+
+
+@pytest.mark.parametrize(
+    ("data", "names"),
+    [
+        ('[data]\nreader = "excel"\n', ["'reader'", "line 3", "sms_spam"]),
+        ("[data]\nmin-examples-per-label = 1.5\n", ["'min-examples-per-label'", "whole number"]),
+        ("[data]\ndedupe = 1\n", ["'dedupe'", "true or false"]),
+        ("[data]\ncolumns = 2\n", ["'columns'", "unknown [data] key", "text-column"]),
+        ("[data]\ntest-fraction = 1.5\n", ["dataset.test_fraction must be in (0, 1)"]),
+        ("[data]\nmin-examples-per-label = 0\n", ["min_examples_per_label must be >= 1"]),
+        ('data = "sms"\n', ["'data'", "must be a table"]),
+    ],
+)
+def test_a_bad_data_table_is_refused_naming_the_key(
+    tmp_path: Path, data: str, names: list[str]
+) -> None:
+    with pytest.raises(PolicyError) as err:
+        policy(tmp_path, data)
+    assert "policy.toml" in str(err.value)
+    for name in names:
+        assert name in str(err.value)
+
+
+def test_a_runs_reading_keys_are_ignored_and_logged(
+    make_settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The malicious server's reading (finding 1 of issue 41) never reaches the node's file."""
+    run = make_settings(
+        "dataset=file",
+        "dataset.text_column=ham",
+        "dataset.label_column=ham",
+        "dataset.min_examples_per_label=61",
+        "dataset.dedupe=false",
+        "seed=3",
+    )
+    with caplog.at_level(logging.WARNING, logger="car_fl.client.node_reading"):
+        mine = NodeReading().apply(run, source="policy.toml")
+    assert mine.dataset.reader is Reader.SMS_SPAM
+    assert (mine.dataset.text_column, mine.dataset.label_column) == ("text", "label")
+    assert (mine.dataset.min_examples_per_label, mine.dataset.dedupe, mine.seed) == (1, True, 42)
+    assert mine.dataset.path == run.dataset.path  # the node's path stays the node's
+    assert mine.dp == run.dp and mine.train == run.train  # the run sets everything else
+    text = caplog.text
+    for ignored in ("dataset.reader", "dataset.min_examples_per_label=61", "seed=3", "policy.toml"):
+        assert ignored in text
+
+
+def test_a_run_that_reads_as_the_node_does_logs_nothing(
+    make_settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="car_fl.client.node_reading"):
+        NodeReading().apply(make_settings())
+    assert caplog.text == ""
