@@ -4,5 +4,9 @@
 - :mod:`~car_fl.simulation.in_process`: ``run_local``: a federation without Ray, every node's
   ClientApp handler called in turn (tests, attack experiments).
 - :mod:`~car_fl.simulation.hostile`: hostile clients (``hostile_client``, ``poison``).
+- :mod:`~car_fl.simulation.label_mix`: a curious server's shadow-model attack on a shard's
+  label mix, through the node's real release.
+- :mod:`~car_fl.simulation.centralized_dp`: record-level DP-SGD on one machine, as a
+  one-node federation.
 - :mod:`~car_fl.simulation.apps`: the project's ``server_app`` / ``client_app`` modules.
 """
