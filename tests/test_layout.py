@@ -212,3 +212,38 @@ def test_the_round_in_the_architecture_names_real_functions() -> None:
             break
         else:
             raise AssertionError(f"{dotted} named in {ARCHITECTURE}: no such module")
+
+
+def package_modules() -> dict[str, list[str]]:
+    """Every package of car_fl and the modules in it (by file stem)."""
+    return {
+        init.parent.name: sorted(p.stem for p in init.parent.glob("*.py") if p.stem != "__init__")
+        for init in sorted(PACKAGE.glob("*/__init__.py"))
+    }
+
+
+def test_every_module_is_in_its_packages_list() -> None:
+    """A package's ``__init__`` docstring lists every module in it (issue 42: 26 were missing)."""
+    missing = []
+    for package, modules in package_modules().items():
+        text = (PACKAGE / package / "__init__.py").read_text(encoding="utf-8")
+        missing += [
+            f"car_fl.{package}.{m}" for m in modules if f"car_fl.{package}.{m}`" not in text
+        ]
+    assert missing == [], "add a line for each to its package's __init__ docstring"
+
+
+def test_the_architecture_names_every_module() -> None:
+    """docs/architecture.md's table of packages names every module of each, in backticks."""
+    rows = {
+        line.split("`", 2)[1]: line
+        for line in ARCHITECTURE.read_text(encoding="utf-8").splitlines()
+        if line.startswith("| `car_fl/")
+    }
+    missing = []
+    for package, modules in package_modules().items():
+        row = next((r for key, r in rows.items() if f"car_fl/{package}/" in r.split("|")[1]), "")
+        missing += [
+            f"{package}.{m}" for m in modules if f"`{m}`" not in row and f"`{m}." not in row
+        ]
+    assert missing == [], "name each in its package's row of docs/architecture.md"

@@ -4,4 +4,5 @@
   ``atomic_write_json``): every file car-fl writes.
 - :mod:`~car_fl.common.logs`: ``setup_logging`` for the apps and entry points.
 - :mod:`~car_fl.common.hub`: ``offline_unless_reachable``: the Hub out of reach, in seconds.
+- :mod:`~car_fl.common.progress`: progress bars that draw on a terminal only.
 """

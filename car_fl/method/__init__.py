@@ -11,4 +11,12 @@
 - :mod:`~car_fl.method.train`, :mod:`~car_fl.method.metrics`: epochs (DP-SGD included) and
   their torch.optim optimisers, top-K/MRR/F1; :mod:`~car_fl.method.evaluation`:
   ``HeldOut`` (validation and test).
+- :mod:`~car_fl.method.centralized`: centralised training, one row of metrics per epoch.
+- :mod:`~car_fl.method.sources`: where the encoder and data come from, checked before any work;
+  :mod:`~car_fl.method.gguf`: GGUF files dequantised once into a Hugging Face folder.
+- :mod:`~car_fl.method.documents`, :mod:`~car_fl.method.document_head`: the documents a run
+  retrieves and the head whose rows start as their embeddings.
+- :mod:`~car_fl.method.experts`, :mod:`~car_fl.method.clustering`: the mixture of experts and
+  its balanced clusters of documents.
+- :mod:`~car_fl.method.rag`: the top-K documents, a prompt, a causal LM's answer.
 """

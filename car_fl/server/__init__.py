@@ -9,4 +9,8 @@
 - :mod:`~car_fl.server.round_stats`, :mod:`~car_fl.server.round_recorder`: what a round saw,
   and its recording; :mod:`~car_fl.server.evaluation`: ``ServerEvaluator`` (held-out splits).
 - :mod:`~car_fl.server.resume`: continuing an interrupted run.
+- :mod:`~car_fl.server.privacy_check`: each client's ε as the server computes it, and whether
+  its claim agrees.
+- :mod:`~car_fl.server.expert_plan`: which experts each client is sent and may send back.
+- :mod:`~car_fl.server.failure_summary`: why a run got no valid update, counted per code.
 """
