@@ -71,7 +71,7 @@ def jobs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
 def warm_feature_cache(args: argparse.Namespace) -> None:
     """The whole training split's features in the node cache: one encoder pass.
 
-    The cache is per text (:class:`car_fl.method.features.FeatureCache`), so every client's
+    The cache is per text (:class:`car_fl.method.feature_cache.FeatureCache`), so every client's
     shard, whatever the client count, is then answered from it without the encoder.
     """
     from car_fl.data.splits import load_splits

@@ -115,7 +115,7 @@ def default_database() -> Path:
 
 def busy_flag(args: argparse.Namespace) -> str | None:
     """One line naming the flag to change when a port the SuperLink needs is taken."""
-    from car_fl.deploy.cluster import port_in_use
+    from car_fl.deploy.ports import port_in_use
 
     for flag, port in (("--fleet-port", args.fleet_port), ("--control-port", args.control_port)):
         if port_in_use(args.bind, port):

@@ -113,7 +113,7 @@ def main() -> None:
         worker = worker_command(folder=args.worker.expanduser(), node_config=mine)
         print("this node's worker (start it first):", shlex.join(worker), flush=True)
     if not args.print:
-        from car_fl.deploy.cluster import port_in_use
+        from car_fl.deploy.ports import port_in_use
 
         if port_in_use("127.0.0.1", args.port):
             sys.exit(

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from car_fl.centralized import run_centralized
 from car_fl.method import encoder as encoder_module
-from car_fl.method.features import FeatureCache
+from car_fl.method.feature_cache import FeatureCache
 from car_fl.results.checkpoint import load_checkpoint
 
 

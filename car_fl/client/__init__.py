@@ -4,7 +4,8 @@
   node makes before anything leaves it, and what it keeps between rounds.
 - :mod:`~car_fl.client.round`: ``train_round``, one round: shard → features → epochs → DP →
   reply, the same skeleton for every privacy mode.
-- :mod:`~car_fl.client.local_dp`: local DP (fixed or adaptive clipping) and its state.
+- :mod:`~car_fl.client.local_dp`: local DP (fixed or adaptive clipping), its state and its ε;
+  :mod:`~car_fl.client.local_dp_round`: a round's epochs and release under it.
 - :mod:`~car_fl.client.record_dp`: record-level DP-SGD and its state.
 - :mod:`~car_fl.client.shard`: this node's shard, features and local retriever.
 - :mod:`~car_fl.client.node_settings`: the run's settings with this node's own paths.

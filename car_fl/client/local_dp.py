@@ -7,13 +7,15 @@ is active: :meth:`ClientPrivacy.metrics` holds only ε and the public count of r
 all noise comes from OS entropy. Whether a round fails must not depend on the data: under DP a
 round whose training diverges stops there and releases what it has, clipped and noised, and an
 update with NaN or inf is released as a zero update (noise only); the node's log says so.
+
+Longer than 300 lines because local DP's mechanism is one class with its state, both clipping
+rules, per-part noise and its ε.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,9 +23,6 @@ import torch
 from flwr.app import MetricRecord, RecordDict
 
 from car_fl.client.failures import RunTargetReached
-from car_fl.method import encoder as encoder_module
-from car_fl.method.model import CaRRetriever
-from car_fl.method.train import EpochResult, train_epoch
 from car_fl.privacy.accountant import epsilon
 from car_fl.privacy.adaptive import (
     bound_noise_std,
@@ -42,16 +41,14 @@ from car_fl.privacy.mechanism import (
     privatize,
     privatize_parts,
 )
-from car_fl.privacy.noise import gaussian_like, secure_generator
+from car_fl.privacy.noise import gaussian_like
 from car_fl.settings.dp_plan import (
-    accounted_examples,
     local_multiplier,
-    local_steps,
     non_private_reason,
     sigma_b,
 )
 from car_fl.settings.flower import NodeInfo
-from car_fl.settings.schema import AdaptiveRule, DPConfig, DPMode, Granularity, NoiseRule, Settings
+from car_fl.settings.schema import AdaptiveRule, DPConfig, DPMode, NoiseRule, Settings
 
 log = logging.getLogger(__name__)
 
@@ -329,122 +326,3 @@ def load_privacy(
         state=state,
         max_clip=max_clip,
     )
-
-
-class LocalDPRound:
-    """A round's epochs and release under local DP (or none).
-
-    Plain epochs (FedProx's term included); under ``dp.granularity=step`` each optimizer step is
-    privatised in place, else the round's update is clipped and noised once at the end. Before
-    ``dp.warmup_rounds`` have passed, or with ``dp=none``, nothing is privatised. Under DP a
-    round whose training diverges (a non-finite loss) stops there and releases what it has:
-    whether a round fails must not depend on the data. Per step, the round accounts for
-    ``fl.local_epochs`` × ⌈n/B⌉ releases with n the public ``fl.max_examples_per_client`` (or
-    the whole shard without it), and makes every one of them: the steps a smaller shard (or a
-    diverged round) did not take are released as zero updates with their noise, so the
-    update's size carries nothing about how many steps ran.
-    """
-
-    def __init__(
-        self,
-        settings: Settings,
-        node: NodeInfo,
-        node_state: RecordDict,
-        *,
-        server_round: int,
-        global_state: Mapping[str, torch.Tensor],
-        max_clip: float = math.inf,
-    ) -> None:
-        self.settings, self.server_round, self.global_state = settings, server_round, global_state
-        self.who = f"client {node.partition_id}"
-        self.privacy = load_privacy(settings, node, node_state, max_clip=max_clip)
-        self.private = self.privacy.active(server_round)
-        self.per_step = self.private and settings.dp.granularity is Granularity.STEP
-        self._hook: StepPrivatizer | None = None
-        self.examples = 0
-        self.diverged = False
-
-    def check(self, examples: int) -> None:
-        """The run's target ε for this round's releases, before any training.
-
-        Per step with ``fl.max_examples_per_client`` set, the round trains on at most that
-        many examples and accounts for exactly that many (:func:`accounted_examples`): the
-        number of releases, and so ε, is public.
-        """
-        self.examples = accounted_examples(self.settings, examples) if self.per_step else examples
-        if self.private:
-            self.privacy.check_target(self.planned_releases)
-
-    @property
-    def planned_releases(self) -> int:
-        return local_steps(self.settings, self.examples) if self.per_step else 1
-
-    def epoch(
-        self,
-        model: CaRRetriever,
-        data: Any,
-        optimizer: torch.optim.Optimizer,
-        *,
-        seed: int,
-        epoch: int,
-        desc: str,
-    ) -> EpochResult:
-        if self.per_step and self._hook is None:
-            self._hook = StepPrivatizer(
-                self.privacy, model.trainable_parameters(), self.server_round
-            )
-        if self.diverged or len(data) == 0:  # nothing (more) to learn from
-            return EpochResult(loss=math.nan, accuracy=math.nan, examples=0, steps=0)
-        if self.per_step and len(data) > self.examples:  # at most the accounted n, at random
-            chosen = torch.randperm(len(data), generator=secure_generator())[: self.examples]
-            data = data.select(sorted(chosen.tolist()))
-        try:
-            return train_epoch(
-                model,
-                data,
-                optimizer,
-                batch_size=self.settings.train.batch_size,
-                seed=seed,
-                epoch=epoch,
-                progress=self.settings.progress,
-                desc=desc,
-                after_step=self._hook,
-                prox_mu=self.settings.strategy.prox_mu,  # FedProx: μ/2·‖θ − θ_global‖²
-                anchor=self.global_state,
-            )
-        except FloatingPointError as err:
-            if not self.private:
-                raise
-            log.warning("%s: %s; the round releases what it had, clipped and noised", self.who, err)
-            self.diverged = True
-            return EpochResult(loss=math.nan, accuracy=math.nan, examples=0, steps=0)
-
-    def release(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """What leaves: the round's update clipped and noised once (unless per step or off)."""
-        if self.per_step:  # every accounted step is a noised release, made or not
-            made = self._hook.step if self._hook is not None else 0
-            current = {k: v.detach().clone() for k, v in state.items()}
-            for step in range(made, self.planned_releases):
-                current = self.privacy.release(
-                    current, current, server_round=self.server_round, step=step
-                )
-            return current
-        if self.private:
-            return self.privacy.release(self.global_state, state, server_round=self.server_round)
-        check_finite(difference(state, self.global_state), who=self.who)
-        return state
-
-    def save(self, node_state: RecordDict) -> None:
-        node_state[STATE_KEY] = self.privacy.state.to_record()
-
-    def describe(self, result: EpochResult) -> str:
-        return f"train loss {result.loss:.4f} acc {result.accuracy:.4f}"
-
-    def reply_metrics(self) -> dict[str, int | float]:
-        """The process's facts and the privacy figures: nothing data-dependent."""
-        return {
-            "encoder-loads": encoder_module.LOAD_COUNT,
-            "torch-threads": torch.get_num_threads(),
-            "dp-active": int(self.private),
-            **self.privacy.metrics(),
-        }

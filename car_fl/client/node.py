@@ -46,7 +46,8 @@ no failure that the records could cause is an answer a server can read (argued a
    the file, a label-dependent partition of a shared file) gives an empty shard: the round
    releases noise alone (:func:`car_fl.client.round.node_shard`).
 6. **The run's own budget**: local DP's and DP-SGD's target ε (``RUN_TARGET_REACHED``;
-   :class:`car_fl.client.local_dp.LocalDPRound`, :class:`car_fl.client.record_dp.RecordDPRound`),
+   :class:`car_fl.client.local_dp_round.LocalDPRound`,
+   :class:`car_fl.client.record_dp.RecordDPRound`),
    functions of the configuration and the rounds trained only. The shard's size decides
    nothing: DP-SGD trains on at most ⌈1/δ⌉ − 1 examples (a fresh OS-random subset, so δ < 1/n
    holds for what it trains on), an empty shard takes noise-only steps, and every step

@@ -1,7 +1,7 @@
 """One round on a data owner's machine: policy → shard → ledger → local epochs → DP → reply.
 
 :func:`train_round` is the round's skeleton, the same for every privacy mode; what differs is a
-:class:`RoundPrivacy`: :class:`~car_fl.client.local_dp.LocalDPRound` (local DP, or none) or
+:class:`RoundPrivacy`: :class:`~car_fl.client.local_dp_round.LocalDPRound` (local DP, or none) or
 :class:`~car_fl.client.record_dp.RecordDPRound` (record-level DP-SGD). Each checks what it must
 before any training, runs the epochs, and decides what is released. A node whose owner set a
 privacy policy passes its :class:`~car_fl.client.node_privacy.NodePrivacy`: the run is checked
@@ -22,7 +22,7 @@ import torch
 from flwr.app import ConfigRecord, RecordDict
 
 from car_fl.client.experts import outgoing
-from car_fl.client.local_dp import LocalDPRound
+from car_fl.client.local_dp_round import LocalDPRound
 from car_fl.client.node_privacy import NodePrivacy
 from car_fl.client.record_dp import RecordDPRound
 from car_fl.client.shard import Shard, client_seed, empty_shard, local_retriever, shard_data

@@ -17,6 +17,9 @@ keeps one :class:`car_fl.client.node.Node` for its whole life and answers with
 - One worker per folder (a file lock); a dead worker's socket is replaced at the next start.
 - :func:`supervise` starts the worker again when it dies (``car-fl worker`` does by default);
   a round whose worker is gone fails with a message that says how to start it.
+
+Longer than 300 lines because the worker is one process with one loop: its socket, its secret, its
+Node and its shutdown.
 """
 
 from __future__ import annotations

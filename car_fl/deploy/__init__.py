@@ -8,6 +8,7 @@ Apart from the method: nothing in the apps imports it. One module per concern:
 - :mod:`~car_fl.deploy.connection`: the ``flwr`` connection in ``config.toml``, node keys
   registered with ``flwr supernode register``;
 - :mod:`~car_fl.deploy.processes`: processes started, and stopped, by PID;
+- :mod:`~car_fl.deploy.ports`: a free port, a held one, one that accepts connections;
 - :mod:`~car_fl.deploy.runs`: ``flwr run`` / ``flwr ls`` and their JSON output;
 - :mod:`~car_fl.deploy.cluster`: a whole local cluster, the one way scripts and tests build it;
 - :mod:`~car_fl.deploy.floor`: the empty ClientApp that measures Flower's own per-round floor.

@@ -9,7 +9,8 @@ cluster's connection (``flwr/``, the cluster's own ``FLWR_HOME``), each node's f
 (``network.json``). Everything it starts is stopped
 by PID, never by name.
 
-(About 370 lines: one class that starts a cluster, attaches to it and runs on it.)
+Longer than 300 lines because it is one class that starts a cluster, attaches to it and runs on it;
+ports are :mod:`car_fl.deploy.ports`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,32 +38,12 @@ from car_fl.deploy.commands import (
     worker_command,
 )
 from car_fl.deploy.connection import register_node, write_connection
+from car_fl.deploy.ports import LOOPBACK, free_port, listening, port_in_use
 from car_fl.deploy.processes import Processes
 from car_fl.deploy.runs import COMPLETED, start_run, wait_for_run
 
-LOOPBACK = "127.0.0.1"
-
-
 #: Host and ports of the cluster in a folder, written when its SuperLink starts.
 NETWORK_FILE = "network.json"
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port that nothing listens on now (the operating system picks it)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
-def port_in_use(host: str, port: int) -> bool:
-    """Whether something holds ``host:port`` (a bind fails; a port in TIME_WAIT is free)."""
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return True
-    return False
 
 
 def last_error(log: str) -> str:
@@ -71,16 +51,6 @@ def last_error(log: str) -> str:
     lines = [line.strip() for line in log.splitlines() if line.strip()]
     errors = [line for line in lines if "ERROR" in line or "rror:" in line]
     return (errors or lines or ["(empty log)"])[-1]
-
-
-def listening(address: str) -> bool:
-    """Whether ``host:port`` accepts a TCP connection now."""
-    host, port = address.rsplit(":", 1)
-    try:
-        with socket.create_connection((host, int(port)), timeout=1.0):
-            return True
-    except OSError:
-        return False
 
 
 @dataclass(frozen=True)

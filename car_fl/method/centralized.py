@@ -19,7 +19,8 @@ from typing import Any
 from car_fl.common.io import atomic_write_text
 from car_fl.data.splits import load_splits
 from car_fl.method.evaluation import HeldOut, LazyRetriever
-from car_fl.method.features import FeatureCache, prepare_data, prepare_for
+from car_fl.method.feature_cache import FeatureCache
+from car_fl.method.features import prepare_data, prepare_for
 from car_fl.method.model import CaRRetriever, build_retriever
 from car_fl.method.serving import checkpoint_extra
 from car_fl.method.sources import check_sources

@@ -4,7 +4,7 @@ A corpus (``dataset.reader=corpus``) names its documents file; other datasets ha
 text per label (``dataset.label_texts``, or the label's name). Document heads start from the
 documents' embeddings through the frozen encoder without the adapter, at
 ``model.document_max_length`` tokens, cached per text like query features
-(:class:`~car_fl.method.features.FeatureCache`): a party whose document features are cached
+(:class:`~car_fl.method.feature_cache.FeatureCache`): a party whose document features are cached
 never loads the encoder for them.
 """
 
@@ -20,7 +20,8 @@ import torch
 from car_fl.data.corpus import Document, documents_digest, read_documents
 from car_fl.data.corpus_splits import new_document_indices
 from car_fl.method.encoder import Encoder
-from car_fl.method.features import FeatureCache, extract_features, space_key
+from car_fl.method.feature_cache import FeatureCache, space_key
+from car_fl.method.features import extract_features
 from car_fl.method.retrieval import label_documents
 from car_fl.settings.schema import ModelConfig, Reader, Settings
 

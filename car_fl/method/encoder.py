@@ -3,6 +3,9 @@
 Loads a model and its tokenizer by hub id or local folder, places it on a device in a dtype,
 freezes it (eval mode, no parameter requires a gradient), tokenizes with an EOS token appended
 when the tokenizer does not add one, and pools final hidden states (``eos`` or ``mean``).
+
+Longer than 300 lines because the frozen encoder is one class: loading, dtype and device choice,
+tokenising, pooling.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ trained is whatever requires a gradient: the adapter (in ``adapter+classifier`` 
 classifier's weights. :meth:`CaRRetriever.trainable_state_dict` is exactly what travels
 between server and clients and what a checkpoint holds; :meth:`CaRRetriever.retrieve` serves
 a trained one (loaded by :func:`car_fl.method.serving.load_retriever`).
+
+Longer than 300 lines because the retriever is one class: encoder, adapter, pooling and scorer, and
+its builder.
 """
 
 from __future__ import annotations

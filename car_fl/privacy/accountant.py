@@ -29,6 +29,9 @@ the analytic Gaussian mechanism's (exact; PLD is a discretised upper bound of it
 above). DP-SGD steps, and mixtures, go through the PLD. ε is cached per (releases, δ), so a
 ledger of thousands of entries composes in milliseconds. Before this one accountant, local-DP
 runs were accounted with Rényi DP, which reports a 3-7 % larger ε for the same releases.
+
+Longer than 300 lines because it is one accountant for every kind of release (Gaussian, DP-SGD,
+non- private) and its state.
 """
 
 from __future__ import annotations

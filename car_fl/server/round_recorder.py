@@ -13,6 +13,9 @@ waits for them before it touches the recorder.
 With ``test`` the rows' test metrics wait for the end (NaN until then): :meth:`finish` evaluates
 the test split for the state selected on validation and for the final state, and writes them
 into those rows and their checkpoints.
+
+Longer than 300 lines because it records a round for every concern of the server (evaluation,
+privacy verdicts, resume, checkpoints); splitting it is issue 42's open part.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from flwr.app import RecordDict
 from car_fl.client import shard as client_module
 from car_fl.client.round import train_round
 from car_fl.method import encoder as encoder_module
-from car_fl.method.features import FeatureCache
+from car_fl.method.feature_cache import FeatureCache
 from car_fl.method.model import build_retriever
 from car_fl.settings.flower import NodeInfo
 

@@ -111,7 +111,7 @@ def test_each_mistake_exits_non_zero_in_seconds_with_one_line(
 @pytest.fixture
 def simulation_link(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
     """A simulation SuperLink of this test's own, on a free port, stopped by PID."""
-    from car_fl.deploy.cluster import free_port, listening
+    from car_fl.deploy.ports import free_port, listening
 
     home, port = tmp_path / "flwr", free_port()
     env = {**os.environ, **NO_INSTALL, "FLWR_HOME": str(home), "HF_HUB_OFFLINE": "1"}
@@ -217,8 +217,8 @@ def test_after_a_plain_flwr_run_car_fl_run_names_the_installing_superlink_then_c
     ``car-fl run`` refuses it in one line naming its PID, and completes once it is stopped."""
     import signal
 
-    from car_fl.deploy.cluster import free_port
     from car_fl.deploy.local_superlink import NO_INSTALL_VARIABLE, listener_pid
+    from car_fl.deploy.ports import free_port
 
     link_port, control_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k != NO_INSTALL_VARIABLE}

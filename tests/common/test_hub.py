@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from car_fl.common import hub
-from car_fl.deploy.cluster import free_port
+from car_fl.deploy.ports import free_port
 
 
 def hubless_env(tmp_path: Path) -> dict[str, str]:

@@ -325,7 +325,7 @@ def assert_one_line_naming(done: subprocess.CompletedProcess, flag_name: str, po
 def test_a_busy_port_is_one_line_naming_the_flag_to_change(flag_name: str) -> None:
     """Issue 43: with 9092 taken the script exited 3 after a ~45-line uvicorn traceback that
     never named --fleet-port or --control-port."""
-    from car_fl.deploy.cluster import free_port
+    from car_fl.deploy.ports import free_port
 
     other = "--control-port" if flag_name == "--fleet-port" else "--fleet-port"
     port, done = run_with_a_busy_port(

@@ -23,8 +23,9 @@ from safetensors.torch import load_file
 
 from car_fl.client import worker_link
 from car_fl.deploy.certs import make_certificates, make_node_key
-from car_fl.deploy.cluster import LocalCluster, free_port
+from car_fl.deploy.cluster import LocalCluster
 from car_fl.deploy.connection import register_node
+from car_fl.deploy.ports import free_port
 from car_fl.protocol.failures import Failure
 from car_fl.testing.tiny import tiny_overrides
 from tests.helpers import gone

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from car_fl.deploy import local_superlink
-from car_fl.deploy.cluster import free_port
 from car_fl.deploy.local_superlink import (
     NO_INSTALL_FLAG,
     NO_INSTALL_VARIABLE,
@@ -21,6 +20,7 @@ from car_fl.deploy.local_superlink import (
     installs_dependencies,
     listener_pid,
 )
+from car_fl.deploy.ports import free_port
 
 LISTENER = """
 import socket, sys, time

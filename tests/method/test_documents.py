@@ -9,7 +9,7 @@ from car_fl.data.corpus import read_documents
 from car_fl.data.corpus_splits import new_document_indices
 from car_fl.method.documents import corpus_documents, document_features, trained_rows
 from car_fl.method.encoder import Encoder, load_encoder
-from car_fl.method.features import FeatureCache
+from car_fl.method.feature_cache import FeatureCache
 
 
 def test_document_embeddings_are_cached_so_a_second_party_never_loads_the_encoder(

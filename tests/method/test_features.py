@@ -147,7 +147,7 @@ def test_training_features_are_the_training_split_with_the_given_label_ids(
 def test_every_setting_that_changes_a_feature_changes_its_space() -> None:
     import dataclasses
 
-    from car_fl.method.features import space_key
+    from car_fl.method.feature_cache import space_key
     from car_fl.settings.schema import ModelConfig
 
     base = ModelConfig(name="local", name_or_path="/nowhere", dtype="float32")

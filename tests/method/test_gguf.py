@@ -235,7 +235,7 @@ def test_the_cache_follows_the_environment(monkeypatch: pytest.MonkeyPatch) -> N
 def test_a_rewritten_gguf_file_changes_the_feature_cache_key(
     tiny_gguf: Path, tmp_path: Path
 ) -> None:
-    from car_fl.method.features import space_key
+    from car_fl.method.feature_cache import space_key
 
     copy = tmp_path / "copy.gguf"
     copy.write_bytes(tiny_gguf.read_bytes())

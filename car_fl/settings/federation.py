@@ -1,0 +1,312 @@
+"""The federation: rounds and clients, aggregation, what crosses the wire, and the DP mode.
+
+Longer than 300 lines because FL and DP are the schema's two largest sections, each key with its
+meaning and its check.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from car_fl.settings.choices import (
+    WIRE_DTYPES,
+    AdaptiveRule,
+    DPMode,
+    Granularity,
+    NoiseRule,
+    NormBoundAction,
+    NormBoundMode,
+    Partitioning,
+    StrategyName,
+    one_of,
+    positive,
+)
+
+
+@dataclass
+class FLConfig:
+    """The federation (Flower): clients, rounds, local epochs, partitioning, timeouts.
+
+    The paper's defaults: 2 clients, 5 rounds x 2 local epochs.
+
+    Sampling: each round asks ``clients_per_round`` nodes (or ``fraction_train`` of those
+    connected), never fewer than ``min_clients``. Update-norm bound (server side, on
+    ‖θᵢ − θ‖): ``norm_bound`` is ``off``, ``fixed`` (``max_update_norm``), ``adaptive``
+    (``norm_bound_factor`` × the round's median update norm), ``dp`` (C plus the
+    1 − ``norm_bound_tail`` quantile of the fixed-DP noise norm) or ``auto`` (``dp`` under
+    fixed DP per round, else ``fixed`` when ``max_update_norm`` is set, else ``off``).
+    """
+
+    clients: int = 2
+    #: After all fl.clients nodes joined, a round goes ahead with at least this many (a node
+    #: may die mid-run); its replies are aggregated if valid.
+    min_clients: int = 1
+    #: A round is aggregated only with at least this many valid replies, and this fraction of
+    #: the clients asked; otherwise the global model stays exactly as it was.
+    min_valid_replies: int = 1
+    min_valid_fraction: float = 0.0
+    #: Cap on the example count a reply may claim; null: the shard size of the partition that
+    #: node holds in this run (the server pins each node to the first partition it claims and
+    #: refuses a second node claiming it). Nodes started with data-is-shard hold their own
+    #: data, which the server cannot size: set this cap (e.g. the largest shard) for them.
+    max_examples_per_client: int | None = None
+    #: Client sampling: each round asks clients_per_round nodes (null: fraction_train of those
+    #: connected), at least min_clients; seeded by the run's seed and the round.
+    fraction_train: float = 1.0
+    clients_per_round: int | None = None
+    #: Bound on a reply's update norm ||theta_i - theta|| (its modes: the class docstring).
+    #: Replies above it are rejected or clipped to it (norm_bound_action: reject or clip).
+    norm_bound: NormBoundMode = NormBoundMode.AUTO
+    max_update_norm: float | None = None
+    norm_bound_factor: float = 3.0
+    norm_bound_action: NormBoundAction = NormBoundAction.REJECT
+    norm_bound_tail: float = 1e-6
+    rounds: int = 5
+    local_epochs: int = 2
+    #: iid or dirichlet (non-IID over labels, concentration fl.alpha).
+    partitioning: Partitioning = Partitioning.IID
+    alpha: float = 1.0
+    #: Seconds the server waits for a round's replies.
+    round_timeout: float = 3600.0
+    #: Seconds the server waits for all clients to connect.
+    wait_for_nodes: float = 120.0
+
+    def __post_init__(self) -> None:
+        for key in ("clients", "rounds", "local_epochs"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"fl.{key} must be >= 1, got {getattr(self, key)}")
+        if not 1 <= self.min_clients <= self.clients:
+            raise ValueError(
+                f"fl.min_clients must be in [1, fl.clients={self.clients}], got {self.min_clients}"
+            )
+        if self.min_valid_replies < 1:
+            raise ValueError(f"fl.min_valid_replies must be >= 1, got {self.min_valid_replies}")
+        if not 0.0 <= self.min_valid_fraction <= 1.0:
+            raise ValueError(
+                f"fl.min_valid_fraction must be in [0, 1], got {self.min_valid_fraction}"
+            )
+        if self.max_examples_per_client is not None and self.max_examples_per_client < 1:
+            raise ValueError(
+                f"fl.max_examples_per_client must be >= 1 or null, "
+                f"got {self.max_examples_per_client}"
+            )
+        self.partitioning = Partitioning.parse("fl.partitioning", self.partitioning)
+        if not 0.0 < self.fraction_train <= 1.0:
+            raise ValueError(f"fl.fraction_train must be in (0, 1], got {self.fraction_train}")
+        if self.clients_per_round is not None and not (
+            self.min_clients <= self.clients_per_round <= self.clients
+        ):
+            raise ValueError(
+                f"fl.clients_per_round must be null or in [fl.min_clients={self.min_clients}, "
+                f"fl.clients={self.clients}], got {self.clients_per_round}"
+            )
+        self.norm_bound = NormBoundMode.parse("fl.norm_bound", self.norm_bound)
+        self.norm_bound_action = NormBoundAction.parse(
+            "fl.norm_bound_action", self.norm_bound_action
+        )
+        if self.max_update_norm is not None:
+            positive("fl.max_update_norm", self.max_update_norm)
+        if self.norm_bound is NormBoundMode.FIXED and self.max_update_norm is None:
+            raise ValueError(
+                "fl.norm_bound=fixed needs fl.max_update_norm (e.g. fl.max_update_norm=10.0), "
+                "or use fl.norm_bound=adaptive"
+            )
+        if not self.norm_bound_factor >= 1.0:
+            raise ValueError(f"fl.norm_bound_factor must be >= 1, got {self.norm_bound_factor}")
+        if not 0.0 < self.norm_bound_tail < 1.0:
+            raise ValueError(f"fl.norm_bound_tail must be in (0, 1), got {self.norm_bound_tail}")
+        positive("fl.alpha", self.alpha)
+        positive("fl.round_timeout", self.round_timeout)
+        if self.wait_for_nodes < 0:
+            raise ValueError(f"fl.wait_for_nodes must be >= 0, got {self.wait_for_nodes}")
+
+    def sample_size(self, connected: int) -> int:
+        """How many of ``connected`` nodes one round asks (at least ``min_clients``)."""
+        wanted = self.clients_per_round or math.floor(self.fraction_train * connected + 1e-9)
+        return min(connected, max(self.min_clients, wanted))
+
+
+@dataclass
+class StrategyConfig:
+    """How the server combines valid replies (:mod:`car_fl.server.aggregation`).
+
+    ``trim_fraction``: trimmed mean cuts ⌊β·n⌋ replies from each end of every coordinate.
+    ``num_malicious``: Krum's f. ``num_selected``: Multi-Krum's m. ``eta``, ``eta_l``,
+    ``beta_1``, ``beta_2``, ``tau``: FedAdam/FedYogi. ``server_lr``, ``server_momentum``:
+    FedAvgM. ``proximal_mu``: FedProx's μ, used by the clients' local loss.
+    """
+
+    name: StrategyName = StrategyName.FEDAVG
+    trim_fraction: float = 0.2
+    num_malicious: int = 0
+    num_selected: int = 1
+    eta: float = 0.01
+    eta_l: float = 0.01
+    beta_1: float = 0.9
+    beta_2: float = 0.99
+    tau: float = 1e-3
+    server_lr: float = 1.0
+    server_momentum: float = 0.9
+    proximal_mu: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.name = StrategyName.parse("strategy", self.name)
+        if not 0.0 <= self.trim_fraction < 0.5:
+            raise ValueError(
+                f"strategy.trim_fraction must be in [0, 0.5), got {self.trim_fraction}"
+            )
+        if self.num_malicious < 0:
+            raise ValueError(f"strategy.num_malicious must be >= 0, got {self.num_malicious}")
+        if self.num_selected < 1:
+            raise ValueError(f"strategy.num_selected must be >= 1, got {self.num_selected}")
+        for key in ("eta", "eta_l", "tau", "server_lr"):
+            positive(f"strategy.{key}", getattr(self, key))
+        for key in ("beta_1", "beta_2", "server_momentum"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise ValueError(f"strategy.{key} must be in [0, 1), got {getattr(self, key)}")
+        if self.proximal_mu < 0:
+            raise ValueError(f"strategy.proximal_mu must be >= 0, got {self.proximal_mu}")
+
+    @property
+    def prox_mu(self) -> float:
+        """μ of the clients' proximal term: ``proximal_mu`` under FedProx, else 0."""
+        return self.proximal_mu if self.name is StrategyName.FEDPROX else 0.0
+
+
+@dataclass
+class CommConfig:
+    """What crosses the wire between server and clients (only the trainable tensors ever do)."""
+
+    #: float32, or float16 (half the bytes; aggregation is still computed in float64).
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.dtype == "bfloat16":
+            raise ValueError(
+                "comm.dtype=bfloat16 is not supported: Flower arrays are NumPy arrays, which have "
+                "no bfloat16; use float16 (same size) or float32"
+            )
+        one_of("comm.dtype", self.dtype, WIRE_DTYPES)
+
+
+@dataclass
+class DPConfig:
+    """Local differential privacy on each client (see :mod:`car_fl.privacy`).
+
+    ``conf/dp/<mode>.yaml`` describes each mechanism; the values below are shared by all.
+    """
+
+    #: none, fixed, adaptive or record (:class:`DPMode`).
+    mode: DPMode = DPMode.NONE
+    #: C. fixed: bound on the L2 norm of the whole round's update (all sent tensors
+    #: together); adaptive: the initial C_i; record: bound on each example's gradient norm.
+    clip: float = 1.0
+    #: fixed: σ₀ (noise std σ₀·C); adaptive: z (needs z < 2σ_b); record: σ, used when
+    #: target_epsilon is null.
+    noise_multiplier: float = 0.0
+    #: round: clip and noise once per round; step: after every optimizer step (Algorithm 1).
+    granularity: Granularity = Granularity.ROUND
+    #: The first rounds train without DP.
+    warmup_rounds: int = 0
+    #: δ (record: must be below 1/n for a client's n examples).
+    delta: float = 1e-5
+    #: Stop contributing before a release would push ε past this (null: never stop). record:
+    #: calibrate σ before training so that fl.rounds × fl.local_epochs × ⌈1/q⌉ steps spend at
+    #: most this ε; a client never makes a release past it (null: use noise_multiplier).
+    target_epsilon: float | None = None
+    #: β, the linear adaptive rule only.
+    update_rate: float = 0.05
+    #: γ: target fraction of releases left unclipped (the CaR paper's 0.9).
+    target_quantile: float = 0.9
+    #: EMA of ‖Δ‖ for the linear rule (0: the raw norm); must be 0 with the geometric rule.
+    ema_decay: float = 0.0
+    #: mechanism: std z_Δ·C_i; bound: Algorithm 1's sqrt(2 z_Δ² ((1−β)² C_i² + β² γ² ‖Δ‖²)),
+    #: which depends on the raw norm: NOT private (ε is reported as inf).
+    noise_rule: NoiseRule = NoiseRule.MECHANISM
+    #: geometric: private (Andrew et al. 2021); linear: the CaR paper's
+    #: C_i ← (1 − β)·C_i + β·γ·‖Δ‖ on the raw norm, NOT private (ε is reported as inf).
+    adaptive_rule: AdaptiveRule = AdaptiveRule.GEOMETRIC
+    #: η_C, the geometric rule's step on log C_i per release (Andrew et al. use 0.2).
+    clip_lr: float = 0.2
+    #: σ_b, noise std of the clipped-indicator b (sensitivity 1); null: the paper's m/20
+    #: (m = fl.clients). It takes the share z²/(2σ_b)² of each release's privacy budget.
+    count_noise: float | None = None
+    #: fixed, adaptive: a clipping bound of the adapter's own (adapter+classifier mode); null:
+    #: one bound for every sent tensor together (dp.clip). Set, the adapter's update is clipped
+    #: to it and the head's to dp.clip (or the adaptive C_i) separately, and each part's noise
+    #: takes its share of the same budget (dp.adapter_share): ε is that of one joint release.
+    adapter_clip: float | None = None
+    #: w, the adapter's share of each release's update budget when dp.adapter_clip is set: its
+    #: noise multiplier is z/√w and the head's z/√(1 − w), and (z/√w)⁻² + (z/√(1−w))⁻² = z⁻².
+    adapter_share: float = 0.5
+
+    # --- record-level DP-SGD (dp=record): clip = per-example C, noise_multiplier = σ (unless
+    # target_epsilon calibrates it), delta = δ; see car_fl.privacy.record_accounting
+    #: q: each step samples every local example independently with this probability
+    #: (expected batch size q·n).
+    sample_rate: float = 0.05
+
+    def __post_init__(self) -> None:
+        self.mode = DPMode.parse("dp.mode", self.mode)
+        self.granularity = Granularity.parse("dp.granularity", self.granularity)
+        self.noise_rule = NoiseRule.parse("dp.noise_rule", self.noise_rule)
+        self.adaptive_rule = AdaptiveRule.parse("dp.adaptive_rule", self.adaptive_rule)
+        positive("dp.clip_lr (η_C)", self.clip_lr)
+        if self.count_noise is not None:
+            positive("dp.count_noise (σ_b)", self.count_noise)
+        if self.adapter_clip is not None and not self.adapter_clip > 0:
+            raise ValueError(
+                f"dp.adapter_clip (the adapter's own clipping bound) must be > 0 or null, got "
+                f"{self.adapter_clip}; e.g. dp.adapter_clip=0.01"
+            )
+        if not 0 < self.adapter_share < 1:
+            raise ValueError(
+                f"dp.adapter_share (the adapter's share of the noise budget) must be in (0, 1), "
+                f"got {self.adapter_share}; e.g. dp.adapter_share=0.5"
+            )
+        if (
+            self.mode is DPMode.ADAPTIVE
+            and self.adaptive_rule is AdaptiveRule.GEOMETRIC
+            and self.ema_decay
+        ):
+            raise ValueError(
+                f"dp.ema_decay={self.ema_decay} smooths the raw norms of the non-private linear "
+                "rule only; set dp.ema_decay=0 (or dp.adaptive_rule=linear)"
+            )
+        if not self.clip > 0:
+            raise ValueError(f"dp.clip (the clipping bound C) must be > 0, got {self.clip}")
+        if self.noise_multiplier < 0:
+            raise ValueError(f"dp.noise_multiplier must be >= 0, got {self.noise_multiplier}")
+        if not 0 <= self.update_rate < 1:
+            raise ValueError(f"dp.update_rate (β) must be in [0, 1), got {self.update_rate}")
+        if not self.target_quantile > 0:
+            raise ValueError(f"dp.target_quantile (γ) must be > 0, got {self.target_quantile}")
+        if not 0 < self.delta < 1:
+            raise ValueError(f"dp.delta must be in (0, 1), got {self.delta}")
+        if not 0 <= self.ema_decay < 1:
+            raise ValueError(f"dp.ema_decay must be in [0, 1), got {self.ema_decay}")
+        if self.warmup_rounds < 0:
+            raise ValueError(f"dp.warmup_rounds must be >= 0, got {self.warmup_rounds}")
+        if self.target_epsilon is not None and not self.target_epsilon > 0:
+            raise ValueError(f"dp.target_epsilon must be > 0 or null, got {self.target_epsilon}")
+        if self.mode is DPMode.RECORD:
+            self._check_record()
+
+    def _check_record(self) -> None:
+        """dp=record: q in (0, 1], σ > 0 unless a target ε calibrates it, no warm-up."""
+        if not 0 < self.sample_rate <= 1:
+            raise ValueError(
+                f"dp.sample_rate (q, the Poisson sampling rate of DP-SGD) must be in (0, 1], "
+                f"got {self.sample_rate}; e.g. dp.sample_rate=0.05"
+            )
+        if self.target_epsilon is None and not self.noise_multiplier > 0:
+            raise ValueError(
+                f"dp=record needs dp.noise_multiplier (σ) > 0, got {self.noise_multiplier}; "
+                "set e.g. dp.noise_multiplier=1.0, or dp.target_epsilon=3 to calibrate σ"
+            )
+        if self.warmup_rounds:
+            raise ValueError(
+                f"dp=record trains every round with DP-SGD; dp.warmup_rounds must be 0, "
+                f"got {self.warmup_rounds}"
+            )

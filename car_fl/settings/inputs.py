@@ -1,0 +1,134 @@
+"""What goes into the encoder: the dataset and how it is split, the frozen model and its pooling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from car_fl.settings.choices import (
+    DTYPES,
+    PADDING_SIDES,
+    FeatureNorm,
+    Pooling,
+    Reader,
+    one_of,
+)
+
+
+@dataclass
+class DatasetConfig:
+    """Where the examples come from and how they are split.
+
+    ``path`` (a local file or folder) takes precedence over ``hub_id``. ``text_column`` and
+    ``label_column`` name the fields of the hub dataset or of a ``table`` file. Duplicates are
+    removed before splitting (``dedupe``); ``val_fraction`` of train becomes the validation
+    split used for model selection.
+    """
+
+    name: str = "sms_spam"
+    reader: Reader = Reader.SMS_SPAM
+    hub_id: str | None = "ucirvine/sms_spam"
+    hub_config: str | None = None
+    path: str | None = None
+    test_path: str | None = None
+    text_column: str = "text"
+    label_column: str = "label"
+    test_fraction: float = 0.2
+    #: Share of the training examples held out for model selection (the best checkpoint; 0:
+    #: none, best = final); test is only reported.
+    val_fraction: float = 0.1
+    #: Collapse duplicate texts (after Unicode and whitespace normalisation) before splitting;
+    #: copies with conflicting labels are dropped.
+    dedupe: bool = True
+    stratify: bool = True
+    min_examples_per_label: int = 1
+    max_examples: int | None = None
+    #: Each label's document text (MIPS compares queries with it); a label without one: its name.
+    label_texts: dict[str, str] = field(default_factory=dict)
+    #: reader=corpus: the documents file (JSONL: id, text, optional title and metadata; or a
+    #: CSV/TSV with id and text columns); ``path`` is then the queries file (query, document
+    #: id, optional split). Labels are the documents, in this file's order.
+    documents_path: str | None = None
+    #: reader=corpus: share of the documents held out as *new documents* (their training
+    #: queries dropped: they arrive after training), chosen with the run's seed.
+    new_fraction: float = 0.0
+    #: reader=corpus: the metadata field naming a document's topic (fl.partitioning=topic).
+    topic_key: str = "category"
+
+    def __post_init__(self) -> None:
+        self.reader = Reader.parse("dataset.reader", self.reader)
+        if self.path is None and self.hub_id is None:
+            raise ValueError(
+                f"dataset {self.name!r} has neither dataset.path (a local file) nor "
+                "dataset.hub_id (a Hugging Face dataset); set one of them"
+            )
+        if not 0.0 < self.test_fraction < 1.0:
+            raise ValueError(f"dataset.test_fraction must be in (0, 1), got {self.test_fraction!r}")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(
+                f"dataset.val_fraction must be in [0, 1) (e.g. 0.1), got {self.val_fraction!r}"
+            )
+        if self.min_examples_per_label < 1:
+            raise ValueError(
+                f"dataset.min_examples_per_label must be >= 1, got {self.min_examples_per_label}"
+            )
+        if self.max_examples is not None and self.max_examples < 2:
+            raise ValueError(f"dataset.max_examples must be >= 2 or null, got {self.max_examples}")
+        if not 0.0 <= self.new_fraction < 1.0:
+            raise ValueError(
+                f"dataset.new_fraction must be in [0, 1) (e.g. 0.1), got {self.new_fraction!r}"
+            )
+        if self.reader is Reader.CORPUS and self.path is not None and not self.documents_path:
+            raise ValueError(
+                "dataset.reader=corpus needs dataset.documents_path (the documents file) beside "
+                "dataset.path (the queries file)"
+            )
+
+    @property
+    def label(self) -> str:
+        """What logs, folder names and plots call the data: the local file's name, else the
+        Hub dataset (``name`` is the reader's format, also for a synthetic file)."""
+        if self.path is not None:
+            return self.path.rstrip("/").rsplit("/", 1)[-1]
+        return str(self.hub_id or self.name)
+
+
+@dataclass
+class ModelConfig:
+    """The frozen encoder: which model, where it runs, how its output is pooled."""
+
+    name: str = "tinyllama"
+    name_or_path: str = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
+    revision: str | None = None
+    dtype: str = "auto"
+    pooling: Pooling = Pooling.EOS
+    #: Which hidden layer is pooled: -1 the final one (after the model's last norm), 0 the
+    #: embeddings, k the output of block k; negative counts from the end, as in Python.
+    layer: int = -1
+    #: A template around every text the encoder reads (queries and documents alike), with
+    #: ``{text}`` where the text goes, e.g. PromptEOL's
+    #: ``This sentence : "{text}" means in one word:"`` (with ``pooling: last``); null: none.
+    prompt: str | None = None
+    #: Per-example scaling of the pooled vector (:class:`FeatureNorm`).
+    normalize: FeatureNorm = FeatureNorm.NONE
+    max_length: int = 128
+    #: Token limit of document texts (document heads, MIPS over a corpus); null: max_length.
+    document_max_length: int | None = None
+    padding_side: str = "auto"
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        one_of("model.dtype", self.dtype, DTYPES)
+        self.pooling = Pooling.parse("model.pooling", self.pooling)
+        self.normalize = FeatureNorm.parse("model.normalize", self.normalize)
+        if self.prompt is not None and self.prompt.count("{text}") != 1:
+            raise ValueError(
+                f"model.prompt={self.prompt!r} must hold {{text}} exactly once (where the text "
+                'goes), e.g. \'This sentence : "{text}" means in one word:"\''
+            )
+        one_of("model.padding_side", self.padding_side, PADDING_SIDES)
+        if self.max_length < 2:
+            raise ValueError(f"model.max_length must be >= 2, got {self.max_length}")
+        if self.document_max_length is not None and self.document_max_length < 2:
+            raise ValueError(
+                f"model.document_max_length must be >= 2 or null, got {self.document_max_length}"
+            )

@@ -1,0 +1,216 @@
+"""The retriever and its training: the head (and its mixture of experts), epochs, evaluation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from car_fl.settings.choices import (
+    ExpertSending,
+    HeadKind,
+    MapKind,
+    Mode,
+    OptimizerKind,
+    Similarity,
+    positive,
+)
+
+
+@dataclass
+class HeadConfig:
+    """How labels are scored (:class:`HeadKind`).
+
+    ``classifier`` (CaR): optional linear pre-classifier with dropout, then a linear layer.
+    ``mips``: query·document scores against each label's text, divided by ``temperature``
+    (trains the adapter alone in ``adapter+classifier`` mode, nothing in ``classifier`` mode).
+    ``knn``: votes of the ``knn_k`` most similar training examples (nothing is trained).
+    """
+
+    #: classifier: CaR (a trained classifier over the labels); mips: inner product of the query
+    #: with each label's document text (dataset.label_texts, or the label name), embedded by the
+    #: same encoder, trains the adapter only in mode=adapter; knn: votes of the head.knn_k most
+    #: similar training examples (mode=classifier only).
+    kind: HeadKind = HeadKind.CLASSIFIER
+    #: Classifier head. null: a single linear layer d -> labels; an int n: linear d -> n,
+    #: dropout, linear n -> labels.
+    pre_classifier_dim: int | None = None
+    dropout: float = 0.0
+    #: mips / knn: dot (inner product) or cosine.
+    similarity: Similarity = Similarity.DOT
+    #: MIPS training scores are divided by this.
+    temperature: float = 1.0
+    knn_k: int = 10
+    #: document / moe: scores are s·cos(query, row); s starts here (a softmax temperature
+    #: 1/s) and is learned when learn_scale.
+    scale: float = 20.0
+    learn_scale: bool = True
+    #: document / moe: train a residual per document row (rows = document embedding + Δ, Δ = 0
+    #: at start; learning rate train.rows_lr). false: rows stay the document embeddings.
+    train_rows: bool = True
+    #: document / moe: shared maps learned across documents, identity at start: on the query
+    #: side (so a document with one or two queries still benefits) and on the document side.
+    query_map: MapKind = MapKind.LINEAR
+    document_map: MapKind = MapKind.NONE
+    #: Rank of a lowrank map.
+    map_rank: int = 64
+
+    def __post_init__(self) -> None:
+        self.kind = HeadKind.parse("head.kind", self.kind)
+        self.similarity = Similarity.parse("head.similarity", self.similarity)
+        self.query_map = MapKind.parse("head.query_map", self.query_map)
+        self.document_map = MapKind.parse("head.document_map", self.document_map)
+        positive("head.temperature", self.temperature)
+        positive("head.scale", self.scale)
+        if self.map_rank < 1:
+            raise ValueError(f"head.map_rank must be >= 1, got {self.map_rank}")
+        if self.knn_k < 1:
+            raise ValueError(f"head.knn_k must be >= 1, got {self.knn_k}")
+        if self.pre_classifier_dim is not None and self.pre_classifier_dim < 1:
+            raise ValueError(
+                f"head.pre_classifier_dim must be a positive size or null, "
+                f"got {self.pre_classifier_dim}"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"head.dropout must be in [0, 1), got {self.dropout}")
+
+
+@dataclass
+class MoEConfig:
+    """The mixture of experts (``head.kind=moe``, :mod:`car_fl.method.experts`).
+
+    The documents are clustered into ``experts`` balanced clusters (in ``groups`` balanced
+    groups first when a two-level gate is wanted); a query goes to its ``route`` best experts
+    (within its ``route_groups`` best groups), so a query costs about
+    (groups + route_groups·experts/groups + route·documents/experts)·d multiply-adds instead of
+    documents·d.
+    """
+
+    experts: int = 64
+    route: int = 4
+    #: Experts a query reaches at evaluation and retrieval (null: ``route``): routing to more
+    #: experts than in training costs a few more documents scored and recovers recall.
+    eval_route: int | None = None
+    #: Two levels: the experts in this many groups (null: one level, a gate over all experts).
+    groups: int | None = None
+    route_groups: int = 2
+    #: What a client trains and sends (:class:`ExpertSending`); ``schedule`` gives each client
+    #: one of ``schedule_blocks`` blocks of experts per round, rotating.
+    send: ExpertSending = ExpertSending.ROUTED
+    schedule_blocks: int = 4
+    #: Lloyd iterations of the balanced clustering.
+    iterations: int = 10
+
+    def __post_init__(self) -> None:
+        self.send = ExpertSending.parse("moe.send", self.send)
+        if self.experts < 1:
+            raise ValueError(f"moe.experts must be >= 1, got {self.experts}")
+        if not 1 <= self.route <= self.experts:
+            raise ValueError(
+                f"moe.route must be in [1, moe.experts={self.experts}], got {self.route}"
+            )
+        if self.eval_route is not None and not self.route <= self.eval_route <= self.experts:
+            raise ValueError(
+                f"moe.eval_route must be in [moe.route={self.route}, moe.experts="
+                f"{self.experts}] (or null: route), got {self.eval_route}"
+            )
+        if self.groups is not None:
+            if not 2 <= self.groups <= self.experts or self.experts % self.groups:
+                raise ValueError(
+                    f"moe.groups must divide moe.experts={self.experts} and be >= 2 (or null for "
+                    f"one level), got {self.groups}"
+                )
+            if not 1 <= self.route_groups <= self.groups:
+                raise ValueError(
+                    f"moe.route_groups must be in [1, moe.groups={self.groups}], "
+                    f"got {self.route_groups}"
+                )
+            if self.route > self.route_groups * self.experts // self.groups:
+                raise ValueError(
+                    f"moe.route={self.route} exceeds the experts of the moe.route_groups="
+                    f"{self.route_groups} groups a query reaches"
+                )
+        if self.send is ExpertSending.SCHEDULE and not 1 <= self.schedule_blocks <= self.experts:
+            raise ValueError(
+                f"moe.schedule_blocks must be in [1, moe.experts={self.experts}], "
+                f"got {self.schedule_blocks}"
+            )
+        if self.iterations < 0:
+            raise ValueError(f"moe.iterations must be >= 0, got {self.iterations}")
+
+
+@dataclass
+class TrainConfig:
+    """Local optimisation: mode, epochs, batch size, optimiser."""
+
+    mode: Mode = Mode.CLASSIFIER
+    epochs: int = 10
+    batch_size: int = 4
+    lr: float = 1e-3
+    #: The adapter's learning rate; null: same as lr.
+    adapter_lr: float | None = None
+    #: The document rows' learning rate (head.kind=document or moe); null: same as lr.
+    rows_lr: float | None = None
+    optimizer: OptimizerKind = OptimizerKind.ADAMW
+    weight_decay: float = 0.0
+    momentum: float = 0.0
+    eval_batch_size: int = 64
+    feature_batch_size: int = 32
+    #: Centralised training stops once this many epochs in a row have not improved the
+    #: validation metric that selects the best epoch (``train.epochs`` is then a ceiling);
+    #: null: every epoch runs.
+    patience: int | None = None
+    #: adapter+classifier, centralised: first train the head alone for this many epochs on
+    #: the frozen features (cached, as CaR does), then the adapter and that head together
+    #: (linear probing, then fine-tuning: Kumar et al., 2022). The probed head is the run's
+    #: starting point (epoch 0), so validation never selects worse than CaR's head. 0: none.
+    probe_epochs: int = 0
+
+    def __post_init__(self) -> None:
+        self.mode = Mode.parse("train.mode", self.mode)
+        if self.probe_epochs < 0:
+            raise ValueError(f"train.probe_epochs must be >= 0, got {self.probe_epochs}")
+        if self.patience is not None and self.patience < 1:
+            raise ValueError(f"train.patience must be >= 1 or null, got {self.patience}")
+        self.optimizer = OptimizerKind.parse("train.optimizer", self.optimizer)
+        for key in ("epochs", "batch_size", "eval_batch_size", "feature_batch_size"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"train.{key} must be >= 1, got {getattr(self, key)}")
+        positive("train.lr", self.lr)
+        if self.adapter_lr is not None:
+            positive("train.adapter_lr", self.adapter_lr)
+        if self.rows_lr is not None:
+            positive("train.rows_lr", self.rows_lr)
+        if self.weight_decay < 0:
+            raise ValueError(f"train.weight_decay must be >= 0, got {self.weight_decay}")
+
+
+@dataclass
+class EvalConfig:
+    """Which top-K accuracies are reported (the largest K is the retrieval K by default), and
+    what a federation's server evaluates when (docs/performance.md, "Evaluation in a
+    federation"). Selection is always on validation, on the server, never on test and never
+    on a client's report.
+    """
+
+    top_k: list[int] = field(default_factory=lambda: [1, 3, 5, 10])
+    #: Federated runs: test metrics of every round's global state. null: yes in classifier
+    #: mode (cached features, evaluation is cheap), no in adapter mode (every test text goes
+    #: through the adapted encoder): the test set is then evaluated once, after the last round,
+    #: for the final state and for the state selected on validation.
+    test_every_round: bool | None = None
+    #: Federated runs: the validation examples the server evaluates each round, a sample of
+    #: this many drawn with the run's seed (the same every round); 0: all of them (exact).
+    val_sample: int = 0
+    #: Federated runs: evaluate round r's global state in a thread of the ServerApp while
+    #: round r + 1 trains, instead of between the rounds while the clients wait. null: yes in
+    #: adapter mode, no in classifier mode. The results are the same; only when they are
+    #: written changes (round r's row once its evaluation is done).
+    background: bool | None = None
+
+    def __post_init__(self) -> None:
+        if not self.top_k or any(k < 1 for k in self.top_k):
+            raise ValueError(f"eval.top_k must be a non-empty list of K >= 1, got {self.top_k}")
+        self.top_k = sorted(set(self.top_k))
+        if self.val_sample < 0:
+            raise ValueError(
+                f"eval.val_sample must be >= 0 (0: all validation examples), got {self.val_sample}"
+            )
