@@ -50,7 +50,7 @@ from typing import Any
 
 from car_fl.client.failures import BudgetExhausted, LedgerError
 from car_fl.common.io import atomic_write_json
-from car_fl.privacy.accountant import Release, non_private_count, private_epsilon
+from car_fl.privacy.accountant import Accountant, Release, non_private_count
 
 LEDGER_FORMAT = "car-fl-ledger-v2"
 OLD_FORMAT = "car-fl-ledger-v1"
@@ -177,7 +177,7 @@ class Contents:
         chosen = set().union(*self.records.values()) if records is None else set(records)
         groups = self.releases_of(chosen) if chosen else [[]]
         more = [extra] if extra is not None else []
-        return max(private_epsilon([*group, *more], delta) for group in groups)
+        return max(Accountant([*group, *more]).private_epsilon(delta) for group in groups)
 
 
 class Ledger:

@@ -14,6 +14,7 @@ rules, per-part noise and its ε.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ import torch
 from flwr.app import MetricRecord, RecordDict
 
 from car_fl.client.failures import RunTargetReached
-from car_fl.privacy.accountant import epsilon
+from car_fl.privacy.accountant import Accountant, Release, ReleaseKind
 from car_fl.privacy.adaptive import (
     bound_noise_std,
     clipped_indicator,
@@ -43,7 +44,7 @@ from car_fl.privacy.mechanism import (
 )
 from car_fl.privacy.noise import gaussian_like
 from car_fl.settings.dp_plan import (
-    local_multiplier,
+    local_release,
     non_private_reason,
     sigma_b,
 )
@@ -59,11 +60,20 @@ ADAPTER_PREFIX = "adapter."
 
 @dataclass
 class DPState:
-    """What a client must remember between rounds."""
+    """What a client must remember between rounds: its bound, its EMA, and its accountant,
+    stepped once per release (stored as the multiplier → count table of its history)."""
 
     clip: float
     ema: float | None = None
-    releases: dict[float, int] = field(default_factory=dict)
+    accountant: Accountant = field(default_factory=Accountant)
+
+    @property
+    def releases(self) -> dict[float, int]:
+        """The accountant's history as multiplier μ → count (0: a non-private release)."""
+        table: dict[float, int] = {}
+        for r in self.accountant.history:
+            table[r.noise_multiplier] = table.get(r.noise_multiplier, 0) + r.count
+        return table
 
     def to_record(self) -> MetricRecord:
         multipliers = sorted(self.releases)
@@ -81,10 +91,15 @@ class DPState:
         ema = float(record["ema"])
         multipliers = [float(m) for m in record.get("multipliers", [])]
         counts = [int(c) for c in record.get("counts", [])]
+        history = [
+            Release(ReleaseKind.GAUSSIAN, count, noise_multiplier=mu)
+            if mu > 0
+            else Release(ReleaseKind.NON_PRIVATE, count)
+            for mu, count in zip(multipliers, counts, strict=True)
+            if count > 0
+        ]
         return cls(
-            clip=float(record["clip"]),
-            ema=None if ema < 0 else ema,
-            releases=dict(zip(multipliers, counts, strict=True)),
+            clip=float(record["clip"]), ema=None if ema < 0 else ema, accountant=Accountant(history)
         )
 
 
@@ -125,10 +140,11 @@ class ClientPrivacy:
             if self.mode is DPMode.ADAPTIVE
             else None
         )
-        #: μ of every release (0: not private, ε = ∞), the same figure the server computes.
-        self.release_multiplier = (
-            local_multiplier(cfg, num_clients) if self.mode is not DPMode.NONE else 0.0
-        )
+        #: One release as every party accounts it (the server steps its own accountant with
+        #: the same :func:`~car_fl.settings.dp_plan.local_release`).
+        self.unit = local_release(cfg, num_clients)
+        #: μ of every release (0: not private, ε = ∞).
+        self.release_multiplier = self.unit.noise_multiplier
         self.not_private = non_private_reason(cfg) if self.mode is not DPMode.NONE else None
         if self.not_private:
             log.warning("%s: not differentially private, ε is reported as inf", self.not_private)
@@ -159,15 +175,15 @@ class ClientPrivacy:
         return self.z_delta * self.state.clip
 
     def epsilon(self) -> float:
-        return epsilon(self.state.releases, self.cfg.delta)
+        """ε at ``dp.delta`` of every release this run made, from the run's accountant."""
+        return self.state.accountant.get_epsilon(self.cfg.delta)
 
     def check_target(self, count: int = 1) -> None:
         """Raise before ``count`` more releases would take ε past ``dp.target_epsilon``."""
         if self.cfg.target_epsilon is None:
             return
-        planned = dict(self.state.releases)
-        planned[self.release_multiplier] = planned.get(self.release_multiplier, 0) + count
-        would = epsilon(planned, self.cfg.delta)
+        more = dataclasses.replace(self.unit, count=count)
+        would = self.state.accountant.would_spend(self.cfg.delta, more)
         if would > self.cfg.target_epsilon:
             raise RunTargetReached(
                 f"client {self.client} stops contributing: its next release would bring ε to "
@@ -177,8 +193,7 @@ class ClientPrivacy:
 
     def count(self, releases: int = 1) -> None:
         """Account for ``releases`` more releases (also ones accounted but never made)."""
-        mu = self.release_multiplier
-        self.state.releases = {**self.state.releases, mu: self.state.releases.get(mu, 0) + releases}
+        self.state.accountant.add(dataclasses.replace(self.unit, count=releases))
 
     def release(
         self, before: State, after: State, *, server_round: int, step: int = 0

@@ -296,9 +296,21 @@ class Accountant:
             return math.inf
         return private_epsilon(self.history, delta)
 
+    def private_epsilon(self, delta: float) -> float:
+        """ε at δ of the *private* releases alone (a ledger reports the non-private ones
+        beside it, :func:`non_private_count`); 0 with none."""
+        return private_epsilon(self.history, delta)
+
     def would_spend(self, delta: float, *releases: Release) -> float:
         """ε at δ once ``releases`` are added, without adding them."""
         return Accountant([*self.history, *releases]).get_epsilon(delta)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Accountant):
+            return NotImplemented
+        return (self.mechanism, self.history) == (other.mechanism, other.history)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable: stepped per release
 
     def __len__(self) -> int:
         return sum(r.count for r in self.history)
@@ -317,7 +329,9 @@ class Accountant:
 
 
 def epsilon(releases: Mapping[float, int], delta: float) -> float:
-    """ε at δ of Gaussian local-DP releases (multiplier μ → count); ∞ if one had μ = 0.
+    """ε at δ of Gaussian local-DP releases (multiplier μ → count); ∞ if one had μ = 0: the
+    :class:`Accountant` fed from a table, for tests and scripts that write one (every party of
+    a run holds an :class:`Accountant` and steps it per release).
 
     A multiplier of 0 also stands for a release that is not private at all (the linear
     adaptive rule, the ``bound`` noise rule), so any such release makes ε infinite.
@@ -341,7 +355,8 @@ def noise_multiplier_for(target_epsilon: float, *, releases: int, delta: float) 
         raise ValueError(f"need target ε > 0 and releases >= 1, got {target_epsilon}, {releases}")
 
     def spend(sigma: float) -> float:
-        return epsilon({sigma / 2.0: releases}, delta)
+        release = Release(ReleaseKind.GAUSSIAN, releases, noise_multiplier=sigma / 2.0)
+        return Accountant([release]).get_epsilon(delta)
 
     low, high = 0.0, 1.0
     while spend(high) > target_epsilon:

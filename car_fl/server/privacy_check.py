@@ -4,9 +4,8 @@ A reply's ``dp-epsilon``, ``dp-active`` and ``num-examples`` are claims: a hosti
 claim ε 0.5 without any DP, ε = ∞ or NaN, or n = 10⁶. The server needs none of them: every
 client runs the settings the server sent (the fingerprint checks it), so the server knows
 what each reply it received released (:func:`~car_fl.settings.dp_plan.round_release`) and
-composes a node's releases with the same
-accountant the client and its ledger use (:func:`~car_fl.settings.dp_plan.run_epsilon`:
-:class:`~car_fl.privacy.accountant.Accountant`, PLD under replace-one). Warm-up
+steps that node's own :class:`~car_fl.privacy.accountant.Accountant` with it, the class the
+client's run and the node's ledger step too (PLD under replace-one). Warm-up
 rounds release before DP starts and, as on the client, are not in the figure.
 
 Only ``dp.granularity=step`` needs a node's n (one release per optimizer step). The server
@@ -28,14 +27,13 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from car_fl.privacy.accountant import Release
+from car_fl.privacy.accountant import Accountant
 from car_fl.server.round_stats import EXAMPLES_BOUND
 from car_fl.settings.dp_plan import (
     accounted_examples,
     dp_active,
     per_step,
     round_release,
-    run_epsilon,
 )
 from car_fl.settings.schema import Settings
 
@@ -83,13 +81,15 @@ class PrivacyCheck:
     """The releases the server received from each node, and the ε they add up to."""
 
     settings: Settings
-    releases: dict[int, list[Release]] = field(default_factory=dict)
+    #: Each node's accountant, stepped once per reply the server received from it.
+    accountants: dict[int, Accountant] = field(default_factory=dict)
     #: Nodes with a per-step release the server could not bound: their ε is ∞.
     unbounded: set[int] = field(default_factory=set)
 
     def epsilon(self, node: int) -> float:
         """The server's ε (at ``dp.delta``) of every release received from ``node`` so far."""
-        return run_epsilon(self.settings, self.releases.get(node, []))
+        accountant = self.accountants.get(node)
+        return accountant.get_epsilon(self.settings.dp.delta) if accountant is not None else 0.0
 
     def receive(self, server_round: int, node: int, metrics: Mapping[str, float]) -> Verdict:
         """Account for ``node``'s valid reply in ``server_round``, and judge its claim.
@@ -106,7 +106,7 @@ class PrivacyCheck:
             release = round_release(
                 self.settings, server_round=server_round, examples=examples or 1
             )
-            self.releases.setdefault(node, []).append(release)
+            self.accountants.setdefault(node, Accountant()).add(release)
         server = math.inf if node in self.unbounded else self.epsilon(node)
         claimed = metrics.get(CLAIMED_EPSILON)
         why = disagreement(

@@ -311,7 +311,8 @@ class RoundRecorder:
         """A node's record-level DP as the server computes it: the plan it sent, the steps
         of the replies it received, their ε."""
         plan = record_plan(self.recorder.settings)
-        steps = sum(r.count for r in self.privacy.releases.get(node, []))
+        accountant = self.privacy.accountants.get(node)
+        steps = len(accountant) if accountant is not None else 0
         return ClientDP(
             noise_multiplier=plan.noise_multiplier,
             sample_rate=plan.sample_rate,

@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 
 from car_fl.privacy.accountant import (
-    Accountant,
     Release,
     ReleaseKind,
     combined_multiplier,
@@ -159,15 +158,18 @@ def round_release(settings: Settings, *, server_round: int, examples: int) -> Re
         )
     stepwise = dp.mode is not DPMode.NONE and dp.granularity is Granularity.STEP
     count = local_steps(settings, accounted_examples(settings, examples)) if stepwise else 1
-    mu = local_multiplier(dp, settings.fl.clients) if dp_active(settings, server_round) else 0.0
+    active = dp_active(settings, server_round)
+    return local_release(dp, settings.fl.clients, count, active=active)
+
+
+def local_release(
+    dp: DPConfig, num_clients: int, count: int = 1, *, active: bool = True
+) -> Release:
+    """``count`` local-DP releases (``dp=fixed|adaptive``) as every party accounts them: one
+    Gaussian of multiplier μ each (:func:`local_multiplier`), or non-private (``dp=none``, a
+    warm-up round, a non-private rule). The client steps its accountant with it, the server
+    with :func:`round_release`, which calls it."""
+    mu = local_multiplier(dp, num_clients) if active and dp.mode is not DPMode.NONE else 0.0
     if mu == 0:
         return Release(ReleaseKind.NON_PRIVATE, count)
     return Release(ReleaseKind.GAUSSIAN, count, noise_multiplier=mu)
-
-
-def run_epsilon(settings: Settings, releases: list[Release]) -> float:
-    """ε at ``dp.delta`` of one client's releases in a run, as the client itself reports it
-    and the server recomputes it, with the one accountant the node's ledger uses too
-    (:class:`~car_fl.privacy.accountant.Accountant`). A non-private release makes it
-    infinite; no release: 0."""
-    return Accountant(releases).get_epsilon(settings.dp.delta)

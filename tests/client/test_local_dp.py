@@ -18,6 +18,9 @@ from car_fl.client.round import train_round
 from car_fl.data.splits import load_splits
 from car_fl.method.model import build_retriever
 from car_fl.privacy.accountant import (
+    Accountant,
+    Release,
+    ReleaseKind,
     combined_multiplier,
     epsilon,
 )
@@ -70,7 +73,9 @@ def test_a_non_finite_update_is_released_as_a_zero_update_not_a_failure() -> Non
 
 
 def test_dp_state_round_trips_through_a_flower_record() -> None:
-    state = DPState(clip=0.7, ema=1.25, releases={0.05: 3, 0.1: 2})
+    history = [Release(ReleaseKind.GAUSSIAN, 3, 0.05), Release(ReleaseKind.GAUSSIAN, 2, 0.1)]
+    state = DPState(clip=0.7, ema=1.25, accountant=Accountant(history))
+    assert state.releases == {0.05: 3, 0.1: 2}
     assert DPState.from_record(state.to_record()) == state
     assert DPState.from_record(DPState(clip=1.0).to_record()) == DPState(clip=1.0)
 

@@ -19,6 +19,7 @@ from flwr.app import ArrayRecord, RecordDict
 from car_fl.client.local_dp_round import LocalDPRound
 from car_fl.client.record_dp import RecordDPRound
 from car_fl.data.labels import LabelMap
+from car_fl.privacy.accountant import Accountant
 from car_fl.privacy.accountant import epsilon as rdp_epsilon
 from car_fl.protocol.messages import decode, to_record
 from car_fl.results.recorder import Recorder
@@ -28,7 +29,7 @@ from car_fl.server.privacy_check import PrivacyCheck, disagreement
 from car_fl.server.round_recorder import RoundRecorder
 from car_fl.server.round_stats import EXAMPLES_BOUND
 from car_fl.settings.compose import load_settings
-from car_fl.settings.dp_plan import record_plan, round_release, run_epsilon
+from car_fl.settings.dp_plan import record_plan, round_release
 from car_fl.settings.flower import NodeInfo
 from car_fl.settings.schema import Mode, Settings
 from tests.helpers import reply
@@ -313,7 +314,7 @@ def test_a_claimed_count_moves_neither_the_servers_epsilon_nor_the_weights(claim
     verdict = check.receive(1, 1, released[1])
     assert verdict.epsilon == check.receive(1, 2, released[2]).epsilon  # the claim is not used
     bounded = round_release(settings, server_round=1, examples=cap)
-    assert verdict.epsilon == pytest.approx(run_epsilon(settings, [bounded]))
+    assert verdict.epsilon == pytest.approx(Accountant([bounded]).get_epsilon(settings.dp.delta))
     assert "server's bound" in verdict.basis
 
 
