@@ -48,16 +48,15 @@ def train(msg: Message, context: Context) -> Message:
 def train_here(content: RecordDict, context: Context) -> RecordDict:
     """The round in this process (imports torch and the model code: only here)."""
     from car_fl.client.node import Node
-    from car_fl.client.run_states import working_copy
+    from car_fl.client.run_states import ContextState
     from car_fl.common.logs import setup_logging
 
     setup_logging()
     key = repr(sorted((str(k), str(v)) for k, v in context.node_config.items()))
     node = NODES.get(key) or NODES.setdefault(key, Node(dict(context.node_config)))
-    with working_copy(context.state) as state:  # kept only if the round succeeds
-        return node.answer(
-            content,
-            run_config=context.run_config,
-            node_state=state,
-            run=str(context.run_id),
-        )
+    return node.answer(  # the run's state: a copy, kept only if the round succeeds
+        content,
+        run_config=context.run_config,
+        run=str(context.run_id),
+        store=ContextState(context.state),
+    )

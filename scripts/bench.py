@@ -306,7 +306,8 @@ sys.path.insert(0, @ROOT@)
 os.environ["HF_HUB_OFFLINE"] = "1"
 import torch, transformers, flwr  # the process's fixed cost, before any model
 from flwr.app import RecordDict
-from car_fl.client import round as client
+from car_fl.client.node import Node
+from car_fl.settings.flower import NodeInfo
 from car_fl.client.shard import cached_encoder
 from car_fl.settings.compose import load_settings
 from car_fl.method.model import CaRRetriever, build_retriever
@@ -323,7 +324,7 @@ before = rss()
 status = dict(l.split(":", 1) for l in open("/proc/self/status"))
 anon_before, file_before = (int(status[k].split()[0]) * 1024 for k in ("RssAnon", "RssFile"))
 settings = load_settings(@OVERRIDES@)
-node = client.NodeInfo(partition_id=0, num_partitions=2)
+node = NodeInfo(partition_id=0, num_partitions=2)
 if @MODE@ == "classifier":
     initial = build_retriever(settings, 2, hidden_size=@HIDDEN@).trainable_state_dict()
 else:
@@ -331,7 +332,7 @@ else:
     initial = CaRRetriever(
         encoder, 2, head=settings.head, mode=Mode.ADAPTER_CLASSIFIER
     ).trainable_state_dict()
-client.train_round(settings, node, initial, 1, RecordDict())
+Node(config={}).train(settings, node, initial, 1, RecordDict())
 encoder = cached_encoder(settings)
 weights = sum(p.numel() * p.element_size() for p in encoder.parameters())
 # VmHWM, not ru_maxrss: Linux keeps ru_maxrss across exec, so a child started by a big

@@ -6,7 +6,7 @@ Runs the same small configuration (a tiny random Llama, 400 synthetic examples, 
 mode, features cached after round 1) twice, side by side: as an in-process Flower simulation
 and on a local cluster (one SuperLink and N SuperNodes on 127.0.0.1, a new ClientApp process
 per message). Reports, for rounds 2..R, the mean round wall time, the mean slowest client's
-own training time (inside train_round) and their difference, Flower's overhead.
+own training time (inside Node.train) and their difference, Flower's overhead.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 - :mod:`~car_fl.client.node`: ``Node``, the data owner's side in one object: every check a
   node makes before anything leaves it, and what it keeps between rounds.
-- :mod:`~car_fl.client.round`: ``train_round``, one round: shard → features → epochs → DP →
+- :mod:`~car_fl.client.round`: what a round runs: the shard, its privacy mode, epochs, DP →
   reply, the same skeleton for every privacy mode.
 - :mod:`~car_fl.client.local_dp`: local DP (fixed or adaptive clipping), its state and its ε;
   :mod:`~car_fl.client.local_dp_round`: a round's epochs and release under it.

@@ -13,7 +13,7 @@ message: one Node per message). The frozen encoder's weights are public and hold
 process shares them between the nodes it serves (:func:`car_fl.method.encoder.shared_encoder`).
 
 Every check a node makes before anything leaves it, in the order a train message meets them.
-This list is the code of :meth:`Node.answer` and :func:`car_fl.client.round.train_round`;
+This list is the code of :meth:`Node.respond` and :meth:`Node.train`;
 each step names where its rule lives. Policy and budget come before any record is read, and
 no failure that the records could cause is an answer a server can read (argued after the list):
 
@@ -78,23 +78,29 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from flwr.app import RecordDict
 
 from car_fl.client.failures import Refusal, failure_of
 from car_fl.client.node_privacy import NodePrivacy
 from car_fl.client.node_settings import SettingsMemory, node_settings
-from car_fl.client.round import train_round
-from car_fl.client.run_states import RunStates
+from car_fl.client.round import node_shard, train_shard
+from car_fl.client.run_states import RunStates, RunStore
 from car_fl.client.shard import Shard
 from car_fl.protocol.failures import Failure
 from car_fl.protocol.messages import read_train_message, train_reply
+from car_fl.settings.dp_plan import dp_active
 from car_fl.settings.flower import DATA_PATH, PRIVACY_POLICY, NodeInfo
+from car_fl.settings.schema import Settings
 
 log = logging.getLogger(__name__)
+
+#: What turns a train message and a run's state into a reply (:meth:`Node.respond`).
+Respond = Callable[..., RecordDict]
 
 
 @dataclass
@@ -111,7 +117,8 @@ class Node:
     #: The shards read (by settings, the server's label map and the node's place).
     shards: dict[str, Shard] = field(default_factory=dict, repr=False)
     #: Every run's state (its DP state) when this node keeps them itself: a worker's, on disk.
-    #: Without a worker the run's state is Flower's ``context.state``, handed to :meth:`answer`.
+    #: Without a worker the run's state is Flower's ``context.state``, the ``store`` that the
+    #: ClientApp hands to :meth:`answer`.
     states: RunStates = field(default_factory=RunStates, repr=False)
     #: The policy and data files' identity when :attr:`privacy` was opened: an edited file is
     #: read again, so a grown data file's new records are charged from their first release.
@@ -123,16 +130,35 @@ class Node:
         content: RecordDict,
         *,
         run_config: Mapping[str, Any],
-        node_state: RecordDict,
         run: str,
+        store: RunStore | None = None,
+        respond: Respond | None = None,
     ) -> RecordDict:
         """The reply's content to a train message's ``content`` (raises a refusal or error:
         :meth:`failure` says which fixed code the server gets).
 
-        ``run_config`` is the run's configuration (the server's), ``node_state`` this run's
-        state on the node (its DP state; updated in place), ``run`` Flower's run id (the
-        ledger keys its releases by it).
+        ``run_config`` is the run's configuration (the server's), ``run`` Flower's run id (the
+        ledger keys its releases by it). The run's state (its DP state) comes from ``store``
+        (default :attr:`states`; without a worker, Flower's ``context.state`` through
+        :class:`~car_fl.client.run_states.ContextState`): the round works on a copy, kept only
+        when it succeeds, so a refused or failed round changes nothing. ``respond`` replaces
+        :meth:`respond` (tests of the worker's protocol).
         """
+        store = self.states if store is None else store
+        state = store.get(run)
+        reply = (respond or self.respond)(content, run_config=run_config, node_state=state, run=run)
+        store.keep(run, state)
+        return reply
+
+    def respond(
+        self,
+        content: RecordDict,
+        *,
+        run_config: Mapping[str, Any],
+        node_state: RecordDict,
+        run: str,
+    ) -> RecordDict:
+        """1-8 on the run's state ``node_state`` (updated in place; :meth:`answer` keeps it)."""
         instruction = read_train_message(content)
         # 1. Without the server's label map the node's own would size the head: whether the
         # round succeeds would then tell the label count. Refused whatever the node holds
@@ -146,20 +172,58 @@ class Node:
             run_config, self.config, instruction.fingerprint, memory=self.settings_memory
         )
         place = NodeInfo.from_node_config(self.config, settings)
-        # 3-8. The policy, the ledger before any record, the shard, the budget, the release
-        state, metrics = train_round(
+        self._open_privacy()
+        state, metrics = self.train(
             settings,
             place,
             instruction.global_state,
             instruction.server_round,
             node_state,
             instruction.labels,
-            guard=self._open_privacy(),
             run=run,
             layout=instruction.layout,
-            shards=self.shards,
         )
         return train_reply(state, metrics, dtype=settings.comm.dtype)
+
+    def train(
+        self,
+        settings: Settings,
+        place: NodeInfo,
+        global_state: dict[str, torch.Tensor],
+        server_round: int,
+        node_state: RecordDict,
+        labels: Sequence[str] | None = None,
+        *,
+        run: str = "",
+        layout: str | None = None,
+    ) -> tuple[dict[str, torch.Tensor], dict[str, int | float]]:
+        """3-8: the policy, the ledger before any record, the shard, the budget, the release,
+        with this node's :attr:`privacy` (``None``: it trusts the run's settings) and
+        :attr:`shards`. Returns what the node sends (never an un-noised update once DP is
+        active) and the reply's metrics (under DP nothing data-dependent besides
+        ``num-examples`` and the privacy figures)."""
+        guard = self.privacy
+        if guard is not None:
+            guard.admit(settings)  # 3. before any data is read
+            settings = guard.policy.data.apply(settings, source=guard.policy.source)  # 5's way
+        # 4. the ledger, before any record (when the release does not follow n)
+        spent = guard is not None and guard.spend_ahead(
+            settings, run=run, server_round=server_round
+        )
+        private = spent and dp_active(settings, server_round)
+        shard = node_shard(settings, place, labels, memory=self.shards, noise_only=private)  # 5.
+        return train_shard(  # 6-7. the run's budget, the epochs, the release
+            settings,
+            place,
+            shard,
+            global_state,
+            server_round,
+            node_state,
+            guard=guard,
+            run=run,
+            layout=layout,
+            spent=spent,
+        )
 
     @staticmethod
     def failure(err: BaseException) -> Failure:

@@ -1,6 +1,6 @@
 """A node's own privacy in its round: the owner's policy and the lifetime ledger, together.
 
-:func:`car_fl.client.round.train_round` calls :meth:`NodePrivacy.admit` before it reads any
+:meth:`car_fl.client.node.Node.train` calls :meth:`NodePrivacy.admit` before it reads any
 data and :meth:`NodePrivacy.spend` before it trains: a run weaker than the policy, a round the
 run cannot have planned, or a release past the lifetime cap is refused with a fixed
 :class:`~car_fl.protocol.failures.Failure` (no update leaves), and every release is in the

@@ -95,7 +95,7 @@ def check_budget(plan: RecordPlan, state: RecordState, *, who: str) -> float:
 
 
 class RecordDPRound:
-    """A round's DP-SGD epochs, for :func:`~car_fl.client.round.train_round` (``dp=record``).
+    """A round's DP-SGD epochs, for :meth:`~car_fl.client.node.Node.train` (``dp=record``).
 
     The plan (σ, q, C, steps) is fixed from the configuration; :meth:`check` verifies the
     budget before any training. n is the whole shard, examples the server's label map lacks

@@ -1,6 +1,7 @@
 """One round on a data owner's machine: policy → shard → ledger → local epochs → DP → reply.
 
-:func:`train_round` is the round's skeleton, the same for every privacy mode; what differs is a
+:meth:`car_fl.client.node.Node.train` is the round's skeleton (the Node's steps 3 to 8),
+the same for every privacy mode; what differs is a
 :class:`RoundPrivacy`: :class:`~car_fl.client.local_dp_round.LocalDPRound` (local DP, or none) or
 :class:`~car_fl.client.record_dp.RecordDPRound` (record-level DP-SGD). Each checks what it must
 before any training, runs the epochs, and decides what is released. A node whose owner set a
@@ -30,7 +31,7 @@ from car_fl.method.experts import ExpertLayout
 from car_fl.method.features import LocalData
 from car_fl.method.model import CaRRetriever
 from car_fl.method.train import EpochResult, make_optimizer
-from car_fl.settings.dp_plan import dp_active, public_examples
+from car_fl.settings.dp_plan import public_examples
 from car_fl.settings.flower import NodeInfo
 from car_fl.settings.schema import DPMode, Settings
 
@@ -97,52 +98,6 @@ def round_privacy(
     )
 
 
-def train_round(
-    settings: Settings,
-    node: NodeInfo,
-    global_state: dict[str, torch.Tensor],
-    server_round: int,
-    node_state: RecordDict,
-    labels: Sequence[str] | None = None,
-    *,
-    guard: NodePrivacy | None = None,
-    run: str = "",
-    layout: str | None = None,
-    shards: dict[str, Shard] | None = None,
-) -> tuple[dict[str, torch.Tensor], dict[str, int | float]]:
-    """``fl.local_epochs`` epochs from the global state, under the configured privacy: the
-    policy, then the ledger (before any record is read, when what the round releases does not
-    follow n: :meth:`NodePrivacy.spend_ahead`), then the shard, then :func:`train_shard`.
-
-    Returns what the client sends (never an un-noised update once DP is active) and the reply
-    metrics: once DP is active they hold nothing data-dependent besides ``num-examples`` and
-    the privacy figures; the train loss, accuracy and seconds go to the client's own log only.
-    ``node_state`` is Flower's persistent per-node state (per run); the run's DP state lives
-    there. ``labels`` is the server's global label map; ``layout`` a mixture of experts' (the
-    server's). ``guard`` is the node owner's policy and ledger (``run``: Flower's run id, for
-    the ledger); without it the node trusts the run's settings (see docs/privacy.md).
-    ``shards``: the shards this node already read (its :class:`~car_fl.client.node.Node`'s).
-    """
-    if guard is not None:
-        guard.admit(settings)  # before any data is read
-        settings = guard.policy.data.apply(settings, source=guard.policy.source)  # its reading
-    spent = guard is not None and guard.spend_ahead(settings, run=run, server_round=server_round)
-    private = spent and dp_active(settings, server_round)
-    shard = node_shard(settings, node, labels, memory=shards, noise_only=private)
-    return train_shard(
-        settings,
-        node,
-        shard,
-        global_state,
-        server_round,
-        node_state,
-        guard=guard,
-        run=run,
-        layout=layout,
-        spent=spent,
-    )
-
-
 def node_shard(
     settings: Settings,
     node: NodeInfo,
@@ -204,8 +159,9 @@ def train_shard(
     layout: str | None = None,
     spent: bool = False,
 ) -> tuple[dict[str, torch.Tensor], dict[str, int | float]]:
-    """:func:`train_round` on a shard already read (privacy checks, ledger, epochs, release).
-    ``spent``: the round is already in the ledger (:meth:`NodePrivacy.spend_ahead`)."""
+    """:meth:`~car_fl.client.node.Node.train` on a shard already read (privacy checks,
+    ledger, epochs, release). ``spent``: the round is already in the ledger
+    (:meth:`NodePrivacy.spend_ahead`)."""
     tick = time.perf_counter()
     who = f"client {node.partition_id}"
     data = shard.data

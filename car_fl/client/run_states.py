@@ -10,9 +10,11 @@ changes nothing. Where it lies:
   ``<worker folder>/runs/<run id>.state`` (0600, written atomically), so a restarted worker
   goes on where it was;
 - a node without one: in Flower's ``context.state`` of the message, which the SuperNode keeps
-  per run and node (a ClientApp process lives for one message); the ClientApp hands a copy to
-  :meth:`car_fl.client.node.Node.answer` and writes it back (:func:`working_copy`) only
-  when the round succeeded.
+  per run and node (a ClientApp process lives for one message); the ClientApp hands it to
+  :meth:`car_fl.client.node.Node.answer` as a :class:`ContextState`.
+
+Either way :meth:`car_fl.client.node.Node.answer` is the one copy-and-keep path: it gets a copy
+from the store (:class:`RunStore`), and the store keeps it only when the round succeeded.
 
 What the state holds is never trusted for privacy beyond the run: the node's lifetime ledger
 (:mod:`car_fl.client.ledger`) is what caps a record's spend across runs.
@@ -20,9 +22,8 @@ What the state holds is never trusted for privacy beyond the run: the node's lif
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
+from typing import Protocol
 
 from flwr.app import RecordDict
 
@@ -61,13 +62,28 @@ def replace_contents(target: RecordDict, source: RecordDict) -> None:
         target[key] = record
 
 
-@contextmanager
-def working_copy(state: RecordDict) -> Iterator[RecordDict]:
-    """A copy of ``state`` (Flower's ``context.state``) for a round, written back into it only
-    when the round's block ends without an exception."""
-    copy = copy_of(state)
-    yield copy
-    replace_contents(state, copy)
+class RunStore(Protocol):
+    """Where a node keeps its runs' states: :meth:`get` a copy, :meth:`keep` after success."""
+
+    def get(self, run: str) -> RecordDict: ...
+
+    def keep(self, run: str, state: RecordDict) -> None: ...
+
+
+class ContextState:
+    """One run's state in Flower's ``context.state`` (a node without a worker): the
+    SuperNode keeps it per run and node, and a ClientApp process lives for one message."""
+
+    def __init__(self, state: RecordDict) -> None:
+        self.state = state
+
+    def get(self, run: str) -> RecordDict:
+        """A copy of the run's state."""
+        return copy_of(self.state)
+
+    def keep(self, run: str, state: RecordDict) -> None:
+        """Write ``state`` back into ``context.state`` (a round that succeeded)."""
+        replace_contents(self.state, state)
 
 
 class RunStates:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from flwr.app import RecordDict
 
-from car_fl.client.round import train_round
+from car_fl.client.node import Node
 from car_fl.data.splits import load_splits
 from car_fl.method.model import build_retriever
 from car_fl.privacy.mechanism import difference, flat_norm
@@ -87,8 +87,8 @@ def test_curious_server_cannot_rebuild_or_remove_the_noise(
     )
     node, theta = NodeInfo(0, 2), initial_state(s)
     # Two runs with identical configuration, each client with fresh state, same round.
-    first, m1 = train_round(s, node, theta, 1, RecordDict())
-    second, m2 = train_round(s, node, theta, 1, RecordDict())
+    first, m1 = Node(config={}).train(s, node, theta, 1, RecordDict())
+    second, m2 = Node(config={}).train(s, node, theta, 1, RecordDict())
     assert m1 == m2 and m1["dp-active"] == 1
     for name in first:
         assert not torch.equal(first[name], second[name]), name
@@ -126,7 +126,7 @@ def test_a_dp_reply_holds_nothing_data_dependent_but_parameters_count_and_epsilo
         extra = [f"dataset.path={data}"] if data else []
         s = make_settings("fl.local_epochs=1", *dp, *extra)
         node = NodeInfo(0, 2)
-        state, metrics = train_round(s, node, initial_state(s), 1, RecordDict())
+        state, metrics = Node(config={}).train(s, node, initial_state(s), 1, RecordDict())
         runs.append(metrics)
         # What crosses the wire: the (noised) parameters and these metrics, nothing else.
         content = train_reply(state, metrics, dtype=s.comm.dtype)

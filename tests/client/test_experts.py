@@ -11,7 +11,7 @@ import torch
 from flwr.app import RecordDict
 
 from car_fl.client.experts import outgoing
-from car_fl.client.round import train_round
+from car_fl.client.node import Node
 from car_fl.data.splits import load_splits
 from car_fl.method.experts import EXPERT_PREFIX, MixtureHead
 from car_fl.method.model import CaRRetriever, build_retriever
@@ -45,7 +45,7 @@ def sent_experts(
     names: tuple[str, ...],
     layout: str,
 ) -> set[str]:
-    reply, _ = train_round(
+    reply, _ = Node(config={}).train(
         settings,
         NodeInfo(partition_id=partition, num_partitions=3),
         state,

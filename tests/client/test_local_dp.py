@@ -14,7 +14,7 @@ from car_fl.client.local_dp import (
     DPState,
     load_privacy,
 )
-from car_fl.client.round import train_round
+from car_fl.client.node import Node
 from car_fl.data.splits import load_splits
 from car_fl.method.model import build_retriever
 from car_fl.privacy.accountant import (
@@ -101,8 +101,8 @@ def test_infinite_clip_and_zero_noise_reproduce_the_non_dp_round(
     s_dp, _, _ = round_inputs(
         f"dp={dp}", f"dp.granularity={granularity}", "dp.clip=inf", "dp.noise_multiplier=0"
     )
-    plain, _ = train_round(s_none, node, initial, 1, RecordDict())
-    private, metrics = train_round(s_dp, node, initial, 1, RecordDict())
+    plain, _ = Node(config={}).train(s_none, node, initial, 1, RecordDict())
+    private, metrics = Node(config={}).train(s_dp, node, initial, 1, RecordDict())
     assert metrics["dp-active"] == 1 and math.isinf(metrics["dp-epsilon"])
     for name in plain:
         assert torch.equal(plain[name], private[name]), name
@@ -113,8 +113,8 @@ def test_warmup_rounds_add_no_noise_and_later_rounds_do(round_inputs) -> None:
     s_dp, _, _ = round_inputs("dp=adaptive", "dp.warmup_rounds=1", "dp.clip=1e30")
     state = RecordDict()
     for server_round in (1, 2):
-        plain, _ = train_round(s_none, node, initial, server_round, RecordDict())
-        private, metrics = train_round(s_dp, node, initial, server_round, state)
+        plain, _ = Node(config={}).train(s_none, node, initial, server_round, RecordDict())
+        private, metrics = Node(config={}).train(s_dp, node, initial, server_round, state)
         same = all(torch.equal(plain[k], private[k]) for k in plain)
         assert same == (server_round == 1)
         assert metrics["dp-active"] == int(server_round == 2)
@@ -126,10 +126,10 @@ def test_warmup_rounds_add_no_noise_and_later_rounds_do(round_inputs) -> None:
 def test_adaptive_state_persists_in_the_node_state(round_inputs) -> None:
     s, node, initial = round_inputs("dp=adaptive")
     state = RecordDict()
-    _, first = train_round(s, node, initial, 1, state)
+    _, first = Node(config={}).train(s, node, initial, 1, state)
     after_first = load_privacy(s, node, state).state
     assert after_first.clip != s.dp.clip and sum(after_first.releases.values()) == 1
-    _, second = train_round(s, node, initial, 2, state)
+    _, second = Node(config={}).train(s, node, initial, 2, state)
     after_second = load_privacy(s, node, state).state
     assert after_second.clip != after_first.clip
     assert second["dp-releases"] == 2 and second["dp-epsilon"] > first["dp-epsilon"]
@@ -144,7 +144,7 @@ def test_step_granularity_clips_every_step(round_inputs) -> None:
         "train.lr=0.5",
         "fl.max_examples_per_client=60",  # public: the round trains and accounts for 60
     )
-    state, metrics = train_round(s, node, initial, 1, RecordDict())
+    state, metrics = Node(config={}).train(s, node, initial, 1, RecordDict())
     assert metrics["num-examples"] == 60  # the public count, not the node's n
     steps = math.ceil(60 / s.train.batch_size)
     assert metrics["dp-releases"] == steps
@@ -157,7 +157,7 @@ def test_step_granularity_with_adaptive_clipping_adapts_every_step(round_inputs)
         "dp=adaptive", "dp.granularity=step", "dp.clip=0.01", "fl.max_examples_per_client=60"
     )
     state = RecordDict()
-    _, metrics = train_round(s, node, initial, 1, state)
+    _, metrics = Node(config={}).train(s, node, initial, 1, state)
     steps = math.ceil(60 / s.train.batch_size)
     assert metrics["dp-releases"] == steps
     assert metrics["dp-epsilon"] == pytest.approx(epsilon({0.05: steps}, s.dp.delta), rel=1e-6)

@@ -84,6 +84,6 @@ def test_a_message_without_a_label_map_is_refused_before_the_node_reads_anything
     config = ConfigRecord({"server-round": 1, "fingerprint": "f"})
     content = RecordDict({"arrays": to_record(head), "config": config})
     with pytest.raises(Refusal) as err:
-        node.answer(content, run_config={}, node_state=RecordDict(), run="1")
+        node.answer(content, run_config={}, run="1")
     assert err.value.failure is Failure.CONFIG_MISMATCH
     assert node.shards == {} and node.settings_memory == {}

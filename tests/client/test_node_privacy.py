@@ -18,7 +18,6 @@ from flwr.app import ConfigRecord, RecordDict
 from car_fl.client.failures import Refusal
 from car_fl.client.node import Node
 from car_fl.client.node_privacy import NodePrivacy
-from car_fl.client.round import train_round
 from car_fl.method.model import build_retriever
 from car_fl.protocol.failures import Failure
 from car_fl.protocol.messages import to_record
@@ -68,15 +67,8 @@ LABELS = [f"topic{i}" for i in range(4)]
 
 
 def round_of(settings, node_privacy: NodePrivacy, server_round: int, run: str = "1"):
-    return train_round(
-        settings,
-        NODE,
-        initial(settings),
-        server_round,
-        RecordDict(),
-        LABELS,
-        guard=node_privacy,
-        run=run,
+    return Node(config={}, privacy=node_privacy).train(
+        settings, NODE, initial(settings), server_round, RecordDict(), LABELS, run=run
     )
 
 
@@ -209,7 +201,6 @@ def test_a_message_without_a_label_map_is_refused_the_same_whatever_the_labels(
         Node({"partition-id": 0, "num-partitions": 2}).answer(
             content,
             run_config={"settings": settings_to_yaml(settings)},
-            node_state=RecordDict(),
             run="1",
         )
     assert err.value.failure is Failure.CONFIG_MISMATCH
@@ -245,14 +236,8 @@ def test_the_run_the_server_and_the_ledger_give_the_same_releases_the_same_epsil
     check = PrivacyCheck(settings)
     node_state = RecordDict()
     for server_round in (1, 2):
-        _, metrics = train_round(
-            settings,
-            NODE,
-            initial(settings),
-            server_round,
-            node_state,
-            guard=node_privacy,
-            run="1",
+        _, metrics = Node(config={}, privacy=node_privacy).train(
+            settings, NODE, initial(settings), server_round, node_state, run="1"
         )
         verdict = check.receive(server_round, 7, {**metrics, EXAMPLES_BOUND: 1000})
         ledger = node_privacy.ledger.entries()[-1].epsilon
@@ -330,32 +315,22 @@ def test_a_node_with_a_policy_reads_its_records_its_own_way_whatever_the_run_say
     [data] table: every probe trains on the very shard the agreed run trains on."""
     node_privacy = guard(tmp_path, synthetic_tsv)
     shards: dict = {}
-    train_round(
+    Node(config={}, privacy=node_privacy, shards=shards).train(
         make_settings(*AGREED),
         NODE,
         initial(make_settings(*AGREED)),
         1,
         RecordDict(),
         LABELS,
-        guard=node_privacy,
         run="1",
-        shards=shards,
     )
     (own,) = shards.values()
     assert own.examples > 0
     for run, probe in enumerate(reading_probes(synthetic_tsv), start=2):
         shards.clear()
         settings = make_settings(*AGREED, *probe)
-        train_round(
-            settings,
-            NODE,
-            initial(settings),
-            1,
-            RecordDict(),
-            LABELS,
-            guard=node_privacy,
-            run=str(run),
-            shards=shards,
+        Node(config={}, privacy=node_privacy, shards=shards).train(
+            settings, NODE, initial(settings), 1, RecordDict(), LABELS, run=str(run)
         )
         (read,) = shards.values()
         assert read.examples == own.examples, probe
@@ -387,7 +362,7 @@ def test_two_policies_cannot_keep_two_ledgers_of_the_same_records(
 def test_a_run_keeps_one_dp_mechanism_for_its_whole_life(make_settings) -> None:
     """Issue 41: a run id whose rounds mixed dp=record and dp=fixed reported an ε that left out
     its DP-SGD steps (the ledger counted both). A run keeps one mechanism now."""
-    from car_fl.client.round import train_round as one_round
+    one_round = Node(config={}).train
 
     fixed = make_settings(*AGREED)
     state = RecordDict()

@@ -7,8 +7,9 @@ import torch
 from flwr.app import RecordDict
 
 from car_fl.client.failures import RunTargetReached
+from car_fl.client.node import Node
 from car_fl.client.record_dp import RecordDPRound, load_record_state
-from car_fl.client.round import shard_data, train_round, train_shard
+from car_fl.client.round import shard_data, train_shard
 from car_fl.client.shard import Shard
 from car_fl.data.splits import load_splits
 from car_fl.method.model import build_retriever
@@ -85,11 +86,11 @@ def test_a_run_that_changes_q_or_delta_mid_run_is_refused(record_inputs) -> None
     fixed = ("dp.target_epsilon=null", "dp.noise_multiplier=1.0")
     s, node, initial = record_inputs(*fixed)
     state = RecordDict()
-    train_round(s, node, initial, 1, state)
+    Node(config={}).train(s, node, initial, 1, state)
     for change in ("dp.sample_rate=0.2", "dp.delta=1e-6"):
         changed, _, _ = record_inputs(*fixed, change)
         with pytest.raises(ValueError, match="fixed for a run's whole life"):
-            train_round(changed, node, initial, 2, state)
+            Node(config={}).train(changed, node, initial, 2, state)
 
 
 def test_a_shard_of_at_least_one_over_delta_trains_on_a_fresh_random_subset(record_inputs) -> None:
@@ -118,7 +119,7 @@ def test_curious_server_sees_parameters_count_and_public_privacy_figures_only(
 ) -> None:
     s, node, initial = record_inputs("fl.rounds=2")
     state = RecordDict()
-    released, metrics = train_round(s, node, initial, 1, state)
+    released, metrics = Node(config={}).train(s, node, initial, 1, state)
     assert set(metrics) == {
         "num-examples",
         "partition-id",
@@ -134,7 +135,7 @@ def test_curious_server_sees_parameters_count_and_public_privacy_figures_only(
     assert metrics["dp-noise-multiplier"] == plan.noise_multiplier
     # The same round again from the same state: the server knows the seed, yet cannot
     # regenerate the noise or the sampled batches (OS entropy)
-    again, _ = train_round(s, node, initial, 1, RecordDict())
+    again, _ = Node(config={}).train(s, node, initial, 1, RecordDict())
     assert any(not torch.equal(released[k], again[k]) for k in released)
 
 
@@ -143,13 +144,13 @@ def test_a_client_never_releases_past_its_target_epsilon(record_inputs) -> None:
     state = RecordDict()
     eps = []
     for server_round in (1, 2):
-        _, metrics = train_round(s, node, initial, server_round, state)
+        _, metrics = Node(config={}).train(s, node, initial, server_round, state)
         eps.append(metrics["dp-epsilon"])
     assert eps[0] < eps[1] <= 2.0
     assert eps[1] >= 2.0 * 0.99  # σ was calibrated for exactly these 2 rounds
     assert load_record_state(state).steps == 20
     with pytest.raises(RunTargetReached, match=r"client 0 stops contributing.*> dp.target"):
-        train_round(s, node, initial, 3, state)
+        Node(config={}).train(s, node, initial, 3, state)
     assert load_record_state(state).steps == 20  # nothing was trained or counted
 
 
@@ -161,6 +162,6 @@ def test_record_round_in_adapter_mode_trains_the_adapter(record_inputs) -> None:
         "dp.target_epsilon=null",
         "dp.noise_multiplier=1",
     )
-    released, metrics = train_round(s, node, initial, 1, RecordDict())
+    released, metrics = Node(config={}).train(s, node, initial, 1, RecordDict())
     assert metrics["dp-steps"] == 2
     assert not torch.equal(released["adapter.weight"], initial["adapter.weight"])

@@ -7,7 +7,7 @@ import torch
 from flwr.app import RecordDict
 
 from car_fl.client import shard as client_module
-from car_fl.client.round import train_round
+from car_fl.client.node import Node
 from car_fl.method import encoder as encoder_module
 from car_fl.method.feature_cache import FeatureCache
 from car_fl.method.model import build_retriever
@@ -28,11 +28,13 @@ def test_a_fully_cached_classifier_round_never_loads_the_encoder(make_settings) 
 
     new_process()
     before = encoder_module.LOAD_COUNT
-    train_round(settings, node, initial, 1, RecordDict())  # extracts, fills the disk cache
+    Node(config={}).train(
+        settings, node, initial, 1, RecordDict()
+    )  # extracts, fills the disk cache
     assert before + 1 == encoder_module.LOAD_COUNT
     new_process()  # only the disk cache is left
     loads = encoder_module.LOAD_COUNT
-    state, metrics = train_round(settings, node, initial, 2, RecordDict())
+    state, metrics = Node(config={}).train(settings, node, initial, 2, RecordDict())
     assert loads == encoder_module.LOAD_COUNT
     assert not encoder_module._SHARED
     assert metrics["num-examples"] > 0 and set(state) == set(initial)
@@ -60,7 +62,7 @@ def test_a_label_map_the_node_shares_nothing_with_gets_the_same_kind_of_reply(
             initial = build_retriever(
                 settings, 2, encoder=client_module.cached_encoder(settings)
             ).trainable_state_dict()
-        state, metrics = train_round(settings, node, initial, 1, RecordDict(), labels)
+        state, metrics = Node(config={}).train(settings, node, initial, 1, RecordDict(), labels)
         assert set(state) == set(initial)
         assert all(bool(torch.isfinite(v).all()) for v in state.values())
         replies[name] = metrics
@@ -88,6 +90,6 @@ def test_a_federated_client_after_a_centralised_run_on_the_same_node_encodes_not
     initial = build_retriever(settings, 4, hidden_size=64).trainable_state_dict()
     for partition in range(2):  # each client's shard: a list of texts no run encoded as such
         node = NodeInfo(partition_id=partition, num_partitions=2)
-        state, metrics = train_round(node_settings, node, initial, 1, RecordDict())
+        state, metrics = Node(config={}).train(node_settings, node, initial, 1, RecordDict())
         assert metrics["num-examples"] > 0 and set(state) == set(initial)
     assert puts == [] and loads == encoder_module.LOAD_COUNT and not encoder_module._SHARED

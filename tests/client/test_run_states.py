@@ -58,8 +58,8 @@ def test_two_spellings_of_one_run_id_are_one_run(tmp_path: Path) -> None:
 
 
 def test_without_a_worker_a_failed_round_leaves_flowers_state_as_it_was(tmp_path: Path) -> None:
-    """The ClientApp hands the Node a copy of context.state and writes it back only when the
-    round succeeded."""
+    """The ClientApp hands the Node Flower's context.state (ContextState): the Node works on a
+    copy and writes it back only when the round succeeded (one copy-and-keep path)."""
     from flwr.app import Context
 
     import client_app
@@ -69,13 +69,15 @@ def test_without_a_worker_a_failed_round_leaves_flowers_state_as_it_was(tmp_path
     )
     context.state["dp"] = MetricRecord({"steps": 5})
 
-    class Failing:
-        def answer(self, content: RecordDict, *, node_state: RecordDict, **_: object) -> None:
+    from car_fl.client.node import Node
+
+    class Failing(Node):
+        def respond(self, content: RecordDict, *, node_state: RecordDict, **_: object) -> None:  # type: ignore[override]
             node_state["dp"] = MetricRecord({"steps": 99})  # counted, then the round fails
             raise RuntimeError("the round failed after its state changed")
 
     key = repr(sorted((str(k), str(v)) for k, v in context.node_config.items()))
-    client_app.NODES[key] = Failing()  # type: ignore[assignment]
+    client_app.NODES[key] = Failing(dict(context.node_config))
     try:
         with pytest.raises(RuntimeError):
             client_app.train_here(RecordDict(), context)

@@ -371,7 +371,6 @@ def test_a_second_round_with_a_worker_loads_no_encoder_and_the_clientapp_imports
     expected = Node(node_config).answer(
         train_content(initial, 1, fingerprint(settings), labels),
         run_config={"overrides": overrides},
-        node_state=RecordDict(),
         run="1",
     )
     ours, theirs = (
