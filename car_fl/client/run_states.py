@@ -27,8 +27,8 @@ from typing import Protocol
 
 from flwr.app import RecordDict
 
-from car_fl.client.worker_link import decode_content, encode_content
 from car_fl.common.io import atomic_write
+from car_fl.protocol.wire import decode_content, encode_content
 
 #: The folder of the run states, under a worker's folder.
 RUNS_DIR = "runs"

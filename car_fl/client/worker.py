@@ -48,8 +48,6 @@ from car_fl.client.worker_link import (
     SECRET_NAME,
     WORKER_KEY,
     check_client,
-    decode_content,
-    encode_content,
     greet,
     read_secret,
     recv_message,
@@ -59,6 +57,7 @@ from car_fl.client.worker_link import (
 from car_fl.common.io import atomic_write
 from car_fl.method import encoder as encoder_module
 from car_fl.protocol.failures import Failure
+from car_fl.protocol.wire import decode_content, encode_content
 from car_fl.settings.flower import CACHE_DIR, NUM_PARTITIONS, PARTITION_ID
 
 log = logging.getLogger(__name__)

@@ -27,11 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from flwr.app import RecordDict
-from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
-from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict  # pylint: disable=E0611
 
 from car_fl.client.failures import Refusal
 from car_fl.protocol.failures import Failure
+from car_fl.protocol.wire import decode_content, encode_content
 
 #: The node-config key that names the worker's folder (``car_fl.settings.flower.WORKER``; not
 #: imported from there: it would import OmegaConf).
@@ -116,15 +115,6 @@ def recv_message(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
     if not isinstance(header, dict):
         raise ConnectionError("the header is not a JSON object")
     return header, recv_frame(sock)
-
-
-def encode_content(content: RecordDict) -> bytes:
-    """A ``RecordDict`` in Flower's protobuf serialisation."""
-    return bytes(recorddict_to_proto(content).SerializeToString())
-
-
-def decode_content(data: bytes) -> RecordDict:
-    return recorddict_from_proto(ProtoRecordDict.FromString(data))
 
 
 # --------------------------------------------------------------------------------- handshake

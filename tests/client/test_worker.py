@@ -36,6 +36,7 @@ from car_fl.client.worker import (
 from car_fl.client.worker_link import WorkerFailed, WorkerUnavailable
 from car_fl.data.splits import load_splits
 from car_fl.method.model import build_retriever
+from car_fl.protocol import wire
 from car_fl.protocol.failures import Failure
 from car_fl.protocol.messages import from_record, to_record
 from car_fl.settings.compose import load_settings
@@ -339,7 +340,7 @@ def test_a_second_round_with_a_worker_loads_no_encoder_and_the_clientapp_imports
         for server_round in (1, 2):
             message = short_dir / f"message-{server_round}.bin"
             content = train_content(state, server_round, fingerprint(settings), labels)
-            message.write_bytes(worker_link.encode_content(content))
+            message.write_bytes(wire.encode_content(content))
             reply_file = short_dir / f"reply-{server_round}.bin"
             args = {
                 "message": str(message),
@@ -353,7 +354,7 @@ def test_a_second_round_with_a_worker_loads_no_encoder_and_the_clientapp_imports
             # The ClientApp process imported Flower and car-fl's link, not torch or transformers
             assert "flwr" in modules and "car_fl" in modules
             assert not {"torch", "transformers", "omegaconf"} & modules
-            reply = worker_link.decode_content(reply_file.read_bytes())
+            reply = wire.decode_content(reply_file.read_bytes())
             replies.append(reply)
             state = from_record(reply.array_records["arrays"])
             status = wait_status(folder, worker)

@@ -14,6 +14,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from car_fl.client import worker_link
 from car_fl.client.worker_link import WorkerUnavailable
+from car_fl.protocol import wire
 from car_fl.settings.flower import NODE_CONFIG, WORKER
 
 
@@ -30,7 +31,7 @@ def test_headers_and_record_dicts_cross_the_socket_unchanged() -> None:
     with left, right:
         worker_link.send_message(left, {"kind": "train", "run-id": 5}, b"payload")
         assert worker_link.recv_message(right) == ({"kind": "train", "run-id": 5}, b"payload")
-        back = worker_link.decode_content(worker_link.encode_content(content))
+        back = wire.decode_content(wire.encode_content(content))
     assert np.array_equal(back.array_records["arrays"]["head.weight"].numpy(), weights)
     assert dict(back.config_records["config"]) == {"server-round": 3, "labels": ["ham", "spam"]}
     assert dict(back.metric_records["metrics"]) == {"num-examples": 7, "loss": 0.25}
