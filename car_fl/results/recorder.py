@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 
 from car_fl.data.labels import LabelMap
-from car_fl.results.checkpoint import Checkpoint, save_checkpoint
+from car_fl.results.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from car_fl.results.plots import plot_curves
 from car_fl.results.rows import (
     MetricsFile,
@@ -49,6 +50,16 @@ def round_line(row: RoundRow, *, unit: str = "round") -> str:
     )
 
 
+def brief(metrics: dict[str, float]) -> str:
+    """``val``/``test`` loss and top-1 of a row's metrics, those that were evaluated."""
+    parts = [
+        f"{split} loss {metrics[f'{split}_loss']:.4f} top1 {metrics[f'{split}_top1']:.4f}"
+        for split in ("val", "test")
+        if math.isfinite(metrics.get(f"{split}_top1", math.nan))
+    ]
+    return ", ".join(parts) or "not evaluated"
+
+
 def best_row(rows: list[RoundRow], *, initial: RoundRow | None = None) -> RoundRow | None:
     """The row selection keeps when the rows arrive in order (on validation), the starting
     point ``initial`` first."""
@@ -76,6 +87,9 @@ class Recorder:
     initial: RoundRow | None = None
     #: What every checkpoint also records (a corpus's digest, a mixture of experts' layout).
     extra: dict[str, Any] = field(default_factory=dict)
+    #: The trainable state of :attr:`best` when it was recorded in this process (for its test
+    #: metrics at the end, :meth:`test_at_end`).
+    best_state: dict[str, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
     def checkpoints(self) -> Path:
@@ -106,6 +120,7 @@ class Recorder:
             self.best = row
         log.info("%s | starting point", round_line(row, unit=self.unit))
         if better:
+            self.best_state = state
             save_checkpoint(self.checkpoints / "best", self.checkpoint(state, row, epsilon=epsilon))
 
     def record(
@@ -123,7 +138,53 @@ class Recorder:
         if self.round_checkpoints:
             save_checkpoint(self.checkpoints / f"round-{row.round:03d}", checkpoint)
         if better:
+            self.best_state = state
             save_checkpoint(self.checkpoints / "best", checkpoint)
+
+    def resume(self, history: list[RoundRow], initial: dict[str, float]) -> None:
+        """Go on after ``history`` (rows read back), whose starting point had ``initial``."""
+        self.history = history
+        start = RoundRow(round=0, epochs=0, metrics=initial, seconds=0.0) if initial else None
+        self.initial = start
+        self.best = best_row(history, initial=start)
+
+    def test_at_end(
+        self,
+        test: Callable[[dict[str, torch.Tensor]], dict[str, float]],
+        final_state: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """The test metrics of the state selected on validation and of the final state
+        (``final_state``, else its round's checkpoint), for rows not tested in their round,
+        written into their rows and checkpoints."""
+        if not self.history:
+            return
+        best, final = self.best, self.history[-1]
+        tested: dict[int, dict[str, float]] = {}
+        for row in [best, final] if final is not best else [final]:
+            if row is None or math.isfinite(row.metrics.get("test_top1", math.nan)):
+                continue  # tested in its round
+            state = final_state if row is final and final_state is not None else self.state_of(row)
+            if row.round not in tested:
+                tested[row.round] = test(state)
+            row.metrics.update(tested[row.round])
+            what = "selected on validation" if row is best else "final"
+            log.info("%s %3d (%s) | %s", self.unit, row.round, what, brief(row.metrics))
+            checkpoint = self.checkpoint(state, row, epsilon=row.epsilon)
+            if row is best:
+                save_checkpoint(self.checkpoints / "best", checkpoint)
+            if self.round_checkpoints:
+                save_checkpoint(self.checkpoints / f"round-{row.round:03d}", checkpoint)
+
+    def state_of(self, row: RoundRow) -> dict[str, torch.Tensor]:
+        """The trainable state of a recorded row: in memory, else from its checkpoint."""
+        best = row is self.best
+        if best and self.best_state is not None:
+            return self.best_state
+        if self.round_checkpoints:
+            return load_checkpoint(self.checkpoints / f"round-{row.round:03d}").state
+        if best:
+            return load_checkpoint(self.checkpoints / "best").state
+        raise RuntimeError(f"round {row.round}: its state was not kept (no round checkpoints)")
 
     def checkpoint(
         self,

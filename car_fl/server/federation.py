@@ -173,14 +173,7 @@ def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
 
     # Final results: what is still evaluated, the test split for the selected and final state
     final_state = from_record(result.arrays or initial)
-    recorder.finish(final_state)
-    recorder.recorder.save_final(
-        final_state,
-        round=settings.fl.rounds,
-        epsilon=recorder.last_epsilon,
-    )
-    recorder.write(final=True)
-    summary = recorder.summary(final=True)
+    summary = recorder.close(final_state, round=settings.fl.rounds)
     if len(summary.skipped_rounds or []) == settings.fl.rounds:
         raise RuntimeError(
             f"every round failed: no client sent a valid update in {settings.fl.rounds} rounds: "

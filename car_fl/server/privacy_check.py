@@ -23,19 +23,24 @@ too: it counts releases the server never received (a lost reply) or is wrong.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from car_fl.privacy.accountant import Accountant
-from car_fl.server.round_stats import EXAMPLES_BOUND
+from car_fl.results.rows import ClientDP, ClientRow, RunSummary, wire_key
+from car_fl.server.round_stats import EXAMPLES_BOUND, RoundStats
 from car_fl.settings.dp_plan import (
     accounted_examples,
     dp_active,
     per_step,
+    record_plan,
     round_release,
 )
-from car_fl.settings.schema import Settings
+from car_fl.settings.schema import DPMode, Settings
+
+log = logging.getLogger(__name__)
 
 #: A claim agrees when |claimed − server| ≤ RELATIVE · server + ABSOLUTE.
 RELATIVE = 1e-3
@@ -85,6 +90,84 @@ class PrivacyCheck:
     accountants: dict[int, Accountant] = field(default_factory=dict)
     #: Nodes with a per-step release the server could not bound: their ε is ∞.
     unbounded: set[int] = field(default_factory=set)
+    #: The server's ε of each node (by node id) after its last reply; their max so far.
+    client_epsilon: dict[int, float] = field(default_factory=dict)
+    last_epsilon: float = 0.0
+    #: This round's verdicts, by node.
+    verdicts: dict[int, Verdict] = field(default_factory=dict)
+    #: Nodes whose ε claim differed from the server's figure in some round.
+    flagged: set[int] = field(default_factory=set)
+    #: Record-level DP (dp=record): each client's σ, q, steps and ε, by partition id, as the
+    #: server computes them; and which node's row each partition id's key holds (the first).
+    client_dp: dict[int, ClientDP] = field(default_factory=dict)
+    dp_owner: dict[int, int] = field(default_factory=dict)
+
+    def round(self, stats: RoundStats) -> float:
+        """Account for a round's replies; the max over nodes of the server's ε (nodes that did
+        not reply keep theirs).
+
+        Every well-formed reply counts, also one the update-norm bound rejected: the server saw
+        its update (a rejection must not leave an honest client flagged later for claiming the
+        release it made). Each reply's claim is checked against the server's figure
+        (:attr:`verdicts`); a node whose claim differs is flagged and logged, and its claim is
+        used nowhere.
+        """
+        self.verdicts = {}
+        for node, metrics in sorted(stats.released.items()):  # rejected replies too: seen
+            verdict = self.receive(stats.round, node, metrics)
+            self.verdicts[node] = verdict
+            if verdict.mismatch:
+                self.flagged.add(node)
+                log.warning(
+                    "round %d: node %d's privacy claim is flagged: %s (the report uses the "
+                    "server's ε %.4g)",
+                    stats.round,
+                    node,
+                    verdict.mismatch,
+                    verdict.epsilon,
+                )
+            claimed = metrics.get(wire_key("partition_id"), float(node))
+            self.keep(node, verdict, place=int(claimed) if math.isfinite(claimed) else node)
+        self.last_epsilon = max(self.client_epsilon.values(), default=0.0)
+        return self.last_epsilon
+
+    def keep(self, node: int, verdict: Verdict, *, place: int) -> None:
+        """``node``'s ε after a reply and, under ``dp=record``, its row (by the partition id
+        it claims, unless another node claimed it first: then by its node id, so a node
+        cannot overwrite another's row by claiming its partition)."""
+        self.client_epsilon[node] = verdict.epsilon
+        if self.settings.dp.mode is not DPMode.RECORD:
+            return
+        owner = self.dp_owner.setdefault(place, node)
+        plan = record_plan(self.settings)
+        accountant = self.accountants.get(node)
+        self.client_dp[place if owner == node else node] = ClientDP(
+            noise_multiplier=plan.noise_multiplier,
+            sample_rate=plan.sample_rate,
+            steps=float(len(accountant) if accountant is not None else 0),
+            epsilon=verdict.epsilon,
+        )
+
+    def resume(self, client_rows: list[ClientRow], *, done: int, epsilon: float) -> None:
+        """The releases the server saw before a resume (rounds up to ``done``, read back from
+        ``clients.csv``) count in its ε after it too; ``epsilon``: the run's ε so far."""
+        self.flagged = {row.node for row in client_rows if row.claim_mismatch}
+        for row in client_rows:
+            if row.round > done or row.server_epsilon is None or row.num_examples is None:
+                continue  # not a release the server saw (or a file from before the check)
+            # clients.csv keeps no bound: a per-step run resumes with fl.max_examples_per_client
+            # as the bound, or ε = ∞ without it (never the node's claim)
+            seen = {wire_key("num_examples"): float(row.num_examples)}
+            verdict = self.receive(row.round, row.node, seen)
+            place = row.partition_id if row.partition_id is not None else row.node
+            self.keep(row.node, verdict, place=int(place))
+        self.last_epsilon = epsilon
+
+    def summarise(self, summary: RunSummary) -> None:
+        """The run summary's privacy figures: the server's ε, the flagged nodes, DP rows."""
+        summary.epsilon = self.last_epsilon
+        summary.flagged_clients = sorted(self.flagged)
+        summary.dp_clients = dict(self.client_dp)
 
     def epsilon(self, node: int) -> float:
         """The server's ε (at ``dp.delta``) of every release received from ``node`` so far."""
@@ -130,3 +213,34 @@ class PrivacyCheck:
             "dp.granularity=step and the server has no bound on this node's n (set "
             "fl.max_examples_per_client): ε = ∞, the figure would rest on the node's claim"
         )
+
+
+def client_rows_of(
+    stats: RoundStats, verdicts: dict[int, Verdict] | None = None
+) -> list[ClientRow]:
+    """One row per client the round involved, in node order, with the server's ε verdicts."""
+    verdicts = verdicts or {}
+    rows = []
+    nodes = sorted({*stats.bytes_sent, *stats.client_metrics, *stats.rejected, *stats.failed})
+    for node in nodes:
+        # a reply the norm bound rejected keeps its metrics: its n is part of the server's ε
+        metrics = stats.client_metrics.get(node) or stats.released.get(node, {})
+        if node in stats.client_metrics:
+            status = "ok"
+        else:
+            status = "rejected" if node in stats.rejected else "failed"
+        rows.append(
+            ClientRow(
+                round=stats.round,
+                node=node,
+                status=status,
+                reason=stats.rejected.get(node) or stats.failed.get(node) or "",
+                bytes_sent=stats.bytes_sent.get(node, 0),
+                bytes_received=stats.bytes_received.get(node, 0),
+                update_norm=stats.update_norms.get(node),
+                **{name: metrics.get(wire_key(name)) for name in ClientRow.FROM_WIRE},
+                server_epsilon=verdicts[node].epsilon if node in verdicts else None,
+                claim_mismatch=verdicts[node].mismatch if node in verdicts else "",
+            )
+        )
+    return rows

@@ -251,8 +251,8 @@ def test_the_strategy_hands_its_round_statistics_to_the_recorder(
         describe=federated_summary,
     )
     again.resume(point.history, point.client_rows, point.initial, done=point.round)
-    assert again.recorder.best == history[0] and again.last_epsilon == one
-    assert again.flagged == {12}
+    assert again.recorder.best == history[0] and again.privacy.last_epsilon == one
+    assert again.privacy.flagged == {12}
     assert json.loads((tmp_path / "metrics.json").read_text())["summary"]["epsilon"] == one
 
 
@@ -285,7 +285,7 @@ def test_a_hostile_clients_metrics_cannot_end_the_run_or_poison_epsilon(
     row = rounds.recorder.history[-1]
     assert row.clients_ok == 2
     assert row.epsilon == 0.0  # the server's figure under dp=none; no claim takes over
-    assert rounds.verdicts[11].mismatch == ""
+    assert rounds.privacy.verdicts[11].mismatch == ""
     dp = MetricsFile.read(tmp_path).summary.dp_clients or {}
     assert all(math.isfinite(float(key)) for key in dp)
 

@@ -21,7 +21,7 @@ from car_fl.results.rows import (
     RunSummary,
     wire_key,
 )
-from car_fl.server.round_recorder import client_rows_of
+from car_fl.server.privacy_check import client_rows_of
 from car_fl.server.round_stats import RoundStats
 from car_fl.settings.schema import Mode
 

@@ -204,7 +204,7 @@ def test_a_client_claiming_dp_in_a_run_without_dp_is_flagged(tmp_path: Path) -> 
     play_round(strategy, rounds, 1, {10: forged, 11: honest})
     row = rounds.recorder.history[-1]
     assert row.epsilon == 0.0 and row.dp_active == 0 and row.claims_flagged == 1
-    assert "dp-active=1" in rounds.verdicts[10].mismatch
+    assert "dp-active=1" in rounds.privacy.verdicts[10].mismatch
     assert rounds.summary(final=False).flagged_clients == [10]
 
 
@@ -254,7 +254,7 @@ def test_a_reply_the_norm_bound_rejects_still_counts_in_the_servers_epsilon(
     delta = settings.dp.delta
     assert rows[(1, 10)].server_epsilon == pytest.approx(rdp_epsilon({0.5: 1}, delta))
     assert rows[(2, 10)].server_epsilon == pytest.approx(rdp_epsilon({0.5: 2}, delta))
-    assert rows[(2, 10)].claim_mismatch == "" and rounds.flagged == set()
+    assert rows[(2, 10)].claim_mismatch == "" and rounds.privacy.flagged == set()
 
 
 def test_after_a_resume_the_servers_epsilon_counts_the_releases_before_it(tmp_path: Path) -> None:
