@@ -13,18 +13,21 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from car_fl.common.io import atomic_write_text
-from car_fl.data.splits import load_splits
+from car_fl.data.splits import DataSplits, load_splits
 from car_fl.method.evaluation import HeldOut, LazyRetriever
 from car_fl.method.feature_cache import FeatureCache
-from car_fl.method.features import prepare_data, prepare_for
+from car_fl.method.features import LocalData, prepare_data, prepare_for
 from car_fl.method.model import CaRRetriever, build_retriever
 from car_fl.method.serving import checkpoint_extra
 from car_fl.method.sources import check_sources
-from car_fl.method.train import make_optimizer, train_epoch
+from car_fl.method.train import EpochResult, make_optimizer, train_epoch
 from car_fl.results.plots import data_label
 from car_fl.results.recorder import Recorder
 from car_fl.results.rows import RoundRow, RunSummary
@@ -42,18 +45,65 @@ def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any
     """
     check_no_dp(settings)
     check_sources(settings)  # seconds, not a minute of Hub retries, when offline
+    out = write_config(settings, output_dir)
+    start = time.perf_counter()
+    run = prepare(settings)
+    recorder = Recorder(
+        settings=settings,
+        output_dir=out,
+        label_map=run.splits.label_map,
+        unit="epoch",
+        title=f"centralised, {data_label(settings.dataset)}",
+        extra=checkpoint_extra(settings, run.splits.label_map.names, run.model),
+    )
+    initial = train(settings, run, recorder)
+    recorder.save_final(run.model.trainable_state_dict())
+    summary = summarise(settings, run, recorder, initial, seconds=time.perf_counter() - start)
+    recorder.write(summary)
+    final, best = summary.final, summary.best
+    assert final is not None and best is not None
+    log.info(
+        "final test top1 %.4f; best on validation after epoch %d: test top1 %.4f (starting "
+        "point: val top1 %s, test top1 %.4f); results in %s",
+        final.metrics["test_top1"],
+        best.round,
+        best.metrics["test_top1"],
+        f"{initial.metrics['val_top1']:.4f}" if "val_top1" in initial.metrics else "-",
+        initial.metrics["test_top1"],
+        out,
+    )
+    return summary.to_dict()
+
+
+def write_config(settings: Settings, output_dir: str | Path) -> Path:
+    """The run's folder, with its resolved ``config.yaml`` (also logged)."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     config_yaml = settings_to_yaml(settings)
     log.info("resolved configuration:\n%s", config_yaml)
     atomic_write_text(out / "config.yaml", config_yaml)
+    return out
 
-    # Data and model: the encoder is loaded only if a feature is not cached. MIPS scores
-    # held-out queries against documents: it encodes no training query.
+
+@dataclass
+class Prepared:
+    """What a centralised run trains and evaluates: splits, model, training data, held out."""
+
+    splits: DataSplits
+    model: CaRRetriever
+    #: The training split's features or token ids (``None``: MIPS on the frozen encoder).
+    train_data: LocalData | None
+    held_out: HeldOut
+    feature_seconds: float
+
+
+def prepare(settings: Settings) -> Prepared:
+    """The splits, their features (the encoder is loaded only if one is not cached; MIPS
+    scores held-out queries against documents and encodes no training query), the model (with
+    kNN's memory, and the probed head of ``train.probe_epochs``)."""
     splits = load_splits(settings.dataset, seed=settings.seed)
-    names = splits.label_map.names
+    start = time.perf_counter()  # the features' time: reading the data is not in it
     lazy = LazyRetriever(settings, splits)
-    start = time.perf_counter()
     frozen_mips = trains_nothing(settings) and settings.head.kind is HeadKind.MIPS
     train_data = (
         None
@@ -72,58 +122,42 @@ def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any
     else:  # every feature was cached: the same head (same seed), no encoder
         features = (train_data or held_out.test).features
         assert features is not None
-        hidden = int(features.shape[1])
-        model = build_retriever(settings, len(names), hidden_size=hidden, documents=lazy.documents)
+        size = int(features.shape[1])
+        labels = len(splits.label_map)
+        model = build_retriever(settings, labels, hidden_size=size, documents=lazy.documents)
     if model.kind is HeadKind.KNN:
         assert train_data is not None and train_data.features is not None
         model.set_memory(train_data.features, train_data.labels)
     if settings.train.probe_epochs and model.mode is Mode.ADAPTER_CLASSIFIER:
         probe_head(settings, model, splits.train["text"], splits.train["label"])
-    feature_seconds = time.perf_counter() - start
-    recorder = Recorder(
-        settings=settings,
-        output_dir=out,
-        label_map=splits.label_map,
-        unit="epoch",
-        title=f"centralised, {data_label(settings.dataset)}",
-        extra=checkpoint_extra(settings, names, model),
-    )
+    return Prepared(splits, model, train_data, held_out, time.perf_counter() - start)
 
-    # Epochs (none for MIPS on the frozen encoder and kNN: one evaluation). The starting
-    # point is evaluated first and is a candidate for best: selection never keeps a trained
-    # head worse on validation than the one it started from.
+
+def train(settings: Settings, run: Prepared, recorder: Recorder) -> RoundRow:
+    """The starting point (evaluated first, a candidate for best: selection never keeps a
+    trained head worse on validation than the one it started from), then the epochs, until
+    ``train.patience`` epochs pass without a better one; none for MIPS on the frozen encoder
+    and kNN (one evaluation). Returns the starting point's row."""
+    model, held_out = run.model, run.held_out
     epochs = 0 if trains_nothing(settings) else settings.train.epochs
     tick = time.perf_counter()
-    start_row = RoundRow(
-        round=0,
-        epochs=0,
-        metrics=held_out.evaluate(model, settings),
-        seconds=time.perf_counter() - tick,
-    )
+    metrics = held_out.evaluate(model, settings)
+    start = RoundRow(round=0, epochs=0, metrics=metrics, seconds=time.perf_counter() - tick)
     if epochs == 0:  # the starting point is the run's only row, its best and final
-        recorder.record(start_row, model.trainable_state_dict())
+        recorder.record(start, model.trainable_state_dict())
         log.info(
             "%s (nothing to train): test top1 %.4f mrr %.4f",
             model.kind.value,
-            start_row.metrics["test_top1"],
-            start_row.metrics["test_mrr"],
+            metrics["test_top1"],
+            metrics["test_mrr"],
         )
-    else:
-        recorder.start(start_row, model.trainable_state_dict())
-        optimizer = make_optimizer(model, settings.train)
+        return start
+    recorder.start(start, model.trainable_state_dict())
+    optimizer = make_optimizer(model, settings.train)
+    assert run.train_data is not None
     for epoch in range(epochs):
-        assert train_data is not None
         tick = time.perf_counter()
-        result = train_epoch(
-            model,
-            train_data,
-            optimizer,
-            batch_size=settings.train.batch_size,
-            seed=settings.seed,
-            epoch=epoch,
-            progress=settings.progress,
-            desc=f"epoch {epoch + 1}",
-        )
+        result = one_epoch(settings, model, run.train_data, optimizer, epoch, desc="epoch")
         row = RoundRow(
             round=epoch + 1,
             epochs=epoch + 1,
@@ -142,39 +176,55 @@ def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any
                 recorder.best.round if recorder.best else 0,
             )
             break
+    return start
 
+
+def one_epoch(
+    settings: Settings,
+    model: CaRRetriever,
+    data: LocalData,
+    optimizer: torch.optim.Optimizer,
+    epoch: int,
+    *,
+    desc: str,
+) -> EpochResult:
+    """One epoch of ``data`` with the run's batch size, seed and progress bar (the probe's
+    and the main loop's)."""
+    return train_epoch(
+        model,
+        data,
+        optimizer,
+        batch_size=settings.train.batch_size,
+        seed=settings.seed,
+        epoch=epoch,
+        progress=settings.progress,
+        desc=f"{desc} {epoch + 1}",
+    )
+
+
+def summarise(
+    settings: Settings, run: Prepared, recorder: Recorder, initial: RoundRow, *, seconds: float
+) -> RunSummary:
+    """The run's summary: its rows' final and best, sizes, times, selection, data."""
     final, best = recorder.history[-1], recorder.best
     assert best is not None
-    recorder.save_final(model.trainable_state_dict())
-    summary = RunSummary(
+    return RunSummary(
         kind="centralized",
         clients=1,
         mode=settings.train.mode,
         head=settings.head.kind,
         epochs=final.epochs,
-        num_labels=len(names),
-        initial=start_row.metrics,
+        num_labels=len(run.splits.label_map),
+        initial=initial.metrics,
         final=final,
         best=best,
-        feature_seconds=feature_seconds,
-        total_seconds=time.perf_counter() - start,
-        train_examples=len(splits.train),
-        test_examples=len(held_out.test),
-        selection=held_out.selection,
-        data=splits.stats,
+        feature_seconds=run.feature_seconds,
+        total_seconds=seconds,
+        train_examples=len(run.splits.train),
+        test_examples=len(run.held_out.test),
+        selection=run.held_out.selection,
+        data=run.splits.stats,
     )
-    recorder.write(summary)
-    log.info(
-        "final test top1 %.4f; best on validation after epoch %d: test top1 %.4f (starting "
-        "point: val top1 %s, test top1 %.4f); results in %s",
-        final.metrics["test_top1"],
-        best.round,
-        best.metrics["test_top1"],
-        f"{start_row.metrics['val_top1']:.4f}" if "val_top1" in start_row.metrics else "-",
-        start_row.metrics["test_top1"],
-        out,
-    )
-    return summary.to_dict()
 
 
 def probe_head(
@@ -197,16 +247,7 @@ def probe_head(
     )
     optimizer = make_optimizer(model, settings.train)
     for epoch in range(settings.train.probe_epochs):
-        result = train_epoch(
-            model,
-            data,
-            optimizer,
-            batch_size=settings.train.batch_size,
-            seed=settings.seed,
-            epoch=epoch,
-            progress=settings.progress,
-            desc=f"probe {epoch + 1}",
-        )
+        result = one_epoch(settings, model, data, optimizer, epoch, desc="probe")
     log.info(
         "probed the head for %d epochs on frozen features (train loss %.4f)",
         settings.train.probe_epochs,
