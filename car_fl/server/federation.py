@@ -31,9 +31,9 @@ from car_fl.results.rows import RunSummary
 from car_fl.server.aggregation import build_strategy
 from car_fl.server.evaluation import ServerEvaluator
 from car_fl.server.failure_summary import failure_summary
-from car_fl.server.resume import load_resume_point
+from car_fl.server.resume import ResumePoint, load_resume_point
 from car_fl.server.round_recorder import RoundRecorder
-from car_fl.server.strategy import spec_of
+from car_fl.server.strategy import GuardedStrategy, spec_of
 from car_fl.settings.compose import settings_to_yaml
 from car_fl.settings.flower import fingerprint
 from car_fl.settings.schema import Settings, trains_nothing
@@ -98,22 +98,8 @@ def default_output_dir(settings: Settings) -> Path:
 
 def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
     """The whole federated run on the server side; returns the summary."""
-    resume_dir = Path(settings.resume).resolve() if settings.resume else None
-    output_dir = resume_dir or Path(settings.output_dir or default_output_dir(settings)).resolve()
-    output_dir.mkdir(parents=True, exist_ok=True)
-    config_yaml = settings_to_yaml(settings)
-    log.info("resolved configuration (fingerprint %s):\n%s", fingerprint(settings), config_yaml)
-    point = load_resume_point(resume_dir, settings) if resume_dir is not None else None
-    atomic_write_text(output_dir / "config.yaml", config_yaml)
-    log.info("results: %s", output_dir)
-
-    # Local paths, nodes, test data, initial global model
-    if trains_nothing(settings):
-        raise ValueError(
-            f"head.kind={settings.head.kind} with train.mode={settings.train.mode} has nothing "
-            "to train, so there is nothing to federate; evaluate it centrally "
-            "(car-fl train ...) or train the adapter with mode=adapter (MIPS)"
-        )
+    check_trainable(settings)
+    output_dir, point = open_output(settings)
     check_sources(settings, where="on the server")  # the server evaluates: data and encoder
     wait_for_nodes(
         grid,
@@ -127,7 +113,59 @@ def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
     strategy = build_strategy(
         settings, spec=spec_of(initial), shard_sizes=evaluator.shard_sizes, layout=layout
     )
-    recorder = RoundRecorder(
+    recorder = round_recorder(settings, evaluator, output_dir)
+    strategy.on_round = recorder.receive  # the strategy hands each round's statistics over
+    done = 0
+    if point is not None:  # continue after the last complete round
+        done, initial = point.round, point.arrays
+        recorder.resume(point.history, point.client_rows, point.initial, done=done)
+        strategy.round_offset = done
+        log.info("resuming %s after round %d of %d", output_dir, done, settings.fl.rounds)
+    result = strategy.start(
+        grid=grid,
+        initial_arrays=initial,
+        num_rounds=settings.fl.rounds - done,
+        timeout=settings.fl.round_timeout,
+        train_config=train_config(settings, evaluator, layout),
+        evaluate_fn=recorder,
+    )
+    # what is still evaluated, the test split for the selected and final state, the files
+    summary = recorder.close(from_record(result.arrays or initial), round=settings.fl.rounds)
+    check_outcome(settings, summary, strategy, output_dir)
+    return summary.to_dict()
+
+
+def check_trainable(settings: Settings) -> None:
+    """Refuse a run with nothing to train (MIPS on the frozen encoder, kNN), before any work."""
+    if trains_nothing(settings):
+        raise ValueError(
+            f"head.kind={settings.head.kind} with train.mode={settings.train.mode} has nothing "
+            "to train, so there is nothing to federate; evaluate it centrally "
+            "(car-fl train ...) or train the adapter with mode=adapter (MIPS)"
+        )
+
+
+def open_output(settings: Settings) -> tuple[Path, ResumePoint | None]:
+    """The run's folder (the resumed run's, or a new one) with its ``config.yaml``, and the
+    point to resume from (``None``: a new run)."""
+    resume_dir = Path(settings.resume).resolve() if settings.resume else None
+    output_dir = resume_dir or Path(settings.output_dir or default_output_dir(settings)).resolve()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    config_yaml = settings_to_yaml(settings)
+    log.info("resolved configuration (fingerprint %s):\n%s", fingerprint(settings), config_yaml)
+    point = load_resume_point(resume_dir, settings) if resume_dir is not None else None
+    atomic_write_text(output_dir / "config.yaml", config_yaml)
+    log.info("results: %s", output_dir)
+    return output_dir, point
+
+
+def round_recorder(
+    settings: Settings, evaluator: ServerEvaluator, output_dir: Path
+) -> RoundRecorder:
+    """The run's ``evaluate_fn``: its recorder (a checkpoint per round), the server's
+    evaluation; in adapter mode by default the test split once at the end and each round's
+    evaluation in the background while the next round trains (docs/performance.md)."""
+    return RoundRecorder(
         Recorder(
             settings=settings,
             output_dir=output_dir,
@@ -139,41 +177,30 @@ def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
         ),
         evaluate=evaluator,
         describe=lambda: describe(settings, evaluator),
-        # adapter mode by default: test once at the end, each round's evaluation in the
-        # background while the next round trains (docs/performance.md)
         test=None if evaluator.tests_every_round else evaluator.test,
         background=evaluator.plan.background,
     )
-    strategy.on_round = recorder.receive  # the strategy hands each round's statistics over
-    done = 0
-    if point is not None:  # continue after the last complete round
-        done = point.round
-        initial = point.arrays
-        recorder.resume(point.history, point.client_rows, point.initial, done=done)
-        strategy.round_offset = done
-        log.info("resuming %s after round %d of %d", output_dir, done, settings.fl.rounds)
 
-    # Rounds
-    result = strategy.start(
-        grid=grid,
-        initial_arrays=initial,
-        num_rounds=settings.fl.rounds - done,
-        timeout=settings.fl.round_timeout,
-        # Clients check the configuration and encode their labels with the global label map.
-        train_config=ConfigRecord(
-            {
-                "fingerprint": fingerprint(settings),
-                "labels": evaluator.label_map.to_list(),
-                # a mixture of experts: the server's clustering of the documents
-                **({LAYOUT_KEY: layout} if layout is not None else {}),
-            }
-        ),
-        evaluate_fn=recorder,
+
+def train_config(
+    settings: Settings, evaluator: ServerEvaluator, layout: str | None
+) -> ConfigRecord:
+    """What every train message carries: the configuration's fingerprint (a node checks it),
+    the global label map (a node encodes its labels with it), a mixture of experts' layout."""
+    return ConfigRecord(
+        {
+            "fingerprint": fingerprint(settings),
+            "labels": evaluator.label_map.to_list(),
+            **({LAYOUT_KEY: layout} if layout is not None else {}),
+        }
     )
 
-    # Final results: what is still evaluated, the test split for the selected and final state
-    final_state = from_record(result.arrays or initial)
-    summary = recorder.close(final_state, round=settings.fl.rounds)
+
+def check_outcome(
+    settings: Settings, summary: RunSummary, strategy: GuardedStrategy, output_dir: Path
+) -> None:
+    """Fail a run in which every round failed (naming why, per failure code); else log its
+    last line."""
     if len(summary.skipped_rounds or []) == settings.fl.rounds:
         raise RuntimeError(
             f"every round failed: no client sent a valid update in {settings.fl.rounds} rounds: "
@@ -189,7 +216,6 @@ def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
         starting_point(summary.initial),
         output_dir,
     )
-    return summary.to_dict()
 
 
 def starting_point(initial: Mapping[str, float] | None) -> str:
