@@ -31,7 +31,6 @@ from car_fl.privacy.adaptive import (
     geometric_clip,
     linear_clip,
     smoothed_norm,
-    update_noise_multiplier,
 )
 from car_fl.privacy.mechanism import (
     Part,
@@ -44,9 +43,12 @@ from car_fl.privacy.mechanism import (
 )
 from car_fl.privacy.noise import gaussian_like
 from car_fl.settings.dp_plan import (
+    active,
+    fixed_noise_std,
     local_release,
     non_private_reason,
     sigma_b,
+    update_multiplier,
 )
 from car_fl.settings.flower import NodeInfo
 from car_fl.settings.schema import AdaptiveRule, DPConfig, DPMode, NoiseRule, Settings
@@ -123,6 +125,7 @@ class ClientPrivacy:
         max_clip: float = math.inf,
     ) -> None:
         self.cfg = cfg
+        self.num_clients = num_clients
         self.mode = cfg.mode
         self.client = client
         # A stored bound is re-validated against this run and the policy before any use: a
@@ -135,11 +138,7 @@ class ClientPrivacy:
         self.max_clip = max_clip
         self.rule = cfg.adaptive_rule
         self.sigma_b = sigma_b(cfg, num_clients)
-        self.z_delta = (
-            update_noise_multiplier(cfg.noise_multiplier, self.sigma_b)
-            if self.mode is DPMode.ADAPTIVE
-            else None
-        )
+        self.z_delta = update_multiplier(cfg, num_clients) if self.mode is DPMode.ADAPTIVE else None
         #: One release as every party accounts it (the server steps its own accountant with
         #: the same :func:`~car_fl.settings.dp_plan.local_release`).
         self.unit = local_release(cfg, num_clients)
@@ -155,15 +154,14 @@ class ClientPrivacy:
 
     def active(self, server_round: int) -> bool:
         """DP is on, and the warm-up rounds are over."""
-        return self.mode is not DPMode.NONE and server_round > self.cfg.warmup_rounds
+        return active(self.cfg, server_round)
 
     def noise_std(self, norm: float) -> float:
         """Standard deviation of this release's noise, with the current bound."""
-        if self.cfg.noise_multiplier == 0:  # also with C = ∞, where 0·C would be NaN
-            return 0.0
         if self.mode is DPMode.FIXED:
-            return self.cfg.noise_multiplier * self.cfg.clip
-        assert self.z_delta is not None
+            return fixed_noise_std(self.cfg)
+        if not self.z_delta:  # z = 0 gives z_Δ = 0; also with C = ∞, where 0·C would be NaN
+            return 0.0
         if self.cfg.noise_rule is NoiseRule.BOUND:
             return bound_noise_std(
                 self.z_delta,
@@ -259,7 +257,7 @@ class ClientPrivacy:
         the budget (all of it for an adapter sent alone), times its bound (the head's std
         from :meth:`noise_std`, which the adaptive noise rules set), so that Σ z_g⁻² = z⁻²:
         the ε of one joint release."""
-        z = self.cfg.noise_multiplier if self.mode is DPMode.FIXED else (self.z_delta or 0.0)
+        z = update_multiplier(self.cfg, self.num_clients)
         adapter, *head = parts
         if not head:
             return [Part(adapter.names, adapter.bound, z * adapter.bound)]

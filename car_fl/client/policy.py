@@ -42,7 +42,12 @@ from typing import Any
 
 from car_fl.client.node_reading import NodeReading, ReadingError
 from car_fl.privacy.record_accounting import steps_per_epoch
-from car_fl.settings.dp_plan import local_steps, non_private_reason, per_step, record_plan
+from car_fl.settings.dp_plan import (
+    local_steps,
+    noise_floor_multiplier,
+    non_private_reason,
+    per_step,
+)
 from car_fl.settings.schema import DPMode, Settings
 
 #: The ledger folder when the policy names none (relative to the policy file).
@@ -183,9 +188,7 @@ class NodePolicy:
         reason = non_private_reason(dp)
         if reason is not None and not self.accepts_non_private:
             found.append(f"{reason}: not private, and 'none' is not an accepted mode")
-        sigma = record_plan(settings).noise_multiplier if dp.mode is DPMode.RECORD else None
-        if sigma is None:
-            sigma = dp.noise_multiplier
+        sigma = noise_floor_multiplier(settings)
         if sigma < self.min_noise_multiplier:
             found.append(
                 f"noise multiplier {sigma:.4g} is below min-noise-multiplier "

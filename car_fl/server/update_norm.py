@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from car_fl.settings.dp_plan import fixed_noise_std
 from car_fl.settings.schema import (
     DPMode,
     Granularity,
@@ -94,7 +95,7 @@ class NormBound:
         value, from_round = fl.max_update_norm, 1
         if mode is NormBoundMode.DP:
             noise = gaussian_norm_quantile(
-                std=dp.noise_multiplier * dp.clip, dim=dim, tail=fl.norm_bound_tail
+                std=fixed_noise_std(dp), dim=dim, tail=fl.norm_bound_tail
             )
             value, from_round = dp.clip + noise, dp.warmup_rounds + 1
         return cls(

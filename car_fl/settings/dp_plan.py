@@ -97,18 +97,44 @@ def local_multiplier(cfg: DPConfig, num_clients: int) -> float:
     """
     if non_private_reason(cfg) is not None:
         return 0.0
-    if cfg.mode is DPMode.FIXED:
-        return cfg.noise_multiplier / 2.0
-    if cfg.mode is not DPMode.ADAPTIVE:
+    if cfg.mode is not DPMode.FIXED and cfg.mode is not DPMode.ADAPTIVE:
         raise ValueError(f"dp={cfg.mode.value} makes no local-DP release")
-    b = sigma_b(cfg, num_clients)
-    update = update_noise_multiplier(cfg.noise_multiplier, b) / 2.0
-    return combined_multiplier(update, indicator_multiplier(b))
+    update = update_multiplier(cfg, num_clients) / 2.0
+    if cfg.mode is DPMode.FIXED:
+        return update
+    return combined_multiplier(update, indicator_multiplier(sigma_b(cfg, num_clients)))
+
+
+def update_multiplier(cfg: DPConfig, num_clients: int) -> float:
+    """The noise multiplier of a local-DP update (noise std over the clipping bound): σ₀
+    (``dp=fixed``), z_Δ = (z⁻² − (2σ_b)⁻²)^(−1/2) (``dp=adaptive``, whose clipped-indicator
+    takes the rest of z's budget)."""
+    if cfg.mode is DPMode.ADAPTIVE:
+        return update_noise_multiplier(cfg.noise_multiplier, sigma_b(cfg, num_clients))
+    return cfg.noise_multiplier
+
+
+def fixed_noise_std(cfg: DPConfig) -> float:
+    """The noise std of a ``dp=fixed`` release, σ₀·C (0 without noise, also with C = ∞)."""
+    return 0.0 if cfg.noise_multiplier == 0 else cfg.noise_multiplier * cfg.clip
+
+
+def active(cfg: DPConfig, server_round: int) -> bool:
+    """Whether a release in ``server_round`` is made under DP (a mode, and not a warm-up)."""
+    return cfg.mode is not DPMode.NONE and server_round > cfg.warmup_rounds
 
 
 def dp_active(settings: Settings, server_round: int) -> bool:
     """Whether a client's release in ``server_round`` is made under DP (not a warm-up)."""
-    return settings.dp.mode is not DPMode.NONE and server_round > settings.dp.warmup_rounds
+    return active(settings.dp, server_round)
+
+
+def noise_floor_multiplier(settings: Settings) -> float:
+    """The σ a node's policy floor compares: DP-SGD's calibrated σ (``dp=record``), else the
+    run's ``dp.noise_multiplier`` (σ₀, or z)."""
+    if settings.dp.mode is DPMode.RECORD:
+        return record_plan(settings).noise_multiplier
+    return settings.dp.noise_multiplier
 
 
 def local_steps(settings: Settings, examples: int) -> int:
