@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from car_fl.privacy.accountant import epsilon, noise_multiplier_for
+from car_fl.privacy.accountant import Accountant, Release, ReleaseKind, noise_multiplier_for
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     print("| rounds | ε |")
     print("|---|---|")
     for rounds in args.rounds:
-        eps = epsilon({args.paper_sigma / 2: rounds}, args.delta)
+        release = Release(ReleaseKind.GAUSSIAN, rounds, noise_multiplier=args.paper_sigma / 2)
+        eps = Accountant([release]).get_epsilon(args.delta)
         print(f"| {rounds} | {eps:,.0f} |")
 
     dims = " | ".join(f"‖N‖/C at d = {d:,}" for d in args.dims)
