@@ -262,8 +262,9 @@ def build_scorer(
         if moe is None or layout is None:
             raise ValueError("a mixture of experts needs its settings (moe) and expert layout")
         return MixtureScorer(dim, num_labels, head, moe, layout).to(device)
+    similarity = head.similarity or Similarity.DOT  # resolved by Settings; dot standalone
     if kind is HeadKind.MIPS:
         return MIPSScorer(
-            num_labels, similarity=head.similarity, temperature=head.temperature, device=device
+            num_labels, similarity=similarity, temperature=head.temperature, device=device
         )
-    return KNNScorer(num_labels, k=head.knn_k, similarity=head.similarity, device=device)
+    return KNNScorer(num_labels, k=head.knn_k, similarity=similarity, device=device)

@@ -139,6 +139,8 @@ def to_settings(cfg: DictConfig | dict[str, Any]) -> Settings:
             raise ValueError(f"{key} is not a setting;{did_you_mean(key)}") from err
         raise ValueError(one_line(f"invalid configuration: {err}")) from err
     assert isinstance(obj, Settings)
+    if obj.head.similarity is None:  # MIPS and kNN score as the encoder was trained
+        obj.head.similarity = obj.model.similarity
     dp_plan.check(obj)
     return obj
 

@@ -10,6 +10,7 @@ from car_fl.settings.choices import (
     FeatureNorm,
     Pooling,
     Reader,
+    Similarity,
     one_of,
 )
 
@@ -110,6 +111,10 @@ class ModelConfig:
     prompt: str | None = None
     #: Per-example scaling of the pooled vector (:class:`FeatureNorm`).
     normalize: FeatureNorm = FeatureNorm.NONE
+    #: The similarity the encoder was trained for: ``cosine`` for sentence encoders whose
+    #: pipeline normalises (MiniLM), ``dot`` otherwise. MIPS and kNN use it unless
+    #: ``head.similarity`` says otherwise.
+    similarity: Similarity = Similarity.DOT
     max_length: int = 128
     #: Token limit of document texts (document heads, MIPS over a corpus); null: max_length.
     document_max_length: int | None = None
@@ -120,6 +125,7 @@ class ModelConfig:
         one_of("model.dtype", self.dtype, DTYPES)
         self.pooling = Pooling.parse("model.pooling", self.pooling)
         self.normalize = FeatureNorm.parse("model.normalize", self.normalize)
+        self.similarity = Similarity.parse("model.similarity", self.similarity)
         if self.prompt is not None and self.prompt.count("{text}") != 1:
             raise ValueError(
                 f"model.prompt={self.prompt!r} must hold {{text}} exactly once (where the text "

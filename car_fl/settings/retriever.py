@@ -34,8 +34,10 @@ class HeadConfig:
     #: dropout, linear n -> labels.
     pre_classifier_dim: int | None = None
     dropout: float = 0.0
-    #: mips / knn: dot (inner product) or cosine.
-    similarity: Similarity = Similarity.DOT
+    #: mips / knn: dot (inner product) or cosine; null: the encoder's (``model.similarity``,
+    #: set by its preset: cosine for MiniLM), filled in when the configuration is composed
+    #: (:func:`car_fl.settings.compose.to_settings`); a head built without it scores with dot.
+    similarity: Similarity | None = None
     #: MIPS training scores are divided by this.
     temperature: float = 1.0
     knn_k: int = 10
@@ -55,7 +57,8 @@ class HeadConfig:
 
     def __post_init__(self) -> None:
         self.kind = HeadKind.parse("head.kind", self.kind)
-        self.similarity = Similarity.parse("head.similarity", self.similarity)
+        if self.similarity is not None:
+            self.similarity = Similarity.parse("head.similarity", self.similarity)
         self.query_map = MapKind.parse("head.query_map", self.query_map)
         self.document_map = MapKind.parse("head.document_map", self.document_map)
         positive("head.temperature", self.temperature)

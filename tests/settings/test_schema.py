@@ -129,3 +129,19 @@ def test_every_head_and_mode_pair_is_one_approach() -> None:
     with pytest.raises(ValueError, match="no approach"):
         Approach.of(HeadKind.KNN, Mode.ADAPTER_CLASSIFIER)
     assert Settings().approach is Approach.CAR
+
+
+def test_mips_and_knn_score_as_the_encoder_was_trained_unless_told_otherwise() -> None:
+    """Issue 44, 0: MiniLM is trained for cosine; `approach=mips` with nothing else set used
+    dot (R@10 0.676 against 0.727 with cosine on 2,000 arXiv papers)."""
+    from car_fl.settings.compose import load_settings
+    from car_fl.settings.schema import Similarity
+
+    def similarity(*overrides: str) -> Similarity | None:
+        return load_settings(["dataset.path=x.tsv", *overrides]).head.similarity
+
+    assert similarity("model=minilm", "approach=mips") is Similarity.COSINE
+    assert similarity("model=minilm", "approach=knn") is Similarity.COSINE
+    assert similarity("model=minilm", "approach=mips", "head.similarity=dot") is Similarity.DOT
+    assert similarity("model=smollm2", "approach=mips") is Similarity.DOT  # a generative LM
+    assert similarity("model=smollm2", "model.similarity=cosine") is Similarity.COSINE
