@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the command imports the model code only when it runs
+    from car_fl.method.head import Hit
 
 NAME = "ask"
 HELP = "answer a question with a causal LM from a corpus checkpoint's top-K documents (RAG)"
@@ -101,17 +106,44 @@ def run(args: argparse.Namespace) -> int:
     answer = generator.answer(
         args.question, hits, max_new_tokens=args.max_new_tokens, instruction=instruction
     )
+    titles = document_titles(args.checkpoint, args.documents)
     if args.json:
         payload = {
             "question": args.question,
             "answer": answer.text,
-            "sources": [{"id": h.id, "score": h.score, "text": h.text} for h in hits],
+            "sources": [
+                {"id": h.id, "title": titles.get(h.id, ""), "score": h.score, "text": h.text}
+                for h in hits
+            ],
         }
         print(json.dumps(payload, indent=2))
     else:
-        print(answer.text)
+        print(answer.text if answer.text.strip() else "(the generator wrote no answer)")
         print()
         print("Sources:")
-        for rank, hit in enumerate(hits, 1):
-            print(f"  {rank:>2d}. {hit.id}\t{hit.score:.4f}")
+        for line in source_lines(hits, titles):
+            print(line)
     return 0
+
+
+def document_titles(checkpoint: str, documents: str | None) -> dict[str, str]:
+    """Each document's title (id → title) of a corpus checkpoint, from its documents file
+    (``documents``, else the one its settings name); empty for a checkpoint of labels."""
+    from car_fl.data.corpus import read_documents
+    from car_fl.results.checkpoint import load_checkpoint
+
+    path = documents or load_checkpoint(checkpoint).settings.dataset.documents_path
+    if not path:
+        return {}
+    return {d.id: d.title for d in read_documents(path) if d.title}
+
+
+def source_lines(hits: Sequence[Hit], titles: Mapping[str, str], *, width: int = 80) -> list[str]:
+    """One line per retrieved document, stated by car-fl itself whatever the generator wrote:
+    rank, id, score and its title (else the start of its text)."""
+    lines = []
+    for rank, hit in enumerate(hits, 1):
+        name = titles.get(hit.id) or " ".join(hit.text.split())
+        name = name if len(name) <= width else name[: width - 1] + "…"
+        lines.append(f"  {rank:>2d}. {hit.id}\t{hit.score:.4f}\t{name}")
+    return lines

@@ -108,3 +108,40 @@ def test_same_model_and_a_generator_are_refused_together(
         main([*args, "--generator", str(tiny_generator), "w5"])
     assert exit_.value.code == 2
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_ask_states_its_sources_with_their_titles_even_when_the_generator_writes_nothing(
+    corpus_checkpoint: tuple[str, str],
+    tiny_generator: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 44, 4: where an answer came from never depends on a 135M model copying a title:
+    car-fl states the retrieved documents itself, around whatever the generator writes."""
+    from car_fl.method import rag
+
+    ckpt, documents = corpus_checkpoint
+    titled = tmp_path / "documents.jsonl"  # the same documents (same digest), with titles
+    rows = [json.loads(line) for line in Path(documents).read_text().splitlines()]
+    titled.write_text("".join(json.dumps({**r, "title": f"On {r['id']}"}) + "\n" for r in rows))
+
+    def silent(self: rag.Generator, question: str, hits: list, **_: object) -> rag.Answer:
+        return rag.Answer(text="", sources=tuple(h.id for h in hits), prompt=question)
+
+    monkeypatch.setattr(rag.Generator, "answer", silent)
+    common = ["--checkpoint", ckpt, "--documents", str(titled), "--device", "cpu", "-k", "2"]
+    ask = ["ask", *common, "--generator", str(tiny_generator)]
+    assert main([*ask, "w5 w47"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "(the generator wrote no answer)" and lines[2] == "Sources:"
+    sources = lines[3:]
+    assert len(sources) == 2
+    for line in sources:
+        _rank, doc, _score, title = line.split("\t")[0].split() + line.split("\t")[1:]
+        assert title == f"On {doc}"
+    assert main([*ask, "--json", "w5 w47"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["answer"] == "" and [s["title"] for s in payload["sources"]] == [
+        f"On {s['id']}" for s in payload["sources"]
+    ]
