@@ -94,7 +94,13 @@ from car_fl.client.shard import Shard
 from car_fl.protocol.failures import Failure
 from car_fl.protocol.messages import read_train_message, train_reply
 from car_fl.settings.dp_plan import dp_active
-from car_fl.settings.flower import DATA_PATH, PRIVACY_POLICY, NodeInfo
+from car_fl.settings.flower import (
+    DATA_PATH,
+    DOCUMENTS_PATH,
+    PRIVACY_POLICY,
+    TEST_DATA_PATH,
+    NodeInfo,
+)
 from car_fl.settings.schema import Settings
 
 log = logging.getLogger(__name__)
@@ -205,7 +211,11 @@ class Node:
         guard = self.privacy
         if guard is not None:
             guard.admit(settings)  # 3. before any data is read
-            settings = guard.policy.data.apply(settings, source=guard.policy.source)  # 5's way
+            own = {
+                "test_path": self.config.get(TEST_DATA_PATH),
+                "documents_path": self.config.get(DOCUMENTS_PATH),
+            }
+            settings = guard.policy.data.apply(settings, source=guard.policy.source, paths=own)
         # 4. the ledger, before any record (when the release does not follow n)
         spent = guard is not None and guard.spend_ahead(
             settings, run=run, server_round=server_round

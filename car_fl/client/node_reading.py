@@ -104,8 +104,19 @@ class NodeReading:
             raise ReadingError(where("data") + str(err)) from None
         return reading
 
-    def apply(self, settings: Settings, *, source: object = "the privacy policy") -> Settings:
-        """``settings`` with this reading; a run's value that differs is logged and ignored."""
+    def apply(
+        self,
+        settings: Settings,
+        *,
+        source: object = "the privacy policy",
+        paths: Mapping[str, str | None] | None = None,
+    ) -> Settings:
+        """``settings`` with this reading; a run's value that differs is logged and ignored.
+
+        ``paths``: the node's own ``dataset.test_path`` and ``dataset.documents_path`` (from its
+        node config, ``None`` when it names none): a run config's would let the server cancel
+        the owner's test split, drop the records that match a file of its choice, or make a
+        corpus read fail exactly when the node holds a query of a missing document."""
         mine = _reading_fields(self)
         readers = {self.reader, settings.dataset.reader}
         ignored = [
@@ -122,7 +133,16 @@ class NodeReading:
                 source,
                 ", ".join(ignored),
             )
-        dataset = dataclasses.replace(settings.dataset, **mine)
+        for key, value in (paths or {}).items():
+            if getattr(settings.dataset, key) not in (None, "", value):
+                log.warning(
+                    "the run's dataset.%s=%s is ignored: on a node with a privacy policy only "
+                    "its node config names it",
+                    key,
+                    getattr(settings.dataset, key),
+                )
+        own: dict[str, Any] = {key: value or None for key, value in (paths or {}).items()}
+        dataset = dataclasses.replace(settings.dataset, **mine, **own)
         return dataclasses.replace(settings, dataset=dataset, seed=self.seed)
 
 

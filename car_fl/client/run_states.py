@@ -54,14 +54,6 @@ def copy_of(state: RecordDict) -> RecordDict:
     return decode_content(encode_content(state))
 
 
-def replace_contents(target: RecordDict, source: RecordDict) -> None:
-    """Make ``target`` (Flower's ``context.state``) hold exactly ``source``'s records."""
-    for key in list(target.keys()):
-        del target[key]
-    for key, record in source.items():
-        target[key] = record
-
-
 class RunStore(Protocol):
     """Where a node keeps its runs' states: :meth:`get` a copy, :meth:`keep` after success."""
 
@@ -71,19 +63,34 @@ class RunStore(Protocol):
 
 
 class ContextState:
-    """One run's state in Flower's ``context.state`` (a node without a worker): the
-    SuperNode keeps it per run and node, and a ClientApp process lives for one message."""
+    """Each run's state in Flower's ``context.state`` (a node without a worker), under its
+    run id's key prefix (``run-<id>/``): Flower 1.39 keeps ``context.state`` per run series,
+    not per run, so a new run of a series must not inherit the last one's accountant (nor be
+    refused for its mechanism). A ClientApp process lives for one message."""
 
     def __init__(self, state: RecordDict) -> None:
         self.state = state
 
+    @staticmethod
+    def prefix(run: str) -> str:
+        return f"run-{run_key(run)}/"
+
     def get(self, run: str) -> RecordDict:
-        """A copy of the run's state."""
-        return copy_of(self.state)
+        """A copy of the run's state (empty for a run never seen)."""
+        prefix = self.prefix(run)
+        mine = RecordDict(
+            {k[len(prefix) :]: v for k, v in self.state.items() if k.startswith(prefix)}
+        )
+        return copy_of(mine)
 
     def keep(self, run: str, state: RecordDict) -> None:
-        """Write ``state`` back into ``context.state`` (a round that succeeded)."""
-        replace_contents(self.state, state)
+        """Write the run's ``state`` back into ``context.state`` (a round that succeeded);
+        other runs' records stay as they were."""
+        prefix = self.prefix(run)
+        for key in [k for k in self.state if k.startswith(prefix)]:
+            del self.state[key]
+        for key, record in copy_of(state).items():
+            self.state[prefix + key] = record
 
 
 class RunStates:

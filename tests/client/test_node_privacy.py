@@ -302,7 +302,9 @@ def reading_probes(data: Path) -> list[tuple[str, ...]]:
         for label in (first, "not-" + first)
     )
     filters = (f"dataset.min_examples_per_label={m}" for m in (1, 61, 1_000_000))
-    return [*guess, *((f,) for f in filters), ("dataset.dedupe=false", "seed=3")]
+    # a test file of the server's choice: its texts are dropped from training (review, issue 42)
+    test_file = (f"dataset.test_path={data}",)
+    return [*guess, *((f,) for f in filters), ("dataset.dedupe=false", "seed=3"), test_file]
 
 
 def test_a_node_with_a_policy_reads_its_records_its_own_way_whatever_the_run_says(

@@ -96,3 +96,14 @@ def test_a_run_that_reads_as_the_node_does_logs_nothing(
     with caplog.at_level(logging.WARNING, logger="car_fl.client.node_reading"):
         NodeReading().apply(make_settings())
     assert caplog.text == ""
+
+
+def test_only_the_nodes_own_config_names_its_test_and_documents_files(make_settings) -> None:
+    """A run's dataset.test_path cancelled the owner's test split and dropped the training
+    texts that matched a file of the server's choice; a run's documents_path could make a
+    corpus read fail exactly when the node holds a query of a missing document."""
+    run = make_settings("dataset.test_path=/srv/theirs.tsv")
+    mine = NodeReading().apply(run, paths={"test_path": None, "documents_path": None})
+    assert mine.dataset.test_path is None and mine.dataset.documents_path is None
+    own = NodeReading().apply(run, paths={"test_path": "/mine/test.tsv", "documents_path": None})
+    assert own.dataset.test_path == "/mine/test.tsv"

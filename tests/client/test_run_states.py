@@ -9,7 +9,7 @@ import pytest
 from flwr.app import MetricRecord, RecordDict
 
 from car_fl.client.node import Node
-from car_fl.client.run_states import RunStates
+from car_fl.client.run_states import ContextState, RunStates
 
 
 def steps(state: RecordDict) -> int:
@@ -67,7 +67,7 @@ def test_without_a_worker_a_failed_round_leaves_flowers_state_as_it_was(tmp_path
     context = Context(
         run_id=3, node_id=1, node_config={"partition-id": 0}, state=RecordDict(), run_config={}
     )
-    context.state["dp"] = MetricRecord({"steps": 5})
+    context.state["run-3/dp"] = MetricRecord({"steps": 5})
 
     from car_fl.client.node import Node
 
@@ -83,7 +83,23 @@ def test_without_a_worker_a_failed_round_leaves_flowers_state_as_it_was(tmp_path
             client_app.train_here(RecordDict(), context)
     finally:
         client_app.NODES.pop(key)
-    assert steps(context.state) == 5
+    assert steps(ContextState(context.state).get("3")) == 5
+
+
+def test_without_a_worker_each_run_of_a_series_keeps_its_own_state() -> None:
+    """Flower 1.39 keeps context.state per run series: a new run of the series inherited the
+    last run's accountant and mechanism (review of issue 42). Each run has its own now."""
+    flower_state = RecordDict()
+    first, second = ContextState(flower_state), ContextState(flower_state)
+    state = first.get("3")
+    state["dp"] = MetricRecord({"steps": 5})
+    first.keep("3", state)
+    assert steps(second.get("4")) == 0  # a new run starts from nothing
+    later = second.get("4")
+    later["dp"] = MetricRecord({"steps": 1})
+    second.keep("4", later)
+    assert steps(first.get("3")) == 5 and steps(second.get("4")) == 1
+    assert steps(first.get("03")) == 5  # one spelling per run id
 
 
 @pytest.mark.parametrize("spelling", ["-7", "7_0", "\u0667", "7.0", " 7", "", str(2**64)])
