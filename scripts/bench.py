@@ -53,8 +53,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from car_fl.data.splits import load_splits  # noqa: E402
+from car_fl.method.build import build_retriever  # noqa: E402
 from car_fl.method.features import features_for  # noqa: E402
-from car_fl.method.model import CaRRetriever, build_retriever  # noqa: E402
+from car_fl.method.model import CaRRetriever  # noqa: E402
 from car_fl.method.train import make_optimizer  # noqa: E402
 from car_fl.protocol.messages import payload_bytes, to_record  # noqa: E402
 from car_fl.settings.compose import load_settings  # noqa: E402
@@ -310,7 +311,8 @@ from car_fl.client.node import Node
 from car_fl.settings.flower import NodeInfo
 from car_fl.client.shard import cached_encoder
 from car_fl.settings.compose import load_settings
-from car_fl.method.model import CaRRetriever, build_retriever
+from car_fl.method.build import build_retriever
+from car_fl.method.model import CaRRetriever
 from car_fl.settings.schema import Mode
 
 

@@ -31,8 +31,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{args.corpus / name} not found; build it with scripts/arxiv_corpus.py")
 
     from car_fl.data.splits import load_splits
+    from car_fl.method.build import build_retriever
     from car_fl.method.evaluation import HeldOut, LazyRetriever
-    from car_fl.method.model import build_retriever
     from car_fl.method.train import evaluate
     from car_fl.settings.compose import load_settings
 

@@ -35,6 +35,7 @@ from typing import Any
 # The variants: (federated, overrides). Learning rates and epochs are fixed in advance (no
 # tuning on test); each run keeps its best round or epoch on validation.
 DOCUMENT = ["approach=document", "head.query_map=linear", "train.lr=1e-3", "train.rows_lr=1e-4"]
+FUSION = ["approach=fusion", "head.query_map=linear", "train.lr=1e-3", "train.rows_lr=1e-4"]
 MOE = ["approach=moe", "head.query_map=linear", "train.lr=1e-3", "train.rows_lr=1e-4"]
 MOE_LAYOUT = ["moe.experts=32", "moe.route=4", "moe.iterations=5"]
 FL = ["fl.clients=3", "fl.min_clients=3", "fl.partitioning=iid", "fl.local_epochs=1"]
@@ -49,6 +50,11 @@ VARIANTS: dict[str, tuple[bool, list[str]]] = {
     "document_rows_only": (False, [*DOCUMENT, "head.query_map=none", "train.epochs=2"]),
     "moe": (False, [*MOE, *MOE_LAYOUT, "train.epochs=2"]),
     "query_map": (False, [*DOCUMENT, "head.train_rows=false", "train.epochs=1"]),
+    # BM25 over the documents' words alone (car_fl.method.lexical; no encoder, nothing trained)
+    "bm25": (False, [*FUSION]),
+    # the untrained document head (= cosine MIPS) fused with BM25, and the trained one
+    "fusion_untrained": (False, [*FUSION]),
+    "fusion": (False, [*FUSION, "train.epochs=2"]),
     # the soft-embedding adapter before the frozen encoder, with the document head (rows and
     # query map frozen: what the adapter alone adds), 1 epoch of batch 16
     "adapter_document": (
@@ -63,6 +69,7 @@ VARIANTS: dict[str, tuple[bool, list[str]]] = {
         ],
     ),
     "fl_document": (True, [*DOCUMENT, *FL, "fl.rounds=2"]),
+    "fl_fusion": (True, [*FUSION, *FL, "fl.rounds=2"]),
     "fl_query_map": (True, [*DOCUMENT, *FL, "fl.rounds=2", "head.train_rows=false"]),
     "fl_moe_schedule": (
         True,
@@ -85,7 +92,7 @@ VARIANTS: dict[str, tuple[bool, list[str]]] = {
     ),
 }
 #: Variants evaluated before any training (no epoch): the head as :func:`build_retriever` makes it.
-UNTRAINED = ("document_untrained", "moe_untrained")
+UNTRAINED = ("document_untrained", "moe_untrained", "fusion_untrained")
 COLUMNS = ("recall@1", "recall@5", "recall@10", "mrr", "ndcg@10")
 
 
@@ -169,8 +176,8 @@ def head_cost(summary: dict[str, Any], settings: Any) -> dict[str, float]:
 def evaluate_untrained(settings: Any) -> dict[str, Any]:
     """The summary of a head evaluated as built (rows = the documents' embeddings)."""
     from car_fl.data.splits import load_splits
+    from car_fl.method.build import build_retriever
     from car_fl.method.evaluation import HeldOut, LazyRetriever
-    from car_fl.method.model import build_retriever
 
     splits = load_splits(settings.dataset, seed=settings.seed)
     lazy = LazyRetriever(settings, splits)
@@ -188,6 +195,39 @@ def evaluate_untrained(settings: Any) -> dict[str, Any]:
     if hasattr(head, "head_flops_per_query"):
         summary["moe_head_flops"] = head.head_flops_per_query()
     return summary
+
+
+def evaluate_lexical(settings: Any) -> dict[str, Any]:
+    """The summary of BM25 alone on the held-out queries (a tie with the true document counts
+    against it, as for every head: :func:`car_fl.method.metrics.ranks`)."""
+    import torch
+
+    from car_fl.data.splits import load_splits
+    from car_fl.method.lexical import LexicalIndex
+    from car_fl.method.metrics import rank_metrics, ranks
+    from car_fl.results.selection import eval_row
+
+    splits = load_splits(settings.dataset, seed=settings.seed)
+    assert splits.documents is not None
+    index = LexicalIndex([d.text for d in splits.documents])
+
+    def metrics(split: Any) -> dict[str, float] | None:
+        if not len(split):
+            return None
+        labels = torch.tensor(split["label"])
+        rank = ranks(index.scores(list(split["text"])), labels)
+        out = rank_metrics(rank, top_k=settings.eval.top_k)
+        if splits.new_documents:
+            new = torch.isin(labels, torch.tensor(sorted(splits.new_documents)))
+            for name, mask in (("new", new), ("old", ~new)):
+                part = rank_metrics(rank[mask], top_k=settings.eval.top_k)
+                out.update({f"{name}_{k}": v for k, v in part.items()})
+        return out
+
+    test = metrics(splits.test)
+    assert test is not None
+    best = {"round": 0, **eval_row(metrics(splits.validation), test)}
+    return {"best": best, "num_labels": len(splits.label_map)}
 
 
 def run_variant(
@@ -212,9 +252,12 @@ def run_variant(
     )
     load = os.getloadavg()
     tick = time.perf_counter()
-    if name in UNTRAINED and not federated:
-        summary = evaluate_untrained(settings)
+    if name == "bm25":
+        summary = evaluate_lexical(settings)
         history: list[dict[str, Any]] = []
+    elif name in UNTRAINED and not federated:
+        summary = evaluate_untrained(settings)
+        history = []
     elif federated:
         metrics = run_local(settings)
         summary = metrics["summary"]
@@ -250,7 +293,7 @@ def run_variant(
         row["bytes_down_per_client_round"] = max(sent) if sent else None
         row["bytes_up_per_client_round"] = round(max(received)) if received else None
         row["epsilon"] = summary.get("epsilon")
-    row.update(head_cost(summary, settings))
+    row.update(head_cost(summary, settings) if name != "bm25" else {"head_flops": 0})
     return row
 
 

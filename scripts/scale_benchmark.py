@@ -7,7 +7,7 @@ mixture of experts.
 No encoder: the documents' embeddings are synthetic, ``(documents, dim)`` unit vectors around
 ``topics`` Gaussian topic centres; a query is a noisy copy of its document seen through a fixed
 linear distortion (``QUERY_DISTORTION``), which a trained query map can learn to undo. Each
-variant is car-fl's own code on these features: :func:`car_fl.method.model.build_retriever`
+variant is car-fl's own code on these features: :func:`car_fl.method.build.build_retriever`
 (``approach=document`` or ``approach=moe``, its balanced clustering and gate included),
 :func:`car_fl.method.train.train_epoch` and :func:`car_fl.method.train.evaluate` (one batch
 of scores at a time). Measured per variant, each in its own process so that peak memory is
@@ -117,9 +117,9 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     """Build, train and evaluate one head; everything this process measured."""
     import torch
 
+    from car_fl.method.build import build_retriever
     from car_fl.method.experts import MixtureHead
     from car_fl.method.features import LocalData
-    from car_fl.method.model import build_retriever
     from car_fl.method.train import evaluate, make_optimizer, train_epoch
 
     torch.set_num_threads(args.threads)

@@ -100,3 +100,18 @@ def test_a_variant_run_reports_its_starting_point_beside_the_selected_model(
         federate=True,
     )
     assert fed["federated"] and fed["clients"] == 2 and fed["start_test_recall@10"] is not None
+
+
+def test_the_bm25_row_is_bm25_alone_and_fusion_starts_from_mips_and_bm25(
+    tiny_corpus: tuple[Path, Path], tiny_llama: Path, tmp_path: Path
+) -> None:
+    """On the tiny corpus every query holds a word of its document only: BM25 alone finds it
+    first, and fusing it with the untrained head (cosine MIPS) beats that head."""
+    bench = load_script()
+    corpus = tiny_corpus[0].parent
+    model = ["model=local", f"model.name_or_path={tiny_llama}", "dataset.new_fraction=0"]
+    bm25 = bench.run_variant("bm25", corpus, tmp_path, model)
+    assert bm25["test_recall@1"] == 1.0 and bm25["head_flops"] == 0
+    mips = bench.run_variant("mips", corpus, tmp_path, model)
+    fused = bench.run_variant("fusion_untrained", corpus, tmp_path, model)
+    assert mips["test_recall@1"] < fused["test_recall@1"] <= bm25["test_recall@1"]

@@ -56,6 +56,8 @@ KEYS: Mapping[str, str] = MappingProxyType(
         "val-fraction": "dataset.val_fraction",
         "new-fraction": "dataset.new_fraction",
         "topic-key": "dataset.topic_key",
+        "pseudo-queries": "dataset.pseudo_queries",
+        "pseudo-query-words": "dataset.pseudo_query_words",
         "seed": "seed",
     }
 )
@@ -80,6 +82,8 @@ class NodeReading:
     val_fraction: float = _DEFAULTS.val_fraction
     new_fraction: float = _DEFAULTS.new_fraction
     topic_key: str = _DEFAULTS.topic_key
+    pseudo_queries: int = _DEFAULTS.pseudo_queries
+    pseudo_query_words: int = _DEFAULTS.pseudo_query_words
     seed: int = _DEFAULT_SEED
 
     @classmethod
@@ -151,7 +155,7 @@ def _matters(key: str, readers: set[Reader]) -> bool:
     table's fields, the corpus keys only a corpus's): the others are not worth a log line."""
     if key in ("text_column", "label_column"):
         return Reader.TABLE in readers
-    if key in ("new_fraction", "topic_key"):
+    if key in ("new_fraction", "topic_key", "pseudo_queries", "pseudo_query_words"):
         return Reader.CORPUS in readers
     return True
 
@@ -178,7 +182,13 @@ def _checked(name: str, value: object, where: str) -> object:
         if not isinstance(value, str) or not value:
             raise ReadingError(where + f"must be a non-empty string, got {value!r}")
         return value
-    if name in ("min_examples_per_label", "max_examples", "seed"):
+    if name in (
+        "min_examples_per_label",
+        "max_examples",
+        "seed",
+        "pseudo_queries",
+        "pseudo_query_words",
+    ):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ReadingError(where + f"must be a whole number, got {value!r}")
         return value

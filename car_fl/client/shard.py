@@ -25,11 +25,12 @@ from dataclasses import asdict, astuple, dataclass
 
 from car_fl.client import node_cache
 from car_fl.data.labels import LabelMap
+from car_fl.method.build import build_retriever
 from car_fl.method.documents import document_features, document_texts
 from car_fl.method.encoder import Encoder, shared_encoder
 from car_fl.method.experts import ExpertLayout
 from car_fl.method.features import LocalData, prepare_for
-from car_fl.method.model import CaRRetriever, build_retriever
+from car_fl.method.model import CaRRetriever
 from car_fl.settings.flower import NodeInfo
 from car_fl.settings.schema import HeadKind, Settings
 

@@ -13,6 +13,9 @@ Rules, in order (:func:`split_corpus`):
 4. **New documents.** ``new_fraction`` of the documents (seeded) lose their training queries:
    they stand for documents that arrive after training; their validation and test queries stay
    and are reported apart (``new_*`` metrics).
+5. **Pseudo-queries.** ``pseudo_queries`` windows of each other document's own words
+   (:mod:`car_fl.data.pseudo_queries`) join the training queries, after the real ones; a window
+   whose text is a kept query's is dropped.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from car_fl.data.corpus import SPLITS, CorpusQuery, Document
+from car_fl.data.pseudo_queries import DEFAULT_WORDS, extractive_queries
 
 
 def query_key(text: str) -> str:
@@ -69,6 +73,8 @@ def split_corpus(
     *,
     new_fraction: float,
     seed: int,
+    pseudo_queries: int = 0,
+    pseudo_query_words: int = DEFAULT_WORDS,
 ) -> CorpusSplit:
     """Apply the module's rules; document indices follow ``documents``' order."""
     index = {d.id: i for i, d in enumerate(documents)}
@@ -94,6 +100,21 @@ def split_corpus(
         1 for _, d, s in kept if s == "train" and d in new
     )
     kept = [q for q in kept if not (q[2] == "train" and q[1] in new)]  # file order
+    taken = {query_key(t) for t, _, _ in kept}
+    pseudo = extractive_queries(
+        [d.text for d in documents],
+        per_document=pseudo_queries,
+        words=pseudo_query_words,
+        seed=seed,
+        skip=new,
+    )
+    fresh = [(t, d, "train") for t, d in pseudo if query_key(t) not in taken]
+    stats["pseudo_queries"] = len({query_key(t) for t, _, _ in fresh})
+    seen: set[str] = set()
+    for text, doc, split in fresh:  # a window two documents share: once, its first document
+        if query_key(text) not in seen:
+            seen.add(query_key(text))
+            kept.append((text, doc, split))
 
     texts: dict[str, list[str]] = {s: [] for s in SPLITS}
     docs: dict[str, list[int]] = {s: [] for s in SPLITS}

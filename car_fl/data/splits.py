@@ -264,7 +264,14 @@ def load_corpus_splits(
             f"({len(names)} here, {len(label_map)} there); every party needs the same documents "
             "file"
         )
-    split = split_corpus(documents, queries, new_fraction=cfg.new_fraction, seed=seed)
+    split = split_corpus(
+        documents,
+        queries,
+        new_fraction=cfg.new_fraction,
+        seed=seed,
+        pseudo_queries=cfg.pseudo_queries,
+        pseudo_query_words=cfg.pseudo_query_words,
+    )
     topics = [str(d.metadata.get(cfg.topic_key, "")) for d in documents]
 
     def table(name: str, *, topic: bool = False) -> Dataset:

@@ -3,9 +3,13 @@
 - :mod:`~car_fl.method.encoder`: the frozen encoder (``load_encoder``, ``Encoder``), device and
   dtype; :mod:`~car_fl.method.adapter`: the soft-embedding adapter.
 - :mod:`~car_fl.method.head`, :mod:`~car_fl.method.scorers`, :mod:`~car_fl.method.retrieval`:
-  the classifier head, one scorer per retrieval method (CaR, MIPS, kNN), their scores.
-- :mod:`~car_fl.method.model`: ``CaRRetriever`` (encoder → adapter → pooling → scorer) and
-  ``build_retriever``; :mod:`~car_fl.method.serving`: ``load_retriever`` from a checkpoint.
+  the classifier head, one scorer per retrieval method (CaR, MIPS, kNN), their scores;
+  :mod:`~car_fl.method.standardize`: features scaled by the documents' statistics;
+  :mod:`~car_fl.method.lexical`, :mod:`~car_fl.method.fusion`: BM25 over the documents and its
+  ranking fused with the head's.
+- :mod:`~car_fl.method.model`: ``CaRRetriever`` (encoder → adapter → pooling → scorer);
+  :mod:`~car_fl.method.build`: ``build_retriever``; :mod:`~car_fl.method.serving`:
+  ``load_retriever`` from a checkpoint.
 - :mod:`~car_fl.method.features`: length-bucketed extraction (``prepare_for``, ``LocalData``);
   :mod:`~car_fl.method.feature_cache`: the per-text feature cache (``FeatureCache``).
 - :mod:`~car_fl.method.train`, :mod:`~car_fl.method.metrics`: epochs (DP-SGD included) and

@@ -21,10 +21,11 @@ import torch
 
 from car_fl.common.io import atomic_write_text
 from car_fl.data.splits import DataSplits, load_splits
+from car_fl.method.build import build_retriever
 from car_fl.method.evaluation import HeldOut, LazyRetriever
 from car_fl.method.feature_cache import FeatureCache
 from car_fl.method.features import LocalData, prepare_data, prepare_for
-from car_fl.method.model import CaRRetriever, build_retriever
+from car_fl.method.model import CaRRetriever
 from car_fl.method.serving import checkpoint_extra
 from car_fl.method.sources import check_sources
 from car_fl.method.train import EpochResult, make_optimizer, train_epoch

@@ -6,18 +6,20 @@ after each epoch; the server after each round, :mod:`car_fl.server.evaluation`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from car_fl.data.splits import DataSplits
+from car_fl.method.build import build_retriever
 from car_fl.method.documents import split_texts
 from car_fl.method.features import LocalData, prepare_for
-from car_fl.method.model import CaRRetriever, build_retriever
+from car_fl.method.model import CaRRetriever
 from car_fl.method.train import evaluate
 from car_fl.results.selection import eval_row
-from car_fl.settings.schema import Settings
+from car_fl.settings.schema import Lexical, Settings
 
 
 class LazyRetriever:
@@ -82,6 +84,10 @@ class HeldOut:
             if len(splits.validation)
             else None
         )
+        if settings.head.lexical is not Lexical.NONE:  # the fused ranking reads the texts
+            test = dataclasses.replace(test, texts=tuple(splits.test["text"]))
+            if validation is not None:
+                validation = dataclasses.replace(validation, texts=tuple(splits.validation["text"]))
         return cls(test=test, validation=validation, new_documents=splits.new_documents)
 
     @property

@@ -92,6 +92,8 @@ class LocalData:
     labels: torch.Tensor  # (n,) int64
     features: torch.Tensor | None = None  # (n, d), classifier mode
     input_ids: list[list[int]] | None = None  # adapter mode
+    #: The query texts, for a retriever that fuses a lexical ranking (held-out data only).
+    texts: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.features is None and self.input_ids is None:
@@ -101,6 +103,8 @@ class LocalData:
             raise ValueError(f"{len(self.features)} feature rows for {n} labels")
         if self.input_ids is not None and len(self.input_ids) != n:
             raise ValueError(f"{len(self.input_ids)} token sequences for {n} labels")
+        if self.texts is not None and len(self.texts) != n:
+            raise ValueError(f"{len(self.texts)} query texts for {n} labels")
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -114,6 +118,7 @@ class LocalData:
             input_ids=[self.input_ids[i] for i in positions]
             if self.input_ids is not None
             else None,
+            texts=tuple(self.texts[i] for i in positions) if self.texts is not None else None,
         )
 
 

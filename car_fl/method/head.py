@@ -55,7 +55,7 @@ class Hit:
 
 
 #: What a retrieval's scores are: the head's own numbers, never a softmax over the labels.
-SCORE_KINDS = ("logit", "cosine", "dot", "votes")
+SCORE_KINDS = ("logit", "cosine", "dot", "votes", "rrf")
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,8 @@ class Retrieval:
 
     ``score_kind`` says what a score is: ``logit`` (a trained head's logit), ``cosine`` or
     ``dot`` (MIPS's similarity to the document, not divided by any temperature), ``votes``
-    (kNN's votes plus a tie-breaker below 1).
+    (kNN's votes plus a tie-breaker below 1), ``rrf`` (the head's and BM25's rankings fused by
+    reciprocal rank, :mod:`~car_fl.method.fusion`).
     """
 
     labels: tuple[str, ...]

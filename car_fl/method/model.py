@@ -5,10 +5,11 @@ CaR's classifier, MIPS against the labels' documents, or kNN over training examp
 trained is whatever requires a gradient: the adapter (in ``adapter+classifier`` mode) and the
 classifier's weights. :meth:`CaRRetriever.trainable_state_dict` is exactly what travels
 between server and clients and what a checkpoint holds; :meth:`CaRRetriever.retrieve` serves
-a trained one (loaded by :func:`car_fl.method.serving.load_retriever`).
+a trained one (loaded by :func:`car_fl.method.serving.load_retriever`); a new one comes from
+:func:`car_fl.method.build.build_retriever`.
 
-Longer than 300 lines because the retriever is one class: encoder, adapter, pooling and scorer, and
-its builder.
+Longer than 300 lines because the retriever is one class: encoder, adapter, pooling, the
+standardisation, the scorer and the lexical fusion, and how each is given its documents.
 """
 
 from __future__ import annotations
@@ -21,14 +22,23 @@ from torch import nn
 
 from car_fl.method.adapter import SoftEmbeddingAdapter
 from car_fl.method.document_head import DocumentHead
-from car_fl.method.documents import document_features as embed_documents
-from car_fl.method.documents import encode_documents, trained_rows
-from car_fl.method.encoder import Encoder, load_encoder, pick_device
-from car_fl.method.experts import ExpertLayout, MixtureHead, build_layout, experts_in
+from car_fl.method.documents import encode_documents
+from car_fl.method.encoder import Encoder
+from car_fl.method.experts import ExpertLayout, MixtureHead, experts_in
 from car_fl.method.features import extract_features
+from car_fl.method.fusion import reciprocal_rank_fusion
 from car_fl.method.head import Retrieval, retrieve
+from car_fl.method.lexical import LexicalIndex
 from car_fl.method.scorers import KNNScorer, MIPSScorer, Scorer, build_scorer
-from car_fl.settings.schema import HeadConfig, HeadKind, Mode, MoEConfig, Settings, TrainConfig
+from car_fl.method.standardize import Standardizer
+from car_fl.settings.schema import (
+    HeadConfig,
+    HeadKind,
+    Mode,
+    MoEConfig,
+    Settings,
+    TrainConfig,
+)
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +76,12 @@ class CaRRetriever(nn.Module):
         self.num_labels = num_labels
         self._device = torch.device(device)
         self.adapter = SoftEmbeddingAdapter(dim).to(device)
+        #: Pooled features → the space every scorer works in (the identity unless fitted to the
+        #: corpus's documents, :meth:`standardize_with`).
+        self.standardizer = Standardizer(dim).to(device)
+        #: A lexical index whose ranking is fused with the head's (:meth:`fuse`), or None.
+        self.lexical: LexicalIndex | None = None
+        self.fusion_k = head.fusion_k
         self.head: Scorer = build_scorer(
             head, dim=dim, num_labels=num_labels, device=device, moe=moe, layout=layout
         )
@@ -149,7 +165,8 @@ class CaRRetriever(nn.Module):
     # ------------------------------------------------------------------------------ scoring
     def index(self) -> torch.Tensor | None:
         """What the scorer scores against through the current adapter (MIPS: the documents)."""
-        return self.head.index(self._encode_ids, adapted=self.uses_adapter)
+        index = self.head.index(self._encode_ids, adapted=self.uses_adapter)
+        return None if index is None else self.standardizer(index)
 
     def score(
         self,
@@ -164,7 +181,26 @@ class CaRRetriever(nn.Module):
         batch of an evaluation; ``labels`` are for training (a mixture of experts routes by
         them).
         """
-        return self.head(features, index if index is not None else self.index(), labels)
+        queries = self.standardizer(features)
+        return self.head(queries, index if index is not None else self.index(), labels)
+
+    def fuse(self, scores: torch.Tensor, texts: Sequence[str]) -> torch.Tensor:
+        """What ranks the labels: the head's ``scores`` ``(batch, labels)``, fused by reciprocal
+        rank with the lexical index's scores of the query ``texts`` when there is an index (a
+        document without a word of the query in common is not in the lexical ranking)."""
+        if self.lexical is None:
+            return scores
+        if len(texts) != scores.shape[0]:
+            raise ValueError(f"{len(texts)} query texts for {scores.shape[0]} rows of scores")
+        lexical = self.lexical.scores(texts).to(scores.device)
+        unmatched = lexical.masked_fill(lexical <= 0, float("-inf"))  # no word in common
+        return reciprocal_rank_fusion(scores, unmatched, k=self.fusion_k)
+
+    def standardize_with(self, documents: torch.Tensor) -> None:
+        """Scale every pooled feature by the statistics of the documents' frozen embeddings
+        ``(documents, d)`` (:mod:`~car_fl.method.standardize`); call before the documents or a
+        memory are set, which are then stored standardised."""
+        self.standardizer.fit(documents.to(self.device))
 
     def set_documents(self, texts: Sequence[str]) -> None:
         """MIPS: the labels' document texts, in label order (needs the encoder)."""
@@ -177,7 +213,7 @@ class CaRRetriever(nn.Module):
         """Document heads: the documents' frozen embeddings ``(labels, d)``, in label order."""
         if not isinstance(self.head, DocumentHead):
             raise TypeError(f"document embeddings are for a document head, not {self.kind.value}")
-        self.head.set_document_features(features.to(self.device))
+        self.head.set_document_features(self.standardizer(features.to(self.device)))
 
     def add_documents(self, names: Sequence[str], texts: Sequence[str]) -> range:
         """A document head: new documents as rows (Δ = 0), without retraining; no other
@@ -198,7 +234,7 @@ class CaRRetriever(nn.Module):
             max_length=model_cfg.document_max_length or model_cfg.max_length,
             batch_size=self.settings.train.feature_batch_size if self.settings else 32,
         )
-        added = self.head.add_documents(features)
+        added = self.head.add_documents(self.standardizer(features.to(self.device)))
         self.num_labels = self.head.num_labels
         self.label_names = (*self.label_names, *names)
         self.label_texts = (*self.label_texts, *texts)
@@ -208,7 +244,7 @@ class CaRRetriever(nn.Module):
         """kNN: the training examples' embeddings ``(n, d)`` and labels ``(n,)``."""
         if not isinstance(self.head, KNNScorer):
             raise TypeError(f"a memory of examples is for a kNN head, not {self.kind.value}")
-        self.head.set_memory(features, labels)
+        self.head.set_memory(self.standardizer(features.to(self.device)), labels)
 
     # ------------------------------------------------------------------- trainable parameters
     def trainable_parameters(self) -> dict[str, nn.Parameter]:
@@ -284,74 +320,18 @@ class CaRRetriever(nn.Module):
             for start in range(0, len(features), batch_size):  # one batch of scores at a time
                 batch = features[start : start + batch_size].to(self.device)
                 scores = self.score(batch, index=index).float().cpu()  # (batch, labels)
+                if self.lexical is not None:
+                    fused = self.fuse(scores, texts[start : start + batch_size])
+                    kind, calibrated = "rrf", False
+                else:
+                    fused = self.head.reported(scores)
+                    kind, calibrated = self.head.score_kind, self.head.calibrated
                 out += retrieve(
-                    self.head.reported(scores),
+                    fused,
                     k,
                     self.label_names,
                     self.label_texts,
-                    score_kind=self.head.score_kind,
-                    calibrated=self.head.calibrated,
+                    score_kind=kind,
+                    calibrated=calibrated,
                 )
         return out
-
-
-def build_retriever(
-    settings: Settings,
-    num_labels: int,
-    *,
-    encoder: Encoder | None = None,
-    hidden_size: int | None = None,
-    documents: Sequence[str] | None = None,
-    document_features: torch.Tensor | None = None,
-    layout: ExpertLayout | None = None,
-) -> CaRRetriever:
-    """A retriever whose head initialisation depends only on ``settings.seed``.
-
-    With ``hidden_size`` and no ``encoder`` in classifier mode, the encoder is not loaded
-    (training on cached features); otherwise it is loaded unless given. A MIPS head gets its
-    label ``documents`` here when the encoder is loaded (see
-    :func:`car_fl.method.documents.document_texts`). A document head (``document``, ``moe``)
-    starts its rows from ``document_features``, or from the ``documents``' embeddings through
-    the feature cache (the encoder is loaded only on a miss); a mixture of experts takes its
-    ``layout`` (the server's) or clusters the documents itself (seeded).
-    """
-    mode = settings.train.mode
-    if encoder is None and (hidden_size is None or mode is Mode.ADAPTER_CLASSIFIER):
-        encoder = load_encoder(settings.model, device=settings.device)
-    kind = settings.head.kind
-    loaded = encoder
-
-    def get_encoder() -> Encoder:
-        return loaded or load_encoder(settings.model, device=settings.device)
-
-    frozen_mips = kind is HeadKind.MIPS and mode is Mode.CLASSIFIER
-    if (kind in (HeadKind.DOCUMENT, HeadKind.MOE) or frozen_mips) and document_features is None:
-        if documents is None and not frozen_mips:
-            raise ValueError(f"head.kind={kind} needs its documents (texts or embeddings)")
-        if documents is not None:  # the frozen documents' embeddings, through the cache
-            document_features = embed_documents(settings, documents, get_encoder=get_encoder)
-    if kind is HeadKind.MOE and layout is None:
-        assert document_features is not None
-        layout = build_layout(document_features, settings.moe, seed=settings.seed)
-    torch.manual_seed(settings.seed)
-    model = CaRRetriever(
-        encoder,
-        num_labels,
-        head=settings.head,
-        mode=mode,
-        hidden_size=hidden_size,
-        device=pick_device(settings.device),
-        moe=settings.moe,
-        layout=layout,
-    )
-    if isinstance(model.head, MIPSScorer) and document_features is not None and frozen_mips:
-        model.head.set_document_features(document_features)
-    elif isinstance(model.head, MIPSScorer) and documents is not None and model.has_encoder:
-        model.set_documents(documents)  # re-encoded through the adapter while it trains
-    if isinstance(model.head, DocumentHead):
-        assert document_features is not None
-        model.set_document_features(document_features)
-        trained = trained_rows(settings, num_labels)
-        if trained is not None:
-            model.head.set_trained_rows(trained.to(model.device))
-    return model

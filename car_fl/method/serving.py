@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from car_fl.data.labels import LabelMap
+from car_fl.method.build import build_retriever
 from car_fl.method.documents import document_texts, documents_identity
 from car_fl.method.encoder import Encoder
 from car_fl.method.experts import ExpertLayout, MixtureHead
 from car_fl.method.features import LocalData, QueryEncoder, prepare_for
-from car_fl.method.model import CaRRetriever, build_retriever
+from car_fl.method.model import CaRRetriever
 from car_fl.method.scorers import KNNScorer
 from car_fl.results.checkpoint import load_checkpoint
 from car_fl.settings.schema import Settings

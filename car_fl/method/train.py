@@ -286,7 +286,11 @@ def evaluate(
             batch = features[start : start + batch_size].to(model.device)
             labels = data.labels[start : start + batch_size].to(model.device)
             scores = model.score(batch, index=index).float()  # (batch, labels)
-            loss_sum += float(model.head.evaluation_loss(scores, labels))
+            loss_sum += float(model.head.evaluation_loss(scores, labels))  # the head's own
+            if model.lexical is not None:  # the ranking a user gets: fused with the index's
+                if data.texts is None:
+                    raise ValueError("a retriever with a lexical index ranks by the query texts")
+                scores = model.fuse(scores, data.texts[start : start + batch_size])
             ranks.append(rank_of_true(scores, labels).cpu())
             predictions.append(scores.argmax(dim=1).cpu())
     rank, predicted = torch.cat(ranks), torch.cat(predictions)

@@ -18,9 +18,10 @@ from flwr.app import ArrayRecord
 from car_fl.data.labels import LabelMap
 from car_fl.data.partition import partition
 from car_fl.data.splits import load_splits
+from car_fl.method.build import build_retriever
 from car_fl.method.evaluation import HeldOut, LazyRetriever
 from car_fl.method.experts import ExpertLayout, MixtureHead
-from car_fl.method.model import CaRRetriever, build_retriever
+from car_fl.method.model import CaRRetriever
 from car_fl.protocol.messages import from_record
 from car_fl.results.selection import eval_row
 from car_fl.settings.schema import Mode, Settings

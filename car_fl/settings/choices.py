@@ -67,6 +67,26 @@ class FeatureNorm(Choice):
     L2 = "l2"
 
 
+class Lexical(Choice):
+    """A lexical index beside the head: ``bm25`` over the documents' words
+    (:mod:`car_fl.method.lexical`), fused with the head's ranking."""
+
+    NONE = "none"
+    BM25 = "bm25"
+
+
+class Standardize(Choice):
+    """Per-dimension scaling of pooled features with statistics shared by every party.
+
+    ``documents``: each dimension's mean and deviation over the document corpus's embeddings
+    (public to the federation; never a client's queries), applied to queries and documents
+    alike (:mod:`car_fl.method.standardize`).
+    """
+
+    NONE = "none"
+    DOCUMENTS = "documents"
+
+
 class DPMode(Choice):
     """Local differential privacy: off, fixed clipping bound, adaptive clipping, or DP-SGD.
 
@@ -215,6 +235,7 @@ class ApproachSpec(NamedTuple):
     mode: Mode
     label: str
     description: str
+    lexical: Lexical = Lexical.NONE
 
 
 class Approach(StrEnum):
@@ -232,6 +253,7 @@ class Approach(StrEnum):
     DOCUMENT = "document"
     ADAPTER_DOCUMENT = "adapter_document"
     MOE = "moe"
+    FUSION = "fusion"
 
     @property
     def label(self) -> str:
@@ -239,12 +261,15 @@ class Approach(StrEnum):
         return APPROACHES[self].label
 
     @classmethod
-    def of(cls, head: HeadKind, mode: Mode) -> Approach:
-        """The approach of a head kind and a training mode."""
+    def of(cls, head: HeadKind, mode: Mode, lexical: Lexical = Lexical.NONE) -> Approach:
+        """The approach of a head kind, a training mode and a lexical index."""
         for approach, spec in APPROACHES.items():
-            if spec.head == head and spec.mode == mode:
+            if spec.head == head and spec.mode == mode and spec.lexical == lexical:
                 return approach
-        raise ValueError(f"head.kind={head} with train.mode={mode} is no approach of car-fl")
+        raise ValueError(
+            f"head.kind={head} with train.mode={mode} and head.lexical={lexical} is no "
+            "approach of car-fl"
+        )
 
 
 #: The one table of approaches: ``conf``'s ``approach`` group and the reports derive from it.
@@ -303,6 +328,15 @@ APPROACHES: dict[Approach, ApproachSpec] = {
         "mixture of experts (CaR)",
         "The document head split into experts (balanced clusters of documents) behind a gate "
         "that routes each query to its moe.route best experts.",
+    ),
+    Approach.FUSION: ApproachSpec(
+        HeadKind.DOCUMENT,
+        Mode.CLASSIFIER,
+        "document head + BM25 (fusion)",
+        "The document head, trained as in document, its ranking fused with BM25's over the "
+        "documents' words by reciprocal rank (head.fusion_k); the index is built from the "
+        "documents alone.",
+        Lexical.BM25,
     ),
 }
 

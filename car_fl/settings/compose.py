@@ -82,7 +82,10 @@ def register_configs() -> None:
             group="approach",
             name=approach.value,
             package="_global_",
-            node={"head": {"kind": spec.head.value}, "train": {"mode": spec.mode.value}},
+            node={
+                "head": {"kind": spec.head.value, "lexical": spec.lexical.value},
+                "train": {"mode": spec.mode.value},
+            },
         )
 
 

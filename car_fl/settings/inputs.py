@@ -11,6 +11,7 @@ from car_fl.settings.choices import (
     Pooling,
     Reader,
     Similarity,
+    Standardize,
     one_of,
 )
 
@@ -54,6 +55,11 @@ class DatasetConfig:
     new_fraction: float = 0.0
     #: reader=corpus: the metadata field naming a document's topic (fl.partitioning=topic).
     topic_key: str = "category"
+    #: reader=corpus: windows of each document's own words added as training queries
+    #: (:mod:`car_fl.data.pseudo_queries`), none for new documents; 0: none.
+    pseudo_queries: int = 0
+    #: The length of a pseudo-query, in words.
+    pseudo_query_words: int = 12
 
     def __post_init__(self) -> None:
         self.reader = Reader.parse("dataset.reader", self.reader)
@@ -77,6 +83,11 @@ class DatasetConfig:
         if not 0.0 <= self.new_fraction < 1.0:
             raise ValueError(
                 f"dataset.new_fraction must be in [0, 1) (e.g. 0.1), got {self.new_fraction!r}"
+            )
+        if self.pseudo_queries < 0 or self.pseudo_query_words < 1:
+            raise ValueError(
+                "dataset.pseudo_queries must be >= 0 and dataset.pseudo_query_words >= 1, got "
+                f"{self.pseudo_queries} and {self.pseudo_query_words}"
             )
         if self.reader is Reader.CORPUS and self.path is not None and not self.documents_path:
             raise ValueError(
@@ -111,6 +122,9 @@ class ModelConfig:
     prompt: str | None = None
     #: Per-example scaling of the pooled vector (:class:`FeatureNorm`).
     normalize: FeatureNorm = FeatureNorm.NONE
+    #: Per-dimension standardisation after pooling (:class:`Standardize`): ``documents`` uses
+    #: the corpus's statistics, never a client's queries; needs a corpus of documents.
+    standardize: Standardize = Standardize.NONE
     #: The similarity the encoder was trained for: ``cosine`` for sentence encoders whose
     #: pipeline normalises (MiniLM), ``dot`` otherwise. MIPS and kNN use it unless
     #: ``head.similarity`` says otherwise.
@@ -125,6 +139,7 @@ class ModelConfig:
         one_of("model.dtype", self.dtype, DTYPES)
         self.pooling = Pooling.parse("model.pooling", self.pooling)
         self.normalize = FeatureNorm.parse("model.normalize", self.normalize)
+        self.standardize = Standardize.parse("model.standardize", self.standardize)
         self.similarity = Similarity.parse("model.similarity", self.similarity)
         if self.prompt is not None and self.prompt.count("{text}") != 1:
             raise ValueError(

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from car_fl.settings.choices import (
     ExpertSending,
     HeadKind,
+    Lexical,
     MapKind,
     Mode,
     OptimizerKind,
@@ -54,6 +55,11 @@ class HeadConfig:
     document_map: MapKind = MapKind.NONE
     #: Rank of a lowrank map.
     map_rank: int = 64
+    #: bm25: a BM25 index over the documents' words beside the head, the two rankings fused by
+    #: reciprocal rank (approach=fusion); none: the head alone. Training is the head's alone.
+    lexical: Lexical = Lexical.NONE
+    #: The reciprocal-rank fusion constant: fused = Σ 1 / (fusion_k + rank).
+    fusion_k: int = 60
 
     def __post_init__(self) -> None:
         self.kind = HeadKind.parse("head.kind", self.kind)
@@ -61,6 +67,9 @@ class HeadConfig:
             self.similarity = Similarity.parse("head.similarity", self.similarity)
         self.query_map = MapKind.parse("head.query_map", self.query_map)
         self.document_map = MapKind.parse("head.document_map", self.document_map)
+        self.lexical = Lexical.parse("head.lexical", self.lexical)
+        if self.fusion_k < 1:
+            raise ValueError(f"head.fusion_k must be >= 1, got {self.fusion_k}")
         positive("head.temperature", self.temperature)
         positive("head.scale", self.scale)
         if self.map_rank < 1:

@@ -32,6 +32,7 @@ from car_fl.settings.choices import (
     FeatureNorm,
     Granularity,
     HeadKind,
+    Lexical,
     MapKind,
     Mode,
     NoiseRule,
@@ -42,6 +43,7 @@ from car_fl.settings.choices import (
     Pooling,
     Reader,
     Similarity,
+    Standardize,
     StrategyName,
     one_of,
     positive,
@@ -71,6 +73,7 @@ __all__ = [
     "Granularity",
     "HeadConfig",
     "HeadKind",
+    "Lexical",
     "MapKind",
     "MoEConfig",
     "Mode",
@@ -84,6 +87,7 @@ __all__ = [
     "Reader",
     "Settings",
     "Similarity",
+    "Standardize",
     "StrategyConfig",
     "StrategyName",
     "TrainConfig",
@@ -156,6 +160,21 @@ class Settings:
                 f"head.kind={kind} starts its rows from the documents' embeddings: use a "
                 "corpus (dataset=corpus) or give dataset.label_texts"
             )
+        corpus = self.dataset.reader is Reader.CORPUS
+        if self.model.standardize is Standardize.DOCUMENTS and not corpus:
+            raise ValueError(
+                "model.standardize=documents scales features with the statistics of a corpus's "
+                f"documents; dataset.reader={self.dataset.reader} has only its labels' texts. Use "
+                "a corpus (dataset=corpus) or model.standardize=none"
+            )
+        if self.head.lexical is Lexical.BM25 and (
+            not corpus or kind is not HeadKind.DOCUMENT or self.train.mode is not Mode.CLASSIFIER
+        ):
+            raise ValueError(
+                "head.lexical=bm25 indexes a corpus's documents beside a document head trained "
+                "on cached features: use approach=fusion on a corpus (dataset=corpus), or "
+                "head.lexical=none"
+            )
         if kind is not HeadKind.MOE:
             return
         if self.dp.mode is not DPMode.NONE and self.moe.send is ExpertSending.ROUTED:
@@ -175,7 +194,7 @@ class Settings:
     @property
     def approach(self) -> Approach:
         """The retrieval approach these settings run (:data:`APPROACHES`)."""
-        return Approach.of(self.head.kind, self.train.mode)
+        return Approach.of(self.head.kind, self.train.mode, self.head.lexical)
 
     def _check_aggregation(self) -> None:
         """Strategy and norm-bound settings that only make sense with the federation's size."""

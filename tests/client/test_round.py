@@ -9,8 +9,8 @@ from flwr.app import RecordDict
 from car_fl.client import shard as client_module
 from car_fl.client.node import Node
 from car_fl.method import encoder as encoder_module
+from car_fl.method.build import build_retriever
 from car_fl.method.feature_cache import FeatureCache
-from car_fl.method.model import build_retriever
 from car_fl.settings.flower import NodeInfo
 
 STATE = {"head.classifier.weight": torch.randn(3, 8), "head.classifier.bias": torch.randn(3)}

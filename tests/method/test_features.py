@@ -10,6 +10,7 @@ import torch
 
 from car_fl.data.splits import load_splits
 from car_fl.method import encoder as encoder_module
+from car_fl.method.build import build_retriever
 from car_fl.method.features import (
     FeatureCache,
     LocalData,
@@ -17,7 +18,6 @@ from car_fl.method.features import (
     length_batches,
     prepare_data,
 )
-from car_fl.method.model import build_retriever
 from car_fl.method.serving import training_features
 from car_fl.settings.schema import Mode
 

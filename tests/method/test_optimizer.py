@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from car_fl.method.model import build_retriever
+from car_fl.method.build import build_retriever
 from car_fl.method.train import make_optimizer
 
 

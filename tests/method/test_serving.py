@@ -9,7 +9,8 @@ import torch
 
 from car_fl.data.labels import LabelMap
 from car_fl.data.splits import load_splits
-from car_fl.method.model import CaRRetriever, build_retriever
+from car_fl.method.build import build_retriever
+from car_fl.method.model import CaRRetriever
 from car_fl.method.scorers import ClassifierScorer, KNNScorer, MIPSScorer
 from car_fl.method.serving import load_retriever
 from car_fl.results.checkpoint import Checkpoint, load_checkpoint, save_checkpoint

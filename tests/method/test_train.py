@@ -9,8 +9,8 @@ import torch
 
 from car_fl.centralized import run_centralized
 from car_fl.data.splits import load_splits
+from car_fl.method.build import build_retriever
 from car_fl.method.features import prepare_data
-from car_fl.method.model import build_retriever
 from car_fl.method.train import epoch_order, evaluate, make_optimizer, train_epoch
 from car_fl.settings.schema import Mode
 

@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from car_fl.data.splits import load_splits
+from car_fl.method.build import build_retriever
 from car_fl.method.features import LocalData
-from car_fl.method.model import build_retriever
 from car_fl.method.train import epoch_order, make_optimizer, train_epoch, train_epoch_dpsgd
 from car_fl.privacy.accountant import VALUE_DISCRETIZATION
 from car_fl.privacy.dpsgd import (

@@ -24,7 +24,7 @@ from flwr.serverapp.strategy import (
     MultiKrum,
 )
 
-from car_fl.method.model import build_retriever
+from car_fl.method.build import build_retriever
 from car_fl.method.train import ProximalTerm
 from car_fl.privacy.mechanism import privatize
 from car_fl.protocol.messages import decode, to_record

@@ -3,7 +3,7 @@
 #: module → the test that covers it (checked by ``tests/test_layout.py``).
 TESTED_ELSEWHERE = {
     # the sections of the schema: every check in them is exercised through Settings
-    "choices": "tests/settings/test_schema.py::test_every_head_and_mode_pair_is_one_approach",
+    "choices": "tests/settings/test_schema.py::test_every_head_mode_and_lexical_index_is_one_approach",
     "inputs": "tests/settings/test_schema.py::test_dataset_without_path_or_hub_is_rejected",
     "retriever": "tests/settings/test_schema.py::test_bad_configuration_is_rejected_clearly",
     "federation": "tests/settings/test_schema.py::test_fl_timeouts_and_dirichlet_alpha_are_validated",

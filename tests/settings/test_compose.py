@@ -103,9 +103,12 @@ def test_group_options_are_the_schemas_names() -> None:
 @pytest.mark.parametrize("approach", list(Approach))
 def test_approach_group_comes_from_the_table(approach: Approach) -> None:
     spec = APPROACHES[approach]
+    # a lexical index is over a corpus's documents
+    corpus = " dataset=corpus dataset.path=q.jsonl dataset.documents_path=d.jsonl"
     for mode in ("classifier", "adapter"):  # approach= overrides mode=
-        s = load_settings(f"mode={mode} approach={approach.value}")
-        assert (s.head.kind, s.train.mode) == (spec.head, spec.mode)
+        data = corpus if spec.lexical != "none" else ""
+        s = load_settings(f"mode={mode} approach={approach.value}{data}")
+        assert (s.head.kind, s.train.mode, s.head.lexical) == (spec.head, spec.mode, spec.lexical)
         assert s.approach is approach
 
 

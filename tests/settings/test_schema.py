@@ -18,6 +18,7 @@ from car_fl.settings.schema import (
     CommConfig,
     FLConfig,
     HeadKind,
+    Lexical,
     Mode,
     OptimizerKind,
     Settings,
@@ -116,8 +117,8 @@ def test_names_come_from_the_code_that_uses_them() -> None:
         pick_dtype("int8", cpu)
 
 
-def test_every_head_and_mode_pair_is_one_approach() -> None:
-    pairs = [(spec.head, spec.mode) for spec in APPROACHES.values()]
+def test_every_head_mode_and_lexical_index_is_one_approach() -> None:
+    pairs = [(spec.head, spec.mode, spec.lexical) for spec in APPROACHES.values()]
     assert len(set(pairs)) == len(pairs) == len(Approach)
     assert [a.label for a in Approach][:4] == [
         "MIPS",
@@ -126,6 +127,8 @@ def test_every_head_and_mode_pair_is_one_approach() -> None:
         "adapter + classifier (CaR)",
     ]
     assert Approach.of(HeadKind.KNN, Mode.CLASSIFIER) is Approach.KNN
+    assert Approach.of(HeadKind.DOCUMENT, Mode.CLASSIFIER) is Approach.DOCUMENT
+    assert Approach.of(HeadKind.DOCUMENT, Mode.CLASSIFIER, Lexical.BM25) is Approach.FUSION
     with pytest.raises(ValueError, match="no approach"):
         Approach.of(HeadKind.KNN, Mode.ADAPTER_CLASSIFIER)
     assert Settings().approach is Approach.CAR

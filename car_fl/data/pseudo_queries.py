@@ -1,0 +1,45 @@
+"""Extractive pseudo-queries: windows of a document's own words as extra training queries.
+
+A document with few real queries gets more training examples without a second model: each
+contributes ``per_document`` windows of ``words`` consecutive words of its own text, at seeded
+positions (a short restatement of part of it, as a searcher types). They are made from the
+documents alone, which every party of the federation holds, so they carry nothing of any
+node's records; a window whose text is a real query's is dropped, so no text is in two splits.
+A model generating queries (DSI-QG) would need the node's SLM to write them; this needs none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+#: A window's length in words when none is set: about an abstract sentence's half.
+DEFAULT_WORDS = 12
+
+
+def extractive_queries(
+    texts: Sequence[str],
+    *,
+    per_document: int,
+    words: int = DEFAULT_WORDS,
+    seed: int,
+    skip: frozenset[int] = frozenset(),
+) -> list[tuple[str, int]]:
+    """``(query text, document index)`` pairs, documents in order, none for those in ``skip``.
+
+    A document of ``words`` words or fewer gives none (its one window would be itself); one
+    with fewer than ``per_document`` distinct windows gives them all.
+    """
+    if per_document < 0 or words < 1:
+        raise ValueError(f"per_document must be >= 0 and words >= 1, got {per_document}, {words}")
+    out: list[tuple[str, int]] = []
+    for index, text in enumerate(texts):
+        tokens = text.split()
+        if per_document == 0 or index in skip or len(tokens) <= words:
+            continue
+        starts = len(tokens) - words + 1
+        rng = np.random.default_rng([seed, index])
+        chosen = sorted(rng.choice(starts, size=min(per_document, starts), replace=False))
+        out += [(" ".join(tokens[s : s + words]), index) for s in chosen]
+    return out

@@ -1,0 +1,68 @@
+"""Per-dimension standardisation of pooled features with statistics of the document corpus.
+
+    x ↦ (x − μ) / σ      μ, σ: each dimension's mean and deviation over the documents' embeddings
+
+A generative LM's pooled states have a few dimensions far larger than the rest, which decide
+inner products and cosines on their own ("rogue dimensions", Timkey & van Schijndel, 2021);
+standardising each dimension gives every one its share. The statistics come from the
+documents' frozen embeddings only: the corpus is public to the federation, so every party
+computes the same μ and σ, and no client's queries ever enter them. Queries, documents and a
+kNN memory are scaled alike, so MIPS, kNN and every head start in the same space.
+
+Written here rather than with scikit-learn's ``StandardScaler`` because it runs inside the
+retriever, on its device and under autograd (the adapter trains through it), as a module.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+#: The fewest documents whose deviation standardisation trusts (a handful of label texts is no
+#: sample of a space).
+MIN_DOCUMENTS = 8
+#: Deviations below this (a constant dimension) divide by 1 instead.
+MIN_DEVIATION = 1e-6
+
+
+class Standardizer(nn.Module):
+    """``(..., d)`` → ``(x − μ) / σ``; the identity until :meth:`fit` is called.
+
+    μ and σ are buffers outside the state dict: never trained, never sent, never saved; every
+    party (and a checkpoint's reader) computes them again from the corpus.
+    """
+
+    mean: torch.Tensor
+    deviation: torch.Tensor
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(dim), persistent=False)
+        self.register_buffer("deviation", torch.ones(dim), persistent=False)
+        self.fitted = False
+
+    def fit(self, documents: torch.Tensor) -> None:
+        """μ and σ of the documents' embeddings ``(documents, d)``, in float32."""
+        if documents.ndim != 2 or documents.shape[1] != self.mean.shape[0]:
+            raise ValueError(
+                f"documents of shape {tuple(documents.shape)} for features of dimension "
+                f"{self.mean.shape[0]}"
+            )
+        if documents.shape[0] < MIN_DOCUMENTS:
+            raise ValueError(
+                f"model.standardize=documents needs at least {MIN_DOCUMENTS} documents to "
+                f"estimate each dimension's deviation, got {documents.shape[0]}; use a corpus "
+                "(dataset=corpus) or model.standardize=none"
+            )
+        x = documents.detach().float()
+        deviation = x.std(dim=0)
+        deviation = torch.where(deviation < MIN_DEVIATION, torch.ones_like(deviation), deviation)
+        with torch.no_grad():
+            self.mean.copy_(x.mean(dim=0))
+            self.deviation.copy_(deviation)
+        self.fitted = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.fitted:
+            return x
+        return (x.float() - self.mean) / self.deviation
