@@ -15,8 +15,12 @@ the answer as long as the title has token F1 >= ``--f1`` (0.5) against the paper
 document first in the prompt (the generator's ceiling: the true document, then the last
 retriever's next two). A retriever whose
 encoder is the generator's own model shares its weights (``Generator.as_encoder``).
-``--memory`` also measures peak memory of one ``car-fl ask`` with one copy of SmolLM2 (the
-encoder is the generator's) against two, each in a fresh process.
+The sources car-fl states are the prompt's documents, best first, whatever the generator
+writes (``car-fl ask``): *cites the paper* is the share of questions whose first source is the
+true paper. Each row also gives retrieval and answer seconds per question. ``--memory`` also
+measures the peak memory of one ``car-fl ask`` per retriever, each in a fresh process: with the
+generator's own weights as the encoder (one model) or the retriever's encoder beside the
+generator (two models).
 Writes ``results.json``, ``answers.jsonl`` (every question, prompt's documents and answer) and
 ``table.md``.
 """
@@ -149,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     generator_folder = resolve(args.generator)
 
     hits_by_row: dict[str, list[list[Hit]]] = {NONE: [[] for _ in queries]}
+    retrieval_seconds: dict[str, float] = {NONE: 0.0}
     texts = [q["query"] for q in queries]
     for name, ckpt in retrievers.items():
         model = load_checkpoint(ckpt).settings.model
@@ -159,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
             documents_path=args.corpus / "documents.jsonl",
             encoder=generator.as_encoder(model) if shared else None,
         )
+        tick = time.perf_counter()
         hits_by_row[name] = [r.hits for r in retriever.retrieve(texts, args.k)]
+        retrieval_seconds[name] = time.perf_counter() - tick
     if retrievers:  # the ceiling: the true document first, then the last retriever's next ones
         last = hits_by_row[list(retrievers)[-1]]
         ceiling = []
@@ -168,11 +175,12 @@ def main(argv: list[str] | None = None) -> int:
             others = [h for h in hits if h.id != truth["id"]][: args.k - 1]
             ceiling.append([Hit(truth["id"], truth["text"], 1.0), *others])
         hits_by_row[CEILING] = ceiling
+        retrieval_seconds[CEILING] = retrieval_seconds[list(retrievers)[-1]]
 
     rows, answers = [], []
     for name, per_query in hits_by_row.items():
         tick = time.perf_counter()
-        named = in_prompt = 0
+        named = in_prompt = cited = 0
         f1s = []
         for query, hits in zip(queries, per_query, strict=True):
             title = documents[query["document_id"]]["title"]
@@ -184,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             f1s.append(score)
             named += score >= args.f1
             in_prompt += any(h.id == query["document_id"] for h in hits)
+            cited += bool(answer.sources) and answer.sources[0] == query["document_id"]
             answers.append(
                 {
                     "row": name,
@@ -200,22 +209,21 @@ def main(argv: list[str] | None = None) -> int:
                 "names_the_paper": named / len(queries),
                 "mean_f1": sum(f1s) / len(f1s),
                 "true_document_in_prompt": in_prompt / len(queries),
+                "cites_the_paper": cited / len(queries),
                 "seconds": round(time.perf_counter() - tick, 1),
+                "retrieval_seconds_per_question": round(retrieval_seconds[name] / len(queries), 4),
+                "answer_seconds_per_question": round(
+                    (time.perf_counter() - tick) / len(queries), 2
+                ),
             }
         )
         print(json.dumps(rows[-1]), flush=True)
     memory = []
-    if args.memory and retrievers:
-        shared_ckpt = next(
-            (
-                c
-                for c in retrievers.values()
-                if resolve(load_checkpoint(c).settings.model.name_or_path) == generator_folder
-            ),
-            None,
-        )
-        if shared_ckpt is not None:
-            memory = [peak_memory(shared_ckpt, args.generator, s) for s in (True, False)]
+    if args.memory:
+        for name, ckpt in retrievers.items():
+            model_path = load_checkpoint(ckpt).settings.model.name_or_path
+            shared = resolve(model_path) == generator_folder
+            memory.append({"row": name, **peak_memory(ckpt, args.generator, shared)})
     command = "python " + " ".join(["scripts/rag_benchmark.py", *(argv or sys.argv[1:])])
     result = {
         "command": command,
@@ -239,17 +247,22 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(queries)} test sentences (seed {args.seed}), top-{args.k} documents, generator "
         f"{args.generator}; names the paper: token F1 with its title >= {args.f1}",
         "",
-        "| prompt's documents | names the paper | mean F1 | true document in prompt | s |",
-        "|---|---|---|---|---|",
+        "| prompt's documents | names the paper | mean F1 | true document in prompt "
+        "| cites the paper | retrieval s/question | answer s/question |",
+        "|---|---|---|---|---|---|---|",
     ]
     lines += [
         f"| {r['row']} | {r['names_the_paper']:.1%} | {r['mean_f1']:.3f} | "
-        f"{r['true_document_in_prompt']:.1%} | {r['seconds']:.0f} |"
+        f"{r['true_document_in_prompt']:.1%} | {r['cites_the_paper']:.1%} | "
+        f"{r['retrieval_seconds_per_question']:.3f} | {r['answer_seconds_per_question']:.2f} |"
         for r in rows
     ]
     if memory:
-        lines += ["", "| copies of the weights | peak RSS (MiB) |", "|---|---|"]
-        lines += [f"| {m['copies']} | {m['peak_rss_mib']:,} |" for m in memory]
+        lines += ["", "| retriever | models in memory | peak RSS (MiB) | s |", "|---|---|---|---|"]
+        lines += [
+            f"| {m['row']} | {m['copies']} | {m['peak_rss_mib']:,} | {m['seconds']} |"
+            for m in memory
+        ]
     (args.out / "table.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
     return 0

@@ -16,6 +16,7 @@ DOCUMENTS = [
 
 def test_a_rare_word_finds_its_document_and_stop_words_count_for_nothing() -> None:
     index = LexicalIndex(DOCUMENTS)
+    assert not index.built  # a client that only trains never pays for it
     scores = index.scores(["elastic waves", "galaxies", "the of a in", "quasar", ""])
     assert scores.shape == (5, 3) and scores.dtype == torch.float32
     assert int(scores[0].argmax()) == 0 and scores[0, 1] == 0
