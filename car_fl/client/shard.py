@@ -32,7 +32,7 @@ from car_fl.method.experts import ExpertLayout
 from car_fl.method.features import LocalData, prepare_for
 from car_fl.method.model import CaRRetriever
 from car_fl.settings.flower import NodeInfo
-from car_fl.settings.schema import HeadKind, Settings
+from car_fl.settings.schema import HeadKind, Settings, Standardize
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +201,8 @@ def local_retriever(
     """
     documents = document_texts(settings, label_map.names)
     features = None
-    if settings.head.kind in (HeadKind.DOCUMENT, HeadKind.MOE):
+    standardize = settings.model.standardize is Standardize.DOCUMENTS
+    if settings.head.kind in (HeadKind.DOCUMENT, HeadKind.MOE) or standardize:
         features = document_features(
             settings, documents, get_encoder=lambda: cached_encoder(settings)
         )

@@ -15,7 +15,7 @@ Rules, in order (:func:`split_corpus`):
    and are reported apart (``new_*`` metrics).
 5. **Pseudo-queries.** ``pseudo_queries`` windows of each other document's own words
    (:mod:`car_fl.data.pseudo_queries`) join the training queries, after the real ones; a window
-   whose text is a kept query's is dropped.
+   whose text is a kept query's, or another document's window too, is dropped.
 """
 
 from __future__ import annotations
@@ -108,13 +108,15 @@ def split_corpus(
         seed=seed,
         skip=new,
     )
-    fresh = [(t, d, "train") for t, d in pseudo if query_key(t) not in taken]
-    stats["pseudo_queries"] = len({query_key(t) for t, _, _ in fresh})
-    seen: set[str] = set()
-    for text, doc, split in fresh:  # a window two documents share: once, its first document
-        if query_key(text) not in seen:
-            seen.add(query_key(text))
-            kept.append((text, doc, split))
+    owners: dict[str, set[int]] = defaultdict(set)
+    first: dict[str, tuple[str, int, str]] = {}
+    for text, doc in pseudo:
+        owners[query_key(text)].add(doc)
+        first.setdefault(query_key(text), (text, doc, "train"))
+    # once each; a window two documents share has no right answer (rule 2): dropped
+    fresh = [q for key, q in first.items() if key not in taken and len(owners[key]) == 1]
+    stats["pseudo_queries"] = len(fresh)
+    kept += fresh
 
     texts: dict[str, list[str]] = {s: [] for s in SPLITS}
     docs: dict[str, list[int]] = {s: [] for s in SPLITS}

@@ -20,6 +20,7 @@ from car_fl.method.experts import ExpertLayout, build_layout
 from car_fl.method.lexical import LexicalIndex
 from car_fl.method.model import CaRRetriever
 from car_fl.method.scorers import MIPSScorer
+from car_fl.method.standardize import Standardizer
 from car_fl.settings.schema import HeadKind, Lexical, Mode, Settings, Standardize
 
 
@@ -61,9 +62,16 @@ def build_retriever(
             raise ValueError(f"{why} needs the documents (texts or embeddings)")
         if documents is not None:  # the frozen documents' embeddings, through the cache
             document_features = embed_documents(settings, documents, get_encoder=get_encoder)
-    if kind is HeadKind.MOE and layout is None:
+    scaler = None
+    if standardize:  # the documents a run trains on: new ones arrive later, as added ones do
         assert document_features is not None
-        layout = build_layout(document_features, settings.moe, seed=settings.seed)
+        scaler = Standardizer(int(document_features.shape[1]))
+        trained = trained_rows(settings, num_labels)
+        scaler.fit(document_features if trained is None else document_features[trained])
+    if kind is HeadKind.MOE and layout is None:  # clustered in the space the head scores in
+        assert document_features is not None
+        space = document_features if scaler is None else scaler(document_features)
+        layout = build_layout(space, settings.moe, seed=settings.seed)
     torch.manual_seed(settings.seed)
     model = CaRRetriever(
         encoder,
@@ -75,9 +83,8 @@ def build_retriever(
         moe=settings.moe,
         layout=layout,
     )
-    if standardize:
-        assert document_features is not None
-        model.standardize_with(document_features)
+    if scaler is not None:
+        model.standardizer.load(scaler)
     if isinstance(model.head, MIPSScorer) and document_features is not None and frozen_mips:
         model.head.set_document_features(document_features)
     elif isinstance(model.head, MIPSScorer) and documents is not None and model.has_encoder:

@@ -16,6 +16,9 @@ import torch
 
 #: The constant of the original paper.
 RRF_K = 60
+#: Added once, divided by the first ranking's rank: equal sums (head 1 and BM25 3 against
+#: head 3 and BM25 1) are ordered by the first ranking, far below any difference of two sums.
+TIE_BREAK = 1e-12
 
 
 def competition_ranks(scores: torch.Tensor) -> torch.Tensor:
@@ -37,4 +40,4 @@ def reciprocal_rank_fusion(*scores: torch.Tensor, k: int = RRF_K) -> torch.Tenso
     for s in scores:
         share = 1.0 / (k + competition_ranks(s).double())
         fused += torch.where(torch.isneginf(s), torch.zeros_like(share), share)
-    return fused
+    return fused + TIE_BREAK / competition_ranks(scores[0]).double()

@@ -92,7 +92,8 @@ def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Scores (as given) and indices of the ``k`` best labels: two ``(batch, min(k, labels))``."""
     if k < 1:
         raise ValueError(f"K must be >= 1, got {k}")
-    scores, indices = logits.float().topk(min(k, logits.shape[-1]), dim=-1)
+    exact = logits if logits.dtype == torch.float64 else logits.float()  # fused ranks: float64
+    scores, indices = exact.topk(min(k, logits.shape[-1]), dim=-1)
     return scores, indices
 
 

@@ -77,7 +77,7 @@ class CaRRetriever(nn.Module):
         self._device = torch.device(device)
         self.adapter = SoftEmbeddingAdapter(dim).to(device)
         #: Pooled features → the space every scorer works in (the identity unless fitted to the
-        #: corpus's documents, :meth:`standardize_with`).
+        #: corpus's documents by :func:`~car_fl.method.build.build_retriever`).
         self.standardizer = Standardizer(dim).to(device)
         #: A lexical index whose ranking is fused with the head's (:meth:`fuse`), or None.
         self.lexical: LexicalIndex | None = None
@@ -192,15 +192,10 @@ class CaRRetriever(nn.Module):
             return scores
         if len(texts) != scores.shape[0]:
             raise ValueError(f"{len(texts)} query texts for {scores.shape[0]} rows of scores")
-        lexical = self.lexical.scores(texts).to(scores.device)
+        lexical = self.lexical.scores(texts)
         unmatched = lexical.masked_fill(lexical <= 0, float("-inf"))  # no word in common
-        return reciprocal_rank_fusion(scores, unmatched, k=self.fusion_k)
-
-    def standardize_with(self, documents: torch.Tensor) -> None:
-        """Scale every pooled feature by the statistics of the documents' frozen embeddings
-        ``(documents, d)`` (:mod:`~car_fl.method.standardize`); call before the documents or a
-        memory are set, which are then stored standardised."""
-        self.standardizer.fit(documents.to(self.device))
+        # on the CPU, in float64 (deep ranks differ by ~1e-8; MPS has no float64)
+        return reciprocal_rank_fusion(scores.float().cpu(), unmatched, k=self.fusion_k)
 
     def set_documents(self, texts: Sequence[str]) -> None:
         """MIPS: the labels' document texts, in label order (needs the encoder)."""
@@ -238,6 +233,8 @@ class CaRRetriever(nn.Module):
         self.num_labels = self.head.num_labels
         self.label_names = (*self.label_names, *names)
         self.label_texts = (*self.label_texts, *texts)
+        if self.lexical is not None:  # the index covers every document the head scores
+            self.lexical = LexicalIndex(self.label_texts)
         return added
 
     def set_memory(self, features: torch.Tensor, labels: torch.Tensor) -> None:

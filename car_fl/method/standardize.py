@@ -21,8 +21,10 @@ from torch import nn
 #: The fewest documents whose deviation standardisation trusts (a handful of label texts is no
 #: sample of a space).
 MIN_DOCUMENTS = 8
-#: Deviations below this (a constant dimension) divide by 1 instead.
-MIN_DEVIATION = 1e-6
+#: A deviation below this share of the median deviation divides by that floor instead: a
+#: dimension nearly constant across documents but not across queries (a length signal: long
+#: documents, short queries) would otherwise be blown up until it decides every cosine.
+RELATIVE_FLOOR = 0.01
 
 
 class Standardizer(nn.Module):
@@ -56,11 +58,19 @@ class Standardizer(nn.Module):
             )
         x = documents.detach().float()
         deviation = x.std(dim=0)
-        deviation = torch.where(deviation < MIN_DEVIATION, torch.ones_like(deviation), deviation)
+        floor = float(RELATIVE_FLOOR * deviation.median())
+        deviation = deviation.clamp_min(floor) if floor > 0 else torch.ones_like(deviation)
         with torch.no_grad():
             self.mean.copy_(x.mean(dim=0))
             self.deviation.copy_(deviation)
         self.fitted = True
+
+    def load(self, other: Standardizer) -> None:
+        """The statistics ``other`` was fitted to."""
+        with torch.no_grad():
+            self.mean.copy_(other.mean)
+            self.deviation.copy_(other.deviation)
+        self.fitted = other.fitted
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fitted:

@@ -291,7 +291,7 @@ def evaluate(
                 if data.texts is None:
                     raise ValueError("a retriever with a lexical index ranks by the query texts")
                 scores = model.fuse(scores, data.texts[start : start + batch_size])
-            ranks.append(rank_of_true(scores, labels).cpu())
+            ranks.append(rank_of_true(scores, labels.to(scores.device)).cpu())
             predictions.append(scores.argmax(dim=1).cpu())
     rank, predicted = torch.cat(ranks), torch.cat(predictions)
     loss = loss_sum / max(len(data), 1)

@@ -89,6 +89,12 @@ class DatasetConfig:
                 "dataset.pseudo_queries must be >= 0 and dataset.pseudo_query_words >= 1, got "
                 f"{self.pseudo_queries} and {self.pseudo_query_words}"
             )
+        if self.pseudo_queries and self.reader is not Reader.CORPUS:
+            raise ValueError(
+                f"dataset.pseudo_queries={self.pseudo_queries} takes windows of a corpus's "
+                f"documents; dataset.reader={self.reader} has none. Use a corpus (dataset=corpus) "
+                "or dataset.pseudo_queries=0"
+            )
         if self.reader is Reader.CORPUS and self.path is not None and not self.documents_path:
             raise ValueError(
                 "dataset.reader=corpus needs dataset.documents_path (the documents file) beside "

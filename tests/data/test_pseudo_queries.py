@@ -8,6 +8,7 @@ import pytest
 from car_fl.data.corpus import CorpusQuery, Document
 from car_fl.data.corpus_splits import query_key, split_corpus
 from car_fl.data.pseudo_queries import extractive_queries
+from car_fl.settings.schema import DatasetConfig
 
 TEXT = "one two three four five six seven eight nine ten"
 
@@ -52,3 +53,15 @@ def test_pseudo_queries_join_train_after_the_real_ones_and_never_a_held_out_text
     )
     assert len(newer.new_documents) == 3
     assert not set(newer.documents["train"]) & newer.new_documents  # none for new documents
+
+
+def test_a_window_two_documents_share_has_no_right_answer_and_is_dropped() -> None:
+    docs = [Document("a", "x y z w unique1"), Document("b", "x y z w unique2")]
+    split = split_corpus(docs, [], new_fraction=0.0, seed=0, pseudo_queries=5, pseudo_query_words=4)
+    assert "x y z w" not in split.texts["train"]
+    assert sorted(split.texts["train"]) == ["y z w unique1", "y z w unique2"]
+
+
+def test_pseudo_queries_need_a_corpus() -> None:
+    with pytest.raises(ValueError, match=r"dataset.pseudo_queries=2 .*dataset=corpus"):
+        DatasetConfig(name="t", path="x.tsv", pseudo_queries=2)

@@ -28,6 +28,9 @@ def test_fusion_adds_reciprocal_ranks_and_needs_rankings_of_one_shape() -> None:
     expected = torch.tensor([[1 / 2 + 1 / 4, 1 / 3 + 1 / 2, 1 / 4 + 1 / 3]], dtype=fused.dtype)
     torch.testing.assert_close(fused, expected)
     assert int(fused.argmax()) == 1  # second in one ranking and first in the other wins
+    first, second = torch.tensor([[3.0, 2.0, 1.0]]), torch.tensor([[1.0, 2.0, 3.0]])
+    swapped = reciprocal_rank_fusion(first, second)  # 0 and 2 sum alike: the first ranking
+    assert competition_ranks(swapped).tolist() == [[1, 3, 2]]  # decides, no tie is left
     unretrieved = torch.tensor([[float("-inf"), 2.0, 1.0]])  # the first: not retrieved
     torch.testing.assert_close(
         reciprocal_rank_fusion(unretrieved, k=1),
@@ -78,6 +81,8 @@ def test_fusion_ranks_the_test_queries_by_the_head_and_bm25_and_serves_the_same(
     assert best.lexical is not None
     hit = best.retrieve([texts[0]], k=3)[0]
     assert hit.score_kind == "rrf" and hit.probabilities is None
+    added = best.add_documents(["late"], ["zz9 a paper that arrived late"])  # BM25 knows it
+    assert best.retrieve(["zz9"], k=1)[0].labels == ("late",) and len(added) == 1
 
 
 @pytest.mark.slow

@@ -10,17 +10,17 @@ from car_fl.client.shard import local_retriever
 from car_fl.data.corpus import read_documents
 from car_fl.data.labels import LabelMap
 from car_fl.method.build import build_retriever
-from car_fl.method.documents import document_features
+from car_fl.method.documents import document_features, trained_rows
 from car_fl.method.encoder import load_encoder
 from car_fl.method.features import LocalData
-from car_fl.method.standardize import MIN_DOCUMENTS, Standardizer
+from car_fl.method.standardize import MIN_DOCUMENTS, RELATIVE_FLOOR, Standardizer
 
 
 def test_fitted_documents_have_mean_zero_and_unit_deviation_and_a_constant_dimension_is_kept() -> (
     None
 ):
     x = torch.randn(50, 6) * torch.tensor([1.0, 100.0, 0.1, 5.0, 1.0, 1.0]) + 3.0
-    x[:, 4] = 7.0  # constant: divided by 1, not by ~0
+    x[:, 4] = 7.0  # constant: divided by a floor, not by ~0
     s = Standardizer(6)
     assert torch.equal(s(x), x)  # the identity until fitted
     s.fit(x)
@@ -28,6 +28,10 @@ def test_fitted_documents_have_mean_zero_and_unit_deviation_and_a_constant_dimen
     torch.testing.assert_close(y.mean(0), torch.zeros(6), atol=1e-5, rtol=0)
     torch.testing.assert_close(y[:, [0, 1, 2, 3, 5]].std(0), torch.ones(5))
     assert torch.equal(y[:, 4], torch.zeros(50))
+    query = torch.zeros(1, 6)
+    query[0, 4] = 8.0  # a dimension documents never vary in cannot blow a query up
+    floor = RELATIVE_FLOOR * float(x.std(0).median())
+    torch.testing.assert_close(s(query)[0, 4], torch.tensor(1.0 / floor))
     assert "mean" not in s.state_dict()  # never saved, never sent: recomputed from the corpus
 
 
@@ -54,7 +58,9 @@ def test_mips_and_the_document_head_score_standardised_queries_against_standardi
     raw = document_features(
         settings, docs, get_encoder=lambda: load_encoder(settings.model, device="cpu")
     )
-    mean, deviation = raw.mean(0), raw.std(0)
+    trained = trained_rows(settings, len(docs))  # new documents arrive later: not in them
+    assert trained is not None and not bool(trained.all())
+    mean, deviation = raw[trained].mean(0), raw[trained].std(0)
     model = build_retriever(settings, len(docs), documents=docs)
     queries = torch.randn(3, raw.shape[1]) * 4
     expected = F.cosine_similarity(
@@ -78,6 +84,8 @@ def test_a_clients_queries_never_enter_the_statistics(make_corpus_settings) -> N
         settings, [d.text for d in docs], get_encoder=lambda: load_encoder(settings.model)
     )
     dim = raw.shape[1]
+    trained = trained_rows(settings, len(docs))
+    assert trained is not None
 
     def client(seed: int, n: int) -> LocalData:
         generator = torch.Generator().manual_seed(seed)
@@ -90,7 +98,7 @@ def test_a_clients_queries_never_enter_the_statistics(make_corpus_settings) -> N
     second = local_retriever(settings, client(1, 5), names)
     server = build_retriever(settings, len(docs), documents=[d.text for d in docs])
     for model in (first, second, server):
-        torch.testing.assert_close(model.standardizer.mean, raw.mean(0))
-        torch.testing.assert_close(model.standardizer.deviation, raw.std(0))
+        torch.testing.assert_close(model.standardizer.mean, raw[trained].mean(0))
+        torch.testing.assert_close(model.standardizer.deviation, raw[trained].std(0))
     other = build_retriever(settings, len(docs), documents=[d.text + " w99" for d in docs])
-    assert not torch.allclose(other.standardizer.mean, raw.mean(0))
+    assert not torch.allclose(other.standardizer.mean, raw[trained].mean(0))
