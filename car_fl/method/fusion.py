@@ -1,9 +1,10 @@
 """Reciprocal-rank fusion of rankings over the same documents (Cormack et al., SIGIR 2009).
 
-    fused(q, i) = Σ_r 1 / (k + rank_r(q, i))
+    fused(q, i) = Σ_r w_r / (k + rank_r(q, i))
 
-Ranks, not scores, are combined, so a head's logits and BM25's scores need no common scale and
-no weight to tune (k = 60 is the paper's). A document's rank is one plus the number of
+Ranks, not scores, are combined, so a head's logits and BM25's scores need no common scale
+(k = 60 is the paper's); a weight w_r per ranking (1 by default) lets a weaker ranking count
+less. A document's rank is one plus the number of
 documents scored strictly higher, so tied documents share one rank and no order among them is
 invented. A document a ranking did not retrieve (score −∞, e.g. BM25 without one word in
 common) adds nothing, as in fusion of top-N lists. Written here because it is a few tensor
@@ -11,6 +12,8 @@ operations on the scores the retriever already holds.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -27,17 +30,23 @@ def competition_ranks(scores: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(descending, -scores.float().contiguous()) + 1
 
 
-def reciprocal_rank_fusion(*scores: torch.Tensor, k: int = RRF_K) -> torch.Tensor:
-    """Fused scores ``(batch, documents)`` of rankings given as scores of equal shape."""
+def reciprocal_rank_fusion(
+    *scores: torch.Tensor, k: int = RRF_K, weights: Sequence[float] | None = None
+) -> torch.Tensor:
+    """Fused scores ``(batch, documents)`` of rankings given as scores of equal shape;
+    ``weights`` (one per ranking, default 1 each) scale each ranking's reciprocal ranks."""
     if not scores:
         raise ValueError("fusion needs at least one ranking")
     if k < 1:
         raise ValueError(f"the fusion constant k must be >= 1, got {k}")
+    weights = [1.0] * len(scores) if weights is None else list(weights)
+    if len(weights) != len(scores) or any(not w >= 0 for w in weights):
+        raise ValueError(f"{len(scores)} rankings need as many weights >= 0, got {weights}")
     shape = scores[0].shape
     if any(s.shape != shape for s in scores):
         raise ValueError(f"rankings of shapes {[tuple(s.shape) for s in scores]} cannot be fused")
     fused = torch.zeros(shape, dtype=torch.float64, device=scores[0].device)
-    for s in scores:
-        share = 1.0 / (k + competition_ranks(s).double())
+    for s, weight in zip(scores, weights, strict=True):
+        share = weight / (k + competition_ranks(s).double())
         fused += torch.where(torch.isneginf(s), torch.zeros_like(share), share)
     return fused + TIE_BREAK / competition_ranks(scores[0]).double()

@@ -81,7 +81,7 @@ class CaRRetriever(nn.Module):
         self.standardizer = Standardizer(dim).to(device)
         #: A lexical index whose ranking is fused with the head's (:meth:`fuse`), or None.
         self.lexical: LexicalIndex | None = None
-        self.fusion_k = head.fusion_k
+        self.fusion_k, self.fusion_weight = head.fusion_k, head.fusion_weight
         self.head: Scorer = build_scorer(
             head, dim=dim, num_labels=num_labels, device=device, moe=moe, layout=layout
         )
@@ -195,7 +195,9 @@ class CaRRetriever(nn.Module):
         lexical = self.lexical.scores(texts)
         unmatched = lexical.masked_fill(lexical <= 0, float("-inf"))  # no word in common
         # on the CPU, in float64 (deep ranks differ by ~1e-8; MPS has no float64)
-        return reciprocal_rank_fusion(scores.float().cpu(), unmatched, k=self.fusion_k)
+        return reciprocal_rank_fusion(
+            scores.float().cpu(), unmatched, k=self.fusion_k, weights=(self.fusion_weight, 1.0)
+        )
 
     def set_documents(self, texts: Sequence[str]) -> None:
         """MIPS: the labels' document texts, in label order (needs the encoder)."""

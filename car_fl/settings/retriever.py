@@ -58,8 +58,12 @@ class HeadConfig:
     #: bm25: a BM25 index over the documents' words beside the head, the two rankings fused by
     #: reciprocal rank (approach=fusion); none: the head alone. Training is the head's alone.
     lexical: Lexical = Lexical.NONE
-    #: The reciprocal-rank fusion constant: fused = Σ 1 / (fusion_k + rank).
+    #: The reciprocal-rank fusion constant: fused = w / (fusion_k + head's rank) + 1 /
+    #: (fusion_k + BM25's rank).
     fusion_k: int = 60
+    #: w above: the head's ranking's weight against BM25's (1: plain reciprocal-rank fusion;
+    #: 0: BM25 alone, its ties ordered by the head).
+    fusion_weight: float = 1.0
 
     def __post_init__(self) -> None:
         self.kind = HeadKind.parse("head.kind", self.kind)
@@ -70,6 +74,8 @@ class HeadConfig:
         self.lexical = Lexical.parse("head.lexical", self.lexical)
         if self.fusion_k < 1:
             raise ValueError(f"head.fusion_k must be >= 1, got {self.fusion_k}")
+        if not self.fusion_weight >= 0:
+            raise ValueError(f"head.fusion_weight must be >= 0, got {self.fusion_weight}")
         positive("head.temperature", self.temperature)
         positive("head.scale", self.scale)
         if self.map_rank < 1:

@@ -36,6 +36,10 @@ def test_fusion_adds_reciprocal_ranks_and_needs_rankings_of_one_shape() -> None:
         reciprocal_rank_fusion(unretrieved, k=1),
         torch.tensor([[0.0, 1 / 2, 1 / 3]], dtype=fused.dtype),
     )
+    weighted = reciprocal_rank_fusion(head, lexical, k=1, weights=(0.0, 1.0))
+    assert int(weighted.argmax()) == 1 and weighted[0, 0] < weighted[0, 2]  # the lexical order
+    with pytest.raises(ValueError, match="as many weights >= 0"):
+        reciprocal_rank_fusion(head, lexical, weights=(1.0,))
     with pytest.raises(ValueError, match="cannot be fused"):
         reciprocal_rank_fusion(head, lexical[:, :2])
     with pytest.raises(ValueError, match="k must be >= 1"):
