@@ -93,10 +93,13 @@ def load_queries(corpus: Path, count: int, seed: int) -> list[dict[str, str]]:
 def peak_memory(checkpoint: Path, generator: str, shared: bool) -> dict[str, Any]:
     """Peak RSS of one ``car-fl ask`` in a fresh process: one copy of the weights or two."""
     how = ["--same-model"] if shared else ["--generator", generator]
+    # VmHWM, not ru_maxrss: Linux carries a parent's peak RSS into its child across fork and
+    # exec, so ru_maxrss would report this (larger) benchmark process instead.
     code = (
-        "import resource, sys; from car_fl.cli import main; "
+        "import re, sys; from car_fl.cli import main; "
         "code = main(sys.argv[1:]); "
-        "print('PEAK', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(code)"
+        "hwm = re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1); "
+        "print('PEAK', hwm); sys.exit(code)"
     )
     args = ["ask", "--checkpoint", str(checkpoint), *how, "--device", "cpu"]
     args += ["--max-new-tokens", "8", "which paper studies federated learning?"]
@@ -132,6 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--f1", type=float, default=0.5, help="token F1 that names the paper")
     parser.add_argument("--memory", action="store_true", help="also peak memory: 1 vs 2 copies")
+    parser.add_argument(
+        "--memory-only",
+        action="store_true",
+        help="only the peak memory of each retriever's car-fl ask (memory.json), no answers",
+    )
     args = parser.parse_args(argv)
     from car_fl.method.gguf import resolve
     from car_fl.method.head import Hit
@@ -146,6 +154,17 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--retriever {item!r}: write NAME=RUN_FOLDER")
         retrievers[name] = checkpoint_of(Path(run))
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.memory_only:
+        memory_rows = []
+        for name, ckpt in retrievers.items():
+            model_path = load_checkpoint(ckpt).settings.model.name_or_path
+            shared = resolve(model_path) == resolve(args.generator)
+            memory_rows.append({"row": name, **peak_memory(ckpt, args.generator, shared)})
+            print(json.dumps(memory_rows[-1]), flush=True)
+        command = "python " + " ".join(["scripts/rag_benchmark.py", *(argv or sys.argv[1:])])
+        record = {"command": command, "load": list(os.getloadavg()), "memory": memory_rows}
+        (args.out / "memory.json").write_text(json.dumps(record, indent=2) + "\n", "utf-8")
+        return 0
     documents = {d["id"]: d for d in map(json.loads, (args.corpus / "documents.jsonl").open())}
     queries = load_queries(args.corpus, args.queries, args.seed)
     load = [round(x, 2) for x in os.getloadavg()]
