@@ -12,10 +12,19 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from car_fl.commands import ask, ledger, report, retrieve, run, train, worker
+from car_fl.commands import ask, generate_queries, ledger, report, retrieve, run, train, worker
 
 #: The subcommands, in the order ``car-fl --help`` lists them.
-COMMANDS: tuple[ModuleType, ...] = (train, run, retrieve, ask, report, ledger, worker)
+COMMANDS: tuple[ModuleType, ...] = (
+    train,
+    run,
+    retrieve,
+    ask,
+    generate_queries,
+    report,
+    ledger,
+    worker,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,7 +20,9 @@ writes (``car-fl ask``): *cites the paper* is the share of questions whose first
 true paper. Each row also gives retrieval and answer seconds per question. ``--memory`` also
 measures the peak memory of one ``car-fl ask`` per retriever, each in a fresh process: with the
 generator's own weights as the encoder (one model) or the retriever's encoder beside the
-generator (two models).
+generator (two models). ``--reuse FOLDER`` takes an earlier run's answer for a question whose
+prompt holds the same documents (greedy decoding gives the same text), so a larger sample only
+generates the new questions; its answer seconds count generated answers only.
 Writes ``results.json``, ``answers.jsonl`` (every question, prompt's documents and answer) and
 ``table.md``.
 """
@@ -98,8 +100,9 @@ def peak_memory(checkpoint: Path, generator: str, shared: bool) -> dict[str, Any
     code = (
         "import re, sys; from car_fl.cli import main; "
         "code = main(sys.argv[1:]); "
-        "hwm = re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1); "
-        "print('PEAK', hwm); sys.exit(code)"
+        "status = open('/proc/self/status').read(); "
+        "hwm, rss = (re.search(k + r':\\s+(\\d+)', status).group(1) for k in ('VmHWM', 'VmRSS')); "
+        "print('PEAK', hwm, 'RSS', rss); sys.exit(code)"
     )
     args = ["ask", "--checkpoint", str(checkpoint), *how, "--device", "cpu"]
     args += ["--max-new-tokens", "8", "which paper studies federated learning?"]
@@ -109,12 +112,36 @@ def peak_memory(checkpoint: Path, generator: str, shared: bool) -> dict[str, Any
     )
     if done.returncode != 0:
         raise SystemExit(f"car-fl ask failed: {done.stderr.strip().splitlines()[-1:]}")
-    peak_kib = int(done.stdout.split("PEAK")[-1].split()[0])
+    peak_kib, rss_kib = (int(done.stdout.split(key)[-1].split()[0]) for key in ("PEAK", "RSS"))
     return {
         "copies": 1 if shared else 2,
         "peak_rss_mib": round(peak_kib / 1024),
+        "rss_after_answer_mib": round(rss_kib / 1024),
         "seconds": round(time.perf_counter() - tick, 1),
     }
+
+
+def seconds(value: object) -> str:
+    return f"{value:.2f}" if isinstance(value, float) else "reused"
+
+
+def reusable_answers(
+    folder: Path, args: argparse.Namespace
+) -> dict[tuple[str, tuple[str, ...]], str]:
+    """An earlier run's answers by (sentence, prompt's document ids), if it asked the same way."""
+    earlier = json.loads((folder / "results.json").read_text(encoding="utf-8"))
+    if "max_new_tokens" not in earlier:  # written before the key was recorded: its command says
+        found = re.search(r"--max-new-tokens (\d+)", earlier["command"])
+        earlier["max_new_tokens"] = int(found.group(1)) if found else 48
+    same = {"generator": args.generator, "k": args.k, "max_new_tokens": args.max_new_tokens}
+    differs = {key: earlier.get(key) for key, value in same.items() if earlier.get(key) != value}
+    if differs:
+        raise SystemExit(
+            f"--reuse {folder}: it was run with {differs}, this run asks {same}; "
+            "answers are reusable only for the same generator, k and --max-new-tokens"
+        )
+    rows = map(json.loads, (folder / "answers.jsonl").open(encoding="utf-8"))
+    return {(a["sentence"], tuple(a["sources"])): a["answer"] for a in rows}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,6 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-k", type=int, default=3, help="documents in the prompt (3)")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--f1", type=float, default=0.5, help="token F1 that names the paper")
+    parser.add_argument(
+        "--reuse",
+        type=Path,
+        help="an earlier --out folder: its answers to the same prompts are taken, not regenerated",
+    )
     parser.add_argument("--memory", action="store_true", help="also peak memory: 1 vs 2 copies")
     parser.add_argument(
         "--memory-only",
@@ -165,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         record = {"command": command, "load": list(os.getloadavg()), "memory": memory_rows}
         (args.out / "memory.json").write_text(json.dumps(record, indent=2) + "\n", "utf-8")
         return 0
+    reused = reusable_answers(args.reuse, args) if args.reuse else {}
     documents = {d["id"]: d for d in map(json.loads, (args.corpus / "documents.jsonl").open())}
     queries = load_queries(args.corpus, args.queries, args.seed)
     load = [round(x, 2) for x in os.getloadavg()]
@@ -199,26 +232,37 @@ def main(argv: list[str] | None = None) -> int:
     rows, answers = [], []
     for name, per_query in hits_by_row.items():
         tick = time.perf_counter()
-        named = in_prompt = cited = 0
+        named = in_prompt = cited = generated = 0
+        answer_seconds = 0.0
         f1s = []
         for query, hits in zip(queries, per_query, strict=True):
             title = documents[query["document_id"]]["title"]
             question = QUESTION.format(sentence=query["query"])
-            answer = generator.answer(
-                question, hits, max_new_tokens=args.max_new_tokens, instruction=PLAIN_INSTRUCTION
-            )
-            score = title_f1(answer.text, title)
+            sources = [h.id for h in hits]
+            text = reused.get((query["query"], tuple(sources)))
+            if text is None:
+                started = time.perf_counter()
+                answer = generator.answer(
+                    question,
+                    hits,
+                    max_new_tokens=args.max_new_tokens,
+                    instruction=PLAIN_INSTRUCTION,
+                )
+                answer_seconds += time.perf_counter() - started
+                generated += 1
+                text, sources = answer.text, list(answer.sources)
+            score = title_f1(text, title)
             f1s.append(score)
             named += score >= args.f1
             in_prompt += any(h.id == query["document_id"] for h in hits)
-            cited += bool(answer.sources) and answer.sources[0] == query["document_id"]
+            cited += bool(sources) and sources[0] == query["document_id"]
             answers.append(
                 {
                     "row": name,
                     "sentence": query["query"],
                     "title": title,
-                    "sources": list(answer.sources),
-                    "answer": answer.text,
+                    "sources": sources,
+                    "answer": text,
                     "f1": round(score, 3),
                 }
             )
@@ -231,8 +275,9 @@ def main(argv: list[str] | None = None) -> int:
                 "cites_the_paper": cited / len(queries),
                 "seconds": round(time.perf_counter() - tick, 1),
                 "retrieval_seconds_per_question": round(retrieval_seconds[name] / len(queries), 4),
-                "answer_seconds_per_question": round(
-                    (time.perf_counter() - tick) / len(queries), 2
+                "answers_generated": generated,
+                "answer_seconds_per_question": (
+                    round(answer_seconds / generated, 2) if generated else None
                 ),
             }
         )
@@ -249,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         "queries": len(queries),
         "seed": args.seed,
         "k": args.k,
+        "max_new_tokens": args.max_new_tokens,
+        "reused_from": str(args.reuse) if args.reuse else None,
         "generator": args.generator,
         "f1_threshold": args.f1,
         "load_before": load,
@@ -273,13 +320,18 @@ def main(argv: list[str] | None = None) -> int:
     lines += [
         f"| {r['row']} | {r['names_the_paper']:.1%} | {r['mean_f1']:.3f} | "
         f"{r['true_document_in_prompt']:.1%} | {r['cites_the_paper']:.1%} | "
-        f"{r['retrieval_seconds_per_question']:.3f} | {r['answer_seconds_per_question']:.2f} |"
+        f"{r['retrieval_seconds_per_question']:.3f} | {seconds(r['answer_seconds_per_question'])} |"
         for r in rows
     ]
     if memory:
-        lines += ["", "| retriever | models in memory | peak RSS (MiB) | s |", "|---|---|---|---|"]
         lines += [
-            f"| {m['row']} | {m['copies']} | {m['peak_rss_mib']:,} | {m['seconds']} |"
+            "",
+            "| retriever | models in memory | peak RSS (MiB) | RSS after the answer (MiB) | s |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {m['row']} | {m['copies']} | {m['peak_rss_mib']:,} | "
+            f"{m['rss_after_answer_mib']:,} | {m['seconds']} |"
             for m in memory
         ]
     (args.out / "table.md").write_text("\n".join(lines) + "\n", encoding="utf-8")

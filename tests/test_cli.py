@@ -91,6 +91,7 @@ def test_every_subcommand_is_listed() -> None:
         "run",
         "retrieve",
         "ask",
+        "generate-queries",
         "report",
         "ledger",
         "worker",

@@ -97,6 +97,7 @@ from car_fl.settings.dp_plan import dp_active
 from car_fl.settings.flower import (
     DATA_PATH,
     DOCUMENTS_PATH,
+    GENERATED_QUERIES_PATH,
     PRIVACY_POLICY,
     TEST_DATA_PATH,
     NodeInfo,
@@ -214,6 +215,7 @@ class Node:
             own = {
                 "test_path": self.config.get(TEST_DATA_PATH),
                 "documents_path": self.config.get(DOCUMENTS_PATH),
+                "generated_queries_path": self.config.get(GENERATED_QUERIES_PATH),
             }
             settings = guard.policy.data.apply(settings, source=guard.policy.source, paths=own)
         # 4. the ledger, before any record (when the release does not follow n)

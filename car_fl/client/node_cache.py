@@ -169,6 +169,7 @@ def shard_key(
                 settings.dataset.path,
                 settings.dataset.test_path,
                 settings.dataset.documents_path,
+                settings.dataset.generated_queries_path,
             )
         ],
         "seed": settings.seed,

@@ -117,10 +117,12 @@ class NodeReading:
     ) -> Settings:
         """``settings`` with this reading; a run's value that differs is logged and ignored.
 
-        ``paths``: the node's own ``dataset.test_path`` and ``dataset.documents_path`` (from its
-        node config, ``None`` when it names none): a run config's would let the server cancel
-        the owner's test split, drop the records that match a file of its choice, or make a
-        corpus read fail exactly when the node holds a query of a missing document."""
+        ``paths``: the node's own ``dataset.test_path``, ``dataset.documents_path`` and
+        ``dataset.generated_queries_path`` (from its node config, ``None`` when it names
+        none): a run config's would let the server cancel the owner's test split, drop the
+        records that match a file of its choice, make a corpus read fail exactly when the node
+        holds a query of a missing document, or add queries of its choice to the node's
+        training set."""
         mine = _reading_fields(self)
         readers = {self.reader, settings.dataset.reader}
         ignored = [

@@ -16,6 +16,10 @@ Rules, in order (:func:`split_corpus`):
 5. **Pseudo-queries.** ``pseudo_queries`` windows of each other document's own words
    (:mod:`car_fl.data.pseudo_queries`) join the training queries, after the real ones; a window
    whose text is a kept query's, or another document's window too, is dropped.
+6. **Generated queries.** Queries a model wrote for the documents
+   (:mod:`car_fl.method.query_generation`, ``dataset.generated_queries_path``) join the
+   training queries on the same terms as pseudo-queries: none for a new document, none whose
+   text is a kept query's, none that two documents share.
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ def split_corpus(
     seed: int,
     pseudo_queries: int = 0,
     pseudo_query_words: int = DEFAULT_WORDS,
+    generated: Sequence[CorpusQuery] = (),
 ) -> CorpusSplit:
     """Apply the module's rules; document indices follow ``documents``' order."""
     index = {d.id: i for i, d in enumerate(documents)}
@@ -108,15 +113,20 @@ def split_corpus(
         seed=seed,
         skip=new,
     )
+    written = [(q.text, index[q.document_id]) for q in generated if index[q.document_id] not in new]
     owners: dict[str, set[int]] = defaultdict(set)
     first: dict[str, tuple[str, int, str]] = {}
-    for text, doc in pseudo:
-        owners[query_key(text)].add(doc)
-        first.setdefault(query_key(text), (text, doc, "train"))
-    # once each; a window two documents share has no right answer (rule 2): dropped
-    fresh = [q for key, q in first.items() if key not in taken and len(owners[key]) == 1]
-    stats["pseudo_queries"] = len(fresh)
-    kept += fresh
+    kind: dict[str, str] = {}
+    for origin, extra in (("pseudo_queries", pseudo), ("generated_queries", written)):
+        for text, doc in extra:
+            owners[query_key(text)].add(doc)
+            first.setdefault(query_key(text), (text, doc, "train"))
+            kind.setdefault(query_key(text), origin)
+    # once each; a text two documents share has no right answer (rule 2): dropped
+    fresh = [key for key in first if key not in taken and len(owners[key]) == 1]
+    stats["pseudo_queries"] = sum(kind[key] == "pseudo_queries" for key in fresh)
+    stats["generated_queries"] = sum(kind[key] == "generated_queries" for key in fresh)
+    kept += [first[key] for key in fresh]
 
     texts: dict[str, list[str]] = {s: [] for s in SPLITS}
     docs: dict[str, list[int]] = {s: [] for s in SPLITS}

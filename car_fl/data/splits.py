@@ -271,6 +271,11 @@ def load_corpus_splits(
         seed=seed,
         pseudo_queries=cfg.pseudo_queries,
         pseudo_query_words=cfg.pseudo_query_words,
+        generated=(
+            read_queries(cfg.generated_queries_path, documents)
+            if cfg.generated_queries_path
+            else ()
+        ),
     )
     topics = [str(d.metadata.get(cfg.topic_key, "")) for d in documents]
 

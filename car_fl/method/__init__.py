@@ -22,5 +22,7 @@
   retrieves and the head whose rows start as their embeddings.
 - :mod:`~car_fl.method.experts`, :mod:`~car_fl.method.clustering`: the mixture of experts and
   its balanced clusters of documents.
-- :mod:`~car_fl.method.rag`: the top-K documents, a prompt, a causal LM's answer.
+- :mod:`~car_fl.method.rag`: the top-K documents, a prompt, a causal LM's answer;
+  :mod:`~car_fl.method.query_generation`: training queries the causal LM writes, kept by a
+  round trip through the retriever.
 """

@@ -39,6 +39,7 @@ DATA_IS_SHARD = "data-is-shard"
 DATA_PATH = "data-path"
 TEST_DATA_PATH = "test-data-path"
 DOCUMENTS_PATH = "documents-path"
+GENERATED_QUERIES_PATH = "generated-queries-path"
 MODEL_PATH = "model-path"
 DEVICE = "device"
 CACHE_DIR = "cache-dir"
@@ -63,6 +64,10 @@ NODE_CONFIG: dict[str, NodeKey] = {
     DATA_PATH: NodeKey("dataset.path", "this node's local data file"),
     TEST_DATA_PATH: NodeKey("dataset.test_path", "this node's local test file"),
     DOCUMENTS_PATH: NodeKey("dataset.documents_path", "this node's copy of the corpus's documents"),
+    GENERATED_QUERIES_PATH: NodeKey(
+        "dataset.generated_queries_path",
+        "queries this node's model wrote for the documents (car-fl generate-queries)",
+    ),
     MODEL_PATH: NodeKey("model.name_or_path", "this node's local copy of the encoder"),
     DEVICE: NodeKey("device", "where this node runs the encoder (auto, cpu, cuda, mps)"),
     CACHE_DIR: NodeKey("cache_dir", "this node's cache folder (features, settings, shard)"),

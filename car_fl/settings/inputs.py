@@ -60,6 +60,10 @@ class DatasetConfig:
     pseudo_queries: int = 0
     #: The length of a pseudo-query, in words.
     pseudo_query_words: int = 12
+    #: reader=corpus: a queries file a model wrote for the documents (``car-fl
+    #: generate-queries``), added to the training queries; null: none. Like documents_path,
+    #: other readers ignore it (a node config may name it for every run).
+    generated_queries_path: str | None = None
 
     def __post_init__(self) -> None:
         self.reader = Reader.parse("dataset.reader", self.reader)

@@ -107,3 +107,11 @@ def test_only_the_nodes_own_config_names_its_test_and_documents_files(make_setti
     assert mine.dataset.test_path is None and mine.dataset.documents_path is None
     own = NodeReading().apply(run, paths={"test_path": "/mine/test.tsv", "documents_path": None})
     assert own.dataset.test_path == "/mine/test.tsv"
+    # a run's generated queries would add training queries of the server's choice
+    theirs = make_settings("dataset.generated_queries_path=/srv/queries.jsonl")
+    paths: dict[str, str | None] = {"test_path": None, "documents_path": None}
+    paths["generated_queries_path"] = None
+    assert NodeReading().apply(theirs, paths=paths).dataset.generated_queries_path is None
+    paths["generated_queries_path"] = "/mine/generated.jsonl"
+    mine_too = NodeReading().apply(theirs, paths=paths).dataset.generated_queries_path
+    assert mine_too == "/mine/generated.jsonl"

@@ -186,3 +186,27 @@ def test_the_arxiv_script_writes_a_corpus_whose_held_out_sentences_leave_the_doc
     assert [(q["query"], q["split"]) for q in queries if q["document_id"] == "0704.0002"] == [
         ("Only one sentence in it.", "test")
     ]
+
+
+def test_generated_queries_join_train_on_the_terms_of_pseudo_queries() -> None:
+    """Rule 6: a model's query is a training query, never for a new document, never a held-out
+    text, never one two documents share (with each other or with a pseudo-query)."""
+    docs = [Document(f"d{i}", f"doc {i} text words here") for i in range(4)]
+    queries = [CorpusQuery("real d0", "d0", "train"), CorpusQuery("held out", "d1", "test")]
+    generated = [
+        CorpusQuery("about d0", "d0"),
+        CorpusQuery("About  D0", "d0"),  # the same text again: once
+        CorpusQuery("held out", "d2"),  # a held-out text: dropped
+        CorpusQuery("shared", "d2"),  # two documents: no right answer
+        CorpusQuery("shared", "d3"),
+        CorpusQuery("about d3", "d3"),
+    ]
+    split = split_corpus(docs, queries, new_fraction=0.0, seed=0, generated=generated)
+    pairs = list(zip(split.texts["train"], split.documents["train"], strict=True))
+    assert pairs == [("real d0", 0), ("about d0", 0), ("about d3", 3)]
+    assert split.stats["generated_queries"] == 2 and split.stats["pseudo_queries"] == 0
+    assert split.texts["test"] == ["held out"]
+    newer = split_corpus(docs, queries, new_fraction=0.5, seed=0, generated=generated)
+    assert newer.new_documents == {0, 2}  # their queries never count, "shared" is d3's alone
+    pairs = list(zip(newer.texts["train"], newer.documents["train"], strict=True))
+    assert pairs == [("shared", 3), ("about d3", 3)]
