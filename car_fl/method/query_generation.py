@@ -29,7 +29,8 @@ PROMPT = "Write one short search query that the following text answers.\n\nText:
 DOCUMENT_TOKENS = 256
 #: DSI-QG samples from the 10 likeliest tokens.
 TOP_K = 10
-_PREFIX = re.compile(r"^\s*(search\s+)?query\s*[:\-]\s*", re.IGNORECASE)
+#: A label a small model may echo before its query ("Query:", "Search query -", "Text:").
+_PREFIX = re.compile(r"^\s*((search\s+)?query|text)\s*[:\-]\s*", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,8 @@ class GeneratedQuery:
 
 
 def clean_query(text: str) -> str:
-    """A generated text as a query: its first non-empty line, without a ``Query:`` prefix or
-    surrounding quotes, whitespace collapsed ('' when nothing is left)."""
+    """A generated text as a query: its first non-empty line, without a ``Query:`` (or the
+    prompt's ``Text:``) prefix or surrounding quotes, whitespace collapsed ('' when nothing is left)."""
     line = next((ln for ln in text.splitlines() if ln.strip()), "")
     line = _PREFIX.sub("", line).strip().strip("\"'“”`").strip()
     return " ".join(line.split())

@@ -25,6 +25,7 @@ def test_a_generated_text_becomes_one_clean_line() -> None:
         "federated learning with DP"
     )
     assert clean_query("\n\n  search query -  sparse   attention ") == "sparse attention"
+    assert clean_query("Text: Equivariant Phantom") == "Equivariant Phantom"  # the prompt's echo
     assert clean_query("   \n ") == ""
 
 
