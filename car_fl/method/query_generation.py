@@ -45,7 +45,8 @@ class GeneratedQuery:
 
 def clean_query(text: str) -> str:
     """A generated text as a query: its first non-empty line, without a ``Query:`` (or the
-    prompt's ``Text:``) prefix or surrounding quotes, whitespace collapsed ('' when nothing is left)."""
+    prompt's ``Text:``) prefix or surrounding quotes, whitespace collapsed ('' when nothing is
+    left)."""
     line = next((ln for ln in text.splitlines() if ln.strip()), "")
     line = _PREFIX.sub("", line).strip().strip("\"'“”`").strip()
     return " ".join(line.split())
