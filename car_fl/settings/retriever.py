@@ -176,10 +176,12 @@ class TrainConfig:
     #: validation metric that selects the best epoch (``train.epochs`` is then a ceiling);
     #: null: every epoch runs.
     patience: int | None = None
-    #: adapter+classifier, centralised: first train the head alone for this many epochs on
-    #: the frozen features (cached, as CaR does), then the adapter and that head together
+    #: adapter+classifier, centralised: first train the head alone for up to this many epochs
+    #: on the frozen features (cached, as CaR does), keep the probe epoch validation selects
+    #: (``train.patience`` ends the probe too), then train the adapter and that head together
     #: (linear probing, then fine-tuning: Kumar et al., 2022). The probed head is the run's
-    #: starting point (epoch 0), so validation never selects worse than CaR's head. 0: none.
+    #: starting point (epoch 0), so validation never selects worse than CaR's head; the probe's
+    #: curve is ``metrics.json``'s ``probe``. 0: none.
     probe_epochs: int = 0
 
     def __post_init__(self) -> None:
