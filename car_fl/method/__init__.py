@@ -16,6 +16,8 @@
   their torch.optim optimisers, top-K/MRR/F1; :mod:`~car_fl.method.evaluation`:
   ``HeldOut`` (validation and test).
 - :mod:`~car_fl.method.centralized`: centralised training, one row of metrics per epoch.
+- :mod:`~car_fl.method.probe`: linear probing, the head alone on frozen features, the epoch
+  validation selects kept, before adapter + classifier trains.
 - :mod:`~car_fl.method.sources`: where the encoder and data come from, checked before any work;
   :mod:`~car_fl.method.gguf`: GGUF files dequantised once into a Hugging Face folder.
 - :mod:`~car_fl.method.documents`, :mod:`~car_fl.method.document_head`: the documents a run

@@ -23,16 +23,16 @@ from car_fl.common.io import atomic_write_text
 from car_fl.data.splits import DataSplits, load_splits
 from car_fl.method.build import build_retriever
 from car_fl.method.evaluation import HeldOut, LazyRetriever
-from car_fl.method.feature_cache import FeatureCache
-from car_fl.method.features import LocalData, prepare_data, prepare_for
+from car_fl.method.features import LocalData, prepare_for
 from car_fl.method.model import CaRRetriever
+from car_fl.method.probe import probe_head
 from car_fl.method.serving import checkpoint_extra
 from car_fl.method.sources import check_sources
-from car_fl.method.train import EpochResult, evaluate, make_optimizer, train_epoch
+from car_fl.method.train import EpochResult, make_optimizer, train_epoch
 from car_fl.results.plots import data_label
 from car_fl.results.recorder import Recorder
 from car_fl.results.rows import RoundRow, RunSummary
-from car_fl.results.selection import is_better
+from car_fl.results.selection import out_of_patience
 from car_fl.settings.compose import settings_to_yaml
 from car_fl.settings.schema import DPMode, HeadKind, Mode, Settings, trains_nothing
 
@@ -236,77 +236,10 @@ def summarise(
     )
 
 
-def probe_head(settings: Settings, model: CaRRetriever, splits: DataSplits) -> dict[str, Any]:
-    """Linear probing before fine-tuning: up to ``train.probe_epochs`` epochs of the head alone
-    on the frozen features of the training texts (the identity adapter changes nothing; the
-    features come from the cache CaR runs fill), with an optimiser of its own. Each epoch is
-    scored on validation's cached features (epoch 0 too: the untrained head, as CaR's run
-    scores it) and the head of the best one
-    (:func:`~car_fl.results.selection.is_better`) is kept, so the adapter starts from the head
-    CaR's own run would select; ``train.patience`` ends the probe as it ends training. Without a
-    validation split the last epoch's head is kept. Returns ``history`` and ``selected``."""
-
-    def features(split: str) -> LocalData:
-        return prepare_data(
-            getattr(splits, split)["text"],
-            getattr(splits, split)["label"],
-            mode=Mode.CLASSIFIER,
-            model_cfg=settings.model,
-            device=settings.device,
-            get_model=lambda: model,
-            cache=FeatureCache(settings.cache_dir),
-            batch_size=settings.train.feature_batch_size,
-            progress=settings.progress,
-            desc=f"probe {split} features",
-        )
-
-    data = features("train")
-    validation = features("validation") if len(splits.validation) else None
-    optimizer = make_optimizer(model, settings.train)
-    rows: list[dict[str, float]] = []
-    best: dict[str, float] | None = None
-    best_state = model.trainable_state_dict()
-    for epoch in range(settings.train.probe_epochs + 1):  # 0: the untrained head, as in CaR
-        row: dict[str, float] = {"epoch": epoch}
-        if epoch:
-            result = one_epoch(settings, model, data, optimizer, epoch - 1, desc="probe")
-            row["train_loss"] = result.loss
-        if validation is not None:
-            scores = evaluate(
-                model,
-                validation,
-                batch_size=settings.train.eval_batch_size,
-                top_k=settings.eval.top_k,
-            )
-            row.update(val_top1=scores["top1"], val_loss=scores["loss"])
-        rows.append(row)
-        if is_better(row, best):
-            best, best_state = row, model.trainable_state_dict()
-        assert best is not None
-        if out_of_patience(epoch, int(best["epoch"]), settings.train.patience):
-            break
-    assert best is not None
-    model.load_trainable_state_dict(best_state)
-    log.info(
-        "probed the head for %d epochs on frozen features; the adapter starts from probe "
-        "epoch %d (val top1 %s)",
-        len(rows) - 1,
-        best["epoch"],
-        f"{best['val_top1']:.4f}" if "val_top1" in best else "-: no validation split",
-    )
-    return {"selected": best["epoch"], "history": rows}
-
-
 def stalled(recorder: Recorder, epoch: int, patience: int | None) -> bool:
     """``patience`` epochs have passed since the epoch validation selected as best."""
     best = recorder.best
     return best is not None and out_of_patience(epoch, best.round, patience)
-
-
-def out_of_patience(epoch: int, best_epoch: int, patience: int | None) -> bool:
-    """``patience`` epochs (null: never) have passed since ``best_epoch`` (training's and the
-    probe's early stop)."""
-    return patience is not None and epoch - best_epoch >= patience
 
 
 def check_no_dp(settings: Settings) -> None:

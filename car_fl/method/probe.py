@@ -1,0 +1,90 @@
+"""Linear probing before fine-tuning (Kumar et al., 2022): the head alone on frozen features,
+the epoch validation selects kept, before adapter + classifier trains both through the LM.
+
+``train.probe_epochs`` in a centralised run (:mod:`car_fl.method.centralized`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from car_fl.data.splits import DataSplits
+from car_fl.method.feature_cache import FeatureCache
+from car_fl.method.features import LocalData, prepare_data
+from car_fl.method.model import CaRRetriever
+from car_fl.method.train import evaluate, make_optimizer, train_epoch
+from car_fl.results.selection import is_better, out_of_patience
+from car_fl.settings.schema import Mode, Settings
+
+log = logging.getLogger(__name__)
+
+
+def probe_head(settings: Settings, model: CaRRetriever, splits: DataSplits) -> dict[str, Any]:
+    """Linear probing before fine-tuning: up to ``train.probe_epochs`` epochs of the head alone
+    on the frozen features of the training texts (the identity adapter changes nothing; the
+    features come from the cache CaR runs fill), with an optimiser of its own. Each epoch is
+    scored on validation's cached features (epoch 0 too: the untrained head, as CaR's run
+    scores it) and the head of the best one
+    (:func:`~car_fl.results.selection.is_better`) is kept, so the adapter starts from the head
+    CaR's own run would select; ``train.patience`` ends the probe as it ends training. Without a
+    validation split the last epoch's head is kept. Returns ``history`` and ``selected``."""
+
+    def features(split: str) -> LocalData:
+        return prepare_data(
+            getattr(splits, split)["text"],
+            getattr(splits, split)["label"],
+            mode=Mode.CLASSIFIER,
+            model_cfg=settings.model,
+            device=settings.device,
+            get_model=lambda: model,
+            cache=FeatureCache(settings.cache_dir),
+            batch_size=settings.train.feature_batch_size,
+            progress=settings.progress,
+            desc=f"probe {split} features",
+        )
+
+    data = features("train")
+    validation = features("validation") if len(splits.validation) else None
+    optimizer = make_optimizer(model, settings.train)
+    rows: list[dict[str, float]] = []
+    best: dict[str, float] | None = None
+    best_state = model.trainable_state_dict()
+    for epoch in range(settings.train.probe_epochs + 1):  # 0: the untrained head, as in CaR
+        row: dict[str, float] = {"epoch": epoch}
+        if epoch:
+            result = train_epoch(
+                model,
+                data,
+                optimizer,
+                batch_size=settings.train.batch_size,
+                seed=settings.seed,
+                epoch=epoch - 1,
+                progress=settings.progress,
+                desc=f"probe {epoch}",
+            )
+            row["train_loss"] = result.loss
+        if validation is not None:
+            scores = evaluate(
+                model,
+                validation,
+                batch_size=settings.train.eval_batch_size,
+                top_k=settings.eval.top_k,
+            )
+            row.update(val_top1=scores["top1"], val_loss=scores["loss"])
+        rows.append(row)
+        if is_better(row, best):
+            best, best_state = row, model.trainable_state_dict()
+        assert best is not None
+        if out_of_patience(epoch, int(best["epoch"]), settings.train.patience):
+            break
+    assert best is not None
+    model.load_trainable_state_dict(best_state)
+    log.info(
+        "probed the head for %d epochs on frozen features; the adapter starts from probe "
+        "epoch %d (val top1 %s)",
+        len(rows) - 1,
+        best["epoch"],
+        f"{best['val_top1']:.4f}" if "val_top1" in best else "-: no validation split",
+    )
+    return {"selected": best["epoch"], "history": rows}
