@@ -8,7 +8,8 @@ then writes:
 
 - ``results.csv`` / ``report.md``: one row per job (failed and skipped jobs included, with
   the reason): model, approach, clients, scenario (centralised / FL / FL + DP fixed / FL + DP
-  adaptive), top-1 and top-K accuracy, MRR, macro-F1, train + validation seconds, speed-up
+  adaptive), the final model's top-1, the epoch or round selected on validation with its
+  validation and test top-1, top-K accuracy, MRR, macro-F1, train + validation seconds, speed-up
   against the centralised run of the same model and approach, and ε where DP was on;
 - ``retrieval.csv`` and a second table in ``report.md``: the retrieval approaches (MIPS,
   adapter + MIPS, classifier, adapter + classifier, kNN) of the centralised runs;
@@ -111,10 +112,16 @@ class RunRecord:
         final = self.summary.final if self.summary is not None else None
         return final.to_dict() if final is not None else {}
 
+    @property
+    def best(self) -> dict[str, Any]:
+        """The columns of the row validation selected (empty without a summary)."""
+        best = self.summary.best if self.summary is not None else None
+        return best.to_dict() if best is not None else {}
+
     def row(self) -> dict[str, Any]:
         """The run's line in ``results.csv`` (full precision; empty where not applicable)."""
         s, summary = self.settings, self.summary
-        final = self.final
+        final, best = self.final, self.best
         num_labels = summary.num_labels if summary is not None else None
         k = informative_k(s, final, num_labels) if s is not None else None
         dp = s.dp.mode if s is not None else ""
@@ -129,6 +136,9 @@ class RunRecord:
             "scenario": scenario_of(s, self.clients) if s and self.clients else "",
             "epochs": final.get("epochs", ""),
             "top1": final.get("test_top1", ""),
+            "selected": best.get("round", ""),
+            "val_top1": best.get("val_top1", ""),
+            "top1_selected": best.get("test_top1", ""),
             "k": k or "",
             "topk": final.get(f"test_top{k}", "") if k else "",
             "mrr": final.get("test_mrr", ""),

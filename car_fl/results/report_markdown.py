@@ -30,7 +30,10 @@ RESULT_COLUMNS = [
     ("approach", "approach", "str"),
     ("clients", "clients", "str"),
     ("scenario", "scenario", "str"),
-    ("top1", "top-1 (%)", "pct"),
+    ("top1", "final top-1 (%)", "pct"),
+    ("selected", "selected on val.", "str"),
+    ("val_top1", "its val. top-1 (%)", "pct"),
+    ("top1_selected", "its top-1 (%)", "pct"),
     ("topk", "top-K (%)", "pct"),
     ("mrr", "MRR", "float"),
     ("macro_f1", "macro-F1", "float"),
@@ -44,7 +47,10 @@ RESULT_COLUMNS = [
 RETRIEVAL_COLUMNS = [
     ("model", "model", "str"),
     ("approach", "approach", "str"),
-    ("top1", "top-1 (%)", "pct"),
+    ("top1", "final top-1 (%)", "pct"),
+    ("selected", "selected on val.", "str"),
+    ("val_top1", "its val. top-1 (%)", "pct"),
+    ("top1_selected", "its top-1 (%)", "pct"),
     ("topk", "top-K (%)", "pct"),
     ("mrr", "MRR", "float"),
     ("macro_f1", "macro-F1", "float"),
@@ -97,6 +103,8 @@ def markdown_report(
     if plots:
         parts += ["## Curves", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
     parts.append(
+        "Final: the last epoch's (round's) model on test; selected on val.: the epoch (round) "
+        "whose model scored best on validation, with its validation and test top-1. "
         "Speed-up: the centralised run's train + validation time divided by this run's, for "
         "the same sweep, dataset, model and approach. ε: the largest ε any client spent "
         "(δ = dp.delta)."

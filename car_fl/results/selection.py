@@ -43,3 +43,9 @@ def select_best(rows: Iterable[T], *, scores: Callable[[T], Row] = _as_scores) -
         if is_better(scores(row), scores(best) if best is not None else None):
             best = row
     return best
+
+
+def out_of_patience(epoch: int, best_epoch: int, patience: int | None) -> bool:
+    """``patience`` epochs (null: never) have passed since ``best_epoch`` (training's and the
+    probe's early stop)."""
+    return patience is not None and epoch - best_epoch >= patience

@@ -15,6 +15,7 @@ import pytest
 from car_fl.cli import main as cli_main
 from car_fl.results.report import JOB_JSON, collect_runs, write_report
 from car_fl.results.rows import MetricsFile, RoundRow, RunSummary
+from car_fl.results.selection import select_best
 from car_fl.settings.compose import settings_to_yaml
 
 
@@ -64,7 +65,7 @@ def write_run(
         head=settings.head.kind,
         num_labels=4,
         final=history[-1],
-        best=history[-1],
+        best=select_best(history, scores=lambda row: row.metrics),
         total_seconds=seconds,
         test_examples=10,
         selection="validation",
@@ -115,6 +116,21 @@ def test_the_report_has_one_row_per_run_with_speed_up_and_epsilon(
     assert "| top-3 (%) |" in markdown and "| 80.00 |" in markdown
     assert report.plots and all(f"({p.name})" in markdown for p in report.plots)
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in report.plots)
+
+
+def test_the_report_shows_the_model_validation_selected_beside_the_final_one(
+    make_settings, tmp_path: Path
+) -> None:
+    # validation peaks at epoch 2 of 3: the final model is not the one a reader should quote
+    write_run(tmp_path / "runs" / "0", make_settings(), clients=1, top1=[0.5, 0.9, 0.6], seconds=3)
+    report = write_report([tmp_path / "runs"], tmp_path / "out")
+    (row,) = _rows(report.results_csv)
+    assert float(row["top1"]) == 0.6
+    assert row["selected"] == "2" and float(row["val_top1"]) == 0.9
+    assert float(row["top1_selected"]) == 0.9
+    markdown = report.markdown.read_text()
+    assert "| final top-1 (%) | selected on val. | its val. top-1 (%) | its top-1 (%) |" in markdown
+    assert "| 60.00 | 2 | 90.00 | 90.00 |" in markdown
 
 
 def test_runs_are_found_in_numeric_order_two_levels_deep(sweep: Path) -> None:
