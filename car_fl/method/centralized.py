@@ -17,8 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from car_fl.common.io import atomic_write_text
 from car_fl.data.splits import DataSplits, load_splits
 from car_fl.method.build import build_retriever
@@ -28,7 +26,7 @@ from car_fl.method.model import CaRRetriever
 from car_fl.method.probe import probe_head
 from car_fl.method.serving import checkpoint_extra
 from car_fl.method.sources import check_sources
-from car_fl.method.train import EpochResult, make_optimizer, train_epoch
+from car_fl.method.train import make_optimizer, one_epoch
 from car_fl.results.plots import data_label
 from car_fl.results.recorder import Recorder
 from car_fl.results.rows import RoundRow, RunSummary
@@ -185,29 +183,6 @@ def train(settings: Settings, run: Prepared, recorder: Recorder) -> RoundRow:
             )
             break
     return start
-
-
-def one_epoch(
-    settings: Settings,
-    model: CaRRetriever,
-    data: LocalData,
-    optimizer: torch.optim.Optimizer,
-    epoch: int,
-    *,
-    desc: str,
-) -> EpochResult:
-    """One epoch of ``data`` with the run's batch size, seed and progress bar (the probe's
-    and the main loop's)."""
-    return train_epoch(
-        model,
-        data,
-        optimizer,
-        batch_size=settings.train.batch_size,
-        seed=settings.seed,
-        epoch=epoch,
-        progress=settings.progress,
-        desc=f"{desc} {epoch + 1}",
-    )
 
 
 def summarise(

@@ -13,7 +13,7 @@ from car_fl.data.splits import DataSplits
 from car_fl.method.feature_cache import FeatureCache
 from car_fl.method.features import LocalData, prepare_data
 from car_fl.method.model import CaRRetriever
-from car_fl.method.train import evaluate, make_optimizer, train_epoch
+from car_fl.method.train import evaluate, make_optimizer, one_epoch
 from car_fl.results.selection import is_better, out_of_patience
 from car_fl.settings.schema import Mode, Settings
 
@@ -53,16 +53,7 @@ def probe_head(settings: Settings, model: CaRRetriever, splits: DataSplits) -> d
     for epoch in range(settings.train.probe_epochs + 1):  # 0: the untrained head, as in CaR
         row: dict[str, float] = {"epoch": epoch}
         if epoch:
-            result = train_epoch(
-                model,
-                data,
-                optimizer,
-                batch_size=settings.train.batch_size,
-                seed=settings.seed,
-                epoch=epoch - 1,
-                progress=settings.progress,
-                desc=f"probe {epoch}",
-            )
+            result = one_epoch(settings, model, data, optimizer, epoch - 1, desc="probe")
             row["train_loss"] = result.loss
         if validation is not None:
             scores = evaluate(

@@ -24,7 +24,7 @@ from car_fl.method.features import LocalData, extract_features
 from car_fl.method.metrics import rank_metrics
 from car_fl.method.metrics import ranks as rank_of_true
 from car_fl.method.model import CaRRetriever
-from car_fl.settings.schema import OptimizerKind, TrainConfig
+from car_fl.settings.schema import OptimizerKind, Settings, TrainConfig
 
 log = logging.getLogger(__name__)
 
@@ -241,6 +241,29 @@ class ProximalTerm:
     def __call__(self) -> torch.Tensor:
         total = sum((p - self.anchor[k]).pow(2).sum() for k, p in self.params.items())
         return 0.5 * self.mu * torch.as_tensor(total)
+
+
+def one_epoch(
+    settings: Settings,
+    model: CaRRetriever,
+    data: LocalData,
+    optimizer: torch.optim.Optimizer,
+    epoch: int,
+    *,
+    desc: str,
+) -> EpochResult:
+    """One epoch of ``data`` with the run's batch size, seed and progress bar (the probe's
+    and the main loop's)."""
+    return train_epoch(
+        model,
+        data,
+        optimizer,
+        batch_size=settings.train.batch_size,
+        seed=settings.seed,
+        epoch=epoch,
+        progress=settings.progress,
+        desc=f"{desc} {epoch + 1}",
+    )
 
 
 def query_features(
