@@ -3,6 +3,7 @@
 #
 #   bash scripts/gpu_session.sh tests   # the CUDA tests, then figure 8 for the TinyLlama-shaped Llama
 #   bash scripts/gpu_session.sh train   # figure 8 for SmolLM2, then SMS and arXiv runs side by side
+#   bash scripts/gpu_session.sh more    # DP-SGD through the adapter, and the adapter+MIPS runs longer
 #
 # Written for a machine with its own PyTorch and no network (the workplace's lent GPU): the
 # project's other dependencies come as wheels in .whl/, the data in $GPU_DATA (default
@@ -14,7 +15,7 @@
 # so a run that has not stopped on its patience by then is cut, and its log holds the epochs it
 # finished (checkpoints/best/meta.json the one selected so far).
 set -u
-stage=${1:?usage: gpu_session.sh tests|train}
+stage=${1:?usage: gpu_session.sh tests|train|more}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
 OUT=${OUT:-$PWD/.gpu/out}
 RUNS=${RUNS:-$PWD/.gpu/runs}
@@ -57,6 +58,8 @@ if [ "$MODEL" = model=smollm2 ]; then
     mv "$gguf.part" "$gguf"
   fi
   $PY -c "from car_fl.method.gguf import resolve; print(resolve('gguf:smollm2'))" || exit 1
+fi
+if [ "$MODEL" = model=smollm2 ] && [ "$stage" = train ]; then
   $PY scripts/bench.py --slm smollm2 --device cuda --data "$SMS" \
     --json "$OUT/bench-slm-smollm2-cuda.json" 2>&1 | tail -8 | tee "$OUT/bench-smollm2.log"
 fi
@@ -73,6 +76,17 @@ launch() {  # name, overrides...
     echo "exit $?" >> "$RUNS/$name.log" ) &
 }
 : > "$OUT/commands.txt"
+if [ "$stage" = more ]; then
+  for lr in 0.01 0.1; do
+    launch sms-dpsgd-adapter-car-$lr $SMS_SET approach=adapter_car model.normalize=l2 dp=record \
+      dp.target_epsilon=3 dp.delta=1e-5 dp.sample_rate=0.02 dp.clip=1 train.optimizer=sgd \
+      train.lr=8 train.adapter_lr=$lr train.epochs=2
+  done
+  launch sms-adapter-mips $SMS_SET approach=adapter_mips train.lr=1e-4 train.epochs=20 train.patience=3
+  launch arxiv-adapter-mips-cosine-1e-4 $ARXIV_SET approach=adapter_mips head.similarity=cosine \
+    head.temperature=0.05 train.batch_size=16 train.lr=1e-4 train.epochs=20 train.patience=3
+fi
+if [ "$stage" = train ]; then
 launch sms-car $SMS_SET approach=car train.epochs=40 train.patience=5
 launch sms-adapter-car-1e-4 $SMS_SET $ADAPTER train.epochs=20 train.probe_epochs=20 train.adapter_lr=1e-4
 launch sms-adapter-car-1e-3 $SMS_SET $ADAPTER train.epochs=20 train.probe_epochs=20 train.adapter_lr=1e-3
@@ -91,6 +105,7 @@ for lr in 1e-4 1e-3; do
   launch arxiv-adapter-mips-cosine-$lr $ARXIV_SET approach=adapter_mips head.similarity=cosine \
     head.temperature=0.05 train.batch_size=16 train.lr=$lr train.epochs=20 train.patience=3
 done
+fi
 wait
 uptime >> "$OUT/machine.txt"
 nvidia-smi --query-gpu=name,utilization.gpu,memory.used --format=csv,noheader >> "$OUT/machine.txt"
