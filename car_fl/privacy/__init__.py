@@ -5,6 +5,7 @@
 - :mod:`~car_fl.privacy.adaptive`: the private geometric clipping rule (and the paper's).
 - :mod:`~car_fl.privacy.accountant`: the one accountant (PLD, replace-one) every party uses.
 - :mod:`~car_fl.privacy.dpsgd`: a DP-SGD step (Poisson sampling, per-example clipping).
+- :mod:`~car_fl.privacy.ghost`: DP-SGD's clipped sum through the adapter from batched passes.
 - :mod:`~car_fl.privacy.record_accounting`: DP-SGD plans and σ calibration.
 
 The stateful use of these on a node is :mod:`car_fl.client`.

@@ -12,11 +12,13 @@ together. Dividing by the expected batch size q·n (not |B|, which is data-depen
 step a post-processing of the Gaussian mechanism.
 
 Per-example gradients come from ``torch.func``: ``vmap(grad(...))`` over cached features
-(classifier mode). Through the frozen encoder (adapter + classifier mode) autograd of one
-unpadded example at a time (``functional_call`` + ``torch.autograd.grad``): Hugging Face's
-attention-mask code branches on tensor values, which ``vmap`` cannot trace, and
-``torch.func.grad`` in a loop measured 4.5× slower than autograd here. Sampling and noise
-come from OS entropy (:mod:`car_fl.privacy.noise`), the noise on the parameters' device.
+(classifier mode). Through the frozen encoder (adapter + classifier mode) the clipped sum comes
+from batched passes and the adapter's ghost norms (:mod:`car_fl.privacy.ghost`); a model it does
+not fit (a routing head) takes autograd of one unpadded example at a time (``functional_call``
++ ``torch.autograd.grad``): Hugging Face's attention-mask code branches on tensor values, which
+``vmap`` cannot trace, and ``torch.func.grad`` in a loop measured 4.5× slower than autograd.
+Sampling and noise come from OS entropy (:mod:`car_fl.privacy.noise`), the noise on the
+parameters' device.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+from car_fl.privacy.ghost import ghost_clipped_sum, supports_ghost
 from car_fl.privacy.noise import gaussian_like, secure_generator
 
 Tensors = dict[str, torch.Tensor]
@@ -169,8 +172,9 @@ def clipped_gradient_sum(
     """Σᵢ gᵢ · min(1, C/‖gᵢ‖) over the batch, plus each loss and each argmax.
 
     Never holds more than ``chunk_elements`` per-example gradient values: ``vmap`` over chunks
-    of examples, or, for token ids and for models whose ``per_example_loop`` is true (routing
-    that ``vmap`` cannot trace), one example at a time, each clipped and added as it comes.
+    of examples; for token ids, batched passes and ghost norms (:mod:`car_fl.privacy.ghost`)
+    where the model fits, else (and for models whose ``per_example_loop`` is true: routing
+    that ``vmap`` cannot trace) one example at a time, each clipped and added as it comes.
     """
     if not clip > 0:
         raise ValueError(f"dp.clip (the per-example bound C) must be > 0, got {clip}")
@@ -179,6 +183,8 @@ def clipped_gradient_sum(
     if len(labels) == 0:
         empty = torch.zeros(0, device=device)
         return total, empty, torch.zeros(0, dtype=torch.long, device=device)
+    if input_ids is not None and supports_ghost(model, params):
+        return ghost_clipped_sum(model, params, labels, input_ids, clip=clip)
     losses, predicted = [], []
     if input_ids is not None or getattr(model, "per_example_loop", False):
         leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}

@@ -1,0 +1,129 @@
+"""DP-SGD through the frozen encoder from batched passes: per-example clipping by ghost norms.
+
+Ours rather than Opacus's ``GradSampleModule``: the only trainable tensor before the pooled
+features is the adapter, one matmul ``a = x Wᵀ`` over the token embeddings, so one batched
+backward gives every example's gradient at the adapter's output, ``gₜ = ∂ℓᵢ/∂aₜ`` (examples
+never mix in a transformer), and its gradient ``Gᵢ = Σₜ gₜ xₜᵀ`` has the norm
+
+    ‖Gᵢ‖² = Σₜ,ₛ (gₜ·gₛ)(xₜ·xₛ)                       (ghost clipping, Li et al. 2022)
+
+without building any d×d per-example matrix. The head's per-example gradients come from
+``torch.func`` over the pooled features, as in classifier mode. The clipped sum is then
+``Σᵢ cᵢ Gᵢ = Σᵢ,ₜ cᵢ gₜ xₜᵀ``, one contraction. One step costs a batched forward and backward
+through the frozen LM instead of one per example (:func:`car_fl.privacy.dpsgd.clipped_gradient_sum`
+uses this whenever the model allows it); the result is the per-example loop's, which
+``tests/privacy/test_ghost.py`` checks on a real Llama class with padding on either side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+Tensors = dict[str, torch.Tensor]
+
+#: The adapter's parameter name in :class:`car_fl.method.model.CaRRetriever`.
+ADAPTER = "adapter.weight"
+#: Examples per batched pass (the LM's activations for this many are held at once).
+CHUNK = 32
+
+
+def supports_ghost(model: nn.Module, params: Mapping[str, torch.Tensor]) -> bool:
+    """Whether ``model`` fits: a retriever with an encoder whose trainable tensors are the
+    adapter and tensors that act on pooled features only (no routing head that needs one
+    example at a time)."""
+    if not getattr(model, "has_encoder", False) or getattr(model, "per_example_loop", True):
+        return False
+    if ADAPTER not in params:
+        return False
+    return all(k == ADAPTER or not k.startswith(("_encoder.", "adapter.")) for k in params)
+
+
+def ghost_clipped_sum(
+    model: Any,
+    params: Mapping[str, torch.Tensor],
+    labels: torch.Tensor,
+    input_ids: Sequence[torch.Tensor],
+    *,
+    clip: float,
+    chunk: int = CHUNK,
+) -> tuple[Tensors, torch.Tensor, torch.Tensor]:
+    """Σᵢ gᵢ · min(1, C/‖gᵢ‖) over the batch, each loss and each argmax, in the input order.
+
+    ‖gᵢ‖ is the norm over the adapter and the head together. An example whose gradient is
+    not finite contributes zero (as :func:`car_fl.privacy.dpsgd.clip_per_example`).
+    """
+    if not clip > 0:
+        raise ValueError(f"dp.clip (the per-example bound C) must be > 0, got {clip}")
+    weight = params[ADAPTER]
+    device = weight.device
+    total = {k: torch.zeros_like(v) for k, v in params.items()}
+    if len(labels) == 0:
+        empty = torch.zeros(0, device=device)
+        return total, empty, torch.zeros(0, dtype=torch.long, device=device)
+    order = sorted(range(len(labels)), key=lambda i: len(input_ids[i]))  # less padding
+    losses, predicted = [], []
+    for start in range(0, len(order), chunk):
+        rows = order[start : start + chunk]
+        batch = [input_ids[i].tolist() for i in rows]
+        part, loss, pred = _chunk(model, params, labels[rows].to(device), batch, clip)
+        for k, v in part.items():
+            total[k] += v
+        losses.append(loss)
+        predicted.append(pred)
+    back = torch.argsort(torch.tensor(order, device=device))  # into the input order
+    return total, torch.cat(losses)[back], torch.cat(predicted)[back]
+
+
+def _chunk(
+    model: Any,
+    params: Mapping[str, torch.Tensor],
+    labels: torch.Tensor,
+    batch: list[list[int]],
+    clip: float,
+) -> tuple[Tensors, torch.Tensor, torch.Tensor]:
+    encoder = model.encoder
+    weight = params[ADAPTER].detach()
+    head = {k: v.detach() for k, v in params.items() if k != ADAPTER}
+    ids, mask = encoder.pad(batch)
+    with torch.no_grad():
+        embedded = encoder.embed(ids)  # frozen TKN
+    real = mask[..., None].bool()
+    x = torch.where(real, embedded.to(weight.dtype), 0.0)  # (b, t, d), pads zero (even NaN)
+    adapted = (x @ weight.T).requires_grad_(True)  # the adapter's output, a leaf
+    features = encoder.pool(encoder.transform(adapted.to(embedded.dtype), mask), mask)
+
+    def one(
+        p: Mapping[str, torch.Tensor], f: torch.Tensor, y: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        logits, loss = functional_call(model, dict(p), (), {"features": f[None], "labels": y[None]})
+        return loss, (loss.detach(), logits.detach().argmax(dim=-1))
+
+    (head_grads, feature_grads), (loss, pred) = vmap(
+        grad(one, argnums=(0, 1), has_aux=True), in_dims=(None, 0, 0), randomness="different"
+    )(head, features.detach(), labels)
+    # every example's ∂ℓᵢ/∂fᵢ back through TRF at once: row i of the result is ∂ℓᵢ/∂aᵢ
+    (out_grads,) = torch.autograd.grad(features, adapted, grad_outputs=feature_grads)
+    out_grads = out_grads.to(weight.dtype)
+    squares = (
+        ((out_grads @ out_grads.transpose(1, 2)) * (x @ x.transpose(1, 2))).sum(dim=(1, 2)).double()
+    )
+    for g in head_grads.values():
+        squares = squares + g.flatten(1).double().pow(2).sum(dim=1)
+    norms = squares.clamp(min=0).sqrt()
+    finite = torch.isfinite(norms)
+    factors = torch.where(norms > clip, clip / norms, torch.ones_like(norms))
+    factors = torch.where(finite, factors, torch.zeros_like(factors)).to(weight.dtype)
+    keep = finite.view(-1, 1, 1)
+    out_grads = torch.where(keep, out_grads, 0.0)
+    x = torch.where(keep, x, 0.0)  # 0 · NaN is NaN: drop the example's inputs too
+    summed = {ADAPTER: torch.einsum("b,btd,bte->de", factors, out_grads, x)}
+    for k, g in head_grads.items():
+        shape = (-1, *([1] * (g.dim() - 1)))
+        scaled = torch.where(finite.view(shape), g * factors.to(g.dtype).view(shape), 0.0)
+        summed[k] = scaled.sum(dim=0)
+    return summed, loss.flatten(), pred.flatten()

@@ -1,0 +1,97 @@
+"""DP-SGD through the adapter from batched passes: the per-example loop's result, and its bound."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from car_fl.data.splits import load_splits
+from car_fl.method.build import build_retriever
+from car_fl.privacy.dpsgd import clip_per_example, clipped_gradient_sum, per_example_gradients
+from car_fl.privacy.ghost import ghost_clipped_sum, supports_ghost
+
+
+def adapter_model(make_settings, *overrides: str):
+    """A float64 adapter+classifier retriever on the tiny Llama, its adapter moved off the
+    identity (so the test covers a trained adapter), and 7 examples of different lengths."""
+    s = make_settings("mode=adapter", *overrides)
+    splits = load_splits(s.dataset, seed=s.seed)
+    model = build_retriever(s, len(splits.label_map)).double()
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        shift = torch.randn(model.adapter.weight.shape, generator=g, dtype=torch.float64)
+        model.adapter.weight.add_(0.05 * shift)
+    texts = [t for t in splits.train["text"]][:7]
+    ids = [torch.tensor(t) for t in model.encoder.tokenize(texts).input_ids]
+    assert len({len(t) for t in ids}) > 1, "the examples must need padding"
+    labels = torch.tensor(splits.train["label"][:7])
+    params = {k: p.detach() for k, p in model.trainable_parameters().items()}
+    return model, params, ids, labels
+
+
+def loop_reference(model, params, ids, labels, clip):
+    """One backward per unpadded example, clipped and summed: the definition."""
+    grads, losses, predicted = per_example_gradients(model, params, labels, input_ids=ids)
+    clipped, norms = clip_per_example(grads, clip)
+    return {k: g.sum(dim=0) for k, g in clipped.items()}, losses, predicted, norms
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("clip_scale", [0.1, 1.0, 100.0])  # all clipped, some, none
+def test_batched_ghost_clipping_equals_the_per_example_loop(make_settings, side, clip_scale):
+    model, params, ids, labels = adapter_model(make_settings, f"model.padding_side={side}")
+    _, _, _, norms = loop_reference(model, params, ids, labels, math.inf)
+    clip = float(norms.median()) * clip_scale
+    summed, losses, predicted, _ = loop_reference(model, params, ids, labels, clip)
+    ghost, ghost_losses, ghost_predicted = ghost_clipped_sum(
+        model, params, labels, ids, clip=clip, chunk=3
+    )
+    assert set(ghost) == set(summed) and "adapter.weight" in ghost
+    for name in summed:
+        torch.testing.assert_close(ghost[name], summed[name], rtol=1e-7, atol=1e-9)
+    torch.testing.assert_close(ghost_losses, losses, rtol=1e-7, atol=1e-9)
+    assert torch.equal(ghost_predicted, predicted)
+
+
+def test_dpsgd_takes_the_batched_path_for_an_adapter_model(make_settings) -> None:
+    model, params, ids, labels = adapter_model(make_settings)
+    assert supports_ghost(model, params)
+    through_dpsgd, _, _ = clipped_gradient_sum(model, params, labels, clip=0.5, input_ids=ids)
+    direct, _, _ = ghost_clipped_sum(model, params, labels, ids, clip=0.5)
+    for name in direct:
+        assert torch.equal(through_dpsgd[name], direct[name])
+    head_only = {k: v for k, v in params.items() if k != "adapter.weight"}
+    assert not supports_ghost(model, head_only)  # classifier mode: vmap over features instead
+
+
+def test_each_example_adds_at_most_the_bound(make_settings) -> None:
+    """The guarantee itself: whatever the example, its share of the sum has norm ≤ C."""
+    model, params, ids, labels = adapter_model(make_settings)
+    clip = 1e-3
+    for i in range(len(ids)):
+        alone, _, _ = ghost_clipped_sum(model, params, labels[i : i + 1], ids[i : i + 1], clip=clip)
+        norm = math.sqrt(sum(float(v.pow(2).sum()) for v in alone.values()))
+        assert norm <= clip * (1 + 1e-9)
+        assert norm == pytest.approx(clip, rel=1e-6)  # these gradients are far above 1e-3
+
+
+def test_an_example_with_a_non_finite_gradient_adds_nothing(make_settings) -> None:
+    """A record that overflows the model neither poisons the step nor fails it (either would
+    tell the server about that record): it counts as a zero gradient, as in the loop."""
+    model, params, ids, labels = adapter_model(make_settings)
+    poisoned = int(ids[0][1])
+    with torch.no_grad():
+        model.encoder.embed(torch.tensor([[poisoned]]))  # the row exists
+        model.encoder.model.get_input_embeddings().weight[poisoned] = float("nan")
+    hit = [i for i, t in enumerate(ids) if poisoned in t.tolist()]
+    assert 0 < len(hit) < len(ids)
+    ghost, _, _ = ghost_clipped_sum(model, params, labels, ids, clip=0.5)
+    clean = [i for i in range(len(ids)) if i not in hit]
+    reference, _, _ = ghost_clipped_sum(
+        model, params, labels[clean], [ids[i] for i in clean], clip=0.5
+    )
+    for name in ghost:
+        assert torch.isfinite(ghost[name]).all()
+        torch.testing.assert_close(ghost[name], reference[name], rtol=1e-9, atol=1e-12)
