@@ -9,8 +9,14 @@
 # project's other dependencies come as wheels in .whl/, the data in $GPU_DATA (default
 # .gpu/c1, files SMSSpamCollection.tsv.gz and arxiv_dev.jsonl.gz), SmolLM2's GGUF file as xz
 # chunks (.gpu/c1/smol.xz.a and .gpu/c2/smol.xz.b: the call's 64 MiB limit). On a machine with
-# network and `pip install -e ".[slm]"` done, drop the wheel and GGUF steps: MODEL=model=smollm2
-# fetches the model itself. Every run writes its folder under $RUNS; each car-fl command is
+# network and `pip install -e ".[slm]"` done, drop the wheel and GGUF steps. The wheels carried on
+# 2026-11-27 (the versions of this environment, for CPython 3.12): antlr4-python3-runtime 4.9.3
+# (built here: an sdist only), bm25s, cffi, cryptography, datasets, dill, dp-accounting, flwr,
+# flwr-datasets, gguf, grpcio-health-checking, hydra-core, iterators, multiprocess, omegaconf,
+# pycryptodome; for dp=record's in-process federation also alembic, annotated-types, fastapi,
+# Mako, pydantic, pydantic_core, SQLAlchemy, starlette, typing-inspection; tomli was missing
+# (flwr.common.config imports it). With network, MODEL=model=smollm2 (the default) fetches the
+# model itself. Every run writes its folder under $RUNS; each car-fl command is
 # printed before it runs. Runs share one GPU; each has a wall-clock ceiling ($CEILING seconds),
 # so a run that has not stopped on its patience by then is cut, and its log holds the epochs it
 # finished (checkpoints/best/meta.json the one selected so far).
@@ -40,7 +46,9 @@ ARXIV=/tmp/gpu-data/arxiv_dev.jsonl
   nproc; uptime; } 2>&1 | tee "$OUT/machine.txt"
 
 if [ "$stage" = tests ]; then
-  $PY -m pytest -q -p no:cacheprovider -m gpu tests/ 2>&1 | tee "$OUT/pytest-gpu.log" | tail -3
+  # only the files that hold gpu tests: collecting all of tests/ imports the deployment tests
+  $PY -m pytest -q -p no:cacheprovider -m gpu $(grep -rl "pytest.mark.gpu" tests) 2>&1 \
+    | tee "$OUT/pytest-gpu.log" | tail -3
   $PY scripts/bench.py --slm tinyllama-shape --device cuda --data "$SMS" \
     --json "$OUT/bench-slm-tinyllama-cuda.json" 2>&1 | tee "$OUT/bench-tinyllama.log" | tail -12
   exit 0
@@ -70,7 +78,7 @@ ARXIV_SET="dataset=arxiv dataset.path=$ARXIV dataset.min_examples_per_label=50 m
 ADAPTER="approach=adapter_car train.patience=3"
 launch() {  # name, overrides...
   local name=$1; shift
-  echo "car-fl train $* output_dir=runs/gpu/$name" >> "$OUT/commands.txt"
+  echo "car-fl train $COMMON $* output_dir=runs/gpu/$name" >> "$OUT/commands.txt"
   ( /usr/bin/time -v timeout "$CEILING" $PY -m car_fl.cli train $COMMON "$@" \
       cache_dir=/tmp/cache-$name output_dir="$RUNS/$name" ${EXTRA:-} > "$RUNS/$name.log" 2>&1
     echo "exit $?" >> "$RUNS/$name.log" ) &
