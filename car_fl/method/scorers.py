@@ -39,6 +39,10 @@ class Scorer(nn.Module):
     #: Per-example gradients need a loop over examples (routing is data-dependent, so
     #: ``torch.func.vmap`` cannot trace it).
     per_example_loop: ClassVar[bool] = False
+    #: Whether :meth:`index` runs the encoder through the adapter (MIPS's label documents):
+    #: then a query's loss reaches the adapter by a second path, which DP-SGD's batched clipping
+    #: (:mod:`car_fl.privacy.ghost`) does not follow, so it takes one example at a time.
+    index_uses_adapter: ClassVar[bool] = False
 
     #: Whether the softmax of the scores is a probability the head was trained to give
     #: (cross-entropy over the labels); MIPS and kNN have none.
@@ -124,6 +128,7 @@ class MIPSScorer(Scorer):
 
     kind = HeadKind.MIPS
     calibrated = False
+    index_uses_adapter = True
 
     def __init__(
         self,

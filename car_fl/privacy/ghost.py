@@ -3,7 +3,8 @@
 Ours rather than Opacus's ``GradSampleModule``: the only trainable tensor before the pooled
 features is the adapter, one matmul ``a = x Wᵀ`` over the token embeddings, so one batched
 backward gives every example's gradient at the adapter's output, ``gₜ = ∂ℓᵢ/∂aₜ`` (examples
-never mix in a transformer), and its gradient ``Gᵢ = Σₜ gₜ xₜᵀ`` has the norm
+never mix in an attention model that takes position ids and the mask: :func:`supports_ghost`
+says which), and its gradient ``Gᵢ = Σₜ gₜ xₜᵀ`` has the norm
 
     ‖Gᵢ‖² = Σₜ,ₛ (gₜ·gₛ)(xₜ·xₛ)                       (ghost clipping, Li et al. 2022)
 
@@ -35,10 +36,21 @@ CHUNK = 32
 def supports_ghost(model: nn.Module, params: Mapping[str, torch.Tensor]) -> bool:
     """Whether ``model`` fits: a retriever with an encoder whose trainable tensors are the
     adapter and tensors that act on pooled features only (no routing head that needs one
-    example at a time)."""
+    example at a time, no head that re-encodes its documents through the adapter), and whose
+    examples cannot interact in a padded batch. That last is DP's sensitivity argument (one
+    record changes its own share of the sum only), so it is granted only to models that take
+    position ids and the mask (attention, where a pad changes nothing for the real tokens) and
+    run no code of their own: a recurrent model that ignores the mask (RWKV under left
+    padding) makes a record's gradient depend on how long the other records of its batch are.
+    Everything else takes the per-example loop."""
     if not getattr(model, "has_encoder", False) or getattr(model, "per_example_loop", True):
         return False
-    if ADAPTER not in params:
+    if ADAPTER not in params or getattr(model.head, "index_uses_adapter", True):
+        return False
+    encoder: Any = getattr(model, "encoder", None)
+    if not getattr(encoder, "_takes_position_ids", False):
+        return False
+    if getattr(encoder.cfg, "trust_remote_code", True):
         return False
     return all(k == ADAPTER or not k.startswith(("_encoder.", "adapter.")) for k in params)
 
@@ -109,9 +121,8 @@ def _chunk(
     # every example's ∂ℓᵢ/∂fᵢ back through TRF at once: row i of the result is ∂ℓᵢ/∂aᵢ
     (out_grads,) = torch.autograd.grad(features, adapted, grad_outputs=feature_grads)
     out_grads = out_grads.to(weight.dtype)
-    squares = (
-        ((out_grads @ out_grads.transpose(1, 2)) * (x @ x.transpose(1, 2))).sum(dim=(1, 2)).double()
-    )
+    g64, x64 = out_grads.double(), x.double()  # float64: the Gram products can cancel
+    squares = ((g64 @ g64.transpose(1, 2)) * (x64 @ x64.transpose(1, 2))).sum(dim=(1, 2))
     for g in head_grads.values():
         squares = squares + g.flatten(1).double().pow(2).sum(dim=1)
     norms = squares.clamp(min=0).sqrt()

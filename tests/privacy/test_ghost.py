@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -95,3 +96,79 @@ def test_an_example_with_a_non_finite_gradient_adds_nothing(make_settings) -> No
     for name in ghost:
         assert torch.isfinite(ghost[name]).all()
         torch.testing.assert_close(ghost[name], reference[name], rtol=1e-9, atol=1e-12)
+
+
+# ------------------------------------------- who may not take the batched path, and why
+
+
+def rwkv_model(tiny_llama, side: str):
+    """An adapter retriever over a tiny random RWKV: a recurrent model that takes no position
+    ids and ignores the attention mask, so left pads run through its recurrence."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    from car_fl.method.encoder import Encoder
+    from car_fl.method.model import CaRRetriever
+    from car_fl.settings.inputs import ModelConfig
+    from car_fl.settings.schema import HeadConfig, Mode, Pooling
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama))
+    torch.manual_seed(0)
+    config = transformers.RwkvConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=2,
+        attention_hidden_size=32,
+        intermediate_size=64,
+        context_length=128,
+    )
+    encoder = Encoder(
+        transformers.RwkvModel(config).double(),
+        tokenizer,
+        ModelConfig(name_or_path="rwkv", padding_side=side, pooling=Pooling.MEAN),
+    )
+    return CaRRetriever(encoder, 3, head=HeadConfig(), mode=Mode.ADAPTER_CLASSIFIER).double()
+
+
+def test_a_model_whose_records_mix_in_a_padded_batch_takes_the_per_example_loop(
+    tiny_llama,
+) -> None:
+    """The adversary's model: under left padding, RWKV's gradient for a short record depends
+    on how long the other records of its batch are (one record would change another's share
+    of the sum: DP's sensitivity argument fails). It takes no position ids, so the batched
+    path refuses it, and DP-SGD's sum through it is the same whoever shares the batch."""
+    model = rwkv_model(tiny_llama, "left")
+    params = {k: p.detach() for k, p in model.trainable_parameters().items()}
+    texts = ["w1 w2 w3", " ".join(f"w{i}" for i in range(40))]
+    ids = [torch.tensor(t) for t in model.encoder.tokenize(texts).input_ids]
+    labels = torch.tensor([0, 1])
+    alone, _, _ = ghost_clipped_sum(model, params, labels[:1], ids[:1], clip=1e9)
+    pair, _, _ = ghost_clipped_sum(model, params, labels, ids, clip=1e9)
+    other, _, _ = ghost_clipped_sum(model, params, labels[1:], ids[1:], clip=1e9)
+    share = pair["adapter.weight"] - other["adapter.weight"]
+    assert not torch.allclose(share, alone["adapter.weight"], rtol=1e-3)  # the coupling is real
+    assert not supports_ghost(model, params)
+    total, _, _ = clipped_gradient_sum(model, params, labels, clip=1e9, input_ids=ids)
+    first, _, _ = clipped_gradient_sum(model, params, labels[:1], clip=1e9, input_ids=ids[:1])
+    second, _, _ = clipped_gradient_sum(model, params, labels[1:], clip=1e9, input_ids=ids[1:])
+    for name in total:
+        torch.testing.assert_close(total[name], first[name] + second[name])
+
+
+def test_a_head_that_re_encodes_its_documents_through_the_adapter_takes_the_loop(
+    make_settings,
+) -> None:
+    """MIPS scores against its label documents encoded through the adapter: a second path
+    from the loss to the adapter that the batched path does not follow."""
+    s = make_settings("approach=adapter_mips")
+    splits = load_splits(s.dataset, seed=s.seed)
+    model = build_retriever(s, len(splits.label_map))
+    params = {k: p.detach() for k, p in model.trainable_parameters().items()}
+    assert "adapter.weight" in params and not supports_ghost(model, params)
+
+
+def test_remote_code_takes_the_loop(make_settings) -> None:
+    model, params, _, _ = adapter_model(make_settings)
+    assert supports_ghost(model, params)
+    model.encoder.cfg = dataclasses.replace(model.encoder.cfg, trust_remote_code=True)
+    assert not supports_ghost(model, params)
