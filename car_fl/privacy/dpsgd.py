@@ -14,7 +14,8 @@ step a post-processing of the Gaussian mechanism.
 Per-example gradients come from ``torch.func``: ``vmap(grad(...))`` over cached features
 (classifier mode). Through the frozen encoder (adapter + classifier mode) the clipped sum comes
 from batched passes and the adapter's ghost norms (:mod:`car_fl.privacy.ghost`); a model it does
-not fit (a routing head) takes autograd of one unpadded example at a time (``functional_call``
+not fit (:func:`~car_fl.privacy.ghost.supports_ghost` says which) takes autograd of one
+unpadded example at a time (``functional_call``
 + ``torch.autograd.grad``): Hugging Face's attention-mask code branches on tensor values, which
 ``vmap`` cannot trace, and ``torch.func.grad`` in a loop measured 4.5× slower than autograd.
 Sampling and noise come from OS entropy (:mod:`car_fl.privacy.noise`), the noise on the
@@ -33,6 +34,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from car_fl.privacy.ghost import ghost_clipped_sum, supports_ghost
+from car_fl.privacy.mechanism import clip_factors, scale_per_example
 from car_fl.privacy.noise import gaussian_like, secure_generator
 
 Tensors = dict[str, torch.Tensor]
@@ -129,14 +131,7 @@ def clip_per_example(
     if not bound > 0:
         raise ValueError(f"dp.clip (the per-example bound C) must be > 0, got {bound}")
     norms = per_example_norms(grads)
-    finite = torch.isfinite(norms)
-    factors = torch.where(norms > bound, bound / norms, torch.ones_like(norms))
-    clipped = {}
-    for k, g in grads.items():
-        shape = (-1, *([1] * (g.dim() - 1)))
-        scaled = g * factors.to(g.dtype).view(shape)
-        clipped[k] = torch.where(finite.view(shape), scaled, torch.zeros_like(scaled))
-    return clipped, norms
+    return scale_per_example(grads, clip_factors(norms, bound)), norms
 
 
 def noisy_gradient(

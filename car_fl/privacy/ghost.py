@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+from car_fl.privacy.mechanism import clip_factors, scale_per_example
+
 Tensors = dict[str, torch.Tensor]
 
 #: The adapter's parameter name in :class:`car_fl.method.model.CaRRetriever`.
@@ -125,16 +127,11 @@ def _chunk(
     squares = ((g64 @ g64.transpose(1, 2)) * (x64 @ x64.transpose(1, 2))).sum(dim=(1, 2))
     for g in head_grads.values():
         squares = squares + g.flatten(1).double().pow(2).sum(dim=1)
-    norms = squares.clamp(min=0).sqrt()
-    finite = torch.isfinite(norms)
-    factors = torch.where(norms > clip, clip / norms, torch.ones_like(norms))
-    factors = torch.where(finite, factors, torch.zeros_like(factors)).to(weight.dtype)
-    keep = finite.view(-1, 1, 1)
+    factors = clip_factors(squares.clamp(min=0).sqrt(), clip).to(weight.dtype)
+    keep = (factors > 0).view(-1, 1, 1)
     out_grads = torch.where(keep, out_grads, 0.0)
     x = torch.where(keep, x, 0.0)  # 0 · NaN is NaN: drop the example's inputs too
     summed = {ADAPTER: torch.einsum("b,btd,bte->de", factors, out_grads, x)}
-    for k, g in head_grads.items():
-        shape = (-1, *([1] * (g.dim() - 1)))
-        scaled = torch.where(finite.view(shape), g * factors.to(g.dtype).view(shape), 0.0)
-        summed[k] = scaled.sum(dim=0)
+    for k, g in scale_per_example(head_grads, factors).items():
+        summed[k] = g.sum(dim=0)
     return summed, loss.flatten(), pred.flatten()

@@ -52,6 +52,25 @@ def clip_factor(norm: float, bound: float) -> float:
     return 1.0 if norm <= bound else bound / norm
 
 
+def clip_factors(norms: torch.Tensor, bound: float) -> torch.Tensor:
+    """Per example, min(1, C/‖gᵢ‖), and 0 where ‖gᵢ‖ is not finite: such an example (its
+    loss overflowed) adds nothing, which is within the bound, and neither poisons the step
+    nor fails the round (either would tell the server about it)."""
+    factors = torch.where(norms > bound, bound / norms, torch.ones_like(norms))
+    return torch.where(torch.isfinite(norms), factors, torch.zeros_like(factors))
+
+
+def scale_per_example(grads: State, factors: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each example's row of every tensor times its factor; exactly 0 where the factor is
+    (``0 · NaN`` would be NaN)."""
+    scaled = {}
+    for k, g in grads.items():
+        shape = (-1, *([1] * (g.dim() - 1)))
+        f = factors.to(g.dtype).view(shape)
+        scaled[k] = torch.where(f > 0, g * f, torch.zeros_like(g))
+    return scaled
+
+
 def privatize(
     before: State,
     after: State,
