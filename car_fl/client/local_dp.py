@@ -40,6 +40,7 @@ from car_fl.privacy.mechanism import (
     flat_norm,
     privatize,
     privatize_parts,
+    split_adapter,
 )
 from car_fl.privacy.noise import gaussian_like
 from car_fl.settings.dp_plan import (
@@ -56,8 +57,6 @@ from car_fl.settings.schema import AdaptiveRule, DPConfig, DPMode, NoiseRule, Se
 log = logging.getLogger(__name__)
 
 STATE_KEY = "dp-state"
-#: The adapter's tensors (``dp.adapter_clip`` clips them apart from the head's).
-ADAPTER_PREFIX = "adapter."
 
 
 @dataclass
@@ -245,8 +244,7 @@ class ClientPrivacy:
     def parts(self, delta: State, bound: float) -> list[Part]:
         """With ``dp.adapter_clip``, the adapter (and the rest, the head, last) as parts
         clipped on their own; none (one joint release at dp.clip) otherwise."""
-        adapter = tuple(k for k in delta if k.startswith(ADAPTER_PREFIX))
-        rest = tuple(k for k in delta if not k.startswith(ADAPTER_PREFIX))
+        adapter, rest = split_adapter(delta)
         if self.cfg.adapter_clip is None or not adapter:
             return []
         head = [Part(rest, bound, 0.0)] if rest else []

@@ -170,6 +170,7 @@ class RecordDPRound:
             progress=self.settings.progress,
             desc=f"DP-SGD {desc}",
             population=population,  # n, also counting examples left out (see shard)
+            adapter_clip=self.settings.dp.adapter_clip,
         )
 
     def release(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -191,8 +192,12 @@ class RecordDPRound:
 
     def describe(self, result: EpochResult) -> str:
         plan = self.plan
+        adapter_clip = self.settings.dp.adapter_clip
+        bounds = f"C {plan.clip:.4g}" + (
+            f" (adapter {adapter_clip:.4g})" if adapter_clip is not None else ""
+        )
         return (
-            f"DP-SGD σ {plan.noise_multiplier:.4g} q {plan.sample_rate:.4g} C {plan.clip:.4g}, "
+            f"DP-SGD σ {plan.noise_multiplier:.4g} q {plan.sample_rate:.4g} {bounds}, "
             f"{plan.steps_per_round} steps ({self.steps} in all), ε {self.epsilon_after:.4f} "
             f"(δ {plan.delta:g}) | last epoch: sampled loss {result.loss:.4f} "
             f"acc {result.accuracy:.4f}"

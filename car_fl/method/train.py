@@ -162,11 +162,13 @@ def train_epoch_dpsgd(
     progress: bool = True,
     desc: str = "dp-sgd",
     population: int | None = None,
+    adapter_clip: float | None = None,
 ) -> EpochResult:
     """One epoch of record-level DP-SGD: ``steps`` Poisson-sampled steps at rate q.
 
-    Each step is :func:`car_fl.privacy.dpsgd.dpsgd_step` (per-example clipping at C, noise
-    σ·C, division by q·n). Batches are drawn from OS entropy, unless ``batches`` (index
+    Each step is :func:`car_fl.privacy.dpsgd.dpsgd_step` (per-example clipping at C, or the
+    adapter's part at ``adapter_clip`` and the head's at the rest of C; noise σ·C, division by
+    q·n). Batches are drawn from OS entropy, unless ``batches`` (index
     tensors, one per step) are given (tests: the same batches as :func:`train_epoch`);
     ``generator`` makes the noise reproducible in tests. Loss and accuracy are over the
     sampled examples, for the client's own log. ``population`` (default ``len(data)``) is the
@@ -203,6 +205,7 @@ def train_epoch_dpsgd(
             optimizer,
             labels,
             clip=clip,
+            adapter_clip=adapter_clip,
             noise_multiplier=noise_multiplier,
             expected_batch_size=expected,
             generator=generator,

@@ -8,8 +8,11 @@ One step (Abadi et al. 2016, with Poisson sampling as accounted in
     g  = (Σᵢ∈B gᵢ · min(1, C/‖gᵢ‖) + N(0, σ²C²·I)) / (q·n)        (clip, sum, noise, normalise)
 
 then the optimiser steps with g as the gradient. ‖gᵢ‖ is the norm over all trainable tensors
-together. Dividing by the expected batch size q·n (not |B|, which is data-dependent) keeps the
-step a post-processing of the Gaussian mechanism.
+together; with ``dp.adapter_clip`` = C_a (adapter+classifier mode) the adapter's part of gᵢ is
+clipped to C_a and the head's to √(C² − C_a²) instead, so ‖clipped gᵢ‖ ≤ C still and the noise
+and ε are unchanged (:func:`~car_fl.privacy.mechanism.record_part_bounds`). Dividing by
+the expected batch size q·n (not |B|, which is data-dependent) keeps the step a
+post-processing of the Gaussian mechanism.
 
 Per-example gradients come from ``torch.func``: ``vmap(grad(...))`` over cached features
 (classifier mode). Through the frozen encoder (adapter + classifier mode) the clipped sum comes
@@ -24,7 +27,6 @@ parameters' device.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +36,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from car_fl.privacy.ghost import ghost_clipped_sum, supports_ghost
-from car_fl.privacy.mechanism import clip_factors, scale_per_example
+from car_fl.privacy.mechanism import record_clip_factors, scale_per_example, split_adapter
 from car_fl.privacy.noise import gaussian_like, secure_generator
 
 Tensors = dict[str, torch.Tensor]
@@ -112,26 +114,47 @@ def per_example_gradients(
     return stacked, torch.stack(losses_list), torch.cat(predicted_list)
 
 
+def per_example_squares(
+    grads: Mapping[str, torch.Tensor], names: Sequence[str] | None = None
+) -> torch.Tensor:
+    """Σ ‖gᵢ‖² over the tensors ``names`` (default: all): ``(batch,)``, in float64."""
+    names = list(grads) if names is None else list(names)
+    batch = len(next(iter(grads.values())))
+    device = next(iter(grads.values())).device
+    total = torch.zeros(batch, dtype=torch.float64, device=device)
+    for k in names:
+        total = total + grads[k].flatten(1).double().pow(2).sum(dim=1)
+    return total
+
+
 def per_example_norms(grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """‖gᵢ‖ over all tensors together: ``(batch,)``, in float64."""
-    squares = [g.flatten(1).double().pow(2).sum(dim=1) for g in grads.values()]
-    return torch.stack(squares).sum(dim=0).sqrt()
+    return per_example_squares(grads).sqrt()
 
 
 def clip_per_example(
-    grads: Mapping[str, torch.Tensor], bound: float
+    grads: Mapping[str, torch.Tensor], bound: float, adapter_bound: float | None = None
 ) -> tuple[Tensors, torch.Tensor]:
     """gᵢ · min(1, C/‖gᵢ‖) for every example; also returns the norms before clipping.
 
-    With C = ∞ every factor is exactly 1 and the gradients come back unchanged. A gradient
-    with NaN or inf (an example whose loss overflowed) becomes zero, which is within the bound:
-    one such example must neither poison the step nor make the round fail, since either would
-    tell the server about that example.
+    With ``adapter_bound`` (and adapter tensors among ``grads``) the adapter's and the head's
+    parts are clipped apart (:func:`~car_fl.privacy.mechanism.record_clip_factors`). With
+    C = ∞ every factor is exactly 1 and the gradients come back unchanged. A gradient with NaN
+    or inf (an example whose loss overflowed) becomes zero, which is within the bound: one
+    such example must neither poison the step nor make the round fail, since either would tell
+    the server about that example.
     """
     if not bound > 0:
         raise ValueError(f"dp.clip (the per-example bound C) must be > 0, got {bound}")
-    norms = per_example_norms(grads)
-    return scale_per_example(grads, clip_factors(norms, bound)), norms
+    adapter, rest = split_adapter(grads)
+    adapter_squares = per_example_squares(grads, adapter)
+    rest_squares = per_example_squares(grads, rest)
+    factors = record_clip_factors(
+        adapter_squares, rest_squares, bound, adapter_bound if adapter else None
+    )
+    scaled = scale_per_example({k: grads[k] for k in adapter}, factors[0])
+    scaled.update(scale_per_example({k: grads[k] for k in rest}, factors[1]))
+    return {k: scaled[k] for k in grads}, (adapter_squares + rest_squares).sqrt()
 
 
 def noisy_gradient(
@@ -160,11 +183,13 @@ def clipped_gradient_sum(
     labels: torch.Tensor,
     *,
     clip: float,
+    adapter_clip: float | None = None,
     features: torch.Tensor | None = None,
     input_ids: Sequence[torch.Tensor] | None = None,
     chunk_elements: int = CHUNK_ELEMENTS,
 ) -> tuple[Tensors, torch.Tensor, torch.Tensor]:
-    """Σᵢ gᵢ · min(1, C/‖gᵢ‖) over the batch, plus each loss and each argmax.
+    """Σᵢ gᵢ · min(1, C/‖gᵢ‖) over the batch, plus each loss and each argmax (with
+    ``adapter_clip``, each part of gᵢ clipped to its own bound: :func:`clip_per_example`).
 
     Never holds more than ``chunk_elements`` per-example gradient values: ``vmap`` over chunks
     of examples; for token ids, batched passes and ghost norms (:mod:`car_fl.privacy.ghost`)
@@ -179,7 +204,9 @@ def clipped_gradient_sum(
         empty = torch.zeros(0, device=device)
         return total, empty, torch.zeros(0, dtype=torch.long, device=device)
     if input_ids is not None and supports_ghost(model, params):
-        return ghost_clipped_sum(model, params, labels, input_ids, clip=clip)
+        return ghost_clipped_sum(
+            model, params, labels, input_ids, clip=clip, adapter_clip=adapter_clip
+        )
     losses, predicted = [], []
     if input_ids is not None or getattr(model, "per_example_loop", False):
         leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
@@ -194,15 +221,10 @@ def clipped_gradient_sum(
                 args, kwargs = (), {"features": features[i : i + 1], "labels": y}
             logits, loss = functional_call(model, leaves, args, kwargs)
             grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
-            used = {k: g for k, g in zip(leaves, grads, strict=True) if g is not None}
-            norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in used.values()))
-            if not math.isfinite(norm):  # as clip_per_example: a zero gradient, within the bound
-                losses.append(loss.detach().reshape(1))
-                predicted.append(logits.detach().argmax(dim=-1).reshape(1))
-                continue
-            factor = min(1.0, clip / norm) if norm > 0 else 1.0
-            for k, g in used.items():
-                total[k] += g * factor
+            used = {k: g[None] for k, g in zip(leaves, grads, strict=True) if g is not None}
+            clipped, _ = clip_per_example(used, clip, adapter_clip)  # a batch of one
+            for k, g in clipped.items():
+                total[k] += g[0]
             losses.append(loss.detach().reshape(1))
             predicted.append(logits.detach().argmax(dim=-1).reshape(1))
         return total, torch.cat(losses), torch.cat(predicted)
@@ -217,7 +239,7 @@ def clipped_gradient_sum(
             labels[start : start + chunk],
             features=features[start : start + chunk],
         )
-        clipped, _ = clip_per_example(chunk_grads, clip)
+        clipped, _ = clip_per_example(chunk_grads, clip, adapter_clip)
         for k, g in clipped.items():
             total[k] += g.sum(dim=0)
         losses.append(loss_part)
@@ -243,6 +265,7 @@ def dpsgd_step(
     clip: float,
     noise_multiplier: float,
     expected_batch_size: float,
+    adapter_clip: float | None = None,
     features: torch.Tensor | None = None,
     input_ids: Sequence[torch.Tensor] | None = None,
     generator: torch.Generator | None = None,
@@ -250,11 +273,18 @@ def dpsgd_step(
     """One DP-SGD step on a sampled batch: set each parameter's ``.grad`` and step.
 
     ``optimizer`` is a ``torch.optim.Optimizer`` (or anything with ``step``) over
-    ``params``. ``noise_multiplier`` σ gives noise std σ·C.
+    ``params``. ``noise_multiplier`` σ gives noise std σ·C, with or without ``adapter_clip``
+    (each example's clipped gradient has norm ≤ C either way).
     """
     detached = {k: p.detach() for k, p in params.items()}
     summed, losses, predicted = clipped_gradient_sum(
-        model, detached, labels, clip=clip, features=features, input_ids=input_ids
+        model,
+        detached,
+        labels,
+        clip=clip,
+        adapter_clip=adapter_clip,
+        features=features,
+        input_ids=input_ids,
     )
     update = noisy_gradient(
         summed,

@@ -25,12 +25,12 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from car_fl.privacy.mechanism import clip_factors, scale_per_example
+from car_fl.privacy.mechanism import ADAPTER_PREFIX, record_clip_factors, scale_per_example
 
 Tensors = dict[str, torch.Tensor]
 
 #: The adapter's parameter name in :class:`car_fl.method.model.CaRRetriever`.
-ADAPTER = "adapter.weight"
+ADAPTER = f"{ADAPTER_PREFIX}weight"
 #: Examples per batched pass (the LM's activations for this many are held at once).
 CHUNK = 32
 
@@ -64,12 +64,15 @@ def ghost_clipped_sum(
     input_ids: Sequence[torch.Tensor],
     *,
     clip: float,
+    adapter_clip: float | None = None,
     chunk: int = CHUNK,
 ) -> tuple[Tensors, torch.Tensor, torch.Tensor]:
     """Σᵢ gᵢ · min(1, C/‖gᵢ‖) over the batch, each loss and each argmax, in the input order.
 
-    ‖gᵢ‖ is the norm over the adapter and the head together. An example whose gradient is
-    not finite contributes zero (as :func:`car_fl.privacy.dpsgd.clip_per_example`).
+    ‖gᵢ‖ is the norm over the adapter and the head together, or with ``adapter_clip`` each
+    part is clipped to its own bound (:func:`car_fl.privacy.mechanism.record_clip_factors`).
+    An example whose gradient is not finite contributes zero (as
+    :func:`car_fl.privacy.dpsgd.clip_per_example`).
     """
     if not clip > 0:
         raise ValueError(f"dp.clip (the per-example bound C) must be > 0, got {clip}")
@@ -84,7 +87,7 @@ def ghost_clipped_sum(
     for start in range(0, len(order), chunk):
         rows = order[start : start + chunk]
         batch = [input_ids[i].tolist() for i in rows]
-        part, loss, pred = _chunk(model, params, labels[rows].to(device), batch, clip)
+        part, loss, pred = _chunk(model, params, labels[rows].to(device), batch, clip, adapter_clip)
         for k, v in part.items():
             total[k] += v
         losses.append(loss)
@@ -99,6 +102,7 @@ def _chunk(
     labels: torch.Tensor,
     batch: list[list[int]],
     clip: float,
+    adapter_clip: float | None,
 ) -> tuple[Tensors, torch.Tensor, torch.Tensor]:
     encoder = model.encoder
     weight = params[ADAPTER].detach()
@@ -124,14 +128,18 @@ def _chunk(
     (out_grads,) = torch.autograd.grad(features, adapted, grad_outputs=feature_grads)
     out_grads = out_grads.to(weight.dtype)
     g64, x64 = out_grads.double(), x.double()  # float64: the Gram products can cancel
-    squares = ((g64 @ g64.transpose(1, 2)) * (x64 @ x64.transpose(1, 2))).sum(dim=(1, 2))
+    adapter_squares = ((g64 @ g64.transpose(1, 2)) * (x64 @ x64.transpose(1, 2))).sum(dim=(1, 2))
+    head_squares = torch.zeros_like(adapter_squares)
     for g in head_grads.values():
-        squares = squares + g.flatten(1).double().pow(2).sum(dim=1)
-    factors = clip_factors(squares.clamp(min=0).sqrt(), clip).to(weight.dtype)
+        head_squares = head_squares + g.flatten(1).double().pow(2).sum(dim=1)
+    adapter_factors, head_factors = record_clip_factors(
+        adapter_squares, head_squares, clip, adapter_clip
+    )
+    factors = adapter_factors.to(weight.dtype)
     keep = (factors > 0).view(-1, 1, 1)
     out_grads = torch.where(keep, out_grads, 0.0)
     x = torch.where(keep, x, 0.0)  # 0 · NaN is NaN: drop the example's inputs too
     summed = {ADAPTER: torch.einsum("b,btd,bte->de", factors, out_grads, x)}
-    for k, g in scale_per_example(head_grads, factors).items():
+    for k, g in scale_per_example(head_grads, head_factors).items():
         summed[k] = g.sum(dim=0)
     return summed, loss.flatten(), pred.flatten()

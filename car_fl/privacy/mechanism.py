@@ -4,12 +4,13 @@ Send θ + min(1, C/‖Δ‖)·Δ + N(0, s²·I), with Δ = θᵢ − θ over all
 part by part (:func:`privatize_parts`: each part with its own bound and noise, e.g. the
 adapter and the head). The noise comes from :mod:`car_fl.privacy.noise` (OS entropy, on the
 tensors' device and dtype). The adaptive rules for C live in :mod:`car_fl.privacy.adaptive`.
+DP-SGD's per-example clip factors (joint, or the adapter and the head apart) live here too.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,16 @@ import torch
 from car_fl.privacy.noise import gaussian_like
 
 State = Mapping[str, torch.Tensor]
+
+#: The adapter's tensors: ``dp.adapter_clip`` clips them apart from the head's.
+ADAPTER_PREFIX = "adapter."
+
+
+def split_adapter(names: Iterable[str]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The names of the adapter's tensors and of the rest (the head's), each in order."""
+    names = tuple(names)
+    adapter = tuple(k for k in names if k.startswith(ADAPTER_PREFIX))
+    return adapter, tuple(k for k in names if not k.startswith(ADAPTER_PREFIX))
 
 
 def _sum_dtype(tensor: torch.Tensor) -> torch.dtype:
@@ -58,6 +69,36 @@ def clip_factors(norms: torch.Tensor, bound: float) -> torch.Tensor:
     nor fails the round (either would tell the server about it)."""
     factors = torch.where(norms > bound, bound / norms, torch.ones_like(norms))
     return torch.where(torch.isfinite(norms), factors, torch.zeros_like(factors))
+
+
+def record_part_bounds(clip: float, adapter_clip: float) -> tuple[float, float]:
+    """DP-SGD's bounds per part: the adapter's per-example gradient to C_a = ``dp.adapter_clip``,
+    the head's to √(C² − C_a²), so that the whole gradient's norm is still at most C: the
+    sensitivity that the noise σ·C and every party's ε are computed for stays C (per-layer
+    clipping, McMahan et al. 2018). Needs 0 < C_a < C."""
+    if not 0 < adapter_clip < clip:  # the settings check it first, naming the keys
+        raise ValueError(f"the adapter's bound {adapter_clip:g} is not in (0, C={clip:g})")
+    return adapter_clip, math.sqrt(clip * clip - adapter_clip * adapter_clip)
+
+
+def record_clip_factors(
+    adapter_squares: torch.Tensor,
+    rest_squares: torch.Tensor,
+    clip: float,
+    adapter_clip: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per example, the factors for its adapter's and its head's gradient, from their squared
+    norms: both min(1, C/‖gᵢ‖) over the two together, or (``adapter_clip`` set) each part to
+    its bound from :func:`record_part_bounds`. Both 0 where either norm is not finite."""
+    if adapter_clip is None:
+        joint = clip_factors((adapter_squares + rest_squares).clamp(min=0).sqrt(), clip)
+        return joint, joint
+    adapter_bound, rest_bound = record_part_bounds(clip, adapter_clip)
+    finite = torch.isfinite(adapter_squares) & torch.isfinite(rest_squares)
+    zero = torch.zeros_like(adapter_squares)
+    adapter = clip_factors(adapter_squares.clamp(min=0).sqrt(), adapter_bound)
+    rest = clip_factors(rest_squares.clamp(min=0).sqrt(), rest_bound)
+    return torch.where(finite, adapter, zero), torch.where(finite, rest, zero)
 
 
 def scale_per_example(grads: State, factors: torch.Tensor) -> dict[str, torch.Tensor]:

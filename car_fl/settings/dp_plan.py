@@ -46,21 +46,6 @@ def record_plan(settings: Settings) -> RecordPlan:
     )
 
 
-def centralized_plan(settings: Settings) -> RecordPlan:
-    """The DP-SGD plan of a centralised ``dp=record`` run: ``train.epochs`` epochs of ⌈1/q⌉
-    steps over the whole training split, as one data owner (σ calibrated for the target)."""
-    dp = settings.dp
-    return _plan(
-        sample_rate=dp.sample_rate,
-        noise_multiplier=dp.noise_multiplier,
-        clip=dp.clip,
-        delta=dp.delta,
-        target_epsilon=dp.target_epsilon,
-        rounds=1,
-        local_epochs=settings.train.epochs,
-    )
-
-
 def check(settings: Settings) -> None:
     """Raise ``ValueError`` (naming the key) when the record-level DP plan cannot be made."""
     if settings.dp.mode is DPMode.RECORD:

@@ -236,6 +236,9 @@ class DPConfig:
     #: one bound for every sent tensor together (dp.clip). Set, the adapter's update is clipped
     #: to it and the head's to dp.clip (or the adaptive C_i) separately, and each part's noise
     #: takes its share of the same budget (dp.adapter_share): ε is that of one joint release.
+    #: record: each example's adapter gradient is clipped to it (< dp.clip) and its head
+    #: gradient to √(dp.clip² − adapter_clip²): the whole is still within dp.clip, so the noise
+    #: σ·dp.clip and ε do not change (dp.adapter_share is not used).
     adapter_clip: float | None = None
     #: w, the adapter's share of each release's update budget when dp.adapter_clip is set: its
     #: noise multiplier is z/√w and the head's z/√(1 − w), and (z/√w)⁻² + (z/√(1−w))⁻² = z⁻².
@@ -294,7 +297,8 @@ class DPConfig:
             self._check_record()
 
     def _check_record(self) -> None:
-        """dp=record: q in (0, 1], σ > 0 unless a target ε calibrates it, no warm-up."""
+        """dp=record: q in (0, 1], σ > 0 unless a target ε calibrates it, no warm-up, an
+        adapter bound below C."""
         if not 0 < self.sample_rate <= 1:
             raise ValueError(
                 f"dp.sample_rate (q, the Poisson sampling rate of DP-SGD) must be in (0, 1], "
@@ -309,4 +313,10 @@ class DPConfig:
             raise ValueError(
                 f"dp=record trains every round with DP-SGD; dp.warmup_rounds must be 0, "
                 f"got {self.warmup_rounds}"
+            )
+        if self.adapter_clip is not None and not self.adapter_clip < self.clip:
+            raise ValueError(
+                f"dp.adapter_clip={self.adapter_clip:g} under dp=record must be below "
+                f"dp.clip={self.clip:g}: each example's adapter and head gradients share the "
+                f"bound dp.clip (the head gets the rest); e.g. dp.adapter_clip={self.clip / 10:g}"
             )

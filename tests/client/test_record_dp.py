@@ -165,3 +165,33 @@ def test_record_round_in_adapter_mode_trains_the_adapter(record_inputs) -> None:
     released, metrics = Node(config={}).train(s, node, initial, 1, RecordDict())
     assert metrics["dp-steps"] == 2
     assert not torch.equal(released["adapter.weight"], initial["adapter.weight"])
+
+
+def test_record_round_clips_the_adapter_apart_when_asked(
+    record_inputs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """dp.adapter_clip reaches every DP-SGD step of a node's round (and σ·C is unchanged:
+    tests/privacy/test_ghost.py); a bound at or above C is refused when the settings are made."""
+    import car_fl.privacy.dpsgd as dpsgd
+
+    seen: list[tuple[float, float | None]] = []
+    real = dpsgd.clipped_gradient_sum
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs["clip"], kwargs.get("adapter_clip")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dpsgd, "clipped_gradient_sum", spy)
+    s, node, initial = record_inputs(
+        "mode=adapter",
+        "dataset.max_examples=40",
+        "dp.sample_rate=0.5",
+        "dp.target_epsilon=null",
+        "dp.noise_multiplier=1",
+        "dp.clip=0.5",
+        "dp.adapter_clip=0.05",
+    )
+    Node(config={}).train(s, node, initial, 1, RecordDict())
+    assert seen == [(0.5, 0.05)] * 2
+    with pytest.raises(ValueError, match=r"dp\.adapter_clip=0\.5 under dp=record must be below"):
+        record_inputs("mode=adapter", "dp.clip=0.5", "dp.adapter_clip=0.5")

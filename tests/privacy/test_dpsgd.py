@@ -75,6 +75,63 @@ def test_every_clipped_per_example_gradient_has_norm_at_most_c(
         assert torch.equal(clipped[name][small], tensor[small])
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    batch=st.integers(0, 12),
+    scale=st.floats(1e-6, 1e6),
+    share=st.floats(1e-3, 0.999),
+    bound=st.floats(1e-4, 1e4),
+    seed=st.integers(0, 2**31),
+)
+def test_per_part_clipping_keeps_each_part_and_the_whole_within_their_bounds(
+    batch: int, scale: float, share: float, bound: float, seed: int
+) -> None:
+    """dp.adapter_clip under dp=record: the adapter's part ≤ C_a, the head's ≤ √(C² − C_a²),
+    so the whole ≤ C, the sensitivity the noise and ε are computed for."""
+    g = torch.Generator().manual_seed(seed)
+    grads = {
+        "adapter.weight": torch.randn((batch, 4, 4), generator=g, dtype=torch.float64) * scale,
+        "head.weight": torch.randn((batch, 3, 4), generator=g, dtype=torch.float64) * scale,
+        "head.bias": torch.randn((batch, 3), generator=g, dtype=torch.float64) * scale,
+    }
+    adapter_bound = bound * share
+    clipped, norms = clip_per_example(grads, bound, adapter_bound)
+    adapter = clipped["adapter.weight"].flatten(1).norm(dim=1)
+    head = torch.cat([clipped["head.weight"].flatten(1), clipped["head.bias"]], dim=1).norm(dim=1)
+    assert bool((adapter <= adapter_bound * (1 + 1e-9)).all())
+    assert bool((head <= math.sqrt(bound**2 - adapter_bound**2) * (1 + 1e-9)).all())
+    assert bool((per_example_norms(clipped) <= bound * (1 + 1e-9)).all())
+    torch.testing.assert_close(norms, per_example_norms(grads))  # the norms before clipping
+    small = grads["adapter.weight"].flatten(1).norm(dim=1) <= adapter_bound
+    assert torch.equal(clipped["adapter.weight"][small], grads["adapter.weight"][small])
+
+
+def test_per_part_clipping_gives_the_head_its_own_bound() -> None:
+    """Why it exists: a large adapter gradient no longer scales the head's down with it."""
+    grads = {
+        "adapter.weight": torch.tensor([[[30.0, 40.0]]], dtype=torch.float64),  # norm 50
+        "head.weight": torch.tensor([[0.6, 0.0]], dtype=torch.float64),  # norm 0.6
+    }
+    joint, _ = clip_per_example(grads, 1.0)
+    parts, _ = clip_per_example(grads, 1.0, 0.1)
+    assert float(joint["head.weight"].norm()) == pytest.approx(0.6 / math.hypot(50, 0.6))
+    torch.testing.assert_close(parts["head.weight"], grads["head.weight"])  # 0.6 < √0.99
+    assert float(parts["adapter.weight"].norm()) == pytest.approx(0.1)
+
+
+def test_without_an_adapter_the_adapter_bound_leaves_joint_clipping(make_settings) -> None:
+    """Classifier mode has no adapter tensor: one bound C over the head, as local DP does."""
+    model = build_retriever(make_settings(), 3, hidden_size=6).double()
+    params = {k: p.detach() for k, p in model.trainable_parameters().items()}
+    features, labels = torch.randn(5, 6, dtype=torch.float64) * 50, torch.tensor([0, 1, 2, 0, 1])
+    joint, _, _ = clipped_gradient_sum(model, params, labels, clip=0.5, features=features)
+    split, _, _ = clipped_gradient_sum(
+        model, params, labels, clip=0.5, adapter_clip=0.05, features=features
+    )
+    for name in joint:
+        assert torch.equal(split[name], joint[name])
+
+
 def test_clipping_real_per_example_gradients_of_the_head(make_settings) -> None:
     s = make_settings("head.pre_classifier_dim=8")
     model = build_retriever(s, 4, hidden_size=16)
@@ -324,6 +381,11 @@ def test_plan_calibrates_for_rounds_times_epochs_times_steps_per_epoch() -> None
         ),
         ("dp=record dp.target_epsilon=null dp.noise_multiplier=-1", r"noise_multiplier"),
         ("dp=record dp.warmup_rounds=1", r"dp.warmup_rounds must be 0"),
+        (  # a server cannot raise a record's sensitivity above dp.clip through the adapter
+            "dp=record dp.clip=1 dp.adapter_clip=1",
+            r"dp.adapter_clip=1 under dp=record must be below dp.clip=1.*dp.adapter_clip=0.1",
+        ),
+        ("dp=record dp.clip=0.5 dp.adapter_clip=3", r"dp.adapter_clip=3 .* below dp.clip=0.5"),
         (
             "dp=record dp.target_epsilon=0.01 dp.sample_rate=1 fl.rounds=50",
             r"dp.target_epsilon=0.01 cannot be reached in 100 planned DP-SGD steps.*"

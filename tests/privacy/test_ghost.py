@@ -10,8 +10,14 @@ import torch
 
 from car_fl.data.splits import load_splits
 from car_fl.method.build import build_retriever
-from car_fl.privacy.dpsgd import clip_per_example, clipped_gradient_sum, per_example_gradients
-from car_fl.privacy.ghost import ghost_clipped_sum, supports_ghost
+from car_fl.privacy.dpsgd import (
+    clip_per_example,
+    clipped_gradient_sum,
+    dpsgd_step,
+    noisy_gradient,
+    per_example_gradients,
+)
+from car_fl.privacy.ghost import ADAPTER, ghost_clipped_sum, supports_ghost
 
 
 def adapter_model(make_settings, *overrides: str):
@@ -32,10 +38,10 @@ def adapter_model(make_settings, *overrides: str):
     return model, params, ids, labels
 
 
-def loop_reference(model, params, ids, labels, clip):
+def loop_reference(model, params, ids, labels, clip, adapter_clip=None):
     """One backward per unpadded example, clipped and summed: the definition."""
     grads, losses, predicted = per_example_gradients(model, params, labels, input_ids=ids)
-    clipped, norms = clip_per_example(grads, clip)
+    clipped, norms = clip_per_example(grads, clip, adapter_clip)
     return {k: g.sum(dim=0) for k, g in clipped.items()}, losses, predicted, norms
 
 
@@ -54,6 +60,79 @@ def test_batched_ghost_clipping_equals_the_per_example_loop(make_settings, side,
         torch.testing.assert_close(ghost[name], summed[name], rtol=1e-7, atol=1e-9)
     torch.testing.assert_close(ghost_losses, losses, rtol=1e-7, atol=1e-9)
     assert torch.equal(ghost_predicted, predicted)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("share", [0.01, 0.5, 0.99])  # the adapter's bound over C
+def test_per_part_clipping_on_the_batched_path_equals_the_loop(
+    make_settings, monkeypatch: pytest.MonkeyPatch, side: str, share: float
+) -> None:
+    """dp.adapter_clip under dp=record: the adapter's and the head's parts clipped apart,
+    equal to the definition (per-example gradients) whether one part, both or none clip, on
+    the batched path and on the loop that models without it take."""
+    model, params, ids, labels = adapter_model(make_settings, f"model.padding_side={side}")
+    _, _, _, norms = loop_reference(model, params, ids, labels, math.inf)
+    clip = float(norms.median())
+    summed, _, _, _ = loop_reference(model, params, ids, labels, clip, clip * share)
+    joint, _, _, _ = loop_reference(model, params, ids, labels, clip)
+    ghost, _, _ = ghost_clipped_sum(
+        model, params, labels, ids, clip=clip, adapter_clip=clip * share, chunk=3
+    )
+    monkeypatch.setattr("car_fl.privacy.dpsgd.supports_ghost", lambda *_: False)
+    looped, _, _ = clipped_gradient_sum(
+        model, params, labels, clip=clip, adapter_clip=clip * share, input_ids=ids
+    )
+    for name in summed:
+        torch.testing.assert_close(ghost[name], summed[name], rtol=1e-7, atol=1e-9)
+        torch.testing.assert_close(looped[name], summed[name], rtol=1e-7, atol=1e-9)
+    assert not torch.allclose(summed["adapter.weight"], joint["adapter.weight"])
+
+
+def test_each_example_adds_at_most_each_part_bound_and_c(make_settings) -> None:
+    """The guarantee with per-part bounds: each example's adapter share ≤ C_a, its head share
+    ≤ √(C² − C_a²), so its whole share ≤ C, on the batched path and the loop alike."""
+    model, params, ids, labels = adapter_model(make_settings)
+    clip, adapter_clip = 1e-3, 2e-4
+    for i in range(len(ids)):
+        one = (labels[i : i + 1], ids[i : i + 1])
+        batched, _, _ = ghost_clipped_sum(model, params, *one, clip=clip, adapter_clip=adapter_clip)
+        looped, _, _, _ = loop_reference(model, params, one[1], one[0], clip, adapter_clip)
+        for alone in (batched, looped):
+            adapter = float(alone["adapter.weight"].norm())
+            head = math.sqrt(sum(float(v.pow(2).sum()) for k, v in alone.items() if k != ADAPTER))
+            assert adapter == pytest.approx(adapter_clip, rel=1e-6)  # far above 2e-4
+            assert head <= math.sqrt(clip**2 - adapter_clip**2) * (1 + 1e-9)
+            assert math.hypot(adapter, head) <= clip * (1 + 1e-9)
+
+
+def test_a_per_part_dpsgd_step_adds_noise_sigma_c(make_settings) -> None:
+    """The noise (and so ε) is σ·C whatever the split: the step is the per-part clipped sum
+    plus exactly the seeded N(0, σ²C²) draw, over q·n."""
+    model, _, ids, labels = adapter_model(make_settings)
+    trained = model.trainable_parameters()
+    before = {k: p.detach().clone() for k, p in trained.items()}
+    clip, adapter_clip, sigma = 0.5, 0.05, 0.7
+    summed, _, _, _ = loop_reference(model, before, ids, labels, clip, adapter_clip)
+    expected = noisy_gradient(
+        summed,
+        noise_std=sigma * clip,
+        expected_batch_size=7.0,
+        generator=torch.Generator().manual_seed(3),
+    )
+    dpsgd_step(
+        model,
+        trained,
+        torch.optim.SGD(list(trained.values()), lr=1.0),
+        labels,
+        clip=clip,
+        adapter_clip=adapter_clip,
+        noise_multiplier=sigma,
+        expected_batch_size=7.0,
+        input_ids=ids,
+        generator=torch.Generator().manual_seed(3),
+    )
+    for name, param in trained.items():
+        torch.testing.assert_close(param.detach(), before[name] - expected[name])
 
 
 def test_dpsgd_takes_the_batched_path_for_an_adapter_model(make_settings) -> None:
