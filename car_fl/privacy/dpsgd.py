@@ -36,7 +36,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from car_fl.privacy.ghost import ghost_clipped_sum, supports_ghost
-from car_fl.privacy.mechanism import record_clip_factors, scale_per_example, split_adapter
+from car_fl.privacy.mechanism import clip_per_example
 from car_fl.privacy.noise import gaussian_like, secure_generator
 
 Tensors = dict[str, torch.Tensor]
@@ -114,49 +114,6 @@ def per_example_gradients(
     return stacked, torch.stack(losses_list), torch.cat(predicted_list)
 
 
-def per_example_squares(
-    grads: Mapping[str, torch.Tensor], names: Sequence[str] | None = None
-) -> torch.Tensor:
-    """Σ ‖gᵢ‖² over the tensors ``names`` (default: all): ``(batch,)``, in float64."""
-    names = list(grads) if names is None else list(names)
-    batch = len(next(iter(grads.values())))
-    device = next(iter(grads.values())).device
-    total = torch.zeros(batch, dtype=torch.float64, device=device)
-    for k in names:
-        total = total + grads[k].flatten(1).double().pow(2).sum(dim=1)
-    return total
-
-
-def per_example_norms(grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """‖gᵢ‖ over all tensors together: ``(batch,)``, in float64."""
-    return per_example_squares(grads).sqrt()
-
-
-def clip_per_example(
-    grads: Mapping[str, torch.Tensor], bound: float, adapter_bound: float | None = None
-) -> tuple[Tensors, torch.Tensor]:
-    """gᵢ · min(1, C/‖gᵢ‖) for every example; also returns the norms before clipping.
-
-    With ``adapter_bound`` (and adapter tensors among ``grads``) the adapter's and the head's
-    parts are clipped apart (:func:`~car_fl.privacy.mechanism.record_clip_factors`). With
-    C = ∞ every factor is exactly 1 and the gradients come back unchanged. A gradient with NaN
-    or inf (an example whose loss overflowed) becomes zero, which is within the bound: one
-    such example must neither poison the step nor make the round fail, since either would tell
-    the server about that example.
-    """
-    if not bound > 0:
-        raise ValueError(f"dp.clip (the per-example bound C) must be > 0, got {bound}")
-    adapter, rest = split_adapter(grads)
-    adapter_squares = per_example_squares(grads, adapter)
-    rest_squares = per_example_squares(grads, rest)
-    factors = record_clip_factors(
-        adapter_squares, rest_squares, bound, adapter_bound if adapter else None
-    )
-    scaled = scale_per_example({k: grads[k] for k in adapter}, factors[0])
-    scaled.update(scale_per_example({k: grads[k] for k in rest}, factors[1]))
-    return {k: scaled[k] for k in grads}, (adapter_squares + rest_squares).sqrt()
-
-
 def noisy_gradient(
     summed: Mapping[str, torch.Tensor],
     *,
@@ -189,7 +146,8 @@ def clipped_gradient_sum(
     chunk_elements: int = CHUNK_ELEMENTS,
 ) -> tuple[Tensors, torch.Tensor, torch.Tensor]:
     """Σᵢ gᵢ · min(1, C/‖gᵢ‖) over the batch, plus each loss and each argmax (with
-    ``adapter_clip``, each part of gᵢ clipped to its own bound: :func:`clip_per_example`).
+    ``adapter_clip``, each part of gᵢ clipped to its own bound:
+    :func:`~car_fl.privacy.mechanism.clip_per_example`).
 
     Never holds more than ``chunk_elements`` per-example gradient values: ``vmap`` over chunks
     of examples; for token ids, batched passes and ghost norms (:mod:`car_fl.privacy.ghost`)

@@ -72,7 +72,7 @@ def ghost_clipped_sum(
     ‖gᵢ‖ is the norm over the adapter and the head together, or with ``adapter_clip`` each
     part is clipped to its own bound (:func:`car_fl.privacy.mechanism.record_clip_factors`).
     An example whose gradient is not finite contributes zero (as
-    :func:`car_fl.privacy.dpsgd.clip_per_example`).
+    :func:`car_fl.privacy.mechanism.clip_per_example`).
     """
     if not clip > 0:
         raise ValueError(f"dp.clip (the per-example bound C) must be > 0, got {clip}")

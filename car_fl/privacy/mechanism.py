@@ -4,7 +4,7 @@ Send θ + min(1, C/‖Δ‖)·Δ + N(0, s²·I), with Δ = θᵢ − θ over all
 part by part (:func:`privatize_parts`: each part with its own bound and noise, e.g. the
 adapter and the head). The noise comes from :mod:`car_fl.privacy.noise` (OS entropy, on the
 tensors' device and dtype). The adaptive rules for C live in :mod:`car_fl.privacy.adaptive`.
-DP-SGD's per-example clip factors (joint, or the adapter and the head apart) live here too.
+DP-SGD's per-example clipping (joint, or the adapter and the head apart) lives here too.
 """
 
 from __future__ import annotations
@@ -110,6 +110,49 @@ def scale_per_example(grads: State, factors: torch.Tensor) -> dict[str, torch.Te
         f = factors.to(g.dtype).view(shape)
         scaled[k] = torch.where(f > 0, g * f, torch.zeros_like(g))
     return scaled
+
+
+def per_example_squares(
+    grads: Mapping[str, torch.Tensor], names: Sequence[str] | None = None
+) -> torch.Tensor:
+    """Σ ‖gᵢ‖² over the tensors ``names`` (default: all): ``(batch,)``, in float64."""
+    names = list(grads) if names is None else list(names)
+    batch = len(next(iter(grads.values())))
+    device = next(iter(grads.values())).device
+    total = torch.zeros(batch, dtype=torch.float64, device=device)
+    for k in names:
+        total = total + grads[k].flatten(1).double().pow(2).sum(dim=1)
+    return total
+
+
+def per_example_norms(grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """‖gᵢ‖ over all tensors together: ``(batch,)``, in float64."""
+    return per_example_squares(grads).sqrt()
+
+
+def clip_per_example(
+    grads: Mapping[str, torch.Tensor], bound: float, adapter_bound: float | None = None
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """gᵢ · min(1, C/‖gᵢ‖) for every example; also returns the norms before clipping.
+
+    With ``adapter_bound`` (and adapter tensors among ``grads``) the adapter's and the head's
+    parts are clipped apart (:func:`record_clip_factors`). With
+    C = ∞ every factor is exactly 1 and the gradients come back unchanged. A gradient with NaN
+    or inf (an example whose loss overflowed) becomes zero, which is within the bound: one
+    such example must neither poison the step nor make the round fail, since either would tell
+    the server about that example.
+    """
+    if not bound > 0:
+        raise ValueError(f"dp.clip (the per-example bound C) must be > 0, got {bound}")
+    adapter, rest = split_adapter(grads)
+    adapter_squares = per_example_squares(grads, adapter)
+    rest_squares = per_example_squares(grads, rest)
+    factors = record_clip_factors(
+        adapter_squares, rest_squares, bound, adapter_bound if adapter else None
+    )
+    scaled = scale_per_example({k: grads[k] for k in adapter}, factors[0])
+    scaled.update(scale_per_example({k: grads[k] for k in rest}, factors[1]))
+    return {k: scaled[k] for k in grads}, (adapter_squares + rest_squares).sqrt()
 
 
 def privatize(

@@ -18,14 +18,13 @@ from car_fl.method.features import LocalData
 from car_fl.method.train import epoch_order, make_optimizer, train_epoch, train_epoch_dpsgd
 from car_fl.privacy.accountant import VALUE_DISCRETIZATION
 from car_fl.privacy.dpsgd import (
-    clip_per_example,
     clipped_gradient_sum,
     dpsgd_step,
     noisy_gradient,
     per_example_gradients,
-    per_example_norms,
     poisson_sample,
 )
+from car_fl.privacy.mechanism import clip_per_example, per_example_norms
 from car_fl.privacy.record_accounting import (
     calibrate_noise_multiplier,
     epsilon,

@@ -11,13 +11,13 @@ import torch
 from car_fl.data.splits import load_splits
 from car_fl.method.build import build_retriever
 from car_fl.privacy.dpsgd import (
-    clip_per_example,
     clipped_gradient_sum,
     dpsgd_step,
     noisy_gradient,
     per_example_gradients,
 )
 from car_fl.privacy.ghost import ADAPTER, ghost_clipped_sum, supports_ghost
+from car_fl.privacy.mechanism import clip_per_example
 
 
 def adapter_model(make_settings, *overrides: str):
