@@ -33,7 +33,7 @@ from car_fl.privacy.noise import secure_generator
 from car_fl.privacy.record_accounting import RecordPlan, trained_cap
 from car_fl.settings.dp_plan import record_plan
 from car_fl.settings.flower import NodeInfo
-from car_fl.settings.schema import Settings
+from car_fl.settings.schema import Mode, Settings
 
 STATE_KEY = "dp-record-state"
 
@@ -170,7 +170,7 @@ class RecordDPRound:
             progress=self.settings.progress,
             desc=f"DP-SGD {desc}",
             population=population,  # n, also counting examples left out (see shard)
-            adapter_clip=self.settings.dp.adapter_clip,
+            adapter_clip=self.adapter_clip,
         )
 
     def release(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -190,9 +190,16 @@ class RecordDPRound:
             delta=plan.delta,
         ).to_record()
 
+    @property
+    def adapter_clip(self) -> float | None:
+        """The adapter's own per-example bound: ``dp.adapter_clip`` when an adapter trains."""
+        if self.settings.train.mode is not Mode.ADAPTER_CLASSIFIER:
+            return None
+        return self.settings.dp.adapter_clip
+
     def describe(self, result: EpochResult) -> str:
         plan = self.plan
-        adapter_clip = self.settings.dp.adapter_clip
+        adapter_clip = self.adapter_clip
         bounds = f"C {plan.clip:.4g}" + (
             f" (adapter {adapter_clip:.4g})" if adapter_clip is not None else ""
         )

@@ -180,9 +180,10 @@ def clipped_gradient_sum(
             logits, loss = functional_call(model, leaves, args, kwargs)
             grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
             used = {k: g[None] for k, g in zip(leaves, grads, strict=True) if g is not None}
-            clipped, _ = clip_per_example(used, clip, adapter_clip)  # a batch of one
-            for k, g in clipped.items():
-                total[k] += g[0]
+            if used:  # no tensor the loss depends on: a zero gradient
+                clipped, _ = clip_per_example(used, clip, adapter_clip)  # a batch of one
+                for k, g in clipped.items():
+                    total[k] += g[0]
             losses.append(loss.detach().reshape(1))
             predicted.append(logits.detach().argmax(dim=-1).reshape(1))
         return total, torch.cat(losses), torch.cat(predicted)

@@ -78,7 +78,7 @@ def record_part_bounds(clip: float, adapter_clip: float) -> tuple[float, float]:
     clipping, McMahan et al. 2018). Needs 0 < C_a < C."""
     if not 0 < adapter_clip < clip:  # the settings check it first, naming the keys
         raise ValueError(f"the adapter's bound {adapter_clip:g} is not in (0, C={clip:g})")
-    return adapter_clip, math.sqrt(clip * clip - adapter_clip * adapter_clip)
+    return adapter_clip, clip * math.sqrt(1.0 - (adapter_clip / clip) ** 2)  # no C² overflow
 
 
 def record_clip_factors(

@@ -24,7 +24,7 @@ from car_fl.privacy.dpsgd import (
     per_example_gradients,
     poisson_sample,
 )
-from car_fl.privacy.mechanism import clip_per_example, per_example_norms
+from car_fl.privacy.mechanism import clip_per_example, per_example_norms, record_part_bounds
 from car_fl.privacy.record_accounting import (
     calibrate_noise_multiplier,
     epsilon,
@@ -116,6 +116,14 @@ def test_per_part_clipping_gives_the_head_its_own_bound() -> None:
     assert float(joint["head.weight"].norm()) == pytest.approx(0.6 / math.hypot(50, 0.6))
     torch.testing.assert_close(parts["head.weight"], grads["head.weight"])  # 0.6 < √0.99
     assert float(parts["adapter.weight"].norm()) == pytest.approx(0.1)
+
+
+def test_part_bounds_share_c_without_overflow() -> None:
+    assert record_part_bounds(1.0, 0.6) == pytest.approx((0.6, 0.8))
+    big = record_part_bounds(1e200, 6e199)  # C² would overflow to inf
+    assert big[1] == pytest.approx(8e199) and math.isfinite(big[1])
+    with pytest.raises(ValueError, match="not in"):
+        record_part_bounds(1.0, 1.0)
 
 
 def test_without_an_adapter_the_adapter_bound_leaves_joint_clipping(make_settings) -> None:
