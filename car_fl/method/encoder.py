@@ -194,7 +194,10 @@ class Encoder(nn.Module):
         if self.append_eos:
             assert self.eos_id is not None
             encoded = [[*ids, self.eos_id] for ids in encoded]
-        return Tokenized(input_ids=[list(ids) for ids in encoded])
+        # A text that tokenises to nothing (no BOS, ``last`` pooling) is one pad token: an
+        # empty sequence would crash pooling, and under DP a crash would tell the server that
+        # the record was sampled.
+        return Tokenized(input_ids=[list(ids) if ids else [self.pad_id] for ids in encoded])
 
     def _templated(self, texts: list[str], limit: int) -> list[list[int]]:
         """``model.prompt`` around each text: the special tokens the tokenizer adds to a

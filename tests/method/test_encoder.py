@@ -208,6 +208,27 @@ def test_last_pooling_appends_nothing_and_reads_the_texts_own_last_token(tiny_ll
     assert pool(hidden, torch.tensor([[1, 1, 0]]), Pooling.LAST).tolist() == [[2.0, 3.0]]
 
 
+def test_a_text_that_tokenises_to_nothing_is_one_pad_token_and_trains(tiny_llama: Path) -> None:
+    """No BOS and ``last`` pooling: an empty text used to be an empty sequence, which crashed
+    pooling (and under DP-SGD a crash tells the server the record was sampled)."""
+    from tokenizers import processors
+
+    from car_fl.privacy.dpsgd import clipped_gradient_sum
+
+    encoder = load_encoder(cfg(tiny_llama, pooling="last"), device="cpu")
+    encoder.tokenizer._tokenizer.post_processor = processors.TemplateProcessing(single="$A")
+    assert encoder.tokenizer("", add_special_tokens=True)["input_ids"] == []
+    ids = encoder.tokenize(["", "w1 w2"]).input_ids
+    assert ids[0] == [encoder.pad_id] and ids[1] == encoder.tokenizer("w1 w2")["input_ids"]
+    model = CaRRetriever(encoder, 2, head=HeadConfig(), mode=Mode.ADAPTER_CLASSIFIER)
+    params = {k: p.detach() for k, p in model.trainable_parameters().items()}
+    summed, losses, _ = clipped_gradient_sum(
+        model, params, torch.tensor([0, 1]), clip=1.0, input_ids=[torch.tensor(i) for i in ids]
+    )
+    assert torch.isfinite(losses).all()
+    assert all(torch.isfinite(v).all() for v in summed.values())
+
+
 def test_a_prompt_template_wraps_the_text_and_cuts_the_text_never_the_template(
     tiny_llama: Path,
 ) -> None:
