@@ -54,7 +54,7 @@ def supports_ghost(model: nn.Module, params: Mapping[str, torch.Tensor]) -> bool
         return False
     if getattr(encoder.cfg, "trust_remote_code", True):
         return False
-    return all(k == ADAPTER or not k.startswith(("_encoder.", "adapter.")) for k in params)
+    return all(k == ADAPTER or not k.startswith(("_encoder.", ADAPTER_PREFIX)) for k in params)
 
 
 def ghost_clipped_sum(
