@@ -25,7 +25,12 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from car_fl.privacy.mechanism import ADAPTER_PREFIX, record_clip_factors, scale_per_example
+from car_fl.privacy.mechanism import (
+    ADAPTER_PREFIX,
+    per_example_squares,
+    record_clip_factors,
+    scale_per_example,
+)
 
 Tensors = dict[str, torch.Tensor]
 
@@ -129,9 +134,9 @@ def _chunk(
     out_grads = out_grads.to(weight.dtype)
     g64, x64 = out_grads.double(), x.double()  # float64: the Gram products can cancel
     adapter_squares = ((g64 @ g64.transpose(1, 2)) * (x64 @ x64.transpose(1, 2))).sum(dim=(1, 2))
-    head_squares = torch.zeros_like(adapter_squares)
-    for g in head_grads.values():
-        head_squares = head_squares + g.flatten(1).double().pow(2).sum(dim=1)
+    head_squares = (
+        per_example_squares(head_grads) if head_grads else torch.zeros_like(adapter_squares)
+    )
     adapter_factors, head_factors = record_clip_factors(
         adapter_squares, head_squares, clip, adapter_clip
     )

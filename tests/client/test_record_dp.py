@@ -182,27 +182,13 @@ def test_record_round_clips_the_adapter_apart_when_asked(
         return real(*args, **kwargs)
 
     monkeypatch.setattr(dpsgd, "clipped_gradient_sum", spy)
-    s, node, initial = record_inputs(
-        "mode=adapter",
-        "dataset.max_examples=40",
-        "dp.sample_rate=0.5",
-        "dp.target_epsilon=null",
-        "dp.noise_multiplier=1",
-        "dp.clip=0.5",
-        "dp.adapter_clip=0.05",
-    )
-    Node(config={}).train(s, node, initial, 1, RecordDict())
-    assert seen == [(0.5, 0.05)] * 2
-    seen.clear()  # classifier mode has no adapter: one bound C, as its log line says
-    s, node, initial = record_inputs(
-        "dataset.max_examples=40",
-        "dp.sample_rate=0.5",
-        "dp.target_epsilon=null",
-        "dp.noise_multiplier=1",
-        "dp.clip=0.5",
-        "dp.adapter_clip=0.05",
-    )
-    Node(config={}).train(s, node, initial, 1, RecordDict())
-    assert seen == [(0.5, None)] * 2
+    small = ("dataset.max_examples=40", "dp.sample_rate=0.5", "dp.target_epsilon=null")
+    bounds = ("dp.noise_multiplier=1", "dp.clip=0.5", "dp.adapter_clip=0.05")
+    # classifier mode has no adapter: one bound C, as its log line says
+    for mode, expected in (("mode=adapter", 0.05), ("mode=classifier", None)):
+        seen.clear()
+        s, node, initial = record_inputs(mode, *small, *bounds)
+        Node(config={}).train(s, node, initial, 1, RecordDict())
+        assert seen == [(0.5, expected)] * 2
     with pytest.raises(ValueError, match=r"dp\.adapter_clip=0\.5 under dp=record must be below"):
         record_inputs("mode=adapter", "dp.clip=0.5", "dp.adapter_clip=0.5")
