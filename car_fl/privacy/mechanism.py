@@ -19,6 +19,10 @@ from car_fl.privacy.noise import gaussian_like
 
 State = Mapping[str, torch.Tensor]
 
+#: A clipped tensor is scaled to C·(1 − 2⁻²²), not to C: the rounding of a float32 product
+#: (2⁻²⁴ per element, as much again in the factor) then cannot carry its norm above C.
+SHRINK = 1.0 - 2.0**-22
+
 #: The adapter's tensors: ``dp.adapter_clip`` clips them apart from the head's.
 ADAPTER_PREFIX = "adapter."
 
@@ -57,17 +61,18 @@ def difference(after: State, before: State) -> dict[str, torch.Tensor]:
 
 
 def clip_factor(norm: float, bound: float) -> float:
-    """min(1, C/‖Δ‖); 1 for a zero update or C = ∞."""
+    """min(1, C/‖Δ‖) (times :data:`SHRINK` when it clips); 1 for a zero update or C = ∞."""
     if bound <= 0:
         raise ValueError(f"clipping bound must be > 0, got {bound}")
-    return 1.0 if norm <= bound else bound / norm
+    return 1.0 if norm <= bound else bound * SHRINK / norm
 
 
 def clip_factors(norms: torch.Tensor, bound: float) -> torch.Tensor:
-    """Per example, min(1, C/‖gᵢ‖), and 0 where ‖gᵢ‖ is not finite: such an example (its
-    loss overflowed) adds nothing, which is within the bound, and neither poisons the step
-    nor fails the round (either would tell the server about it)."""
-    factors = torch.where(norms > bound, bound / norms, torch.ones_like(norms))
+    """Per example, min(1, C/‖gᵢ‖) (times :data:`SHRINK` where it clips), and 0 where ‖gᵢ‖
+    is not finite: such an example (its loss overflowed) adds nothing, which is within the
+    bound, and neither poisons the step nor fails the round (either would tell the server
+    about it)."""
+    factors = torch.where(norms > bound, bound * SHRINK / norms, torch.ones_like(norms))
     return torch.where(torch.isfinite(norms), factors, torch.zeros_like(factors))
 
 
@@ -102,13 +107,15 @@ def record_clip_factors(
 
 
 def scale_per_example(grads: State, factors: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Each example's row of every tensor times its factor; exactly 0 where the factor is
-    (``0 · NaN`` would be NaN)."""
+    """Each example's row of every tensor times its factor, in float32 at least (a bf16
+    product's rounding, 2⁻⁹, could carry a clipped row ~0.5 % above its bound); exactly 0
+    where the factor is (``0 · NaN`` would be NaN)."""
     scaled = {}
     for k, g in grads.items():
+        wide = g.to(torch.promote_types(g.dtype, torch.float32))
         shape = (-1, *([1] * (g.dim() - 1)))
-        f = factors.to(g.dtype).view(shape)
-        scaled[k] = torch.where(f > 0, g * f, torch.zeros_like(g))
+        f = factors.to(wide.dtype).view(shape)
+        scaled[k] = torch.where(f > 0, wide * f, torch.zeros_like(wide))
     return scaled
 
 
