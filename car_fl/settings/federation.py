@@ -242,6 +242,7 @@ class DPConfig:
     adapter_clip: float | None = None
     #: w, the adapter's share of each release's update budget when dp.adapter_clip is set: its
     #: noise multiplier is z/√w and the head's z/√(1 − w), and (z/√w)⁻² + (z/√(1−w))⁻² = z⁻².
+    #: Local DP's only: dp=record refuses any other value than the default.
     adapter_share: float = 0.5
 
     # --- record-level DP-SGD (dp=record): clip = per-example C, noise_multiplier = σ (unless
@@ -298,7 +299,7 @@ class DPConfig:
 
     def _check_record(self) -> None:
         """dp=record: q in (0, 1], σ > 0 unless a target ε calibrates it, no warm-up, an
-        adapter bound below C."""
+        adapter bound below C, local DP's noise split left alone."""
         if not 0 < self.sample_rate <= 1:
             raise ValueError(
                 f"dp.sample_rate (q, the Poisson sampling rate of DP-SGD) must be in (0, 1], "
@@ -319,4 +320,11 @@ class DPConfig:
                 f"dp.adapter_clip={self.adapter_clip:g} under dp=record must be below "
                 f"dp.clip={self.clip:g}: each example's adapter and head gradients share the "
                 f"bound dp.clip (the head gets the rest); e.g. dp.adapter_clip={self.clip / 10:g}"
+            )
+        if self.adapter_share != 0.5:  # the field's default: set by hand, it would do nothing
+            raise ValueError(
+                f"dp.adapter_share={self.adapter_share:g} splits local DP's noise (dp=fixed or "
+                "adaptive); dp=record adds one noise σ·dp.clip to the whole gradient, and the "
+                "adapter's share of each example's bound is dp.adapter_clip: remove "
+                "dp.adapter_share (or set dp.adapter_clip)"
             )

@@ -413,6 +413,10 @@ def test_plan_calibrates_for_rounds_times_epochs_times_steps_per_epoch() -> None
             r"dp.adapter_clip=1 under dp=record must be below dp.clip=1.*dp.adapter_clip=0.1",
         ),
         ("dp=record dp.clip=0.5 dp.adapter_clip=3", r"dp.adapter_clip=3 .* below dp.clip=0.5"),
+        (  # local DP's noise split: under dp=record it would be silently ignored
+            "dp=record dp.adapter_clip=0.1 dp.adapter_share=0.1",
+            r"dp.adapter_share=0.1 splits local DP's noise .* remove dp.adapter_share",
+        ),
         (
             "dp=record dp.target_epsilon=0.01 dp.sample_rate=1 fl.rounds=50",
             r"dp.target_epsilon=0.01 cannot be reached in 100 planned DP-SGD steps.*"
