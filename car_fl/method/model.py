@@ -31,6 +31,7 @@ from car_fl.method.head import Retrieval, retrieve
 from car_fl.method.lexical import LexicalIndex
 from car_fl.method.scorers import KNNScorer, MIPSScorer, Scorer, build_scorer
 from car_fl.method.standardize import Standardizer
+from car_fl.privacy.mechanism import ADAPTER_WEIGHT
 from car_fl.settings.schema import (
     HeadConfig,
     HeadKind,
@@ -262,7 +263,7 @@ class CaRRetriever(nn.Module):
         if isinstance(self.head, MixtureHead):  # a client holds the experts it was sent
             self.head.set_available(experts_in(state))
         expected = self.trainable_parameters()
-        optional = {"adapter.weight": self.adapter.weight}
+        optional = {ADAPTER_WEIGHT: self.adapter.weight}
         missing = sorted(set(expected) - set(state))
         unexpected = sorted(set(state) - set(expected) - set(optional))
         if missing or unexpected:

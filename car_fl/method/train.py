@@ -24,6 +24,7 @@ from car_fl.method.features import LocalData, extract_features
 from car_fl.method.metrics import rank_metrics
 from car_fl.method.metrics import ranks as rank_of_true
 from car_fl.method.model import CaRRetriever
+from car_fl.privacy.mechanism import ADAPTER_PREFIX, ADAPTER_WEIGHT
 from car_fl.settings.schema import OptimizerKind, Settings, TrainConfig
 
 log = logging.getLogger(__name__)
@@ -45,13 +46,13 @@ def make_optimizer(model: CaRRetriever, cfg: TrainConfig) -> torch.optim.Optimiz
     head = [
         p
         for name, p in params.items()
-        if not name.startswith("adapter") and not name.startswith(ROW_PREFIXES)
+        if not name.startswith(ADAPTER_PREFIX) and not name.startswith(ROW_PREFIXES)
     ]
     groups: list[dict[str, Any]] = [{"params": head, "lr": cfg.lr}] if head else []
     if rows:
         groups.append({"params": rows, "lr": cfg.rows_lr or cfg.lr})
-    if "adapter.weight" in params:
-        groups.append({"params": [params["adapter.weight"]], "lr": cfg.adapter_lr or cfg.lr})
+    if ADAPTER_WEIGHT in params:
+        groups.append({"params": [params[ADAPTER_WEIGHT]], "lr": cfg.adapter_lr or cfg.lr})
     if not groups:
         raise ValueError(
             f"nothing to train: head.kind={model.kind.value} in mode={model.mode.value} has no "

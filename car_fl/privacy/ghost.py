@@ -27,6 +27,7 @@ from torch.func import functional_call, grad, vmap
 
 from car_fl.privacy.mechanism import (
     ADAPTER_PREFIX,
+    ADAPTER_WEIGHT,
     per_example_squares,
     record_clip_factors,
     scale_per_example,
@@ -34,8 +35,6 @@ from car_fl.privacy.mechanism import (
 
 Tensors = dict[str, torch.Tensor]
 
-#: The adapter's parameter name in :class:`car_fl.method.model.CaRRetriever`.
-ADAPTER = f"{ADAPTER_PREFIX}weight"
 #: Examples per batched pass (the LM's activations for this many are held at once).
 CHUNK = 32
 
@@ -52,14 +51,16 @@ def supports_ghost(model: nn.Module, params: Mapping[str, torch.Tensor]) -> bool
     Everything else takes the per-example loop."""
     if not getattr(model, "has_encoder", False) or getattr(model, "per_example_loop", True):
         return False
-    if ADAPTER not in params or getattr(model.head, "index_uses_adapter", True):
+    if ADAPTER_WEIGHT not in params or getattr(model.head, "index_uses_adapter", True):
         return False
     encoder: Any = getattr(model, "encoder", None)
     if not getattr(encoder, "_takes_position_ids", False):
         return False
     if getattr(encoder.cfg, "trust_remote_code", True):
         return False
-    return all(k == ADAPTER or not k.startswith(("_encoder.", ADAPTER_PREFIX)) for k in params)
+    return all(
+        k == ADAPTER_WEIGHT or not k.startswith(("_encoder.", ADAPTER_PREFIX)) for k in params
+    )
 
 
 def ghost_clipped_sum(
@@ -81,7 +82,7 @@ def ghost_clipped_sum(
     """
     if not clip > 0:
         raise ValueError(f"dp.clip (the per-example bound C) must be > 0, got {clip}")
-    weight = params[ADAPTER]
+    weight = params[ADAPTER_WEIGHT]
     device = weight.device
     total = {k: torch.zeros_like(v) for k, v in params.items()}
     if len(labels) == 0:
@@ -110,8 +111,8 @@ def _chunk(
     adapter_clip: float | None,
 ) -> tuple[Tensors, torch.Tensor, torch.Tensor]:
     encoder = model.encoder
-    weight = params[ADAPTER].detach()
-    head = {k: v.detach() for k, v in params.items() if k != ADAPTER}
+    weight = params[ADAPTER_WEIGHT].detach()
+    head = {k: v.detach() for k, v in params.items() if k != ADAPTER_WEIGHT}
     ids, mask = encoder.pad(batch)
     with torch.no_grad():
         embedded = encoder.embed(ids)  # frozen TKN
@@ -144,7 +145,7 @@ def _chunk(
     keep = (factors > 0).view(-1, 1, 1)
     out_grads = torch.where(keep, out_grads, 0.0)
     x = torch.where(keep, x, 0.0)  # 0 · NaN is NaN: drop the example's inputs too
-    summed = {ADAPTER: torch.einsum("b,btd,bte->de", factors, out_grads, x)}
+    summed = {ADAPTER_WEIGHT: torch.einsum("b,btd,bte->de", factors, out_grads, x)}
     for k, g in scale_per_example(head_grads, head_factors).items():
         summed[k] = g.sum(dim=0)
     return summed, loss.flatten(), pred.flatten()

@@ -11,6 +11,7 @@ import torch
 from car_fl.method.encoder import load_encoder
 from car_fl.method.model import CaRRetriever
 from car_fl.method.scorers import ClassifierScorer
+from car_fl.privacy.mechanism import ADAPTER_WEIGHT, split_adapter
 from car_fl.settings.schema import HeadConfig, Mode, ModelConfig
 
 
@@ -38,6 +39,8 @@ def test_only_adapter_and_head_require_gradients(encoder) -> None:
         "head.classifier.weight",
         "head.classifier.bias",
     }
+    # the privacy package's one name for it (DP-SGD's per-part clipping, local DP's parts)
+    assert split_adapter(model.trainable_parameters())[0] == (ADAPTER_WEIGHT,)
 
 
 def test_adapter_mode_gradient_reaches_adapter_but_no_encoder_weight(encoder) -> None:

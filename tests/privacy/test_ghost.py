@@ -16,8 +16,8 @@ from car_fl.privacy.dpsgd import (
     noisy_gradient,
     per_example_gradients,
 )
-from car_fl.privacy.ghost import ADAPTER, ghost_clipped_sum, supports_ghost
-from car_fl.privacy.mechanism import clip_per_example
+from car_fl.privacy.ghost import ghost_clipped_sum, supports_ghost
+from car_fl.privacy.mechanism import ADAPTER_WEIGHT, clip_per_example
 
 
 def adapter_model(make_settings, *overrides: str):
@@ -99,7 +99,9 @@ def test_each_example_adds_at_most_each_part_bound_and_c(make_settings) -> None:
         looped, _, _, _ = loop_reference(model, params, one[1], one[0], clip, adapter_clip)
         for alone in (batched, looped):
             adapter = float(alone["adapter.weight"].norm())
-            head = math.sqrt(sum(float(v.pow(2).sum()) for k, v in alone.items() if k != ADAPTER))
+            head = math.sqrt(
+                sum(float(v.pow(2).sum()) for k, v in alone.items() if k != ADAPTER_WEIGHT)
+            )
             assert adapter == pytest.approx(adapter_clip, rel=1e-6)  # far above 2e-4
             assert head <= math.sqrt(clip**2 - adapter_clip**2) * (1 + 1e-9)
             assert math.hypot(adapter, head) <= clip * (1 + 1e-9)
