@@ -141,11 +141,12 @@ def _chunk(
     adapter_factors, head_factors = record_clip_factors(
         adapter_squares, head_squares, clip, adapter_clip
     )
-    factors = adapter_factors.to(weight.dtype)
-    keep = (factors > 0).view(-1, 1, 1)
-    out_grads = torch.where(keep, out_grads, 0.0)
-    x = torch.where(keep, x, 0.0)  # 0 · NaN is NaN: drop the example's inputs too
-    summed = {ADAPTER_WEIGHT: torch.einsum("b,btd,bte->de", factors, out_grads, x)}
+    keep = (adapter_factors > 0).view(-1, 1, 1)
+    g64 = torch.where(keep, g64, 0.0)
+    x64 = torch.where(keep, x64, 0.0)  # 0 · NaN is NaN: drop the example's inputs too
+    # contracted in float64: float32 sums over the tokens could carry an example above C_a
+    contracted = torch.einsum("b,btd,bte->de", adapter_factors, g64, x64)
+    summed = {ADAPTER_WEIGHT: contracted.to(weight.dtype)}
     for k, g in scale_per_example(head_grads, head_factors).items():
         summed[k] = g.sum(dim=0)
     return summed, loss.flatten(), pred.flatten()

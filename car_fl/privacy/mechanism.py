@@ -186,14 +186,14 @@ def privatize(
     delta = delta if delta is not None else difference(after, before)
     norm = flat_norm(delta)
     factor = clip_factor(norm, bound)
-    if factor == 1.0:
-        released = {k: v.detach().clone() for k, v in after.items()}
-    else:
-        released = {k: before[k] + delta[k] * factor for k in before}
-    if std > 0:
-        noise = gaussian_like(released, std=std, generator=generator)
-        released = {k: v + noise[k] for k, v in released.items()}
-    return released, norm
+    if std == 0 and factor == 1.0:
+        return {k: v.detach().clone() for k, v in after.items()}, norm
+    if std == 0:
+        return {k: before[k] + delta[k] * factor for k in before}, norm
+    # the noise joins the clipped Δ before θ is added: θ + (…) rounds only a noised value, so
+    # no rounding of θ + clipped Δ reaches the server un-noised
+    noise = gaussian_like(dict(delta), std=std, generator=generator)
+    return {k: before[k] + (delta[k] * factor + noise[k]) for k in before}, norm
 
 
 @dataclass(frozen=True)

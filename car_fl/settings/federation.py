@@ -325,6 +325,6 @@ class DPConfig:
             raise ValueError(
                 f"dp.adapter_share={self.adapter_share:g} splits local DP's noise (dp=fixed or "
                 "adaptive); dp=record adds one noise σ·dp.clip to the whole gradient, and the "
-                "adapter's share of each example's bound is dp.adapter_clip: remove "
-                "dp.adapter_share (or set dp.adapter_clip)"
+                "adapter's share of each example's bound is set by dp.adapter_clip instead: "
+                "remove dp.adapter_share"
             )
