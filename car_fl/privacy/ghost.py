@@ -132,7 +132,6 @@ def _chunk(
     )(head, features.detach(), labels)
     # every example's ∂ℓᵢ/∂fᵢ back through TRF at once: row i of the result is ∂ℓᵢ/∂aᵢ
     (out_grads,) = torch.autograd.grad(features, adapted, grad_outputs=feature_grads)
-    out_grads = out_grads.to(weight.dtype)
     g64, x64 = out_grads.double(), x.double()  # float64: the Gram products can cancel
     adapter_squares = ((g64 @ g64.transpose(1, 2)) * (x64 @ x64.transpose(1, 2))).sum(dim=(1, 2))
     head_squares = (

@@ -190,6 +190,10 @@ class CommConfig:
         one_of("comm.dtype", self.dtype, WIRE_DTYPES)
 
 
+#: Local DP's split of the noise budget (dp.adapter_share): dp=record refuses any other value.
+ADAPTER_SHARE_DEFAULT = 0.5
+
+
 @dataclass
 class DPConfig:
     """Local differential privacy on each client (see :mod:`car_fl.privacy`).
@@ -243,7 +247,7 @@ class DPConfig:
     #: w, the adapter's share of each release's update budget when dp.adapter_clip is set: its
     #: noise multiplier is z/√w and the head's z/√(1 − w), and (z/√w)⁻² + (z/√(1−w))⁻² = z⁻².
     #: Local DP's only: dp=record refuses any other value than the default.
-    adapter_share: float = 0.5
+    adapter_share: float = ADAPTER_SHARE_DEFAULT
 
     # --- record-level DP-SGD (dp=record): clip = per-example C, noise_multiplier = σ (unless
     # target_epsilon calibrates it), delta = δ; see car_fl.privacy.record_accounting
@@ -321,7 +325,7 @@ class DPConfig:
                 f"dp.clip={self.clip:g}: each example's adapter and head gradients share the "
                 f"bound dp.clip (the head gets the rest); e.g. dp.adapter_clip={self.clip / 10:g}"
             )
-        if self.adapter_share != 0.5:  # the field's default: set by hand, it would do nothing
+        if self.adapter_share != ADAPTER_SHARE_DEFAULT:  # set by hand, it would do nothing
             raise ValueError(
                 f"dp.adapter_share={self.adapter_share:g} splits local DP's noise (dp=fixed or "
                 "adaptive); dp=record adds one noise σ·dp.clip to the whole gradient, and the "
