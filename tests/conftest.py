@@ -37,9 +37,12 @@ SHARED_SMS = (
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    skip_mps = pytest.mark.skip(reason="needs Apple's MPS device")
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+        if "mps" in item.keywords and not torch.backends.mps.is_available():
+            item.add_marker(skip_mps)
 
 
 @pytest.fixture(autouse=True)

@@ -28,6 +28,7 @@ from torch.func import functional_call, grad, vmap
 from car_fl.privacy.mechanism import (
     ADAPTER_PREFIX,
     ADAPTER_WEIGHT,
+    in_float64,
     per_example_squares,
     record_clip_factors,
     scale_per_example,
@@ -132,7 +133,7 @@ def _chunk(
     )(head, features.detach(), labels)
     # every example's ∂ℓᵢ/∂fᵢ back through TRF at once: row i of the result is ∂ℓᵢ/∂aᵢ
     (out_grads,) = torch.autograd.grad(features, adapted, grad_outputs=feature_grads)
-    g64, x64 = out_grads.double(), x.double()  # float64: the Gram products can cancel
+    g64, x64 = in_float64(out_grads), in_float64(x)  # float64: the Gram products can cancel
     adapter_squares = ((g64 @ g64.transpose(1, 2)) * (x64 @ x64.transpose(1, 2))).sum(dim=(1, 2))
     head_squares = (
         per_example_squares(head_grads) if head_grads else torch.zeros_like(adapter_squares)
@@ -145,7 +146,7 @@ def _chunk(
     x64 = torch.where(keep, x64, 0.0)  # 0 · NaN is NaN: drop the example's inputs too
     # contracted in float64: float32 sums over the tokens could carry an example above C_a
     contracted = torch.einsum("b,btd,bte->de", adapter_factors, g64, x64)
-    summed = {ADAPTER_WEIGHT: contracted.to(weight.dtype)}
+    summed = {ADAPTER_WEIGHT: contracted.to(weight.device).to(weight.dtype)}
     for k, g in scale_per_example(head_grads, head_factors).items():
         summed[k] = g.sum(dim=0)
     return summed, loss.flatten(), pred.flatten()

@@ -36,14 +36,25 @@ def split_adapter(names: Iterable[str]) -> tuple[tuple[str, ...], tuple[str, ...
     return adapter, tuple(k for k in names if not k.startswith(ADAPTER_PREFIX))
 
 
-def _sum_dtype(tensor: torch.Tensor) -> torch.dtype:
-    """float64 where the device has it (MPS does not)."""
-    return torch.float32 if tensor.device.type == "mps" else torch.float64
+#: Device types without float64 (Apple's MPS). The sums that clipping rests on are made on the
+#: CPU there, in float64: a float32 sum's rounding could carry a clipped norm above its bound,
+#: by more than :data:`SHRINK` leaves room for.
+NO_FLOAT64 = frozenset({"mps"})
+
+
+def float64_device(device: torch.device) -> torch.device:
+    """Where a tensor on ``device`` is summed in float64: ``device``, or the CPU."""
+    return torch.device("cpu") if device.type in NO_FLOAT64 else device
+
+
+def in_float64(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in float64, on :func:`float64_device` of its device (moved, then widened)."""
+    return tensor.to(float64_device(tensor.device)).double()
 
 
 def flat_norm(tensors: State) -> float:
-    """L2 norm of all tensors together, summed in float64 (float32 on MPS) on their device."""
-    total = sum(float(t.detach().to(_sum_dtype(t)).pow(2).sum()) for t in tensors.values())
+    """L2 norm of all tensors together, summed in float64 (on the CPU for MPS tensors)."""
+    total = sum(float(in_float64(t.detach()).pow(2).sum()) for t in tensors.values())
     return math.sqrt(total)
 
 
@@ -111,12 +122,13 @@ def record_clip_factors(
 def scale_per_example(grads: State, factors: torch.Tensor) -> dict[str, torch.Tensor]:
     """Each example's row of every tensor times its factor, in float32 at least (a bf16
     product's rounding, 2⁻⁹, could carry a clipped row ~0.5 % above its bound); exactly 0
-    where the factor is (``0 · NaN`` would be NaN)."""
+    where the factor is (``0 · NaN`` would be NaN). The factors may be on another device (the
+    CPU, from :func:`in_float64`'s sums); the rows stay on theirs."""
     scaled = {}
     for k, g in grads.items():
         wide = g.to(torch.promote_types(g.dtype, torch.float32))
         shape = (-1, *([1] * (g.dim() - 1)))
-        f = factors.to(wide.dtype).view(shape)
+        f = factors.to(wide.device).to(wide.dtype).view(shape)
         scaled[k] = torch.where(f > 0, wide * f, torch.zeros_like(wide))
     return scaled
 
@@ -124,13 +136,14 @@ def scale_per_example(grads: State, factors: torch.Tensor) -> dict[str, torch.Te
 def per_example_squares(
     grads: Mapping[str, torch.Tensor], names: Sequence[str] | None = None
 ) -> torch.Tensor:
-    """Σ ‖gᵢ‖² over the tensors ``names`` (default: all): ``(batch,)``, in float64."""
+    """Σ ‖gᵢ‖² over the tensors ``names`` (default: all): ``(batch,)``, in float64 (on the CPU
+    for MPS tensors: :func:`in_float64`)."""
     names = list(grads) if names is None else list(names)
-    batch = len(next(iter(grads.values())))
-    device = next(iter(grads.values())).device
-    total = torch.zeros(batch, dtype=torch.float64, device=device)
+    first = next(iter(grads.values()))
+    device = float64_device(first.device)
+    total = torch.zeros(len(first), dtype=torch.float64, device=device)
     for k in names:
-        total = total + grads[k].flatten(1).double().pow(2).sum(dim=1)
+        total = total + in_float64(grads[k].flatten(1)).pow(2).sum(dim=1)
     return total
 
 

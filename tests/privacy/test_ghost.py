@@ -160,6 +160,24 @@ def test_each_example_adds_at_most_the_bound(make_settings) -> None:
         assert norm == pytest.approx(clip, rel=1e-6)  # these gradients are far above 1e-3
 
 
+@pytest.mark.mps
+def test_the_batched_path_runs_on_mps_within_each_bound(make_settings) -> None:
+    """On a Mac's GPU (no float64 there): the ghost path's float64 sums and contraction run on
+    the CPU, its result comes back on MPS in the model's dtype, each example within C_a, C."""
+    model, _, ids, labels = adapter_model(make_settings)
+    model = model.float().to("mps")
+    params = {k: p.detach() for k, p in model.trainable_parameters().items()}
+    clip, adapter_clip = 1e-3, 2e-4
+    for i in range(len(ids)):
+        alone, _, _ = ghost_clipped_sum(
+            model, params, labels[i : i + 1], ids[i : i + 1], clip=clip, adapter_clip=adapter_clip
+        )
+        assert all(v.device.type == "mps" and v.dtype == torch.float32 for v in alone.values())
+        adapter = float(alone[ADAPTER_WEIGHT].cpu().double().norm())
+        whole = math.sqrt(sum(float(v.cpu().double().pow(2).sum()) for v in alone.values()))
+        assert adapter <= adapter_clip and whole <= clip
+
+
 def test_an_example_with_a_non_finite_gradient_adds_nothing(make_settings) -> None:
     """A record that overflows the model neither poisons the step nor fails it (either would
     tell the server about that record): it counts as a zero gradient, as in the loop."""

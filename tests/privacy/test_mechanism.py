@@ -29,7 +29,14 @@ from car_fl.privacy.adaptive import (
     smoothed_norm,
     update_noise_multiplier,
 )
-from car_fl.privacy.mechanism import flat_norm, privatize
+from car_fl.privacy.mechanism import (
+    clip_per_example,
+    flat_norm,
+    float64_device,
+    in_float64,
+    per_example_norms,
+    privatize,
+)
 from car_fl.settings.compose import load_settings
 from tests.helpers import client_privacy
 from tests.reference import clip
@@ -124,6 +131,38 @@ def test_noise_is_drawn_on_cuda_for_cuda_parameters(granularity: str) -> None:
         released = param.detach()
     assert released.device.type == "cuda" and released.dtype == torch.float32
     assert float((released - after["w"]).std()) == pytest.approx(p.z_delta, rel=0.02)
+
+
+def test_float64_sums_leave_only_a_device_without_float64() -> None:
+    """MPS has no float64 (``.double()`` raises there): the sums that clipping rests on move to
+    the CPU for it, and only for it; no device object is needed to say so."""
+    assert float64_device(torch.device("mps")) == torch.device("cpu")
+    assert float64_device(torch.device("mps:0")) == torch.device("cpu")
+    assert float64_device(torch.device("cuda:1")) == torch.device("cuda:1")
+    assert float64_device(torch.device("cpu")) == torch.device("cpu")
+    x = torch.ones(3, dtype=torch.bfloat16)
+    assert in_float64(x).dtype == torch.float64 and in_float64(x).device == x.device
+
+
+@pytest.mark.mps
+def test_clipping_and_local_dp_run_on_mps_strictly_within_the_bound() -> None:
+    """On a Mac's GPU: per-example clipping and the local-DP release work on MPS tensors (their
+    float64 sums on the CPU), keep the tensors on MPS, and clip strictly to the bound."""
+    device = torch.device("mps")
+    g = torch.Generator().manual_seed(0)
+    grads = {
+        "adapter.weight": (torch.randn(5, 8, 8, generator=g) * 10).to(device),
+        "head.weight": (torch.randn(5, 3, 8, generator=g) * 10).to(device),
+    }
+    clipped, norms = clip_per_example(grads, 1.0, 0.3)
+    assert all(v.device.type == "mps" and v.dtype == torch.float32 for v in clipped.values())
+    assert float(norms.min()) > 1.0  # every example was clipped
+    assert bool((per_example_norms(clipped) <= 1.0).all())
+    before = {"w": torch.zeros(1000, device=device)}
+    after = {"w": torch.ones(1000, device=device)}
+    released, norm = privatize(before, after, bound=0.5, std=0.0)
+    assert released["w"].device.type == "mps"
+    assert norm == pytest.approx(math.sqrt(1000)) and flat_norm(released) <= 0.5
 
 
 def test_z_delta_formula_and_its_domain() -> None:
