@@ -31,7 +31,13 @@ from omegaconf import DictConfig, OmegaConf
 from car_fl.common.io import atomic_write_json, atomic_write_text
 from car_fl.results.report import JOB_JSON, write_report
 from car_fl.settings.compose import conf_dir, register_configs, settings_to_yaml, to_settings
-from car_fl.settings.schema import DPMode, Settings, trains_nothing
+from car_fl.settings.schema import (
+    DPMode,
+    Settings,
+    centralised_only,
+    federated_part,
+    trains_nothing,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +62,11 @@ def job_settings(cfg: DictConfig) -> tuple[Settings, int]:
         OmegaConf.update(conf, "fl.clients", clients)
         if int(cfg.fl.min_clients) > clients:
             OmegaConf.update(conf, "fl.min_clients", clients)
+        settings = to_settings(conf)
+        dropped = centralised_only(settings)
+        if dropped:
+            log.info("%s: for this sweep's centralised jobs only", " and ".join(dropped))
+        return federated_part(settings), clients
     return to_settings(conf), clients
 
 

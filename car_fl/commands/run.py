@@ -102,16 +102,14 @@ def run(args: argparse.Namespace) -> int:
     from car_fl.deploy.runs import COMPLETED, NO_INSTALL, follow_run, submit
     from car_fl.method.sources import check_sources
     from car_fl.settings.flower import run_config_from_args, settings_from_run_config
-    from car_fl.settings.schema import trains_nothing
+    from car_fl.settings.schema import federation_refusal
 
     app = Path(args.app).resolve()
     settings = settings_from_run_config(run_config_from_args(app, args.run_config))
+    reason = federation_refusal(settings)
+    if reason:
+        raise ValueError(reason)
     check_dataset_path(settings)
-    if trains_nothing(settings):
-        raise ValueError(
-            f"head.kind={settings.head.kind} with train.mode={settings.train.mode} trains "
-            "nothing, so there is nothing to federate; use car-fl train"
-        )
     federation = args.federation_config
     local = is_local_simulation(args.connection)
     if federation or local:

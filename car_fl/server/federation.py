@@ -36,7 +36,7 @@ from car_fl.server.round_recorder import RoundRecorder
 from car_fl.server.strategy import GuardedStrategy, spec_of
 from car_fl.settings.compose import settings_to_yaml
 from car_fl.settings.flower import fingerprint
-from car_fl.settings.schema import Settings, trains_nothing
+from car_fl.settings.schema import Settings, federation_refusal
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ def default_output_dir(settings: Settings) -> Path:
 
 def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
     """The whole federated run on the server side; returns the summary."""
-    check_trainable(settings)
+    check_federable(settings)
     output_dir, point = open_output(settings)
     check_sources(settings, where="on the server")  # the server evaluates: data and encoder
     wait_for_nodes(
@@ -135,14 +135,12 @@ def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
     return summary.to_dict()
 
 
-def check_trainable(settings: Settings) -> None:
-    """Refuse a run with nothing to train (MIPS on the frozen encoder, kNN), before any work."""
-    if trains_nothing(settings):
-        raise ValueError(
-            f"head.kind={settings.head.kind} with train.mode={settings.train.mode} has nothing "
-            "to train, so there is nothing to federate; evaluate it centrally "
-            "(car-fl train ...) or train the adapter with mode=adapter (MIPS)"
-        )
+def check_federable(settings: Settings) -> None:
+    """Refuse, before any work, a run with nothing to train (MIPS on the frozen encoder, kNN)
+    or with settings only a centralised run reads (:func:`federation_refusal`)."""
+    reason = federation_refusal(settings)
+    if reason:
+        raise ValueError(reason)
 
 
 def open_output(settings: Settings) -> tuple[Path, ResumePoint | None]:

@@ -14,7 +14,7 @@ Imports no Hydra, OmegaConf or torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from car_fl.privacy.adaptive import paper_sigma_b
 from car_fl.settings.choices import (
@@ -236,3 +236,37 @@ def trains_nothing(settings: Settings) -> bool:
     return kind is HeadKind.KNN or (
         kind is HeadKind.MIPS and settings.train.mode is Mode.CLASSIFIER
     )
+
+
+def centralised_only(settings: Settings) -> list[str]:
+    """The settings this run sets (``key=value``) that only a centralised run's epoch loop
+    reads: early stopping and the linear probe. A federated run trains ``fl.rounds`` rounds."""
+    train = settings.train
+    keys = [f"train.patience={train.patience}"] if train.patience is not None else []
+    return keys + ([f"train.probe_epochs={train.probe_epochs}"] if train.probe_epochs else [])
+
+
+def federated_part(settings: Settings) -> Settings:
+    """``settings`` without what only a centralised run reads: a sweep's federated jobs, which
+    share their overrides with its centralised ones (a plain federated run refuses them)."""
+    train = replace(settings.train, patience=None, probe_epochs=0)
+    return replace(settings, train=train)
+
+
+def federation_refusal(settings: Settings) -> str:
+    """Why ``settings`` cannot run federated ('' when they can), with the fix: nothing to
+    train, or a setting a federated run would otherwise silently ignore."""
+    if trains_nothing(settings):
+        return (
+            f"head.kind={settings.head.kind} with train.mode={settings.train.mode} has nothing "
+            "to train, so there is nothing to federate; evaluate it centrally "
+            "(car-fl train ...) or train the adapter with mode=adapter (MIPS)"
+        )
+    keys = centralised_only(settings)
+    if keys:
+        return (
+            f"{' and '.join(keys)} only steer a centralised run's epochs (car-fl train); a "
+            "federated run trains fl.rounds rounds and keeps the round validation selects: "
+            f"remove {' and '.join(k.split('=')[0] for k in keys)} from the run's configuration"
+        )
+    return ""

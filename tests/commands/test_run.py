@@ -85,6 +85,11 @@ SMS = PROJECT.parent / "shared" / "data" / "sms_spam" / "SMSSpamCollection.tsv"
             ("-c", 'model="minilm" dp="record" epsilon=0.001'),
             r"dp.target_epsilon=0.001 cannot be reached",
         ),
+        # a setting only a centralised run reads, which a federated run would ignore
+        (
+            ("-c", 'model="minilm" overrides="train.patience=2"'),
+            r"train.patience=2 only steer a centralised run's epochs .* remove train.patience",
+        ),
         # a simulation of another size than fl.clients
         (
             ("-c", "fl.clients=3", "--federation-config", "num-supernodes=2"),

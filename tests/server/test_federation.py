@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -156,3 +157,14 @@ def test_a_starting_point_not_evaluated_is_said_so_not_nan() -> None:
     assert starting_point({"test_top1": float("nan")}) == "not evaluated"
     assert starting_point({"val_top1": 0.5}) == "not evaluated"
     assert starting_point({"test_top1": 0.9751}) == "0.9751"
+
+
+def test_a_federated_run_refuses_early_stopping_before_touching_the_grid(make_settings) -> None:
+    """flwr run . and the ServerApp read the same refusal as car-fl run: nothing is waited for,
+    built or written (the grid is never used)."""
+    from car_fl.server.federation import run_federation
+
+    settings = make_settings("train.patience=2")
+    with pytest.raises(ValueError, match=r"train.patience=2 only steer a centralised run"):
+        run_federation(None, settings)  # type: ignore[arg-type]
+    assert settings.output_dir is None or not list(Path(settings.output_dir).glob("*"))

@@ -23,6 +23,9 @@ from car_fl.settings.schema import (
     OptimizerKind,
     Settings,
     TrainConfig,
+    centralised_only,
+    federated_part,
+    federation_refusal,
 )
 
 
@@ -148,3 +151,22 @@ def test_mips_and_knn_score_as_the_encoder_was_trained_unless_told_otherwise() -
     assert similarity("model=minilm", "approach=mips", "head.similarity=dot") is Similarity.DOT
     assert similarity("model=smollm2", "approach=mips") is Similarity.DOT  # a generative LM
     assert similarity("model=smollm2", "model.similarity=cosine") is Similarity.COSINE
+
+
+def test_a_federated_run_refuses_what_only_a_centralised_run_reads_naming_the_keys() -> None:
+    """Early stopping and the linear probe steer car-fl train's epochs; a federated run (which
+    trains fl.rounds rounds) would ignore them, so it refuses them, naming each key."""
+    assert federation_refusal(load_settings([])) == ""
+    both = load_settings(["train.patience=3", "train.probe_epochs=10", "mode=adapter"])
+    assert centralised_only(both) == ["train.patience=3", "train.probe_epochs=10"]
+    reason = federation_refusal(both)
+    assert "remove train.patience and train.probe_epochs" in reason
+    assert "fl.rounds" in reason
+    assert "nothing to federate" in federation_refusal(load_settings(["head.kind=knn"]))
+
+
+def test_a_sweeps_federated_job_drops_only_the_centralised_keys() -> None:
+    both = load_settings(["train.patience=3", "train.probe_epochs=10", "train.lr=0.01"])
+    federated = federated_part(both)
+    assert centralised_only(federated) == [] and federation_refusal(federated) == ""
+    assert federated.train.lr == 0.01 and both.train.patience == 3  # the rest, and no mutation
