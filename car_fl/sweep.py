@@ -65,7 +65,9 @@ def job_settings(cfg: DictConfig) -> tuple[Settings, int]:
         settings = to_settings(conf)
         dropped = centralised_only(settings)
         if dropped:
-            log.info("%s: for this sweep's centralised jobs only", " and ".join(dropped))
+            log.info(
+                "%s: not for a federated job (only car-fl train reads it)", " and ".join(dropped)
+            )
         return federated_part(settings), clients
     return to_settings(conf), clients
 

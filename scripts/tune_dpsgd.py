@@ -11,7 +11,7 @@ it has one, otherwise a seeded stratified 10 % carved from the training split (t
 train on the rest). The test split is never read. Prints one line per setting, best last,
 and writes a JSON file. Each run's DP noise is fresh OS entropy: ``--draws N`` runs every
 setting N times and ranks by the mean (the best of many single draws is an optimistic pick).
-The non-private reference reads the same features (the ``--base`` model and dataset keys).
+The non-private reference reads the same features (the ``--base`` model, dataset and seed keys).
 
 """
 
@@ -193,7 +193,11 @@ def main() -> None:
     features, val, label_map, origin = train_validation(settings)
     print(f"validation: {origin}, {len(val)} examples; training pool {len(features)}")
     # the reference reads the same features (the base's model and dataset keys), untuned
-    same_features = [o for o in base if o.split("=")[0].split(".")[0] in ("model", "dataset")]
+    same_features = [
+        o
+        for o in base
+        if o.lstrip("+~").split("=")[0].split(".")[0] in ("model", "dataset", "seed")
+    ]
     for clients in [] if args.no_reference else args.clients:  # non-private, paper settings
         s = load_settings([*same_features, "progress=false"])
         s.fl.clients = clients

@@ -146,7 +146,7 @@ def _chunk(
     x64 = torch.where(keep, x64, 0.0)  # 0 · NaN is NaN: drop the example's inputs too
     # contracted in float64: float32 sums over the tokens could carry an example above C_a
     contracted = torch.einsum("b,btd,bte->de", adapter_factors, g64, x64)
-    summed = {ADAPTER_WEIGHT: contracted.to(weight.device).to(weight.dtype)}
+    summed = {ADAPTER_WEIGHT: contracted.to(weight.dtype).to(weight.device)}  # narrowed first
     for k, g in scale_per_example(head_grads, head_factors).items():
         summed[k] = g.sum(dim=0)
     return summed, loss.flatten(), pred.flatten()

@@ -128,7 +128,7 @@ def scale_per_example(grads: State, factors: torch.Tensor) -> dict[str, torch.Te
     for k, g in grads.items():
         wide = g.to(torch.promote_types(g.dtype, torch.float32))
         shape = (-1, *([1] * (g.dim() - 1)))
-        f = factors.to(wide.device).to(wide.dtype).view(shape)
+        f = factors.to(wide.dtype).to(wide.device).view(shape)  # narrowed where float64 is
         scaled[k] = torch.where(f > 0, wide * f, torch.zeros_like(wide))
     return scaled
 

@@ -13,7 +13,7 @@ from car_fl.results.checkpoint import load_checkpoint
 from car_fl.results.rows import CLIENTS_CSV, METRICS_JSON, ClientRow, MetricsFile, RoundRow
 from car_fl.settings.compose import settings_from_yaml
 from car_fl.settings.flower import fingerprint
-from car_fl.settings.schema import Settings
+from car_fl.settings.schema import Settings, federated_part
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,8 @@ def load_resume_point(run_dir: Path, settings: Settings) -> ResumePoint:
     for path in (saved_config, run_dir / METRICS_JSON):
         if not path.is_file():
             raise FileNotFoundError(f"resume={run_dir}: {path.name} is missing; is it a run dir?")
-    saved = settings_from_yaml(saved_config.read_text(encoding="utf-8"))
+    # a run saved before federated runs refused train.patience/probe_epochs (which it ignored)
+    saved = federated_part(settings_from_yaml(saved_config.read_text(encoding="utf-8")))
     saved.fl.rounds = settings.fl.rounds
     if fingerprint(saved) != fingerprint(settings):
         raise ValueError(
