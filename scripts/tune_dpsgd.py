@@ -12,7 +12,6 @@ train on the rest). The test split is never read. Prints one line per setting, b
 and writes a JSON file. Each run's DP noise is fresh OS entropy: ``--draws N`` runs every
 setting N times and ranks by the mean (the best of many single draws is an optimistic pick).
 The non-private reference reads the same features (the ``--base`` model, dataset and seed keys).
-
 """
 
 from __future__ import annotations

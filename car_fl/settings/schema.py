@@ -238,18 +238,24 @@ def trains_nothing(settings: Settings) -> bool:
     )
 
 
+#: The train settings only a centralised run's epoch loop reads (early stopping, the linear
+#: probe), with the values that leave them off: a federated run trains ``fl.rounds`` rounds.
+CENTRALISED_ONLY: dict[str, int | None] = {"patience": None, "probe_epochs": 0}
+
+
 def centralised_only(settings: Settings) -> list[str]:
-    """The settings this run sets (``key=value``) that only a centralised run's epoch loop
-    reads: early stopping and the linear probe. A federated run trains ``fl.rounds`` rounds."""
-    train = settings.train
-    keys = [f"train.patience={train.patience}"] if train.patience is not None else []
-    return keys + ([f"train.probe_epochs={train.probe_epochs}"] if train.probe_epochs else [])
+    """The :data:`CENTRALISED_ONLY` settings this run sets, as ``train.key=value``."""
+    return [
+        f"train.{key}={getattr(settings.train, key)}"
+        for key, off in CENTRALISED_ONLY.items()
+        if getattr(settings.train, key) != off
+    ]
 
 
 def federated_part(settings: Settings) -> Settings:
     """``settings`` without what only a centralised run reads: a sweep's federated jobs, which
     share their overrides with its centralised ones (a plain federated run refuses them)."""
-    train = replace(settings.train, patience=None, probe_epochs=0)
+    train = replace(settings.train, **CENTRALISED_ONLY)  # type: ignore[arg-type]
     return replace(settings, train=train)
 
 
