@@ -228,6 +228,9 @@ class RunSummary:
     #: Split sizes and the duplicates removed before splitting.
     data: dict[str, int]
     skipped_rounds: list[int] | None = None
+    #: The round after which ``train.patience`` ended a federated run (not written: it ran
+    #: every round of ``fl.rounds``).
+    stopped_early: int | None = None
     dp: str | None = None
     delta: float | None = None
     epsilon: float | None = None

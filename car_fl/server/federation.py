@@ -3,9 +3,10 @@
 The ServerApp calls :func:`run_federation`. It checks that the number of connected nodes
 matches ``fl.clients``, builds the initial trainable state (same seed and initialisation as a
 centralised run), runs the configured strategy
-(:func:`~car_fl.server.aggregation.build_strategy`) for ``fl.rounds`` rounds and, after every
-round, evaluates the global model on the held-out split, logs one line, and writes the metrics
-files, the plot and a checkpoint.
+(:func:`~car_fl.server.aggregation.build_strategy`) for ``fl.rounds`` rounds (fewer when
+``train.patience`` rounds pass without a better one on validation) and, after every round,
+evaluates the global model on the held-out split, logs one line, and writes the metrics files,
+the plot and a checkpoint.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from car_fl.server.aggregation import build_strategy
 from car_fl.server.evaluation import ServerEvaluator
 from car_fl.server.failure_summary import failure_summary
 from car_fl.server.resume import ResumePoint, load_resume_point
-from car_fl.server.round_recorder import RoundRecorder
+from car_fl.server.round_recorder import PatienceSpent, RoundRecorder
 from car_fl.server.strategy import GuardedStrategy, spec_of
 from car_fl.settings.compose import settings_to_yaml
 from car_fl.settings.flower import fingerprint
@@ -121,17 +122,21 @@ def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
         recorder.resume(point.history, point.client_rows, point.initial, done=done)
         strategy.round_offset = done
         log.info("resuming %s after round %d of %d", output_dir, done, settings.fl.rounds)
-    result = strategy.start(
-        grid=grid,
-        initial_arrays=initial,
-        num_rounds=settings.fl.rounds - done,
-        timeout=settings.fl.round_timeout,
-        train_config=train_config(settings, evaluator, layout),
-        evaluate_fn=recorder,
-    )
+    try:
+        result = strategy.start(
+            grid=grid,
+            initial_arrays=initial,
+            num_rounds=settings.fl.rounds - done,
+            timeout=settings.fl.round_timeout,
+            train_config=train_config(settings, evaluator, layout),
+            evaluate_fn=recorder,
+        )
+        final, last = result.arrays or initial, settings.fl.rounds
+    except PatienceSpent as stop:
+        final, last = stop.arrays, stop.round
     # what is still evaluated, the test split for the selected and final state, the files
-    summary = recorder.close(from_record(result.arrays or initial), round=settings.fl.rounds)
-    check_outcome(settings, summary, strategy, output_dir)
+    summary = recorder.close(from_record(final), round=last)
+    check_outcome(summary, strategy, output_dir, rounds=last)
     return summary.to_dict()
 
 
@@ -177,6 +182,7 @@ def round_recorder(
         describe=lambda: describe(settings, evaluator),
         test=None if evaluator.tests_every_round else evaluator.test,
         background=evaluator.plan.background,
+        patience=settings.train.patience,
     )
 
 
@@ -195,13 +201,13 @@ def train_config(
 
 
 def check_outcome(
-    settings: Settings, summary: RunSummary, strategy: GuardedStrategy, output_dir: Path
+    summary: RunSummary, strategy: GuardedStrategy, output_dir: Path, *, rounds: int
 ) -> None:
-    """Fail a run in which every round failed (naming why, per failure code); else log its
-    last line."""
-    if len(summary.skipped_rounds or []) == settings.fl.rounds:
+    """Fail a run in which every one of the ``rounds`` it ran (``fl.rounds``, or fewer when
+    its patience ended it) failed, naming why per failure code; else log its last line."""
+    if len(summary.skipped_rounds or []) == rounds:
         raise RuntimeError(
-            f"every round failed: no client sent a valid update in {settings.fl.rounds} rounds: "
+            f"every round failed: no client sent a valid update in {rounds} rounds: "
             f"{failure_summary(strategy.history)} (results in {output_dir})"
         )
     assert summary.final is not None and summary.best is not None

@@ -38,7 +38,7 @@ def load_resume_point(run_dir: Path, settings: Settings) -> ResumePoint:
     for path in (saved_config, run_dir / METRICS_JSON):
         if not path.is_file():
             raise FileNotFoundError(f"resume={run_dir}: {path.name} is missing; is it a run dir?")
-    # a run saved before federated runs refused train.patience/probe_epochs (which it ignored)
+    # a run saved before federated runs refused train.probe_epochs (which it ignored)
     saved = federated_part(settings_from_yaml(saved_config.read_text(encoding="utf-8")))
     saved.fl.rounds = settings.fl.rounds
     if fingerprint(saved) != fingerprint(settings):
@@ -47,6 +47,13 @@ def load_resume_point(run_dir: Path, settings: Settings) -> ResumePoint:
             "config.yaml); resume it with the same overrides (only fl.rounds may change)"
         )
     metrics = MetricsFile.read(run_dir)
+    stopped = metrics.summary.stopped_early
+    if stopped is not None:
+        raise ValueError(
+            f"resume={run_dir}: that run ended after round {stopped}, when train.patience="
+            f"{settings.train.patience} rounds had not improved on validation: it finished, it "
+            "was not interrupted; to train longer start a new run (a larger train.patience)"
+        )
     for row in reversed(metrics.history):
         folder = run_dir / "checkpoints" / f"round-{row.round:03d}"
         try:

@@ -13,6 +13,9 @@ waits for them before it touches the recorder.
 With ``test`` the rows' test metrics wait for the end (NaN until then): :meth:`finish` evaluates
 the test split for the state selected on validation and for the final state, and writes them
 into those rows and their checkpoints.
+With ``patience`` (``train.patience``) the run ends once that many rounds in a row have not
+improved on the round validation selects (:class:`PatienceSpent`); with ``background`` a round's
+validation is known only while the next one trains, so the run ends one round later.
 
 """
 
@@ -30,12 +33,22 @@ from flwr.app import ArrayRecord, MetricRecord
 from car_fl.protocol.messages import from_record
 from car_fl.results.recorder import Recorder, brief
 from car_fl.results.rows import CLIENTS_CSV, ClientRow, RoundRow, RunSummary, wire_key
+from car_fl.results.selection import out_of_patience
 from car_fl.server.evaluation_scheduler import Evaluation, EvaluationScheduler
 from car_fl.server.privacy_check import PrivacyCheck, client_rows_of
 from car_fl.server.round_stats import RoundStats
 from car_fl.settings.dp_plan import dp_active
 
 log = logging.getLogger(__name__)
+
+
+class PatienceSpent(Exception):
+    """``train.patience`` rounds without a better one on validation: the run ends after round
+    ``round``, whose global model is ``arrays`` (raised out of ``Strategy.start``)."""
+
+    def __init__(self, round: int, arrays: ArrayRecord) -> None:
+        super().__init__(f"train.patience ran out after round {round}")
+        self.round, self.arrays = round, arrays
 
 
 @dataclass
@@ -64,6 +77,10 @@ class RoundRecorder:
     test: Callable[[dict[str, torch.Tensor]], dict[str, float]] | None = None
     #: Evaluate round r in a thread while round r + 1 trains.
     background: bool = False
+    #: ``train.patience``: end the run after this many rounds without a better one.
+    patience: int | None = None
+    #: The round after which :attr:`patience` ended the run (None: it has not).
+    stopped_early: int | None = None
     schedule: EvaluationScheduler = field(init=False)
     #: The releases received from each node, and the ε the server computes from them.
     privacy: PrivacyCheck = field(init=False)
@@ -88,13 +105,38 @@ class RoundRecorder:
         if not self.background:
             metrics = self.evaluate(arrays)
             self.complete(job, metrics)
+            self.stop_if_stalled(job, self.stalled())
             return MetricRecord({k: float(v) for k, v in metrics.items()})
         if stats is not None:  # the round's own time: its evaluation runs during the next
             job.seconds = time.perf_counter() - stats.started
+        stalled = self.stalled()  # as of the previous round: nothing runs in the thread now
         # the evaluation and the round's files (log line, metrics, plot, checkpoints) both
         # in the thread; the next call waits for them before it touches the recorder again
         self.schedule.run(job, lambda: self.complete(job, self.evaluate(arrays)))
+        self.stop_if_stalled(job, stalled)  # this round trained: it is evaluated all the same
         return None  # Flower's result holds no server metrics: car-fl's files do
+
+    def stalled(self) -> bool:
+        """:attr:`patience` rounds recorded since the round validation selects as best."""
+        best, history = self.recorder.best, self.recorder.history
+        if best is None or not history:
+            return False
+        return out_of_patience(history[-1].round, best.round, self.patience)
+
+    def stop_if_stalled(self, job: Evaluation, stalled: bool) -> None:
+        """End the run after ``job``'s round (:class:`PatienceSpent`) when ``stalled``."""
+        if not stalled or job.stats is None:  # the starting point (or the resumed one)
+            return
+        best = self.recorder.best
+        self.stopped_early = job.round
+        log.info(
+            "early stop after round %d: validation has not improved for %d rounds "
+            "(train.patience); best: round %d",
+            job.round,
+            self.patience,
+            best.round if best is not None else 0,
+        )
+        raise PatienceSpent(job.round, job.arrays)
 
     def complete(self, job: Evaluation, metrics: dict[str, float]) -> None:
         """Record an evaluated state: round 0's metrics, or the round's row and files."""
@@ -180,6 +222,7 @@ class RoundRecorder:
         summary.best = self.recorder.best
         summary.total_seconds = time.perf_counter() - self.started
         summary.skipped_rounds = [row.round for row in history if row.skipped]
+        summary.stopped_early = self.stopped_early
         self.privacy.summarise(summary)
         summary.complete = final
         return summary

@@ -238,9 +238,9 @@ def trains_nothing(settings: Settings) -> bool:
     )
 
 
-#: The train settings only a centralised run's epoch loop reads (early stopping, the linear
-#: probe), with the values that leave them off: a federated run trains ``fl.rounds`` rounds.
-CENTRALISED_ONLY: dict[str, int | None] = {"patience": None, "probe_epochs": 0}
+#: The train settings only a centralised run's epoch loop reads (the linear probe), with the
+#: values that leave them off. ``train.patience`` is read by both: epochs there, rounds here.
+CENTRALISED_ONLY: dict[str, int | None] = {"probe_epochs": 0}
 
 
 def centralised_only(settings: Settings) -> list[str]:
@@ -272,7 +272,8 @@ def federation_refusal(settings: Settings) -> str:
     if keys:
         return (
             f"{' and '.join(keys)} only steer a centralised run's epochs (car-fl train); a "
-            "federated run trains fl.rounds rounds and keeps the round validation selects: "
-            f"remove {' and '.join(k.split('=')[0] for k in keys)} from the run's configuration"
+            "federated run trains fl.rounds rounds (train.patience may end it earlier) and "
+            "keeps the round validation selects: remove "
+            f"{' and '.join(k.split('=')[0] for k in keys)} from the run's configuration"
         )
     return ""

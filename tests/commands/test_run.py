@@ -87,8 +87,8 @@ SMS = PROJECT.parent / "shared" / "data" / "sms_spam" / "SMSSpamCollection.tsv"
         ),
         # a setting only a centralised run reads, which a federated run would ignore
         (
-            ("-c", 'model="minilm" overrides="train.patience=2"'),
-            r"train.patience=2 only steer a centralised run's epochs .* remove train.patience",
+            ("-c", 'model="minilm" overrides="train.probe_epochs=2"'),
+            r"train.probe_epochs=2 only steer a centralised run's epochs .* remove train.probe",
         ),
         # a simulation of another size than fl.clients
         (

@@ -159,12 +159,12 @@ def test_a_starting_point_not_evaluated_is_said_so_not_nan() -> None:
     assert starting_point({"test_top1": 0.9751}) == "0.9751"
 
 
-def test_a_federated_run_refuses_early_stopping_before_touching_the_grid(make_settings) -> None:
+def test_a_federated_run_refuses_the_linear_probe_before_touching_the_grid(make_settings) -> None:
     """flwr run . and the ServerApp read the same refusal as car-fl run: nothing is waited for,
     built or written (the grid is never used)."""
     from car_fl.server.federation import run_federation
 
-    settings = make_settings("train.patience=2")
-    with pytest.raises(ValueError, match=r"train.patience=2 only steer a centralised run"):
+    settings = make_settings("train.probe_epochs=2")
+    with pytest.raises(ValueError, match=r"train.probe_epochs=2 only steer a centralised run"):
         run_federation(None, settings)  # type: ignore[arg-type]
     assert settings.output_dir is None or not list(Path(settings.output_dir).glob("*"))

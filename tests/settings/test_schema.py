@@ -154,14 +154,16 @@ def test_mips_and_knn_score_as_the_encoder_was_trained_unless_told_otherwise() -
 
 
 def test_a_federated_run_refuses_what_only_a_centralised_run_reads_naming_the_keys() -> None:
-    """Early stopping and the linear probe steer car-fl train's epochs; a federated run (which
-    trains fl.rounds rounds) would ignore them, so it refuses them, naming each key."""
+    """The linear probe steers car-fl train's epochs; a federated run (which trains fl.rounds
+    rounds) would ignore it, so it refuses it, naming the key. Early stopping is read by both
+    (epochs there, rounds here), so a federated run takes it."""
     assert federation_refusal(load_settings([])) == ""
     both = load_settings(["train.patience=3", "train.probe_epochs=10", "mode=adapter"])
-    assert centralised_only(both) == ["train.patience=3", "train.probe_epochs=10"]
+    assert centralised_only(both) == ["train.probe_epochs=10"]
     reason = federation_refusal(both)
-    assert "remove train.patience and train.probe_epochs" in reason
+    assert "remove train.probe_epochs from" in reason and "patience" not in reason.split(":")[-1]
     assert "fl.rounds" in reason
+    assert federation_refusal(load_settings(["train.patience=3"])) == ""
     assert "nothing to federate" in federation_refusal(load_settings(["head.kind=knn"]))
 
 
@@ -169,4 +171,5 @@ def test_a_sweeps_federated_job_drops_only_the_centralised_keys() -> None:
     both = load_settings(["train.patience=3", "train.probe_epochs=10", "train.lr=0.01"])
     federated = federated_part(both)
     assert centralised_only(federated) == [] and federation_refusal(federated) == ""
-    assert federated.train.lr == 0.01 and both.train.patience == 3  # the rest, and no mutation
+    assert federated.train.lr == 0.01 and federated.train.patience == 3  # kept: rounds here
+    assert both.train.probe_epochs == 10  # no mutation

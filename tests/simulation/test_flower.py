@@ -194,16 +194,16 @@ def test_resume_refuses_another_configuration(base: list[str], tmp_path: Path) -
         run_simulation([*base, "fl.rounds=2", "fl.local_epochs=2", f"resume={part}"])
 
 
-def test_a_run_saved_with_train_patience_still_resumes_without_it(
+def test_a_run_saved_with_train_probe_epochs_still_resumes_without_it(
     base: list[str], tmp_path: Path
 ) -> None:
-    """Runs made before federated runs refused train.patience saved it in their config.yaml
-    (and ignored it): resuming one without it is the same configuration."""
+    """Runs made before federated runs refused train.probe_epochs saved it in their
+    config.yaml (and ignored it): resuming one without it is the same configuration."""
     part = tmp_path / "part"
     run_simulation([*base, "fl.rounds=1", "fl.local_epochs=1", f"output_dir={part}"])
     saved = part / "config.yaml"
     text = saved.read_text(encoding="utf-8")
-    assert "patience: null" in text
-    saved.write_text(text.replace("patience: null", "patience: 2"), encoding="utf-8")
+    assert "probe_epochs: 0" in text
+    saved.write_text(text.replace("probe_epochs: 0", "probe_epochs: 5"), encoding="utf-8")
     resumed = run_simulation([*base, "fl.rounds=2", "fl.local_epochs=1", f"resume={part}"])
     assert [row["round"] for row in resumed["history"]] == [1, 2]
