@@ -10,7 +10,8 @@ Models are selected on a validation split: the dataset's own (``DataSplits.valid
 it has one, otherwise a seeded stratified 10 % carved from the training split (the clients
 train on the rest). The test split is never read. Prints one line per setting, best last,
 and writes a JSON file. Each run's DP noise is fresh OS entropy: ``--draws N`` runs every
-setting N times and ranks by the mean (the best of many single draws is an optimistic pick).
+setting N times, ranks by the mean and prints the draws' range beside it (the best of many
+single draws is an optimistic pick).
 The non-private reference reads the same features (the ``--base`` model, dataset and seed keys).
 """
 
@@ -156,6 +157,11 @@ def mean_of_draws(
     return {**runs[0], **mean, "top1_draws": [r["top1"] for r in runs]}
 
 
+def spread(draws: list[float]) -> str:
+    """The draws' range beside their mean ('' for one draw): how far one run may land."""
+    return f" [{min(draws):.4f}-{max(draws):.4f}]" if len(draws) > 1 else ""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
@@ -222,8 +228,8 @@ def main() -> None:
         row["mean_top1"] = sum(row[f"{c}"]["top1"] for c in args.clients) / len(args.clients)
         results.append(row)
         cells = " ".join(
-            f"m={c}: top1 {row[f'{c}']['top1']:.4f} F1 {row[f'{c}']['macro_f1']:.3f} "
-            f"σ {row[f'{c}']['sigma']:.3g}"
+            f"m={c}: top1 {row[f'{c}']['top1']:.4f}{spread(row[f'{c}']['top1_draws'])} "
+            f"F1 {row[f'{c}']['macro_f1']:.3f} σ {row[f'{c}']['sigma']:.3g}"
             for c in args.clients
         )
         print(f"{' '.join(overrides):70s} {cells} ({time.perf_counter() - tick:.0f}s)", flush=True)

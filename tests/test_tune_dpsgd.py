@@ -77,3 +77,5 @@ def test_draws_rerun_a_setting_with_the_same_shuffles_and_report_their_mean(
     assert row["top1_draws"] == [0.9, 0.7, 0.8]
     assert row["top1"] == pytest.approx(0.8) and row["macro_f1"] == pytest.approx(0.5)
     assert len(seen) == 3 and len(set(seen)) == 1  # each draw from the same seed
+    assert script.spread(row["top1_draws"]) == " [0.7000-0.9000]"  # printed beside the mean
+    assert script.spread([0.9]) == ""  # one draw: no range to show
