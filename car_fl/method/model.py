@@ -95,8 +95,9 @@ class CaRRetriever(nn.Module):
         trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
         frozen = sum(p.numel() for p in self.parameters() if not p.requires_grad)
         log.info(
-            "CaR retriever (%s): %s trainable, %s frozen parameters",
+            "CaR retriever (%s, %s head): %s trainable, %s frozen parameters",
             self.mode.value,
+            self.kind.value,
             f"{trainable:,}",
             f"{frozen:,}",
         )
