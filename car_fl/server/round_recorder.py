@@ -13,9 +13,11 @@ waits for them before it touches the recorder.
 With ``test`` the rows' test metrics wait for the end (NaN until then): :meth:`finish` evaluates
 the test split for the state selected on validation and for the final state, and writes them
 into those rows and their checkpoints.
-With ``patience`` (``train.patience``) the run ends once that many rounds in a row have not
-improved on the round validation selects (:class:`PatienceSpent`); with ``background`` a round's
-validation is known only while the next one trains, so the run ends one round later.
+With ``patience`` (``train.patience``) the run ends once that many rounds that trained (skipped
+rounds do not count) have not improved on the round validation selects (:class:`PatienceSpent`);
+with ``background`` a round's validation is known only while the next one trains, so the run
+ends one round later (and that round may become the best). A resumed run that had stalled
+before it was interrupted ends at once.
 
 """
 
@@ -109,32 +111,37 @@ class RoundRecorder:
             return MetricRecord({k: float(v) for k, v in metrics.items()})
         if stats is not None:  # the round's own time: its evaluation runs during the next
             job.seconds = time.perf_counter() - stats.started
-        stalled = self.stalled()  # as of the previous round: nothing runs in the thread now
+        stalled = self.stalled()  # as of the rounds recorded: nothing runs in the thread now
         # the evaluation and the round's files (log line, metrics, plot, checkpoints) both
         # in the thread; the next call waits for them before it touches the recorder again
         self.schedule.run(job, lambda: self.complete(job, self.evaluate(arrays)))
         self.stop_if_stalled(job, stalled)  # this round trained: it is evaluated all the same
         return None  # Flower's result holds no server metrics: car-fl's files do
 
-    def stalled(self) -> bool:
-        """:attr:`patience` rounds recorded since the round validation selects as best."""
-        best, history = self.recorder.best, self.recorder.history
-        if best is None or not history:
-            return False
-        return out_of_patience(history[-1].round, best.round, self.patience)
-
-    def stop_if_stalled(self, job: Evaluation, stalled: bool) -> None:
-        """End the run after ``job``'s round (:class:`PatienceSpent`) when ``stalled``."""
-        if not stalled or job.stats is None:  # the starting point (or the resumed one)
-            return
+    def stalled(self) -> int | None:
+        """The round validation selects as best, once :attr:`patience` rounds that trained
+        (aggregated: a skipped round leaves the model as it was) have been recorded after it;
+        None before. Without a validation split every round is "best": it never stalls."""
         best = self.recorder.best
+        if best is None:
+            return None
+        trained = sum(
+            1 for row in self.recorder.history if row.round > best.round and not row.skipped
+        )
+        return best.round if out_of_patience(trained, 0, self.patience) else None
+
+    def stop_if_stalled(self, job: Evaluation, best: int | None) -> None:
+        """End the run after ``job``'s round (:class:`PatienceSpent`) when it has stalled since
+        round ``best``, unless that round is the run's last anyway (nothing to stop)."""
+        if best is None or job.round >= self.recorder.settings.fl.rounds:
+            return
         self.stopped_early = job.round
         log.info(
-            "early stop after round %d: validation has not improved for %d rounds "
-            "(train.patience); best: round %d",
+            "early stop after round %d: %d rounds have trained since the best on validation, "
+            "round %d (train.patience)",
             job.round,
             self.patience,
-            best.round if best is not None else 0,
+            best,
         )
         raise PatienceSpent(job.round, job.arrays)
 

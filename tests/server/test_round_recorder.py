@@ -11,8 +11,11 @@ import torch
 from flwr.app import Context, Message
 
 from car_fl.results.checkpoint import load_checkpoint
+from car_fl.server.round_recorder import PatienceSpent, RoundRecorder
+from car_fl.server.round_stats import RoundStats
 from car_fl.simulation.apps import import_app
 from car_fl.simulation.in_process import run_local
+from tests.results.test_recorder import federated_summary, global_model, recorder, scores
 
 ROUNDS = ("fl.clients=2", "fl.local_epochs=1", "fl.rounds=6")
 
@@ -64,6 +67,12 @@ def test_patience_ends_a_federated_run_once_validation_stops_improving(
     )
     assert whole["summary"]["best"]["round"] == 0 and "stopped_early" not in whole["summary"]
     assert rounds_of(tmp_path / "whole") == [1, 2, 3]
+    # a patience that runs out in the last round stops nothing: the run is not "stopped early"
+    full = run_local(
+        make_settings(*ROUNDS, "fl.rounds=2", "train.patience=2", f"output_dir={tmp_path / 'f'}"),
+        client_train=idle,
+    )
+    assert "stopped_early" not in full["summary"] and rounds_of(tmp_path / "f") == [1, 2]
 
 
 def test_a_run_its_patience_ended_is_finished_and_resume_says_so(
@@ -81,11 +90,12 @@ def test_a_run_its_patience_ended_is_finished_and_resume_says_so(
         run_local(again, client_train=idle)
 
 
-def test_a_patience_does_not_hide_a_run_in_which_every_round_failed(
+def test_skipped_rounds_do_not_spend_the_patience_and_a_failed_run_still_fails(
     make_settings, tmp_path: Path
 ) -> None:
-    """Hostile or broken clients: no valid update in any round, the model never changes, the
-    patience ends the run after 2 rounds, and the run still fails, naming why."""
+    """Hostile, broken or unreachable clients: no valid update in any round, the model never
+    changes; that is not "validation stopped improving" (nothing trained), so patience 1 does
+    not end the run, and the run still fails, naming why."""
     real = import_app("client_app").train
 
     def broken(msg: Message, context: Context) -> Message:
@@ -95,6 +105,63 @@ def test_a_patience_does_not_hide_a_run_in_which_every_round_failed(
                 del record[name]  # a reply without the model's tensors is rejected
         return reply
 
-    settings = make_settings(*ROUNDS, "train.patience=2", f"output_dir={tmp_path / 'run'}")
-    with pytest.raises(RuntimeError, match=r"every round failed: .* in 2 rounds"):
+    settings = make_settings(
+        *ROUNDS, "fl.rounds=3", "train.patience=1", f"output_dir={tmp_path / 'run'}"
+    )
+    with pytest.raises(RuntimeError, match=r"every round failed: .* in 3 rounds"):
         run_local(settings, client_train=broken)
+
+
+def record_round(rounds: RoundRecorder, number: int, *, aggregated: bool = True) -> None:
+    rounds.receive(RoundStats(round=number, started=0.0, aggregated=aggregated))
+    rounds(number - rounds.round_offset, global_model())
+
+
+def test_patience_counts_the_rounds_that_trained_since_the_best_one(
+    make_settings, tmp_path: Path
+) -> None:
+    """Validation improves in rounds 1 and 3; round 4 is skipped (no valid reply), 5 and 6 do
+    not improve: patience 2 ends the run after round 6, not after 2 (since round 0) nor after 5
+    (round 4 trained nothing). Resumed after round 6, the stalled run ends at once; one whose
+    last round is the stall's ends normally (nothing left to stop)."""
+    settings = make_settings("fl.rounds=10")
+    val = {0: 0.2, 1: 0.5, 2: 0.4, 3: 0.6, 4: 0.6, 5: 0.5, 6: 0.55}
+    step = iter(sorted(val))
+
+    def evaluate(arrays) -> dict[str, float]:
+        return scores(val[next(step)], 1.0, 0.5)
+
+    def make() -> RoundRecorder:
+        return RoundRecorder(
+            recorder(settings, tmp_path, unit="round", per_round=True),
+            evaluate=evaluate,
+            describe=federated_summary,
+            patience=2,
+        )
+
+    rounds = make()
+    rounds(0, global_model())
+    for number in range(1, 6):
+        record_round(rounds, number, aggregated=number != 4)
+        assert rounds.stopped_early is None
+    with pytest.raises(PatienceSpent) as stop:
+        record_round(rounds, 6)
+    assert stop.value.round == 6 and rounds.stopped_early == 6
+    assert rounds.recorder.best is not None and rounds.recorder.best.round == 3
+    assert [row.skipped for row in rounds.recorder.history] == [0, 0, 0, 1, 0, 0]
+
+    history = list(rounds.recorder.history)
+    again = make()
+    again.resume(history, [], scores(0.2, 1.0, 0.5), done=6)
+    step = iter([6])  # the resumed state is evaluated again
+    with pytest.raises(PatienceSpent) as stop:
+        again(0, global_model())
+    assert stop.value.round == 6
+
+    settings.fl.rounds = 6  # the stall falls on the last round: the run simply ends there
+    last = make()
+    last.resume(history[:5], [], scores(0.2, 1.0, 0.5), done=5)
+    step = iter([5, 6])
+    last(0, global_model())
+    record_round(last, 6)
+    assert last.stopped_early is None
