@@ -172,9 +172,10 @@ class TrainConfig:
     momentum: float = 0.0
     eval_batch_size: int = 64
     feature_batch_size: int = 32
-    #: Training stops once this many epochs (a centralised run) or rounds (a federated one)
-    #: in a row have not improved the validation metric that selects the best one
-    #: (``train.epochs`` or ``fl.rounds`` is then a ceiling); null: every epoch or round runs.
+    #: Training stops once this many epochs (a centralised run) or rounds that trained (a
+    #: federated one; a skipped round does not count) have not improved the validation metric
+    #: that selects the best one (``train.epochs`` or ``fl.rounds`` is then a ceiling); null:
+    #: every epoch or round runs.
     patience: int | None = None
     #: adapter+classifier, centralised: first train the head alone for up to this many epochs
     #: on the frozen features (cached, as CaR does), keep the probe epoch validation selects
