@@ -1,10 +1,13 @@
-"""Builders shared by tests: Flower messages outside a run, a client's DP mechanism."""
+"""Builders shared by tests: Flower messages outside a run, a client's DP mechanism, a script
+of scripts/ loaded as a module."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -67,3 +70,13 @@ def gone(pid: int, timeout: float = 20) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def load_script(name: str) -> Any:
+    """``scripts/<name>.py`` imported as a module (scripts/ is not a package)."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

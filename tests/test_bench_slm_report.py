@@ -3,21 +3,11 @@ picked a faster dtype than float32."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
-
-
-def load_script() -> Any:
-    spec = importlib.util.spec_from_file_location("bench", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.helpers import load_script
 
 
 def slm_row(auto_dtype: str, speedup: float) -> dict[str, Any]:
@@ -46,14 +36,14 @@ def slm_row(auto_dtype: str, speedup: float) -> dict[str, Any]:
 
 
 def test_float32_against_float32_judges_no_goal(capsys: pytest.CaptureFixture[str]) -> None:
-    load_script().print_slm([slm_row("float32", 0.97)])
+    load_script("bench").print_slm([slm_row("float32", 0.97)])
     out = capsys.readouterr().out
     assert out.count("float32 against float32, no goal") == 4
     assert "MISSED" not in out and "met" not in out
 
 
 def test_a_faster_dtype_is_judged_against_each_goal(capsys: pytest.CaptureFixture[str]) -> None:
-    bench = load_script()
+    bench = load_script("bench")
     bench.print_slm([slm_row("bfloat16", 2.5)])
     out = capsys.readouterr().out
     assert "(goal >= 2.0x: met)" in out and "(goal >= 3.0x: MISSED)" in out

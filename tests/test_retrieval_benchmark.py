@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -10,21 +9,12 @@ import pytest
 
 from car_fl.settings.compose import load_settings
 from car_fl.settings.schema import DPMode
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "retrieval_benchmark.py"
-
-
-def load_script() -> Any:
-    spec = importlib.util.spec_from_file_location("retrieval_benchmark", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.helpers import load_script
 
 
 @pytest.mark.slow
 def test_federation_flags_become_settings_that_compose(tiny_corpus: tuple[Path, Path]) -> None:
-    bench = load_script()
+    bench = load_script("retrieval_benchmark")
     corpus = tiny_corpus[0].parent
     fed = bench.federation_overrides(clients=2, rounds=3, epsilon=3.0)
     settings = load_settings(
@@ -48,13 +38,13 @@ def test_federation_flags_become_settings_that_compose(tiny_corpus: tuple[Path, 
 )
 def test_bad_federation_flags_are_one_line_errors(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        load_script().federation_overrides(**kwargs)
+        load_script("retrieval_benchmark").federation_overrides(**kwargs)
 
 
 def test_rounds_without_clients_and_overrides_without_a_value_are_refused(
     tiny_corpus: tuple[Path, Path], capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    bench = load_script()
+    bench = load_script("retrieval_benchmark")
     corpus = str(tiny_corpus[0].parent)
     for args, message in (
         (["--rounds", "2"], "--rounds and --dp-epsilon need --clients"),
@@ -68,7 +58,7 @@ def test_rounds_without_clients_and_overrides_without_a_value_are_refused(
 def test_overrides_after_only_are_overrides_and_an_unknown_variant_is_named(
     tiny_corpus: tuple[Path, Path], capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    bench = load_script()
+    bench = load_script("retrieval_benchmark")
     assert bench.split_only(["moe", "moe.eval_route=12", "knn"]) == (
         ["moe", "knn"],
         ["moe.eval_route=12"],
@@ -85,7 +75,7 @@ def test_overrides_after_only_are_overrides_and_an_unknown_variant_is_named(
 def test_a_variant_run_reports_its_starting_point_beside_the_selected_model(
     tiny_corpus: tuple[Path, Path], tiny_llama: Path, tmp_path: Path
 ) -> None:
-    bench = load_script()
+    bench = load_script("retrieval_benchmark")
     corpus = tiny_corpus[0].parent
     model = ["model=local", f"model.name_or_path={tiny_llama}", "train.epochs=1"]
     row = bench.run_variant("query_map", corpus, tmp_path, model)
@@ -107,7 +97,7 @@ def test_the_bm25_row_is_bm25_alone_and_fusion_starts_from_mips_and_bm25(
 ) -> None:
     """On the tiny corpus every query holds a word of its document only: BM25 alone finds it
     first, and fusing it with the untrained head (cosine MIPS) beats that head."""
-    bench = load_script()
+    bench = load_script("retrieval_benchmark")
     corpus = tiny_corpus[0].parent
     model = ["model=local", f"model.name_or_path={tiny_llama}", "dataset.new_fraction=0"]
     bm25 = bench.run_variant("bm25", corpus, tmp_path, model)

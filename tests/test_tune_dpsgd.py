@@ -3,33 +3,21 @@ client's DP state kept across rounds, and FedAvg over them (tiny model, syntheti
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from car_fl.client.record_dp import load_record_state
 from car_fl.settings.dp_plan import record_plan
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "tune_dpsgd.py"
-
-
-def load_script() -> Any:
-    spec = importlib.util.spec_from_file_location("tune_dpsgd", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.helpers import load_script
 
 
 @pytest.mark.slow
 def test_each_client_round_is_train_shard_with_its_dp_state_across_rounds(
     make_settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    script = load_script()
+    script = load_script("tune_dpsgd")
     settings = make_settings(
         "dp=record", "dp.target_epsilon=3", "fl.rounds=2", "fl.local_epochs=1", "fl.clients=2"
     )
@@ -64,7 +52,7 @@ def test_draws_rerun_a_setting_with_the_same_shuffles_and_report_their_mean(
 ) -> None:
     """--draws: every draw starts from seed 0 (the same shuffles; the DP noise is OS entropy,
     fresh each time: tests/privacy) and the setting's top-1 is the draws' mean, not their best."""
-    script = load_script()
+    script = load_script("tune_dpsgd")
     scores = iter([0.9, 0.7, 0.8])
     seen: list[float] = []
 
