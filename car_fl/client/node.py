@@ -91,6 +91,7 @@ from car_fl.client.node_settings import SettingsMemory, node_settings
 from car_fl.client.round import node_shard, train_shard
 from car_fl.client.run_states import RunStates, RunStore
 from car_fl.client.shard import Shard
+from car_fl.method.probe import round_settings
 from car_fl.protocol.failures import Failure
 from car_fl.protocol.messages import read_train_message, train_reply
 from car_fl.settings.dp_plan import dp_active
@@ -223,7 +224,13 @@ class Node:
             settings, run=run, server_round=server_round
         )
         private = spent and dp_active(settings, server_round)
-        shard = node_shard(settings, place, labels, memory=self.shards, noise_only=private)  # 5.
+        shard = node_shard(  # 5. (a probe round's: cached features, not token ids)
+            round_settings(settings, server_round),
+            place,
+            labels,
+            memory=self.shards,
+            noise_only=private,
+        )
         return train_shard(  # 6-7. the run's budget, the epochs, the release
             settings,
             place,

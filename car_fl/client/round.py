@@ -30,6 +30,7 @@ from car_fl.client.shard import Shard, client_seed, empty_shard, local_retriever
 from car_fl.method.experts import ExpertLayout
 from car_fl.method.features import LocalData
 from car_fl.method.model import CaRRetriever
+from car_fl.method.probe import keep_adapter, probe_round, round_settings
 from car_fl.method.train import EpochResult, make_optimizer
 from car_fl.settings.dp_plan import public_examples
 from car_fl.settings.flower import NodeInfo
@@ -178,9 +179,11 @@ def train_shard(
     if guard is not None and not spent:  # recorded before training, let alone the reply
         guard.spend(settings, run=run, server_round=server_round, examples=shard.examples)
     experts = ExpertLayout.from_text(layout) if layout is not None else None
-    model = local_retriever(settings, data, shard.label_map, experts)
+    probing = probe_round(settings, server_round)  # the head alone; the adapter as it came
+    trained = round_settings(settings, server_round)
+    model = local_retriever(trained, data, shard.label_map, experts)
     model.load_trainable_state_dict(global_state)  # a mixture of experts: those sent
-    optimizer = make_optimizer(model, settings.train)
+    optimizer = make_optimizer(model, trained.train)
     seed = client_seed(settings.seed, node.partition_id)
     epochs = settings.fl.local_epochs
     for local in range(epochs):
@@ -192,13 +195,15 @@ def train_shard(
             epoch=(server_round - 1) * epochs + local,
             desc=f"{who} round {server_round} epoch {local + 1}",
         )
-    state = privacy.release(outgoing(model, settings))
+    sent = outgoing(model, settings)
+    state = privacy.release(keep_adapter(sent, global_state) if probing else sent)
     privacy.save(node_state)
     seconds = time.perf_counter() - tick
     log.info(
-        "%s round %d: %s, %.1fs%s",
+        "%s round %d%s: %s, %.1fs%s",
         who,
         server_round,
+        " (probe: the head alone)" if probing else "",
         privacy.describe(result),
         seconds,
         " (local only: not sent under DP)" if privacy.private else "",

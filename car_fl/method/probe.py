@@ -1,19 +1,27 @@
 """Linear probing before fine-tuning (Kumar et al., 2022): the head alone on frozen features,
 the epoch validation selects kept, before adapter + classifier trains both through the LM.
 
-``train.probe_epochs`` in a centralised run (:mod:`car_fl.method.centralized`).
+``train.probe_epochs`` in a centralised run (:mod:`car_fl.method.centralized`);
+``fl.probe_rounds`` in a federated one: the node trains a probe round as CaR does (the head
+alone, on its cached features) and sends the adapter back exactly as the server sent it
+(:func:`probe_round`, :func:`round_settings`, :func:`keep_adapter`), so a round's release has
+the same tensors, mechanism and ε whichever it is.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
+
+import torch
 
 from car_fl.data.splits import DataSplits
 from car_fl.method.feature_cache import FeatureCache
 from car_fl.method.features import LocalData, prepare_data
 from car_fl.method.model import CaRRetriever
 from car_fl.method.train import evaluate, make_optimizer, one_epoch
+from car_fl.privacy.mechanism import ADAPTER_WEIGHT
 from car_fl.results.selection import is_better, out_of_patience
 from car_fl.settings.schema import Mode, Settings
 
@@ -79,3 +87,33 @@ def probe_head(settings: Settings, model: CaRRetriever, splits: DataSplits) -> d
         f"{best['val_top1']:.4f}" if "val_top1" in best else "-: no validation split",
     )
     return {"selected": best["epoch"], "history": rows}
+
+
+def probe_round(settings: Settings, server_round: int) -> bool:
+    """Whether federated round ``server_round`` (from 1) of adapter + CaR is a probe round:
+    one of the first ``fl.probe_rounds``."""
+    adapter = settings.train.mode is Mode.ADAPTER_CLASSIFIER
+    return adapter and server_round <= settings.fl.probe_rounds
+
+
+def round_settings(settings: Settings, server_round: int) -> Settings:
+    """What a node trains round ``server_round`` with: in a probe round the classifier mode
+    (the head alone on cached features: the encoder is not even loaded when they are all
+    cached); otherwise ``settings`` as they are."""
+    if not probe_round(settings, server_round):
+        return settings
+    return replace(settings, train=replace(settings.train, mode=Mode.CLASSIFIER))
+
+
+def keep_adapter(
+    state: dict[str, torch.Tensor], global_state: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """A probe round's trained state with the server's adapter added back, untouched: the
+    reply has the tensors of every other round of the run, and its adapter depends on no
+    record."""
+    if ADAPTER_WEIGHT not in global_state:
+        raise ValueError(
+            "a probe round (fl.probe_rounds) of adapter + CaR needs the adapter among the "
+            f"tensors the server sent; got {sorted(global_state)}"
+        )
+    return {ADAPTER_WEIGHT: global_state[ADAPTER_WEIGHT].detach().clone(), **state}

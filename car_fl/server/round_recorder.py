@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from flwr.app import ArrayRecord, MetricRecord
 
+from car_fl.method.probe import probe_round
 from car_fl.protocol.messages import from_record
 from car_fl.results.recorder import Recorder, brief
 from car_fl.results.rows import CLIENTS_CSV, ClientRow, RoundRow, RunSummary, wire_key
@@ -121,12 +122,17 @@ class RoundRecorder:
     def stalled(self) -> int | None:
         """The round validation selects as best, once :attr:`patience` rounds that trained
         (aggregated: a skipped round leaves the model as it was) have been recorded after it;
-        None before. Without a validation split every round is "best": it never stalls."""
+        None before. Without a validation split every round is "best": it never stalls. Probe
+        rounds (``fl.probe_rounds``) do not count: the adapter gets its ``patience`` rounds to
+        beat the probed head."""
         best = self.recorder.best
         if best is None:
             return None
+        settings = self.recorder.settings
         trained = sum(
-            1 for row in self.recorder.history if row.round > best.round and not row.skipped
+            1
+            for row in self.recorder.history
+            if row.round > best.round and not row.skipped and not probe_round(settings, row.round)
         )
         return best.round if out_of_patience(trained, 0, self.patience) else None
 

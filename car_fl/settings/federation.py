@@ -64,6 +64,11 @@ class FLConfig:
     norm_bound_tail: float = 1e-6
     rounds: int = 5
     local_epochs: int = 2
+    #: Linear probing, federated (adapter + CaR): the first ``probe_rounds`` rounds train the
+    #: head alone on cached features and send the adapter back as it came; the adapter trains
+    #: from the round after, starting from the probed head (``train.probe_epochs``'s
+    #: counterpart; :mod:`car_fl.method.probe`). 0: every round trains the adapter and head.
+    probe_rounds: int = 0
     #: iid or dirichlet (non-IID over labels, concentration fl.alpha).
     partitioning: Partitioning = Partitioning.IID
     alpha: float = 1.0
@@ -76,6 +81,11 @@ class FLConfig:
         for key in ("clients", "rounds", "local_epochs"):
             if getattr(self, key) < 1:
                 raise ValueError(f"fl.{key} must be >= 1, got {getattr(self, key)}")
+        if not 0 <= self.probe_rounds < self.rounds:
+            raise ValueError(
+                f"fl.probe_rounds must be in [0, fl.rounds={self.rounds}) so that a round is left "
+                f"for the adapter, got {self.probe_rounds}; lower it or raise fl.rounds"
+            )
         if not 1 <= self.min_clients <= self.clients:
             raise ValueError(
                 f"fl.min_clients must be in [1, fl.clients={self.clients}], got {self.min_clients}"

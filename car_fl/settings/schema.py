@@ -147,6 +147,12 @@ class Settings:
                     f"(σ_b = {where}), got z = {z:g}; lower dp.noise_multiplier or raise "
                     f"dp.count_noise above {z / 2:g}"
                 )
+        if self.fl.probe_rounds and self.head.kind is not HeadKind.CLASSIFIER:
+            raise ValueError(
+                f"fl.probe_rounds trains a classifier head alone before the adapter (approach="
+                f"adapter_car); head.kind={self.head.kind} has none to probe: set "
+                "fl.probe_rounds=0"
+            )
         self._check_aggregation()
         self._check_documents()
 
@@ -274,6 +280,7 @@ def federation_refusal(settings: Settings) -> str:
             f"{' and '.join(keys)} only steer a centralised run's epochs (car-fl train); a "
             "federated run trains fl.rounds rounds (train.patience may end it earlier) and "
             "keeps the round validation selects: remove "
-            f"{' and '.join(k.split('=')[0] for k in keys)} from the run's configuration"
+            f"{' and '.join(k.split('=')[0] for k in keys)} from the run's configuration "
+            "(fl.probe_rounds=N probes the head for N federated rounds before the adapter)"
         )
     return ""

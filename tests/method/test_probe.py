@@ -1,12 +1,22 @@
-"""Linear probing (car_fl.method.probe): the adapter starts from the head CaR selects."""
+"""Linear probing (car_fl.method.probe): the adapter starts from the head CaR selects, in a
+centralised run (``train.probe_epochs``) and a federated one (``fl.probe_rounds``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
+from flwr.app import RecordDict
 
+from car_fl.client import shard as client_module
+from car_fl.client.node import Node
+from car_fl.method.build import build_retriever
 from car_fl.method.centralized import run_centralized
+from car_fl.method.probe import keep_adapter, probe_round, round_settings
+from car_fl.privacy.mechanism import ADAPTER_WEIGHT
+from car_fl.settings.flower import NodeInfo
+from car_fl.settings.schema import Mode
 
 
 @pytest.mark.slow
@@ -48,3 +58,57 @@ def test_probing_starts_the_adapter_from_the_head_car_selects_on_the_same_featur
     )
     assert [row["epoch"] for row in patient["probe"]["history"]] == [0, 1, 2, 3]
     assert patient["initial"]["val_top1"] == pytest.approx(car["best"]["val_top1"])
+
+
+# ------------------------------------------------------------------ federated: fl.probe_rounds
+
+
+def adapter_state(settings) -> dict[str, torch.Tensor]:
+    """The server's global state of adapter + CaR: the identity adapter and a fresh head."""
+    encoder = client_module.cached_encoder(settings)
+    return build_retriever(settings, 4, encoder=encoder).trainable_state_dict()
+
+
+@pytest.mark.parametrize("dp", ["dp=none", "dp=record dp.target_epsilon=3"])
+def test_a_probe_round_trains_the_head_alone_and_sends_the_adapter_back_as_it_came(
+    make_settings, dp: str
+) -> None:
+    """Round 1 of ``fl.probe_rounds=1`` trains the head on the node's cached features (the
+    identity adapter's, which are CaR's) and replies with the server's adapter, bit for bit,
+    under DP-SGD as without; round 2 trains the adapter. The reply has the same tensors either
+    way, so a server cannot tell the rounds apart by their shape."""
+    settings = make_settings(
+        "mode=adapter", "fl.rounds=3", "fl.probe_rounds=1", "fl.local_epochs=1", *dp.split()
+    )
+    place = NodeInfo(partition_id=0, num_partitions=2)
+    initial = adapter_state(settings)
+    node = Node(config={})
+    probed, _ = node.train(settings, place, initial, 1, RecordDict())
+    assert set(probed) == set(initial)
+    assert torch.equal(probed[ADAPTER_WEIGHT], initial[ADAPTER_WEIGHT])
+    head = [k for k in initial if k != ADAPTER_WEIGHT]
+    assert any(not torch.equal(probed[k], initial[k]) for k in head), "the head did not train"
+    # the probe round read features (the classifier mode's shard), not token ids
+    assert [s.data.features is not None for s in node.shards.values()] == [True]
+    trained, _ = node.train(settings, place, probed, 2, RecordDict())
+    assert not torch.equal(trained[ADAPTER_WEIGHT], probed[ADAPTER_WEIGHT])
+    assert sorted(s.data.features is not None for s in node.shards.values()) == [False, True]
+
+
+def test_probe_rounds_change_nothing_for_car_and_are_refused_where_nothing_can_be_probed(
+    make_settings,
+) -> None:
+    car = make_settings("approach=car", "fl.rounds=3", "fl.probe_rounds=2")
+    assert not probe_round(car, 1) and round_settings(car, 1) is car  # every round probes
+    adapter = make_settings("mode=adapter", "fl.rounds=3", "fl.probe_rounds=2")
+    assert [probe_round(adapter, r) for r in (1, 2, 3)] == [True, True, False]
+    assert round_settings(adapter, 2).train.mode is Mode.CLASSIFIER
+    assert round_settings(adapter, 3) is adapter
+    with pytest.raises(ValueError, match=r"fl.probe_rounds must be in \[0, fl.rounds=3\)"):
+        make_settings("mode=adapter", "fl.rounds=3", "fl.probe_rounds=3")
+    with pytest.raises(ValueError, match=r"fl.probe_rounds must be in"):
+        make_settings("fl.probe_rounds=-1")
+    with pytest.raises(ValueError, match=r"head.kind=mips has none to probe"):
+        make_settings("approach=adapter_mips", "fl.rounds=3", "fl.probe_rounds=1")
+    with pytest.raises(ValueError, match=r"needs the adapter among the tensors"):
+        keep_adapter({}, {"head.classifier.weight": torch.zeros(2, 2)})

@@ -10,6 +10,7 @@ import pytest
 import torch
 from flwr.app import Context, Message
 
+from car_fl.privacy.mechanism import ADAPTER_WEIGHT
 from car_fl.results.checkpoint import load_checkpoint
 from car_fl.server.round_recorder import PatienceSpent, RoundRecorder
 from car_fl.server.round_stats import RoundStats
@@ -165,3 +166,53 @@ def test_patience_counts_the_rounds_that_trained_since_the_best_one(
     last(0, global_model())
     record_round(last, 6)
     assert last.stopped_early is None
+
+
+def test_probe_rounds_do_not_spend_the_patience(make_settings, tmp_path: Path) -> None:
+    """``fl.probe_rounds=3``: validation peaks in probe round 1 and rounds 2 to 5 do not beat
+    it. Patience 2 would end a run without probe rounds after round 3; here the adapter gets
+    its 2 rounds after the probe (4 and 5), so the run ends after round 5."""
+    val = {0: 0.2, 1: 0.5, 2: 0.4, 3: 0.45, 4: 0.4, 5: 0.4}
+
+    def run(*overrides: str) -> int | None:
+        settings = make_settings("mode=adapter", "fl.rounds=10", *overrides)
+        step = iter(sorted(val))
+        rounds = RoundRecorder(
+            recorder(settings, tmp_path / "-".join(overrides), unit="round", per_round=True),
+            evaluate=lambda arrays: scores(val[next(step)], 1.0, 0.5),
+            describe=federated_summary,
+            patience=2,
+        )
+        rounds(0, global_model())
+        try:
+            for number in range(1, 6):
+                record_round(rounds, number)
+        except PatienceSpent as stop:
+            return stop.round
+        return None
+
+    assert run("fl.probe_rounds=0") == 3
+    assert run("fl.probe_rounds=3") == 5
+
+
+def test_a_federated_run_with_probe_rounds_starts_the_adapter_after_them(
+    make_settings, tmp_path: Path
+) -> None:
+    """The real server and ClientApp in process: round 1 (the probe) moves the head and leaves
+    the identity adapter exactly as it was; round 2 trains it."""
+    out = tmp_path / "run"
+    settings = make_settings(
+        "mode=adapter",
+        "fl.clients=2",
+        "fl.rounds=2",
+        "fl.local_epochs=1",
+        "fl.probe_rounds=1",
+        f"output_dir={out}",
+    )
+    run_local(settings)
+    start = load_checkpoint(out / "checkpoints" / "round-001").state
+    after = load_checkpoint(out / "checkpoints" / "round-002").state
+    identity = torch.eye(start[ADAPTER_WEIGHT].shape[0])
+    # FedAvg of two copies of the same adapter: equal up to the weights' rounding
+    torch.testing.assert_close(start[ADAPTER_WEIGHT], identity, rtol=0, atol=1e-6)
+    assert (after[ADAPTER_WEIGHT] - identity).abs().max() > 1e-4
