@@ -1,19 +1,29 @@
 """Progress bars that draw on a terminal only: a log file of a long run stays readable.
 
 tqdm with ``disable=None`` turns itself off when its stream is not a terminal; the per-round
-and per-epoch log lines say where a run is instead. Hugging Face's own bars (loading weights,
-writing shards) follow the same rule through :func:`quiet_hub_bars`.
+and per-epoch log lines say where a run is instead, and a loop without its bar that runs long
+(an adapter epoch through a real LM: many minutes) logs a heartbeat line at most every
+:data:`HEARTBEAT_SECONDS` (:func:`heartbeat`), so a headless run is never silent for a whole
+round. Hugging Face's own bars (loading weights, writing shards) follow the same rule through
+:func:`quiet_hub_bars`.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator, Sized
 from typing import TypeVar
 
 from tqdm.auto import tqdm
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
+
+#: Seconds between two heartbeat lines of a loop that draws no bar.
+HEARTBEAT_SECONDS = 120.0
 
 
 def on_terminal() -> bool:
@@ -22,8 +32,32 @@ def on_terminal() -> bool:
 
 
 def bar(iterable: Iterable[T], *, desc: str, unit: str, enabled: bool = True) -> Iterable[T]:
-    """``iterable`` with a progress bar when ``enabled`` and stderr is a terminal."""
-    return tqdm(iterable, desc=desc, unit=unit, leave=False, disable=None if enabled else True)
+    """``iterable`` with a progress bar when ``enabled`` and stderr is a terminal; otherwise
+    with a :func:`heartbeat` in the log."""
+    if enabled and on_terminal():
+        return tqdm(iterable, desc=desc, unit=unit, leave=False)
+    return heartbeat(iterable, desc=desc, unit=unit)
+
+
+def heartbeat(
+    iterable: Iterable[T], *, desc: str, unit: str, every: float = HEARTBEAT_SECONDS
+) -> Iterator[T]:
+    """``iterable``, logging where it is once ``every`` seconds have passed since the start or
+    the last such line ("epoch 1: step 120 of 233 in 241 s, about 230 s left"); a loop
+    shorter than ``every`` logs nothing."""
+    total = len(iterable) if isinstance(iterable, Sized) else None
+    start = last = time.monotonic()
+    for done, item in enumerate(iterable, start=1):
+        yield item
+        now = time.monotonic()
+        if now - last < every:
+            continue
+        last = now
+        spent = now - start
+        where = f"{unit} {done}" + (f" of {total}" if total else "") + f" in {spent:.0f} s"
+        if total:
+            where += f", about {spent / done * (total - done):.0f} s left"
+        log.info("%s: %s", desc, where)
 
 
 def quiet_hub_bars() -> None:
