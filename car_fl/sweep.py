@@ -58,6 +58,9 @@ def job_settings(cfg: DictConfig) -> tuple[Settings, int]:
         if epochs is None:
             epochs = int(cfg.fl.rounds) * int(cfg.fl.local_epochs)
         OmegaConf.update(conf, "train.epochs", int(epochs))
+        probe = int(cfg.fl.probe_rounds) * int(cfg.fl.local_epochs)
+        if probe and not int(cfg.train.probe_epochs):  # the federated probe's passes, here
+            OmegaConf.update(conf, "train.probe_epochs", probe)
     else:
         OmegaConf.update(conf, "fl.clients", clients)
         if int(cfg.fl.min_clients) > clients:

@@ -175,3 +175,17 @@ def test_ag_news_experiment_matches_the_method() -> None:
 def test_centralised_jobs_default_to_the_federations_passes_over_the_data() -> None:
     settings, _ = job_settings(_experiment("sms_scenarios", "clients=1", "fl.rounds=3"))
     assert settings.train.epochs == 3 * 2
+
+
+def test_a_sweeps_probe_rounds_probe_its_centralised_jobs_for_as_many_passes() -> None:
+    """fl.probe_rounds=N in a sweep: its federated jobs probe N rounds, its centralised ones
+    N x fl.local_epochs epochs (train.probe_epochs), so the two start the adapter alike."""
+    common = ("approach=adapter_car", "fl.rounds=6", "fl.probe_rounds=3")
+    central, _ = job_settings(_experiment("sms_scenarios", "clients=1", *common))
+    assert central.train.probe_epochs == 3 * 2 and central.train.epochs == 6 * 2
+    own, _ = job_settings(
+        _experiment("sms_scenarios", "clients=1", *common, "train.probe_epochs=4")
+    )
+    assert own.train.probe_epochs == 4  # set by hand: kept
+    fed, _ = job_settings(_experiment("sms_scenarios", "clients=2", *common))
+    assert fed.fl.probe_rounds == 3 and fed.train.probe_epochs == 0

@@ -136,9 +136,12 @@ class LocalDPRound:
                     current, current, server_round=self.server_round, step=step
                 )
             return current
+        # the server's tensors this release covers: all of them, but for a probe round
+        # (fl.probe_rounds), whose adapter is not the node's to release
+        before = {k: v for k, v in self.global_state.items() if k in state}
         if self.private:
-            return self.privacy.release(self.global_state, state, server_round=self.server_round)
-        check_finite(difference(state, self.global_state), who=self.who)
+            return self.privacy.release(before, state, server_round=self.server_round)
+        check_finite(difference(state, before), who=self.who)
         return state
 
     def save(self, node_state: RecordDict) -> None:

@@ -195,8 +195,9 @@ def train_shard(
             epoch=(server_round - 1) * epochs + local,
             desc=f"{who} round {server_round} epoch {local + 1}",
         )
-    sent = outgoing(model, settings)
-    state = privacy.release(keep_adapter(sent, global_state) if probing else sent)
+    state = privacy.release(outgoing(model, settings))
+    if probing:  # after the release: the adapter is the server's, no step or noise of ours
+        state = keep_adapter(state, global_state)
     privacy.save(node_state)
     seconds = time.perf_counter() - tick
     log.info(

@@ -4,8 +4,11 @@ the epoch validation selects kept, before adapter + classifier trains both throu
 ``train.probe_epochs`` in a centralised run (:mod:`car_fl.method.centralized`);
 ``fl.probe_rounds`` in a federated one: the node trains a probe round as CaR does (the head
 alone, on its cached features) and sends the adapter back exactly as the server sent it
-(:func:`probe_round`, :func:`round_settings`, :func:`keep_adapter`), so a round's release has
-the same tensors, mechanism and ε whichever it is.
+(:func:`probe_round`, :func:`round_settings`, :func:`keep_adapter`): the reply has every
+round's tensors, and its DP release (the same mechanism and ε) covers the head alone, the only
+tensor a record touched. The adapter is added after the release, never noised: noise on it
+would have to match every planned step's, or its spread would tell the server how many steps
+the node took (its n).
 """
 
 from __future__ import annotations

@@ -69,14 +69,24 @@ def adapter_state(settings) -> dict[str, torch.Tensor]:
     return build_retriever(settings, 4, encoder=encoder).trainable_state_dict()
 
 
-@pytest.mark.parametrize("dp", ["dp=none", "dp=record dp.target_epsilon=3"])
+@pytest.mark.parametrize(
+    "dp",
+    [
+        "dp=none",
+        "dp=record dp.target_epsilon=3",
+        "dp=fixed dp.noise_multiplier=1 dp.adapter_clip=0.001",
+        "dp=fixed dp.noise_multiplier=1 dp.granularity=step fl.max_examples_per_client=500",
+    ],
+)
 def test_a_probe_round_trains_the_head_alone_and_sends_the_adapter_back_as_it_came(
     make_settings, dp: str
 ) -> None:
     """Round 1 of ``fl.probe_rounds=1`` trains the head on the node's cached features (the
     identity adapter's, which are CaR's) and replies with the server's adapter, bit for bit,
-    under DP-SGD as without; round 2 trains the adapter. The reply has the same tensors either
-    way, so a server cannot tell the rounds apart by their shape."""
+    under every DP mechanism: the release covers the head alone. Noise on an adapter no step
+    touched would have to match every planned step's noise, or (per step) its spread against
+    the adapter the server sent would count the steps the node took, and so its n. Round 2
+    trains the adapter. The reply has the same tensors either way."""
     settings = make_settings(
         "mode=adapter", "fl.rounds=3", "fl.probe_rounds=1", "fl.local_epochs=1", *dp.split()
     )
