@@ -14,7 +14,8 @@ machines or a running deployment), ``setup`` (makes an environment, installs fro
 short: ``run`` runs it as written, in page order in one fresh clone (a block may use what an
 earlier block of its page made), offline, with this environment's ``python`` and ``car-fl``,
 and fails when any command fails. ``check`` says which program (a script, a ``python -m``
-module, a ``car-fl`` subcommand, an executable) is gone, for commands of every kind.
+module, a ``car-fl`` subcommand, an executable) is gone, for commands of every kind, and which
+unmarked command reads ``../shared`` or starts a sweep (minutes: it must be marked ``long``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ COMMENT = re.compile(r"<!--.*-->")
 FENCE = re.compile(r"^```(bash|sh|shell)\s*$")
 #: Seconds one short command may take.
 TIMEOUT = 600
+#: What no short command does: read the real data beside the clone, or start a sweep (minutes).
+NOT_SHORT = re.compile(r"\.\./shared/|car_fl\.sweep\b")
 
 
 @dataclass(frozen=True)
@@ -175,9 +178,14 @@ def problem(words: list[str], root: Path) -> str | None:
 
 
 def check(commands: list[Command], root: Path = ROOT) -> list[str]:
-    """One line for each command whose program does not exist."""
+    """One line for each command whose program does not exist or that is short but cannot be."""
     failures = []
     for command in commands:
+        if command.kind == "short" and NOT_SHORT.search(command.text):
+            failures.append(
+                f"{command.where()}: reads ../shared or starts a sweep (minutes), so it is not "
+                f"short: mark its block <!-- commands: long -->: {command.text}"
+            )
         for words in programs(PLACEHOLDER.sub("X", command.text)):
             reason = problem(words, root)
             if reason:

@@ -67,7 +67,8 @@ def test_a_gone_program_or_an_unknown_mark_is_named(tmp_path: Path) -> None:
     text = (
         "```bash\npython scripts/gone.py\npython -m car_fl.nope\ncar-fl fly\n"
         "no-such-program-here --x && python scripts/here.py\n"
-        "car-fl retrieve --checkpoint runs/<date>/best hi\n```\n"
+        "car-fl retrieve --checkpoint runs/<date>/best hi\n"
+        "python -m car_fl.sweep -m model=minilm\ncar-fl train dataset.path=../shared/d.tsv\n```\n"
     )
     found = docs.commands_of(page(tmp_path, text), tmp_path)
     assert docs.check(found, tmp_path) == [
@@ -76,6 +77,10 @@ def test_a_gone_program_or_an_unknown_mark_is_named(tmp_path: Path) -> None:
         "docs/p.md:4: car-fl has no subcommand 'fly': car-fl fly",
         "docs/p.md:5: no program 'no-such-program-here' on PATH: "
         "no-such-program-here --x && python scripts/here.py",
+        "docs/p.md:7: reads ../shared or starts a sweep (minutes), so it is not short: mark its "
+        "block <!-- commands: long -->: python -m car_fl.sweep -m model=minilm",
+        "docs/p.md:8: reads ../shared or starts a sweep (minutes), so it is not short: mark its "
+        "block <!-- commands: long -->: car-fl train dataset.path=../shared/d.tsv",
     ]
     with pytest.raises(ValueError, match=r"docs/p.md:\d+: unknown mark 'slowish'"):
         docs.commands_of(page(tmp_path, "<!-- commands: slowish -->\n```bash\nls\n```\n"), tmp_path)

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from car_fl.data.splits import DataSplits
 from car_fl.method.feature_cache import FeatureCache
 from car_fl.method.features import LocalData, prepare_data
 from car_fl.method.model import CaRRetriever
@@ -27,6 +26,9 @@ from car_fl.method.train import evaluate, make_optimizer, one_epoch
 from car_fl.privacy.mechanism import ADAPTER_WEIGHT
 from car_fl.results.selection import is_better, out_of_patience
 from car_fl.settings.schema import Mode, Settings
+
+if TYPE_CHECKING:  # datasets: not on a client whose round reads cached features
+    from car_fl.data.splits import DataSplits
 
 log = logging.getLogger(__name__)
 
