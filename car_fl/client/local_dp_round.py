@@ -151,9 +151,12 @@ class LocalDPRound:
         return f"train loss {result.loss:.4f} acc {result.accuracy:.4f}"
 
     def reply_metrics(self) -> dict[str, int | float]:
-        """The process's facts and the privacy figures: nothing data-dependent."""
+        """The process's facts and the privacy figures: nothing data-dependent. Under DP no
+        ``encoder-loads``: it is 0 when every text of the shard was in the node's feature cache,
+        which tells a server that runs twice whether the node's records changed between runs."""
+        loads = {} if self.private else {"encoder-loads": encoder_module.LOAD_COUNT}
         return {
-            "encoder-loads": encoder_module.LOAD_COUNT,
+            **loads,
             "torch-threads": torch.get_num_threads(),
             "dp-active": int(self.private),
             **self.privacy.metrics(),
