@@ -1,5 +1,5 @@
-"""Builders shared by tests: Flower messages outside a run, a client's DP mechanism, a script
-of scripts/ loaded as a module."""
+"""Builders shared by tests: Flower messages outside a run, a client's DP mechanism, a server's
+first global state, a script of scripts/ loaded as a module."""
 
 from __future__ import annotations
 
@@ -15,9 +15,21 @@ import torch
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
+from car_fl.client import shard as client_module
 from car_fl.client.local_dp import ClientPrivacy
+from car_fl.method.build import build_retriever
 from car_fl.protocol.messages import encode
-from car_fl.settings.schema import DPConfig
+from car_fl.settings.schema import DPConfig, Mode, Settings
+
+
+def first_global_state(settings: Settings, labels: int) -> dict[str, torch.Tensor]:
+    """What a server sends in round 1: a fresh head over ``labels`` and, when the adapter
+    trains, the identity adapter (sized by the node's cached encoder; the tiny models' 64
+    otherwise)."""
+    if settings.train.mode is Mode.CLASSIFIER:
+        return build_retriever(settings, labels, hidden_size=64).trainable_state_dict()
+    encoder = client_module.cached_encoder(settings)
+    return build_retriever(settings, labels, encoder=encoder).trainable_state_dict()
 
 
 def set_task_identity() -> None:

@@ -6,12 +6,12 @@ import pytest
 import torch
 from flwr.app import RecordDict
 
-from car_fl.client import shard as client_module
 from car_fl.client.node import Node
 from car_fl.method import encoder as encoder_module
 from car_fl.method.build import build_retriever
 from car_fl.method.feature_cache import FeatureCache
 from car_fl.settings.flower import NodeInfo
+from tests.helpers import first_global_state
 
 STATE = {"head.classifier.weight": torch.randn(3, 8), "head.classifier.bias": torch.randn(3)}
 
@@ -57,11 +57,7 @@ def test_a_label_map_the_node_shares_nothing_with_gets_the_same_kind_of_reply(
     node = NodeInfo(partition_id=0, num_partitions=2)
     replies = {}
     for name, labels in {"some": ["topic0", "zz"], "none": ["yy", "zz"]}.items():
-        initial = build_retriever(settings, 2, hidden_size=64).trainable_state_dict()
-        if settings.train.mode.value != "classifier":
-            initial = build_retriever(
-                settings, 2, encoder=client_module.cached_encoder(settings)
-            ).trainable_state_dict()
+        initial = first_global_state(settings, 2)
         state, metrics = Node(config={}).train(settings, node, initial, 1, RecordDict(), labels)
         assert set(state) == set(initial)
         assert all(bool(torch.isfinite(v).all()) for v in state.values())

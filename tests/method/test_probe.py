@@ -9,14 +9,13 @@ import pytest
 import torch
 from flwr.app import RecordDict
 
-from car_fl.client import shard as client_module
 from car_fl.client.node import Node
-from car_fl.method.build import build_retriever
 from car_fl.method.centralized import run_centralized
 from car_fl.method.probe import keep_adapter, probe_round, round_settings
 from car_fl.privacy.mechanism import ADAPTER_WEIGHT
 from car_fl.settings.flower import NodeInfo
 from car_fl.settings.schema import Mode
+from tests.helpers import first_global_state
 
 
 @pytest.mark.slow
@@ -63,12 +62,6 @@ def test_probing_starts_the_adapter_from_the_head_car_selects_on_the_same_featur
 # ------------------------------------------------------------------ federated: fl.probe_rounds
 
 
-def adapter_state(settings) -> dict[str, torch.Tensor]:
-    """The server's global state of adapter + CaR: the identity adapter and a fresh head."""
-    encoder = client_module.cached_encoder(settings)
-    return build_retriever(settings, 4, encoder=encoder).trainable_state_dict()
-
-
 @pytest.mark.parametrize(
     "dp",
     [
@@ -91,7 +84,7 @@ def test_a_probe_round_trains_the_head_alone_and_sends_the_adapter_back_as_it_ca
         "mode=adapter", "fl.rounds=3", "fl.probe_rounds=1", "fl.local_epochs=1", *dp.split()
     )
     place = NodeInfo(partition_id=0, num_partitions=2)
-    initial = adapter_state(settings)
+    initial = first_global_state(settings, 4)
     node = Node(config={})
     probed, _ = node.train(settings, place, initial, 1, RecordDict())
     assert set(probed) == set(initial)
