@@ -33,6 +33,7 @@ from car_fl.results.report import JOB_JSON, write_report
 from car_fl.settings.compose import conf_dir, register_configs, settings_to_yaml, to_settings
 from car_fl.settings.schema import (
     DPMode,
+    HeadKind,
     Settings,
     centralised_only,
     federated_part,
@@ -53,12 +54,22 @@ def job_settings(cfg: DictConfig) -> tuple[Settings, int]:
         raise ValueError(f"clients must be >= 1, got {clients}")
     keep = [str(k) for k in cfg if str(k) not in (*SWEEP_KEYS, "hydra")]
     conf = OmegaConf.masked_copy(cfg, keep)
+    if int(cfg.fl.probe_rounds) and HeadKind(str(cfg.head.kind)) is not HeadKind.CLASSIFIER:
+        # a sweep over approaches shares fl.probe_rounds; MIPS has no head to probe, so its
+        # jobs, federated or centralised, train the adapter from the start instead of failing
+        log.info(
+            "fl.probe_rounds=%s: head.kind=%s has no head to probe; this job trains the "
+            "adapter from the start",
+            cfg.fl.probe_rounds,
+            cfg.head.kind,
+        )
+        OmegaConf.update(conf, "fl.probe_rounds", 0)
     if clients == 1:
         epochs = cfg.sweep.centralized_epochs
         if epochs is None:
             epochs = int(cfg.fl.rounds) * int(cfg.fl.local_epochs)
         OmegaConf.update(conf, "train.epochs", int(epochs))
-        probe = int(cfg.fl.probe_rounds) * int(cfg.fl.local_epochs)
+        probe = int(conf.fl.probe_rounds) * int(cfg.fl.local_epochs)
         if probe and not int(cfg.train.probe_epochs):  # the federated probe's passes, here
             OmegaConf.update(conf, "train.probe_epochs", probe)
     else:

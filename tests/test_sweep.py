@@ -189,3 +189,18 @@ def test_a_sweeps_probe_rounds_probe_its_centralised_jobs_for_as_many_passes() -
     assert own.train.probe_epochs == 4  # set by hand: kept
     fed, _ = job_settings(_experiment("sms_scenarios", "clients=2", *common))
     assert fed.fl.probe_rounds == 3 and fed.train.probe_epochs == 0
+
+
+def test_a_sweeps_probe_rounds_leave_its_mips_jobs_to_train_the_adapter_from_round_1() -> None:
+    """A sweep over approaches shares fl.probe_rounds: adapter + MIPS has no head to probe, so
+    its jobs run without probe rounds instead of failing on the setting."""
+    common = ("approach=adapter_mips", "fl.rounds=6", "fl.probe_rounds=3")
+    fed, clients = job_settings(_experiment("sms_scenarios", "clients=2", *common))
+    assert clients == 2 and fed.fl.probe_rounds == 0 and not skip_reason(fed, clients)
+    central, _ = job_settings(_experiment("sms_scenarios", "clients=1", *common))
+    assert central.train.epochs == 6 * 2 and central.train.probe_epochs == 0
+    assert central.fl.probe_rounds == 0 and not skip_reason(central, 1)
+    car, _ = job_settings(
+        _experiment("sms_scenarios", "clients=2", *common[1:], "approach=adapter_car")
+    )
+    assert car.fl.probe_rounds == 3
