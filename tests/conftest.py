@@ -6,6 +6,7 @@ import logging
 import os
 import random
 import shutil
+import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,6 +51,21 @@ def _seed_everything() -> None:
     random.seed(0)
     np.random.seed(0)
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored() -> Iterator[None]:
+    """Each test leaves the process's signal handlers as it found them. Code run in-process
+    replaces them (Ray's init installs a SIGTERM handler in the driver; Flower's entry points
+    install exit handlers for SIGINT, SIGTERM and SIGQUIT), and a handler left behind turns a
+    later Ctrl-C or SIGTERM to pytest into a SystemExit inside some other test, so the
+    suite goes on instead of stopping."""
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT)
+    saved = {sig: signal.getsignal(sig) for sig in signals}
+    yield
+    for sig, handler in saved.items():
+        if signal.getsignal(sig) is not handler and handler is not None:
+            signal.signal(sig, handler)
 
 
 @pytest.fixture(autouse=True)
