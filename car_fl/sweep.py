@@ -37,6 +37,7 @@ from car_fl.settings.schema import (
     Settings,
     centralised_only,
     federated_part,
+    has_head_to_probe,
     trains_nothing,
 )
 
@@ -54,7 +55,7 @@ def job_settings(cfg: DictConfig) -> tuple[Settings, int]:
         raise ValueError(f"clients must be >= 1, got {clients}")
     keep = [str(k) for k in cfg if str(k) not in (*SWEEP_KEYS, "hydra")]
     conf = OmegaConf.masked_copy(cfg, keep)
-    if int(cfg.fl.probe_rounds) and HeadKind(str(cfg.head.kind)) is not HeadKind.CLASSIFIER:
+    if int(cfg.fl.probe_rounds) and not has_head_to_probe(HeadKind(str(cfg.head.kind))):
         # a sweep over approaches shares fl.probe_rounds; MIPS has no head to probe, so its
         # jobs, federated or centralised, train the adapter from the start instead of failing
         log.info(

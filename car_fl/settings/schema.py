@@ -147,7 +147,7 @@ class Settings:
                     f"(σ_b = {where}), got z = {z:g}; lower dp.noise_multiplier or raise "
                     f"dp.count_noise above {z / 2:g}"
                 )
-        if self.fl.probe_rounds and self.head.kind is not HeadKind.CLASSIFIER:
+        if self.fl.probe_rounds and not has_head_to_probe(self.head.kind):
             raise ValueError(
                 f"fl.probe_rounds trains a classifier head alone before the adapter (approach="
                 f"adapter_car); head.kind={self.head.kind} has none to probe: set "
@@ -242,6 +242,12 @@ def trains_nothing(settings: Settings) -> bool:
     return kind is HeadKind.KNN or (
         kind is HeadKind.MIPS and settings.train.mode is Mode.CLASSIFIER
     )
+
+
+def has_head_to_probe(kind: HeadKind) -> bool:
+    """Whether linear probing (``fl.probe_rounds``) has a head to train alone before the
+    adapter: a classifier; MIPS scores with the encoder's own states."""
+    return kind is HeadKind.CLASSIFIER
 
 
 #: The train settings only a centralised run's epoch loop reads (the linear probe), with the
