@@ -1,11 +1,11 @@
 """The feature cache: pooled hidden states kept in memory and on disk, per text, per space.
 
-A *space* is the encoder's identity and files, dtype, device type, pooling and max length
-(:func:`space_key`): two texts' features are interchangeable only within one. Within it each
-text is keyed by its content hash (:func:`text_digest`), so any list of texts is answered from
-whatever runs encoded them before, and only the texts never seen are encoded
-(:class:`FeatureCache`). Keys are computed without loading the encoder. Chunks are
-safetensors files written atomically. Written here because no library caches pooled states
+A *space* is the encoder's identity and files, dtype, device type, attention kernels, pooling
+and max length (:func:`space_key`): two texts' features are interchangeable only within one.
+Within it each text is keyed by its content hash (:func:`text_digest`), so any list of texts
+is answered from whatever runs encoded them before, and only the texts never seen are encoded
+(:class:`FeatureCache`). Keys are computed without loading the encoder. Chunks are safetensors
+files written atomically. Written here because no library caches pooled states
 per text across runs and processes.
 """
 
@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save
 
 from car_fl.common.io import atomic_write
-from car_fl.method.encoder import pick_device, pick_dtype
+from car_fl.method.encoder import attention_choice, pick_device, pick_dtype
 from car_fl.settings.schema import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -54,17 +54,20 @@ def _model_fingerprint(cfg: ModelConfig) -> dict[str, object]:
 
 
 def space_key(cfg: ModelConfig, *, device: str) -> str:
-    """The features' *space*: model identity and files, dtype, device type, pooling and max
-    length. Two texts' features are interchangeable only within one space."""
+    """The features' *space*: model identity and files, dtype, device type, attention kernels,
+    pooling and max length. Two texts' features are interchangeable only within one space."""
     target = pick_device(device)
+    dtype = pick_dtype(cfg.dtype, target)
+    attention = attention_choice(dtype, target)
     header = {
         "format": CACHE_FORMAT,
         "model": _model_fingerprint(cfg),
-        "dtype": str(pick_dtype(cfg.dtype, target)),
+        "dtype": str(dtype),
         "device_type": target.type,
         "pooling": cfg.pooling,
         "max_length": cfg.max_length,
         # new keys only when set, so that the features cached before them stay found
+        **({"attention": attention} if attention != "sdpa" else {}),
         **({"layer": cfg.layer} if cfg.layer != -1 else {}),
         **({"prompt": cfg.prompt} if cfg.prompt is not None else {}),
         **({"normalize": cfg.normalize} if cfg.normalize != "none" else {}),

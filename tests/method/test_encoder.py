@@ -9,6 +9,7 @@ import torch
 
 from car_fl.method.encoder import (
     EncoderLoadError,
+    attention_choice,
     dtype_choice,
     load_encoder,
     pick_device,
@@ -177,6 +178,31 @@ def test_auto_on_a_native_bf16_cpu_keeps_every_trained_tensor_float32(
         assert param.grad is not None and param.grad.dtype is torch.float32, name
         assert all(v.dtype is torch.float32 for v in optimizer.state[param].values() if v.dim())
     assert not torch.equal(trained["adapter.weight"], torch.eye(encoder.hidden_size))
+
+
+def test_bf16_on_a_cpu_loads_eager_attention_and_every_other_choice_sdpa(
+    tiny_llama: Path, native_bf16_cpu: None
+) -> None:
+    cpu = torch.device("cpu")
+    assert attention_choice(torch.bfloat16, cpu) == "eager"  # CPU SDPA's bf16 backward is slow
+    for dtype, device in (
+        (torch.float32, cpu),
+        (torch.bfloat16, torch.device("cuda")),
+        (torch.float16, torch.device("mps")),
+    ):
+        assert attention_choice(dtype, device) == "sdpa", (dtype, device)
+    bf16 = load_encoder(cfg(tiny_llama, dtype="auto"), device="cpu")
+    f32 = load_encoder(cfg(tiny_llama, dtype="float32"), device="cpu")
+    assert bf16.model.config._attn_implementation == "eager"
+    assert f32.model.config._attn_implementation == "sdpa"
+    texts = ["w1 w2 w3 w4", "k1"]
+    # the same attention either way: the bf16 features agree with float32's to bf16's precision
+    a, b = (
+        e.pool(e.transform(e.embed(ids), mask), mask)
+        for e in (bf16, f32)
+        for ids, mask in [e.pad(e.tokenize(texts).input_ids)]
+    )
+    assert torch.nn.functional.cosine_similarity(a, b).min() > 0.99
 
 
 def test_device_and_dtype_selection() -> None:
