@@ -191,10 +191,15 @@ def load_generator(
     (``auto``: as :func:`~car_fl.method.encoder.pick_dtype` chooses for the device)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from car_fl.method.encoder import pick_device, pick_dtype
+    from car_fl.method.encoder import attention_choice, pick_device, pick_dtype
     from car_fl.method.gguf import GgufError, resolve
 
     target = pick_device(device)
+    torch_dtype = pick_dtype(dtype, target)
+    # the encoder's kernels, so that a retriever sharing these weights (``--same-model``)
+    # computes what the same retriever loaded on its own does; else transformers' default
+    kernels = attention_choice(torch_dtype, target)
+    attention = {"attn_implementation": kernels} if kernels != "sdpa" else {}
     try:
         folder = resolve(name_or_path)
     except GgufError as err:
@@ -202,7 +207,7 @@ def load_generator(
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
-            folder, trust_remote_code=trust_remote_code, dtype=pick_dtype(dtype, target)
+            folder, trust_remote_code=trust_remote_code, dtype=torch_dtype, **attention
         )
     except Exception as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

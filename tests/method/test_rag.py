@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from car_fl.method.head import Hit
 from car_fl.method.rag import (
@@ -83,3 +84,17 @@ def test_the_generator_refuses_zero_new_tokens(tiny_generator: Path) -> None:
     assert isinstance(generator, Generator)
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
         generator.answer("w1", HITS, max_new_tokens=0)
+
+
+def test_the_generator_loads_the_encoders_attention_kernels(
+    tiny_generator: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # --same-model retrieves with the generator's weights: they must compute what the encoder
+    # loaded on its own computes, so both take attention_choice's kernels (eager for bf16 on a
+    # CPU, whatever this CPU is)
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx512_bf16": True})
+    bf16 = load_generator(str(tiny_generator), device="cpu")
+    assert bf16.model.dtype is torch.bfloat16
+    assert bf16.model.config._attn_implementation == "eager"
+    f32 = load_generator(str(tiny_generator), device="cpu", dtype="float32")
+    assert f32.model.config._attn_implementation == "sdpa"
