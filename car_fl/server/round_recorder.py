@@ -14,10 +14,12 @@ With ``test`` the rows' test metrics wait for the end (NaN until then): :meth:`f
 the test split for the state selected on validation and for the final state, and writes them
 into those rows and their checkpoints.
 With ``patience`` (``train.patience``) the run ends once that many rounds that trained (skipped
-rounds do not count) have not improved on the round validation selects (:class:`PatienceSpent`);
-with ``background`` a round's validation is known only while the next one trains, so the run
-ends one round later (and that round may become the best). A resumed run that had stalled
-before it was interrupted ends at once.
+rounds do not count) have not improved on the round validation selects (:class:`PatienceSpent`).
+With ``background`` too it ends after that round: when a round's validation alone decides
+whether the patience is spent, the server waits for that evaluation before it starts the next
+round (rather than train a round the run would then drop); every other round's evaluation
+overlaps the next round's training. A resumed run that had stalled before it was interrupted
+ends at once.
 
 """
 
@@ -116,6 +118,9 @@ class RoundRecorder:
         # the evaluation and the round's files (log line, metrics, plot, checkpoints) both
         # in the thread; the next call waits for them before it touches the recorder again
         self.schedule.run(job, lambda: self.complete(job, self.evaluate(arrays)))
+        if stalled is None and self.decides_patience(job):
+            self.schedule.flush()  # its validation alone decides whether the run goes on
+            stalled = self.stalled()
         self.stop_if_stalled(job, stalled)  # this round trained: it is evaluated all the same
         return None  # Flower's result holds no server metrics: car-fl's files do
 
@@ -125,16 +130,39 @@ class RoundRecorder:
         None before. Without a validation split every round is "best": it never stalls. Probe
         rounds (``fl.probe_rounds``) do not count: the adapter gets its ``patience`` rounds to
         beat the probed head."""
+        best, trained = self.recorder.best, self.trained_since_best()
+        if best is None or trained is None:
+            return None
+        return best.round if out_of_patience(trained, 0, self.patience) else None
+
+    def trained_since_best(self) -> int | None:
+        """The rounds recorded after the best that count for the patience: they trained
+        (aggregated) and were not probe rounds. None before any best."""
         best = self.recorder.best
         if best is None:
             return None
         settings = self.recorder.settings
-        trained = sum(
+        return sum(
             1
             for row in self.recorder.history
             if row.round > best.round and not row.skipped and not probe_round(settings, row.round)
         )
-        return best.round if out_of_patience(trained, 0, self.patience) else None
+
+    def decides_patience(self, job: Evaluation) -> bool:
+        """Whether ``job``'s round, not yet evaluated, spends the patience unless it beats the
+        best round: it trained and counts, and the rounds recorded since the best are one
+        short of :attr:`patience`. Never the run's last round (nothing to stop)."""
+        trained = self.trained_since_best()
+        settings = self.recorder.settings
+        if (
+            trained is None
+            or job.stats is None
+            or not job.stats.aggregated
+            or probe_round(settings, job.round)
+            or job.round >= settings.fl.rounds
+        ):
+            return False
+        return out_of_patience(trained + 1, 0, self.patience)
 
     def stop_if_stalled(self, job: Evaluation, best: int | None) -> None:
         """End the run after ``job``'s round (:class:`PatienceSpent`) when it has stalled since

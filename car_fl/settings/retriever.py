@@ -224,8 +224,9 @@ class EvalConfig:
     #: Federated runs: evaluate round r's global state in a thread of the ServerApp while
     #: round r + 1 trains, instead of between the rounds while the clients wait. null: yes in
     #: adapter mode, no in classifier mode. The results are the same; only when they are
-    #: written changes (round r's row once its evaluation is done), and ``train.patience``
-    #: learns of a stall one round later (that round trains too).
+    #: written changes (round r's row once its evaluation is done); a round whose validation
+    #: alone decides whether ``train.patience`` is spent is waited for, so patience ends the
+    #: run after the same round either way.
     background: bool | None = None
 
     def __post_init__(self) -> None:

@@ -42,13 +42,15 @@ def rounds_of(out: Path) -> list[int]:
     return [row["round"] for row in json.loads((out / "metrics.json").read_text())["history"]]
 
 
-@pytest.mark.parametrize(("background", "last"), [("false", 2), ("true", 3)])
+@pytest.mark.parametrize("background", ["false", "true"])
 def test_patience_ends_a_federated_run_once_validation_stops_improving(
-    make_settings, tmp_path: Path, background: str, last: int
+    make_settings, tmp_path: Path, background: str
 ) -> None:
-    """Evaluated at once, patience 2 ends the run after round 2; evaluated in the background
-    (round r's validation is known while r + 1 trains) one round later. The final checkpoint
-    is the last round trained, the best the round validation selected."""
+    """Patience 2 ends the run after round 2, evaluated at once or in the background (where
+    round r's validation is known while r + 1 trains, except a round whose validation alone
+    decides the stop: the server waits for it rather than train a round it would drop). The
+    final checkpoint is the last round trained, the best the round validation selected."""
+    last = 2
     out = tmp_path / "run"
     settings = make_settings(
         *ROUNDS, "train.patience=2", f"eval.background={background}", f"output_dir={out}"
@@ -166,6 +168,54 @@ def test_patience_counts_the_rounds_that_trained_since_the_best_one(
     last(0, global_model())
     record_round(last, 6)
     assert last.stopped_early is None
+
+
+@pytest.mark.parametrize(("round_3", "stops"), [(0.45, True), (0.6, False)])
+def test_in_the_background_only_the_round_that_decides_the_patience_is_waited_for(
+    make_settings, tmp_path: Path, round_3: float, stops: bool
+) -> None:
+    """Background evaluation, patience 2, the best in round 1, round 2 no better: rounds 1
+    and 2 return while their evaluations wait (the next round trains meanwhile); round 3's
+    validation alone decides whether the patience is spent, so its call waits for it and
+    ends the run after round 3 when it is no better, or goes on when it is (not one round
+    later, after a round the run would drop)."""
+    import threading
+
+    settings = make_settings("fl.rounds=10")
+    val = {0: 0.2, 1: 0.5, 2: 0.4, 3: round_3}
+    gates = {r: threading.Event() for r in val}  # round r's evaluation waits for gates[r]
+    step = iter(sorted(val))
+
+    def evaluate(arrays) -> dict[str, float]:
+        r = next(step)
+        assert gates[r].wait(10), f"round {r}'s evaluation was never released"
+        return scores(val[r], 1.0, 0.5)
+
+    rounds = RoundRecorder(
+        recorder(settings, tmp_path, unit="round", per_round=True),
+        evaluate=evaluate,
+        describe=federated_summary,
+        background=True,
+        patience=2,
+    )
+    rounds(0, global_model())  # returns while round 0's evaluation waits
+    gates[0].set()
+    for number in (1, 2):
+        record_round(rounds, number)  # returns while round `number`'s evaluation waits
+        assert [row.round for row in rounds.recorder.history] == list(range(1, number))
+        gates[number].set()
+    gates[3].set()  # round 3 decides: its call waits for the evaluation
+    if stops:
+        with pytest.raises(PatienceSpent) as stop:
+            record_round(rounds, 3)
+        assert stop.value.round == 3 and rounds.stopped_early == 3
+    else:
+        record_round(rounds, 3)
+        assert rounds.stopped_early is None
+    assert [row.round for row in rounds.recorder.history] == [1, 2, 3]
+    assert rounds.recorder.best is not None
+    assert rounds.recorder.best.round == (1 if stops else 3)
+    rounds.finish()
 
 
 def test_probe_rounds_do_not_spend_the_patience(make_settings, tmp_path: Path) -> None:
