@@ -20,12 +20,14 @@ from car_fl.privacy.ghost import ghost_clipped_sum, supports_ghost
 from car_fl.privacy.mechanism import ADAPTER_WEIGHT, clip_per_example, record_part_bounds
 
 
-def adapter_model(make_settings, *overrides: str):
-    """A float64 adapter+classifier retriever on the tiny Llama, its adapter moved off the
-    identity (so the test covers a trained adapter), and 7 examples of different lengths."""
-    s = make_settings("mode=adapter", *overrides)
+def adapter_model(make_settings, *overrides: str, dtype: torch.dtype = torch.float64):
+    """An adapter+classifier retriever on the tiny Llama (float64 unless ``dtype``), its
+    adapter moved off the identity (so the test covers a trained adapter), and 7 examples of
+    different lengths. Loaded in float32 whatever the CPU (``auto`` would load bf16 with eager
+    attention on a native-bf16 CPU, whose masks transformers does not build for float64)."""
+    s = make_settings("mode=adapter", "model.dtype=float32", *overrides)
     splits = load_splits(s.dataset, seed=s.seed)
-    model = build_retriever(s, len(splits.label_map)).double()
+    model = build_retriever(s, len(splits.label_map)).to(dtype)
     with torch.no_grad():
         g = torch.Generator().manual_seed(0)
         shift = torch.randn(model.adapter.weight.shape, generator=g, dtype=torch.float64)
@@ -59,6 +61,30 @@ def test_batched_ghost_clipping_equals_the_per_example_loop(make_settings, side,
     for name in summed:
         torch.testing.assert_close(ghost[name], summed[name], rtol=1e-7, atol=1e-9)
     torch.testing.assert_close(ghost_losses, losses, rtol=1e-7, atol=1e-9)
+    assert torch.equal(ghost_predicted, predicted)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_with_eager_attention_the_batched_path_still_equals_the_loop(
+    make_settings, monkeypatch: pytest.MonkeyPatch, side: str
+) -> None:
+    """The kernels a native-bf16 CPU runs (``attention_choice``: eager): a padded batch's
+    examples still do not mix (pads get no weight, so each record's share is its own), in
+    float32, to float32's precision."""
+    monkeypatch.setattr("car_fl.method.encoder.attention_choice", lambda *_: "eager")
+    model, params, ids, labels = adapter_model(
+        make_settings, f"model.padding_side={side}", dtype=torch.float32
+    )
+    assert model.encoder.model.config._attn_implementation == "eager"
+    _, _, _, norms = loop_reference(model, params, ids, labels, math.inf)
+    clip = float(norms.median())
+    summed, losses, predicted, _ = loop_reference(model, params, ids, labels, clip)
+    ghost, ghost_losses, ghost_predicted = ghost_clipped_sum(
+        model, params, labels, ids, clip=clip, chunk=3
+    )
+    for name in summed:
+        torch.testing.assert_close(ghost[name], summed[name], rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(ghost_losses, losses, rtol=1e-4, atol=1e-6)
     assert torch.equal(ghost_predicted, predicted)
 
 
