@@ -89,7 +89,9 @@ def attention_choice(dtype: torch.dtype, device: torch.device) -> str:
     PyTorch's CPU SDPA backward is slower in bf16 than eager attention's matmuls at a query's
     lengths: measured side by side (docs/performance.md), a bf16 adapter step ran 1.87x float32
     with eager attention against 1.55x with SDPA (SmolLM2), 1.89x against 1.68x (Gemma 3), with
-    forwards within 5 %. Both compute exact attention; only the kernels differ.
+    forwards within 5 %. Both compute exact attention; only the kernels differ. (A model
+    loaded with eager kernels and cast to float64 afterwards gives NaN under left padding:
+    transformers' eager masks; tests that need float64 load in float32 first.)
     """
     return "eager" if device.type == "cpu" and dtype == torch.bfloat16 else "sdpa"
 
