@@ -163,3 +163,15 @@ def test_every_setting_that_changes_a_feature_changes_its_space() -> None:
     for field, value in changes.items():
         keys.add(space_key(dataclasses.replace(base, **{field: value}), device="cpu"))
     assert len(keys) == 1 + len(changes)
+
+
+def test_the_attention_kernels_are_part_of_the_space(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 on a CPU loads eager attention; features cached with SDPA (before that choice, or
+    with another kernel) are not mixed with them."""
+    from car_fl.method import feature_cache
+    from car_fl.settings.schema import ModelConfig
+
+    cfg = ModelConfig(name="local", name_or_path="/nowhere", dtype="bfloat16")
+    eager = feature_cache.space_key(cfg, device="cpu")
+    monkeypatch.setattr(feature_cache, "attention_choice", lambda *_: "sdpa")
+    assert feature_cache.space_key(cfg, device="cpu") != eager
