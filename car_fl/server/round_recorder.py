@@ -141,25 +141,23 @@ class RoundRecorder:
         best = self.recorder.best
         if best is None:
             return None
-        settings = self.recorder.settings
-        return sum(
-            1
-            for row in self.recorder.history
-            if row.round > best.round and not row.skipped and not probe_round(settings, row.round)
-        )
+        later = (row for row in self.recorder.history if row.round > best.round)
+        return sum(1 for row in later if self.counts(row.round, not row.skipped))
+
+    def counts(self, round: int, trained: bool) -> bool:
+        """Whether a round spends the patience: it trained (aggregated) and was no probe round."""
+        return trained and not probe_round(self.recorder.settings, round)
 
     def decides_patience(self, job: Evaluation) -> bool:
         """Whether ``job``'s round, not yet evaluated, spends the patience unless it beats the
         best round: it trained and counts, and the rounds recorded since the best are one
         short of :attr:`patience`. Never the run's last round (nothing to stop)."""
         trained = self.trained_since_best()
-        settings = self.recorder.settings
         if (
             trained is None
             or job.stats is None
-            or not job.stats.aggregated
-            or probe_round(settings, job.round)
-            or job.round >= settings.fl.rounds
+            or not self.counts(job.round, job.stats.aggregated)
+            or job.round >= self.recorder.settings.fl.rounds
         ):
             return False
         return out_of_patience(trained + 1, 0, self.patience)
