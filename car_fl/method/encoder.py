@@ -96,6 +96,23 @@ def attention_choice(dtype: torch.dtype, device: torch.device) -> str:
     return "eager" if device.type == "cpu" and dtype == torch.bfloat16 else "sdpa"
 
 
+def load_pretrained(
+    auto_class: Any, name: str, *, dtype: torch.dtype, attention: str, **kwargs: Any
+) -> Any:
+    """``auto_class.from_pretrained`` with :func:`attention_choice`'s kernels: the one place the
+    encoder and the RAG generator load a frozen model, so that both run the same kernels (a
+    retriever sharing the generator's weights computes what it computes alone). A model
+    without SDPA support falls back to transformers' default; other errors propagate."""
+    try:
+        return auto_class.from_pretrained(
+            name, dtype=dtype, attn_implementation=attention, **kwargs
+        )
+    except (ValueError, ImportError) as err:
+        if attention != "sdpa" or "sdpa" not in str(err).lower():
+            raise
+        return auto_class.from_pretrained(name, dtype=dtype, **kwargs)
+
+
 def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
     """The frozen model's dtype (:func:`dtype_choice` without its reason)."""
     return dtype_choice(requested, device)[0]
@@ -353,18 +370,13 @@ def load_encoder(cfg: ModelConfig, *, device: str = "auto") -> Encoder:
     except Exception as err:
         raise _load_error(name, "tokenizer", err) from err
     try:
-        model = AutoModel.from_pretrained(
+        model = load_pretrained(
+            AutoModel,
             name,
-            revision=cfg.revision,
             dtype=dtype,
+            attention=attention,
+            revision=cfg.revision,
             trust_remote_code=cfg.trust_remote_code,
-            attn_implementation=attention,
-        )
-    except (ValueError, ImportError) as err:
-        if attention != "sdpa" or "sdpa" not in str(err).lower():
-            raise _load_error(name, "weights", err) from err
-        model = AutoModel.from_pretrained(
-            name, revision=cfg.revision, dtype=dtype, trust_remote_code=cfg.trust_remote_code
         )
     except Exception as err:
         raise _load_error(name, "weights", err) from err

@@ -191,23 +191,23 @@ def load_generator(
     (``auto``: as :func:`~car_fl.method.encoder.pick_dtype` chooses for the device)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from car_fl.method.encoder import attention_choice, pick_device, pick_dtype
+    from car_fl.method.encoder import attention_choice, load_pretrained, pick_device, pick_dtype
     from car_fl.method.gguf import GgufError, resolve
 
     target = pick_device(device)
     torch_dtype = pick_dtype(dtype, target)
-    # the encoder's kernels, so that a retriever sharing these weights (``--same-model``)
-    # computes what the same retriever loaded on its own does; else transformers' default
-    kernels = attention_choice(torch_dtype, target)
-    attention = {"attn_implementation": kernels} if kernels != "sdpa" else {}
     try:
         folder = resolve(name_or_path)
     except GgufError as err:
         raise GeneratorLoadError(str(err)) from err
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, trust_remote_code=trust_remote_code, dtype=torch_dtype, **attention
+        model = load_pretrained(
+            AutoModelForCausalLM,
+            folder,
+            dtype=torch_dtype,
+            attention=attention_choice(torch_dtype, target),
+            trust_remote_code=trust_remote_code,
         )
     except Exception as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -216,5 +216,5 @@ def load_generator(
             "id (online, or in the local Hugging Face cache) or a folder holding its "
             "config.json, weights and tokenizer files"
         ) from err
-    model = model.to(target).eval()  # type: ignore[arg-type]  # transformers' stubs
+    model = model.to(target).eval()
     return Generator(model, tokenizer)

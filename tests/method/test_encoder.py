@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from car_fl.method.encoder import (
     attention_choice,
     dtype_choice,
     load_encoder,
+    load_pretrained,
     pick_device,
     pick_dtype,
     pool,
@@ -203,6 +205,34 @@ def test_bf16_on_a_cpu_loads_eager_attention_and_every_other_choice_sdpa(
         for ids, mask in [e.pad(e.tokenize(texts).input_ids)]
     )
     assert torch.nn.functional.cosine_similarity(a, b).min() > 0.99
+
+
+class _NoSdpa:
+    """An auto class whose model has no SDPA kernels (transformers raises ValueError)."""
+
+    calls: ClassVar[list[dict[str, object]]] = []
+
+    @classmethod
+    def from_pretrained(cls, name: str, **kwargs: object) -> str:
+        cls.calls.append(kwargs)
+        if kwargs.get("attn_implementation") == "sdpa":
+            raise ValueError("this model does not support `attn_implementation='sdpa'` yet")
+        if kwargs.get("attn_implementation") == "eager":
+            raise ValueError("no weights found in " + name)
+        return f"{name} {kwargs.get('attn_implementation', 'default')}"
+
+
+def test_a_model_without_sdpa_falls_back_to_the_default_and_other_errors_propagate() -> None:
+    _NoSdpa.calls.clear()
+    got = load_pretrained(_NoSdpa, "m", dtype=torch.float32, attention="sdpa", revision="r")
+    assert got == "m default"
+    assert _NoSdpa.calls == [
+        {"dtype": torch.float32, "attn_implementation": "sdpa", "revision": "r"},
+        {"dtype": torch.float32, "revision": "r"},
+    ]
+    # eager was asked for on purpose (bf16 on a CPU): its failure is the model's, not the kernels'
+    with pytest.raises(ValueError, match="no weights found in m"):
+        load_pretrained(_NoSdpa, "m", dtype=torch.bfloat16, attention="eager")
 
 
 def test_device_and_dtype_selection() -> None:
