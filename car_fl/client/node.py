@@ -36,7 +36,10 @@ no failure that the records could cause is an answer a server can read (argued a
    function of the settings alone whenever the reply does not follow n (every run a policy
    with ``public-example-count`` admits), so this step reads no record. Only a per-step run
    without ``fl.max_examples_per_client``, which such a policy refuses, is charged after step
-   5 instead.
+   5 instead. Step 6's refusals that read no record (its target ε for a release whose size is
+   public, one mechanism and DP-SGD's fixed (σ, q, δ) for a run's life) come before the charge
+   (:func:`car_fl.client.round.refuse_before_the_ledger`): a round they refuse costs the
+   owner's lifetime budget nothing.
 5. **The shard**: the node reads its own data file with its own label map; examples whose label
    the server's map lacks are left out and still counted, so nothing depends on which labels
    the node holds (:func:`car_fl.client.shard.shard_data`). With a policy, *how* it reads (the
@@ -88,7 +91,7 @@ from flwr.app import RecordDict
 from car_fl.client.failures import Refusal, failure_of
 from car_fl.client.node_privacy import NodePrivacy
 from car_fl.client.node_settings import SettingsMemory, node_settings
-from car_fl.client.round import node_shard, train_shard
+from car_fl.client.round import node_shard, refuse_before_the_ledger, train_shard
 from car_fl.client.run_states import RunStates, RunStore
 from car_fl.client.shard import Shard
 from car_fl.method.probe import round_settings
@@ -219,6 +222,14 @@ class Node:
                 "generated_queries_path": self.config.get(GENERATED_QUERIES_PATH),
             }
             settings = guard.policy.data.apply(settings, source=guard.policy.source, paths=own)
+            refuse_before_the_ledger(  # 6.'s refusals that read no record: they cost nothing
+                settings,
+                place,
+                node_state,
+                server_round=server_round,
+                global_state=global_state,
+                max_clip=guard.policy.max_clip,
+            )
         # 4. the ledger, before any record (when the release does not follow n)
         spent = guard is not None and guard.spend_ahead(
             settings, run=run, server_round=server_round

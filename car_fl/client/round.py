@@ -147,6 +147,31 @@ def keep_one_mechanism(settings: Settings, node_state: RecordDict, *, who: str) 
     node_state[MECHANISM_KEY] = ConfigRecord({"mode": mode})
 
 
+def refuse_before_the_ledger(
+    settings: Settings,
+    node: NodeInfo,
+    node_state: RecordDict,
+    *,
+    server_round: int,
+    global_state: dict[str, torch.Tensor],
+    max_clip: float,
+) -> None:
+    """The run's own refusals that read no record, before the owner's ledger is charged: one
+    DP mechanism for the run's life, DP-SGD's fixed (σ, q, δ), and the run's target ε for a
+    release whose size does not follow n. A round they refuse then costs the owner's lifetime
+    budget nothing (they used to come after the charge). :func:`train_shard` checks them again
+    with the shard's n (``0`` here: nothing that follows n is decided before the read)."""
+    keep_one_mechanism(settings, node_state, who=f"client {node.partition_id}")
+    round_privacy(
+        settings,
+        node,
+        node_state,
+        server_round=server_round,
+        global_state=global_state,
+        max_clip=max_clip,
+    ).check(0)
+
+
 def train_shard(
     settings: Settings,
     node: NodeInfo,

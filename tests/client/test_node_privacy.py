@@ -380,3 +380,32 @@ def test_a_run_keeps_one_dp_mechanism_for_its_whole_life(make_settings) -> None:
     with pytest.raises(ValueError, match=r"earlier rounds used dp=fixed .* one DP mechanism"):
         one_round(record, NODE, initial(record), 2, state, LABELS)
     one_round(fixed, NODE, initial(fixed), 2, state, LABELS)  # the same mechanism goes on
+
+
+def test_a_round_the_run_itself_refuses_costs_the_owner_nothing(
+    tmp_path: Path, make_settings, synthetic_tsv: Path
+) -> None:
+    """A run's own refusals that read no record (its target ε, a second mechanism) used to
+    come after the ledger's charge: a server could spend a node's lifetime budget on rounds
+    that release nothing. They come first now, and the ledger lists only what was released."""
+    probe = probe_guard(tmp_path, synthetic_tsv)
+    round_of(make_settings(*AGREED), probe, 1)
+    one = probe.ledger.entries()[-1].epsilon  # a run's ε after one release (one accountant)
+    policy = tmp_path / "two-modes.toml"
+    policy.write_text(
+        POLICY.format(cap=1e6).replace('["fixed"]', '["fixed", "adaptive"]'), encoding="utf-8"
+    )
+    node_privacy = NodePrivacy.open(policy, synthetic_tsv)
+    node = Node(config={}, privacy=node_privacy)
+    target = make_settings(*AGREED, f"dp.target_epsilon={one * 1.01}")  # room for one release
+    state = RecordDict()
+    node.train(target, NODE, initial(target), 1, state, LABELS, run="1")
+    with pytest.raises(Refusal) as err:  # round 2 would pass the run's target
+        node.train(target, NODE, initial(target), 2, state, LABELS, run="1")
+    assert err.value.failure is Failure.RUN_TARGET_REACHED
+    adaptive = make_settings(*AGREED, "dp=adaptive", "dp.count_noise=20")
+    with pytest.raises(ValueError, match="one DP mechanism"):  # the same run, another mechanism
+        node.train(adaptive, NODE, initial(adaptive), 2, state, LABELS, run="1")
+    assert [(e.run, e.round) for e in node_privacy.ledger.entries()] == [("1", 1)]
+    node.train(adaptive, NODE, initial(adaptive), 1, RecordDict(), LABELS, run="2")  # a new run
+    assert [(e.run, e.round) for e in node_privacy.ledger.entries()] == [("1", 1), ("2", 1)]
