@@ -36,6 +36,19 @@ SHARED_SMS = (
 )
 
 
+def _terminate_as_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """SIGTERM to pytest (a CI timeout, ``kill PID``) ends the suite as Ctrl-C does: pytest
+    then tears the running test's fixtures down, so the SuperLinks, SuperNodes and workers a
+    deployment test started are stopped by PID instead of left running (the default handler
+    ended the process at once, with every child still up)."""
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     skip_mps = pytest.mark.skip(reason="needs Apple's MPS device")
