@@ -97,12 +97,14 @@ def attention_choice(dtype: torch.dtype, device: torch.device) -> str:
 
 
 def load_pretrained(
-    auto_class: Any, name: str, *, dtype: torch.dtype, attention: str, **kwargs: Any
+    auto_class: Any, name: str, *, dtype: torch.dtype, device: torch.device, **kwargs: Any
 ) -> Any:
-    """``auto_class.from_pretrained`` with :func:`attention_choice`'s kernels: the one place the
-    encoder and the RAG generator load a frozen model, so that both run the same kernels (a
-    retriever sharing the generator's weights computes what it computes alone). A model
-    without SDPA support falls back to transformers' default; other errors propagate."""
+    """``auto_class.from_pretrained`` in ``dtype`` with :func:`attention_choice`'s kernels for
+    ``dtype`` on ``device``: the one place the encoder and the RAG generator load a frozen
+    model, so that both run the same kernels (a retriever sharing the generator's weights
+    computes what it computes alone). A model without SDPA support falls back to
+    transformers' default; other errors propagate. Placing it on ``device`` is the caller's."""
+    attention = attention_choice(dtype, device)
     try:
         return auto_class.from_pretrained(
             name, dtype=dtype, attn_implementation=attention, **kwargs
@@ -362,7 +364,6 @@ def load_encoder(cfg: ModelConfig, *, device: str = "auto") -> Encoder:
         raise EncoderLoadError(str(err)) from err
     target = pick_device(device)
     dtype, why = dtype_choice(cfg.dtype, target)
-    attention = attention_choice(dtype, target)
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             name, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
@@ -374,7 +375,7 @@ def load_encoder(cfg: ModelConfig, *, device: str = "auto") -> Encoder:
             AutoModel,
             name,
             dtype=dtype,
-            attention=attention,
+            device=target,
             revision=cfg.revision,
             trust_remote_code=cfg.trust_remote_code,
         )

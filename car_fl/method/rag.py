@@ -191,7 +191,7 @@ def load_generator(
     (``auto``: as :func:`~car_fl.method.encoder.pick_dtype` chooses for the device)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from car_fl.method.encoder import attention_choice, load_pretrained, pick_device, pick_dtype
+    from car_fl.method.encoder import load_pretrained, pick_device, pick_dtype
     from car_fl.method.gguf import GgufError, resolve
 
     target = pick_device(device)
@@ -206,7 +206,7 @@ def load_generator(
             AutoModelForCausalLM,
             folder,
             dtype=torch_dtype,
-            attention=attention_choice(torch_dtype, target),
+            device=target,
             trust_remote_code=trust_remote_code,
         )
     except Exception as err:

@@ -224,7 +224,8 @@ class _NoSdpa:
 
 def test_a_model_without_sdpa_falls_back_to_the_default_and_other_errors_propagate() -> None:
     _NoSdpa.calls.clear()
-    got = load_pretrained(_NoSdpa, "m", dtype=torch.float32, attention="sdpa", revision="r")
+    cpu = torch.device("cpu")
+    got = load_pretrained(_NoSdpa, "m", dtype=torch.float32, device=cpu, revision="r")
     assert got == "m default"
     assert _NoSdpa.calls == [
         {"dtype": torch.float32, "attn_implementation": "sdpa", "revision": "r"},
@@ -232,7 +233,7 @@ def test_a_model_without_sdpa_falls_back_to_the_default_and_other_errors_propaga
     ]
     # eager was asked for on purpose (bf16 on a CPU): its failure is the model's, not the kernels'
     with pytest.raises(ValueError, match="no weights found in m"):
-        load_pretrained(_NoSdpa, "m", dtype=torch.bfloat16, attention="eager")
+        load_pretrained(_NoSdpa, "m", dtype=torch.bfloat16, device=cpu)
 
 
 def test_device_and_dtype_selection() -> None:
