@@ -8,12 +8,14 @@ steps that node's own :class:`~car_fl.privacy.accountant.Accountant` with it, th
 client's run and the node's ledger step too (PLD under replace-one). Warm-up
 rounds release before DP starts and, as on the client, are not in the figure.
 
-Only ``dp.granularity=step`` needs a node's n (one release per optimizer step). The server
-then uses its own bound (:data:`~car_fl.server.round_stats.EXAMPLES_BOUND`: the partition size
-it has on record, or ``fl.max_examples_per_client``), never the claim; the largest n it allows
-is the value least favourable to privacy, and a node trains and accounts for at most that
-many (:func:`~car_fl.settings.dp_plan.accounted_examples`). Without any bound the figure would
-rest on the claim: the server reports ε = ∞ and says why (:attr:`Verdict.basis`).
+Only ``dp.granularity=step`` needs a node's n (one release per optimizer step). The only
+bound the server can stand on is ``fl.max_examples_per_client``: a node trains and accounts for
+exactly that many (:func:`~car_fl.settings.dp_plan.accounted_examples`), whatever it holds.
+Without it a node takes ⌈n/B⌉ steps over the records *it* reads, which the server cannot
+bound: the partition size the server has on record is not one (a node started with
+``data-is-shard``, or whose owner's policy sets its ``[data]``, reads more; the server's
+figure used to understate such a node's ε), and the claim is not one either. The server then
+reports ε = ∞ and says why (:attr:`Verdict.basis`), and judges no ε claim.
 
 :class:`PrivacyCheck` keeps each node's releases (by Flower node id, never the claimed
 partition id) and gives a :class:`Verdict` per reply: the server's ε, which the report uses,
@@ -30,14 +32,8 @@ from dataclasses import dataclass, field
 
 from car_fl.privacy.accountant import Accountant
 from car_fl.results.rows import ClientDP, ClientRow, RunSummary, wire_key
-from car_fl.server.round_stats import EXAMPLES_BOUND, RoundStats
-from car_fl.settings.dp_plan import (
-    accounted_examples,
-    dp_active,
-    per_step,
-    record_plan,
-    round_release,
-)
+from car_fl.server.round_stats import RoundStats
+from car_fl.settings.dp_plan import dp_active, per_step, record_plan, round_release
 from car_fl.settings.schema import DPMode, Settings
 
 log = logging.getLogger(__name__)
@@ -155,8 +151,7 @@ class PrivacyCheck:
         for row in client_rows:
             if row.round > done or row.server_epsilon is None or row.num_examples is None:
                 continue  # not a release the server saw (or a file from before the check)
-            # clients.csv keeps no bound: a per-step run resumes with fl.max_examples_per_client
-            # as the bound, or ε = ∞ without it (never the node's claim)
+            # a per-step run resumes with fl.max_examples_per_client as the bound, or ε = ∞
             seen = {wire_key("num_examples"): float(row.num_examples)}
             verdict = self.receive(row.round, row.node, seen)
             place = row.partition_id if row.partition_id is not None else row.node
@@ -174,16 +169,17 @@ class PrivacyCheck:
         accountant = self.accountants.get(node)
         return accountant.get_epsilon(self.settings.dp.delta) if accountant is not None else 0.0
 
-    def receive(self, server_round: int, node: int, metrics: Mapping[str, float]) -> Verdict:
-        """Account for ``node``'s valid reply in ``server_round``, and judge its claim.
+    def __post_init__(self) -> None:
+        if self.examples()[0] is None:  # said once, before any round is lost to it
+            log.warning("%s", self.examples()[1])
 
-        ``metrics`` passed the strategy's reply checks; the strategy put its own bound on the
-        node's n beside them (:data:`EXAMPLES_BOUND`), where it has one.
-        """
+    def receive(self, server_round: int, node: int, metrics: Mapping[str, float]) -> Verdict:
+        """Account for ``node``'s valid reply in ``server_round``, and judge its claim
+        (``metrics`` passed the strategy's reply checks)."""
         active = dp_active(self.settings, server_round)
         basis = ""
         if active:
-            examples, basis = self.examples(metrics)
+            examples, basis = self.examples()
             if examples is None:
                 self.unbounded.add(node)
             release = round_release(
@@ -192,26 +188,27 @@ class PrivacyCheck:
             self.accountants.setdefault(node, Accountant()).add(release)
         server = math.inf if node in self.unbounded else self.epsilon(node)
         claimed = metrics.get(CLAIMED_EPSILON)
+        # without a figure of its own the server judges dp-active only, not the claimed ε
+        judged = claimed if node not in self.unbounded else server
         why = disagreement(
-            server, claimed, active=active, claimed_active=metrics.get(CLAIMED_ACTIVE)
+            server, judged, active=active, claimed_active=metrics.get(CLAIMED_ACTIVE)
         )
         return Verdict(node=node, epsilon=server, claimed=claimed, mismatch=why, basis=basis)
 
-    def examples(self, metrics: Mapping[str, float]) -> tuple[int | None, str]:
+    def examples(self) -> tuple[int | None, str]:
         """The n the server accounts a per-step reply for, and what it rests on; ``None``
-        (ε = ∞) when the server has no bound of its own. Other modes do not depend on n."""
+        (ε = ∞) without ``fl.max_examples_per_client``, the only bound the server has (see
+        the module). Other modes do not depend on n."""
         if not per_step(self.settings):
             return 1, ""
-        bound = metrics.get(EXAMPLES_BOUND)
         cap = self.settings.fl.max_examples_per_client
-        if bound is not None and math.isfinite(bound) and bound >= 1:
-            n = accounted_examples(self.settings, int(bound))
-            return n, f"n ≤ {n}, the server's bound (not the node's claim)"
         if cap is not None:
-            return cap, f"n ≤ fl.max_examples_per_client = {cap} (not the node's claim)"
+            return cap, f"n ≤ fl.max_examples_per_client = {cap}, the server's bound (no claim)"
         return None, (
-            "dp.granularity=step and the server has no bound on this node's n (set "
-            "fl.max_examples_per_client): ε = ∞, the figure would rest on the node's claim"
+            "dp.granularity=step without fl.max_examples_per_client: each node takes one "
+            "release per step over the records it reads, which the server cannot bound (its "
+            "partition sizes are not a bound: a node's owner may set its data), so the "
+            "server reports ε = ∞; set fl.max_examples_per_client for a figure"
         )
 
 

@@ -6,11 +6,6 @@ from dataclasses import dataclass, field
 
 from car_fl.protocol.messages import NUM_EXAMPLES
 
-#: The key under which the strategy puts, beside a reply's metrics, its own bound on that
-#: node's example count (the partition size on record, or ``fl.max_examples_per_client``);
-#: whatever a node sends under this key is dropped.
-EXAMPLES_BOUND = "server-examples-bound"
-
 
 @dataclass
 class RoundStats:

@@ -49,7 +49,7 @@ from car_fl.protocol.messages import (
 )
 from car_fl.server.expert_plan import ExpertPlan
 from car_fl.server.replies import Spec, as_float64, spec_of, validate_reply
-from car_fl.server.round_stats import EXAMPLES_BOUND, RoundStats
+from car_fl.server.round_stats import RoundStats
 from car_fl.server.sampled_grid import SampledGrid
 from car_fl.server.shard_claims import ShardClaims
 from car_fl.server.update_norm import NormBound, clip_update, update_norm
@@ -253,8 +253,7 @@ class GuardedStrategy(Strategy):
         """The decoded arrays and the weight of a valid reply; ``None`` (recorded) if not.
 
         The weight is the claimed count within the server's cap, or under DP the public
-        count; the released metrics carry the server's own bound on the node's n
-        (:data:`EXAMPLES_BOUND`, never a value the node sent) for the privacy check.
+        count.
         """
         metrics = next(iter(content.metric_records.values()), None)
         claimed = metrics.get("partition-id") if metrics is not None else None
@@ -276,9 +275,6 @@ class GuardedStrategy(Strategy):
             for k, v in metrics.items()
             if isinstance(v, int | float) and not math.isnan(v)
         }
-        stats.client_metrics[node].pop(EXAMPLES_BOUND, None)  # the server's key, not a node's
-        if cap is not None:
-            stats.client_metrics[node][EXAMPLES_BOUND] = float(cap)
         stats.released[node] = stats.client_metrics[node]
         if self.public_examples is not None and server_round >= self.private_from:
             return arrays, self.public_examples

@@ -227,7 +227,6 @@ def test_the_run_the_server_and_the_ledger_give_the_same_releases_the_same_epsil
     computes from the settings it sent, and the lifetime ε the node's ledger writes for the
     same releases (one run: every record in every release) are one number."""
     from car_fl.server.privacy_check import PrivacyCheck
-    from car_fl.server.round_stats import EXAMPLES_BOUND
 
     policy = tmp_path / "policy.toml"
     policy.write_text('modes = ["fixed", "record"]\nlifetime-epsilon = 100\n', encoding="utf-8")
@@ -239,7 +238,7 @@ def test_the_run_the_server_and_the_ledger_give_the_same_releases_the_same_epsil
         _, metrics = Node(config={}, privacy=node_privacy).train(
             settings, NODE, initial(settings), server_round, node_state, run="1"
         )
-        verdict = check.receive(server_round, 7, {**metrics, EXAMPLES_BOUND: 1000})
+        verdict = check.receive(server_round, 7, metrics)
         ledger = node_privacy.ledger.entries()[-1].epsilon
         assert 0 < metrics["dp-epsilon"] < math.inf and verdict.mismatch == ""
         assert metrics["dp-epsilon"] == verdict.epsilon == ledger

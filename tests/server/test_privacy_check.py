@@ -8,6 +8,7 @@ the report (metrics.json, clients.csv) shows the server's figure and flags the f
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -27,7 +28,6 @@ from car_fl.results.rows import CLIENTS_CSV, ClientRow, RunSummary
 from car_fl.server.aggregation import build_strategy
 from car_fl.server.privacy_check import PrivacyCheck, disagreement
 from car_fl.server.round_recorder import RoundRecorder
-from car_fl.server.round_stats import EXAMPLES_BOUND
 from car_fl.settings.compose import load_settings
 from car_fl.settings.dp_plan import record_plan, round_release
 from car_fl.settings.flower import NodeInfo
@@ -39,21 +39,24 @@ EXAMPLES = 50
 SPEC = {"w": ((3,), np.dtype("float32"))}
 
 
-def honest_claims(settings: Settings, rounds: int) -> list[dict[str, float]]:
-    """The reply metrics of an honest client over ``rounds`` rounds: the client's own code."""
+def honest_claims(
+    settings: Settings, rounds: int, examples: int = EXAMPLES
+) -> list[dict[str, float]]:
+    """The reply metrics of an honest client with ``examples`` records over ``rounds`` rounds:
+    the client's own code."""
     node, state = NodeInfo(partition_id=0, num_partitions=2), RecordDict()
     replies = []
     for server_round in range(1, rounds + 1):
         round_dp: LocalDPRound | RecordDPRound
         if settings.dp.mode.value == "record":
             round_dp = RecordDPRound(settings, node, state)
-            round_dp.check(EXAMPLES)
+            round_dp.check(examples)
         else:
             start = {"w": torch.zeros(3)}
             round_dp = LocalDPRound(
                 settings, node, state, server_round=server_round, global_state=start
             )
-            round_dp.check(EXAMPLES)
+            round_dp.check(examples)
             round_dp.release({"w": torch.ones(3)})
         round_dp.save(state)
         replies.append({**round_dp.reply_metrics(), "num-examples": EXAMPLES})
@@ -66,7 +69,7 @@ def honest_claims(settings: Settings, rounds: int) -> list[dict[str, float]]:
         "dp=none",
         "dp=fixed dp.noise_multiplier=1.0",
         "dp=adaptive dp.warmup_rounds=1",
-        "dp=fixed dp.granularity=step",
+        f"dp=fixed dp.granularity=step fl.max_examples_per_client={EXAMPLES}",
         "dp=fixed dp.noise_multiplier=0",  # not private: ε = ∞ on both sides
         "dp=record dp.target_epsilon=4",
     ],
@@ -75,8 +78,7 @@ def test_the_server_computes_what_an_honest_client_reports(overrides: str) -> No
     settings = load_settings(f"fl.rounds=3 {overrides}")
     check = PrivacyCheck(settings)
     for server_round, metrics in enumerate(honest_claims(settings, 3), start=1):
-        # the strategy puts the server's own bound on n beside the reply (the partition size)
-        verdict = check.receive(server_round, 7, {**metrics, EXAMPLES_BOUND: EXAMPLES})
+        verdict = check.receive(server_round, 7, metrics)
         assert verdict.mismatch == ""
         assert verdict.epsilon == pytest.approx(metrics["dp-epsilon"], rel=1e-9)
     if settings.dp.mode.value == "record":  # PLD, replace-one: the plan's own figure
@@ -318,7 +320,30 @@ def test_a_claimed_count_moves_neither_the_servers_epsilon_nor_the_weights(claim
     assert "server's bound" in verdict.basis
 
 
-def test_without_a_bound_a_per_step_figure_is_infinite_and_says_why() -> None:
+def test_without_a_bound_a_per_step_figure_is_infinite_and_says_why(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     settings = load_settings("fl.rounds=3 dp=fixed dp.granularity=step")
-    verdict = PrivacyCheck(settings).receive(1, 7, {"num-examples": 1, "dp-epsilon": 0.5})
-    assert verdict.epsilon == math.inf and "no bound" in verdict.basis
+    with caplog.at_level(logging.WARNING, logger="car_fl.server.privacy_check"):
+        check = PrivacyCheck(settings)
+    assert "fl.max_examples_per_client" in caplog.text  # said before the first round
+    verdict = check.receive(1, 7, {"num-examples": 1, "dp-epsilon": 0.5})
+    assert verdict.epsilon == math.inf and "cannot bound" in verdict.basis
+    assert verdict.mismatch == ""  # nothing to judge the claim by: not flagged either
+
+
+def test_a_node_reading_more_than_its_partition_is_not_reported_below_its_epsilon() -> None:
+    """The server's partition sizes are no bound on what a node reads: a node started with
+    data-is-shard, or whose owner's policy sets its [data], trains on its own records. Under
+    per-step DP its releases follow that n; the server used to account it with the partition
+    size it had on record: ε 32.2 for a node whose true ε (500 records, 1 round) is 633.9."""
+    settings = load_settings("fl.rounds=3 dp=fixed dp.granularity=step dp.noise_multiplier=1.0")
+    strategy = build_strategy(settings, spec=SPEC, shard_sizes={0: 10, 1: 10})
+    strategy.reference = {"w": np.zeros(3)}
+    claims = honest_claims(settings, 1, examples=500)  # the node's own file: 500 records
+    update = {"w": np.ones(3, np.float32)}
+    sent = {k: v for k, v in claims[0].items() if k != "num-examples"}  # DP: the public 1
+    strategy.aggregate_train(1, [reply(1, update, 1, **sent, **{"partition-id": 0})])
+    verdict = PrivacyCheck(settings).receive(1, 1, strategy.history[-1].released[1])
+    assert claims[0]["dp-epsilon"] < math.inf  # the node's true ε, honestly claimed
+    assert verdict.epsilon >= claims[0]["dp-epsilon"]
