@@ -50,6 +50,7 @@ class FLConfig:
     #: node holds in this run (the server pins each node to the first partition it claims and
     #: refuses a second node claiming it). Nodes started with data-is-shard hold their own
     #: data, which the server cannot size: set this cap (e.g. the largest shard) for them.
+    #: Under DP it is public: dp.granularity=step trains and accounts for exactly this many.
     max_examples_per_client: int | None = None
     #: Client sampling: each round asks clients_per_round nodes (null: fraction_train of those
     #: connected), at least min_clients; seeded by the run's seed and the round.
@@ -219,7 +220,8 @@ class DPConfig:
     #: fixed: σ₀ (noise std σ₀·C); adaptive: z (needs z < 2σ_b); record: σ, used when
     #: target_epsilon is null.
     noise_multiplier: float = 0.0
-    #: round: clip and noise once per round; step: after every optimizer step (Algorithm 1).
+    #: round: clip and noise once per round; step: after every optimizer step (Algorithm 1;
+    #: the server's ε needs fl.max_examples_per_client, else it reports ε = ∞).
     granularity: Granularity = Granularity.ROUND
     #: The first rounds train without DP.
     warmup_rounds: int = 0
