@@ -102,9 +102,10 @@ class PrivacyCheck:
         """Account for a round's replies; the max over nodes of the server's ε (nodes that did
         not reply keep theirs).
 
-        Every well-formed reply counts, also one the update-norm bound rejected: the server saw
-        its update (a rejection must not leave an honest client flagged later for claiming the
-        release it made). Each reply's claim is checked against the server's figure
+        Every reply that arrived counts, also one the strategy refused (a partition another
+        node claimed first, a failed reply check, the update-norm bound): the server saw what
+        the node sent (a refusal must not leave an honest client flagged later for claiming the
+        release it made, nor uncounted). Each reply's claim is checked against the server's figure
         (:attr:`verdicts`); a node whose claim differs is flagged and logged, and its claim is
         used nowhere.
         """
@@ -188,8 +189,9 @@ class PrivacyCheck:
             self.accountants.setdefault(node, Accountant()).add(release)
         server = math.inf if node in self.unbounded else self.epsilon(node)
         claimed = metrics.get(CLAIMED_EPSILON)
-        # without a figure of its own the server judges dp-active only, not the claimed ε
-        judged = claimed if node not in self.unbounded else server
+        # without a figure of its own the server judges dp-active and that an ε is claimed,
+        # not its value
+        judged = claimed if node not in self.unbounded or claimed is None else server
         why = disagreement(
             server, judged, active=active, claimed_active=metrics.get(CLAIMED_ACTIVE)
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,8 +13,9 @@ from car_fl.protocol.messages import to_record
 from car_fl.results.checkpoint import load_checkpoint
 from car_fl.results.rows import CLIENTS_CSV, METRICS_JSON, ClientRow, MetricsFile, RoundRow
 from car_fl.settings.compose import settings_from_yaml
+from car_fl.settings.dp_plan import record_plan
 from car_fl.settings.flower import fingerprint
-from car_fl.settings.schema import Settings, federated_part
+from car_fl.settings.schema import DPMode, Settings, federated_part
 
 log = logging.getLogger(__name__)
 
@@ -29,10 +31,31 @@ class ResumePoint:
     initial: dict[str, float]
 
 
+def check_noise_kept(run_dir: Path, settings: Settings, planned: int) -> None:
+    """Refuse a new ``fl.rounds`` that would change DP-SGD's σ: with ``dp.target_epsilon`` σ
+    is calibrated to the run's planned rounds, and the rounds already run used the old one
+    (the server would count them with the new σ: a run from 3 to 30 rounds reported ε 0.88
+    where 3.21 had been spent)."""
+    if settings.dp.mode is not DPMode.RECORD or planned == settings.fl.rounds:
+        return
+    as_planned = copy.deepcopy(settings)
+    as_planned.fl.rounds = planned
+    before = record_plan(as_planned)
+    after = record_plan(settings)
+    if before.noise_multiplier != after.noise_multiplier:
+        raise ValueError(
+            f"resume={run_dir}: under dp=record with dp.target_epsilon, σ is calibrated to "
+            f"fl.rounds: {planned} rounds gave σ {before.noise_multiplier:.4g}, "
+            f"fl.rounds={settings.fl.rounds} gives {after.noise_multiplier:.4g}, and the rounds "
+            f"already run used the first; resume with fl.rounds={planned}, or start a new run"
+        )
+
+
 def load_resume_point(run_dir: Path, settings: Settings) -> ResumePoint:
     """The last round whose checkpoint is complete, with the history up to it.
 
-    The run's saved configuration must match this one (``fl.rounds`` may be raised).
+    The run's saved configuration must match this one (``fl.rounds`` may be raised, unless
+    DP-SGD's σ depends on it).
     """
     saved_config = run_dir / "config.yaml"
     for path in (saved_config, run_dir / METRICS_JSON):
@@ -40,12 +63,14 @@ def load_resume_point(run_dir: Path, settings: Settings) -> ResumePoint:
             raise FileNotFoundError(f"resume={run_dir}: {path.name} is missing; is it a run dir?")
     # a run saved before federated runs refused train.probe_epochs (which it ignored)
     saved = federated_part(settings_from_yaml(saved_config.read_text(encoding="utf-8")))
+    planned = saved.fl.rounds
     saved.fl.rounds = settings.fl.rounds
     if fingerprint(saved) != fingerprint(settings):
         raise ValueError(
             f"resume={run_dir}: that run was made with another configuration (see its "
             "config.yaml); resume it with the same overrides (only fl.rounds may change)"
         )
+    check_noise_kept(run_dir, settings, planned)
     metrics = MetricsFile.read(run_dir)
     stopped = metrics.summary.stopped_early
     if stopped is not None:

@@ -20,8 +20,9 @@ class RoundStats:
     bytes_received: dict[int, int] = field(default_factory=dict)
     #: Each valid reply's metrics, under their wire (kebab-case) keys.
     client_metrics: dict[int, dict[str, float]] = field(default_factory=dict)
-    #: The metrics of every well-formed reply, also those the update-norm bound rejected later:
-    #: the server saw their update, so its ε counts them (client_metrics loses them).
+    #: The metrics of every reply that arrived, also those refused (a partition claim, the
+    #: reply checks, the update-norm bound): the server saw what each node sent, so its ε
+    #: counts them (client_metrics keeps only the valid ones).
     released: dict[int, dict[str, float]] = field(default_factory=dict)
     rejected: dict[int, str] = field(default_factory=dict)
     failed: dict[int, str] = field(default_factory=dict)

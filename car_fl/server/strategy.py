@@ -256,6 +256,15 @@ class GuardedStrategy(Strategy):
         count.
         """
         metrics = next(iter(content.metric_records.values()), None)
+        # Numbers only, and never NaN (no honest client sends one; ε = inf is honest). Every
+        # reply that arrived is a release the server's ε counts, also one refused below (a
+        # node whose partition another node claimed first used to be counted nowhere).
+        numbers = {
+            k: float(v)
+            for k, v in (metrics or {}).items()
+            if isinstance(v, int | float) and not math.isnan(v)
+        }
+        stats.released[node] = numbers
         claimed = metrics.get("partition-id") if metrics is not None else None
         cap, reason = self.claims.check(node, claimed)
         sent, optional = self.expected.get(node, (list(self.spec), set()))
@@ -269,13 +278,7 @@ class GuardedStrategy(Strategy):
         self.claims.pin(node, claimed)
         record = next(iter(content.array_records.values()))
         arrays = {name: decode(record[name]) for name in spec if name in record}
-        # Numbers only, and never NaN (no honest client sends one; ε = inf is honest)
-        stats.client_metrics[node] = {
-            k: float(v)
-            for k, v in metrics.items()
-            if isinstance(v, int | float) and not math.isnan(v)
-        }
-        stats.released[node] = stats.client_metrics[node]
+        stats.client_metrics[node] = numbers
         if self.public_examples is not None and server_round >= self.private_from:
             return arrays, self.public_examples
         return arrays, int(metrics[NUM_EXAMPLES])  # type: ignore[arg-type]

@@ -153,7 +153,8 @@ def accounted_examples(settings: Settings, examples: int) -> int:
 def round_release(settings: Settings, *, server_round: int, examples: int) -> Release:
     """What one client's reply in ``server_round`` releases, for accounting.
 
-    ``examples`` is the client's n (its reply carries it): under ``dp.granularity=step`` each
+    ``examples`` is the n the round is accounted for (the node's own n on the node; the public
+    cap on the server, which never uses a claimed count): under ``dp.granularity=step`` each
     of the round's optimizer steps is a release, as many as :func:`accounted_examples` gives
     (the public ``fl.max_examples_per_client`` when set, whatever the shard holds). Under
     ``dp=none``, a warm-up round or a non-private rule the release is ``non-private``.

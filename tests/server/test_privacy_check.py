@@ -28,6 +28,7 @@ from car_fl.results.rows import CLIENTS_CSV, ClientRow, RunSummary
 from car_fl.server.aggregation import build_strategy
 from car_fl.server.privacy_check import PrivacyCheck, disagreement
 from car_fl.server.round_recorder import RoundRecorder
+from car_fl.server.shard_claims import ShardClaims
 from car_fl.settings.compose import load_settings
 from car_fl.settings.dp_plan import record_plan, round_release
 from car_fl.settings.flower import NodeInfo
@@ -291,6 +292,30 @@ def test_a_node_claiming_another_nodes_partition_cannot_overwrite_its_dp_row(
     assert set(rows) == {0, 11}  # node 10 keeps partition 0's row; node 11 gets its own
 
 
+@pytest.mark.parametrize("mode", ["dp=fixed dp.noise_multiplier=1.0", "dp=record"])
+def test_a_node_whose_partition_was_claimed_first_is_still_counted(
+    tmp_path: Path, mode: str
+) -> None:
+    """A hostile node claims the honest node's partition first: the honest node's replies are
+    refused from then on, but each one reached the server, which counts it in that node's ε
+    (it used to count none: a blank server_epsilon, and under dp=record the partition's row
+    was the hostile node's, with one round's ε)."""
+    settings = load_settings(f"fl.rounds=3 {mode}")
+    strategy, rounds = recorder_of(settings, tmp_path)
+    strategy.claims = ShardClaims({0: EXAMPLES, 1: EXAMPLES})
+    honest = [{**claim, "partition-id": 0.0} for claim in honest_claims(settings, 3)]
+    play_round(strategy, rounds, 1, {5: dict(honest[0]), 10: honest[0]})  # 5 claims it first
+    for server_round in (2, 3):
+        play_round(
+            strategy, rounds, server_round, {5: dict(honest[0]), 10: honest[server_round - 1]}
+        )
+    rows = {(row.round, row.node): row for row in ClientRow.read_csv(tmp_path / CLIENTS_CSV)}
+    assert [rows[(r, 10)].status for r in (1, 2, 3)] == ["rejected"] * 3
+    counted = rows[(3, 10)].server_epsilon
+    assert counted is not None and counted == pytest.approx(honest[2]["dp-epsilon"])
+    assert rows[(3, 10)].claim_mismatch == ""  # honest: its claim is what it released
+
+
 @pytest.mark.parametrize("claimed", [1, 10**6])
 def test_a_claimed_count_moves_neither_the_servers_epsilon_nor_the_weights(claimed: int) -> None:
     """The attacker's hole: with a deployment-like cap, a node claiming n = 10⁶ under per-step
@@ -329,7 +354,9 @@ def test_without_a_bound_a_per_step_figure_is_infinite_and_says_why(
     assert "fl.max_examples_per_client" in caplog.text  # said before the first round
     verdict = check.receive(1, 7, {"num-examples": 1, "dp-epsilon": 0.5})
     assert verdict.epsilon == math.inf and "cannot bound" in verdict.basis
-    assert verdict.mismatch == ""  # nothing to judge the claim by: not flagged either
+    assert verdict.mismatch == ""  # nothing to judge the claim's value by: not flagged
+    silent = check.receive(1, 8, {"num-examples": 1})  # no ε claimed in a DP round: flagged
+    assert silent.epsilon == math.inf and "claims no ε" in silent.mismatch
 
 
 def test_a_node_reading_more_than_its_partition_is_not_reported_below_its_epsilon() -> None:

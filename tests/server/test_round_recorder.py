@@ -266,3 +266,43 @@ def test_a_federated_run_with_probe_rounds_starts_the_adapter_after_them(
     # FedAvg of two copies of the same adapter: equal up to the weights' rounding
     torch.testing.assert_close(start[ADAPTER_WEIGHT], identity, rtol=0, atol=1e-6)
     assert (after[ADAPTER_WEIGHT] - identity).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize(
+    ("dp", "refused"),
+    [
+        (("dp=record", "dp.target_epsilon=4", "dp.sample_rate=0.5"), True),
+        (
+            (
+                "dp=record",
+                "dp.target_epsilon=null",
+                "dp.noise_multiplier=1.5",
+                "dp.sample_rate=0.5",
+            ),
+            False,
+        ),
+    ],
+    ids=["sigma-from-target", "sigma-given"],
+)
+def test_a_resume_that_would_recalibrate_dp_sgds_noise_is_refused(
+    make_settings, tmp_path: Path, dp: tuple[str, ...], refused: bool
+) -> None:
+    """A malicious or careless operator resumed a dp=record run with a target ε and more
+    rounds: σ was calibrated again for the new plan, and the server counted the rounds already
+    run with it (measured before the fix, target ε 4, 3 → 30 rounds after 2: the server
+    reported ε 0.88 where 3.21 had been spent). A σ that does not
+    depend on fl.rounds may still be resumed with more rounds."""
+    out = tmp_path / "run"
+    first = make_settings("fl.clients=2", "fl.local_epochs=1", "fl.rounds=2", *dp)
+    first.output_dir = str(out)
+    run_local(first, client_train=idle)
+    again = make_settings("fl.clients=2", "fl.local_epochs=1", "fl.rounds=30", *dp)
+    again.output_dir, again.resume = str(out), str(out)
+    if refused:
+        with pytest.raises(ValueError, match=r"σ is calibrated to fl.rounds: 2 rounds gave σ"):
+            run_local(again, client_train=idle)
+        return
+    again.fl.rounds = 3
+    assert rounds_of(out) == [1, 2]
+    run_local(again, client_train=idle)
+    assert rounds_of(out) == [1, 2, 3]
