@@ -215,13 +215,13 @@ class Node:
         ``num-examples`` and the privacy figures)."""
         guard = self.privacy
         if guard is not None:
-            guard.admit(settings)  # 3. before any data is read
             own = {
                 "test_path": self.config.get(TEST_DATA_PATH),
                 "documents_path": self.config.get(DOCUMENTS_PATH),
                 "generated_queries_path": self.config.get(GENERATED_QUERIES_PATH),
             }
             settings = guard.policy.data.apply(settings, source=guard.policy.source, paths=own)
+            guard.admit(settings, shared_file=not place.data_is_shard)  # 3. before any data
             refuse_before_the_ledger(  # 6.'s refusals that read no record: they cost nothing
                 settings,
                 place,

@@ -87,9 +87,11 @@ class NodePrivacy:
             )
         return cls.open(str(policy), str(data))
 
-    def admit(self, settings: Settings) -> None:
-        """Refuse a run whose DP settings are weaker than the policy (before any data is read)."""
-        found = self.policy.violations(settings)
+    def admit(self, settings: Settings, *, shared_file: bool = True) -> None:
+        """Refuse a run whose DP settings are weaker than the policy (before any data is read;
+        ``settings`` with the policy's ``[data]`` reading applied, ``shared_file``: the node
+        is not ``data-is-shard``)."""
+        found = self.policy.violations(settings, shared_file=shared_file)
         if found:
             raise Refusal(
                 Failure.POLICY_REFUSED,

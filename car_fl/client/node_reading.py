@@ -17,6 +17,7 @@ are ignored, with a line in the node's log::
     text-column = "text"          # reader = "table": the columns
     label-column = "label"
     dedupe = true
+    split = "hash"                # seeded or hash (dp=record on a shared file needs hash)
     min-examples-per-label = 1
     seed = 42                     # the split (and partition) seed
 
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from car_fl.settings.schema import DatasetConfig, Reader, Settings
+from car_fl.settings.schema import DatasetConfig, Reader, Settings, Split
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ KEYS: Mapping[str, str] = MappingProxyType(
         "text-column": "dataset.text_column",
         "label-column": "dataset.label_column",
         "dedupe": "dataset.dedupe",
+        "split": "dataset.split",
         "stratify": "dataset.stratify",
         "min-examples-per-label": "dataset.min_examples_per_label",
         "max-examples": "dataset.max_examples",
@@ -75,6 +77,7 @@ class NodeReading:
     text_column: str = _DEFAULTS.text_column
     label_column: str = _DEFAULTS.label_column
     dedupe: bool = _DEFAULTS.dedupe
+    split: Split = _DEFAULTS.split
     stratify: bool = _DEFAULTS.stratify
     min_examples_per_label: int = _DEFAULTS.min_examples_per_label
     max_examples: int | None = _DEFAULTS.max_examples
@@ -176,6 +179,11 @@ def _checked(name: str, value: object, where: str) -> object:
         if value not in {r.value for r in Reader}:
             raise ReadingError(where + f"must be one of {valid}, got {value!r}")
         return Reader(value)
+    if name == "split":
+        if value not in {v.value for v in Split}:
+            valid = ", ".join(v.value for v in Split)
+            raise ReadingError(where + f"must be one of {valid}, got {value!r}")
+        return Split(value)
     if name in ("dedupe", "stratify"):
         if not isinstance(value, bool):
             raise ReadingError(where + f"must be true or false, got {value!r}")

@@ -48,7 +48,7 @@ from car_fl.settings.dp_plan import (
     non_private_reason,
     per_step,
 )
-from car_fl.settings.schema import DPMode, Settings
+from car_fl.settings.schema import DPMode, Partitioning, Settings, Split
 
 #: The ledger folder when the policy names none (relative to the policy file).
 DEFAULT_LEDGER = "ledger"
@@ -139,10 +139,25 @@ class NodePolicy:
         """Whether the owner accepts releases without noise at all (``none`` among the modes)."""
         return DPMode.NONE in self.modes
 
-    def violations(self, settings: Settings) -> list[str]:
-        """Every way the run's DP settings are weaker than this policy (empty: accepted)."""
+    def violations(self, settings: Settings, *, shared_file: bool = True) -> list[str]:
+        """Every way the run's DP settings are weaker than this policy (empty: accepted).
+
+        ``shared_file``: the node takes its split and partition of its file (not
+        ``data-is-shard``); ``settings``: with this policy's ``[data]`` reading applied."""
         dp = settings.dp
         found: list[str] = []
+        placed_by_others = (
+            settings.dataset.split is not Split.HASH
+            or settings.fl.partitioning is not Partitioning.HASH
+        )
+        if dp.mode is DPMode.RECORD and shared_file and placed_by_others:
+            found.append(  # car_fl.data.placement: one record would move many
+                "dp=record on a node that splits and partitions its file needs "
+                f'dataset.split=hash (the policy\'s [data] split = "hash"; it reads '
+                f"{settings.dataset.split}) and fl.partitioning=hash (the run's: "
+                f"{settings.fl.partitioning}): a seeded split or partition moves other records "
+                "when one is added, so DP-SGD's unit would not be one record"
+            )
         if settings.model.trust_remote_code:  # code from the model's repository: it could
             found.append(  # skip this policy and the ledger, whatever the DP settings say
                 "model.trust_remote_code=true would run the model repository's own code on "

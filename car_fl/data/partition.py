@@ -6,13 +6,17 @@ lands in exactly one shard. IID shards are random: flwr-datasets' ``IidPartition
 contiguous slices, so it runs over a seeded shuffle of the indices (a file sorted by date or
 label would otherwise give each client a different slice of time or of labels); each shard
 keeps its examples in file order, so a single shard is the training split itself.
+``hash`` shards are IID too, each example placed by a keyed hash of its own text
+(:func:`~car_fl.data.placement.hash_placement`): a record added or removed moves no other.
 """
 
 from __future__ import annotations
 
+import numpy as np
 from datasets import Dataset
 from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, Partitioner
 
+from car_fl.data.placement import hash_placement
 from car_fl.settings.schema import Partitioning
 
 
@@ -25,7 +29,8 @@ def make_partitioner(
     min_partition_size: int = 1,
 ) -> Partitioner:
     """A flwr-datasets partitioner by name: ``iid``, ``dirichlet`` (over the label column) or
-    ``topic`` (Dirichlet over a corpus's ``topic`` column)."""
+    ``topic`` (Dirichlet over a corpus's ``topic`` column); ``hash`` has none (see
+    :func:`partition`)."""
     if num_partitions < 1:
         raise ValueError(f"number of partitions must be >= 1, got {num_partitions}")
     if scheme is Partitioning.IID:
@@ -68,6 +73,10 @@ def partition(
                 len(dataset), partition_id=partition_id, num_partitions=num_partitions, seed=seed
             )
         )
+    if scheme is Partitioning.HASH:
+        place = hash_placement(dataset["text"], seed=seed, purpose="partition")
+        shard = np.floor(place * num_partitions).astype(int)
+        return dataset.select(np.flatnonzero(shard == partition_id).tolist())
     if scheme is Partitioning.TOPIC and "topic" not in dataset.column_names:
         raise ValueError(
             "fl.partitioning=topic needs a corpus (dataset.reader=corpus) whose documents name "

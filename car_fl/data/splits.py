@@ -23,6 +23,7 @@ from car_fl.data.corpus import Document, read_documents, read_queries
 from car_fl.data.corpus_splits import split_corpus
 from car_fl.data.dedupe import DedupeStats, dedupe, drop_texts_in
 from car_fl.data.labels import LabelMap
+from car_fl.data.placement import hash_placement
 from car_fl.data.readers import (
     DataFormatError,
     Example,
@@ -31,7 +32,7 @@ from car_fl.data.readers import (
     read_sms_spam,
     read_table,
 )
-from car_fl.settings.schema import DatasetConfig, Reader
+from car_fl.settings.schema import DatasetConfig, Reader, Split
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,23 @@ def stratified_split(
     return np.sort(np.concatenate(train_idx)), np.sort(np.concatenate(test_idx))
 
 
+def split_off(
+    examples: list[Example], labels: list[int], *, fraction: float, seed: int, cfg: DatasetConfig
+) -> tuple[list[Example], list[Example]]:
+    """(kept, held out): ``fraction`` of ``examples`` held out, seeded (stratified with
+    ``dataset.stratify``) or, with ``dataset.split=hash``, each by its own text's hash."""
+    if cfg.split is Split.HASH:
+        place = hash_placement([e.text for e in examples], seed=seed, purpose="split")
+        held = place < fraction
+        return [e for e, h in zip(examples, held, strict=True) if not h], [
+            e for e, h in zip(examples, held, strict=True) if h
+        ]
+    kept_idx, held_idx = stratified_split(
+        labels, test_fraction=fraction, seed=seed, stratify=cfg.stratify
+    )
+    return [examples[i] for i in kept_idx], [examples[i] for i in held_idx]
+
+
 def _subsample(examples: list[Example], limit: int | None, seed: int) -> list[Example]:
     if limit is None or len(examples) <= limit:
         return examples
@@ -204,17 +222,18 @@ def load_splits(cfg: DatasetConfig, *, seed: int, label_map: LabelMap | None = N
 
     if test is None:
         ids = label_map.encode([e.label for e in train], source=source)
-        train_idx, test_idx = stratified_split(
-            ids, test_fraction=cfg.test_fraction, seed=seed, stratify=cfg.stratify
-        )
-        train, test = [train[i] for i in train_idx], [train[i] for i in test_idx]
+        train, test = split_off(train, ids, fraction=cfg.test_fraction, seed=seed, cfg=cfg)
     validation: list[Example] = []
     if cfg.val_fraction > 0:  # carved from train, with a seed of its own
         ids = label_map.encode([e.label for e in train], source=source)
-        train_idx, val_idx = stratified_split(
-            ids, test_fraction=cfg.val_fraction, seed=seed + 2, stratify=cfg.stratify
+        train, validation = split_off(train, ids, fraction=cfg.val_fraction, seed=seed + 2, cfg=cfg)
+    if not train or not test:
+        raise DataFormatError(
+            source,
+            f"{len(train)} training and {len(test)} test examples after the split "
+            f"(dataset.split={cfg.split}): too few examples for dataset.test_fraction="
+            f"{cfg.test_fraction}",
         )
-        train, validation = [train[i] for i in train_idx], [train[i] for i in val_idx]
 
     stats = {
         "train_examples": len(train),

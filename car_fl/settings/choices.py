@@ -194,6 +194,19 @@ class Partitioning(Choice):
     DIRICHLET = "dirichlet"
     #: A corpus's queries, Dirichlet(α) over their documents' topic (``dataset.topic_key``).
     TOPIC = "topic"
+    #: IID by a keyed hash of each example's own text: adding or removing a record moves no
+    #: other record to another shard (record-level DP on a shared file needs it).
+    HASH = "hash"
+
+
+class Split(Choice):
+    """How examples are placed in train, validation and test (:mod:`car_fl.data.splits`)."""
+
+    #: A seeded permutation (stratified by label with ``dataset.stratify``).
+    SEEDED = "seeded"
+    #: A keyed hash of each example's own text: adding or removing a record moves no other
+    #: record to another split (record-level DP on a shared file needs it); not stratified.
+    HASH = "hash"
 
 
 class NormBoundMode(Choice):

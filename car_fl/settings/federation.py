@@ -70,7 +70,8 @@ class FLConfig:
     #: from the round after, starting from the probed head (``train.probe_epochs``'s
     #: counterpart; :mod:`car_fl.method.probe`). 0: every round trains the adapter and head.
     probe_rounds: int = 0
-    #: iid or dirichlet (non-IID over labels, concentration fl.alpha).
+    #: iid, dirichlet (non-IID over labels, concentration fl.alpha), topic (a corpus) or hash
+    #: (IID by a keyed hash of each text: one record moves no other; dp=record on a shared file).
     partitioning: Partitioning = Partitioning.IID
     alpha: float = 1.0
     #: Seconds the server waits for a round's replies.

@@ -11,6 +11,7 @@ from car_fl.settings.choices import (
     Pooling,
     Reader,
     Similarity,
+    Split,
     Standardize,
     one_of,
 )
@@ -41,6 +42,10 @@ class DatasetConfig:
     #: Collapse duplicate texts (after Unicode and whitespace normalisation) before splitting;
     #: copies with conflicting labels are dropped.
     dedupe: bool = True
+    #: seeded: a seeded permutation (stratified with ``stratify``); hash: a keyed hash of each
+    #: text, so that one record added or removed moves no other (record-level DP on a shared
+    #: file; a node's privacy policy asks for it), without a subsample or a label filter.
+    split: Split = Split.SEEDED
     stratify: bool = True
     min_examples_per_label: int = 1
     max_examples: int | None = None
@@ -67,6 +72,22 @@ class DatasetConfig:
 
     def __post_init__(self) -> None:
         self.reader = Reader.parse("dataset.reader", self.reader)
+        self.split = Split.parse("dataset.split", self.split)
+        if self.split is Split.HASH:
+            # each of these places a record by the others: one record would move many
+            moved = {
+                "dataset.max_examples": self.max_examples is not None,
+                "dataset.min_examples_per_label": self.min_examples_per_label > 1,
+                "dataset.reader=corpus": self.reader is Reader.CORPUS,
+            }
+            if any(moved.values()):
+                raise ValueError(
+                    "dataset.split=hash places each record by its own text alone; "
+                    f"{', '.join(k for k, v in moved.items() if v)} would place records by "
+                    "the others (a subsample's draw, a label's count, a corpus's documents). "
+                    "Set dataset.max_examples=null and dataset.min_examples_per_label=1, or "
+                    "use dataset.split=seeded"
+                )
         if self.path is None and self.hub_id is None:
             raise ValueError(
                 f"dataset {self.name!r} has neither dataset.path (a local file) nor "

@@ -72,6 +72,32 @@ def round_of(settings, node_privacy: NodePrivacy, server_round: int, run: str = 
     )
 
 
+def test_record_level_dp_on_a_shared_file_is_refused_without_the_hash_placement(
+    tmp_path: Path, make_settings, synthetic_tsv: Path
+) -> None:
+    """The node splits and partitions the file it shares: under a seeded placement one added
+    record moves hundreds of others, so the node refuses dp=record (nothing released, nothing
+    charged) until its owner's [data] says split = "hash" and the run fl.partitioning=hash."""
+    record = (
+        "dp=record",
+        "dp.target_epsilon=3",
+        "dp.sample_rate=0.25",
+        "fl.rounds=2",
+        "fl.max_examples_per_client=500",
+    )
+    policy = tmp_path / "policy.toml"
+    policy.write_text('modes = ["record"]\nlifetime-epsilon = 100\n', encoding="utf-8")
+    node_privacy = NodePrivacy.open(policy, synthetic_tsv)
+    with pytest.raises(Refusal) as err:
+        round_of(make_settings(*record, "fl.partitioning=hash"), node_privacy, 1)
+    assert err.value.failure is Failure.POLICY_REFUSED and 'split = "hash"' in str(err.value)
+    assert node_privacy.ledger.entries() == []
+    policy.write_text(policy.read_text() + '[data]\nsplit = "hash"\n', encoding="utf-8")
+    node_privacy = NodePrivacy.open(policy, synthetic_tsv)
+    _, metrics = round_of(make_settings(*record, "fl.partitioning=hash"), node_privacy, 1)
+    assert 0 < metrics["dp-epsilon"] < math.inf and len(node_privacy.ledger.entries()) == 1
+
+
 @pytest.mark.parametrize(
     "weaker",
     [
@@ -216,6 +242,7 @@ def test_a_message_without_a_label_map_is_refused_the_same_whatever_the_labels(
             "dp.sample_rate=0.25",
             "fl.rounds=2",
             "fl.max_examples_per_client=500",
+            "fl.partitioning=hash",
         ),
     ],
     ids=["local-dp", "dp-sgd"],
@@ -229,7 +256,10 @@ def test_the_run_the_server_and_the_ledger_give_the_same_releases_the_same_epsil
     from car_fl.server.privacy_check import PrivacyCheck
 
     policy = tmp_path / "policy.toml"
-    policy.write_text('modes = ["fixed", "record"]\nlifetime-epsilon = 100\n', encoding="utf-8")
+    policy.write_text(
+        'modes = ["fixed", "record"]\nlifetime-epsilon = 100\n[data]\nsplit = "hash"\n',
+        encoding="utf-8",
+    )
     node_privacy = NodePrivacy.open(policy, synthetic_tsv)
     settings = make_settings(*mode)
     check = PrivacyCheck(settings)

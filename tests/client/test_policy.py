@@ -113,11 +113,34 @@ def test_weaker_runs_are_refused_with_every_reason(overrides: str, found: str) -
     "overrides",
     [
         "dp=fixed dp.noise_multiplier=1",
-        "dp=record dp.target_epsilon=3 dp.sample_rate=0.1 fl.max_examples_per_client=1000",
+        "dp=record dp.target_epsilon=3 dp.sample_rate=0.1 fl.max_examples_per_client=1000 "
+        "dataset.split=hash fl.partitioning=hash",
     ],
 )
 def test_the_agreed_configurations_are_accepted(overrides: str) -> None:
     assert POLICY.violations(load_settings(overrides)) == []
+
+
+@pytest.mark.parametrize(
+    ("placement", "refused"),
+    [
+        ("", True),
+        ("dataset.split=hash", True),  # the partition still places records by the others
+        ("fl.partitioning=hash", True),
+        ("dataset.split=hash fl.partitioning=hash", False),
+    ],
+)
+def test_record_level_dp_on_a_shared_file_needs_the_hash_placement(
+    placement: str, refused: bool
+) -> None:
+    """One record added to a shared file moved 450 of 1,000 others across splits and shards
+    (tests/data/test_splits.py): DP-SGD's unit, one record, did not hold for such a node. A
+    node that holds its own shard (data-is-shard) reads it whole and needs nothing."""
+    record = "dp=record dp.target_epsilon=3 dp.sample_rate=0.1 fl.max_examples_per_client=1000"
+    settings = load_settings(f"{record} {placement}")
+    found = [v for v in POLICY.violations(settings) if "needs dataset.split=hash" in v]
+    assert bool(found) is refused
+    assert POLICY.violations(settings, shared_file=False) == []
 
 
 def test_non_private_rules_need_none_among_the_modes() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -11,8 +12,8 @@ from car_fl.data.dedupe import dedupe, normalize_text
 from car_fl.data.partition import iid_indices, partition
 from car_fl.data.readers import Example
 from car_fl.data.splits import load_splits
-from car_fl.settings.schema import DatasetConfig
-from car_fl.testing.tiny import write_tsv
+from car_fl.settings.schema import DatasetConfig, Partitioning, Split
+from car_fl.testing.tiny import synthetic_examples, write_tsv
 
 
 def test_normalisation_folds_unicode_forms_and_whitespace() -> None:
@@ -101,3 +102,75 @@ def test_iid_shards_of_a_label_sorted_file_are_not_label_skewed(synthetic_tsv: P
         shard = partition(ordered, partition_id=i, num_partitions=4, seed=0)
         counts = Counter(shard["label"])
         assert len(counts) == 4 and max(counts.values()) < 0.5 * len(shard)
+
+
+def _placement(cfg: DatasetConfig, scheme: Partitioning) -> dict[str, str]:
+    """Where each text lands: its split, and for training texts its shard of 3."""
+    splits = load_splits(cfg, seed=7)
+    where = {t: "validation" for t in splits.validation["text"]}
+    where.update({t: "test" for t in splits.test["text"]})
+    for pid in range(3):
+        shard = partition(splits.train, partition_id=pid, num_partitions=3, scheme=scheme, seed=7)
+        where.update({t: f"shard {pid}" for t in shard["text"]})
+    assert len(where) == len(splits.train) + len(splits.validation) + len(splits.test)
+    return where
+
+
+@pytest.mark.parametrize(
+    ("split", "scheme"), [("seeded", Partitioning.IID), ("hash", Partitioning.HASH)]
+)
+def test_one_record_added_moves_no_other_record_only_under_the_hash_placement(
+    tmp_path: Path, split: str, scheme: Partitioning
+) -> None:
+    """Record-level DP's neighbour differs in one record. A seeded permutation places a record
+    by its rank among all of them, so one record added to the file moves others across splits
+    and shards (the charged ε assumed a neighbour the split did not keep); the keyed hash
+    places each by its own text and moves none."""
+    rows = synthetic_examples(1000, num_labels=2, seed=3)
+    before = _table(tmp_path / "before.tsv", rows)
+    after = _table(
+        tmp_path / "after.tsv", [*rows[:500], ("one added record", "topic0"), *rows[500:]]
+    )
+    placed = {}
+    for name, path in (("before", before), ("after", after)):
+        cfg = DatasetConfig(name="t", hub_id=None, path=str(path), split=Split(split))
+        placed[name] = _placement(cfg, scheme)
+    assert set(placed["after"]) - set(placed["before"]) == {"one added record"}
+    moved = sum(placed["after"][t] != where for t, where in placed["before"].items())
+    if split == "hash":
+        assert moved == 0
+    else:
+        assert moved > 100  # of 1,000: the guarantee's unit was not one record
+
+
+def test_the_hash_split_keeps_its_fractions_and_no_text_in_two_splits(tmp_path: Path) -> None:
+    rows = synthetic_examples(4000, num_labels=3, seed=5)
+    path = _table(tmp_path / "d.tsv", rows)
+    cfg = DatasetConfig(name="t", hub_id=None, path=str(path), split=Split.HASH)
+    splits = load_splits(cfg, seed=0)
+    texts = [set(part["text"]) for part in (splits.train, splits.validation, splits.test)]
+    assert not (texts[0] & texts[1] or texts[0] & texts[2] or texts[1] & texts[2])
+    n = sum(len(t) for t in texts)
+    assert abs(len(texts[2]) / n - cfg.test_fraction) < 0.03
+    assert abs(len(texts[1]) / (n - len(texts[2])) - cfg.val_fraction) < 0.03
+    other = load_splits(cfg, seed=1)  # the seed keys the hash: another seed, another split
+    assert set(other.test["text"]) != texts[2]
+    shards = [
+        len(partition(splits.train, partition_id=p, num_partitions=4, scheme=Partitioning.HASH))
+        for p in range(4)
+    ]
+    assert sum(shards) == len(splits.train) and min(shards) > 0.2 * len(splits.train)
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ({"max_examples": 100}, "dataset.max_examples"),
+        ({"min_examples_per_label": 5}, "dataset.min_examples_per_label"),
+    ],
+)
+def test_the_hash_split_refuses_what_places_a_record_by_the_others(
+    override: dict[str, Any], named: str
+) -> None:
+    with pytest.raises(ValueError, match=rf"dataset.split=hash .*{named}"):
+        DatasetConfig(**{"name": "t", "hub_id": None, "path": "x.tsv", "split": "hash", **override})

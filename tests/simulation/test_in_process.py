@@ -108,3 +108,30 @@ def test_each_node_gets_its_own_node_config_on_top_of_the_shared_one() -> None:
     assert [c["partition-id"] for c in configs] == [0, 1, 2]
     with pytest.raises(ValueError, match="2 node configs for 1 nodes"):
         LocalGrid(import_app("client_app").train, num_nodes=1, run_config={}, node_configs=[{}] * 2)
+
+
+@pytest.mark.slow
+def test_record_level_dp_on_a_shared_file_trains_with_the_hash_placement(
+    tmp_path: Path, make_settings, synthetic_tsv: Path
+) -> None:
+    """The owner accepts dp=record on the file it shares only with each record placed by its
+    own text: the run that asks for it (dataset.split=hash, fl.partitioning=hash) trains on
+    both nodes, and the owner's ledger lists the release."""
+    owner = owner_config(tmp_path, synthetic_tsv)
+    policy = Path(owner[PRIVACY_POLICY])
+    policy.write_text(
+        'modes = ["record"]\nlifetime-epsilon = 1000\n[data]\nsplit = "hash"\n', encoding="utf-8"
+    )
+    record = (
+        "dp=record",
+        "dp.target_epsilon=8",
+        "dp.sample_rate=0.25",
+        "fl.max_examples_per_client=500",
+        "dataset.split=hash",
+        "fl.partitioning=hash",
+    )
+    settings = make_settings(*ROUND, *record, f"output_dir={tmp_path / 'run'}")
+    metrics, replies = federation(settings, owner)
+    assert replies[OWNER].has_content() and replies[TRUSTING].has_content()
+    assert metrics["history"][0]["clients_ok"] == 2
+    assert [e.mode for e in ledger_of(owner).entries()] == ["record"]
