@@ -5,6 +5,12 @@ one in test, and the test score partly measures memorisation (10 % of the SMS Sp
 Collection's test split had a copy in train). Texts are compared after Unicode NFKC and
 whitespace normalisation; copies with one label collapse to the first, copies with conflicting
 labels are all dropped (no right answer exists for them).
+
+``canonical`` (``dataset.split=hash``): each (normalised text, label) is kept once *as its
+normalised text*, and copies with conflicting labels are all kept. Then one record added or
+replaced changes the result by at most that record: which copy comes first, or a conflicting
+copy, can no longer remove another record (record-level DP's unit); the hash placement keeps
+every copy of a text in one split.
 """
 
 from __future__ import annotations
@@ -39,8 +45,21 @@ class DedupeStats:
         return asdict(self)
 
 
-def dedupe(examples: Sequence[Example]) -> tuple[list[Example], DedupeStats]:
-    """One example per normalised text, in first-seen order; conflicting texts dropped."""
+def dedupe(
+    examples: Sequence[Example], *, canonical: bool = False
+) -> tuple[list[Example], DedupeStats]:
+    """One example per normalised text, in first-seen order; conflicting texts dropped
+    (``canonical``: one per normalised text and label, as that text; see the module)."""
+    if canonical:
+        stats = DedupeStats()
+        unique: dict[tuple[str, str], Example] = {}
+        for example in examples:
+            pair = (normalize_text(example.text), example.label)
+            if pair in unique:
+                stats.duplicates_removed += 1
+            else:
+                unique[pair] = Example(text=pair[0], label=example.label)
+        return list(unique.values()), stats
     labels: dict[str, set[str]] = {}
     for example in examples:
         labels.setdefault(normalize_text(example.text), set()).add(example.label)

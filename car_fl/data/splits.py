@@ -194,9 +194,10 @@ def load_splits(cfg: DatasetConfig, *, seed: int, label_map: LabelMap | None = N
 
     removed = DedupeStats()
     if cfg.dedupe:  # before splitting, so that no text can land in two splits
-        train, removed = dedupe(train)
+        canonical = cfg.split is Split.HASH  # one record changes at most one (DP's unit)
+        train, removed = dedupe(train, canonical=canonical)
         if test is not None:
-            test, test_removed = dedupe(test)
+            test, test_removed = dedupe(test, canonical=canonical)
             train, removed.test_overlap_removed = drop_texts_in(train, test)
             removed = removed + test_removed
     train = _filter_rare(_subsample(train, cfg.max_examples, seed), cfg.min_examples_per_label)

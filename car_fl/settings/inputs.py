@@ -44,7 +44,8 @@ class DatasetConfig:
     dedupe: bool = True
     #: seeded: a seeded permutation (stratified with ``stratify``); hash: a keyed hash of each
     #: text, so that one record added or removed moves no other (record-level DP on a shared
-    #: file; a node's privacy policy asks for it), without a subsample or a label filter.
+    #: file; a node's privacy policy asks for it), without a subsample or a label filter, and
+    #: ``dedupe`` keeps each text and label once as its normalised text (conflicts kept).
     split: Split = Split.SEEDED
     stratify: bool = True
     min_examples_per_label: int = 1

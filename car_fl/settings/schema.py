@@ -130,6 +130,12 @@ class Settings:
 
     def __post_init__(self) -> None:
         one_of("device", self.device, DEVICES)
+        if self.fl.partitioning is Partitioning.HASH and self.dataset.split is not Split.HASH:
+            raise ValueError(
+                "fl.partitioning=hash places each record by its own text, but "
+                f"dataset.split={self.dataset.split} places the split by the others; set "
+                "dataset.split=hash too (the server's validation and test are then the nodes')"
+            )
         if self.head.kind is HeadKind.KNN and self.train.mode is Mode.ADAPTER_CLASSIFIER:
             raise ValueError(
                 "head.kind=knn trains nothing, so mode=adapter does not apply; use "

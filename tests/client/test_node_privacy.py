@@ -89,12 +89,13 @@ def test_record_level_dp_on_a_shared_file_is_refused_without_the_hash_placement(
     policy.write_text('modes = ["record"]\nlifetime-epsilon = 100\n', encoding="utf-8")
     node_privacy = NodePrivacy.open(policy, synthetic_tsv)
     with pytest.raises(Refusal) as err:
-        round_of(make_settings(*record, "fl.partitioning=hash"), node_privacy, 1)
+        round_of(make_settings(*record, "dataset.split=hash"), node_privacy, 1)
     assert err.value.failure is Failure.POLICY_REFUSED and 'split = "hash"' in str(err.value)
     assert node_privacy.ledger.entries() == []
     policy.write_text(policy.read_text() + '[data]\nsplit = "hash"\n', encoding="utf-8")
     node_privacy = NodePrivacy.open(policy, synthetic_tsv)
-    _, metrics = round_of(make_settings(*record, "fl.partitioning=hash"), node_privacy, 1)
+    hashed = make_settings(*record, "dataset.split=hash", "fl.partitioning=hash")
+    _, metrics = round_of(hashed, node_privacy, 1)
     assert 0 < metrics["dp-epsilon"] < math.inf and len(node_privacy.ledger.entries()) == 1
 
 
@@ -242,6 +243,7 @@ def test_a_message_without_a_label_map_is_refused_the_same_whatever_the_labels(
             "dp.sample_rate=0.25",
             "fl.rounds=2",
             "fl.max_examples_per_client=500",
+            "dataset.split=hash",
             "fl.partitioning=hash",
         ),
     ],

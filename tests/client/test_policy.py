@@ -126,7 +126,6 @@ def test_the_agreed_configurations_are_accepted(overrides: str) -> None:
     [
         ("", True),
         ("dataset.split=hash", True),  # the partition still places records by the others
-        ("fl.partitioning=hash", True),
         ("dataset.split=hash fl.partitioning=hash", False),
     ],
 )
@@ -141,6 +140,8 @@ def test_record_level_dp_on_a_shared_file_needs_the_hash_placement(
     found = [v for v in POLICY.violations(settings) if "needs dataset.split=hash" in v]
     assert bool(found) is refused
     assert POLICY.violations(settings, shared_file=False) == []
+    with pytest.raises(ValueError, match=r"set dataset\.split=hash too"):  # shards by hash alone
+        load_settings(f"{record} fl.partitioning=hash")
 
 
 def test_non_private_rules_need_none_among_the_modes() -> None:

@@ -174,3 +174,45 @@ def test_the_hash_split_refuses_what_places_a_record_by_the_others(
 ) -> None:
     with pytest.raises(ValueError, match=rf"dataset.split=hash .*{named}"):
         DatasetConfig(**{"name": "t", "hub_id": None, "path": "x.tsv", "split": "hash", **override})
+
+
+def _entries(path: Path) -> Counter[tuple[str, str, str]]:
+    """(text, label, where) of every example the hash placement keeps: split or shard of 3."""
+    cfg = DatasetConfig(name="t", hub_id=None, path=str(path), split=Split.HASH)
+    splits = load_splits(cfg, seed=7)
+    names = splits.label_map.names
+    found: Counter[tuple[str, str, str]] = Counter()
+    for where, part in (("validation", splits.validation), ("test", splits.test)):
+        found.update((t, names[y], where) for t, y in zip(part["text"], part["label"], strict=True))
+    for pid in range(3):
+        shard = partition(
+            splits.train, partition_id=pid, num_partitions=3, scheme=Partitioning.HASH, seed=7
+        )
+        found.update(
+            (t, names[y], f"shard {pid}")
+            for t, y in zip(shard["text"], shard["label"], strict=True)
+        )
+    return found
+
+
+@pytest.mark.parametrize("kind", ["new text", "copy with another label", "copy with spaces"])
+def test_under_the_hash_placement_one_added_record_changes_only_itself(
+    tmp_path: Path, kind: str
+) -> None:
+    """Duplicates are found on normalised text: a copy put before a record used to replace it
+    with its own spelling (placed elsewhere), and a copy with another label used to remove
+    the record it conflicts with. Under the hash placement a copy is kept once as its
+    normalised text and conflicting copies are all kept, so one record added changes what
+    is trained and evaluated by that record at most."""
+    rows = synthetic_examples(1000, num_labels=2, seed=3)
+    text, label = rows[10]
+    added = {
+        "new text": ("one added record", "topic0"),
+        "copy with another label": (text, "topic1" if label == "topic0" else "topic0"),
+        "copy with spaces": (f"  {text} ", label),
+    }[kind]
+    before = _entries(_table(tmp_path / "before.tsv", rows))
+    after = _entries(_table(tmp_path / "after.tsv", [added, *rows]))
+    assert not before - after  # nothing lost, nothing moved
+    gained = after - before
+    assert sum(gained.values()) == (0 if kind == "copy with spaces" else 1)
