@@ -174,16 +174,13 @@ def _reading_fields(reading: NodeReading) -> dict[str, Any]:
 
 def _checked(name: str, value: object, where: str) -> object:
     """``value`` of the ``[data]`` key ``name``, of the type its setting has."""
-    if name == "reader":
-        valid = ", ".join(r.value for r in Reader)
-        if value not in {r.value for r in Reader}:
+    choices = {"reader": Reader, "split": Split}
+    if name in choices:
+        kind = choices[name]
+        if value not in {c.value for c in kind}:
+            valid = ", ".join(c.value for c in kind)
             raise ReadingError(where + f"must be one of {valid}, got {value!r}")
-        return Reader(value)
-    if name == "split":
-        if value not in {v.value for v in Split}:
-            valid = ", ".join(v.value for v in Split)
-            raise ReadingError(where + f"must be one of {valid}, got {value!r}")
-        return Split(value)
+        return kind(value)
     if name in ("dedupe", "stratify"):
         if not isinstance(value, bool):
             raise ReadingError(where + f"must be true or false, got {value!r}")

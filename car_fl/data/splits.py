@@ -138,9 +138,8 @@ def split_off(
     ``dataset.stratify``) or, with ``dataset.split=hash``, each by its own text's hash."""
     if cfg.split is Split.HASH:
         place = hash_placement([e.text for e in examples], seed=seed, purpose="split")
-        held = place < fraction
-        return [e for e, h in zip(examples, held, strict=True) if not h], [
-            e for e, h in zip(examples, held, strict=True) if h
+        return [e for e, p in zip(examples, place, strict=True) if p >= fraction], [
+            e for e, p in zip(examples, place, strict=True) if p < fraction
         ]
     kept_idx, held_idx = stratified_split(
         labels, test_fraction=fraction, seed=seed, stratify=cfg.stratify

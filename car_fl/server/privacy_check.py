@@ -84,8 +84,6 @@ class PrivacyCheck:
     settings: Settings
     #: Each node's accountant, stepped once per reply the server received from it.
     accountants: dict[int, Accountant] = field(default_factory=dict)
-    #: Nodes with a per-step release the server could not bound: their ε is ∞.
-    unbounded: set[int] = field(default_factory=set)
     #: The server's ε of each node (by node id) after its last reply; their max so far.
     client_epsilon: dict[int, float] = field(default_factory=dict)
     last_epsilon: float = 0.0
@@ -171,27 +169,29 @@ class PrivacyCheck:
         return accountant.get_epsilon(self.settings.dp.delta) if accountant is not None else 0.0
 
     def __post_init__(self) -> None:
-        if self.examples()[0] is None:  # said once, before any round is lost to it
-            log.warning("%s", self.examples()[1])
+        examples, why = self.examples()
+        if examples is None:  # said once, before any round is lost to it
+            log.warning("%s", why)
 
     def receive(self, server_round: int, node: int, metrics: Mapping[str, float]) -> Verdict:
         """Account for ``node``'s valid reply in ``server_round``, and judge its claim
         (``metrics`` passed the strategy's reply checks)."""
         active = dp_active(self.settings, server_round)
-        basis = ""
+        examples, basis = self.examples()
         if active:
-            examples, basis = self.examples()
-            if examples is None:
-                self.unbounded.add(node)
             release = round_release(
                 self.settings, server_round=server_round, examples=examples or 1
             )
             self.accountants.setdefault(node, Accountant()).add(release)
-        server = math.inf if node in self.unbounded else self.epsilon(node)
+        else:
+            basis = ""
+        # a node with a DP release the server cannot bound (per step, no cap): ε = ∞
+        unbounded = examples is None and node in self.accountants
+        server = math.inf if unbounded else self.epsilon(node)
         claimed = metrics.get(CLAIMED_EPSILON)
         # without a figure of its own the server judges dp-active and that an ε is claimed,
         # not its value
-        judged = claimed if node not in self.unbounded or claimed is None else server
+        judged = claimed if not unbounded or claimed is None else server
         why = disagreement(
             server, judged, active=active, claimed_active=metrics.get(CLAIMED_ACTIVE)
         )
