@@ -24,7 +24,10 @@ no failure that the records could cause is an answer a server can read (argued a
    (``CONFIG_MISMATCH``); the node's paths, and where it writes (its own cache folder, 0700,
    files 0600; a run config's ``cache_dir`` is ignored and logged), come from its node config
    (:func:`car_fl.client.node_settings.node_settings`).
-3. **The policy** (:meth:`car_fl.client.node_privacy.NodePrivacy.admit`; the rules:
+3. **The policy**: on a shared file (not ``data-is-shard``), a reading of the file other than
+   the run's (the policy's ``[data]``, :meth:`car_fl.client.node_reading.NodeReading.differences`)
+   is refused (``READING_DIFFERS``): the node's split would not be the server's. Then
+   (:meth:`car_fl.client.node_privacy.NodePrivacy.admit`; the rules:
    :meth:`car_fl.client.policy.NodePolicy.violations`): accepted modes, σ floor, clip ceilings
    (``dp.clip`` and ``dp.adapter_clip``), δ ceiling, warm-up, ``trust_remote_code``, and (with
    ``public-example-count``) no run whose reply would follow n (``POLICY_REFUSED``). Before
@@ -220,6 +223,16 @@ class Node:
                 "documents_path": self.config.get(DOCUMENTS_PATH),
                 "generated_queries_path": self.config.get(GENERATED_QUERIES_PATH),
             }
+            differs = guard.policy.data.differences(settings, paths=own)
+            if differs and not place.data_is_shard:  # its split would not be the server's
+                raise Refusal(
+                    Failure.READING_DIFFERS,
+                    f"the run reads the shared data file otherwise than {guard.policy.source}'s "
+                    f"[data]: {', '.join(differs)}; this node's split would not be the server's "
+                    "(its training records could be in the server's test split), so it takes "
+                    "no part until the run reads as [data] says (or the node holds its own "
+                    "shard: data-is-shard)",
+                )
             settings = guard.policy.data.apply(settings, source=guard.policy.source, paths=own)
             guard.admit(settings, shared_file=not place.data_is_shard)  # 3. before any data
             refuse_before_the_ledger(  # 6.'s refusals that read no record: they cost nothing

@@ -23,7 +23,12 @@ are ignored, with a line in the node's log::
 
 The run still sets everything else (the model, the head, training, DP within the policy,
 rounds, the partitioning of a shared file). A node without a policy trusts the run and reads as
-it says. Written here because Flower has no node-side notion of how a node reads its data.
+it says. On a shared file (not ``data-is-shard``) a node whose reading differs from the run's
+refuses the round before reading a record (``READING_DIFFERS``, the keys in its log): its split
+would not be the one the server evaluates on and sizes its partitions by, so its training
+records could sit in the server's test split. The run then sets the node's reading, or the node
+holds its own shard. Written here because Flower has no node-side notion of how a node reads
+its data.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ from car_fl.settings.schema import DatasetConfig, Reader, Settings, Split
 log = logging.getLogger(__name__)
 
 _DEFAULTS = DatasetConfig()
+#: The node's own paths whose presence changes which split a record of the data file is in.
+_SPLITTING_PATHS = ("test_path", "documents_path")
 _DEFAULT_SEED = Settings().seed
 
 #: The ``[data]`` keys and the setting each fixes (``seed`` is the run's top-level seed).
@@ -126,15 +133,7 @@ class NodeReading:
         records that match a file of its choice, make a corpus read fail exactly when the node
         holds a query of a missing document, or add queries of its choice to the node's
         training set."""
-        mine = _reading_fields(self)
-        readers = {self.reader, settings.dataset.reader}
-        ignored = [
-            f"{KEYS[key.replace('_', '-')]}={getattr(settings.dataset, key)!r}"
-            for key, value in mine.items()
-            if getattr(settings.dataset, key) != value and _matters(key, readers)
-        ]
-        if settings.seed != self.seed:
-            ignored.append(f"seed={settings.seed}")
+        ignored = self.differences(settings)
         if ignored:
             log.warning(
                 "this node reads its data file as its owner set in %s ([data]), not as the run "
@@ -151,8 +150,30 @@ class NodeReading:
                     getattr(settings.dataset, key),
                 )
         own: dict[str, Any] = {key: value or None for key, value in (paths or {}).items()}
+        mine = _reading_fields(self)
         dataset = dataclasses.replace(settings.dataset, **mine, **own)
         return dataclasses.replace(settings, dataset=dataset, seed=self.seed)
+
+    def differences(
+        self, settings: Settings, *, paths: Mapping[str, str | None] | None = None
+    ) -> list[str]:
+        """The run's reading keys that differ from this one, as ``key=run's value`` (keys that
+        change what neither reader reads left out). With ``paths`` (the node's own, as in
+        :meth:`apply`), also a file the run names where the node names none, or the reverse:
+        one side would read its records as another split, or not at all, and the other not."""
+        readers = {self.reader, settings.dataset.reader}
+        found = [
+            f"{KEYS[key.replace('_', '-')]}={getattr(settings.dataset, key)!r}"
+            for key, value in _reading_fields(self).items()
+            if getattr(settings.dataset, key) != value and _matters(key, readers)
+        ]
+        if settings.seed != self.seed:
+            found.append(f"seed={settings.seed}")
+        for key, value in (paths or {}).items():
+            run = getattr(settings.dataset, key)
+            if key in _SPLITTING_PATHS and bool(run) != bool(value):
+                found.append(f"dataset.{key}={run!r} (this node's: {value or None!r})")
+        return found
 
 
 def _matters(key: str, readers: set[Reader]) -> bool:

@@ -33,6 +33,9 @@ class Failure(IntEnum):
     CONFIG_MISMATCH = 1104
     #: The node's own configuration (``--node-config``, its policy file) is incomplete or wrong.
     NODE_CONFIG = 1105
+    #: The node's owner reads the shared data file otherwise than the run (its policy's
+    #: ``[data]``): its split would not be the server's.
+    READING_DIFFERS = 1106
 
     @property
     def text(self) -> str:
@@ -52,6 +55,7 @@ FAILURE_TEXT: dict[Failure, str] = {
     Failure.RUN_TARGET_REACHED: "car-fl: this release would pass the run's dp.target_epsilon",
     Failure.CONFIG_MISMATCH: "car-fl: this node resolved another configuration than the server's",
     Failure.NODE_CONFIG: "car-fl: this node's own configuration is incomplete or invalid",
+    Failure.READING_DIFFERS: "car-fl: this node's owner reads the data file otherwise than the run",
 }
 
 
@@ -80,6 +84,12 @@ FAILURE_MEANING: dict[Failure, tuple[str, str]] = {
     Failure.NODE_CONFIG: (
         "refused: their own configuration (--node-config, policy file) is incomplete or invalid",
         "their owners have the details in the nodes' logs",
+    ),
+    Failure.READING_DIFFERS: (
+        "refused: their owners' privacy policies read the shared data file otherwise than this "
+        "run ([data]), so their splits would not be the server's",
+        "set the run's dataset keys and seed to their [data] (each node's log names the keys), "
+        "or start them with data-is-shard",
     ),
 }
 

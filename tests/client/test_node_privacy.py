@@ -41,6 +41,8 @@ lifetime-epsilon = {cap}
 
 AGREED = ("dp=fixed", "dp.noise_multiplier=2", "dp.clip=1", "fl.rounds=2", "fl.local_epochs=1")
 NODE = NodeInfo(partition_id=0, num_partitions=2)
+#: The same node started with ``data-is-shard``: its file is its own, its split is no one else's.
+SHARD = NodeInfo(partition_id=0, num_partitions=2, data_is_shard=True)
 
 
 def guard(tmp_path: Path, data: Path, cap: float = 1e6) -> NodePrivacy:
@@ -66,9 +68,9 @@ def initial(settings) -> dict[str, torch.Tensor]:
 LABELS = [f"topic{i}" for i in range(4)]
 
 
-def round_of(settings, node_privacy: NodePrivacy, server_round: int, run: str = "1"):
+def round_of(settings, node_privacy: NodePrivacy, server_round: int, run: str = "1", place=NODE):
     return Node(config={}, privacy=node_privacy).train(
-        settings, NODE, initial(settings), server_round, RecordDict(), LABELS, run=run
+        settings, place, initial(settings), server_round, RecordDict(), LABELS, run=run
     )
 
 
@@ -89,7 +91,7 @@ def test_record_level_dp_on_a_shared_file_is_refused_without_the_hash_placement(
     policy.write_text('modes = ["record"]\nlifetime-epsilon = 100\n', encoding="utf-8")
     node_privacy = NodePrivacy.open(policy, synthetic_tsv)
     with pytest.raises(Refusal) as err:
-        round_of(make_settings(*record, "dataset.split=hash"), node_privacy, 1)
+        round_of(make_settings(*record), node_privacy, 1)  # both read the file as seeded
     assert err.value.failure is Failure.POLICY_REFUSED and 'split = "hash"' in str(err.value)
     assert node_privacy.ledger.entries() == []
     policy.write_text(policy.read_text() + '[data]\nsplit = "hash"\n', encoding="utf-8")
@@ -258,9 +260,9 @@ def test_the_run_the_server_and_the_ledger_give_the_same_releases_the_same_epsil
     from car_fl.server.privacy_check import PrivacyCheck
 
     policy = tmp_path / "policy.toml"
+    reading = '[data]\nsplit = "hash"\n' if "dataset.split=hash" in mode else ""
     policy.write_text(
-        'modes = ["fixed", "record"]\nlifetime-epsilon = 100\n[data]\nsplit = "hash"\n',
-        encoding="utf-8",
+        'modes = ["fixed", "record"]\nlifetime-epsilon = 100\n' + reading, encoding="utf-8"
     )
     node_privacy = NodePrivacy.open(policy, synthetic_tsv)
     settings = make_settings(*mode)
@@ -293,12 +295,13 @@ def test_whether_the_records_can_be_read_is_no_answer_a_server_can_read(
     """Finding 1: a round the policy admits failed exactly when the records failed the run's
     reading of them (a label filter, a header guess), and failing runs spent nothing. Now the
     round is charged first, and a read that fails releases noise alone: every probe gets a
-    reply with the same public figures, and every one is in the ledger."""
+    reply with the same public figures, and every one is in the ledger (a node holding its own
+    shard; on a shared file a reading other than the policy's is refused outright, below)."""
     node_privacy = guard(tmp_path, synthetic_tsv)
     replies = []
     for run, probe in enumerate(READ_PROBES, start=1):
         settings = make_settings(*AGREED, *probe)
-        state, metrics = round_of(settings, node_privacy, 1, run=str(run))
+        state, metrics = round_of(settings, node_privacy, 1, run=str(run), place=SHARD)
         assert set(state) == set(initial(settings))
         assert all(bool(torch.isfinite(t).all()) for t in state.values())
         replies.append(metrics)
@@ -320,7 +323,7 @@ def test_after_the_lifetime_budget_is_spent_every_probe_gets_budget_exhausted(
     round_of(settings, node_privacy, 1, run="1")
     for run, extra in enumerate(READ_PROBES, start=2):
         with pytest.raises(Refusal) as err:
-            round_of(make_settings(*AGREED, *extra), node_privacy, 1, run=str(run))
+            round_of(make_settings(*AGREED, *extra), node_privacy, 1, run=str(run), place=SHARD)
         assert err.value.failure is Failure.BUDGET_EXHAUSTED, extra
     assert [e.run for e in node_privacy.ledger.entries()] == ["1"]
 
@@ -345,12 +348,14 @@ def test_a_node_with_a_policy_reads_its_records_its_own_way_whatever_the_run_say
     filters, so which examples a round trained on (and, under record-level DP, how one line
     decided how the others parse) followed the records: a header guess recovered the first
     record's label, a filter over M a label's count. Now the node reads with its policy's
-    [data] table: every probe trains on the very shard the agreed run trains on."""
+    [data] table: every probe trains on the very shard the agreed run trains on (a node that
+    holds its own shard), or, on a shared file, is refused before any record is read and
+    charged nothing (test_a_node_on_a_shared_file_refuses_a_reading_other_than_its_owners)."""
     node_privacy = guard(tmp_path, synthetic_tsv)
     shards: dict = {}
     Node(config={}, privacy=node_privacy, shards=shards).train(
         make_settings(*AGREED),
-        NODE,
+        SHARD,
         initial(make_settings(*AGREED)),
         1,
         RecordDict(),
@@ -363,11 +368,35 @@ def test_a_node_with_a_policy_reads_its_records_its_own_way_whatever_the_run_say
         shards.clear()
         settings = make_settings(*AGREED, *probe)
         Node(config={}, privacy=node_privacy, shards=shards).train(
-            settings, NODE, initial(settings), 1, RecordDict(), LABELS, run=str(run)
+            settings, SHARD, initial(settings), 1, RecordDict(), LABELS, run=str(run)
         )
         (read,) = shards.values()
         assert read.examples == own.examples, probe
         assert torch.equal(read.data.labels, own.data.labels), probe
+
+
+def test_a_node_on_a_shared_file_refuses_a_reading_other_than_its_owners(
+    tmp_path: Path, make_settings, synthetic_tsv: Path
+) -> None:
+    """A node reading its policy's way on a shared file trained on a split the server did not
+    know: its training records could be in the server's test split (a reported test figure over
+    texts a client trained on) and its partition's size was not the one the server caps counts
+    by. Now every reading of the run's other than the owner's [data] is refused with
+    READING_DIFFERS, before any record is read (nothing is charged); a run that reads as [data]
+    says trains."""
+    node_privacy = guard(tmp_path, synthetic_tsv)
+    for run, probe in enumerate(reading_probes(synthetic_tsv), start=1):
+        settings = make_settings(*AGREED, *probe)
+        differs = node_privacy.policy.data.differences(settings, paths={"test_path": None})
+        if not differs:  # the probe asks for car-fl's default: the same reading
+            continue
+        with pytest.raises(Refusal) as err:
+            round_of(settings, node_privacy, 1, run=str(run))
+        assert err.value.failure is Failure.READING_DIFFERS, probe
+        assert all(key.split("=")[0] in err.value.detail for key in differs), probe
+    assert node_privacy.ledger.entries() == []
+    _, metrics = round_of(make_settings(*AGREED), node_privacy, 1, run="agreed")
+    assert metrics["dp-epsilon"] > 0 and len(node_privacy.ledger.entries()) == 1
 
 
 def test_two_policies_cannot_keep_two_ledgers_of_the_same_records(
