@@ -93,7 +93,7 @@ from flwr.app import RecordDict
 
 from car_fl.client.failures import Refusal, failure_of
 from car_fl.client.node_privacy import NodePrivacy
-from car_fl.client.node_settings import SettingsMemory, node_settings
+from car_fl.client.node_settings import SettingsMemory, node_settings, own_files, run_files
 from car_fl.client.round import node_shard, refuse_before_the_ledger, train_shard
 from car_fl.client.run_states import RunStates, RunStore
 from car_fl.client.shard import Shard
@@ -103,10 +103,7 @@ from car_fl.protocol.messages import read_train_message, train_reply
 from car_fl.settings.dp_plan import dp_active
 from car_fl.settings.flower import (
     DATA_PATH,
-    DOCUMENTS_PATH,
-    GENERATED_QUERIES_PATH,
     PRIVACY_POLICY,
-    TEST_DATA_PATH,
     NodeInfo,
 )
 from car_fl.settings.schema import Settings
@@ -196,6 +193,11 @@ class Node:
             instruction.labels,
             run=run,
             layout=instruction.layout,
+            run_files=(  # the run's own, where the node's settings carry the node's files
+                None
+                if self.privacy is None or place.data_is_shard
+                else run_files(run_config, self.config)
+            ),
         )
         return train_reply(state, metrics, dtype=settings.comm.dtype)
 
@@ -210,29 +212,22 @@ class Node:
         *,
         run: str = "",
         layout: str | None = None,
+        run_files: Mapping[str, str | None] | None = None,
     ) -> tuple[dict[str, torch.Tensor], dict[str, int | float]]:
         """3-8: the policy, the ledger before any record, the shard, the budget, the release,
         with this node's :attr:`privacy` (``None``: it trusts the run's settings) and
         :attr:`shards`. Returns what the node sends (never an un-noised update once DP is
         active) and the reply's metrics (under DP nothing data-dependent besides
-        ``num-examples`` and the privacy figures)."""
+        ``num-examples`` and the privacy figures). ``run_files``: the run's own files where
+        ``settings`` carry the node's (:func:`~car_fl.client.node_settings.run_files`)."""
         guard = self.privacy
         if guard is not None:
-            own = {
-                "test_path": self.config.get(TEST_DATA_PATH),
-                "documents_path": self.config.get(DOCUMENTS_PATH),
-                "generated_queries_path": self.config.get(GENERATED_QUERIES_PATH),
-            }
-            differs = guard.policy.data.differences(settings, paths=own)
-            if differs and not place.data_is_shard:  # its split would not be the server's
-                raise Refusal(
-                    Failure.READING_DIFFERS,
-                    f"the run reads the shared data file otherwise than {guard.policy.source}'s "
-                    f"[data]: {', '.join(differs)}; this node's split would not be the server's "
-                    "(its training records could be in the server's test split), so it takes "
-                    "no part until the run reads as [data] says (or the node holds its own "
-                    "shard: data-is-shard)",
-                )
+            own = own_files(self.config)
+            why = guard.policy.data.refusal(
+                settings, paths=own, run_paths=run_files, source=guard.policy.source
+            )
+            if why is not None and not place.data_is_shard:  # its split must be the server's
+                raise Refusal(Failure.READING_DIFFERS, why)
             settings = guard.policy.data.apply(settings, source=guard.policy.source, paths=own)
             guard.admit(settings, shared_file=not place.data_is_shard)  # 3. before any data
             refuse_before_the_ledger(  # 6.'s refusals that read no record: they cost nothing

@@ -46,8 +46,31 @@ from car_fl.settings.schema import DatasetConfig, Reader, Settings, Split
 log = logging.getLogger(__name__)
 
 _DEFAULTS = DatasetConfig()
-#: The node's own paths whose presence changes which split a record of the data file is in.
-_SPLITTING_PATHS = ("test_path", "documents_path")
+#: Keys only a table reader reads, only a corpus reader reads, and that every reader but a
+#: corpus's reads (a corpus is split per document, with fixed fractions: ``split_corpus``).
+_TABLE_KEYS = frozenset({"text_column", "label_column"})
+_CORPUS_KEYS = frozenset(
+    {
+        "new_fraction",
+        "topic_key",
+        "pseudo_queries",
+        "pseudo_query_words",
+        "documents_path",
+        "generated_queries_path",
+    }
+)
+_FILE_KEYS = frozenset(
+    {
+        "dedupe",
+        "split",
+        "stratify",
+        "min_examples_per_label",
+        "max_examples",
+        "test_fraction",
+        "val_fraction",
+        "test_path",
+    }
+)
 _DEFAULT_SEED = Settings().seed
 
 #: The ``[data]`` keys and the setting each fixes (``seed`` is the run's top-level seed).
@@ -155,12 +178,17 @@ class NodeReading:
         return dataclasses.replace(settings, dataset=dataset, seed=self.seed)
 
     def differences(
-        self, settings: Settings, *, paths: Mapping[str, str | None] | None = None
+        self,
+        settings: Settings,
+        *,
+        paths: Mapping[str, str | None] | None = None,
+        run_paths: Mapping[str, str | None] | None = None,
     ) -> list[str]:
         """The run's reading keys that differ from this one, as ``key=run's value`` (keys that
         change what neither reader reads left out). With ``paths`` (the node's own, as in
         :meth:`apply`), also a file the run names where the node names none, or the reverse:
-        one side would read its records as another split, or not at all, and the other not."""
+        the two would split the records otherwise. The run's files are ``settings``' unless
+        ``run_paths`` gives them (``settings`` that already carry the node's own)."""
         readers = {self.reader, settings.dataset.reader}
         found = [
             f"{KEYS[key.replace('_', '-')]}={getattr(settings.dataset, key)!r}"
@@ -170,19 +198,43 @@ class NodeReading:
         if settings.seed != self.seed:
             found.append(f"seed={settings.seed}")
         for key, value in (paths or {}).items():
-            run = getattr(settings.dataset, key)
-            if key in _SPLITTING_PATHS and bool(run) != bool(value):
+            run = (run_paths or {}).get(key, getattr(settings.dataset, key))
+            if _matters(key, readers) and bool(run) != bool(value):
                 found.append(f"dataset.{key}={run!r} (this node's: {value or None!r})")
         return found
 
+    def refusal(
+        self,
+        settings: Settings,
+        *,
+        paths: Mapping[str, str | None],
+        run_paths: Mapping[str, str | None] | None = None,
+        source: object = "the privacy policy",
+    ) -> str | None:
+        """Why a node on a shared file refuses a run that reads it otherwise
+        (``READING_DIFFERS``, before any record is read; :meth:`differences`' arguments), or
+        ``None`` when the run reads it as this reading does."""
+        differs = self.differences(settings, paths=paths, run_paths=run_paths)
+        if not differs:
+            return None
+        return (
+            f"the run reads the shared data file otherwise than {source}'s [data]: "
+            f"{', '.join(differs)}; this node's split would not be the server's (its training "
+            "records could be in the server's test split), so it takes no part until the run "
+            "reads as [data] says (or the node holds its own shard: data-is-shard)"
+        )
+
 
 def _matters(key: str, readers: set[Reader]) -> bool:
-    """Whether a differing ``key`` changes what either reader reads (the columns only name a
-    table's fields, the corpus keys only a corpus's): the others are not worth a log line."""
-    if key in ("text_column", "label_column"):
+    """Whether a differing ``key`` (a dataset field or path) changes what either reader reads:
+    the columns name only a table's fields, the corpus keys only a corpus's, and a corpus reads
+    none of the others (it is split per document). The rest are not worth a log line."""
+    if key in _TABLE_KEYS:
         return Reader.TABLE in readers
-    if key in ("new_fraction", "topic_key", "pseudo_queries", "pseudo_query_words"):
+    if key in _CORPUS_KEYS:
         return Reader.CORPUS in readers
+    if key in _FILE_KEYS:
+        return bool(readers - {Reader.CORPUS})
     return True
 
 

@@ -14,11 +14,15 @@ import dataclasses
 import logging
 from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from car_fl.client import node_cache
 from car_fl.settings.flower import (
     CACHE_DIR,
+    DOCUMENTS_PATH,
+    GENERATED_QUERIES_PATH,
+    TEST_DATA_PATH,
     apply_node_config,
     check_fingerprint,
     fingerprint,
@@ -32,6 +36,31 @@ log = logging.getLogger(__name__)
 #: Settings a node composed, with their fingerprint, by a digest of the run's inputs and the
 #: node config (a :class:`car_fl.client.node.Node` keeps one for its life).
 SettingsMemory = dict[str, tuple[Settings, str]]
+
+#: The node's own files (node config key → dataset setting): on a node with a policy only its
+#: node config names them, never the run (:meth:`car_fl.client.node_reading.NodeReading.apply`).
+OWN_FILES: Mapping[str, str] = MappingProxyType(
+    {
+        TEST_DATA_PATH: "test_path",
+        DOCUMENTS_PATH: "documents_path",
+        GENERATED_QUERIES_PATH: "generated_queries_path",
+    }
+)
+
+
+def own_files(node_config: Mapping[str, Any]) -> dict[str, str | None]:
+    """The files this node's config names (``None`` for one it leaves out)."""
+    return {field: node_config.get(key) or None for key, field in OWN_FILES.items()}
+
+
+def run_files(run_config: Mapping[str, Any], node_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The run's own files where this node's config names its own (the node's settings then
+    carry the node's), composed again from the run config; empty when it names none."""
+    named = [field for key, field in OWN_FILES.items() if node_config.get(key)]
+    if not named:
+        return {}
+    dataset = settings_from_run_config(run_config).dataset
+    return {field: getattr(dataset, field) for field in named}
 
 
 def node_settings(

@@ -25,6 +25,7 @@ from car_fl.settings.compose import settings_to_yaml
 from car_fl.settings.flower import (
     DATA_PATH,
     PRIVACY_POLICY,
+    TEST_DATA_PATH,
     NodeConfigError,
     NodeInfo,
     fingerprint,
@@ -397,6 +398,41 @@ def test_a_node_on_a_shared_file_refuses_a_reading_other_than_its_owners(
     assert node_privacy.ledger.entries() == []
     _, metrics = round_of(make_settings(*AGREED), node_privacy, 1, run="agreed")
     assert metrics["dp-epsilon"] > 0 and len(node_privacy.ledger.entries()) == 1
+
+
+def test_a_test_file_named_by_the_node_alone_is_a_reading_the_server_does_not_know(
+    tmp_path: Path, make_settings, synthetic_tsv: Path
+) -> None:
+    """Review: the node config's test-data-path is in the node's settings before the readings
+    are compared, so a node naming a test file where the run names none was not refused: the
+    server split its test records off the shared file and the node trained on them. Compared
+    with the run's own files now; a node holding its own shard reads its own test file."""
+    settings = make_settings(*AGREED)
+    policy = tmp_path / "policy.toml"
+    policy.write_text(POLICY.format(cap=1e6), encoding="utf-8")
+    own_test = tmp_path / "own-test.tsv"
+    own_test.write_text("topic0\ta test message of this node's own\n", encoding="utf-8")
+    config = ConfigRecord(
+        {"server-round": 1, "fingerprint": fingerprint(settings), "labels": LABELS}
+    )
+    content = RecordDict({"arrays": to_record(initial(settings)), "config": config})
+    node_config = {
+        PRIVACY_POLICY: str(policy),
+        DATA_PATH: str(synthetic_tsv),
+        TEST_DATA_PATH: str(own_test),
+        "partition-id": 0,
+        "num-partitions": 2,
+    }
+    run_config = {"settings": settings_to_yaml(settings)}
+    node = Node(dict(node_config))
+    with pytest.raises(Refusal) as err:
+        node.answer(content, run_config=run_config, run="1")
+    assert err.value.failure is Failure.READING_DIFFERS and "test_path=None" in err.value.detail
+    assert node.privacy is not None and node.privacy.ledger.entries() == []
+    shard = Node({**node_config, "data-is-shard": "true"})
+    reply = shard.answer(content, run_config=run_config, run="1")
+    assert reply.metric_records and shard.privacy is not None
+    assert len(shard.privacy.ledger.entries()) == 1
 
 
 def test_two_policies_cannot_keep_two_ledgers_of_the_same_records(

@@ -115,3 +115,43 @@ def test_only_the_nodes_own_config_names_its_test_and_documents_files(make_setti
     paths["generated_queries_path"] = "/mine/generated.jsonl"
     mine_too = NodeReading().apply(theirs, paths=paths).dataset.generated_queries_path
     assert mine_too == "/mine/generated.jsonl"
+
+
+def test_only_what_either_reader_reads_is_a_difference(make_settings) -> None:
+    """Review: a run naming a documents file the node's table reader never opens, or a corpus
+    run whose split fractions a corpus never reads (it splits per document), was refused on a
+    shared file; what either reader does read still is."""
+    none = {"test_path": None, "documents_path": None, "generated_queries_path": None}
+    sms = NodeReading()
+    assert (
+        sms.differences(make_settings("dataset.documents_path=/srv/docs.jsonl"), paths=none) == []
+    )
+    assert sms.differences(make_settings("dataset.test_fraction=0.3"), paths=none) == [
+        "dataset.test_fraction=0.3"
+    ]
+    assert sms.differences(make_settings("dataset.test_path=/srv/t.tsv"), paths=none) == [
+        "dataset.test_path='/srv/t.tsv' (this node's: None)"
+    ]
+    # the run's own test file when the node's settings already carry the node's
+    own = {**none, "test_path": "/mine/test.tsv"}
+    carried = make_settings("dataset.test_path=/mine/test.tsv")
+    assert sms.differences(carried, paths=own) == []
+    assert sms.differences(carried, paths=own, run_paths={"test_path": None}) == [
+        "dataset.test_path=None (this node's: '/mine/test.tsv')"
+    ]
+    corpus = NodeReading(reader=Reader.CORPUS)
+    run = make_settings(
+        "dataset.reader=corpus",
+        "dataset.documents_path=/srv/docs.jsonl",
+        "dataset.test_fraction=0.3",
+        "dataset.stratify=false",
+        "dataset.test_path=/srv/t.tsv",
+    )
+    mine = {**none, "documents_path": "/mine/docs.jsonl"}
+    assert corpus.differences(run, paths=mine) == []
+    changed = make_settings(
+        "dataset.reader=corpus", "dataset.documents_path=/d", "dataset.new_fraction=0.2"
+    )
+    assert corpus.differences(changed, paths=mine, run_paths={"documents_path": "/d"}) == [
+        "dataset.new_fraction=0.2"
+    ]
