@@ -223,11 +223,12 @@ class Node:
         guard = self.privacy
         if guard is not None:
             own = own_files(self.config)
-            why = guard.policy.data.refusal(
-                settings, paths=own, run_paths=run_files, source=guard.policy.source
-            )
-            if why is not None and not place.data_is_shard:  # its split must be the server's
-                raise Refusal(Failure.READING_DIFFERS, why)
+            if not place.data_is_shard:  # on a shared file its split must be the server's
+                why = guard.policy.data.refusal(
+                    settings, paths=own, run_paths=run_files, source=guard.policy.source
+                )
+                if why is not None:
+                    raise Refusal(Failure.READING_DIFFERS, why)
             settings = guard.policy.data.apply(settings, source=guard.policy.source, paths=own)
             guard.admit(settings, shared_file=not place.data_is_shard)  # 3. before any data
             refuse_before_the_ledger(  # 6.'s refusals that read no record: they cost nothing

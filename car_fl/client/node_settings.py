@@ -22,6 +22,7 @@ from car_fl.settings.flower import (
     CACHE_DIR,
     DOCUMENTS_PATH,
     GENERATED_QUERIES_PATH,
+    NODE_CONFIG,
     TEST_DATA_PATH,
     apply_node_config,
     check_fingerprint,
@@ -41,9 +42,8 @@ SettingsMemory = dict[str, tuple[Settings, str]]
 #: node config names them, never the run (:meth:`car_fl.client.node_reading.NodeReading.apply`).
 OWN_FILES: Mapping[str, str] = MappingProxyType(
     {
-        TEST_DATA_PATH: "test_path",
-        DOCUMENTS_PATH: "documents_path",
-        GENERATED_QUERIES_PATH: "generated_queries_path",
+        key: str(NODE_CONFIG[key].setting).removeprefix("dataset.")
+        for key in (TEST_DATA_PATH, DOCUMENTS_PATH, GENERATED_QUERIES_PATH)
     }
 )
 
