@@ -27,7 +27,8 @@ def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     settings = to_settings(cfg)
-    train_centrally(settings, settings.output_dir or HydraConfig.get().runtime.output_dir)
+    where = settings.resume or settings.output_dir  # a resumed run goes on in its own folder
+    train_centrally(settings, where or HydraConfig.get().runtime.output_dir)
 
 
 if __name__ == "__main__":

@@ -29,13 +29,20 @@ def run(args: argparse.Namespace) -> int:
     from car_fl.common.logs import setup_logging
     from car_fl.method.sources import check_sources
     from car_fl.settings.compose import load_settings
+    from car_fl.settings.schema import DPMode
 
     settings = load_settings(args.overrides)
-    check_sources(settings)  # before torch and transformers are even imported
+    if settings.resume and settings.dp.mode is not DPMode.RECORD:  # DP-SGD: a federation's
+        from car_fl.method.resume import check_run_dir
+
+        check_run_dir(Path(settings.resume))  # a mistyped folder fails first
+    check_sources(settings)  # before torch (without resume=) and transformers are imported
     from car_fl.simulation.centralized_dp import train_centrally
 
     setup_logging()
-    out = Path(settings.output_dir) if settings.output_dir else default_output_dir()
+    # a resumed run goes on in its own folder
+    where = settings.resume or settings.output_dir
+    out = Path(where) if where else default_output_dir()
     summary = train_centrally(settings, out)  # dp=record: DP-SGD; local DP modes: refused
     best = summary["best"]
     private = (

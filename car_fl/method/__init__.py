@@ -15,7 +15,8 @@
 - :mod:`~car_fl.method.train`, :mod:`~car_fl.method.metrics`: epochs (DP-SGD included) and
   their torch.optim optimisers, top-K/MRR/F1; :mod:`~car_fl.method.evaluation`:
   ``HeldOut`` (validation and test).
-- :mod:`~car_fl.method.centralized`: centralised training, one row of metrics per epoch.
+- :mod:`~car_fl.method.centralized`: centralised training, one row of metrics per epoch;
+  :mod:`~car_fl.method.resume`: a stopped run continued from its last epoch (``resume=``).
 - :mod:`~car_fl.method.probe`: linear probing, the head alone on frozen features, the epoch
   validation selects kept, before adapter + classifier trains.
 - :mod:`~car_fl.method.sources`: where the encoder and data come from, checked before any work;

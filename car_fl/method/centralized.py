@@ -5,7 +5,9 @@ Writes ``config.yaml``, ``metrics.json``/``metrics.csv`` (same format as a feder
 "round" per epoch), ``curves.png`` and ``checkpoints/{best,final}`` to ``output_dir``, also for
 a run that trains nothing (MIPS, kNN). The starting point (epoch 0, the untrained head) is
 evaluated first and may be selected as best: a trained head is kept only when it is better on
-validation; the summary's ``initial`` holds its metrics beside ``best``.
+validation; the summary's ``initial`` holds its metrics beside ``best``. After every epoch the
+metrics files and ``checkpoints/last`` are written again, so that ``resume=`` can continue a
+run that was stopped (:mod:`car_fl.method.resume`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,14 @@ from car_fl.method.evaluation import HeldOut, LazyRetriever
 from car_fl.method.features import LocalData, prepare_for
 from car_fl.method.model import CaRRetriever
 from car_fl.method.probe import probe_head
+from car_fl.method.resume import (
+    LAST,
+    EpochPoint,
+    check_same_data,
+    load_epoch_point,
+    load_optimizer_tensors,
+    save_last,
+)
 from car_fl.method.serving import checkpoint_extra
 from car_fl.method.sources import check_sources
 from car_fl.method.train import make_optimizer, one_epoch
@@ -41,13 +51,20 @@ def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any
     """Train for ``train.epochs`` epochs, evaluating after each; returns the summary.
 
     Centralised training does not implement differential privacy: any ``dp`` mode other than
-    ``none`` is refused here, before any work, rather than trained without it.
+    ``none`` is refused here, before any work, rather than trained without it. With
+    ``settings.resume`` (a run's folder) the run goes on there after its last epoch.
     """
     check_no_dp(settings)
+    resume_dir = Path(settings.resume) if settings.resume else None
+    point = load_epoch_point(resume_dir, settings) if resume_dir is not None else None
     check_sources(settings)  # seconds, not a minute of Hub retries, when offline
-    out = write_config(settings, output_dir)
-    start = time.perf_counter()
-    run = prepare(settings)
+    out = write_config(settings, resume_dir or output_dir)
+    start = time.perf_counter() - (point.seconds if point is not None else 0.0)
+    run = prepare(settings, probe=point is None)
+    if point is not None:
+        assert resume_dir is not None
+        check_same_data(resume_dir, point.data, run.splits.stats)
+        run.probe = point.probe
     recorder = Recorder(
         settings=settings,
         output_dir=out,
@@ -56,9 +73,10 @@ def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any
         title=f"centralised, {data_label(settings.dataset)}",
         extra=checkpoint_extra(settings, run.splits.label_map.names, run.model),
     )
-    initial = train(settings, run, recorder)
+    initial = train(settings, run, recorder, point=point, started=start)
     recorder.save_final(run.model.trainable_state_dict())
     summary = summarise(settings, run, recorder, initial, seconds=time.perf_counter() - start)
+    summary.complete = True
     recorder.write(summary)
     final, best = summary.final, summary.best
     assert final is not None and best is not None
@@ -100,10 +118,10 @@ class Prepared:
     probe: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-def prepare(settings: Settings) -> Prepared:
+def prepare(settings: Settings, *, probe: bool = True) -> Prepared:
     """The splits, their features (the encoder is loaded only if one is not cached; MIPS
     scores held-out queries against documents and encodes no training query), the model (with
-    kNN's memory, and the probed head of ``train.probe_epochs``)."""
+    kNN's memory, and, with ``probe``, the probed head of ``train.probe_epochs``)."""
     splits = load_splits(settings.dataset, seed=settings.seed)
     start = time.perf_counter()  # the features' time: reading the data is not in it
     lazy = LazyRetriever(settings, splits)
@@ -131,37 +149,56 @@ def prepare(settings: Settings) -> Prepared:
     if model.kind is HeadKind.KNN:
         assert train_data is not None and train_data.features is not None
         model.set_memory(train_data.features, train_data.labels)
-    probe = (
+    probed = (
         probe_head(settings, model, splits)
-        if settings.train.probe_epochs and model.mode is Mode.ADAPTER_CLASSIFIER
+        if probe and settings.train.probe_epochs and model.mode is Mode.ADAPTER_CLASSIFIER
         else {}
     )
-    return Prepared(splits, model, train_data, held_out, time.perf_counter() - start, probe)
+    return Prepared(splits, model, train_data, held_out, time.perf_counter() - start, probed)
 
 
-def train(settings: Settings, run: Prepared, recorder: Recorder) -> RoundRow:
+def train(
+    settings: Settings,
+    run: Prepared,
+    recorder: Recorder,
+    *,
+    point: EpochPoint | None = None,
+    started: float | None = None,
+) -> RoundRow:
     """The starting point (evaluated first, a candidate for best: selection never keeps a
     trained head worse on validation than the one it started from), then the epochs, until
     ``train.patience`` epochs pass without a better one; none for MIPS on the frozen encoder
-    and kNN (one evaluation). Returns the starting point's row."""
+    and kNN (one evaluation). ``point``: go on after a stopped run's last epoch. Each epoch
+    rewrites the metrics files (``complete: false``; ``started``: the run's start on
+    ``time.perf_counter``) and ``checkpoints/last``. Returns the starting point's row."""
     model, held_out = run.model, run.held_out
     epochs = 0 if trains_nothing(settings) else settings.train.epochs
-    tick = time.perf_counter()
-    metrics = held_out.evaluate(model, settings)
-    start = RoundRow(round=0, epochs=0, metrics=metrics, seconds=time.perf_counter() - tick)
+    if point is not None:
+        start = RoundRow(round=0, epochs=0, metrics=point.initial, seconds=0.0)
+        recorder.resume(point.history, point.initial)
+        model.load_trainable_state_dict(point.state)
+        log.info("resumed after epoch %d of %d", point.epoch, epochs)
+    else:
+        tick = time.perf_counter()
+        metrics = held_out.evaluate(model, settings)
+        start = RoundRow(round=0, epochs=0, metrics=metrics, seconds=time.perf_counter() - tick)
     if epochs == 0:  # the starting point is the run's only row, its best and final
         recorder.record(start, model.trainable_state_dict())
         log.info(
             "%s (nothing to train): test top1 %.4f mrr %.4f",
             model.kind.value,
-            metrics["test_top1"],
-            metrics["test_mrr"],
+            start.metrics["test_top1"],
+            start.metrics["test_mrr"],
         )
         return start
-    recorder.start(start, model.trainable_state_dict())
+    if point is None:
+        recorder.start(start, model.trainable_state_dict())
     optimizer = make_optimizer(model, settings.train)
+    if point is not None:
+        load_optimizer_tensors(optimizer, point.optimizer)
     assert run.train_data is not None
-    for epoch in range(epochs):
+    started = time.perf_counter() if started is None else started
+    for epoch in range(point.epoch if point is not None else 0, epochs):
         tick = time.perf_counter()
         result = one_epoch(settings, model, run.train_data, optimizer, epoch, desc="epoch")
         row = RoundRow(
@@ -172,7 +209,11 @@ def train(settings: Settings, run: Prepared, recorder: Recorder) -> RoundRow:
             metrics=held_out.evaluate(model, settings),
             seconds=time.perf_counter() - tick,
         )
-        recorder.record(row, model.trainable_state_dict())
+        state = model.trainable_state_dict()
+        recorder.record(row, state)
+        save_last(recorder.checkpoints / LAST, recorder.checkpoint(state, row), optimizer)
+        seconds = time.perf_counter() - started
+        recorder.write(summarise(settings, run, recorder, start, seconds=seconds), plot=False)
         if stalled(recorder, epoch + 1, settings.train.patience):
             log.info(
                 "early stop after epoch %d: validation has not improved for %d epochs "
@@ -188,9 +229,11 @@ def train(settings: Settings, run: Prepared, recorder: Recorder) -> RoundRow:
 def summarise(
     settings: Settings, run: Prepared, recorder: Recorder, initial: RoundRow, *, seconds: float
 ) -> RunSummary:
-    """The run's summary: its rows' final and best, sizes, times, selection, data."""
+    """The run's summary: its rows' final and best, sizes, times, selection, data (``complete``
+    false: the caller says when the run ended)."""
     final, best = recorder.history[-1], recorder.best
     assert best is not None
+    patience = settings.train.patience if final.round else None  # nothing trained, nothing stopped
     return RunSummary(
         kind="centralized",
         clients=1,
@@ -207,6 +250,8 @@ def summarise(
         test_examples=len(run.held_out.test),
         selection=run.held_out.selection,
         data=run.splits.stats,
+        stopped_early=final.round if stalled(recorder, final.round, patience) else None,
+        complete=False,
         extra={"probe": run.probe} if run.probe else {},
     )
 

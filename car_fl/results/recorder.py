@@ -219,9 +219,11 @@ class Recorder:
         checkpoint = self.checkpoint(state, last, round=round, epsilon=epsilon)
         save_checkpoint(self.checkpoints / "final", checkpoint)
 
-    def write(self, summary: RunSummary) -> None:
-        """``metrics.json``, ``metrics.csv`` and ``curves.png``."""
+    def write(self, summary: RunSummary, *, plot: bool = True) -> None:
+        """``metrics.json``, ``metrics.csv`` and (``plot``) ``curves.png``."""
         MetricsFile(history=self.history, summary=summary).write(self.output_dir)
+        if not plot:
+            return
         plot_curves(
             self.output_dir,
             self.history,

@@ -228,8 +228,8 @@ class RunSummary:
     #: Split sizes and the duplicates removed before splitting.
     data: dict[str, int]
     skipped_rounds: list[int] | None = None
-    #: The round after which ``train.patience`` ended a federated run (not written: it ran
-    #: every round of ``fl.rounds``).
+    #: The round (or epoch) after which ``train.patience`` ended the run (not written: it ran
+    #: every round of ``fl.rounds``, every epoch of ``train.epochs``).
     stopped_early: int | None = None
     dp: str | None = None
     delta: float | None = None

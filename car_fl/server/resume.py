@@ -47,7 +47,8 @@ def check_noise_kept(run_dir: Path, settings: Settings, planned: int) -> None:
             f"resume={run_dir}: under dp=record with dp.target_epsilon, σ is calibrated to "
             f"fl.rounds: {planned} rounds gave σ {before.noise_multiplier:.4g}, "
             f"fl.rounds={settings.fl.rounds} gives {after.noise_multiplier:.4g}, and the rounds "
-            f"already run used the first; resume with fl.rounds={planned}, or start a new run"
+            f"already run used the first; resume with fl.rounds={planned} (car-fl train: "
+            f"train.epochs={planned}), or start a new run"
         )
 
 
@@ -65,6 +66,8 @@ def load_resume_point(run_dir: Path, settings: Settings) -> ResumePoint:
     saved = federated_part(settings_from_yaml(saved_config.read_text(encoding="utf-8")))
     planned = saved.fl.rounds
     saved.fl.rounds = settings.fl.rounds
+    # a federation does not read train.epochs; car-fl train dp=record makes it fl.rounds
+    saved.train.epochs = settings.train.epochs
     if fingerprint(saved) != fingerprint(settings):
         raise ValueError(
             f"resume={run_dir}: that run was made with another configuration (see its "

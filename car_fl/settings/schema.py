@@ -123,9 +123,9 @@ class Settings:
     #: Where results go. null: the Hydra run directory (centralised) or runs/<timestamp> (Flower).
     output_dir: str | None = None
     progress: bool = True
-    #: Continue an interrupted federated run: resume=<its run directory> (same overrides,
-    #: fl.rounds may be raised). Restores round, global parameters and metrics history from
-    #: its last complete round checkpoint.
+    #: Continue a stopped run: resume=<its run directory> (same overrides; fl.rounds, or
+    #: train.epochs for car-fl train, may be raised), from its last round's checkpoint, or its
+    #: last epoch's trainable and optimiser state (car_fl.method.resume).
     resume: str | None = None
 
     def __post_init__(self) -> None:

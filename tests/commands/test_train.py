@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from car_fl.cli import main as cli_main
+from car_fl.results.rows import MetricsFile
 from car_fl.testing.tiny import tiny_overrides
 
 PROJECT = Path(__file__).resolve().parents[2]
@@ -40,6 +41,10 @@ def test_the_offline_default_fails_in_seconds_naming_both_fixes(tmp_path: Path) 
         (("fl.round=2",), "car-fl train: fl.round is not a setting; did you mean fl.rounds?"),
         (("model=minilm", "dataset.path=/nope/a.tsv"), "car-fl train: dataset.path=/nope/a.tsv"),
         (("dp=recrod",), "car-fl train: dp=recrod is not an option of dp; did you mean dp=record?"),
+        (
+            ("model=minilm", "dataset=sms_spam", "resume=/nope/run"),
+            "car-fl train: resume=/nope/run: config.yaml is missing; resume= takes the folder",
+        ),
     ],
 )
 def test_mistakes_exit_non_zero_with_one_line(
@@ -60,9 +65,13 @@ def test_train_writes_results_others_can_read(
     old = os.umask(0o022)
     try:
         assert cli_main(["train", *overrides, "train.epochs=2", f"output_dir={out}"]) == 0
+        assert f"results in {out}" in capsys.readouterr().out
+        # the same run, two epochs longer, goes on in its own folder
+        assert cli_main(["train", *overrides, "train.epochs=4", f"resume={out}"]) == 0
     finally:
         os.umask(old)
     assert f"results in {out}" in capsys.readouterr().out
+    assert len(MetricsFile.read(out).history) == 4
     files = [p for p in out.rglob("*") if p.is_file()]
     assert {"config.yaml", "metrics.json", "metrics.csv", "curves.png"} <= {p.name for p in files}
     assert {stat.S_IMODE(p.stat().st_mode) for p in files} == {0o644}
