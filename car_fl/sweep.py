@@ -53,6 +53,12 @@ def job_settings(cfg: DictConfig) -> tuple[Settings, int]:
     clients = int(cfg.clients)
     if clients < 1:
         raise ValueError(f"clients must be >= 1, got {clients}")
+    if cfg.get("resume"):
+        raise ValueError(
+            f"resume={cfg.resume} continues one run in its own folder, and a sweep's jobs each "
+            "write their own: resume a stopped job with car-fl train (clients=1) or car-fl run "
+            "and its overrides (its job.json), resume=<its folder>"
+        )
     keep = [str(k) for k in cfg if str(k) not in (*SWEEP_KEYS, "hydra")]
     conf = OmegaConf.masked_copy(cfg, keep)
     if int(cfg.fl.probe_rounds) and not has_head_to_probe(HeadKind(str(cfg.head.kind))):

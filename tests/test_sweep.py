@@ -172,6 +172,13 @@ def test_ag_news_experiment_matches_the_method() -> None:
     assert fed.dp.mode == "adaptive" and fed.dp.warmup_rounds > 0
 
 
+def test_a_sweep_refuses_resume_which_would_send_every_job_to_one_folder() -> None:
+    for clients in (1, 2):
+        cfg = _experiment("sms_scenarios", f"clients={clients}", "resume=/runs/one")
+        with pytest.raises(ValueError, match="a sweep's jobs each write their own"):
+            job_settings(cfg)
+
+
 def test_centralised_jobs_default_to_the_federations_passes_over_the_data() -> None:
     settings, _ = job_settings(_experiment("sms_scenarios", "clients=1", "fl.rounds=3"))
     assert settings.train.epochs == 3 * 2

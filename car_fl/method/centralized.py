@@ -29,7 +29,7 @@ from car_fl.method.probe import probe_head
 from car_fl.method.resume import (
     LAST,
     EpochPoint,
-    check_same_data,
+    check_same_run,
     load_epoch_point,
     load_optimizer_tensors,
     save_last,
@@ -58,12 +58,16 @@ def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any
     resume_dir = Path(settings.resume) if settings.resume else None
     point = load_epoch_point(resume_dir, settings) if resume_dir is not None else None
     check_sources(settings)  # seconds, not a minute of Hub retries, when offline
-    out = write_config(settings, resume_dir or output_dir)
+    # a resumed run's config.yaml is rewritten only once its data is found to be the same
+    out = write_config(settings, output_dir, write=point is None)
     start = time.perf_counter() - (point.seconds if point is not None else 0.0)
     run = prepare(settings, probe=point is None)
+    extra = checkpoint_extra(settings, run.splits.label_map.names, run.model)
     if point is not None:
         assert resume_dir is not None
-        check_same_data(resume_dir, point.data, run.splits.stats)
+        labels, stats = run.splits.label_map, run.splits.stats
+        check_same_run(resume_dir, point, data=stats, labels=labels, extra=extra)
+        out = write_config(settings, resume_dir, log_it=False)
         run.probe = point.probe
     recorder = Recorder(
         settings=settings,
@@ -71,7 +75,7 @@ def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any
         label_map=run.splits.label_map,
         unit="epoch",
         title=f"centralised, {data_label(settings.dataset)}",
-        extra=checkpoint_extra(settings, run.splits.label_map.names, run.model),
+        extra=extra,
     )
     initial = train(settings, run, recorder, point=point, started=start)
     recorder.save_final(run.model.trainable_state_dict())
@@ -93,13 +97,18 @@ def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any
     return summary.to_dict()
 
 
-def write_config(settings: Settings, output_dir: str | Path) -> Path:
-    """The run's folder, with its resolved ``config.yaml`` (also logged)."""
+def write_config(
+    settings: Settings, output_dir: str | Path, *, write: bool = True, log_it: bool = True
+) -> Path:
+    """The run's folder, with its resolved ``config.yaml`` (if ``write``; logged if
+    ``log_it``)."""
     out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     config_yaml = settings_to_yaml(settings)
-    log.info("resolved configuration:\n%s", config_yaml)
-    atomic_write_text(out / "config.yaml", config_yaml)
+    if log_it:
+        log.info("resolved configuration:\n%s", config_yaml)
+    if write:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out / "config.yaml", config_yaml)
     return out
 
 
@@ -198,7 +207,8 @@ def train(
         load_optimizer_tensors(optimizer, point.optimizer)
     assert run.train_data is not None
     started = time.perf_counter() if started is None else started
-    for epoch in range(point.epoch if point is not None else 0, epochs):
+    first = epochs if point is not None and point.finished else point.epoch if point else 0
+    for epoch in range(first, epochs):
         tick = time.perf_counter()
         result = one_epoch(settings, model, run.train_data, optimizer, epoch, desc="epoch")
         row = RoundRow(
@@ -211,9 +221,10 @@ def train(
         )
         state = model.trainable_state_dict()
         recorder.record(row, state)
-        save_last(recorder.checkpoints / LAST, recorder.checkpoint(state, row), optimizer)
         seconds = time.perf_counter() - started
+        # the row first: a run stopped between the two trains this epoch again on resume
         recorder.write(summarise(settings, run, recorder, start, seconds=seconds), plot=False)
+        save_last(recorder.checkpoints / LAST, recorder.checkpoint(state, row), optimizer)
         if stalled(recorder, epoch + 1, settings.train.patience):
             log.info(
                 "early stop after epoch %d: validation has not improved for %d epochs "
@@ -233,7 +244,8 @@ def summarise(
     false: the caller says when the run ended)."""
     final, best = recorder.history[-1], recorder.best
     assert best is not None
-    patience = settings.train.patience if final.round else None  # nothing trained, nothing stopped
+    # stopped early: out of patience before train.epochs (a run that trains nothing never is)
+    early = final.round < settings.train.epochs and not trains_nothing(settings)
     return RunSummary(
         kind="centralized",
         clients=1,
@@ -250,7 +262,11 @@ def summarise(
         test_examples=len(run.held_out.test),
         selection=run.held_out.selection,
         data=run.splits.stats,
-        stopped_early=final.round if stalled(recorder, final.round, patience) else None,
+        stopped_early=(
+            final.round
+            if early and stalled(recorder, final.round, settings.train.patience)
+            else None
+        ),
         complete=False,
         extra={"probe": run.probe} if run.probe else {},
     )

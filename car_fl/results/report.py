@@ -223,7 +223,7 @@ NOT_DIFFERENCES = ("output_dir", "cache_dir", "resume", "progress")
 def differences(runs: Sequence[RunRecord]) -> dict[Path, str]:
     """For runs whose rows would otherwise look the same (one dataset, model, approach,
     clients and scenario), the settings in which each differs from the others."""
-    from car_fl.settings.compose import plain
+    from car_fl.settings.flat import flat_settings
 
     groups: dict[tuple[Any, ...], list[RunRecord]] = defaultdict(list)
     for run in runs:
@@ -235,7 +235,7 @@ def differences(runs: Sequence[RunRecord]) -> dict[Path, str]:
     for group in groups.values():
         if len(group) < 2:
             continue
-        flat = [_flatten(plain(r.settings)) for r in group if r.settings is not None]
+        flat = [flat_settings(r.settings) for r in group if r.settings is not None]
         keys = sorted(
             k
             for k in set().union(*flat)
@@ -244,17 +244,6 @@ def differences(runs: Sequence[RunRecord]) -> dict[Path, str]:
         for run, values in zip(group, flat, strict=True):
             out[run.path] = " ".join(f"{k}={values.get(k)}" for k in keys)
     return out
-
-
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{name}."))
-        else:
-            flat[name] = value
-    return flat
 
 
 # --------------------------------------------------------------------------------- tables

@@ -8,6 +8,7 @@
   the approaches in :mod:`~car_fl.settings.choices`.
 - :mod:`~car_fl.settings.compose`: Hydra composition (``load_settings``, ``to_settings``,
   ``settings_to_yaml``).
+- :mod:`~car_fl.settings.flat`: settings as dotted keys, and the keys two runs differ in.
 - :mod:`~car_fl.settings.dp_plan`: what a run releases under each DP mode
   (``round_release``), the record-level plan (``record_plan``) and its check.
 - :mod:`~car_fl.settings.flower`: Flower's run config and node config (``NODE_CONFIG``,

@@ -10,8 +10,14 @@ import torch
 from safetensors.torch import load_file
 
 from car_fl.method import centralized
+from car_fl.method import resume as resume_module
 from car_fl.method.centralized import run_centralized
-from car_fl.method.resume import LAST, OPTIMIZER, load_optimizer_tensors, optimizer_tensors
+from car_fl.method.resume import (
+    LAST,
+    load_optimizer_tensors,
+    optimizer_file,
+    optimizer_tensors,
+)
 from car_fl.simulation.centralized_dp import train_centrally
 
 
@@ -63,7 +69,8 @@ def test_a_run_stopped_in_an_epoch_resumes_and_ends_where_an_uninterrupted_one_d
     left = json.loads((stopped / "metrics.json").read_text())
     assert [row["round"] for row in left["history"]] == [1]
     assert left["summary"]["complete"] is False
-    assert (stopped / "checkpoints" / LAST / OPTIMIZER).is_file()
+    kept = sorted(p.name for p in (stopped / "checkpoints" / LAST).glob("optimizer-*"))
+    assert kept == [optimizer_file(1)]
     assert not (stopped / "checkpoints" / "final").exists()
 
     resumed = run_centralized(make_settings(*overrides, f"resume={stopped}"), stopped)
@@ -95,9 +102,10 @@ def test_a_resume_with_other_settings_or_after_early_stopping_is_refused_before_
     run = tmp_path / "run"
     run_centralized(make_settings("train.epochs=1"), run)
     before = (run / "metrics.json").read_text()
-    refused = r"another configuration .* \(only train\.epochs may change\)"
-    with pytest.raises(ValueError, match=refused):
+    refused = r"other settings .* \(only train\.epochs may change\)"
+    with pytest.raises(ValueError, match=refused) as err:
         run_centralized(make_settings("train.epochs=2", "train.lr=0.5", f"resume={run}"), run)
+    assert "train.lr=" in str(err.value)  # the message names what changed
     with pytest.raises(ValueError, match="trains nothing"):
         run_centralized(make_settings("head.kind=knn", f"resume={run}"), run)
     with pytest.raises(FileNotFoundError, match="is missing; resume= takes the folder"):
@@ -114,25 +122,11 @@ def test_a_resume_with_other_settings_or_after_early_stopping_is_refused_before_
         run_centralized(resume, stopped)
 
 
-def test_a_resume_on_another_data_file_is_refused(
-    make_settings, tmp_path: Path, synthetic_tsv: Path
-) -> None:
-    run = tmp_path / "run"
-    run_centralized(make_settings("train.epochs=1"), run)
-    fewer = tmp_path / "fewer.tsv"
-    lines = synthetic_tsv.read_text().splitlines()
-    fewer.write_text("\n".join(lines[: len(lines) // 2]) + "\n")
-    with pytest.raises(ValueError, match="the data splits differ from that run's"):
-        run_centralized(
-            make_settings("train.epochs=2", f"dataset.path={fewer}", f"resume={run}"), run
-        )
-
-
 def test_a_federated_run_is_not_resumed_as_a_centralised_one(make_settings, tmp_path: Path) -> None:
     run = tmp_path / "run"
     run_centralized(make_settings("train.epochs=1"), run)
     metrics = json.loads((run / "metrics.json").read_text())
-    metrics["summary"]["kind"] = "federated"
+    metrics["kind"] = metrics["summary"]["kind"] = "federated"
     (run / "metrics.json").write_text(json.dumps(metrics))
     with pytest.raises(ValueError, match="that is a federated run; car-fl train resumes"):
         run_centralized(make_settings("train.epochs=2", f"resume={run}"), run)
@@ -177,3 +171,94 @@ def test_dp_sgd_on_one_machine_resumes_as_the_federation_of_one_it_is(
     summary = train_centrally(make_settings(*dp, "train.epochs=2", f"resume={run}"), run)
     assert [row["round"] for row in rows(run)] == [1, 2]
     assert summary["complete"] is True
+
+
+@pytest.mark.parametrize("where", ["before checkpoints/last", "between its two files"])
+def test_a_run_stopped_at_any_point_of_its_epoch_end_resumes_to_the_same_end(
+    make_settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """Stopped between epoch 2's row and its checkpoints/last, or between the optimiser file
+    and the weights: the resume starts from a state whose row and optimiser match it (epoch
+    1's), trains epoch 2 again and ends as an uninterrupted run does."""
+    overrides = ["train.epochs=3", "train.lr=0.01", "train.weight_decay=0.01"]
+    whole = tmp_path / "whole"
+    run_centralized(make_settings(*overrides), whole)
+    real_last, real_save = centralized.save_last, resume_module.save_checkpoint
+
+    def stop_last(folder, checkpoint, optimizer):  # type: ignore[no-untyped-def]
+        if checkpoint.round == 2:
+            raise KeyboardInterrupt
+        real_last(folder, checkpoint, optimizer)
+
+    def stop_in_save(folder, checkpoint):  # type: ignore[no-untyped-def]
+        if checkpoint.round == 2:  # after optimizer-0002 was written
+            raise KeyboardInterrupt
+        return real_save(folder, checkpoint)
+
+    run = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        if where == "before checkpoints/last":
+            patch.setattr(centralized, "save_last", stop_last)
+        else:
+            patch.setattr(resume_module, "save_checkpoint", stop_in_save)
+        with pytest.raises(KeyboardInterrupt):
+            run_centralized(make_settings(*overrides), run)
+    assert len(json.loads((run / "metrics.json").read_text())["history"]) == 2
+    run_centralized(make_settings(*overrides, f"resume={run}"), run)
+    assert rows(run) == rows(whole)
+    a, b = final_state(whole), final_state(run)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_run_stopped_after_its_last_epoch_is_finished_by_a_resume_without_more_epochs(
+    make_settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    overrides = ["train.epochs=2", "train.lr=0.01"]
+    run = tmp_path / "run"
+    with monkeypatch.context() as patch:
+
+        def stop(*args, **kwargs):  # type: ignore[no-untyped-def]
+            raise KeyboardInterrupt
+
+        patch.setattr(centralized.Recorder, "save_final", stop)
+        with pytest.raises(KeyboardInterrupt):
+            run_centralized(make_settings(*overrides), run)
+    assert json.loads((run / "metrics.json").read_text())["summary"]["complete"] is False
+    summary = run_centralized(make_settings(*overrides, f"resume={run}"), run)
+    assert summary["complete"] is True and "stopped_early" not in summary
+    assert [row["round"] for row in rows(run)] == [1, 2]
+    assert (run / "checkpoints" / "final").is_dir() and (run / "curves.png").is_file()
+
+
+def fewer(text: str) -> str:
+    lines = text.splitlines(keepends=True)
+    return "".join(lines[: len(lines) // 2])
+
+
+def relabelled(text: str) -> str:
+    """topic3 renamed: the same split sizes, other labels."""
+    return "".join(
+        ("other" if line.split("\t")[0] == "topic3" else line.split("\t")[0])
+        + "\t"
+        + line.split("\t", 1)[1]
+        for line in text.splitlines(keepends=True)
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "refused"), [(fewer, "the data splits"), (relabelled, "the labels")]
+)
+def test_a_resume_on_a_changed_data_file_is_refused_before_an_epoch_is_trained(
+    make_settings, tmp_path: Path, synthetic_tsv: Path, change, refused: str
+) -> None:
+    data = tmp_path / "data.tsv"
+    data.write_text(synthetic_tsv.read_text())
+    run = tmp_path / "run"
+    run_centralized(make_settings("train.epochs=1", f"dataset.path={data}"), run)
+    before = (run / "config.yaml").read_text()
+    data.write_text(change(data.read_text()))  # the same path, another file
+    resume = make_settings("train.epochs=2", f"dataset.path={data}", f"resume={run}")
+    with pytest.raises(ValueError, match=f"{refused} differ from that run's"):
+        run_centralized(resume, run)
+    assert (run / "config.yaml").read_text() == before  # not rewritten for a refused resume
+    assert len(json.loads((run / "metrics.json").read_text())["history"]) == 1
