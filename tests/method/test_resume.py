@@ -38,7 +38,7 @@ def stop_in_epoch(monkeypatch: pytest.MonkeyPatch, stopped: int) -> None:
     """The run is killed in epoch ``stopped`` (1-based), as Ctrl-C or a closed laptop would."""
     real = centralized.one_epoch
 
-    def one_epoch(settings, model, data, optimizer, epoch, **kwargs):  # type: ignore[no-untyped-def]
+    def one_epoch(settings, model, data, optimizer, epoch, **kwargs):
         if epoch + 1 == stopped:
             raise KeyboardInterrupt
         return real(settings, model, data, optimizer, epoch, **kwargs)
@@ -185,12 +185,12 @@ def test_a_run_stopped_at_any_point_of_its_epoch_end_resumes_to_the_same_end(
     run_centralized(make_settings(*overrides), whole)
     real_last, real_save = centralized.save_last, resume_module.save_checkpoint
 
-    def stop_last(folder, checkpoint, optimizer):  # type: ignore[no-untyped-def]
+    def stop_last(folder, checkpoint, optimizer):
         if checkpoint.round == 2:
             raise KeyboardInterrupt
         real_last(folder, checkpoint, optimizer)
 
-    def stop_in_save(folder, checkpoint):  # type: ignore[no-untyped-def]
+    def stop_in_save(folder, checkpoint):
         if checkpoint.round == 2:  # after optimizer-0002 was written
             raise KeyboardInterrupt
         return real_save(folder, checkpoint)
@@ -217,7 +217,7 @@ def test_a_run_stopped_after_its_last_epoch_is_finished_by_a_resume_without_more
     run = tmp_path / "run"
     with monkeypatch.context() as patch:
 
-        def stop(*args, **kwargs):  # type: ignore[no-untyped-def]
+        def stop(*args, **kwargs):
             raise KeyboardInterrupt
 
         patch.setattr(centralized.Recorder, "save_final", stop)
