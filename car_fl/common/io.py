@@ -64,6 +64,13 @@ def atomic_write_text(path: str | Path, text: str, *, mode: int | None = None) -
     return atomic_write(path, write, mode=mode)
 
 
+def atomic_write_bytes(path: str | Path, data: bytes, *, mode: int | None = None) -> Path:
+    def write(tmp: Path) -> None:
+        tmp.write_bytes(data)
+
+    return atomic_write(path, write, mode=mode)
+
+
 def atomic_write_json(path: str | Path, data: Any, *, mode: int | None = None) -> Path:
     return atomic_write_text(
         path, json.dumps(data, indent=2, sort_keys=False, allow_nan=True) + "\n", mode=mode

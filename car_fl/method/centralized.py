@@ -207,7 +207,7 @@ def train(
         load_optimizer_tensors(optimizer, point.optimizer)
     assert run.train_data is not None
     started = time.perf_counter() if started is None else started
-    first = epochs if point is not None and point.finished else point.epoch if point else 0
+    first = 0 if point is None else epochs if point.finished else point.epoch
     for epoch in range(first, epochs):
         tick = time.perf_counter()
         result = one_epoch(settings, model, run.train_data, optimizer, epoch, desc="epoch")

@@ -23,7 +23,7 @@ from typing import ClassVar
 import torch
 from safetensors.torch import load_file, save
 
-from car_fl.common.io import atomic_write
+from car_fl.common.io import atomic_write_bytes
 from car_fl.method.encoder import attention_choice, pick_device, pick_dtype
 from car_fl.settings.schema import ModelConfig
 
@@ -187,7 +187,7 @@ class FeatureCache:
         tensors = {"digests": digests, "features": features}
         # bytes, not save_file: safetensors' own temporary file would outlive a killed writer
         # 0600: a text's features can be inverted towards the text (a node's cache is its own)
-        atomic_write(folder / name, lambda tmp: _write_bytes(tmp, save(tensors)), mode=0o600)
+        atomic_write_bytes(folder / name, save(tensors), mode=0o600)
 
     def features(
         self,
@@ -233,7 +233,3 @@ def _add_chunk(entry: _Space, digests: torch.Tensor, features: torch.Tensor) -> 
     entry.chunks.append(features)
     for row, digest in enumerate(digests.numpy()):
         entry.where.setdefault(digest.tobytes(), (chunk, row))
-
-
-def _write_bytes(path: Path, data: bytes) -> None:
-    path.write_bytes(data)

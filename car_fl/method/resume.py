@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 
-from car_fl.common.io import atomic_write
+from car_fl.common.io import atomic_write_bytes
 from car_fl.data.labels import LabelMap
 from car_fl.results.checkpoint import WEIGHTS, Checkpoint, load_checkpoint, save_checkpoint
 from car_fl.results.recorder import best_row
@@ -107,15 +107,11 @@ def save_last(folder: Path, checkpoint: Checkpoint, optimizer: torch.optim.Optim
     weights with the optimiser state of their own epoch."""
     name = optimizer_file(checkpoint.round)
     data = save(optimizer_tensors(optimizer), metadata={"epoch": str(checkpoint.round)})
-    atomic_write(folder / name, lambda tmp: _write_bytes(tmp, data))
+    atomic_write_bytes(folder / name, data)
     save_checkpoint(folder, checkpoint)
     for old in folder.glob("optimizer-*.safetensors"):
         if old.name != name:
             old.unlink(missing_ok=True)
-
-
-def _write_bytes(path: Path, data: bytes) -> None:
-    path.write_bytes(data)
 
 
 def check_run_dir(run_dir: Path) -> None:

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 
-from car_fl.common.io import atomic_write, atomic_write_json
+from car_fl.common.io import atomic_write_bytes, atomic_write_json
 from car_fl.data.labels import LabelMap
 from car_fl.settings.compose import settings_from_yaml, settings_to_yaml
 from car_fl.settings.schema import Settings
@@ -62,7 +62,7 @@ def save_checkpoint(folder: str | Path, ckpt: Checkpoint) -> Path:
     }
     header = {"format": FORMAT, "meta": json.dumps(meta)}
     # bytes, not save_file: safetensors' own temporary file would outlive a killed writer
-    atomic_write(folder / WEIGHTS, lambda tmp: _write_bytes(tmp, save(state, metadata=header)))
+    atomic_write_bytes(folder / WEIGHTS, save(state, metadata=header))
     atomic_write_json(folder / META, meta)
     return folder
 
@@ -90,7 +90,3 @@ def load_checkpoint(folder: str | Path) -> Checkpoint:
         epsilon=meta.get("epsilon"),
         extra=meta.get("extra", {}),
     )
-
-
-def _write_bytes(path: Path, data: bytes) -> None:
-    path.write_bytes(data)
