@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from car_fl.settings.schema import Settings
 
 NAME = "run"
+SUPERLINKS = ("own", "flower")
 HELP = "flwr run this project (a simulation: connection local) and exit non-zero if it fails"
 
 
@@ -50,6 +51,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--timeout", type=float, default=24 * 3600.0, help="seconds before the run is stopped"
+    )
+    parser.add_argument(
+        "--superlink",
+        choices=SUPERLINKS,
+        default="own",
+        help="for the local simulation: own (default) starts a SuperLink for this run, in this "
+        "environment and folder, and ends it with the run; flower uses Flower's local "
+        "SuperLink (flwr ls local), refused if it runs another environment or folder",
     )
 
 
@@ -98,7 +107,6 @@ def simulation_config(items: list[str], clients: int) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """Check, submit, follow; 0 only for a run that finished ``completed``."""
-    from car_fl.deploy.local_superlink import check_local_superlink
     from car_fl.deploy.runs import COMPLETED, NO_INSTALL, follow_run, submit
     from car_fl.method.sources import check_sources
     from car_fl.settings.flower import run_config_from_args, settings_from_run_config
@@ -116,11 +124,11 @@ def run(args: argparse.Namespace) -> int:
         federation = simulation_config(federation, settings.fl.clients)
         # This machine is the server: its files and the Hub are what the run will use.
         check_sources(settings)
-    if local:  # one a plain `flwr run` started would install dependencies in every run
-        check_local_superlink()
     env = {**os.environ, **{k: os.environ.get(k, v) for k, v in NO_INSTALL.items()}}
-    with stop_signals():
-        run_id = submit(app, args.connection, args.run_config, federation, env=env)
+    own = local and args.superlink == "own"
+    with stop_signals(), superlink(app, args.connection, env, own=own, local=local) as link:
+        connection, env = link
+        run_id = submit(app, connection, args.run_config, federation, env=env, cwd=app)
         print(
             f"car-fl run: run {run_id} started on {args.connection}; following its log "
             f"(Ctrl-C stops the run)",
@@ -128,13 +136,13 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
         try:
-            status = follow_run(args.connection, run_id, timeout=args.timeout, env=env)
+            status = follow_run(connection, run_id, timeout=args.timeout, env=env)
         except (KeyboardInterrupt, Stopped) as err:
             from car_fl.deploy.runs import stop_run
 
-            stop_run(args.connection, run_id, env=env)
+            stop_run(connection, run_id, env=env)
             why = f" ({err.name})" if isinstance(err, Stopped) else ""
-            print(f"car-fl run: run {run_id} stopped{why}", file=sys.stderr)
+            print(f"car-fl run: run {run_id} stopped{why}", file=sys.stderr, flush=True)
             return err.code if isinstance(err, Stopped) else 130
     if status["status"] == COMPLETED:
         print(f"car-fl run: run {run_id} {COMPLETED}", file=sys.stderr)
@@ -142,6 +150,34 @@ def run(args: argparse.Namespace) -> int:
     details = " ".join(status["status-details"].split())
     print(f"car-fl run: run {run_id} {status['status']}: {details}", file=sys.stderr)
     return 1
+
+
+@contextlib.contextmanager
+def superlink(
+    app: Path, connection: str, env: dict[str, str], *, own: bool, local: bool
+) -> Iterator[tuple[str, dict[str, str]]]:
+    """The connection to submit to and the environment of ``flwr``'s commands: a SuperLink of
+    this run's own (``own``), ended with everything it started when the block is left;
+    Flower's local SuperLink (``local``) once :func:`check_local_superlink` found it fit (or
+    absent: ``flwr run`` then starts it here); else the connection as given."""
+    if own:
+        from car_fl.deploy.own_superlink import own_superlink
+
+        print(
+            "car-fl run: starting this run's own SuperLink (this environment and folder; "
+            "it ends with the run)",
+            file=sys.stderr,
+            flush=True,
+        )
+        with own_superlink(app, env=env) as link:
+            yield link.connection, link.env
+        return
+    if local:
+        from car_fl.deploy.commands import python_bin
+        from car_fl.deploy.local_superlink import check_local_superlink
+
+        check_local_superlink(app, python_bin())
+    yield connection, env
 
 
 class Stopped(Exception):

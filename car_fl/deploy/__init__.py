@@ -13,7 +13,9 @@ Apart from the method: nothing in the apps imports it. One module per concern:
 - :mod:`~car_fl.deploy.cluster`: a whole local cluster, the one way scripts and tests build it;
 - :mod:`~car_fl.deploy.floor`: the empty ClientApp that measures Flower's own per-round floor.
 - :mod:`~car_fl.deploy.local_superlink`: Flower's local SuperLink, found by its port, checked
-  by its PID.
+  by its PID, its environment and its folder;
+- :mod:`~car_fl.deploy.own_superlink`: a simulation SuperLink of one ``car-fl run``'s own,
+  ended with every process it started.
 
 The scripts in ``scripts/`` are thin command-line fronts to this package.
 """

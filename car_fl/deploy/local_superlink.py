@@ -1,13 +1,16 @@
 """Flower's local SuperLink (``flwr run . local``): found by its port, checked by its PID.
 
 Own code because Flower 1.39 starts that SuperLink detached the first time any ``flwr run``
-needs it and reuses it afterwards, with the environment it first started with. Started by a
-plain ``flwr run``, it installs the app's dependencies into a fresh environment before every
-run (``uv sync``: another torch, GBs of CUDA wheels; offline it fails), and Flower has no
-switch for that other than the SuperLink's own environment or command line. Before
-``car-fl run`` submits to it, :func:`check_local_superlink` finds the process listening on the
-SuperLink's port (``/proc/net/tcp``, then the socket among a process's open files), reads its
-command line and environment, and, if it installs, says in one line how to stop it, by PID.
+needs it and reuses it afterwards, for every checkout and ``FLWR_HOME`` on the machine, with
+the environment and folder it first started in: another checkout's runs execute with its
+Python and packages and write their results under its folder. Started by a plain
+``flwr run``, it also installs the app's dependencies into a fresh environment before every
+run (``uv sync``: another torch, GBs of CUDA wheels; offline it fails). ``car-fl run
+--superlink flower`` submits to it only after :func:`check_local_superlink` has found the
+process listening on its port (``/proc/net/tcp``, then the socket among a process's open
+files) and read its command line, environment and folder: one that installs, or runs another
+environment or folder, is refused in one line naming its PID. (``car-fl run`` without that
+flag starts a SuperLink of its own: :mod:`car_fl.deploy.own_superlink`.)
 """
 
 from __future__ import annotations
@@ -82,15 +85,45 @@ def installs_dependencies(pid: int, proc: Path = Path("/proc")) -> bool:
     return NO_INSTALL_FLAG.encode() not in args and off not in environ
 
 
-def check_local_superlink(proc: Path = Path("/proc")) -> None:
-    """``RuntimeError`` naming the PID to stop if the local SuperLink installs dependencies."""
+def environment(pid: int, proc: Path = Path("/proc")) -> tuple[Path, Path] | None:
+    """The folder of the ``flower-superlink`` that ``pid`` runs (an environment's ``bin``) and
+    its working folder (where its runs write their results), or None if unreadable."""
+    try:
+        args = (proc / str(pid) / "cmdline").read_bytes().split(b"\0")
+        folder = Path(os.readlink(proc / str(pid) / "cwd"))
+    except OSError:
+        return None
+    names = [os.fsdecode(a) for a in args if a] or [""]
+    script = next((a for a in names if Path(a).name == "flower-superlink"), names[0])
+    return Path(script).absolute().parent, folder
+
+
+def check_local_superlink(
+    app: Path | None = None, bin_folder: Path | None = None, proc: Path = Path("/proc")
+) -> None:
+    """``RuntimeError`` naming the PID of Flower's local SuperLink if it installs dependencies,
+    or runs another environment than ``bin_folder`` or in another folder than ``app``."""
     port = local_superlink_port()
     pid = listener_pid(port, proc)
-    if pid is None or not installs_dependencies(pid, proc):
+    if pid is None:
         return
-    raise RuntimeError(
-        f"Flower's local SuperLink (PID {pid}, 127.0.0.1:{port}) was started by a plain "
-        f"`flwr run` with runtime dependency installation on: each of its runs installs the "
-        f"app's dependencies anew (another torch, GBs of CUDA wheels) and can fail; stop it "
-        f"with `kill {pid}` and run this again (car-fl run starts one without installation)"
-    )
+    if installs_dependencies(pid, proc):
+        raise RuntimeError(
+            f"Flower's local SuperLink (PID {pid}, 127.0.0.1:{port}) was started by a plain "
+            f"`flwr run` with runtime dependency installation on: each of its runs installs "
+            f"the app's dependencies anew (another torch, GBs of CUDA wheels) and can fail; "
+            f"run without --superlink flower (car-fl run starts a SuperLink of its own), or "
+            f"stop it with `kill {pid}` and run this again"
+        )
+    found = environment(pid, proc)
+    if found is None or app is None or bin_folder is None:
+        return
+    theirs, folder = found
+    if (theirs.resolve(), folder.resolve()) != (bin_folder.resolve(), app.resolve()):
+        raise RuntimeError(
+            f"Flower's local SuperLink (PID {pid}, 127.0.0.1:{port}) runs the environment "
+            f"{theirs} in {folder}, not this one ({bin_folder} in {app}): this run would "
+            f"execute with its Python and packages and write its results under {folder}; "
+            f"run without --superlink flower (car-fl run starts a SuperLink of its own), or "
+            f"stop that one with `kill {pid}`"
+        )

@@ -69,18 +69,22 @@ def submit(
     federation_config: Sequence[str] = (),
     *,
     env: dict[str, str] | None = None,
+    cwd: Path | None = None,
 ) -> str:
-    """``flwr run`` with these ``--run-config`` and ``--federation-config`` strings; the run id."""
+    """``flwr run`` with these ``--run-config`` and ``--federation-config`` strings, from
+    ``cwd`` (where a local SuperLink it starts runs and writes its results); the run id."""
     cmd = [flwr_bin("flwr"), "run", str(project), connection, "--format", "json"]
     for item in run_config:
         cmd += ["--run-config", item]
     for item in federation_config:
         cmd += ["--federation-config", item]
-    out = _flwr(cmd, env)
+    out = _flwr(cmd, env, cwd=cwd)
     return run_id_from(out.stdout, out.stderr, out.returncode)
 
 
-def _flwr(cmd: list[str], env: dict[str, str] | None) -> subprocess.CompletedProcess[str]:
+def _flwr(
+    cmd: list[str], env: dict[str, str] | None, *, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     """``cmd`` (an ``flwr`` command line) run to its end, its output captured, in a session of
     its own, with Flower's folder first on PATH."""
     return subprocess.run(
@@ -88,6 +92,7 @@ def _flwr(cmd: list[str], env: dict[str, str] | None) -> subprocess.CompletedPro
         capture_output=True,
         text=True,
         env=flower_env(env),
+        cwd=cwd,
         check=False,
         start_new_session=True,
     )

@@ -14,4 +14,6 @@
   its claim agrees, the flags and DP rows it keeps, and the client rows of a round.
 - :mod:`~car_fl.server.expert_plan`: which experts each client is sent and may send back.
 - :mod:`~car_fl.server.failure_summary`: why a run got no valid update, counted per code.
+- :mod:`~car_fl.server.simulation_exit`: a stopped simulation ends the Ray processes it
+  started.
 """

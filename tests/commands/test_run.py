@@ -219,7 +219,8 @@ def test_after_a_plain_flwr_run_car_fl_run_names_the_installing_superlink_then_c
     tmp_path: Path, tiny_llama: Path, synthetic_tsv
 ) -> None:
     """``flwr run . local`` leaves a local SuperLink that installs dependencies in every run;
-    ``car-fl run`` refuses it in one line naming its PID, and completes once it is stopped."""
+    ``car-fl run --superlink flower`` refuses it in one line naming its PID, and completes
+    once it is stopped."""
     import signal
 
     from car_fl.deploy.local_superlink import NO_INSTALL_VARIABLE, listener_pid
@@ -244,7 +245,7 @@ def test_after_a_plain_flwr_run_car_fl_run_names_the_installing_superlink_then_c
         subprocess.run(plain, env=env, capture_output=True, timeout=300, check=False)
         pid = listener_pid(link_port)
         assert pid is not None  # Flower's local SuperLink, started with installation on
-        refused = car_fl("run", "-c", config, env=env, timeout=120)
+        refused = car_fl("run", "--superlink", "flower", "-c", config, env=env, timeout=120)
         assert refused.returncode == 1
         [line] = refused.stderr.strip().splitlines()
         assert line.startswith("car-fl run: Flower's local SuperLink (PID ") and (
@@ -254,7 +255,7 @@ def test_after_a_plain_flwr_run_car_fl_run_names_the_installing_superlink_then_c
         deadline = time.monotonic() + 60
         while listener_pid(link_port) is not None and time.monotonic() < deadline:
             time.sleep(0.5)
-        done = car_fl("run", "-c", config, env=env, timeout=600)
+        done = car_fl("run", "--superlink", "flower", "-c", config, env=env, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
         assert done.stderr.strip().splitlines()[-1].endswith(COMPLETED)
     finally:
