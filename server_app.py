@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from car_fl.common.logs import setup_logging
-from car_fl.server.federation import run_federation
 from car_fl.settings.flower import settings_from_run_config
 
 app = ServerApp()
+log = logging.getLogger("car_fl.server_app")
 
 
 @app.main()
@@ -17,5 +19,9 @@ def main(grid: Grid, context: Context) -> None:
     setup_logging()
     # Configuration: conf/ plus the Hydra overrides given in --run-config
     settings = settings_from_run_config(context.run_config)
+    # PyTorch and the model code load now, not at import: the log says so first
+    log.info("ServerApp: loading PyTorch and car-fl's model code (seconds on a laptop)")
+    from car_fl.server.federation import run_federation
+
     # Rounds of local training and weighted averaging; results under settings.output_dir
     run_federation(grid, settings)

@@ -23,6 +23,7 @@ from pathlib import Path
 from car_fl.deploy.cluster import LocalCluster
 from car_fl.deploy.commands import FlowerNotFound
 from car_fl.deploy.runs import COMPLETED
+from car_fl.results.rows import MetricsFile
 
 PROJECT = Path(__file__).resolve().parents[1]
 CONNECTION = "car-fl-local"
@@ -64,15 +65,26 @@ def run(args: argparse.Namespace) -> None:
     cluster = LocalCluster.attach(folder, connection=CONNECTION)
     overrides, out = results_folder(folder, args.overrides)
     run_id = cluster.submit(PROJECT, overrides)
-    print(
-        f"run {run_id} started, results in {out}; waiting for it to finish (flwr ls "
-        f"{CONNECTION} --run-id {run_id} with FLWR_HOME={cluster.flwr_home})",
-        flush=True,
-    )
-    status = cluster.wait(run_id, timeout=args.timeout)
-    print(json.dumps(status, indent=2))
-    print(f"run {run_id} {status['status']}; results in {out}")
+    print(f"run {run_id} started, results: {out}; following its log", flush=True)
+    status = cluster.follow(run_id, timeout=args.timeout)
+    print(f"run {run_id} {status['status']}; {outcome(out)}; results: {out}")
+    if status["status"] != COMPLETED:
+        print(" ".join(status["status-details"].split()))
     sys.exit(0 if status["status"] == COMPLETED else 1)
+
+
+def outcome(out: Path) -> str:
+    """The run's final and validation-selected test top-1, from its ``metrics.json``."""
+    try:
+        summary = MetricsFile.read(out).summary
+    except (OSError, ValueError):
+        return "no metrics written"
+    if summary.final is None or summary.best is None:
+        return "no round finished"
+    return (
+        f"final test top1 {summary.final.metrics['test_top1']:.4f}, best on validation round "
+        f"{summary.best.round}: test top1 {summary.best.metrics['test_top1']:.4f}"
+    )
 
 
 def stop(args: argparse.Namespace) -> None:

@@ -2,10 +2,10 @@
 
 tqdm with ``disable=None`` turns itself off when its stream is not a terminal; the per-round
 and per-epoch log lines say where a run is instead, and a loop without its bar that runs long
-(an adapter epoch through a real LM: many minutes) logs a heartbeat line at most every
-:data:`HEARTBEAT_SECONDS` (:func:`heartbeat`), so a headless run is never silent for a whole
-round. Hugging Face's own bars (loading weights, writing shards) follow the same rule through
-:func:`quiet_hub_bars`.
+(an adapter epoch through a real LM: many minutes; a split's feature extraction) logs where it
+is after 10 s, then at doubling gaps up to :data:`HEARTBEAT_SECONDS`, and that it is done
+(:func:`heartbeat`), so a headless run is never silent for long. Hugging Face's own bars
+(loading weights, writing shards) follow the same rule through :func:`quiet_hub_bars`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,11 @@ T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
-#: Seconds between two heartbeat lines of a loop that draws no bar.
+#: Seconds after which a loop that draws no bar says where it is, the most between two such
+#: lines (the gaps double from the first), and how long a loop takes to say it is done.
+FIRST_HEARTBEAT_SECONDS = 10.0
 HEARTBEAT_SECONDS = 120.0
+DONE_SECONDS = 5.0
 
 
 def on_terminal() -> bool:
@@ -40,24 +43,36 @@ def bar(iterable: Iterable[T], *, desc: str, unit: str, enabled: bool = True) ->
 
 
 def heartbeat(
-    iterable: Iterable[T], *, desc: str, unit: str, every: float = HEARTBEAT_SECONDS
+    iterable: Iterable[T],
+    *,
+    desc: str,
+    unit: str,
+    every: float = HEARTBEAT_SECONDS,
+    first: float = FIRST_HEARTBEAT_SECONDS,
 ) -> Iterator[T]:
-    """``iterable``, logging where it is once ``every`` seconds have passed since the start or
-    the last such line ("epoch 1: step 120 of 233 in 241 s, about 230 s left"); a loop
-    shorter than ``every`` logs nothing."""
+    """``iterable``, logging where it is ("epoch 1: step 120 of 233 in 241 s, about 230 s
+    left") ``first`` seconds after the start, then at twice the last gap, at most ``every``
+    seconds apart; and, for a loop that took :data:`DONE_SECONDS` or more, that it is done.
+    A short loop logs nothing."""
     total = len(iterable) if isinstance(iterable, Sized) else None
     start = last = time.monotonic()
+    gap = min(first, every)
+    done = 0
     for done, item in enumerate(iterable, start=1):
         yield item
         now = time.monotonic()
-        if now - last < every:
+        if now - last < gap:
             continue
-        last = now
+        last, gap = now, min(2 * gap, every)
         spent = now - start
         where = f"{unit} {done}" + (f" of {total}" if total else "") + f" in {spent:.0f} s"
         if total:
             where += f", about {spent / done * (total - done):.0f} s left"
         log.info("%s: %s", desc, where)
+    spent = time.monotonic() - start
+    if spent >= DONE_SECONDS:
+        count = f"{unit} {done}" + (f" of {total}" if total else "")
+        log.info("%s: done, %s in %.0f s", desc, count, spent)
 
 
 def quiet_hub_bars() -> None:

@@ -40,7 +40,7 @@ from car_fl.deploy.commands import (
 from car_fl.deploy.connection import register_node, write_connection
 from car_fl.deploy.ports import LOOPBACK, free_port, listening, port_in_use
 from car_fl.deploy.processes import Processes
-from car_fl.deploy.runs import COMPLETED, start_run, wait_for_run
+from car_fl.deploy.runs import COMPLETED, follow_run, start_run, wait_for_run
 
 #: Host and ports of the cluster in a folder, written when its SuperLink starts.
 NETWORK_FILE = "network.json"
@@ -382,6 +382,10 @@ class LocalCluster:
     def wait(self, run_id: str, *, timeout: float, poll: float = 3.0) -> dict[str, str]:
         """The run's status once it is finished, or when ``timeout`` seconds have passed."""
         return wait_for_run(self.connection, run_id, timeout=timeout, poll=poll, env=self.env)
+
+    def follow(self, run_id: str, *, timeout: float) -> dict[str, str]:
+        """Stream the run's log to stdout until it is finished; its final status."""
+        return follow_run(self.connection, run_id, timeout=timeout, env=self.env)
 
     def run(
         self, project: str | Path, overrides: str, *, timeout: float, poll: float = 3.0

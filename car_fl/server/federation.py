@@ -26,7 +26,7 @@ from car_fl.common.io import atomic_write_text
 from car_fl.method.serving import checkpoint_extra
 from car_fl.method.sources import check_sources
 from car_fl.protocol.messages import LAYOUT_KEY, from_record, to_record
-from car_fl.results.plots import data_label
+from car_fl.results.plots import data_label, model_label
 from car_fl.results.recorder import Recorder
 from car_fl.results.rows import RunSummary
 from car_fl.server.aggregation import build_strategy
@@ -34,6 +34,7 @@ from car_fl.server.evaluation import ServerEvaluator
 from car_fl.server.failure_summary import failure_summary
 from car_fl.server.resume import ResumePoint, load_resume_point
 from car_fl.server.round_recorder import PatienceSpent, RoundRecorder
+from car_fl.server.simulation_exit import end_ray_on_exit
 from car_fl.server.strategy import GuardedStrategy, spec_of
 from car_fl.settings.compose import settings_to_yaml
 from car_fl.settings.flower import fingerprint
@@ -100,14 +101,20 @@ def default_output_dir(settings: Settings) -> Path:
 def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
     """The whole federated run on the server side; returns the summary."""
     check_federable(settings)
+    end_ray_on_exit()  # a stopped simulation leaves none of Ray's processes behind
     output_dir, point = open_output(settings)
     check_sources(settings, where="on the server")  # the server evaluates: data and encoder
+    simulation = is_simulation(grid)
     wait_for_nodes(
-        grid,
-        settings.fl.clients,
-        timeout=settings.fl.wait_for_nodes,
-        simulation=is_simulation(grid),
+        grid, settings.fl.clients, timeout=settings.fl.wait_for_nodes, simulation=simulation
     )
+    if simulation:
+        log.info(
+            "Flower's simulation starts Ray beside this ServerApp, and its %d ClientApps in "
+            "Ray's workers: round 1's replies come once they are up and have loaded the "
+            "encoder (tens of seconds on a 2-core machine)",
+            settings.fl.clients,
+        )
     evaluator = ServerEvaluator.build(settings)
     initial = to_record(evaluator.model.trainable_state_dict(), dtype=settings.comm.dtype)
     layout = evaluator.layout.to_text() if evaluator.layout is not None else None
@@ -174,7 +181,10 @@ def round_recorder(
             output_dir=output_dir,
             label_map=evaluator.label_map,
             unit="round",
-            title=f"FL, {settings.fl.clients} clients, {data_label(settings.dataset)}",
+            title=(
+                f"FL, {settings.fl.clients} clients, {data_label(settings.dataset)}, "
+                f"{model_label(settings.model)}"
+            ),
             round_checkpoints=True,
             extra=checkpoint_extra(settings, evaluator.label_map.names, evaluator.model),
         ),
@@ -208,12 +218,12 @@ def check_outcome(
     if len(summary.skipped_rounds or []) == rounds:
         raise RuntimeError(
             f"every round failed: no client sent a valid update in {rounds} rounds: "
-            f"{failure_summary(strategy.history)} (results in {output_dir})"
+            f"{failure_summary(strategy.history)} (results: {output_dir})"
         )
     assert summary.final is not None and summary.best is not None
     log.info(
         "final test top1 %.4f; best on validation in round %d: test top1 %.4f (round 0, the "
-        "starting point: test top1 %s); results in %s",
+        "starting point: test top1 %s); results: %s",
         summary.final.metrics["test_top1"],
         summary.best.round,
         summary.best.metrics["test_top1"],

@@ -37,27 +37,30 @@ def test_a_terminal_gets_its_bar_unless_progress_is_off(monkeypatch: pytest.Monk
     assert quiet.getvalue() == ""
 
 
-def test_a_loop_without_a_bar_logs_a_heartbeat_once_every_interval(
+def test_a_loop_without_a_bar_logs_a_heartbeat_at_doubling_gaps_and_when_it_is_done(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A headless adapter epoch is minutes long: its log says where it is every
-    HEARTBEAT_SECONDS (a fake clock: 50 s a step), and a short loop says nothing."""
-    clock = iter(range(0, 10_000, 50))
+    """A headless adapter epoch is minutes long: its log says where it is 10 s in, then at
+    doubling gaps up to HEARTBEAT_SECONDS (a fake clock: 10 s a step), and that it is done;
+    a short loop says nothing."""
+    clock = iter(range(0, 10_000, 10))
     monkeypatch.setattr(progress.time, "monotonic", lambda: next(clock))
     monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a terminal
     with caplog.at_level(logging.INFO, logger=progress.__name__):
-        assert list(bar(range(10), desc="client 0 round 2 epoch 1", unit="step")) == list(range(10))
+        assert list(bar(range(40), desc="test features", unit="batch")) == list(range(40))
     lines = [r.getMessage() for r in caplog.records]
     assert lines == [
-        "client 0 round 2 epoch 1: step 3 of 10 in 150 s, about 350 s left",
-        "client 0 round 2 epoch 1: step 6 of 10 in 300 s, about 200 s left",
-        "client 0 round 2 epoch 1: step 9 of 10 in 450 s, about 50 s left",
+        "test features: batch 1 of 40 in 10 s, about 390 s left",
+        "test features: batch 3 of 40 in 30 s, about 370 s left",
+        "test features: batch 7 of 40 in 70 s, about 330 s left",
+        "test features: batch 15 of 40 in 150 s, about 250 s left",
+        "test features: batch 27 of 40 in 270 s, about 130 s left",
+        "test features: batch 39 of 40 in 390 s, about 10 s left",
+        "test features: done, batch 40 of 40 in 410 s",
     ]
     caplog.clear()
+    quick = iter([0.0, 1.0, 2.0, 3.0])
+    monkeypatch.setattr(progress.time, "monotonic", lambda: next(quick))
     with caplog.at_level(logging.INFO, logger=progress.__name__):
-        list(heartbeat(iter(range(2)), desc="features", unit="batch", every=1e9))
-        list(heartbeat(iter(range(4)), desc="eval", unit="batch", every=100))
-    assert [r.getMessage() for r in caplog.records] == [
-        "eval: batch 2 in 100 s",
-        "eval: batch 4 in 200 s",
-    ]
+        list(heartbeat(iter(range(2)), desc="features", unit="batch"))
+    assert caplog.records == []  # 3 s: nothing to say

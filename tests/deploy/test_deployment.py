@@ -9,6 +9,7 @@ import csv
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -398,6 +399,12 @@ def test_the_local_cluster_script_starts_and_runs_from_a_venv_that_is_not_activa
         assert ran.returncode == 0, ran.stdout + ran.stderr
         metrics = json.loads((out / "metrics.json").read_text())
         assert metrics["summary"]["complete"] and len(metrics["history"]) == 1
+        # the wait says what it is doing: the run's log, one line per round, then the outcome
+        assert re.search(r"round +1 \| train loss", ran.stdout), ran.stdout[-3000:]
+        last = ran.stdout.strip().splitlines()[-1]
+        top1 = metrics["summary"]["final"]["test_top1"]
+        assert f"finished:completed; final test top1 {top1:.4f}, best on validation" in last
+        assert last.endswith(f"results: {out}"), last
     finally:
         state = folder / "cluster.json"
         pids = json.loads(state.read_text())["processes"] if state.is_file() else {}
