@@ -23,6 +23,7 @@ class SoftEmbeddingAdapter(nn.Module):
         if dim < 1:
             raise ValueError(f"adapter dimension must be >= 1, got {dim}")
         self.weight = nn.Parameter(torch.eye(dim, dtype=torch.float32))
+        self._identity: tuple[tuple[int, int], bool] | None = None
 
     @property
     def dim(self) -> int:
@@ -34,5 +35,16 @@ class SoftEmbeddingAdapter(nn.Module):
         return out.to(embeddings.dtype)
 
     def is_identity(self) -> bool:
-        eye = torch.eye(self.dim, dtype=self.weight.dtype, device=self.weight.device)
-        return bool(torch.equal(self.weight.detach(), eye))
+        """Whether ``W`` is exactly the identity. Asked at every scoring step; answered again
+        only after ``W`` changed (an optimiser step or a load bumps its version), since a
+        d×d comparison costs milliseconds at TinyLlama's d = 2048."""
+        weight = self.weight.detach()
+        try:
+            key = (self.weight._version, weight.data_ptr())
+        except RuntimeError:  # a torch.func transform's tensor: no storage to key an answer on
+            eye = torch.eye(self.dim, dtype=weight.dtype, device=weight.device)
+            return bool(torch.equal(weight, eye))
+        if self._identity is None or self._identity[0] != key:
+            exact = bool(weight.diagonal().eq(1).all()) and int(weight.count_nonzero()) == self.dim
+            self._identity = (key, exact)
+        return self._identity[1]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from car_fl.common.progress import bar
+from car_fl.common.threads import head_work, threads_for
 from car_fl.method.features import LocalData, extract_features
 from car_fl.method.metrics import rank_metrics
 from car_fl.method.metrics import ranks as rank_of_true
@@ -120,27 +122,28 @@ def train_epoch(
     labels_all = data.labels.to(device)
     total_loss, correct, steps = 0.0, 0, 0
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-    for batch in bar(batches, desc=desc, unit="step", enabled=progress):
-        labels = labels_all[batch.to(device)]
-        if features is not None:
-            logits, loss = model(features=features[batch.to(device)], labels=labels)
-        else:
-            assert data.input_ids is not None
-            ids, mask = model.encoder.pad([data.input_ids[i] for i in batch.tolist()])
-            logits, loss = model(ids, mask, labels=labels)
-        assert loss is not None
-        if not torch.isfinite(loss):
-            raise FloatingPointError(
-                f"training loss became {loss.item()} at step {steps}; lower train.lr"
-            )
-        optimizer.zero_grad(set_to_none=True)
-        (loss + proximal() if proximal is not None else loss).backward()
-        optimizer.step()
-        if after_step is not None:
-            after_step(model)
-        total_loss += float(loss.detach()) * len(batch)
-        correct += int((logits.detach().argmax(dim=1) == labels).sum())
-        steps += 1
+    with threads_for(step_work(model, features, batch_size)):
+        for batch in bar(batches, desc=desc, unit="step", enabled=progress):
+            labels = labels_all[batch.to(device)]
+            if features is not None:
+                logits, loss = model(features=features[batch.to(device)], labels=labels)
+            else:
+                assert data.input_ids is not None
+                ids, mask = model.encoder.pad([data.input_ids[i] for i in batch.tolist()])
+                logits, loss = model(ids, mask, labels=labels)
+            assert loss is not None
+            if not torch.isfinite(loss):
+                raise FloatingPointError(
+                    f"training loss became {loss.item()} at step {steps}; lower train.lr"
+                )
+            optimizer.zero_grad(set_to_none=True)
+            (loss + proximal() if proximal is not None else loss).backward()
+            optimizer.step()
+            if after_step is not None:
+                after_step(model)
+            total_loss += float(loss.detach()) * len(batch)
+            correct += int((logits.detach().argmax(dim=1) == labels).sum())
+            steps += 1
     model.eval()
     return EpochResult(
         loss=total_loss / len(data), accuracy=correct / len(data), examples=len(data), steps=steps
@@ -192,33 +195,34 @@ def train_epoch_dpsgd(
     planned = list(batches) if batches is not None else [None] * steps
     expected = sample_rate * population
     total_loss, correct, seen = 0.0, 0, 0
-    for batch in bar(planned, desc=desc, unit="step", enabled=progress):
-        index = batch if batch is not None else poisson_sample(len(data), sample_rate)
-        labels = data.labels[index].to(device)
-        if features is not None:
-            inputs: dict[str, Any] = {"features": features[index.to(device)]}
-        else:
-            assert data.input_ids is not None
-            inputs = {"input_ids": [torch.tensor(data.input_ids[i]) for i in index.tolist()]}
-        result = dpsgd_step(
-            model,
-            params,
-            optimizer,
-            labels,
-            clip=clip,
-            adapter_clip=adapter_clip,
-            noise_multiplier=noise_multiplier,
-            expected_batch_size=expected,
-            generator=generator,
-            **inputs,
-        )
-        if not all(bool(torch.isfinite(p).all()) for p in params.values()):
-            raise FloatingPointError(
-                f"DP-SGD made a parameter non-finite after {seen} examples; lower train.lr"
+    with threads_for(step_work(model, features, math.ceil(expected))):
+        for batch in bar(planned, desc=desc, unit="step", enabled=progress):
+            index = batch if batch is not None else poisson_sample(len(data), sample_rate)
+            labels = data.labels[index].to(device)
+            if features is not None:
+                inputs: dict[str, Any] = {"features": features[index.to(device)]}
+            else:
+                assert data.input_ids is not None
+                inputs = {"input_ids": [torch.tensor(data.input_ids[i]) for i in index.tolist()]}
+            result = dpsgd_step(
+                model,
+                params,
+                optimizer,
+                labels,
+                clip=clip,
+                adapter_clip=adapter_clip,
+                noise_multiplier=noise_multiplier,
+                expected_batch_size=expected,
+                generator=generator,
+                **inputs,
             )
-        total_loss += result.loss_sum
-        correct += result.correct
-        seen += result.examples
+            if not all(bool(torch.isfinite(p).all()) for p in params.values()):
+                raise FloatingPointError(
+                    f"DP-SGD made a parameter non-finite after {seen} examples; lower train.lr"
+                )
+            total_loss += result.loss_sum
+            correct += result.correct
+            seen += result.examples
     model.eval()
     return EpochResult(
         loss=total_loss / max(seen, 1),
@@ -226,6 +230,15 @@ def train_epoch_dpsgd(
         examples=seen,
         steps=len(planned),
     )
+
+
+def step_work(model: CaRRetriever, features: torch.Tensor | None, batch: int) -> int:
+    """Multiply-adds of one step on cached ``features`` (the head's, and scoring every
+    label); an encoder pass (no features) counts as large (:mod:`car_fl.common.threads`)."""
+    if features is None:
+        return sys.maxsize
+    head = sum(p.numel() for p in model.head.parameters())
+    return head_work(head + features.shape[1] * model.num_labels, batch)
 
 
 class ProximalTerm:
@@ -307,7 +320,8 @@ def evaluate(
     features = query_features(model, data, batch_size=batch_size, progress=progress)
     ranks, predictions = [], []
     loss_sum = 0.0
-    with torch.inference_mode():
+    work = step_work(model, features if data.features is not None else None, batch_size)
+    with torch.inference_mode(), threads_for(work):
         index = model.index()
         for start in range(0, len(data), batch_size):
             batch = features[start : start + batch_size].to(model.device)

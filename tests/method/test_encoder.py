@@ -328,3 +328,25 @@ def test_l2_normalised_features_have_unit_norm_whatever_the_model_scale(tiny_lla
     with torch.no_grad():
         pooled = encoder.pool(encoder.transform(encoder.embed(ids) * 1e3, mask), mask)
     torch.testing.assert_close(pooled.norm(dim=-1), torch.ones(3))
+
+
+def test_the_adapters_identity_answer_follows_every_change_of_its_weight() -> None:
+    """Asked at every scoring step, answered again only after the weight changed."""
+    from car_fl.method.adapter import SoftEmbeddingAdapter
+
+    adapter = SoftEmbeddingAdapter(6)
+    assert adapter.is_identity() and adapter.is_identity()
+    optimizer = torch.optim.SGD(adapter.parameters(), lr=0.1)
+    adapter(torch.randn(2, 3, 6)).sum().backward()
+    optimizer.step()
+    assert not adapter.is_identity()  # an optimiser step
+    adapter.load_state_dict({"weight": torch.eye(6)})
+    assert adapter.is_identity()  # a load
+    with torch.no_grad():
+        adapter.weight[0, 1] = 1e-30
+    assert not adapter.is_identity()  # an in-place write
+    adapter.weight.data = torch.eye(6)
+    assert adapter.is_identity()  # a new tensor
+    with torch.no_grad():
+        adapter.weight[2, 2] = float("nan")
+    assert not adapter.is_identity()
