@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,9 @@ from car_fl.results.selection import is_better, select_best
 from car_fl.settings.schema import Settings
 
 log = logging.getLogger(__name__)
+
+#: Seconds between two drawings of a running run's ``curves.png`` (its end always draws it).
+PLOT_SECONDS = 30.0
 
 
 def round_line(row: RoundRow, *, unit: str = "round") -> str:
@@ -90,6 +94,8 @@ class Recorder:
     #: The trainable state of :attr:`best` when it was recorded in this process (for its test
     #: metrics at the end, :meth:`test_at_end`).
     best_state: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+    #: When ``curves.png`` was last drawn (``time.monotonic``), if it was.
+    plotted_at: float | None = field(default=None, repr=False)
 
     @property
     def checkpoints(self) -> Path:
@@ -220,14 +226,20 @@ class Recorder:
         save_checkpoint(self.checkpoints / "final", checkpoint)
 
     def write(self, summary: RunSummary, *, plot: bool = True) -> None:
-        """``metrics.json``, ``metrics.csv`` and (``plot``) ``curves.png``."""
+        """``metrics.json``, ``metrics.csv`` and (``plot``) ``curves.png``: at a run's end, and
+        while it runs at most every :data:`PLOT_SECONDS` (a plot costs a few tenths of a
+        second, more than a round of a small head)."""
         MetricsFile(history=self.history, summary=summary).write(self.output_dir)
-        if not plot:
+        now = time.monotonic()
+        recent = self.plotted_at is not None and now - self.plotted_at < PLOT_SECONDS
+        if not plot or (recent and not summary.complete):
             return
+        self.plotted_at = now
         plot_curves(
             self.output_dir,
             self.history,
             title=self.title,
             x_label=self.unit,
             num_labels=len(self.label_map),
+            selected=self.best.round if self.best is not None else None,
         )

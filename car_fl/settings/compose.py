@@ -6,16 +6,23 @@ schema of ``conf/config.yaml`` (and the approach group is generated from
 and a group file holds only what it changes. :func:`load_settings` (compose, then validate) is
 the one way entry points read configuration. Hydra itself is imported only when something is
 composed: a ClientApp whose settings are cached never imports it.
+
+Longer than 300 lines because composing, validating and naming a mistake's fix read the
+same schema tables, in one pass.
 """
 
 from __future__ import annotations
 
+import copy
 import difflib
+import functools
 import importlib
 import shlex
+from collections.abc import Mapping
 from dataclasses import asdict, fields, is_dataclass
 from enum import Enum
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, get_type_hints
 
 from omegaconf import DictConfig, OmegaConf
@@ -75,6 +82,8 @@ def register_configs() -> None:
     from hydra.core.config_store import ConfigStore
 
     store = ConfigStore.instance()
+    if f"{SCHEMA}.yaml" in store.repo and "approach" in store.repo:
+        return  # registered already in this process (storing again costs a tenth of a second)
     defaults = Settings()
     store.store(name=SCHEMA, node={f.name: getattr(defaults, f.name) for f in fields(Settings)})
     for approach, spec in APPROACHES.items():
@@ -129,7 +138,7 @@ def to_settings(cfg: DictConfig | dict[str, Any]) -> Settings:
     for key in _leaf_keys(OmegaConf.to_container(container, resolve=False)):
         if not is_setting(key):  # e.g. ``+fl.round=2``, which the merge below would drop
             raise ValueError(f"{key} is not a setting;{did_you_mean(key)}")
-    schema = OmegaConf.structured(Settings)
+    schema = _schema()
     try:
         merged = OmegaConf.merge(schema, container)
         obj = OmegaConf.to_object(merged)
@@ -148,6 +157,14 @@ def to_settings(cfg: DictConfig | dict[str, Any]) -> Settings:
     return obj
 
 
+@functools.cache
+def _schema() -> DictConfig:
+    """:class:`Settings` as a structured config, built once (a merge never changes it)."""
+    schema = OmegaConf.structured(Settings)
+    OmegaConf.set_readonly(schema, True)
+    return schema
+
+
 def _leaf_keys(values: Any, prefix: str = "") -> list[str]:
     """The dotted keys of a nested mapping's leaves (an empty mapping counts as a leaf)."""
     if not isinstance(values, dict) or not values:
@@ -163,9 +180,11 @@ def one_line(text: str) -> str:
     return " ".join(text.split())
 
 
-def schema_keys(kind: type = Settings, prefix: str = "") -> dict[str, bool]:
+@functools.cache
+def schema_keys(kind: type = Settings, prefix: str = "") -> Mapping[str, bool]:
     """Every setting's dotted key, ``True`` for a mapping whose own keys are free
-    (``dataset.label_texts.<label>``)."""
+    (``dataset.label_texts.<label>``). Computed once: the schema is fixed, and every leaf of
+    every composed configuration is looked up here."""
     keys: dict[str, bool] = {}
     for name, hint in get_type_hints(kind).items():
         key = f"{prefix}{name}"
@@ -173,7 +192,7 @@ def schema_keys(kind: type = Settings, prefix: str = "") -> dict[str, bool]:
             keys.update(schema_keys(hint, f"{key}."))
         else:
             keys[key] = getattr(hint, "__origin__", None) is dict
-    return keys
+    return MappingProxyType(keys)
 
 
 def group_options() -> dict[str, list[str]]:
@@ -265,8 +284,17 @@ def _optional_of(kind: Any) -> Any:
 
 
 def load_settings(overrides: str | list[str] | tuple[str, ...] | None = None) -> Settings:
-    """Compose and validate in one step: the single way entry points read configuration."""
-    return to_settings(compose_config(overrides))
+    """Compose and validate in one step: the single way entry points read configuration.
+
+    A process composes the same overrides once (``conf/`` does not change under it; a node
+    reads its settings every round): later calls get a copy of the first result."""
+    key = (str(conf_dir()), *parse_overrides(overrides))
+    if key not in _LOADED:
+        _LOADED[key] = to_settings(compose_config(overrides))
+    return copy.deepcopy(_LOADED[key])
+
+
+_LOADED: dict[tuple[str, ...], Settings] = {}
 
 
 def settings_to_yaml(settings: Settings) -> str:

@@ -379,3 +379,27 @@ def test_a_background_evaluation_lets_the_next_round_start_and_the_end_tests_bes
     assert load_checkpoint(tmp_path / "checkpoints" / "round-003").metrics[
         "test_top1"
     ] == pytest.approx(0.3)
+
+
+def test_a_running_runs_plot_is_drawn_at_most_every_plot_seconds_and_always_at_its_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Drawing costs more than a round of a small head: while the run goes on, the metrics
+    files are written every round and the plot at most every PLOT_SECONDS."""
+    from car_fl.results import recorder as module
+
+    drawn: list[int] = []
+    monkeypatch.setattr(module, "plot_curves", lambda *a, **k: drawn.append(len(a[1])))
+    clock = iter([0.0, 1.0, 2.0, module.PLOT_SECONDS + 5.0, module.PLOT_SECONDS + 6.0])
+    monkeypatch.setattr(module.time, "monotonic", lambda: next(clock))
+    rec = Recorder(
+        settings=Settings(), output_dir=tmp_path, label_map=LABELS, unit="round", title=""
+    )
+    for r in range(1, 6):
+        metrics = {"val_top1": 0.1 * r, "val_loss": 1.0, "test_top1": 0.5, "test_loss": 1.0}
+        rec.add(RoundRow(round=r, epochs=r, metrics=metrics, seconds=0.0))
+        summary = federated_summary()
+        summary.complete = r == 5
+        rec.write(summary)
+        assert len(MetricsFile.read(tmp_path).history) == r  # the rows: every round
+    assert drawn == [1, 4, 5]  # the first, one after PLOT_SECONDS, the end
