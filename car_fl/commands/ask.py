@@ -73,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.k < 1:
         raise ValueError(f"-k must be >= 1, got {args.k}")
+    check_corpus(args.checkpoint)
     # the generator first: a wrong name fails before the retriever is loaded
     encoder = None
     if args.same_model:
@@ -124,6 +125,22 @@ def run(args: argparse.Namespace) -> int:
         for line in source_lines(hits, titles):
             print(line)
     return 0
+
+
+def check_corpus(checkpoint: str) -> None:
+    """A checkpoint of labels has no documents to answer from: refused in one line."""
+    from car_fl.results.checkpoint import load_checkpoint
+    from car_fl.settings.choices import Reader
+
+    ckpt = load_checkpoint(checkpoint)
+    if ckpt.settings.dataset.reader is not Reader.CORPUS:
+        names = ckpt.label_map.names
+        shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+        raise ValueError(
+            f"{checkpoint} retrieves labels ({len(names)}: {shown}), not documents with a text "
+            "to answer from: use car-fl retrieve with it, or train on a corpus (dataset=corpus "
+            "dataset.documents_path=...) for car-fl ask"
+        )
 
 
 def document_titles(checkpoint: str, documents: str | None) -> dict[str, str]:

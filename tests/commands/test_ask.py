@@ -145,3 +145,16 @@ def test_ask_states_its_sources_with_their_titles_even_when_the_generator_writes
     assert payload["answer"] == "" and [s["title"] for s in payload["sources"]] == [
         f"On {s['id']}" for s in payload["sources"]
     ]
+
+
+def test_ask_refuses_a_checkpoint_of_labels_in_one_line(
+    make_settings, tiny_generator: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Labels hold no text to answer from: the answer would be nonsense with the labels as
+    its "sources"."""
+    run_centralized(make_settings("train.epochs=1"), tmp_path / "run")
+    ckpt = str(tmp_path / "run" / "checkpoints" / "final")
+    assert main(["ask", "--checkpoint", ckpt, "--generator", str(tiny_generator), "w5"]) == 1
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"car-fl ask: {ckpt} retrieves labels (4: ")
+    assert "use car-fl retrieve with it" in line
