@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 from pathlib import Path
 
@@ -37,9 +38,10 @@ def run(args: argparse.Namespace) -> int:
 
         check_run_dir(Path(settings.resume))  # a mistyped folder fails first
     check_sources(settings)  # before torch (without resume=) and transformers are imported
+    setup_logging()
+    logging.getLogger(__name__).info("loading PyTorch and car-fl's model code (seconds)")
     from car_fl.simulation.centralized_dp import train_centrally
 
-    setup_logging()
     # a resumed run goes on in its own folder
     where = settings.resume or settings.output_dir
     out = Path(where) if where else default_output_dir()
@@ -50,6 +52,6 @@ def run(args: argparse.Namespace) -> int:
     )
     print(
         f"car-fl train: best on validation after epoch {best['round']}: test top-1 "
-        f"{best['test_top1']:.4f}{private}; results in {out}"
+        f"{best['test_top1']:.4f}{private}; results: {out}"
     )
     return 0

