@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -171,6 +172,21 @@ def _to_dataset(examples: list[Example], label_map: LabelMap, source: str) -> Da
     )
 
 
+def check_label_texts(cfg: DatasetConfig, names: Sequence[str], source: object) -> None:
+    """Say so when ``dataset.label_texts`` describe none of the data's labels: they are another
+    data set's (the ``sms_spam`` preset's ham and spam beside a file of other labels)."""
+    described = set(cfg.label_texts)
+    if described and not described & set(names):
+        shown = ", ".join(list(names)[:6]) + (", ..." if len(names) > 6 else "")
+        log.warning(
+            "dataset.label_texts describe %s, none of which %s has (%s): they are not used; "
+            "for a label<TAB>text file of its own labels use dataset=tsv",
+            ", ".join(sorted(described)),
+            source,
+            shown,
+        )
+
+
 def load_splits(cfg: DatasetConfig, *, seed: int, label_map: LabelMap | None = None) -> DataSplits:
     """Read the configured dataset, remove duplicates, fix the label map, split it (seeded).
 
@@ -219,6 +235,7 @@ def load_splits(cfg: DatasetConfig, *, seed: int, label_map: LabelMap | None = N
         label_map.encode([e.label for e in all_examples], source=source)
     if len(label_map) < 2:
         raise DataFormatError(source, f"needs at least 2 labels, found {label_map.to_list()}")
+    check_label_texts(cfg, label_map.names, source)
 
     if test is None:
         ids = label_map.encode([e.label for e in train], source=source)

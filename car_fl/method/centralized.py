@@ -37,7 +37,7 @@ from car_fl.method.resume import (
 from car_fl.method.serving import checkpoint_extra
 from car_fl.method.sources import check_sources
 from car_fl.method.train import make_optimizer, one_epoch
-from car_fl.results.plots import data_label
+from car_fl.results.plots import data_label, model_label
 from car_fl.results.recorder import Recorder
 from car_fl.results.rows import RoundRow, RunSummary
 from car_fl.results.selection import out_of_patience
@@ -74,7 +74,7 @@ def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any
         output_dir=out,
         label_map=run.splits.label_map,
         unit="epoch",
-        title=f"centralised, {data_label(settings.dataset)}",
+        title=f"centralised, {data_label(settings.dataset)}, {model_label(settings.model)}",
         extra=extra,
     )
     initial = train(settings, run, recorder, point=point, started=start)
@@ -86,7 +86,7 @@ def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any
     assert final is not None and best is not None
     log.info(
         "final test top1 %.4f; best on validation after epoch %d: test top1 %.4f (starting "
-        "point: val top1 %s, test top1 %.4f); results in %s",
+        "point: val top1 %s, test top1 %.4f); results: %s",
         final.metrics["test_top1"],
         best.round,
         best.metrics["test_top1"],

@@ -9,7 +9,7 @@ from typing import Any
 
 from car_fl.common.io import atomic_write
 from car_fl.results.rows import PLOT_PNG, RoundRow
-from car_fl.settings.schema import DatasetConfig
+from car_fl.settings.schema import DatasetConfig, ModelConfig
 
 
 def _pyplot() -> Any:
@@ -32,9 +32,27 @@ def data_label(dataset: DatasetConfig) -> str:
     return dataset.label
 
 
-#: One colour per split, the same in the loss and the accuracy panel.
+def model_label(model: ModelConfig) -> str:
+    """What a plot calls the frozen encoder: its preset, or a local folder's name."""
+    if model.name == "local":
+        return Path(model.name_or_path).name or model.name_or_path
+    return model.name
+
+
+#: One colour per split, the same in the loss and the accuracy panel (loss and top-1).
 SPLIT_COLOURS = {"train": "tab:blue", "val": "tab:orange", "test": "tab:green"}
-TOP_K_STYLES = ("--", ":", "-.")
+#: Test top-K (K > 1): colours no split uses, so that no two lines of a panel share one.
+TOP_K_COLOURS = ("tab:red", "tab:purple", "tab:brown", "tab:pink")
+SPLIT_WORDS = {"train": "train", "val": "validation", "test": "test"}
+
+
+def legend_label(key: str) -> str:
+    """A metric key in words: ``val_top1`` → "validation top-1", ``train_loss`` → "train
+    loss", ``train_accuracy`` → "train accuracy"."""
+    split, metric = key.split("_", 1)
+    if metric.startswith("top") and metric[3:].isdigit():
+        metric = f"top-{metric[3:]}"
+    return f"{SPLIT_WORDS[split]} {metric}"
 
 
 def split_colour(key: str) -> str:
@@ -56,35 +74,41 @@ def plot_curves(
     title: str,
     x_label: str = "round",
     num_labels: int | None = None,
+    selected: int | None = None,
 ) -> Path | None:
     """``curves.png`` in ``folder`` (:func:`curves_figure`); ``None`` without rows."""
     if not history:
         return None
-    fig = curves_figure(history, title=title, x_label=x_label, num_labels=num_labels)
+    fig = curves_figure(
+        history, title=title, x_label=x_label, num_labels=num_labels, selected=selected
+    )
     return _save(fig, Path(folder) / PLOT_PNG)
 
 
 def curves_figure(
-    history: Sequence[RoundRow], *, title: str, x_label: str, num_labels: int | None
+    history: Sequence[RoundRow],
+    *,
+    title: str,
+    x_label: str,
+    num_labels: int | None,
+    selected: int | None = None,
 ) -> Any:
-    """Loss and accuracy per round: train and test loss, test top-1 and top-K accuracy.
+    """Loss and accuracy per round: train, validation and test loss; validation and test
+    top-1, test top-K, train accuracy; the round (epoch) ``selected`` on validation marked.
 
-    Rounds (epochs) are ticked at integers; a top-K line is drawn only for K below
-    ``num_labels``.
+    Legends in words, one colour per line (a split's loss and top-1 share its colour across
+    the panels), rounds ticked at integers; a top-K line only for K below ``num_labels``.
     """
     from matplotlib.ticker import MaxNLocator
 
     rows = [row.to_dict() for row in history]
     x = [row["round"] for row in rows]
     fig, (ax_loss, ax_acc) = _pyplot().subplots(1, 2, figsize=(10, 4))
-    for key, label in (
-        ("train_loss", "train loss"),
-        ("val_loss", "validation loss"),
-        ("test_loss", "test loss"),
-    ):
+    for key in ("train_loss", "val_loss", "test_loss"):
         values = [row.get(key) for row in rows]
         if any(v is not None for v in values):
-            ax_loss.plot(x, values, marker="o", label=label, color=split_colour(key))
+            colour = split_colour(key)
+            ax_loss.plot(x, values, marker="o", label=legend_label(key), color=colour)
     acc_keys = [k for k in ("val_top1",) if k in rows[-1]]
     acc_keys += [
         k
@@ -93,16 +117,29 @@ def curves_figure(
     ]
     acc_keys += ["train_accuracy"] if "train_accuracy" in rows[-1] else []
     top_ks = [k for k in acc_keys if k.startswith("test_top") and k != "test_top1"]
-    for key in acc_keys:  # test top-K beside top-1: the test colour, dashed, dotted, ...
-        style = TOP_K_STYLES[top_ks.index(key) % len(TOP_K_STYLES)] if key in top_ks else "-"
+    for key in acc_keys:
+        colour = (
+            TOP_K_COLOURS[top_ks.index(key) % len(TOP_K_COLOURS)]
+            if key in top_ks
+            else split_colour(key)
+        )
         values = [row.get(key) for row in rows]
-        ax_acc.plot(x, values, marker="o", label=key, color=split_colour(key), linestyle=style)
+        ax_acc.plot(x, values, marker="o", label=legend_label(key), color=colour)
     ax_loss.set(xlabel=x_label, ylabel="cross-entropy", title=f"{title}: loss")
     ax_acc.set(xlabel=x_label, ylabel="accuracy", title=f"{title}: accuracy")
     for ax in (ax_loss, ax_acc):
+        if selected is not None:
+            ax.axvline(
+                selected,
+                color="grey",
+                linestyle=":",
+                label=f"selected on validation ({x_label} {selected})"
+                if selected
+                else "selected on validation: the starting point",
+            )
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
 

@@ -216,3 +216,29 @@ def test_under_the_hash_placement_one_added_record_changes_only_itself(
     assert not before - after  # nothing lost, nothing moved
     gained = after - before
     assert sum(gained.values()) == (0 if kind == "copy with spaces" else 1)
+
+
+def test_label_texts_of_another_data_set_are_named_and_a_tsv_of_its_own_labels_has_none(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The sms_spam preset describes ham and spam; a label<TAB>text file of other labels gets
+    a warning that names the fix, and dataset=tsv describes nothing it was not told."""
+    from car_fl.settings.compose import load_settings
+
+    path = tmp_path / "mine.tsv"
+    path.write_text("".join(f"{'ab'[i % 2]}\ttext number {i}\n" for i in range(40)))
+    sms = load_settings(["model=local", "model.name_or_path=/m", f"dataset.path={path}"])
+    with caplog.at_level("WARNING", logger="car_fl.data.splits"):
+        load_splits(sms.dataset, seed=0)
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "dataset.label_texts describe ham, spam, none of which" in warning
+    assert "(a, b): they are not used; for a label<TAB>text file" in warning
+    assert "use dataset=tsv" in warning
+    caplog.clear()
+    tsv = load_settings(
+        ["model=local", "model.name_or_path=/m", "dataset=tsv", f"dataset.path={path}"]
+    )
+    assert tsv.dataset.label_texts == {} and tsv.dataset.hub_id is None
+    with caplog.at_level("WARNING", logger="car_fl.data.splits"):
+        splits = load_splits(tsv.dataset, seed=0)
+    assert caplog.records == [] and list(splits.label_map.names) == ["a", "b"]

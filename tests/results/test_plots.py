@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from car_fl.results.plots import curves_figure, data_label, plot_curves
+from car_fl.results.plots import curves_figure, data_label, model_label, plot_curves
 from car_fl.results.rows import RoundRow
-from car_fl.settings.schema import DatasetConfig
+from car_fl.settings.schema import DatasetConfig, ModelConfig
 
 
 def rows(rounds: int) -> list[RoundRow]:
@@ -25,11 +25,11 @@ def test_top_k_lines_only_below_the_number_of_labels_and_integer_rounds() -> Non
     fig = curves_figure(rows(3), title="t", x_label="round", num_labels=4)
     _, acc = fig.axes
     labels = [line.get_label() for line in acc.get_lines()]
-    assert labels == ["val_top1", "test_top1", "test_top3"]  # top-5/10 of 4 labels: always 1
+    assert labels == ["validation top-1", "test top-1", "test top-3"]  # top-5/10 of 4: always 1
     two_labels = curves_figure(rows(3), title="t", x_label="round", num_labels=2)
     assert [line.get_label() for line in two_labels.axes[1].get_lines()] == [
-        "val_top1",
-        "test_top1",
+        "validation top-1",
+        "test top-1",
     ]
     for ax in fig.axes:  # rounds 1, 2, 3: no 1.5 or 2.5 on the axis
         ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
@@ -44,7 +44,7 @@ def test_titles_name_the_data_actually_used(tmp_path: Path) -> None:
     assert plot_curves(tmp_path / "none", [], title="t") is None
 
 
-def test_a_split_has_one_colour_in_both_panels() -> None:
+def test_legends_in_words_one_colour_a_line_and_the_selected_round_marked() -> None:
     history = [
         RoundRow(
             round=r,
@@ -52,17 +52,31 @@ def test_a_split_has_one_colour_in_both_panels() -> None:
             train_loss=1.0,
             train_accuracy=0.5,
             metrics={"val_loss": 1.0, "val_top1": 0.5, "test_loss": 1.0, "test_top1": 0.5}
-            | {"test_top3": 0.7},
+            | {"test_top3": 0.7, "test_top5": 0.9},
             seconds=1.0,
         )
-        for r in (1, 2)
+        for r in (1, 2, 3)
     ]
-    loss, acc = curves_figure(history, title="t", x_label="round", num_labels=5).axes
+    loss, acc = curves_figure(history, title="t", x_label="epoch", num_labels=10, selected=2).axes
+    for ax in (loss, acc):  # no key names beside words; every line its own colour
+        labels = [line.get_label() for line in ax.get_lines()]
+        assert not any("_" in label for label in labels), labels
+        assert len({line.get_color() for line in ax.get_lines()}) == len(labels)
+        marked = [line for line in ax.get_lines() if line.get_label().startswith("selected")]
+        assert [m.get_label() for m in marked] == ["selected on validation (epoch 2)"]
+        assert list(marked[0].get_xdata()) == [2, 2]
     colours = {line.get_label(): line.get_color() for ax in (loss, acc) for line in ax.get_lines()}
-    assert colours["train loss"] == colours["train_accuracy"]
-    assert colours["validation loss"] == colours["val_top1"]
-    assert colours["test loss"] == colours["test_top1"] == colours["test_top3"]
+    assert colours["train loss"] == colours["train accuracy"]  # a split keeps its colour
+    assert colours["validation loss"] == colours["validation top-1"]
+    assert colours["test loss"] == colours["test top-1"] != colours["test top-3"]
     assert len({colours["train loss"], colours["validation loss"], colours["test loss"]}) == 3
+    unmarked = curves_figure(history, title="t", x_label="epoch", num_labels=10).axes[1]
+    assert not any(line.get_label().startswith("selected") for line in unmarked.get_lines())
+
+
+def test_a_plot_names_the_model(tmp_path: Path) -> None:
+    assert model_label(ModelConfig(name="smollm2", name_or_path="gguf:smollm2")) == "smollm2"
+    assert model_label(ModelConfig(name="local", name_or_path="/tmp/car-fl-tiny/llama")) == "llama"
 
 
 def test_the_sweep_plot_ticks_whole_epochs_and_names_the_data_file(
