@@ -65,12 +65,12 @@ def test_train_writes_results_others_can_read(
     old = os.umask(0o022)
     try:
         assert cli_main(["train", *overrides, "train.epochs=2", f"output_dir={out}"]) == 0
-        assert f"results in {out}" in capsys.readouterr().out
+        assert f"results: {out}" in capsys.readouterr().out
         # the same run, two epochs longer, goes on in its own folder
         assert cli_main(["train", *overrides, "train.epochs=4", f"resume={out}"]) == 0
     finally:
         os.umask(old)
-    assert f"results in {out}" in capsys.readouterr().out
+    assert f"results: {out}" in capsys.readouterr().out
     assert len(MetricsFile.read(out).history) == 4
     files = [p for p in out.rglob("*") if p.is_file()]
     assert {"config.yaml", "metrics.json", "metrics.csv", "curves.png"} <= {p.name for p in files}
