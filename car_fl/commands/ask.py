@@ -73,7 +73,6 @@ def run(args: argparse.Namespace) -> int:
 
     if args.k < 1:
         raise ValueError(f"-k must be >= 1, got {args.k}")
-    check_corpus(args.checkpoint)
     # the generator first: a wrong name fails before the retriever is loaded
     encoder = None
     if args.same_model:
@@ -93,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
         generator = load_generator(
             args.generator, device=args.device, trust_remote_code=args.trust_remote_code
         )
+    check_corpus(args.checkpoint)  # a checkpoint of labels has nothing to answer from
     retriever = load_retriever(
         args.checkpoint,
         device=args.device,

@@ -1,21 +1,21 @@
-"""Whole Flower simulations in this process (Ray), with the tiny offline Llama."""
+"""Flower's own simulation engine (Ray) end to end, with the tiny offline Llama: what only a
+real simulation shows (each client in its Ray worker with its CPU share of threads, the
+encoder loaded once per worker, the bytes Flower carries). The federation's reference checks
+(one client equals centralised training, a resumed run equals an uninterrupted one, ...)
+run through the same ServerApp and ClientApp handlers in one process:
+``tests/server/test_federation_runs.py``."""
 
 from __future__ import annotations
 
 import csv
-import json
-import math
 import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from car_fl.centralized import run_centralized
-from car_fl.privacy.accountant import epsilon
 from car_fl.results.checkpoint import load_checkpoint
 from car_fl.results.selection import select_best
-from car_fl.settings.compose import settings_to_yaml
 from car_fl.simulation.flower import run_simulation
 from car_fl.testing.tiny import tiny_overrides
 
@@ -33,37 +33,6 @@ def rows_of(path: Path) -> list[dict[str, str]]:
 
 def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_checkpoint(run_dir / "checkpoints" / "final").state
-
-
-@pytest.mark.parametrize(
-    ("fl", "central"),
-    [
-        # One round of E = 2 local epochs (AdamW) = 2 centralised epochs.
-        (["fl.rounds=1", "fl.local_epochs=2"], ["train.epochs=2"]),
-        # Plain SGD has no optimizer state: R = 3 rounds x E = 1 epoch = 3 centralised epochs.
-        (
-            ["fl.rounds=3", "fl.local_epochs=1", "train.optimizer=sgd", "train.lr=0.05"],
-            ["train.epochs=3", "train.optimizer=sgd", "train.lr=0.05"],
-        ),
-    ],
-)
-def test_one_client_federation_equals_centralised_training(
-    base: list[str], tmp_path: Path, fl: list[str], central: list[str]
-) -> None:
-    from car_fl.settings.compose import load_settings
-
-    fed = run_simulation([*base, "fl.clients=1", *fl, f"output_dir={tmp_path / 'fl'}"])
-    run_centralized(load_settings([*base, *central]), tmp_path / "central")
-    fed_state, central_state = final_state(tmp_path / "fl"), final_state(tmp_path / "central")
-    assert set(fed_state) == set(central_state)
-    for name, value in central_state.items():
-        torch.testing.assert_close(fed_state[name], value, rtol=1e-5, atol=1e-6)
-    central_metrics = json.loads((tmp_path / "central" / "metrics.json").read_text())
-    assert fed["history"][-1]["test_top1"] == pytest.approx(
-        central_metrics["history"][-1]["test_top1"]
-    )
-    # Same metrics format: every centralised column is also in the federated rows.
-    assert set(central_metrics["history"][0]) <= set(fed["history"][0])
 
 
 @pytest.mark.parametrize("mode", ["classifier", "adapter"])
@@ -109,101 +78,3 @@ def test_two_client_simulation_learns_and_ships_only_trainable_tensors(
     assert best is not None and metrics["summary"]["best"]["round"] == best["round"]
     assert load_checkpoint(out / "checkpoints" / "best").round == best["round"]
     assert {"val_top1", "test_top1"} <= set(rows_of(out / "metrics.csv")[0])
-
-
-def test_server_and_clients_resolve_the_same_configuration(base: list[str], tmp_path: Path) -> None:
-    from car_fl.settings.compose import load_settings
-
-    out = tmp_path / "fl"
-    run_simulation([*base, "fl.rounds=1", "fl.local_epochs=1", f"output_dir={out}"])
-    saved = (out / "config.yaml").read_text()
-    assert saved == settings_to_yaml(
-        load_settings([*base, "fl.rounds=1", "fl.local_epochs=1", f"output_dir={out}"])
-    )
-    # Clients check the server's fingerprint on every message; a mismatch fails the round,
-    # so a completed run means every client resolved the same configuration.
-    rows = list(csv.DictReader((out / "clients.csv").open()))
-    assert {r["status"] for r in rows} == {"ok"}
-
-
-def test_client_count_mismatch_fails_with_instructions(base: list[str], tmp_path: Path) -> None:
-    with pytest.raises(
-        ValueError,
-        match=r"this simulation runs 3 SuperNodes but fl.clients=2: run it with "
-        r"--federation-config 'num-supernodes=2'",
-    ):
-        run_simulation([*base, f"output_dir={tmp_path / 'fl'}"], num_supernodes=3)
-
-
-def test_adaptive_dp_simulation_reports_epsilon_and_keeps_each_clients_state(
-    base: list[str], tmp_path: Path
-) -> None:
-    out = tmp_path / "fl"
-    metrics = run_simulation(
-        [*base, "dp=adaptive", "fl.rounds=3", "fl.local_epochs=1", f"output_dir={out}"]
-    )
-    history = metrics["history"]
-    eps = [row["epsilon"] for row in history]
-    # z = 0.1: update and clipped-indicator together cost one Gaussian of multiplier z/2 a round.
-    assert eps == pytest.approx([epsilon({0.05: r}, 1e-5) for r in (1, 2, 3)], rel=1e-6)
-    assert metrics["summary"]["epsilon"] == eps[-1]
-    assert metrics["summary"]["flagged_clients"] == []  # the clients' claims match the server's
-    assert load_checkpoint(out / "checkpoints" / "final").epsilon == eps[-1]
-    # Under DP no train metric reaches the server.
-    assert all(math.isnan(row["train_loss"]) for row in history)
-    rows = list(csv.DictReader((out / "clients.csv").open()))
-    by_client: dict[str, list[dict[str, str]]] = {}
-    for row in rows:
-        by_client.setdefault(row["partition_id"], []).append(row)
-        assert row["train_loss"] == row["train_accuracy"] == row["train_seconds"] == ""
-        assert "dp_clip" not in row
-    assert len(by_client) == 2
-    for client_rows in by_client.values():
-        # The DP state persists in the node's state: releases (and C_i) carry over rounds.
-        client_rows.sort(key=lambda r: int(r["round"]))
-        assert [float(r["dp_releases"]) for r in client_rows] == [1.0, 2.0, 3.0]
-
-
-@pytest.mark.parametrize("dp", ["none", "adaptive"])
-def test_a_resumed_run_matches_an_uninterrupted_one(
-    base: list[str], tmp_path: Path, dp: str
-) -> None:
-    common = [*base, f"dp={dp}", "fl.local_epochs=1"]
-    whole = run_simulation([*common, "fl.rounds=3", f"output_dir={tmp_path / 'whole'}"])
-    # "Interrupted" after round 2: the run directory holds rounds 1-2 only.
-    part = tmp_path / "part"
-    run_simulation([*common, "fl.rounds=2", f"output_dir={part}"])
-    resumed = run_simulation([*common, "fl.rounds=3", f"resume={part}"])
-    assert [row["round"] for row in resumed["history"]] == [1, 2, 3]
-    assert resumed["summary"]["complete"]
-    if dp == "none":
-        a, b = final_state(tmp_path / "whole"), final_state(part)
-        for name in a:
-            torch.testing.assert_close(b[name], a[name], rtol=1e-6, atol=1e-6)
-        assert resumed["history"][-1]["test_top1"] == pytest.approx(
-            whole["history"][-1]["test_top1"]
-        )
-    else:
-        assert resumed["summary"]["epsilon"] > 0
-
-
-def test_resume_refuses_another_configuration(base: list[str], tmp_path: Path) -> None:
-    part = tmp_path / "part"
-    run_simulation([*base, "fl.rounds=1", "fl.local_epochs=1", f"output_dir={part}"])
-    with pytest.raises(ValueError, match=r"another configuration.*only fl.rounds may change"):
-        run_simulation([*base, "fl.rounds=2", "fl.local_epochs=2", f"resume={part}"])
-
-
-def test_a_run_saved_with_train_probe_epochs_still_resumes_without_it(
-    base: list[str], tmp_path: Path
-) -> None:
-    """Runs made before federated runs refused train.probe_epochs saved it in their
-    config.yaml (and ignored it): resuming one without it is the same configuration."""
-    part = tmp_path / "part"
-    run_simulation([*base, "fl.rounds=1", "fl.local_epochs=1", f"output_dir={part}"])
-    saved = part / "config.yaml"
-    text = saved.read_text(encoding="utf-8")
-    assert "probe_epochs: 0" in text
-    saved.write_text(text.replace("probe_epochs: 0", "probe_epochs: 5"), encoding="utf-8")
-    resumed = run_simulation([*base, "fl.rounds=2", "fl.local_epochs=1", f"resume={part}"])
-    assert [row["round"] for row in resumed["history"]] == [1, 2]
