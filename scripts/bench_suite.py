@@ -44,7 +44,8 @@ def suite(paths: list[str], threads: str | None) -> dict[str, Any]:
     return {
         "omp_num_threads": threads or "default",
         "wall_seconds": wall,
-        "cpu_seconds": after.children_user + after.children_system
+        "cpu_seconds": after.children_user
+        + after.children_system
         - before.children_user
         - before.children_system,
         "passed": int(m.group(1)) if (m := re.search(r"(\d+) passed", summary)) else 0,
