@@ -174,7 +174,9 @@ def problem(words: list[str], root: Path) -> str | None:
             script = root / words[1]
             return None if script.is_file() else f"no script {words[1]}"
         return None
-    return None if shutil.which(program) else f"no program {program!r} on PATH"
+    # this environment's own programs count whether or not it is activated
+    here = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    return None if shutil.which(program, path=here) else f"no program {program!r} on PATH"
 
 
 def check(commands: list[Command], root: Path = ROOT) -> list[str]:
