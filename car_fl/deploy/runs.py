@@ -3,7 +3,8 @@
 ``flwr ... --format json`` may print other lines before its JSON reply; the parsers below read
 from the first ``{``. ``flwr run`` can exit 0 for a run whose ServerApp failed, so the end of
 a run is read from its status (``finished:completed``, ``finished:failed``, ...):
-:func:`follow_run` streams a run's log while it polls that status (``car-fl run``).
+:func:`follow_run` waits for the end of the run's log stream, which the SuperLink ends when the
+run is finished, then reads that status.
 
 Every ``flwr`` child runs in its own session, so that Ctrl-C reaches this program alone: it
 stops the run and says so in one line, instead of each child printing its own traceback.
@@ -113,6 +114,24 @@ def run_status(
     return status_from(out.stdout, out.stderr)
 
 
+def log_stream(
+    connection: str, run_id: str, *, env: dict[str, str] | None = None, show: bool = True
+) -> subprocess.Popen[bytes]:
+    """``flwr log RUN_ID CONNECTION --stream``, to stdout if ``show``: the SuperLink ends the
+    stream when the run is finished, so waiting for this one process replaces polling the
+    status (each ``flwr ls`` costs about a second of CPU)."""
+    cmd = [flwr_bin("flwr"), "log", run_id, connection, "--stream"]
+    out = None if show else subprocess.DEVNULL
+    return subprocess.Popen(
+        cmd,
+        env=flower_env(env),
+        stdin=subprocess.DEVNULL,
+        stdout=out,
+        stderr=out,
+        start_new_session=True,
+    )
+
+
 def follow_run(
     connection: str,
     run_id: str,
@@ -121,25 +140,23 @@ def follow_run(
     poll: float = 3.0,
     env: dict[str, str] | None = None,
     status: Callable[[], dict[str, str]] | None = None,
+    show: bool = True,
 ) -> dict[str, str]:
-    """Stream the run's log (``flwr log --stream``) to stdout until its status is finished.
+    """Wait until the run is finished, its log streamed to stdout if ``show``; its status.
 
-    The log stream runs beside the polling and is ended (by its PID) once the status says the
-    run is finished, or after ``timeout`` seconds, when the run is stopped. ``status`` replaces
-    :func:`run_status` (tests).
+    The status is read when the log stream ends; a stream that ended before the run (the
+    SuperLink went away) is started again, quietly, after ``poll`` seconds. After ``timeout``
+    seconds the run is stopped. ``status`` replaces :func:`run_status` (tests).
     """
     read = status or (lambda: run_status(connection, run_id, env=env))
-    cmd = [flwr_bin("flwr"), "log", run_id, connection, "--stream"]
-    stream = subprocess.Popen(
-        cmd, env=flower_env(env), stdin=subprocess.DEVNULL, start_new_session=True
-    )
+    deadline = time.monotonic() + timeout
+    stream = log_stream(connection, run_id, env=env, show=show)
     try:
-        deadline = time.monotonic() + timeout
         while True:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                stream.wait(timeout=max(0.0, deadline - time.monotonic()))
             current = read()
             if current["status"].startswith("finished"):
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    stream.wait(timeout=5)  # the last lines of the log
                 return current
             if time.monotonic() > deadline:
                 stop_run(connection, run_id, env=env)
@@ -148,6 +165,8 @@ def follow_run(
                     "status-details": f"not finished after {timeout:g} s; stopped it",
                 }
             time.sleep(poll)
+            if stream.poll() is not None:
+                stream = log_stream(connection, run_id, env=env, show=False)
     finally:
         if stream.poll() is None:
             stream.terminate()
@@ -163,10 +182,6 @@ def wait_for_run(
     poll: float = 3.0,
     env: dict[str, str] | None = None,
 ) -> dict[str, str]:
-    """Poll until the run is finished (``flwr run`` may exit 0 for a run that failed)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        status = run_status(connection, run_id, env=env)
-        if status["status"].startswith("finished") or time.monotonic() > deadline:
-            return status
-        time.sleep(poll)
+    """Wait until the run is finished (``flwr run`` may exit 0 for a run that failed), its
+    log not shown; its status. A run not finished after ``timeout`` seconds is stopped."""
+    return follow_run(connection, run_id, timeout=timeout, poll=poll, env=env, show=False)
