@@ -240,13 +240,14 @@ class LocalCluster:
         restart: bool = True,
         prefix: Sequence[str] = (),
         timeout: float = 300.0,
+        wait: bool = True,
     ) -> Path:
         """Start node ``partition_id``'s worker (``car-fl worker``) and wait until it answers.
 
         Process ``worker-<i>``, folder ``<folder>/worker-<i>``, the node's own configuration
         (the same values :meth:`start_node` gives the SuperNode); ``restart``: under a
-        supervisor that starts it again when it dies. Returns the folder (``start_node``'s
-        ``worker``).
+        supervisor that starts it again when it dies; ``wait=False``: return at once (then
+        :meth:`wait_worker`). Returns the folder (``start_node``'s ``worker``).
         """
         folder = self.worker_folder(partition_id)
         node_config = node_config_string(
@@ -260,7 +261,8 @@ class LocalCluster:
         name = f"worker-{partition_id}"
         cmd = worker_command(folder=folder, node_config=node_config, restart=restart)
         self.processes.start(name, [*prefix, *cmd], env=self.env)
-        self.wait_worker(name, folder, timeout=timeout)
+        if wait:
+            self.wait_worker(name, folder, timeout=timeout)
         return folder
 
     def wait_worker(self, name: str, folder: Path, *, timeout: float) -> dict[str, object]:
@@ -308,15 +310,19 @@ class LocalCluster:
         self.check_ports(nodes)
         files = make_certificates(self.folder / "certs", [self.host, "localhost"]) if tls else None
         try:
+            prefixes = [pinned([], client_cores[i] if client_cores else None) for i in range(nodes)]
+            # the workers start side by side and beside the SuperLink (each imports torch and
+            # loads its model); each SuperNode once its worker answers
+            folders = [
+                self.start_worker(i, nodes, data=data, device=device, prefix=p, wait=False)
+                for i, p in enumerate(prefixes)
+                if workers
+            ]
             self.start_superlink(tls=files, node_auth=node_auth, prefix=pinned([], server_core))
             keys = [self.register_new_node_key(i) for i in range(nodes)] if node_auth else []
-            for i in range(nodes):
-                prefix = pinned([], client_cores[i] if client_cores else None)
-                folder = (
-                    self.start_worker(i, nodes, data=data, device=device, prefix=prefix)
-                    if workers
-                    else None
-                )
+            for i, folder in enumerate(folders):
+                self.wait_worker(f"worker-{i}", folder, timeout=300.0)
+            for i, prefix in enumerate(prefixes):
                 self.start_node(
                     i,
                     nodes,
@@ -325,7 +331,7 @@ class LocalCluster:
                     root_cert=files.ca_cert if files else None,
                     private_key=keys[i] if keys else None,
                     prefix=prefix,
-                    worker=folder,
+                    worker=folders[i] if workers else None,
                 )
         except BaseException:  # a half-started cluster is no use: leave nothing running
             self.stop()
