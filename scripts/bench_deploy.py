@@ -12,9 +12,10 @@ Every figure is printed with the machine's load average (``os.getloadavg()``) wh
 overhead: a local cluster (a SuperLink and N SuperNodes on 127.0.0.1, each with its worker,
 ``car-fl worker``) runs, one after the other and with the same ServerApp and settings, car-fl
 (a tiny random Llama, 400 synthetic examples, classifier mode) and an empty ClientApp that
-replies at once (``car_fl.deploy.floor``); car-fl also runs on a cluster without workers (a new
-ClientApp process per message does the round). For rounds 2..R: per-round overhead = round
-wall time - the slowest client's own work (its ``train-seconds``), car-fl's against the floor's.
+replies at once (``scripts/floor_client_app.py``); car-fl also runs on a cluster without
+workers (a new ClientApp process per message does the round). For rounds 2..R: per-round
+overhead = round wall time - the slowest client's own work (its ``train-seconds``), car-fl's
+against the floor's.
 Also printed: how long a fresh process takes to import each ClientApp.
 
 speedup: adapter + classifier mode, the offline MiniLM, the SMS data sampled to --examples
@@ -64,14 +65,15 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def floor_project(folder: Path) -> Path:
-    """This project with the empty ClientApp (``car_fl/deploy/floor.py``) as its ``client_app.py``.
+    """This project with the empty ClientApp (``scripts/floor_client_app.py``) as its
+    ``client_app.py``.
 
     The app bundle carries the project's own ``car_fl`` and ``conf/`` (the ServerApp uses them),
     so the copy is the project itself (the same files travel) with only the ClientApp swapped.
     """
     skip = shutil.ignore_patterns(".git", ".venv", ".*_cache", "__pycache__", "runs", "outputs")
     shutil.copytree(PROJECT, folder, ignore=skip)
-    shutil.copy(PROJECT / "car_fl" / "deploy" / "floor.py", folder / "client_app.py")
+    shutil.copy(PROJECT / "scripts" / "floor_client_app.py", folder / "client_app.py")
     return folder
 
 
@@ -134,12 +136,12 @@ def load() -> float:
     return round(os.getloadavg()[0], 2)
 
 
-def import_seconds(module: str, repeats: int = 3) -> float:
-    """Median wall time of a fresh Python process that imports ``module`` and exits."""
+def import_seconds(module: str, repeats: int = 3, cwd: Path = PROJECT) -> float:
+    """Median wall time of a fresh Python process in ``cwd`` that imports ``module`` and exits."""
     times = []
     for _ in range(repeats):
         tick = time.perf_counter()
-        subprocess.run([sys.executable, "-c", f"import {module}"], cwd=PROJECT, check=True)
+        subprocess.run([sys.executable, "-c", f"import {module}"], cwd=cwd, check=True)
         times.append(time.perf_counter() - tick)
     return statistics.median(times)
 
@@ -171,7 +173,7 @@ def bench_overhead(work: Path, *, clients: int, rounds: int, settle: float = 8.0
         **runs,
         "import_seconds": {
             "car_fl_client_app": import_seconds("client_app"),
-            "floor_client_app": import_seconds("car_fl.deploy.floor"),
+            "floor_client_app": import_seconds("floor_client_app", cwd=PROJECT / "scripts"),
             "python_only": import_seconds("sys"),
         },
     }

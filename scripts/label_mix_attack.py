@@ -38,9 +38,11 @@ from car_fl.method.build import build_retriever  # noqa: E402
 from car_fl.method.encoder import shared_encoder  # noqa: E402
 from car_fl.method.features import prepare_for  # noqa: E402
 from car_fl.method.model import CaRRetriever  # noqa: E402
-from car_fl.privacy.accountant import noise_multiplier_for  # noqa: E402
 from car_fl.settings.compose import load_settings  # noqa: E402
 from car_fl.simulation.label_mix import MixAttack, Pool, attack  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "scripts"))
+from dp_noise_table import noise_multiplier_for  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data" / "arxiv_dev" / "arxiv_dev.jsonl"
 #: What the server sets for every mode (one round, one local epoch, a public bound on n).

@@ -247,13 +247,3 @@ def test_the_architecture_names_every_module() -> None:
             f"{package}.{m}" for m in modules if f"`{m}`" not in row and f"`{m}." not in row
         ]
     assert missing == [], "name each in its package's row of docs/architecture.md"
-
-
-@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=str)
-def test_no_module_is_over_400_lines_and_one_over_300_says_why(path: Path) -> None:
-    """Issue 42: a module a reader holds in their head; a long one says why in its docstring."""
-    lines = len(path.read_text(encoding="utf-8").splitlines())
-    assert lines <= 400, f"{path}: {lines} lines; split it by concern"
-    if lines > 300:
-        doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
-        assert "Longer than 300 lines because" in doc, f"{path}: {lines} lines; say why"

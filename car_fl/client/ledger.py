@@ -29,9 +29,6 @@ File: ``<folder>/ledger.json`` = ``{"format", "records": {set id: [record key, .
 ``records`` names the set of records a release was made from and ``epsilon`` is the lifetime
 ε of the most-spent of them (at the δ then in force) right after that release.
 ``car-fl ledger`` prints it.
-
-Longer than 300 lines because the ledger is one file format with locking, per-record accounting and
-migration of the old format.
 """
 
 from __future__ import annotations

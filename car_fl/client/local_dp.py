@@ -7,9 +7,6 @@ is active: :meth:`ClientPrivacy.metrics` holds only ε and the public count of r
 all noise comes from OS entropy. Whether a round fails must not depend on the data: under DP a
 round whose training diverges stops there and releases what it has, clipped and noised, and an
 update with NaN or inf is released as a zero update (noise only); the node's log says so.
-
-Longer than 300 lines because local DP's mechanism is one class with its state, both clipping
-rules, per-part noise and its ε.
 """
 
 from __future__ import annotations

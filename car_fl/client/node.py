@@ -84,7 +84,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,9 +109,6 @@ from car_fl.settings.flower import (
 from car_fl.settings.schema import Settings
 
 log = logging.getLogger(__name__)
-
-#: What turns a train message and a run's state into a reply (:meth:`Node.respond`).
-Respond = Callable[..., RecordDict]
 
 
 @dataclass
@@ -143,7 +140,6 @@ class Node:
         run_config: Mapping[str, Any],
         run: str,
         store: RunStore | None = None,
-        respond: Respond | None = None,
     ) -> RecordDict:
         """The reply's content to a train message's ``content`` (raises a refusal or error:
         :meth:`failure` says which fixed code the server gets).
@@ -152,12 +148,11 @@ class Node:
         ledger keys its releases by it). The run's state (its DP state) comes from ``store``
         (default :attr:`states`; without a worker, Flower's ``context.state`` through
         :class:`~car_fl.client.run_states.ContextState`): the round works on a copy, kept only
-        when it succeeds, so a refused or failed round changes nothing. ``respond`` replaces
-        :meth:`respond` (tests of the worker's protocol).
+        when it succeeds, so a refused or failed round changes nothing.
         """
         store = self.states if store is None else store
         state = store.get(run)
-        reply = (respond or self.respond)(content, run_config=run_config, node_state=state, run=run)
+        reply = self.respond(content, run_config=run_config, node_state=state, run=run)
         store.keep(run, state)
         return reply
 

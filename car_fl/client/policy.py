@@ -26,9 +26,6 @@ Before any training :meth:`NodePolicy.violations` compares the run's settings wi
 accepts can still be refused by the lifetime cap, which the ledger
 (:mod:`car_fl.client.ledger`) enforces. Keys are validated with errors naming the file, line
 and key; unknown keys are errors (a misspelt ``max-clip`` must not silently mean "no ceiling").
-
-Longer than 300 lines because the policy is one file format: every key, its validation with file
-and line, and the rules.
 """
 
 from __future__ import annotations

@@ -48,10 +48,6 @@ class Shard:
     #: n: every example of the shard, also those left out (what a reply reports).
     examples: int
 
-    @property
-    def left_out(self) -> int:
-        return self.examples - len(self.data)
-
 
 def cached_encoder(settings: Settings) -> Encoder:
     """The frozen encoder for these settings, loaded once per process."""

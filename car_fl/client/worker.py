@@ -17,9 +17,6 @@ keeps one :class:`car_fl.client.node.Node` for its whole life and answers with
 - One worker per folder (a file lock); a dead worker's socket is replaced at the next start.
 - :func:`supervise` starts the worker again when it dies (``car-fl worker`` does by default);
   a round whose worker is gone fails with a message that says how to start it.
-
-Longer than 300 lines because the worker is one process with one loop: its socket, its secret, its
-Node and its shutdown.
 """
 
 from __future__ import annotations
@@ -34,11 +31,9 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
-
-from flwr.app import RecordDict
 
 from car_fl.client.node import Node
 from car_fl.client.run_states import RUNS_DIR, RunStates, run_key
@@ -66,8 +61,6 @@ log = logging.getLogger(__name__)
 EXIT_CONFIG = 2  # its node configuration is wrong (as argparse's usage errors)
 EXIT_BUSY = 3  # another worker serves the folder
 LOCK_NAME = "worker.lock"
-
-Answer = Callable[..., RecordDict]
 
 
 class WorkerBusy(RuntimeError):
@@ -153,15 +146,11 @@ def listening(folder: Path) -> Iterator[tuple[socket.socket, bytes]]:
 class NodeWorker:
     """Serves rounds over ``<folder>/worker.sock`` with the node's own configuration."""
 
-    def __init__(
-        self, folder: Path, node_config: Mapping[str, Any], *, answer: Answer | None = None
-    ) -> None:
+    def __init__(self, folder: Path, node_config: Mapping[str, Any]) -> None:
         self.folder = Path(folder).expanduser().resolve()
         self.node_config = own_node_config(self.folder, node_config)
         #: The node this worker keeps alive: its policy, ledger, settings and shards.
         self.node = Node(self.node_config, states=RunStates(self.folder / RUNS_DIR))
-        #: What answers a round on the run's state (the Node's own; tests pass another).
-        self.respond = answer
         self.rounds = 0
         self.failed = 0
         self.busy_run: int | None = None
@@ -254,7 +243,6 @@ class NodeWorker:
                     decode_content(body),
                     run_config=run_config,
                     run=str(run_id),
-                    respond=self.respond,
                 )
                 payload = encode_content(reply)
             except Exception as err:

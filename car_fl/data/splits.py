@@ -4,9 +4,6 @@ Duplicate texts are collapsed before anything is split (:mod:`car_fl.data.dedupe
 normalised text is in two splits. The validation split is carved from train: model selection
 uses it, test is only reported. The label map is fixed here, before any partitioning, from the
 whole dataset; every client derives the same one from the same configuration.
-
-Longer than 300 lines because it is one function that turns a dataset into splits with no text in
-two, and its helpers.
 """
 
 from __future__ import annotations

@@ -11,7 +11,6 @@ Apart from the method: nothing in the apps imports it. One module per concern:
 - :mod:`~car_fl.deploy.ports`: a free port, a held one, one that accepts connections;
 - :mod:`~car_fl.deploy.runs`: ``flwr run`` / ``flwr ls`` and their JSON output;
 - :mod:`~car_fl.deploy.cluster`: a whole local cluster, the one way scripts and tests build it;
-- :mod:`~car_fl.deploy.floor`: the empty ClientApp that measures Flower's own per-round floor.
 - :mod:`~car_fl.deploy.local_superlink`: Flower's local SuperLink, found by its port, checked
   by its PID, its environment and its folder;
 - :mod:`~car_fl.deploy.own_superlink`: a simulation SuperLink of one ``car-fl run``'s own,

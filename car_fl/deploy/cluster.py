@@ -6,11 +6,7 @@ folder: the SuperLink's state database (``state.db``), the ``flwr`` configuratio
 cluster's connection (``flwr/``, the cluster's own ``FLWR_HOME``), each node's feature cache
 (``cache-<i>``) and worker (``worker-<i>``, when it has one), certificates and node keys
 (``certs/``), one log per process, the PIDs (``cluster.json``) and the host and ports
-(``network.json``). Everything it starts is stopped
-by PID, never by name.
-
-Longer than 300 lines because it is one class that starts a cluster, attaches to it and runs on it;
-ports are :mod:`car_fl.deploy.ports`.
+(``network.json``). Everything it starts is stopped by PID, never by name.
 """
 
 from __future__ import annotations

@@ -3,9 +3,6 @@
 Loads a model and its tokenizer by hub id or local folder, places it on a device in a dtype,
 freezes it (eval mode, no parameter requires a gradient), tokenizes with an EOS token appended
 when the tokenizer does not add one, and pools final hidden states (``eos`` or ``mean``).
-
-Longer than 300 lines because the frozen encoder is one class: loading, dtype and device choice,
-tokenising, pooling.
 """
 
 from __future__ import annotations
@@ -340,11 +337,6 @@ def shared_encoder(cfg: ModelConfig, *, device: str = "auto") -> Encoder:
     if key not in _SHARED:
         _SHARED[key] = load_encoder(cfg, device=device)
     return _SHARED[key]
-
-
-def forget_shared() -> None:
-    """Drop the encoders :func:`shared_encoder` keeps (tests: a new process)."""
-    _SHARED.clear()
 
 
 def load_encoder(cfg: ModelConfig, *, device: str = "auto") -> Encoder:

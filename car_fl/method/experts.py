@@ -18,9 +18,6 @@ mean; ``group_gate`` per group in two-level mode):
   gate learns to route; with one expert the head is exactly the dense document head.
 - only *available* experts are scored and trained (:meth:`MixtureHead.set_available`): a
   client holds the experts the server sent it; the others are neither used nor sent.
-
-Longer than 300 lines because the mixture of experts is one model: its gate, its experts and their
-routing, read together.
 """
 
 from __future__ import annotations

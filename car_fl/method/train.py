@@ -4,9 +4,6 @@
 ``adapter+classifier``: the adapter and the head train through the frozen encoder; each batch
 is padded to its own length. The order of examples in epoch ``e`` depends only on
 ``(seed, e)``, so a run split into rounds of local epochs sees the same order as one long run.
-
-Longer than 300 lines because it holds the epoch loop and its optimisers, one place for training
-steps, DP- SGD's included.
 """
 
 from __future__ import annotations

@@ -16,9 +16,6 @@ then writes:
 - ``curves-*.png``: test loss and top-1 accuracy against epochs, one line per scenario
   (centralised per epoch, FL per round at ``round × local epochs``), and ``retrieval-*.png``
   with one line per approach (flat lines for the approaches that train nothing).
-
-Longer than 300 lines because ``car-fl report`` reads runs and sweeps of every kind into one table;
-the Markdown is :mod:`car_fl.results.report_markdown`.
 """
 
 from __future__ import annotations

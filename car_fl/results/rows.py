@@ -7,9 +7,6 @@ a centralised "round" is one epoch, so "FL vs centralised" is one comparison of 
 
 Names: the wire carries kebab-case metric keys (``train-loss``, ``dp-epsilon``); the files use
 snake_case (``train_loss``, ``dp_epsilon``). :func:`wire_key` is the one mapping between them.
-
-Longer than 300 lines because it holds every typed row car-fl writes, each small, in one place so
-that readers and writers agree.
 """
 
 from __future__ import annotations

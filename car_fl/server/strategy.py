@@ -20,9 +20,6 @@ see :mod:`car_fl.server.aggregation`) and adds, once for all of them:
 Only replies that passed every check reach the wrapped strategy, rebuilt with float64 NumPy
 arrays and their example count alone, in node order (so arrival order cannot matter); its result
 is cast back to the global model's dtypes and encoded in car-fl's wire format.
-
-Longer than 300 lines because it is one wrapper around every Flower strategy: sampling, the reply
-checks and the DP weighting it adds, each a short method of the one class.
 """
 
 from __future__ import annotations

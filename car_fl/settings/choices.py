@@ -1,9 +1,4 @@
-"""The settings' choices: every setting with a fixed set of values, and the approaches table.
-
-Longer than 300 lines because it is one table of names: each :class:`Choice` enum with what its
-values mean, the approaches (:data:`APPROACHES`) and the value checks the sections share. Imports
-nothing of car-fl, nor Hydra, OmegaConf or torch.
-"""
+"""The settings' choices: every setting with a fixed set of values, and the approaches table."""
 
 from __future__ import annotations
 

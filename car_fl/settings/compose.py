@@ -6,9 +6,6 @@ schema of ``conf/config.yaml`` (and the approach group is generated from
 and a group file holds only what it changes. :func:`load_settings` (compose, then validate) is
 the one way entry points read configuration. Hydra itself is imported only when something is
 composed: a ClientApp whose settings are cached never imports it.
-
-Longer than 300 lines because composing, validating and naming a mistake's fix read the
-same schema tables, in one pass.
 """
 
 from __future__ import annotations

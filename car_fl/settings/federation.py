@@ -1,8 +1,4 @@
-"""The federation: rounds and clients, aggregation, what crosses the wire, and the DP mode.
-
-Longer than 300 lines because FL and DP are the schema's two largest sections, each key with its
-meaning and its check.
-"""
+"""The federation: rounds and clients, aggregation, what crosses the wire, and the DP mode."""
 
 from __future__ import annotations
 

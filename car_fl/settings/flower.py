@@ -5,9 +5,6 @@ One channel from ``flwr run`` to the settings: the ServerApp calls
 one table of its keys) with :func:`apply_node_config` and checks the result against the
 server's :func:`fingerprint` (:func:`car_fl.client.node_settings.node_settings`, which caches it
 on the node's disk). Imports no Hydra: only composing does.
-
-Longer than 300 lines because it holds Flower's two configurations, the run config and the node
-config, with their keys, help and checks.
 """
 
 from __future__ import annotations

@@ -231,12 +231,3 @@ def test_shard_cache_follows_the_data_file_and_survives_a_corrupt_entry(
     # a hub dataset (no local file) is not cached here
     settings.dataset.path = None
     assert node_cache.shard_key(settings, partition_id=0, **common) is None
-
-
-def test_the_floor_clientapp_imports_flower_only() -> None:
-    """The empty ClientApp measures Flower's cost alone: no torch, no car-fl module."""
-    code = "import sys, car_fl.deploy.floor; print(sorted(sys.modules))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    modules = {m.split(".")[0] for m in json.loads(out.stdout.replace("'", '"'))}
-    assert "flwr" in modules
-    assert not {"torch", "omegaconf", "transformers"} & modules

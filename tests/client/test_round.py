@@ -23,7 +23,7 @@ def test_a_fully_cached_classifier_round_never_loads_the_encoder(make_settings) 
     initial = build_retriever(settings, 4, hidden_size=64).trainable_state_dict()
 
     def new_process() -> None:  # no shard, no encoder, no feature in memory
-        encoder_module.forget_shared()
+        encoder_module._SHARED.clear()  # as in a new process
         FeatureCache.clear_memory()
 
     new_process()
@@ -78,7 +78,7 @@ def test_a_federated_client_after_a_centralised_run_on_the_same_node_encodes_not
     settings = make_settings("train.epochs=1", "cache_dir=null")
     run_centralized(settings, tmp_path / "central")
     node_settings = own_cache(settings, {})  # what a node without a cache-dir resolves to
-    encoder_module.forget_shared()
+    encoder_module._SHARED.clear()  # as in a new process
     FeatureCache.clear_memory()  # another process: only the disk cache is shared
     puts: list[int] = []
     monkeypatch.setattr(FeatureCache, "put", lambda self, space, texts, f: puts.append(len(texts)))

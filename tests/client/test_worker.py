@@ -87,7 +87,8 @@ def serving(
     folder: Path, answer: Any, node_config: Mapping[str, Any] = NODE
 ) -> Iterator[NodeWorker]:
     """A worker for ``folder`` in a thread of this process."""
-    worker = NodeWorker(folder, node_config, answer=answer)
+    worker = NodeWorker(folder, node_config)
+    worker.node.respond = answer  # type: ignore[method-assign]  # the protocol, not the method
     with listening(worker.folder) as (sock, secret):
         thread = threading.Thread(target=worker.serve, args=(sock, secret), daemon=True)
         thread.start()

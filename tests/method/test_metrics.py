@@ -8,7 +8,19 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from car_fl.method.metrics import macro_f1, mean_reciprocal_rank, retrieval_metrics, topk_accuracy
+from car_fl.method.metrics import macro_f1, rank_metrics, ranks
+
+
+def whole_matrix(logits: torch.Tensor, labels: torch.Tensor, top_k: list[int]) -> dict[str, float]:
+    """The metrics of a whole ``(queries, labels)`` score matrix, as an evaluation reports them."""
+    predictions = logits.argmax(dim=1)
+    return rank_metrics(
+        ranks(logits, labels),
+        top_k=top_k,
+        predictions=predictions,
+        labels=labels,
+        num_labels=logits.shape[1],
+    )
 
 
 def test_hand_computed_topk_and_mrr() -> None:
@@ -21,10 +33,9 @@ def test_hand_computed_topk_and_mrr() -> None:
         ]
     )
     labels = torch.tensor([0, 1, 2, 1])
-    assert topk_accuracy(logits, labels, 1) == 0.25
-    assert topk_accuracy(logits, labels, 2) == 0.75
-    assert topk_accuracy(logits, labels, 3) == 1.0
-    assert abs(mean_reciprocal_rank(logits, labels) - (1 + 0.5 + 1 / 3 + 0.5) / 4) < 1e-7
+    out = whole_matrix(logits, labels, [1, 2, 3])
+    assert (out["top1"], out["top2"], out["top3"]) == (0.25, 0.75, 1.0)
+    assert abs(out["mrr"] - (1 + 0.5 + 1 / 3 + 0.5) / 4) < 1e-7
 
 
 def test_hand_computed_macro_f1() -> None:
@@ -40,20 +51,18 @@ def test_topk_is_monotone_and_reaches_one(n: int, c: int, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(n, c, generator=g)
     labels = torch.randint(0, c, (n,), generator=g)
-    metrics = retrieval_metrics(logits, labels, top_k=list(range(1, c + 1)))
+    metrics = whole_matrix(logits, labels, list(range(1, c + 1)))
     accs = [metrics[f"top{k}"] for k in range(1, c + 1)]
     assert accs == sorted(accs) and accs[-1] == 1.0
     assert metrics["top1"] <= metrics["mrr"] <= 1.0
 
 
 def test_empty_input_gives_nan_not_a_crash() -> None:
-    empty = torch.zeros(0, 3)
-    assert torch.isnan(torch.tensor(topk_accuracy(empty, torch.zeros(0, dtype=torch.long), 1)))
+    out = rank_metrics(ranks(torch.zeros(0, 3), torch.zeros(0, dtype=torch.long)), top_k=[1])
+    assert math.isnan(out["top1"]) and math.isnan(out["mrr"])
 
 
 def test_hand_computed_recall_and_ndcg_from_ranks() -> None:
-    from car_fl.method.metrics import rank_metrics
-
     rank = torch.tensor([1, 3, 7, 12])
     out = rank_metrics(rank, top_k=[5])
     assert out["recall@1"] == 0.25 and out["recall@5"] == 0.5 and out["recall@10"] == 0.75
@@ -64,11 +73,9 @@ def test_hand_computed_recall_and_ndcg_from_ranks() -> None:
 
 
 def test_batched_evaluation_equals_the_whole_matrix() -> None:
-    from car_fl.method.metrics import rank_metrics, ranks
-
     g = torch.Generator().manual_seed(0)
     logits, labels = torch.randn(50, 30, generator=g), torch.randint(0, 30, (50,), generator=g)
-    whole = retrieval_metrics(logits, labels, top_k=[5])
+    whole = whole_matrix(logits, labels, [5])
     batched = torch.cat([ranks(logits[i : i + 7], labels[i : i + 7]) for i in range(0, 50, 7)])
     predictions = logits.argmax(dim=1)
     parts = rank_metrics(batched, top_k=[5], predictions=predictions, labels=labels, num_labels=30)

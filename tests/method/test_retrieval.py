@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from car_fl.centralized import run_centralized
-from car_fl.method.metrics import retrieval_metrics
+from car_fl.method.metrics import rank_metrics, ranks
 from car_fl.method.retrieval import knn_scores, label_documents, mips_scores, similarity
 from car_fl.settings.compose import load_settings
 from car_fl.settings.schema import Similarity
@@ -65,7 +65,7 @@ def test_mips_metrics_by_hand() -> None:
     q = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
     d = torch.tensor([[3.0, 0.0], [0.0, 2.0], [1.0, 1.5]])
     # scores: [3, 0, 1], [0, 2, 1.5], [3, 2, 2.5]; true labels 2, 1, 1 -> ranks 2, 1, 3
-    m = retrieval_metrics(mips_scores(q, d), torch.tensor([2, 1, 1]), top_k=[2])
+    m = rank_metrics(ranks(mips_scores(q, d), torch.tensor([2, 1, 1])), top_k=[2])
     assert m["top1"] == pytest.approx(1 / 3)
     assert m["top2"] == pytest.approx(2 / 3)
     assert m["mrr"] == pytest.approx((1 / 2 + 1 + 1 / 3) / 3)
