@@ -40,7 +40,6 @@ from car_fl.method.train import make_optimizer, one_epoch
 from car_fl.results.plots import data_label, model_label
 from car_fl.results.recorder import Recorder
 from car_fl.results.rows import RoundRow, RunSummary
-from car_fl.results.selection import out_of_patience
 from car_fl.settings.compose import settings_to_yaml
 from car_fl.settings.schema import DPMode, HeadKind, Mode, Settings, trains_nothing
 
@@ -225,7 +224,7 @@ def train(
         # the row first: a run stopped between the two trains this epoch again on resume
         recorder.write(summarise(settings, run, recorder, start, seconds=seconds), plot=False)
         save_last(recorder.checkpoints / LAST, recorder.checkpoint(state, row), optimizer)
-        if stalled(recorder, epoch + 1, settings.train.patience):
+        if recorder.stalled(settings.train.patience):
             log.info(
                 "early stop after epoch %d: validation has not improved for %d epochs "
                 "(train.patience); best: epoch %d",
@@ -263,19 +262,11 @@ def summarise(
         selection=run.held_out.selection,
         data=run.splits.stats,
         stopped_early=(
-            final.round
-            if early and stalled(recorder, final.round, settings.train.patience)
-            else None
+            final.round if early and recorder.stalled(settings.train.patience) else None
         ),
         complete=False,
         extra={"probe": run.probe} if run.probe else {},
     )
-
-
-def stalled(recorder: Recorder, epoch: int, patience: int | None) -> bool:
-    """``patience`` epochs have passed since the epoch validation selected as best."""
-    best = recorder.best
-    return best is not None and out_of_patience(epoch, best.round, patience)
 
 
 def check_no_dp(settings: Settings) -> None:

@@ -24,7 +24,7 @@ from car_fl.method.features import LocalData, prepare_data
 from car_fl.method.model import CaRRetriever
 from car_fl.method.train import evaluate, make_optimizer, one_epoch
 from car_fl.privacy.mechanism import ADAPTER_WEIGHT
-from car_fl.results.selection import is_better, out_of_patience
+from car_fl.results.selection import is_better, patience_spent
 from car_fl.settings.schema import Mode, Settings
 
 if TYPE_CHECKING:  # datasets: not on a client whose round reads cached features
@@ -80,7 +80,7 @@ def probe_head(settings: Settings, model: CaRRetriever, splits: DataSplits) -> d
         if is_better(row, best):
             best, best_state = row, model.trainable_state_dict()
         assert best is not None
-        if out_of_patience(epoch, int(best["epoch"]), settings.train.patience):
+        if patience_spent(epoch - int(best["epoch"]), settings.train.patience):
             break
     assert best is not None
     model.load_trainable_state_dict(best_state)

@@ -24,9 +24,9 @@ from car_fl.data.labels import LabelMap
 from car_fl.results.checkpoint import WEIGHTS, Checkpoint, load_checkpoint, save_checkpoint
 from car_fl.results.recorder import best_row
 from car_fl.results.rows import METRICS_JSON, MetricsFile, RoundRow
-from car_fl.results.selection import out_of_patience
+from car_fl.results.selection import patience_spent
 from car_fl.settings.compose import settings_from_yaml
-from car_fl.settings.flat import changed_keys
+from car_fl.settings.flat import refuse_other_settings
 from car_fl.settings.schema import Settings, trains_nothing
 
 #: ``checkpoints/last``: the state after the last epoch, what a resume continues from.
@@ -151,12 +151,13 @@ def load_epoch_point(run_dir: Path, settings: Settings) -> EpochPoint:
         )
     check_run_dir(run_dir)
     saved = settings_from_yaml((run_dir / "config.yaml").read_text(encoding="utf-8"))
-    changed = changed_keys(saved, settings, ignore=MAY_CHANGE)
-    if changed:
-        raise ValueError(
-            f"resume={run_dir}: that run was made with other settings ({', '.join(changed)}); "
-            "resume it with the same overrides (only train.epochs may change)"
-        )
+    refuse_other_settings(
+        run_dir,
+        saved,
+        settings,
+        may_change=MAY_CHANGE,
+        fix="resume it with the same overrides (only train.epochs may change)",
+    )
     metrics = MetricsFile.read(run_dir)
     folder = run_dir / "checkpoints" / LAST
     checkpoint = load_checkpoint(folder)
@@ -171,7 +172,8 @@ def load_epoch_point(run_dir: Path, settings: Settings) -> EpochPoint:
     start = RoundRow(round=0, epochs=0, metrics=initial, seconds=0.0) if initial else None
     best = best_row(history, initial=start)
     out_of_time = done >= settings.train.epochs
-    stalled = best is not None and out_of_patience(done, best.round, settings.train.patience)
+    since = None if best is None else sum(1 for row in history if row.round > best.round)
+    stalled = since is not None and patience_spent(since, settings.train.patience)
     if metrics.summary.complete and stalled:
         raise ValueError(
             f"resume={run_dir}: that run ended after epoch {done}, when train.patience="

@@ -26,7 +26,7 @@ from car_fl.results.rows import (
     RoundRow,
     RunSummary,
 )
-from car_fl.results.selection import is_better, select_best
+from car_fl.results.selection import is_better, patience_spent, select_best
 from car_fl.settings.schema import Settings
 
 log = logging.getLogger(__name__)
@@ -146,6 +146,23 @@ class Recorder:
         if better:
             self.best_state = state
             save_checkpoint(self.checkpoints / "best", checkpoint)
+
+    def since_best(self, counts: Callable[[RoundRow], bool] | None = None) -> int | None:
+        """The rows recorded after :attr:`best` that ``counts`` (default: every row); None
+        before any best."""
+        if self.best is None:
+            return None
+        best = self.best.round
+        later = (row for row in self.history if row.round > best)
+        return sum(1 for row in later if counts is None or counts(row))
+
+    def stalled(
+        self, patience: int | None, counts: Callable[[RoundRow], bool] | None = None
+    ) -> bool:
+        """Whether ``patience`` rows that count have been recorded after :attr:`best`
+        (:func:`~car_fl.results.selection.patience_spent`)."""
+        since = self.since_best(counts)
+        return since is not None and patience_spent(since, patience)
 
     def resume(self, history: list[RoundRow], initial: dict[str, float]) -> None:
         """Go on after ``history`` (rows read back), whose starting point had ``initial``."""

@@ -45,7 +45,8 @@ def select_best(rows: Iterable[T], *, scores: Callable[[T], Row] = _as_scores) -
     return best
 
 
-def out_of_patience(epoch: int, best_epoch: int, patience: int | None) -> bool:
-    """``patience`` epochs (null: never) have passed since ``best_epoch`` (training's and the
-    probe's early stop)."""
-    return patience is not None and epoch - best_epoch >= patience
+def patience_spent(since_best: int, patience: int | None) -> bool:
+    """The one patience rule (``train.patience``; null: never): ``since_best`` epochs or rounds
+    that count have been recorded after the one validation selects. Centralised epochs all
+    count; a federation's skipped and probe rounds do not (:meth:`Recorder.since_best`)."""
+    return patience is not None and since_best >= patience

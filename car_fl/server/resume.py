@@ -14,7 +14,8 @@ from car_fl.results.checkpoint import load_checkpoint
 from car_fl.results.rows import CLIENTS_CSV, METRICS_JSON, ClientRow, MetricsFile, RoundRow
 from car_fl.settings.compose import settings_from_yaml
 from car_fl.settings.dp_plan import record_plan
-from car_fl.settings.flower import fingerprint
+from car_fl.settings.flat import refuse_other_settings
+from car_fl.settings.flower import NODE_LOCAL_KEYS
 from car_fl.settings.schema import DPMode, Settings, federated_part
 
 log = logging.getLogger(__name__)
@@ -65,14 +66,15 @@ def load_resume_point(run_dir: Path, settings: Settings) -> ResumePoint:
     # a run saved before federated runs refused train.probe_epochs (which it ignored)
     saved = federated_part(settings_from_yaml(saved_config.read_text(encoding="utf-8")))
     planned = saved.fl.rounds
-    saved.fl.rounds = settings.fl.rounds
-    # a federation does not read train.epochs; car-fl train dp=record makes it fl.rounds
-    saved.train.epochs = settings.train.epochs
-    if fingerprint(saved) != fingerprint(settings):
-        raise ValueError(
-            f"resume={run_dir}: that run was made with another configuration (see its "
-            "config.yaml); resume it with the same overrides (only fl.rounds may change)"
-        )
+    # node-local values are each machine's own; a federation does not read train.epochs
+    # (car-fl train dp=record makes it fl.rounds)
+    refuse_other_settings(
+        run_dir,
+        saved,
+        settings,
+        may_change=(*NODE_LOCAL_KEYS, "fl.rounds", "train.epochs"),
+        fix="resume it with the same overrides (only fl.rounds may change)",
+    )
     check_noise_kept(run_dir, settings, planned)
     metrics = MetricsFile.read(run_dir)
     stopped = metrics.summary.stopped_early

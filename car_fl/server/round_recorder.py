@@ -38,7 +38,7 @@ from car_fl.method.probe import probe_round
 from car_fl.protocol.messages import from_record
 from car_fl.results.recorder import Recorder, brief
 from car_fl.results.rows import CLIENTS_CSV, ClientRow, RoundRow, RunSummary, wire_key
-from car_fl.results.selection import out_of_patience
+from car_fl.results.selection import patience_spent
 from car_fl.server.evaluation_scheduler import Evaluation, EvaluationScheduler
 from car_fl.server.privacy_check import PrivacyCheck, client_rows_of
 from car_fl.server.round_stats import RoundStats
@@ -130,19 +130,13 @@ class RoundRecorder:
         None before. Without a validation split every round is "best": it never stalls. Probe
         rounds (``fl.probe_rounds``) do not count: the adapter gets its ``patience`` rounds to
         beat the probed head."""
-        best, trained = self.recorder.best, self.trained_since_best()
-        if best is None or trained is None:
-            return None
-        return best.round if out_of_patience(trained, 0, self.patience) else None
-
-    def trained_since_best(self) -> int | None:
-        """The rounds recorded after the best that count for the patience: they trained
-        (aggregated) and were not probe rounds. None before any best."""
         best = self.recorder.best
-        if best is None:
-            return None
-        later = (row for row in self.recorder.history if row.round > best.round)
-        return sum(1 for row in later if self.counts(row.round, not row.skipped))
+        stalled = best is not None and self.recorder.stalled(self.patience, self.counts_row)
+        return best.round if best is not None and stalled else None
+
+    def counts_row(self, row: RoundRow) -> bool:
+        """Whether a recorded round spends the patience (:meth:`counts`)."""
+        return self.counts(row.round, not row.skipped)
 
     def counts(self, round: int, trained: bool) -> bool:
         """Whether a round spends the patience: it trained (aggregated) and was no probe round."""
@@ -152,7 +146,7 @@ class RoundRecorder:
         """Whether ``job``'s round, not yet evaluated, spends the patience unless it beats the
         best round: it trained and counts, and the rounds recorded since the best are one
         short of :attr:`patience`. Never the run's last round (nothing to stop)."""
-        trained = self.trained_since_best()
+        trained = self.recorder.since_best(self.counts_row)
         if (
             trained is None
             or job.stats is None
@@ -160,7 +154,7 @@ class RoundRecorder:
             or job.round >= self.recorder.settings.fl.rounds
         ):
             return False
-        return out_of_patience(trained + 1, 0, self.patience)
+        return patience_spent(trained + 1, self.patience)
 
     def stop_if_stalled(self, job: Evaluation, best: int | None) -> None:
         """End the run after ``job``'s round (:class:`PatienceSpent`) when it has stalled since

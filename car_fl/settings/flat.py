@@ -36,3 +36,17 @@ def changed_keys(before: Settings, after: Settings, *, ignore: Iterable[str] = (
         for key in sorted(set(a) | set(b))
         if not (skip and key.startswith(skip)) and repr(a.get(key)) != repr(b.get(key))
     ]
+
+
+def refuse_other_settings(
+    run_dir: object, saved: Settings, settings: Settings, *, may_change: Iterable[str], fix: str
+) -> None:
+    """Refuse (``ValueError``) to resume the run in ``run_dir``, saved with ``saved``, under
+    ``settings`` when a key other than those starting with one of ``may_change`` differs: the
+    one comparison of a resumed run's settings, centralised or federated; the error names
+    each key (``key=saved→now``) and ends with ``fix``."""
+    changed = changed_keys(saved, settings, ignore=may_change)
+    if changed:
+        raise ValueError(
+            f"resume={run_dir}: that run was made with other settings ({', '.join(changed)}); {fix}"
+        )

@@ -138,7 +138,9 @@ def test_a_resumed_run_matches_an_uninterrupted_one(
 def test_resume_refuses_another_configuration(base: list[str], tmp_path: Path) -> None:
     part = tmp_path / "part"
     federate([*base, "fl.rounds=1", "fl.local_epochs=1", f"output_dir={part}"])
-    with pytest.raises(ValueError, match=r"another configuration.*only fl.rounds may change"):
+    with pytest.raises(
+        ValueError, match=r"other settings \(fl.local_epochs=1→2\).*only fl.rounds may change"
+    ):
         federate([*base, "fl.rounds=2", "fl.local_epochs=2", f"resume={part}"])
 
 
