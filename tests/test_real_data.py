@@ -12,7 +12,7 @@ from car_fl.data.dedupe import normalize_text
 from car_fl.data.splits import load_splits
 from car_fl.settings.compose import load_settings
 from car_fl.settings.schema import DatasetConfig
-from car_fl.simulation.flower import run_simulation
+from car_fl.simulation.in_process import run_local
 from tests.conftest import SHARED_SMS
 
 pytestmark = [
@@ -66,7 +66,8 @@ def test_minilm_classifier_on_sms_spam_reaches_97_5_percent(centralised: dict[st
 def test_two_client_federation_is_within_half_a_point_of_centralised(
     overrides: list[str], centralised: dict[str, Any], tmp_path: Path
 ) -> None:
-    fed = run_simulation([*overrides, f"output_dir={tmp_path / 'fl'}"])  # 2 clients, 5 x 2
+    # 2 clients, 5 x 2 epochs, through the ServerApp and ClientApp handlers in this process
+    fed = run_local(load_settings([*overrides, f"output_dir={tmp_path / 'fl'}"]))
     assert len(fed["history"]) == 5
     gap = abs(fed["history"][-1]["test_top1"] - centralised["final"]["test_top1"])
     assert gap <= 0.005, (fed["history"][-1]["test_top1"], centralised["final"]["test_top1"])

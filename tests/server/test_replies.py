@@ -176,7 +176,8 @@ def test_a_poisoned_round_leaves_the_model_bit_identical_and_the_run_completes(
 
     import torch
 
-    from car_fl.simulation.flower import run_simulation
+    from car_fl.settings.compose import load_settings
+    from car_fl.simulation.in_process import run_local
 
     def poisoning_train(msg, context):
         from car_fl.protocol.messages import ARRAYS_KEY
@@ -196,16 +197,16 @@ def test_a_poisoned_round_leaves_the_model_bit_identical_and_the_run_completes(
         return out
 
     out = tmp_path / "fl"
-    metrics = run_simulation(
+    settings = load_settings(
         [
             *tiny_overrides(tiny_llama, synthetic_tsv, cache_dir=tmp_path / "cache"),
             "fl.rounds=3",
             "fl.local_epochs=1",
             "fl.min_valid_fraction=1.0",
             f"output_dir={out}",
-        ],
-        client_train=poisoning_train,
+        ]
     )
+    metrics = run_local(settings, client_train=poisoning_train)
     assert [row["skipped"] for row in metrics["history"]] == [0, 1, 0]
     r1 = load_checkpoint(out / "checkpoints" / "round-001").state
     r2 = load_checkpoint(out / "checkpoints" / "round-002").state

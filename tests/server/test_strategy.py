@@ -421,11 +421,9 @@ def test_build_strategy_wires_the_settings(make_settings) -> None:
 
 
 @pytest.mark.slow
-def test_flower_simulation_samples_2_of_4_nodes_with_a_robust_strategy(
+def test_a_federation_samples_2_of_4_nodes_with_a_robust_strategy(
     make_settings, tmp_path: Path
 ) -> None:
-    from car_fl.simulation.flower import run_simulation
-
     out = tmp_path / "fl"
     settings = make_settings(
         "strategy=median",
@@ -435,8 +433,9 @@ def test_flower_simulation_samples_2_of_4_nodes_with_a_robust_strategy(
         "fl.local_epochs=1",
         f"output_dir={out}",
     )
-    metrics = run_simulation(settings=settings, cpus_per_client=1)
+    metrics = run_local(settings)
     assert [r["clients_asked"] for r in metrics["history"]] == [2, 2]
+    assert [len(asked) for asked in metrics["asked"]] == [2, 2]
     rows = list(csv.DictReader((out / "clients.csv").open()))
     for round_ in ("1", "2"):
         assert sorted(r["status"] for r in rows if r["round"] == round_) == ["ok", "ok"]

@@ -1,4 +1,5 @@
-"""A whole Flower simulation under record-level DP: σ, q, steps and ε per client on record."""
+"""A whole federation under record-level DP (its ServerApp and ClientApp handlers in one
+process): σ, q, steps and ε per client on record."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 from car_fl.settings.compose import load_settings
 from car_fl.settings.dp_plan import record_plan
-from car_fl.simulation.flower import run_simulation
+from car_fl.simulation.in_process import run_local
 from car_fl.testing.tiny import tiny_overrides
 
 pytestmark = pytest.mark.slow
@@ -29,7 +30,7 @@ def test_record_dp_federation_reports_each_clients_privacy(
         "train.optimizer=sgd",
         "train.lr=0.5",
     ]
-    metrics = run_simulation([*overrides, f"output_dir={tmp_path / 'run'}"])
+    metrics = run_local(load_settings([*overrides, f"output_dir={tmp_path / 'run'}"]))
     settings = load_settings(overrides)
     plan = record_plan(settings)
     summary = metrics["summary"]
