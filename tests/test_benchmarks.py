@@ -21,13 +21,19 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def script_command(name: str, out: Path, *args: str) -> list[str]:
+    return [sys.executable, str(ROOT / "scripts" / name), *args, "--smoke", "--json", str(out)]
+
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
 def run_script(name: str, tmp_path: Path, *args: str) -> dict[str, Any]:
     out = tmp_path / f"{name}.json"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / name), *args, "--smoke", "--json", str(out)],
+        script_command(name, out, *args),
         cwd=tmp_path,
-        env=env,
+        env=ENV,
         capture_output=True,
         text=True,
         timeout=900,
@@ -36,6 +42,40 @@ def run_script(name: str, tmp_path: Path, *args: str) -> dict[str, Any]:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     assert f"results: {out}" in done.stdout
     result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def run_parts_side_by_side(name: str, tmp_path: Path, parts: list[str]) -> dict[str, Any]:
+    """Each part of ``name`` in its own process, all at once (a smoke run waits on Flower's
+    polling more than it computes); the parts' results in one dict, as ``all`` writes them."""
+    running = {}
+    for part in parts:
+        out = tmp_path / f"{part}.json"
+        log = (tmp_path / f"{part}.log").open("w")
+        proc = subprocess.Popen(
+            script_command(name, out, part),
+            cwd=tmp_path,
+            env=ENV,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        running[part] = (proc, out, log)
+    result: dict[str, Any] = {}
+    try:
+        for part, (proc, out, log) in running.items():
+            code = proc.wait(timeout=900)
+            log.close()
+            text = (tmp_path / f"{part}.log").read_text()
+            assert code == 0, f"{part}: exit {code}\n{text[-5000:]}"
+            assert f"results: {out}" in text
+            result |= json.loads(out.read_text())
+    finally:
+        for proc, _, log in running.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
     return result
 
 
@@ -57,7 +97,7 @@ def test_bench_runs_every_figure(tmp_path: Path) -> None:
 
 
 def test_bench_deploy_runs_every_part(tmp_path: Path) -> None:
-    r = run_script("bench_deploy.py", tmp_path, "all")
+    r = run_parts_side_by_side("bench_deploy.py", tmp_path, ["overhead", "speedup", "first-update"])
     overhead = r["overhead"]
     for run in ("car_fl", "floor", "car_fl_no_worker"):
         assert overhead[run]["rounds"] >= 1
