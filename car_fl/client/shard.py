@@ -54,6 +54,13 @@ def cached_encoder(settings: Settings) -> Encoder:
     return shared_encoder(settings.model, device=settings.device)
 
 
+def query_encoder(settings: Settings, num_labels: int) -> CaRRetriever:
+    """A retriever on the shared encoder that encodes a shard's queries: any head will do, a
+    classifier's."""
+    head = dataclasses.replace(settings.head, kind=HeadKind.CLASSIFIER)
+    return CaRRetriever(cached_encoder(settings), num_labels, head=head, mode=settings.train.mode)
+
+
 def client_seed(seed: int, partition_id: int) -> int:
     """Client ``i``'s training seed; client 0 uses the run seed, like a centralised run."""
     return seed + 1000 * partition_id
@@ -97,17 +104,11 @@ def shard_data(
     kept, ids = encode_for(label_map, own_map, own_ids, who=f"client {node.partition_id}")
     num_labels = len(label_map)
 
-    def get_model() -> CaRRetriever:  # to encode queries: any head will do, a classifier's
-        head = dataclasses.replace(settings.head, kind=HeadKind.CLASSIFIER)
-        return CaRRetriever(
-            cached_encoder(settings), num_labels, head=head, mode=settings.train.mode
-        )
-
     data = prepare_for(
         settings,
         [texts[i] for i in kept],
         ids,
-        get_model=get_model,
+        get_model=lambda: query_encoder(settings, num_labels),
         desc=f"client {node.partition_id} features",
     )
     memory[key] = Shard(data=data, label_map=label_map, examples=len(texts))
@@ -118,14 +119,13 @@ def empty_shard(settings: Settings, node: NodeInfo, labels: Sequence[str] | None
     """A shard of no example (nothing read from the data file) with the server's label map:
     what a round releases as noise alone."""
     label_map = LabelMap(tuple(labels or ()))
-
-    def get_model() -> CaRRetriever:
-        head = dataclasses.replace(settings.head, kind=HeadKind.CLASSIFIER)
-        return CaRRetriever(
-            cached_encoder(settings), max(len(label_map), 1), head=head, mode=settings.train.mode
-        )
-
-    data = prepare_for(settings, [], [], get_model=get_model, desc=f"client {node.partition_id}")
+    data = prepare_for(
+        settings,
+        [],
+        [],
+        get_model=lambda: query_encoder(settings, max(len(label_map), 1)),
+        desc=f"client {node.partition_id}",
+    )
     return Shard(data=data, label_map=label_map, examples=0)
 
 
@@ -202,19 +202,13 @@ def local_retriever(
         features = document_features(
             settings, documents, get_encoder=lambda: cached_encoder(settings)
         )
-    if data.features is not None:
-        return build_retriever(
-            settings,
-            len(label_map),
-            hidden_size=int(data.features.shape[1]),
-            documents=documents,
-            document_features=features,
-            layout=layout,
-        )
+    # every feature cached: the head alone, sized by them; else on the shared encoder
+    cached = data.features is not None
     return build_retriever(
         settings,
         len(label_map),
-        encoder=cached_encoder(settings),
+        hidden_size=int(data.features.shape[1]) if data.features is not None else None,
+        encoder=None if cached else cached_encoder(settings),
         documents=documents,
         document_features=features,
         layout=layout,
