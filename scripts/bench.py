@@ -133,16 +133,32 @@ def bench_bucketing(settings: Settings, model: CaRRetriever, n: int) -> dict[str
 
 
 # ------------------------------------------------------------------------ figures 2, 6
+#: ``--smoke`` runs figures 2, 4 and 7's federations in this process
+#: (:mod:`car_fl.simulation.in_process`: the same ServerApp and ClientApp handlers, without
+#: Ray's start): a smoke run's numbers mean nothing, and Ray's path has its own end-to-end test.
+IN_PROCESS = [False]
+
+
+def federate(overrides: list[str], *, client_train: Any = None) -> dict[str, Any]:
+    """One federation's ``metrics.json`` content: on Flower's simulation engine (in this
+    process with ``--smoke``)."""
+    if IN_PROCESS[0]:
+        from car_fl.simulation.in_process import run_local
+
+        return run_local(load_settings(overrides), client_train=client_train)
+    from car_fl.simulation.flower import run_simulation
+
+    return run_simulation(overrides, client_train=client_train)
+
+
 def bench_fl_vs_extraction(
     data: Path, work: Path, model: CaRRetriever, settings: Settings
 ) -> dict[str, Any]:
-    from car_fl.simulation.flower import run_simulation
-
     cold = work / "cache-cold"
     overrides = base_overrides(data, cold, "fl.clients=2", "fl.rounds=5", "fl.local_epochs=2")
-    t_fl, metrics = timed(lambda: run_simulation([*overrides, f"output_dir={work / 'fl-cold'}"]))
+    t_fl, metrics = timed(lambda: federate([*overrides, f"output_dir={work / 'fl-cold'}"]))
     # the same run again: every feature is now on disk, so no encoder pass at all
-    t_warm, warm = timed(lambda: run_simulation([*overrides, f"output_dir={work / 'fl-warm'}"]))
+    t_warm, warm = timed(lambda: federate([*overrides, f"output_dir={work / 'fl-warm'}"]))
     splits = load_splits(settings.dataset, seed=settings.seed)
     texts = list(splits.train["text"]) + list(splits.test["text"])
     t_pass, _ = timed(lambda: features_for(model, texts, batch_size=32, progress=False))
@@ -273,13 +289,11 @@ def empty_client(msg: Any, context: Any) -> Any:
 
 
 def bench_round_overhead(data: Path, work: Path, cache: Path, rounds: int) -> dict[str, Any]:
-    from car_fl.simulation.flower import run_simulation
-
     overrides = base_overrides(
         data, cache, "fl.clients=2", f"fl.rounds={rounds}", "fl.local_epochs=1"
     )
-    ours = run_simulation([*overrides, f"output_dir={work / 'overhead-ours'}"])
-    empty = run_simulation(
+    ours = federate([*overrides, f"output_dir={work / 'overhead-ours'}"])
+    empty = federate(
         [*overrides, f"output_dir={work / 'overhead-empty'}"], client_train=empty_client
     )
     later = slice(1, None)  # round 1 includes starting the client processes
@@ -388,14 +402,10 @@ def client_rss(
 # ----------------------------------------------------------------------------- figure 7
 def bench_comm_dtype(data: Path, work: Path, cache: Path, fp32: dict[str, Any]) -> dict[str, Any]:
     """float16 on the wire against the float32 run of figure 2 (same settings, warm cache)."""
-    from car_fl.simulation.flower import run_simulation
-
     overrides = base_overrides(
         data, cache, "fl.clients=2", "fl.rounds=5", "fl.local_epochs=2", "comm.dtype=float16"
     )
-    seconds, metrics = timed(
-        lambda: run_simulation([*overrides, f"output_dir={work / 'comm-float16'}"])
-    )
+    seconds, metrics = timed(lambda: federate([*overrides, f"output_dir={work / 'comm-float16'}"]))
     out: dict[str, Any] = {
         "float32": {
             "top1": fp32["warm_top1"],
@@ -751,6 +761,7 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         if args.smoke:
             args.data, args.texts, args.rounds = smoke_setup(work), 64, 2
+            IN_PROCESS[0] = True
         settings = load_settings(base_overrides(args.data, work / "cache-main"))
         model = build_retriever(settings, 2)
         results["encoder"] = {
