@@ -221,6 +221,9 @@ class LocalCluster:
         self.processes.start(name, [*prefix, *cmd], env=self.env)
         return name
 
+    def worker_name(self, partition_id: int) -> str:
+        return f"worker-{partition_id}"
+
     def worker_folder(self, partition_id: int) -> Path:
         return self.folder / f"worker-{partition_id}"
 
@@ -254,7 +257,7 @@ class LocalCluster:
             model_path=model,
             cache_dir=cache_dir or self.folder / f"cache-{partition_id}",
         )
-        name = f"worker-{partition_id}"
+        name = self.worker_name(partition_id)
         cmd = worker_command(folder=folder, node_config=node_config, restart=restart)
         self.processes.start(name, [*prefix, *cmd], env=self.env)
         if wait:
@@ -317,7 +320,7 @@ class LocalCluster:
             self.start_superlink(tls=files, node_auth=node_auth, prefix=pinned([], server_core))
             keys = [self.register_new_node_key(i) for i in range(nodes)] if node_auth else []
             for i, folder in enumerate(folders):
-                self.wait_worker(f"worker-{i}", folder, timeout=300.0)
+                self.wait_worker(self.worker_name(i), folder, timeout=300.0)
             for i, prefix in enumerate(prefixes):
                 self.start_node(
                     i,

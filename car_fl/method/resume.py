@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save
 from car_fl.common.io import atomic_write_bytes
 from car_fl.data.labels import LabelMap
 from car_fl.results.checkpoint import WEIGHTS, Checkpoint, load_checkpoint, save_checkpoint
-from car_fl.results.recorder import best_row
+from car_fl.results.recorder import best_row, rows_since_best
 from car_fl.results.rows import METRICS_JSON, MetricsFile, RoundRow
 from car_fl.results.selection import patience_spent
 from car_fl.settings.compose import settings_from_yaml
@@ -172,8 +172,9 @@ def load_epoch_point(run_dir: Path, settings: Settings) -> EpochPoint:
     start = RoundRow(round=0, epochs=0, metrics=initial, seconds=0.0) if initial else None
     best = best_row(history, initial=start)
     out_of_time = done >= settings.train.epochs
-    since = None if best is None else sum(1 for row in history if row.round > best.round)
-    stalled = since is not None and patience_spent(since, settings.train.patience)
+    stalled = best is not None and patience_spent(
+        rows_since_best(history, best), settings.train.patience
+    )
     if metrics.summary.complete and stalled:
         raise ValueError(
             f"resume={run_dir}: that run ended after epoch {done}, when train.patience="

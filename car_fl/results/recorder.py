@@ -64,6 +64,14 @@ def brief(metrics: dict[str, float]) -> str:
     return ", ".join(parts) or "not evaluated"
 
 
+def rows_since_best(
+    rows: list[RoundRow], best: RoundRow, counts: Callable[[RoundRow], bool] | None = None
+) -> int:
+    """The rows after ``best`` that ``counts`` (default: every row): what the patience spends."""
+    later = (row for row in rows if row.round > best.round)
+    return sum(1 for row in later if counts is None or counts(row))
+
+
 def best_row(rows: list[RoundRow], *, initial: RoundRow | None = None) -> RoundRow | None:
     """The row selection keeps when the rows arrive in order (on validation), the starting
     point ``initial`` first."""
@@ -148,13 +156,8 @@ class Recorder:
             save_checkpoint(self.checkpoints / "best", checkpoint)
 
     def since_best(self, counts: Callable[[RoundRow], bool] | None = None) -> int | None:
-        """The rows recorded after :attr:`best` that ``counts`` (default: every row); None
-        before any best."""
-        if self.best is None:
-            return None
-        best = self.best.round
-        later = (row for row in self.history if row.round > best)
-        return sum(1 for row in later if counts is None or counts(row))
+        """:func:`rows_since_best` of this run; None before any best."""
+        return None if self.best is None else rows_since_best(self.history, self.best, counts)
 
     def stalled(
         self, patience: int | None, counts: Callable[[RoundRow], bool] | None = None

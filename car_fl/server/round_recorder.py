@@ -131,8 +131,9 @@ class RoundRecorder:
         rounds (``fl.probe_rounds``) do not count: the adapter gets its ``patience`` rounds to
         beat the probed head."""
         best = self.recorder.best
-        stalled = best is not None and self.recorder.stalled(self.patience, self.counts_row)
-        return best.round if best is not None and stalled else None
+        if best is None or not self.recorder.stalled(self.patience, self.counts_row):
+            return None
+        return best.round
 
     def counts_row(self, row: RoundRow) -> bool:
         """Whether a recorded round spends the patience (:meth:`counts`)."""
