@@ -2,8 +2,11 @@
 
 The package is laid out by who runs the code (``docs/architecture.md``):
 
-- :mod:`car_fl.method`: the retriever and its training (encoder, adapter, heads, features,
-  epochs); runs wherever a model is trained or served.
+- :mod:`car_fl.heads`: the heads and scorers (classifier, documents, experts, MIPS/kNN, BM25).
+- :mod:`car_fl.model`: the frozen encoder, the adapter, features and the assembled retriever.
+- :mod:`car_fl.training`: epochs (DP-SGD included), the linear probe, held-out evaluation.
+- :mod:`car_fl.serving`: a trained retriever loaded from its checkpoint; RAG; query generation.
+- :mod:`car_fl.standalone`: a run on one machine without Flower, and its resume.
 - :mod:`car_fl.data`: readers, label map, dedupe, splits, partitions (both parties).
 - :mod:`car_fl.privacy`: DP mechanisms and accounting only (run by the data owner).
 - :mod:`car_fl.client`: one round on a data owner's machine (a Flower SuperNode).

@@ -1,5 +1,5 @@
 """Centralised training from Hydra's command line (the training itself:
-:mod:`car_fl.method.centralized`; with ``dp=record``, DP-SGD through
+:mod:`car_fl.standalone.centralized`; with ``dp=record``, DP-SGD through
 :mod:`car_fl.simulation.centralized_dp`).
 
     car-fl train dataset=sms_spam model=tinyllama mode=classifier
@@ -13,9 +13,9 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from car_fl.method.centralized import run_centralized
 from car_fl.settings.compose import conf_dir, register_configs, to_settings
 from car_fl.simulation.centralized_dp import train_centrally
+from car_fl.standalone.centralized import run_centralized
 
 __all__ = ["main", "run_centralized", "train_centrally"]
 

@@ -110,8 +110,8 @@ def skip_reason(settings: Settings, clients: int) -> str:
 
 def run_job(cfg: DictConfig, output_dir: str | Path, overrides: list[str]) -> dict[str, Any]:
     """Run one sweep job, never raising for a failed run; returns what ``job.json`` holds."""
-    from car_fl.method.centralized import run_centralized
     from car_fl.simulation.flower import run_simulation
+    from car_fl.standalone.centralized import run_centralized
 
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -53,13 +53,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from car_fl.data.splits import load_splits  # noqa: E402
-from car_fl.method.build import build_retriever  # noqa: E402
-from car_fl.method.features import features_for  # noqa: E402
-from car_fl.method.model import CaRRetriever  # noqa: E402
-from car_fl.method.train import make_optimizer  # noqa: E402
+from car_fl.model.build import build_retriever  # noqa: E402
+from car_fl.model.features import features_for  # noqa: E402
+from car_fl.model.retriever import CaRRetriever  # noqa: E402
 from car_fl.protocol.messages import payload_bytes, to_record  # noqa: E402
 from car_fl.settings.compose import load_settings  # noqa: E402
 from car_fl.settings.schema import Mode, Settings  # noqa: E402
+from car_fl.training.train import make_optimizer  # noqa: E402
 
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "sms_spam" / "SMSSpamCollection.tsv"
 TARGETS = {
@@ -257,7 +257,7 @@ def bench_step_vs_forward(
 
 
 def tiny_llama_retriever(folder: Path, *, hidden: int, layers: int) -> CaRRetriever:
-    from car_fl.method.encoder import load_encoder
+    from car_fl.model.encoder import load_encoder
     from car_fl.settings.schema import HeadConfig, ModelConfig
     from car_fl.testing.tiny import build_llama
 
@@ -325,8 +325,8 @@ from car_fl.client.node import Node
 from car_fl.settings.flower import NodeInfo
 from car_fl.client.shard import cached_encoder
 from car_fl.settings.compose import load_settings
-from car_fl.method.build import build_retriever
-from car_fl.method.model import CaRRetriever
+from car_fl.model.build import build_retriever
+from car_fl.model.retriever import CaRRetriever
 from car_fl.settings.schema import Mode
 
 
@@ -434,10 +434,10 @@ def bench_gpu(texts: list[str], minilm_dir: str) -> dict[str, Any]:
     """Adapter+classifier on a random TinyLlama-sized Llama in bf16: epoch time, step/forward."""
     from transformers import AutoTokenizer
 
-    from car_fl.method.encoder import Encoder
-    from car_fl.method.features import LocalData
-    from car_fl.method.train import train_epoch
+    from car_fl.model.encoder import Encoder
+    from car_fl.model.features import LocalData
     from car_fl.settings.schema import HeadConfig, ModelConfig
+    from car_fl.training.train import train_epoch
 
     tokenizer = AutoTokenizer.from_pretrained(minilm_dir)  # a real subword vocabulary
     llama = tinyllama_shaped(len(tokenizer), torch.device("cuda"), torch.bfloat16)
@@ -493,7 +493,7 @@ def tinyllama_shaped(vocab: int, device: torch.device, dtype: torch.dtype) -> An
 def slm_encoder(name: str, dtype: str, device: str, minilm_dir: str) -> Any:
     """A real small LM preset (``smollm2``, ``gemma3``) in ``dtype`` (``auto``: the product's
     choice), or a random TinyLlama-shaped Llama."""
-    from car_fl.method.encoder import Encoder, load_encoder, pick_device, pick_dtype
+    from car_fl.model.encoder import Encoder, load_encoder, pick_device, pick_dtype
     from car_fl.settings.schema import ModelConfig
 
     if name != "tinyllama-shape":
@@ -518,9 +518,9 @@ def bench_slm_dtype(
     """One dtype of one model: the micro-benchmark (an adapter+classifier step against a
     forward on one batch of 16 SMS) and the product's own paths (feature extraction over
     ``pool``, length-bucketed, and an adapter epoch over its first 64 texts with
-    :func:`~car_fl.method.train.train_epoch`), wall and CPU seconds each."""
-    from car_fl.method.features import LocalData, extract_features
-    from car_fl.method.train import train_epoch
+    :func:`~car_fl.training.train.train_epoch`), wall and CPU seconds each."""
+    from car_fl.model.features import LocalData, extract_features
+    from car_fl.training.train import train_epoch
 
     encoder = slm_encoder(name, dtype, device, minilm_dir)
     model = CaRRetriever(
@@ -575,7 +575,7 @@ MATMUL_REPEATS = 40
 def matmul_ceiling(device: str) -> dict[str, float]:
     """GFLOP/s of one frozen-layer-shaped matmul (816 tokens x 576 -> 1536, SmolLM2's MLP) in
     float32 and in the dtype ``auto`` picks: the most a dtype can speed a matmul-bound pass."""
-    from car_fl.method.encoder import pick_device, pick_dtype
+    from car_fl.model.encoder import pick_device, pick_dtype
 
     target = pick_device(device)
     out = {}
@@ -597,7 +597,7 @@ def bench_slm_one(
     model built, timed and freed in turn; which dtype ``auto`` picked and why; the ratios."""
     import gc
 
-    from car_fl.method.encoder import dtype_choice, pick_device
+    from car_fl.model.encoder import dtype_choice, pick_device
 
     chosen, why = dtype_choice("auto", pick_device(device))
     rows = {}

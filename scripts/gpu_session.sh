@@ -65,7 +65,7 @@ if [ "$MODEL" = model=smollm2 ]; then
     echo "$sha  $gguf.part" | sha256sum -c - || exit 1
     mv "$gguf.part" "$gguf"
   fi
-  $PY -c "from car_fl.method.gguf import resolve; print(resolve('gguf:smollm2'))" || exit 1
+  $PY -c "from car_fl.model.gguf import resolve; print(resolve('gguf:smollm2'))" || exit 1
 fi
 if [ "$MODEL" = model=smollm2 ] && [ "$stage" = train ]; then
   $PY scripts/bench.py --slm smollm2 --device cuda --data "$SMS" \

@@ -6,7 +6,7 @@
 Each argument is one mixture (Hydra overrides after ``approach=moe``); the first row is always
 the dense document head (``approach=document``: MIPS with cosine similarity before training).
 Every head is car-fl's own, built by ``build_retriever`` on the features in car-fl's cache (the
-first run encodes what is missing) and evaluated by ``car_fl.method.train.evaluate`` on the
+first run encodes what is missing) and evaluated by ``car_fl.training.train.evaluate`` on the
 validation and test queries, untrained: the rows of a mixture are exactly the dense head's, so
 any loss of recall is the routing's. One JSON line per head: R@10, the validation loss (finite
 also when a true document was not routed), head multiply-adds per query and the ratio to dense.
@@ -31,10 +31,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{args.corpus / name} not found; build it with scripts/arxiv_corpus.py")
 
     from car_fl.data.splits import load_splits
-    from car_fl.method.build import build_retriever
-    from car_fl.method.evaluation import HeldOut, LazyRetriever
-    from car_fl.method.train import evaluate
+    from car_fl.model.build import build_retriever
     from car_fl.settings.compose import load_settings
+    from car_fl.training.evaluation import HeldOut, LazyRetriever
+    from car_fl.training.train import evaluate
 
     base = [
         "dataset=corpus",

@@ -4,7 +4,7 @@
     python scripts/pooling_study.py --model gemma3 --task arxiv --out docs/results/pooling
     python scripts/pooling_study.py --model smollm2 --task sms --only eos mean --set seed=1
 
-Every variant is a real centralised run of the product (``car_fl.method.centralized``, the code
+Every variant is a real centralised run of the product (``car_fl.standalone.centralized``, the code
 ``car-fl train`` runs) with ``approach=car`` and its ``model.*`` overrides, so a row is
 reproduced by ``car-fl train`` with the overrides printed beside it. The selection is on
 validation: the variant with the best ``val_top1`` (its best epoch) is the one a preset should
@@ -37,8 +37,8 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from car_fl.method.centralized import run_centralized  # noqa: E402
 from car_fl.settings.compose import load_settings  # noqa: E402
+from car_fl.standalone.centralized import run_centralized  # noqa: E402
 
 PROMPTEOL = 'This sentence : "{text}" means in one word:"'
 #: The middle block of each model (SmolLM2: 30 blocks, Gemma 3 270M: 18, MiniLM: 6).

@@ -71,12 +71,12 @@ def jobs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
 def warm_feature_cache(args: argparse.Namespace) -> None:
     """The whole training split's features in the node cache: one encoder pass.
 
-    The cache is per text (:class:`car_fl.method.feature_cache.FeatureCache`), so every client's
+    The cache is per text (:class:`car_fl.model.feature_cache.FeatureCache`), so every client's
     shard, whatever the client count, is then answered from it without the encoder.
     """
     from car_fl.data.splits import load_splits
-    from car_fl.method.build import build_retriever
-    from car_fl.method.features import prepare_for
+    from car_fl.model.build import build_retriever
+    from car_fl.model.features import prepare_for
 
     base = ["+experiment=sms_privacy", f"dataset.path={args.data.resolve()}", "progress=false"]
     settings = load_settings([*base, *args.extra])

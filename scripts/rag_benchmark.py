@@ -7,7 +7,7 @@
 
 For a seeded sample of held-out test queries (an abstract's last sentence, never inside its
 document's text), the generator is asked which paper the sentence comes from, with the top-3
-documents of each retriever in the prompt (``car_fl.method.rag``: the same prompt and greedy
+documents of each retriever in the prompt (``car_fl.serving.rag``: the same prompt and greedy
 decoding as ``car-fl ask --instruction plain``). An answer *names the paper* when some span of
 the answer as long as the title has token F1 >= ``--f1`` (0.5) against the paper's title
 (SQuAD's normalisation: lower case, no punctuation or articles). Rows: no retrieval, each
@@ -173,11 +173,11 @@ def main(argv: list[str] | None = None) -> int:
         help="only the peak memory of each retriever's car-fl ask (memory.json), no answers",
     )
     args = parser.parse_args(argv)
-    from car_fl.method.gguf import resolve
-    from car_fl.method.head import Hit
-    from car_fl.method.rag import PLAIN_INSTRUCTION, load_generator
-    from car_fl.method.serving import load_retriever
+    from car_fl.heads.head import Hit
+    from car_fl.model.gguf import resolve
     from car_fl.results.checkpoint import load_checkpoint
+    from car_fl.serving.checkpoint import load_retriever
+    from car_fl.serving.rag import PLAIN_INSTRUCTION, load_generator
 
     retrievers: dict[str, Path] = {}
     for item in args.retriever:

@@ -50,7 +50,7 @@ VARIANTS: dict[str, tuple[bool, list[str]]] = {
     "document_rows_only": (False, [*DOCUMENT, "head.query_map=none", "train.epochs=2"]),
     "moe": (False, [*MOE, *MOE_LAYOUT, "train.epochs=2"]),
     "query_map": (False, [*DOCUMENT, "head.train_rows=false", "train.epochs=1"]),
-    # BM25 over the documents' words alone (car_fl.method.lexical; no encoder, nothing trained)
+    # BM25 over the documents' words alone (car_fl.heads.lexical; no encoder, nothing trained)
     "bm25": (False, [*FUSION]),
     # the untrained document head (= cosine MIPS) fused with BM25, and the trained one
     "fusion_untrained": (False, [*FUSION]),
@@ -155,7 +155,7 @@ def federation_overrides(
 
 def head_cost(summary: dict[str, Any], settings: Any) -> dict[str, float]:
     """Head multiply-adds per query (gate and routed experts for a mixture; maps excluded)."""
-    from car_fl.method.experts import ExpertLayout
+    from car_fl.heads.experts import ExpertLayout
     from car_fl.settings.schema import HeadKind
 
     documents, dim = int(summary["num_labels"]), 384
@@ -176,8 +176,8 @@ def head_cost(summary: dict[str, Any], settings: Any) -> dict[str, float]:
 def evaluate_untrained(settings: Any) -> dict[str, Any]:
     """The summary of a head evaluated as built (rows = the documents' embeddings)."""
     from car_fl.data.splits import load_splits
-    from car_fl.method.build import build_retriever
-    from car_fl.method.evaluation import HeldOut, LazyRetriever
+    from car_fl.model.build import build_retriever
+    from car_fl.training.evaluation import HeldOut, LazyRetriever
 
     splits = load_splits(settings.dataset, seed=settings.seed)
     lazy = LazyRetriever(settings, splits)
@@ -199,13 +199,13 @@ def evaluate_untrained(settings: Any) -> dict[str, Any]:
 
 def evaluate_lexical(settings: Any) -> dict[str, Any]:
     """The summary of BM25 alone on the held-out queries (a tie with the true document counts
-    against it, as for every head: :func:`car_fl.method.metrics.ranks`)."""
+    against it, as for every head: :func:`car_fl.training.metrics.ranks`)."""
     import torch
 
     from car_fl.data.splits import load_splits
-    from car_fl.method.lexical import LexicalIndex
-    from car_fl.method.metrics import rank_metrics, ranks
+    from car_fl.heads.lexical import LexicalIndex
     from car_fl.results.selection import eval_row
+    from car_fl.training.metrics import rank_metrics, ranks
 
     splits = load_splits(settings.dataset, seed=settings.seed)
     assert splits.documents is not None

@@ -7,9 +7,9 @@ mixture of experts.
 No encoder: the documents' embeddings are synthetic, ``(documents, dim)`` unit vectors around
 ``topics`` Gaussian topic centres; a query is a noisy copy of its document seen through a fixed
 linear distortion (``QUERY_DISTORTION``), which a trained query map can learn to undo. Each
-variant is car-fl's own code on these features: :func:`car_fl.method.build.build_retriever`
+variant is car-fl's own code on these features: :func:`car_fl.model.build.build_retriever`
 (``approach=document`` or ``approach=moe``, its balanced clustering and gate included),
-:func:`car_fl.method.train.train_epoch` and :func:`car_fl.method.train.evaluate` (one batch
+:func:`car_fl.training.train.train_epoch` and :func:`car_fl.training.train.evaluate` (one batch
 of scores at a time). Measured per variant, each in its own process so that peak memory is
 its own: seconds per epoch, peak RSS (``resource.getrusage``), head multiply-adds per query,
 the bytes a client is sent per round (the server's :class:`~car_fl.server.expert_plan.ExpertPlan`
@@ -97,7 +97,7 @@ def settings_for(variant: str, args: argparse.Namespace) -> Any:
 
 def bytes_per_client(model: Any, settings: Any, args: argparse.Namespace) -> dict[str, int]:
     """What the server sends each of ``args.clients`` clients in round 1 (the most of them)."""
-    from car_fl.method.experts import MixtureHead
+    from car_fl.heads.experts import MixtureHead
     from car_fl.protocol.messages import payload_bytes, to_record
     from car_fl.server.expert_plan import ExpertPlan
 
@@ -117,10 +117,10 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     """Build, train and evaluate one head; everything this process measured."""
     import torch
 
-    from car_fl.method.build import build_retriever
-    from car_fl.method.experts import MixtureHead
-    from car_fl.method.features import LocalData
-    from car_fl.method.train import evaluate, make_optimizer, train_epoch
+    from car_fl.heads.experts import MixtureHead
+    from car_fl.model.build import build_retriever
+    from car_fl.model.features import LocalData
+    from car_fl.training.train import evaluate, make_optimizer, train_epoch
 
     torch.set_num_threads(args.threads)
     data = synthetic(args)

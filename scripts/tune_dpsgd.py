@@ -34,13 +34,13 @@ from car_fl.common.logs import setup_logging
 from car_fl.data.labels import LabelMap
 from car_fl.data.partition import partition
 from car_fl.data.splits import load_splits, stratified_split
-from car_fl.method.build import build_retriever
-from car_fl.method.features import LocalData, prepare_for
-from car_fl.method.train import evaluate
+from car_fl.model.build import build_retriever
+from car_fl.model.features import LocalData, prepare_for
 from car_fl.settings.compose import load_settings
 from car_fl.settings.dp_plan import record_plan
 from car_fl.settings.flower import NodeInfo
 from car_fl.settings.schema import DPMode, Settings
+from car_fl.training.train import evaluate
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared/data/sms_spam/SMSSpamCollection.tsv"
 GRIDS: dict[str, dict[str, list[Any]]] = {

@@ -17,7 +17,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from car_fl.client import shard as client_module
 from car_fl.client.local_dp import ClientPrivacy
-from car_fl.method.build import build_retriever
+from car_fl.model.build import build_retriever
 from car_fl.protocol.messages import encode
 from car_fl.settings.schema import DPConfig, Mode, Settings
 

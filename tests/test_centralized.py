@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from car_fl.centralized import run_centralized
-from car_fl.method import encoder as encoder_module
-from car_fl.method.feature_cache import FeatureCache
+from car_fl.model import encoder as encoder_module
+from car_fl.model.feature_cache import FeatureCache
 from car_fl.results.checkpoint import load_checkpoint
 
 
@@ -178,7 +178,7 @@ def test_a_trained_head_is_selected_over_its_start_only_when_better_on_validatio
 def test_a_mips_run_writes_best_and_final_and_its_best_checkpoint_retrieves(
     make_corpus_settings, tmp_path: Path
 ) -> None:
-    from car_fl.method.serving import load_retriever
+    from car_fl.serving.checkpoint import load_retriever
 
     settings = make_corpus_settings(
         "approach=mips", "head.similarity=cosine", "head.temperature=0.05"

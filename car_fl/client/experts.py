@@ -1,6 +1,6 @@
 """What a node sends of a mixture of experts: under DP, never a choice that depends on its data.
 
-The node trains the experts it was sent (:meth:`~car_fl.method.experts.MixtureHead.set_available`).
+The node trains the experts it was sent (:meth:`~car_fl.heads.experts.MixtureHead.set_available`).
 Under any DP mode, and with ``moe.send=all`` or ``schedule``, it sends back every tensor it was
 sent, trained or not (under DP each one noised by the release), so the set of tensors is a
 function of the server's message alone. Only ``moe.send=routed`` without DP leaves out the
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from car_fl.method.experts import EXPERT_PREFIX, MixtureHead
-from car_fl.method.model import CaRRetriever
+from car_fl.heads.experts import EXPERT_PREFIX, MixtureHead
+from car_fl.model.retriever import CaRRetriever
 from car_fl.settings.schema import DPMode, ExpertSending, Settings
 
 

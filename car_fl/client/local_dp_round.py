@@ -20,9 +20,8 @@ from car_fl.client.local_dp import (
     StepPrivatizer,
     load_privacy,
 )
-from car_fl.method import encoder as encoder_module
-from car_fl.method.model import CaRRetriever
-from car_fl.method.train import EpochResult, train_epoch
+from car_fl.model import encoder as encoder_module
+from car_fl.model.retriever import CaRRetriever
 from car_fl.privacy.mechanism import (
     check_finite,
     difference,
@@ -34,6 +33,7 @@ from car_fl.settings.dp_plan import (
 )
 from car_fl.settings.flower import NodeInfo
 from car_fl.settings.schema import Granularity, Settings
+from car_fl.training.train import EpochResult, train_epoch
 
 log = logging.getLogger(__name__)
 

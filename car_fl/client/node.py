@@ -10,7 +10,7 @@ method, :meth:`Node.answer`, turns a train message into a reply. The node's work
 (:mod:`car_fl.client.worker`) keeps one Node for its whole life; without a worker the
 ClientApp keeps one per node for the life of its process (in a deployment, a new process per
 message: one Node per message). The frozen encoder's weights are public and hold no data: a
-process shares them between the nodes it serves (:func:`car_fl.method.encoder.shared_encoder`).
+process shares them between the nodes it serves (:func:`car_fl.model.encoder.shared_encoder`).
 
 Every check a node makes before anything leaves it, in the order a train message meets them.
 This list is the code of :meth:`Node.respond` and :meth:`Node.train`;
@@ -97,7 +97,6 @@ from car_fl.client.node_settings import SettingsMemory, node_settings, own_files
 from car_fl.client.round import node_shard, refuse_before_the_ledger, train_shard
 from car_fl.client.run_states import RunStates, RunStore
 from car_fl.client.shard import Shard
-from car_fl.method.probe import round_settings
 from car_fl.protocol.failures import Failure
 from car_fl.protocol.messages import read_train_message, train_reply
 from car_fl.settings.dp_plan import dp_active
@@ -107,6 +106,7 @@ from car_fl.settings.flower import (
     NodeInfo,
 )
 from car_fl.settings.schema import Settings
+from car_fl.training.probe import round_settings
 
 log = logging.getLogger(__name__)
 

@@ -26,14 +26,14 @@ import torch
 from flwr.app import MetricRecord, RecordDict
 
 from car_fl.client.failures import RunTargetReached
-from car_fl.method.features import LocalData
-from car_fl.method.model import CaRRetriever
-from car_fl.method.train import EpochResult, train_epoch_dpsgd
+from car_fl.model.features import LocalData
+from car_fl.model.retriever import CaRRetriever
 from car_fl.privacy.noise import secure_generator
 from car_fl.privacy.record_accounting import RecordPlan, trained_cap
 from car_fl.settings.dp_plan import record_plan
 from car_fl.settings.flower import NodeInfo
 from car_fl.settings.schema import Mode, Settings
+from car_fl.training.train import EpochResult, train_epoch_dpsgd
 
 STATE_KEY = "dp-record-state"
 

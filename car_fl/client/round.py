@@ -27,14 +27,14 @@ from car_fl.client.local_dp_round import LocalDPRound
 from car_fl.client.node_privacy import NodePrivacy
 from car_fl.client.record_dp import RecordDPRound
 from car_fl.client.shard import Shard, client_seed, empty_shard, local_retriever, shard_data
-from car_fl.method.experts import ExpertLayout
-from car_fl.method.features import LocalData
-from car_fl.method.model import CaRRetriever
-from car_fl.method.probe import keep_adapter, probe_round, round_settings
-from car_fl.method.train import EpochResult, make_optimizer
+from car_fl.heads.experts import ExpertLayout
+from car_fl.model.features import LocalData
+from car_fl.model.retriever import CaRRetriever
 from car_fl.settings.dp_plan import public_examples
 from car_fl.settings.flower import NodeInfo
 from car_fl.settings.schema import DPMode, Settings
+from car_fl.training.probe import keep_adapter, probe_round, round_settings
+from car_fl.training.train import EpochResult, make_optimizer
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """This node's training shard, ready to train on: its examples, features and retriever.
 
 The encoder is loaded at most once per process and shared by the nodes it serves
-(:func:`car_fl.method.encoder.shared_encoder`: public weights, no data); the shards a node
+(:func:`car_fl.model.encoder.shared_encoder`: public weights, no data); the shards a node
 read are kept by its :class:`car_fl.client.node.Node`. In ``classifier`` mode the shard's
 features come from the memory or disk cache, so a round that only needs cached features never
 loads the encoder.
@@ -25,12 +25,12 @@ from dataclasses import asdict, astuple, dataclass
 
 from car_fl.client import node_cache
 from car_fl.data.labels import LabelMap
-from car_fl.method.build import build_retriever
-from car_fl.method.documents import document_features, document_texts
-from car_fl.method.encoder import Encoder, shared_encoder
-from car_fl.method.experts import ExpertLayout
-from car_fl.method.features import LocalData, prepare_for
-from car_fl.method.model import CaRRetriever
+from car_fl.heads.experts import ExpertLayout
+from car_fl.model.build import build_retriever
+from car_fl.model.documents import document_features, document_texts
+from car_fl.model.encoder import Encoder, shared_encoder
+from car_fl.model.features import LocalData, prepare_for
+from car_fl.model.retriever import CaRRetriever
 from car_fl.settings.flower import NodeInfo
 from car_fl.settings.schema import HeadKind, Settings, Standardize
 

@@ -50,7 +50,7 @@ from car_fl.client.worker_link import (
     socket_path,
 )
 from car_fl.common.io import atomic_write
-from car_fl.method import encoder as encoder_module
+from car_fl.model import encoder as encoder_module
 from car_fl.protocol.failures import Failure
 from car_fl.protocol.wire import decode_content, encode_content
 from car_fl.settings.flower import CACHE_DIR, NUM_PARTITIONS, PARTITION_ID

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the command imports the model code only when it runs
-    from car_fl.method.head import Hit
+    from car_fl.heads.head import Hit
 
 NAME = "ask"
 HELP = "answer a question with a causal LM from a corpus checkpoint's top-K documents (RAG)"
@@ -68,8 +68,8 @@ def run(args: argparse.Namespace) -> int:
     from car_fl.common.hub import offline_unless_reachable
 
     offline_unless_reachable()  # no Hub: the loaders read the local cache, and fail in seconds
-    from car_fl.method.rag import INSTRUCTION, PLAIN_INSTRUCTION, load_generator
-    from car_fl.method.serving import load_retriever
+    from car_fl.serving.checkpoint import load_retriever
+    from car_fl.serving.rag import INSTRUCTION, PLAIN_INSTRUCTION, load_generator
 
     if args.k < 1:
         raise ValueError(f"-k must be >= 1, got {args.k}")

@@ -1,7 +1,7 @@
 """``car-fl generate-queries``: training queries for a corpus written by the node's own SLM.
 
 The checkpoint's model writes queries for each document and the checkpoint's retriever keeps
-those it answers with their document (:mod:`car_fl.method.query_generation`); the file it
+those it answers with their document (:mod:`car_fl.serving.query_generation`); the file it
 writes is what ``dataset.generated_queries_path`` (node config ``generated-queries-path``)
 adds to the training queries.
 """
@@ -71,11 +71,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--out {out}: write a .jsonl file (it is read as a queries file)")
     offline_unless_reachable()
     from car_fl.common.progress import bar
-    from car_fl.method.documents import corpus_documents
-    from car_fl.method.query_generation import generate_queries, round_trip
-    from car_fl.method.rag import load_generator
-    from car_fl.method.serving import load_retriever
+    from car_fl.model.documents import corpus_documents
     from car_fl.results.checkpoint import load_checkpoint
+    from car_fl.serving.checkpoint import load_retriever
+    from car_fl.serving.query_generation import generate_queries, round_trip
+    from car_fl.serving.rag import load_generator
 
     settings = load_checkpoint(args.checkpoint).settings
     if args.documents is not None:

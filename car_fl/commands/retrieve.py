@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
 
     queries = read_queries(args)
     offline_unless_reachable()  # no Hub: the loaders read the local cache, and fail in seconds
-    from car_fl.method.serving import load_retriever  # torch: only when retrieving
+    from car_fl.serving.checkpoint import load_retriever  # torch: only when retrieving
 
     retriever = load_retriever(
         args.checkpoint, device=args.device, model=args.model, documents_path=args.documents

@@ -28,13 +28,13 @@ def default_output_dir() -> Path:
 def run(args: argparse.Namespace) -> int:
     """Compose the settings, check the encoder and data can be had, then train."""
     from car_fl.common.logs import setup_logging
-    from car_fl.method.sources import check_sources
+    from car_fl.model.sources import check_sources
     from car_fl.settings.compose import load_settings
     from car_fl.settings.schema import DPMode
 
     settings = load_settings(args.overrides)
     if settings.resume and settings.dp.mode is not DPMode.RECORD:  # DP-SGD: a federation's
-        from car_fl.method.resume import check_run_dir
+        from car_fl.standalone.resume import check_run_dir
 
         check_run_dir(Path(settings.resume))  # a mistyped folder fails first
     check_sources(settings)  # before torch (without resume=) and transformers are imported

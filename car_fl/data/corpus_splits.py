@@ -17,7 +17,7 @@ Rules, in order (:func:`split_corpus`):
    (:mod:`car_fl.data.pseudo_queries`) join the training queries, after the real ones; a window
    whose text is a kept query's, or another document's window too, is dropped.
 6. **Generated queries.** Queries a model wrote for the documents
-   (:mod:`car_fl.method.query_generation`, ``dataset.generated_queries_path``) join the
+   (:mod:`car_fl.serving.query_generation`, ``dataset.generated_queries_path``) join the
    training queries on the same terms as pseudo-queries: none for a new document, none whose
    text is a kept query's, none that two documents share.
 """

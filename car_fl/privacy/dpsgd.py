@@ -68,7 +68,7 @@ def per_example_gradients(
     """∇θ ℓ for every example: ``{name: (batch, *shape)}``, plus each loss and each argmax.
 
     ``model(features=…, labels=…)`` or ``model(ids, mask, labels=…)`` must return
-    ``(logits, loss)`` (:class:`car_fl.method.model.CaRRetriever`); ``params`` are the trainable
+    ``(logits, loss)`` (:class:`car_fl.model.retriever.CaRRetriever`); ``params`` are the trainable
     tensors by name (the others stay as they are in ``model``). Give ``features`` ``(batch, d)``
     or one token-id tensor per example in ``input_ids``.
     """

@@ -1,7 +1,7 @@
 """The server's evaluation of the global model, which holds validation and test.
 
 Clients train on shards of the training split only; the server prepares the held-out splits
-once (:class:`~car_fl.method.evaluation.HeldOut`) and evaluates every round's global model on
+once (:class:`~car_fl.training.evaluation.HeldOut`) and evaluates every round's global model on
 validation (selection), and on test every round or once at the end (:class:`EvalPlan`).
 Clients never evaluate: selection rests on the server's own figures, never on a client's
 report, and under DP no client sends an un-noised data-dependent value for it.
@@ -18,13 +18,13 @@ from flwr.app import ArrayRecord
 from car_fl.data.labels import LabelMap
 from car_fl.data.partition import partition
 from car_fl.data.splits import load_splits
-from car_fl.method.build import build_retriever
-from car_fl.method.evaluation import HeldOut, LazyRetriever
-from car_fl.method.experts import ExpertLayout, MixtureHead
-from car_fl.method.model import CaRRetriever
+from car_fl.heads.experts import ExpertLayout, MixtureHead
+from car_fl.model.build import build_retriever
+from car_fl.model.retriever import CaRRetriever
 from car_fl.protocol.messages import from_record
 from car_fl.results.selection import eval_row
 from car_fl.settings.schema import Mode, Settings
+from car_fl.training.evaluation import HeldOut, LazyRetriever
 
 
 @dataclass(frozen=True)

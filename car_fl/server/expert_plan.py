@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from car_fl.method.experts import EXPERT_PREFIX
+from car_fl.heads.experts import EXPERT_PREFIX
 from car_fl.settings.schema import ExpertSending, Settings
 
 
@@ -37,7 +37,7 @@ class ExpertPlan:
     send: ExpertSending
     blocks: int
     names: tuple[str, ...]
-    #: The expert layout (:meth:`~car_fl.method.experts.ExpertLayout.to_text`) sent to clients.
+    #: The expert layout (:meth:`~car_fl.heads.experts.ExpertLayout.to_text`) sent to clients.
     layout: str
 
     @classmethod

@@ -23,8 +23,7 @@ from flwr.app import ConfigRecord
 from flwr.serverapp import Grid
 
 from car_fl.common.io import atomic_write_text
-from car_fl.method.serving import checkpoint_extra
-from car_fl.method.sources import check_sources
+from car_fl.model.sources import check_sources
 from car_fl.protocol.messages import LAYOUT_KEY, from_record, to_record
 from car_fl.results.plots import data_label, model_label
 from car_fl.results.recorder import Recorder
@@ -36,6 +35,7 @@ from car_fl.server.resume import ResumePoint, load_resume_point
 from car_fl.server.round_recorder import PatienceSpent, RoundRecorder
 from car_fl.server.simulation_exit import end_ray_on_exit
 from car_fl.server.strategy import GuardedStrategy, spec_of
+from car_fl.serving.checkpoint import checkpoint_extra
 from car_fl.settings.compose import settings_to_yaml
 from car_fl.settings.flower import fingerprint
 from car_fl.settings.schema import Settings, federation_refusal

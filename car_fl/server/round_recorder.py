@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 import torch
 from flwr.app import ArrayRecord, MetricRecord
 
-from car_fl.method.probe import probe_round
 from car_fl.protocol.messages import from_record
 from car_fl.results.recorder import Recorder, brief
 from car_fl.results.rows import CLIENTS_CSV, ClientRow, RoundRow, RunSummary, wire_key
@@ -43,6 +42,7 @@ from car_fl.server.evaluation_scheduler import Evaluation, EvaluationScheduler
 from car_fl.server.privacy_check import PrivacyCheck, client_rows_of
 from car_fl.server.round_stats import RoundStats
 from car_fl.settings.dp_plan import dp_active
+from car_fl.training.probe import probe_round
 
 log = logging.getLogger(__name__)
 

@@ -64,7 +64,7 @@ class FeatureNorm(Choice):
 
 class Lexical(Choice):
     """A lexical index beside the head: ``bm25`` over the documents' words
-    (:mod:`car_fl.method.lexical`), fused with the head's ranking."""
+    (:mod:`car_fl.heads.lexical`), fused with the head's ranking."""
 
     NONE = "none"
     BM25 = "bm25"
@@ -75,7 +75,7 @@ class Standardize(Choice):
 
     ``documents``: each dimension's mean and deviation over the document corpus's embeddings
     (public to the federation; never a client's queries), applied to queries and documents
-    alike (:mod:`car_fl.method.standardize`).
+    alike (:mod:`car_fl.model.standardize`).
     """
 
     NONE = "none"
@@ -101,10 +101,10 @@ class HeadKind(Choice):
     MIPS = "mips"
     KNN = "knn"
     #: Rows start as the documents' embeddings (CaR starts where MIPS is), with a shared
-    #: query-side map (:mod:`car_fl.method.document_head`).
+    #: query-side map (:mod:`car_fl.heads.document_head`).
     DOCUMENT = "document"
     #: The document head split into experts (clusters of documents) behind a gate
-    #: (:mod:`car_fl.method.experts`).
+    #: (:mod:`car_fl.heads.experts`).
     MOE = "moe"
 
 
@@ -119,7 +119,7 @@ class MapKind(Choice):
 
 
 class ExpertSending(Choice):
-    """Which experts a client trains and sends (:mod:`car_fl.method.experts`).
+    """Which experts a client trains and sends (:mod:`car_fl.heads.experts`).
 
     ``routed``: those its queries reach (data-dependent: refused under any DP mode).
     ``all``: every expert, noised under DP. ``schedule``: the block of experts the server's
@@ -348,9 +348,9 @@ APPROACHES: dict[Approach, ApproachSpec] = {
     ),
 }
 
-#: ``model.dtype``: ``auto`` (see :func:`car_fl.method.encoder.pick_dtype`) or a torch dtype's name.
+#: ``model.dtype``: ``auto`` (see :func:`car_fl.model.encoder.pick_dtype`) or a torch dtype's name.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-#: ``device``: ``auto`` (CUDA, then Apple MPS, then CPU; :func:`car_fl.method.encoder.pick_device`).
+#: ``device``: ``auto`` (CUDA, then Apple MPS, then CPU; :func:`car_fl.model.encoder.pick_device`).
 DEVICES = ("auto", "cpu", "cuda", "mps")
 #: ``comm.dtype``: dtypes a tensor may travel in; bfloat16 has no NumPy dtype, so no Array.
 WIRE_DTYPES = ("float32", "float16")

@@ -64,7 +64,7 @@ class FLConfig:
     #: Linear probing, federated (adapter + CaR): the first ``probe_rounds`` rounds train the
     #: head alone on cached features and send the adapter back as it came; the adapter trains
     #: from the round after, starting from the probed head (``train.probe_epochs``'s
-    #: counterpart; :mod:`car_fl.method.probe`). 0: every round trains the adapter and head.
+    #: counterpart; :mod:`car_fl.training.probe`). 0: every round trains the adapter and head.
     probe_rounds: int = 0
     #: iid, dirichlet (non-IID over labels, concentration fl.alpha), topic (a corpus) or hash
     #: (IID by a keyed hash of each text: one record moves no other; dp=record on a shared file).

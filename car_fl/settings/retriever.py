@@ -93,7 +93,7 @@ class HeadConfig:
 
 @dataclass
 class MoEConfig:
-    """The mixture of experts (``head.kind=moe``, :mod:`car_fl.method.experts`).
+    """The mixture of experts (``head.kind=moe``, :mod:`car_fl.heads.experts`).
 
     The documents are clustered into ``experts`` balanced clusters (in ``groups`` balanced
     groups first when a two-level gate is wanted); a query goes to its ``route`` best experts

@@ -125,7 +125,7 @@ class Settings:
     progress: bool = True
     #: Continue a stopped run: resume=<its run directory> (same overrides; fl.rounds, or
     #: train.epochs for car-fl train, may be raised), from its last round's checkpoint, or its
-    #: last epoch's trainable and optimiser state (car_fl.method.resume).
+    #: last epoch's trainable and optimiser state (car_fl.standalone.resume).
     resume: str | None = None
 
     def __post_init__(self) -> None:

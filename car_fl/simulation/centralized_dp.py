@@ -8,7 +8,7 @@ and the server's own ε figure (:mod:`car_fl.server.privacy_check`) are the code
 runs, not a copy; ``metrics.json`` has the run's ε beside its metrics. ``dp=fixed`` and
 ``dp=adaptive`` protect an update from the server that aggregates it: one machine has no such
 server, so they have nothing to protect and are refused (see
-:func:`car_fl.method.centralized.check_no_dp`).
+:func:`car_fl.standalone.centralized.check_no_dp`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from car_fl.method.centralized import run_centralized
 from car_fl.settings.schema import DPMode, Partitioning, Settings
 from car_fl.simulation.in_process import run_local
+from car_fl.standalone.centralized import run_centralized
 
 
 def train_centrally(settings: Settings, output_dir: str | Path) -> dict[str, Any]:

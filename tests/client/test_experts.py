@@ -13,10 +13,10 @@ from flwr.app import RecordDict
 from car_fl.client.experts import outgoing
 from car_fl.client.node import Node
 from car_fl.data.splits import load_splits
-from car_fl.method.build import build_retriever
-from car_fl.method.experts import EXPERT_PREFIX, MixtureHead
-from car_fl.method.model import CaRRetriever
-from car_fl.method.serving import checkpoint_extra
+from car_fl.heads.experts import EXPERT_PREFIX, MixtureHead
+from car_fl.model.build import build_retriever
+from car_fl.model.retriever import CaRRetriever
+from car_fl.serving.checkpoint import checkpoint_extra
 from car_fl.settings.flower import NodeInfo
 from car_fl.settings.schema import Settings
 

@@ -16,7 +16,7 @@ from car_fl.client.local_dp import (
 )
 from car_fl.client.node import Node
 from car_fl.data.splits import load_splits
-from car_fl.method.build import build_retriever
+from car_fl.model.build import build_retriever
 from car_fl.privacy.accountant import (
     Accountant,
     Release,

@@ -7,9 +7,9 @@ import torch
 from flwr.app import RecordDict
 
 from car_fl.client.node import Node
-from car_fl.method import encoder as encoder_module
-from car_fl.method.build import build_retriever
-from car_fl.method.feature_cache import FeatureCache
+from car_fl.model import encoder as encoder_module
+from car_fl.model.build import build_retriever
+from car_fl.model.feature_cache import FeatureCache
 from car_fl.settings.flower import NodeInfo
 from tests.helpers import first_global_state
 

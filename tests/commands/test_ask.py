@@ -71,8 +71,8 @@ def test_same_model_answers_with_one_copy_of_the_weights_as_two_copies_do(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from car_fl.method.rag import load_generator
-    from car_fl.method.serving import load_retriever
+    from car_fl.serving.checkpoint import load_retriever
+    from car_fl.serving.rag import load_generator
 
     generator = load_generator(str(tiny_generator), device="cpu")
     shared = load_retriever(
@@ -119,7 +119,7 @@ def test_ask_states_its_sources_with_their_titles_even_when_the_generator_writes
 ) -> None:
     """Issue 44, 4: where an answer came from never depends on a 135M model copying a title:
     car-fl states the retrieved documents itself, around whatever the generator writes."""
-    from car_fl.method import rag
+    from car_fl.serving import rag
 
     ckpt, documents = corpus_checkpoint
     titled = tmp_path / "documents.jsonl"  # the same documents (same digest), with titles

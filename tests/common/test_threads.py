@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from car_fl.common.threads import SMALL_STEP, head_work, threads_for
-from car_fl.method.build import build_retriever
-from car_fl.method.features import LocalData
-from car_fl.method.train import make_optimizer, step_work, train_epoch
+from car_fl.model.build import build_retriever
+from car_fl.model.features import LocalData
+from car_fl.training.train import make_optimizer, step_work, train_epoch
 
 
 def test_small_steps_run_on_one_thread_and_the_setting_is_restored() -> None:

@@ -13,9 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from car_fl.data.splits import load_splits
-from car_fl.method.build import build_retriever
-from car_fl.method.features import LocalData
-from car_fl.method.train import epoch_order, make_optimizer, train_epoch, train_epoch_dpsgd
+from car_fl.model.build import build_retriever
+from car_fl.model.features import LocalData
 from car_fl.privacy.accountant import VALUE_DISCRETIZATION
 from car_fl.privacy.dpsgd import (
     clipped_gradient_sum,
@@ -33,6 +32,7 @@ from car_fl.privacy.record_accounting import (
 )
 from car_fl.settings.compose import load_settings
 from car_fl.settings.dp_plan import record_plan
+from car_fl.training.train import epoch_order, make_optimizer, train_epoch, train_epoch_dpsgd
 
 
 def dp_accounting_epsilon(

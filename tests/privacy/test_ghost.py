@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from car_fl.data.splits import load_splits
-from car_fl.method.build import build_retriever
+from car_fl.model.build import build_retriever
 from car_fl.privacy.dpsgd import (
     clipped_gradient_sum,
     dpsgd_step,
@@ -71,7 +71,7 @@ def test_with_eager_attention_the_batched_path_still_equals_the_loop(
     """The kernels a native-bf16 CPU runs (``attention_choice``: eager): a padded batch's
     examples still do not mix (pads get no weight, so each record's share is its own), in
     float32, to float32's precision."""
-    monkeypatch.setattr("car_fl.method.encoder.attention_choice", lambda *_: "eager")
+    monkeypatch.setattr("car_fl.model.encoder.attention_choice", lambda *_: "eager")
     model, params, ids, labels = adapter_model(
         make_settings, f"model.padding_side={side}", dtype=torch.float32
     )
@@ -233,8 +233,8 @@ def rwkv_model(tiny_llama, side: str):
     import transformers
     from transformers import AutoTokenizer
 
-    from car_fl.method.encoder import Encoder
-    from car_fl.method.model import CaRRetriever
+    from car_fl.model.encoder import Encoder
+    from car_fl.model.retriever import CaRRetriever
     from car_fl.settings.inputs import ModelConfig
     from car_fl.settings.schema import HeadConfig, Mode, Pooling
 

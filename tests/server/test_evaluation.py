@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from car_fl.method.evaluation import HeldOut
-from car_fl.method.features import LocalData
+from car_fl.model.features import LocalData
 from car_fl.results.checkpoint import load_checkpoint
 from car_fl.results.selection import select_best
 from car_fl.server.evaluation import EvalPlan, ServerEvaluator
 from car_fl.simulation.in_process import run_local
+from car_fl.training.evaluation import HeldOut
 
 
 @pytest.mark.parametrize(

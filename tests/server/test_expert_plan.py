@@ -174,7 +174,7 @@ def test_a_routed_reply_must_still_hold_the_shared_tensors() -> None:
 def test_a_scheduled_mixture_federation_sends_blocks_and_serves_its_checkpoint(
     make_corpus_settings, tmp_path
 ) -> None:
-    from car_fl.method.serving import load_retriever
+    from car_fl.serving.checkpoint import load_retriever
     from car_fl.simulation.in_process import run_local
 
     out = tmp_path / "fl"

@@ -24,8 +24,7 @@ from flwr.serverapp.strategy import (
     MultiKrum,
 )
 
-from car_fl.method.build import build_retriever
-from car_fl.method.train import ProximalTerm
+from car_fl.model.build import build_retriever
 from car_fl.privacy.mechanism import privatize
 from car_fl.protocol.messages import decode, to_record
 from car_fl.server.aggregation import REGISTRY, build_strategy, flower_strategy
@@ -34,6 +33,7 @@ from car_fl.server.update_norm import NormBound, gaussian_norm_quantile, update_
 from car_fl.settings.compose import load_settings
 from car_fl.settings.schema import NormBoundAction, NormBoundMode, StrategyConfig, StrategyName
 from car_fl.simulation.in_process import run_local
+from car_fl.training.train import ProximalTerm
 from tests.helpers import reply, set_task_identity
 from tests.reference import CaRFedAvg
 

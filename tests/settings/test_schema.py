@@ -101,7 +101,7 @@ def test_schema_imports_no_torch_hydra_or_omegaconf() -> None:
 def test_names_come_from_the_code_that_uses_them() -> None:
     import torch
 
-    from car_fl.method.encoder import pick_device, pick_dtype
+    from car_fl.model.encoder import pick_device, pick_dtype
     from car_fl.protocol.messages import WIRE_DTYPES as RECORD_DTYPES
 
     optimizers = {name.lower() for name in dir(torch.optim)}

@@ -2,5 +2,5 @@
 
 #: module → the test that covers it (checked by ``tests/test_layout.py``).
 TESTED_ELSEWHERE = {
-    "tiny": "tests/method/test_train.py::test_training_reaches_high_accuracy",
+    "tiny": "tests/training/test_train.py::test_training_reaches_high_accuracy",
 }

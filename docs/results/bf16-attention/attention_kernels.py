@@ -2,7 +2,7 @@
 preset (one batch of 16 SMS), float32 and bfloat16 weights, SDPA and eager attention, each
 built, timed (median of 5, wall and CPU seconds) and freed in turn in one process.
 
-Why `car_fl.method.encoder.attention_choice` picks eager attention for bf16 on a CPU. Run from
+Why `car_fl.model.encoder.attention_choice` picks eager attention for bf16 on a CPU. Run from
 the repository root: ``python docs/results/bf16-attention/attention_kernels.py smollm2``.
 """
 
@@ -21,11 +21,11 @@ from typing import Any
 import torch
 from transformers import AutoModel
 
-from car_fl.method.encoder import load_encoder
-from car_fl.method.model import CaRRetriever
-from car_fl.method.train import make_optimizer
+from car_fl.model.encoder import load_encoder
+from car_fl.model.retriever import CaRRetriever
 from car_fl.settings.compose import load_settings
 from car_fl.settings.schema import Mode
+from car_fl.training.train import make_optimizer
 
 SMS = "../shared/data/sms_spam/SMSSpamCollection.tsv"
 

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from car_fl.data.splits import load_splits
-from car_fl.method.build import build_retriever
-from car_fl.method.features import extract_features
+from car_fl.model.build import build_retriever
+from car_fl.model.features import extract_features
 from car_fl.settings.compose import load_settings
 
 torch.set_num_threads(1)

@@ -1,0 +1,208 @@
+"""Pooled hidden states of the frozen encoder: extraction batched by length, and caches.
+
+In ``classifier`` mode the encoder runs once per example, ever: features are computed under
+``torch.inference_mode()``, in batches of similar length (sorted, then put back in the original
+order, so padding costs little), and kept in memory and on disk **per text**: under the
+text's content hash within a *space* (the model's identity and files, dtype, pooling, max
+length; :func:`space_key`), so any list of texts is answered from whatever runs encoded
+them before, and only the texts never seen are encoded (:class:`FeatureCache`). The keys are
+computed without loading the encoder, so a fully cached client never loads it; the cache is
+:mod:`car_fl.model.feature_cache`.
+
+:func:`prepare_data` / :func:`prepare_for` turn texts and labels into :class:`LocalData`:
+features (classifier mode, through the cache) or token ids (adapter mode).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from car_fl.common.progress import bar
+from car_fl.model.encoder import Encoder
+from car_fl.model.feature_cache import FeatureCache, space_key
+from car_fl.settings.schema import Mode, ModelConfig, Settings
+
+log = logging.getLogger(__name__)
+
+
+class QueryEncoder(Protocol):
+    """What feature extraction needs of a retriever (:class:`~car_fl.model.retriever.CaRRetriever`):
+    its frozen encoder (tokenizer, padding) and its pooled encoding through the adapter."""
+
+    @property
+    def encoder(self) -> Encoder: ...
+
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor: ...
+
+
+def length_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
+    """Indices grouped into batches of similar length (longest first); covers each index once."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def arrival_batches(count: int, batch_size: int) -> list[list[int]]:
+    """Indices in their original order, ``batch_size`` at a time (no length sorting)."""
+    return [list(range(i, min(i + batch_size, count))) for i in range(0, count, batch_size)]
+
+
+def extract_features(
+    encode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    pad: Callable[[list[list[int]]], tuple[torch.Tensor, torch.Tensor]],
+    input_ids: Sequence[list[int]],
+    *,
+    batch_size: int,
+    bucket: bool = True,
+    progress: bool = True,
+    desc: str = "features",
+) -> torch.Tensor:
+    """Pooled vectors ``(n, d)`` for token id lists, in the order given.
+
+    ``encode(ids, mask)`` returns ``(batch, d)``; ``pad`` pads a batch. With ``bucket`` the
+    batches group similar lengths, otherwise they follow arrival order.
+    """
+    if not input_ids:
+        raise ValueError("no texts to extract features from")
+    lengths = [len(ids) for ids in input_ids]
+    batches = (
+        length_batches(lengths, batch_size) if bucket else arrival_batches(len(lengths), batch_size)
+    )
+    out: torch.Tensor | None = None
+    for batch in bar(batches, desc=desc, unit="batch", enabled=progress):
+        with torch.inference_mode():
+            ids, mask = pad([input_ids[i] for i in batch])
+            pooled = encode(ids, mask)  # (batch, d)
+        # ``out`` is an ordinary tensor (not an inference tensor), so it can feed autograd.
+        if out is None:
+            out = torch.empty((len(input_ids), pooled.shape[-1]), dtype=pooled.dtype)
+        out[torch.tensor(batch)] = pooled.detach().to("cpu")
+    assert out is not None
+    return out
+
+
+@dataclass
+class LocalData:
+    """Examples ready for training: labels, and cached features or token ids by mode."""
+
+    labels: torch.Tensor  # (n,) int64
+    features: torch.Tensor | None = None  # (n, d), classifier mode
+    input_ids: list[list[int]] | None = None  # adapter mode
+    #: The query texts, for a retriever that fuses a lexical ranking (held-out data only).
+    texts: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.features is None and self.input_ids is None:
+            raise ValueError("LocalData needs features or input_ids")
+        n = len(self.labels)
+        if self.features is not None and len(self.features) != n:
+            raise ValueError(f"{len(self.features)} feature rows for {n} labels")
+        if self.input_ids is not None and len(self.input_ids) != n:
+            raise ValueError(f"{len(self.input_ids)} token sequences for {n} labels")
+        if self.texts is not None and len(self.texts) != n:
+            raise ValueError(f"{len(self.texts)} query texts for {n} labels")
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def select(self, positions: Sequence[int]) -> LocalData:
+        """The examples at ``positions``, in that order."""
+        index = torch.as_tensor(list(positions), dtype=torch.long)
+        return LocalData(
+            labels=self.labels[index],
+            features=self.features[index] if self.features is not None else None,
+            input_ids=[self.input_ids[i] for i in positions]
+            if self.input_ids is not None
+            else None,
+            texts=tuple(self.texts[i] for i in positions) if self.texts is not None else None,
+        )
+
+
+def prepare_data(
+    texts: Sequence[str],
+    labels: Sequence[int],
+    *,
+    mode: Mode,
+    model_cfg: ModelConfig,
+    device: str,
+    get_model: Callable[[], QueryEncoder],
+    cache: FeatureCache | None,
+    batch_size: int,
+    progress: bool = True,
+    desc: str = "features",
+) -> LocalData:
+    """Features (classifier mode, from the cache when possible) or token ids (adapter mode).
+
+    ``get_model`` is only called when the encoder is really needed: a fully cached
+    classifier-mode dataset never loads it.
+    """
+    label_tensor = torch.tensor(list(labels), dtype=torch.long)
+    if not texts:  # no examples (a node none of whose labels the server's map has): no error,
+        # since whether a round fails must not depend on the data
+        if mode is Mode.ADAPTER_CLASSIFIER:
+            return LocalData(labels=label_tensor, input_ids=[])
+        hidden = get_model().encoder.hidden_size
+        return LocalData(labels=label_tensor, features=torch.zeros(0, hidden))
+    if mode is Mode.ADAPTER_CLASSIFIER:
+        tokens = get_model().encoder.tokenize(list(texts))
+        return LocalData(labels=label_tensor, input_ids=tokens.input_ids)
+    model: QueryEncoder | None = None
+
+    def compute(todo: list[str]) -> torch.Tensor:
+        nonlocal model
+        model = model or get_model()
+        return features_for(model, todo, batch_size=batch_size, progress=progress, desc=desc)
+
+    if cache is None:
+        return LocalData(labels=label_tensor, features=compute(list(texts)))
+    features = cache.features(space_key(model_cfg, device=device), texts, compute, desc=desc)
+    return LocalData(labels=label_tensor, features=features)
+
+
+def prepare_for(
+    settings: Settings,
+    texts: Sequence[str],
+    labels: Sequence[int],
+    *,
+    get_model: Callable[[], QueryEncoder],
+    desc: str,
+) -> LocalData:
+    """:func:`prepare_data` with everything taken from the run's settings (disk cache on)."""
+    return prepare_data(
+        texts,
+        labels,
+        mode=settings.train.mode,
+        model_cfg=settings.model,
+        device=settings.device,
+        get_model=get_model,
+        cache=FeatureCache(settings.cache_dir),
+        batch_size=settings.train.feature_batch_size,
+        progress=settings.progress,
+        desc=desc,
+    )
+
+
+def features_for(
+    model: QueryEncoder,
+    texts: Sequence[str],
+    *,
+    batch_size: int,
+    progress: bool = True,
+    desc: str = "features",
+    bucket: bool = True,
+) -> torch.Tensor:
+    """Pooled vectors ``(n, d)`` through the current adapter, batched by length."""
+    tokens = model.encoder.tokenize(list(texts))
+    return extract_features(
+        model.encode,
+        model.encoder.pad,
+        tokens.input_ids,
+        batch_size=batch_size,
+        bucket=bucket,
+        progress=progress,
+        desc=desc,
+    )

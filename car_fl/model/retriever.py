@@ -1,0 +1,336 @@
+"""The CaR retriever: frozen encoder → soft-embedding adapter → transformer → pooling → scorer.
+
+``scores = HEAD(POOL(TRF(ADP(TKN(x)))))``. ``HEAD`` is one scorer of :mod:`car_fl.heads.scorers`:
+CaR's classifier, MIPS against the labels' documents, or kNN over training examples. What is
+trained is whatever requires a gradient: the adapter (in ``adapter+classifier`` mode) and the
+classifier's weights. :meth:`CaRRetriever.trainable_state_dict` is exactly what travels
+between server and clients and what a checkpoint holds; :meth:`CaRRetriever.retrieve` serves
+a trained one (loaded by :func:`car_fl.serving.checkpoint.load_retriever`); a new one comes from
+:func:`car_fl.model.build.build_retriever`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from car_fl.heads.document_head import DocumentHead
+from car_fl.heads.experts import ExpertLayout, MixtureHead, experts_in
+from car_fl.heads.fusion import reciprocal_rank_fusion
+from car_fl.heads.head import Retrieval, retrieve
+from car_fl.heads.lexical import LexicalIndex
+from car_fl.heads.scorers import KNNScorer, MIPSScorer, Scorer, build_scorer
+from car_fl.model.adapter import SoftEmbeddingAdapter
+from car_fl.model.documents import encode_documents
+from car_fl.model.encoder import Encoder
+from car_fl.model.features import extract_features
+from car_fl.model.standardize import Standardizer
+from car_fl.privacy.mechanism import ADAPTER_WEIGHT
+from car_fl.settings.schema import (
+    HeadConfig,
+    HeadKind,
+    Mode,
+    MoEConfig,
+    Settings,
+    TrainConfig,
+)
+
+log = logging.getLogger(__name__)
+
+
+class CaRRetriever(nn.Module):
+    """Encoder (frozen), adapter and one scorer (``head``), trained in one :class:`Mode`."""
+
+    def __init__(
+        self,
+        encoder: Encoder | None,
+        num_labels: int,
+        *,
+        head: HeadConfig,
+        mode: Mode,
+        hidden_size: int | None = None,
+        device: torch.device | str = "cpu",
+        moe: MoEConfig | None = None,
+        layout: ExpertLayout | None = None,
+    ) -> None:
+        """Without an ``encoder`` (classifier mode on cached features) give ``hidden_size``; a
+        mixture of experts needs ``moe`` and its ``layout``."""
+        super().__init__()
+        self._encoder = encoder
+        self.mode = mode
+        if encoder is not None:
+            dim, device = encoder.hidden_size, encoder.device
+        elif hidden_size is None:
+            raise ValueError("a retriever without an encoder needs hidden_size")
+        else:
+            dim = hidden_size
+        if encoder is None and self.mode is Mode.ADAPTER_CLASSIFIER:
+            raise ValueError("adapter+classifier mode needs the encoder")
+        if head.kind is HeadKind.KNN and self.mode is Mode.ADAPTER_CLASSIFIER:
+            raise ValueError("a kNN head trains nothing; use mode=classifier")
+        self.num_labels = num_labels
+        self._device = torch.device(device)
+        self.adapter = SoftEmbeddingAdapter(dim).to(device)
+        #: Pooled features → the space every scorer works in (the identity unless fitted to the
+        #: corpus's documents by :func:`~car_fl.model.build.build_retriever`).
+        self.standardizer = Standardizer(dim).to(device)
+        #: A lexical index whose ranking is fused with the head's (:meth:`fuse`), or None.
+        self.lexical: LexicalIndex | None = None
+        self.fusion_k, self.fusion_weight = head.fusion_k, head.fusion_weight
+        self.head: Scorer = build_scorer(
+            head, dim=dim, num_labels=num_labels, device=device, moe=moe, layout=layout
+        )
+        self.adapter.requires_grad_(self.mode is Mode.ADAPTER_CLASSIFIER)
+        #: What :meth:`retrieve` names: label names and documents, in label order, and the
+        #: settings (set by :func:`~car_fl.serving.checkpoint.load_retriever` or
+        #: :meth:`set_labels`).
+        self.label_names: tuple[str, ...] | None = None
+        self.label_texts: tuple[str, ...] | None = None
+        self.settings: Settings | None = None
+        trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
+        frozen = sum(p.numel() for p in self.parameters() if not p.requires_grad)
+        log.info(
+            "CaR retriever (%s, %s head): %s trainable, %s frozen parameters",
+            self.mode.value,
+            self.kind.value,
+            f"{trainable:,}",
+            f"{frozen:,}",
+        )
+
+    @property
+    def encoder(self) -> Encoder:
+        """The frozen encoder; raises if this retriever was built on cached features only."""
+        if self._encoder is None:
+            raise RuntimeError("this retriever was built without its encoder (cached features)")
+        return self._encoder
+
+    @property
+    def has_encoder(self) -> bool:
+        return self._encoder is not None
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def kind(self) -> HeadKind:
+        """The retrieval method: the scorer's kind."""
+        return self.head.kind
+
+    @property
+    def per_example_loop(self) -> bool:
+        """DP-SGD computes per-example gradients one example at a time (routing heads)."""
+        return bool(self.head.per_example_loop)
+
+    @property
+    def uses_adapter(self) -> bool:
+        """The adapter is applied when trained, or when it holds non-identity weights."""
+        return self.mode is Mode.ADAPTER_CLASSIFIER or not self.adapter.is_identity()
+
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Token ids and mask ``(batch, seq)`` → pooled vectors ``(batch, d)``."""
+        embeddings = self.encoder.embed(input_ids)  # (batch, seq, d)
+        if self.uses_adapter:
+            embeddings = self.adapter(embeddings)
+        hidden = self.encoder.transform(embeddings, attention_mask)  # (batch, seq, d)
+        return self.encoder.pool(hidden, attention_mask)  # (batch, d)
+
+    def _encode_ids(self, input_ids: list[list[int]]) -> torch.Tensor:
+        return self.encode(*self.encoder.pad(input_ids))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        features: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits ``(batch, labels)`` and the cross-entropy loss when ``labels`` are given.
+
+        Pass either token ids and mask, or precomputed pooled ``features`` ``(batch, d)``.
+        """
+        if features is None:
+            if input_ids is None or attention_mask is None:
+                raise ValueError("forward needs input_ids and attention_mask, or features")
+            features = self.encode(input_ids, attention_mask)
+        training = labels if self.training else None  # a mixture of experts routes by them
+        logits = self.score(features, labels=training)  # (batch, labels)
+        loss = self.head.loss(logits, labels) if labels is not None else None
+        return logits, loss
+
+    # ------------------------------------------------------------------------------ scoring
+    def index(self) -> torch.Tensor | None:
+        """What the scorer scores against through the current adapter (MIPS: the documents)."""
+        index = self.head.index(self._encode_ids, adapted=self.uses_adapter)
+        return None if index is None else self.standardizer(index)
+
+    def score(
+        self,
+        features: torch.Tensor,
+        *,
+        index: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Pooled queries ``(batch, d)`` → one score per label ``(batch, labels)``.
+
+        ``index`` (from :meth:`index`) saves re-encoding the MIPS label documents for every
+        batch of an evaluation; ``labels`` are for training (a mixture of experts routes by
+        them).
+        """
+        queries = self.standardizer(features)
+        return self.head(queries, index if index is not None else self.index(), labels)
+
+    def fuse(self, scores: torch.Tensor, texts: Sequence[str]) -> torch.Tensor:
+        """What ranks the labels: the head's ``scores`` ``(batch, labels)``, fused by reciprocal
+        rank with the lexical index's scores of the query ``texts`` when there is an index (a
+        document without a word of the query in common is not in the lexical ranking)."""
+        if self.lexical is None:
+            return scores
+        if len(texts) != scores.shape[0]:
+            raise ValueError(f"{len(texts)} query texts for {scores.shape[0]} rows of scores")
+        lexical = self.lexical.scores(texts)
+        unmatched = lexical.masked_fill(lexical <= 0, float("-inf"))  # no word in common
+        # on the CPU, in float64 (deep ranks differ by ~1e-8; MPS has no float64)
+        return reciprocal_rank_fusion(
+            scores.float().cpu(), unmatched, k=self.fusion_k, weights=(self.fusion_weight, 1.0)
+        )
+
+    def set_documents(self, texts: Sequence[str]) -> None:
+        """MIPS: the labels' document texts, in label order (needs the encoder)."""
+        if not isinstance(self.head, MIPSScorer):
+            raise TypeError(f"label documents are for a MIPS head, not {self.kind.value}")
+        limit = self.encoder.cfg.document_max_length
+        self.head.set_documents(self.encoder.tokenize(list(texts), max_length=limit).input_ids)
+
+    def set_document_features(self, features: torch.Tensor) -> None:
+        """Document heads: the documents' frozen embeddings ``(labels, d)``, in label order."""
+        if not isinstance(self.head, DocumentHead):
+            raise TypeError(f"document embeddings are for a document head, not {self.kind.value}")
+        self.head.set_document_features(self.standardizer(features.to(self.device)))
+
+    def add_documents(self, names: Sequence[str], texts: Sequence[str]) -> range:
+        """A document head: new documents as rows (Δ = 0), without retraining; no other
+        document's score changes. Returns their label indices (needs the encoder)."""
+        if not isinstance(self.head, DocumentHead):
+            raise TypeError(f"documents are added to a document head, not {self.kind.value}")
+        if self.label_names is None or self.label_texts is None:
+            raise RuntimeError("add_documents needs the labels: use load_retriever or set_labels")
+        if len(names) != len(texts) or not names:
+            raise ValueError(f"{len(names)} new document ids for {len(texts)} texts")
+        clash = sorted(set(names) & set(self.label_names))
+        if clash or len(set(names)) != len(names):
+            raise ValueError(f"document ids already present or repeated: {clash or list(names)}")
+        model_cfg = self.encoder.cfg
+        features = encode_documents(
+            self.encoder,
+            texts,
+            max_length=model_cfg.document_max_length or model_cfg.max_length,
+            batch_size=self.settings.train.feature_batch_size if self.settings else 32,
+        )
+        added = self.head.add_documents(self.standardizer(features.to(self.device)))
+        self.num_labels = self.head.num_labels
+        self.label_names = (*self.label_names, *names)
+        self.label_texts = (*self.label_texts, *texts)
+        if self.lexical is not None:  # the index covers every document the head scores
+            self.lexical = LexicalIndex(self.label_texts)
+        return added
+
+    def set_memory(self, features: torch.Tensor, labels: torch.Tensor) -> None:
+        """kNN: the training examples' embeddings ``(n, d)`` and labels ``(n,)``."""
+        if not isinstance(self.head, KNNScorer):
+            raise TypeError(f"a memory of examples is for a kNN head, not {self.kind.value}")
+        self.head.set_memory(self.standardizer(features.to(self.device)), labels)
+
+    # ------------------------------------------------------------------- trainable parameters
+    def trainable_parameters(self) -> dict[str, nn.Parameter]:
+        """Name → parameter for whatever requires a gradient (``adapter.weight`` first)."""
+        return {name: p for name, p in self.named_parameters() if p.requires_grad}
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Detached CPU copies of the trainable tensors, in a fixed order."""
+        return {k: v.detach().cpu().clone() for k, v in self.trainable_parameters().items()}
+
+    def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load exactly the trainable tensors (an adapter may also be given in classifier mode).
+
+        Raises ``ValueError`` for missing, unexpected or wrongly shaped tensors.
+        """
+        if isinstance(self.head, MixtureHead):  # a client holds the experts it was sent
+            self.head.set_available(experts_in(state))
+        expected = self.trainable_parameters()
+        optional = {ADAPTER_WEIGHT: self.adapter.weight}
+        missing = sorted(set(expected) - set(state))
+        unexpected = sorted(set(state) - set(expected) - set(optional))
+        if missing or unexpected:
+            raise ValueError(
+                f"trainable state mismatch: missing {missing}, unexpected {unexpected}; was it "
+                "saved with another mode, head or model?"
+            )
+        targets = {**optional, **expected}
+        with torch.no_grad():
+            for name, value in state.items():
+                target = targets[name]
+                if tuple(value.shape) != tuple(target.shape):
+                    raise ValueError(
+                        f"tensor {name!r} has shape {tuple(value.shape)}, expected "
+                        f"{tuple(target.shape)}"
+                    )
+                target.copy_(value.to(device=target.device, dtype=target.dtype))
+
+    # ---------------------------------------------------------------------------- serving
+    def set_labels(
+        self, names: Sequence[str], documents: Sequence[str], *, settings: Settings | None = None
+    ) -> None:
+        """The label names and documents (label order) that :meth:`retrieve` returns."""
+        if not len(names) == len(documents) == self.num_labels:
+            counts = f"{len(names)} names and {len(documents)} documents"
+            raise ValueError(f"{counts} for {self.num_labels} labels")
+        self.label_names, self.label_texts = tuple(names), tuple(documents)
+        self.settings = settings
+
+    def retrieve(
+        self, texts: Sequence[str], k: int, *, batch_size: int | None = None
+    ) -> list[Retrieval]:
+        """For each query text, its ``k`` best labels with the head's scores, probabilities
+        (heads trained with cross-entropy) and documents (:class:`Retrieval`)."""
+        if self.label_names is None or self.label_texts is None:
+            raise RuntimeError("retrieve needs the labels: use load_retriever or set_labels")
+        if not texts:
+            return []
+        if batch_size is None:
+            batch_size = (self.settings.train if self.settings else TrainConfig()).eval_batch_size
+        ids = self.encoder.tokenize(list(texts)).input_ids
+        features = extract_features(
+            self.encode,
+            self.encoder.pad,
+            ids,
+            batch_size=batch_size,
+            progress=False,
+            desc="queries",
+        )
+        self.eval()
+        out: list[Retrieval] = []
+        with torch.inference_mode():
+            index = self.index()
+            for start in range(0, len(features), batch_size):  # one batch of scores at a time
+                batch = features[start : start + batch_size].to(self.device)
+                scores = self.score(batch, index=index).float().cpu()  # (batch, labels)
+                if self.lexical is not None:
+                    fused = self.fuse(scores, texts[start : start + batch_size])
+                    kind, calibrated = "rrf", False
+                else:
+                    fused = self.head.reported(scores)
+                    kind, calibrated = self.head.score_kind, self.head.calibrated
+                out += retrieve(
+                    fused,
+                    k,
+                    self.label_names,
+                    self.label_texts,
+                    score_kind=kind,
+                    calibrated=calibrated,
+                )
+        return out

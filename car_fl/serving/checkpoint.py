@@ -1,0 +1,130 @@
+"""Serving a trained checkpoint: a retriever with its labels, documents and weights.
+
+:func:`load_retriever` reads a checkpoint folder written by a run (its settings, label map and
+trainable tensors) and gives a :class:`~car_fl.model.retriever.CaRRetriever` ready for
+:meth:`~car_fl.model.retriever.CaRRetriever.retrieve`. A kNN checkpoint holds no weights: its
+memory is rebuilt from the training split its settings name (:func:`training_features`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from car_fl.data.labels import LabelMap
+from car_fl.heads.experts import ExpertLayout, MixtureHead
+from car_fl.heads.scorers import KNNScorer
+from car_fl.model.build import build_retriever
+from car_fl.model.documents import document_texts, documents_identity
+from car_fl.model.encoder import Encoder
+from car_fl.model.features import LocalData, QueryEncoder, prepare_for
+from car_fl.model.retriever import CaRRetriever
+from car_fl.results.checkpoint import load_checkpoint
+from car_fl.settings.schema import Settings
+
+
+def load_retriever(
+    path: str | Path,
+    *,
+    device: str | None = "auto",
+    model: str | None = None,
+    documents_path: str | Path | None = None,
+    encoder: Encoder | None = None,
+) -> CaRRetriever:
+    """A retriever ready for ``retrieve``, from a folder written by
+    :func:`car_fl.results.checkpoint.save_checkpoint`: its settings, label map and weights.
+
+    ``device``: where to run (``None``: the checkpoint's setting); ``model``: an encoder hub id
+    or folder in place of the one it was trained with; ``documents_path``: a corpus's
+    documents file in place of the one it names (its digest must match the checkpoint's);
+    ``encoder``: an encoder already in memory (e.g. a generator's own weights,
+    :meth:`car_fl.serving.rag.Generator.as_encoder`) instead of loading one.
+    A corpus checkpoint returns each hit's document id, text and score. MIPS gets its label
+    documents; kNN, which has no weights, rebuilds its memory from the training split its
+    settings name (``FileNotFoundError`` when that data cannot be read).
+    """
+    ckpt = load_checkpoint(path)
+    settings = ckpt.settings
+    if model is not None:
+        settings.model.name_or_path = model
+    if device is not None:
+        settings.device = device
+    if documents_path is not None:
+        settings.dataset.documents_path = str(documents_path)
+    names = ckpt.label_map.names
+    check_documents(settings, names, ckpt.extra, path)
+    documents = document_texts(settings, names)
+    layout = ckpt.extra.get(LAYOUT_EXTRA)
+    retriever = build_retriever(
+        settings,
+        len(names),
+        encoder=encoder,
+        documents=documents,
+        layout=ExpertLayout.from_text(layout) if layout else None,
+    )
+    retriever.load_trainable_state_dict(ckpt.state)
+    if isinstance(retriever.head, KNNScorer):  # no weights: its memory is the training split
+        try:
+            memory = training_features(settings, ckpt.label_map, get_model=lambda: retriever)
+        except (OSError, ValueError) as err:  # the data is missing or unreadable
+            raise FileNotFoundError(
+                f"{path} is a kNN checkpoint: it holds no weights, and its memory, the "
+                f"training split of {settings.dataset.path or settings.dataset.hub_id!r}, "
+                f"could not be read ({err}); make that data reachable, or retrieve from a "
+                "classifier or MIPS checkpoint"
+            ) from err
+        assert memory.features is not None  # kNN trains nothing: classifier mode
+        retriever.set_memory(memory.features, memory.labels)
+    retriever.set_labels(names, documents, settings=settings)
+    retriever.eval()
+    return retriever
+
+
+def training_features(
+    settings: Settings, label_map: LabelMap, *, get_model: Callable[[], QueryEncoder]
+) -> LocalData:
+    """The training split that ``settings`` name, with ``label_map``'s ids, prepared."""
+    from car_fl.data.splits import load_splits  # datasets: only when asked
+
+    splits = load_splits(settings.dataset, seed=settings.seed, label_map=label_map)
+    train = splits.train
+    return prepare_for(
+        settings, train["text"], train["label"], get_model=get_model, desc="training features"
+    )
+
+
+#: Checkpoint ``extra`` keys: the corpus's digest and a mixture of experts' layout.
+DIGEST_EXTRA = "documents_digest"
+LAYOUT_EXTRA = "moe_layout"
+
+
+def checkpoint_extra(
+    settings: Settings, names: Sequence[str], model: CaRRetriever
+) -> dict[str, str]:
+    """What a run's checkpoints record beside the weights so that they can serve documents."""
+    extra = dict(documents_identity(settings, names))
+    if isinstance(model.head, MixtureHead):
+        extra[LAYOUT_EXTRA] = model.head.layout.to_text()
+    return extra
+
+
+def check_documents(
+    settings: Settings, names: Sequence[str], extra: Mapping[str, Any], path: str | Path
+) -> None:
+    """Refuse a corpus whose documents differ from those the checkpoint was trained on."""
+    recorded = extra.get(DIGEST_EXTRA)
+    if recorded is None:
+        return
+    try:
+        found = documents_identity(settings, names).get(DIGEST_EXTRA)
+    except (OSError, ValueError) as err:
+        raise FileNotFoundError(
+            f"{path} serves the corpus {settings.dataset.documents_path!r}, which could not be "
+            f"read ({err}); pass documents_path= (car-fl retrieve --documents) to its file"
+        ) from err
+    if found != recorded:
+        raise ValueError(
+            f"the documents in {settings.dataset.documents_path} are not those {path} was "
+            f"trained on (digest {found} != {recorded}); use the same documents file"
+        )

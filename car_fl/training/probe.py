@@ -1,0 +1,124 @@
+"""Linear probing before fine-tuning (Kumar et al., 2022): the head alone on frozen features,
+the epoch validation selects kept, before adapter + classifier trains both through the LM.
+
+``train.probe_epochs`` in a centralised run (:mod:`car_fl.standalone.centralized`);
+``fl.probe_rounds`` in a federated one: the node trains a probe round as CaR does (the head
+alone, on its cached features) and sends the adapter back exactly as the server sent it
+(:func:`probe_round`, :func:`round_settings`, :func:`keep_adapter`): the reply has every
+round's tensors, and its DP release (the same mechanism and ε) covers the head alone, the only
+tensor a record touched. The adapter is added after the release, never noised: noise on it
+would have to match every planned step's, or its spread would tell the server how many steps
+the node took (its n).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from car_fl.model.feature_cache import FeatureCache
+from car_fl.model.features import LocalData, prepare_data
+from car_fl.model.retriever import CaRRetriever
+from car_fl.privacy.mechanism import ADAPTER_WEIGHT
+from car_fl.results.selection import is_better, patience_spent
+from car_fl.settings.schema import Mode, Settings
+from car_fl.training.train import evaluate, make_optimizer, one_epoch
+
+if TYPE_CHECKING:  # datasets: not on a client whose round reads cached features
+    from car_fl.data.splits import DataSplits
+
+log = logging.getLogger(__name__)
+
+
+def probe_head(settings: Settings, model: CaRRetriever, splits: DataSplits) -> dict[str, Any]:
+    """Linear probing before fine-tuning: up to ``train.probe_epochs`` epochs of the head alone
+    on the frozen features of the training texts (the identity adapter changes nothing; the
+    features come from the cache CaR runs fill), with an optimiser of its own. Each epoch is
+    scored on validation's cached features (epoch 0 too: the untrained head, as CaR's run
+    scores it) and the head of the best one
+    (:func:`~car_fl.results.selection.is_better`) is kept, so the adapter starts from the head
+    CaR's own run would select; ``train.patience`` ends the probe as it ends training. Without a
+    validation split the last epoch's head is kept. Returns ``history`` and ``selected``."""
+
+    def features(split: str) -> LocalData:
+        return prepare_data(
+            getattr(splits, split)["text"],
+            getattr(splits, split)["label"],
+            mode=Mode.CLASSIFIER,
+            model_cfg=settings.model,
+            device=settings.device,
+            get_model=lambda: model,
+            cache=FeatureCache(settings.cache_dir),
+            batch_size=settings.train.feature_batch_size,
+            progress=settings.progress,
+            desc=f"probe {split} features",
+        )
+
+    data = features("train")
+    validation = features("validation") if len(splits.validation) else None
+    optimizer = make_optimizer(model, settings.train)
+    rows: list[dict[str, float]] = []
+    best: dict[str, float] | None = None
+    best_state = model.trainable_state_dict()
+    for epoch in range(settings.train.probe_epochs + 1):  # 0: the untrained head, as in CaR
+        row: dict[str, float] = {"epoch": epoch}
+        if epoch:
+            result = one_epoch(settings, model, data, optimizer, epoch - 1, desc="probe")
+            row["train_loss"] = result.loss
+        if validation is not None:
+            scores = evaluate(
+                model,
+                validation,
+                batch_size=settings.train.eval_batch_size,
+                top_k=settings.eval.top_k,
+            )
+            row.update(val_top1=scores["top1"], val_loss=scores["loss"])
+        rows.append(row)
+        if is_better(row, best):
+            best, best_state = row, model.trainable_state_dict()
+        assert best is not None
+        if patience_spent(epoch - int(best["epoch"]), settings.train.patience):
+            break
+    assert best is not None
+    model.load_trainable_state_dict(best_state)
+    log.info(
+        "probed the head for %d epochs on frozen features; the adapter starts from probe "
+        "epoch %d (val top1 %s)",
+        len(rows) - 1,
+        best["epoch"],
+        f"{best['val_top1']:.4f}" if "val_top1" in best else "-: no validation split",
+    )
+    return {"selected": best["epoch"], "history": rows}
+
+
+def probe_round(settings: Settings, server_round: int) -> bool:
+    """Whether federated round ``server_round`` (from 1) of adapter + CaR is a probe round:
+    one of the first ``fl.probe_rounds``."""
+    adapter = settings.train.mode is Mode.ADAPTER_CLASSIFIER
+    return adapter and server_round <= settings.fl.probe_rounds
+
+
+def round_settings(settings: Settings, server_round: int) -> Settings:
+    """What a node trains round ``server_round`` with: in a probe round the classifier mode
+    (the head alone on cached features: the encoder is not even loaded when they are all
+    cached); otherwise ``settings`` as they are."""
+    if not probe_round(settings, server_round):
+        return settings
+    return replace(settings, train=replace(settings.train, mode=Mode.CLASSIFIER))
+
+
+def keep_adapter(
+    state: dict[str, torch.Tensor], global_state: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """A probe round's trained state with the server's adapter added back, untouched: the
+    reply has the tensors of every other round of the run, and its adapter depends on no
+    record."""
+    if ADAPTER_WEIGHT not in global_state:
+        raise ValueError(
+            "a probe round (fl.probe_rounds) of adapter + CaR needs the adapter among the "
+            f"tensors the server sent; got {sorted(global_state)}"
+        )
+    return {ADAPTER_WEIGHT: global_state[ADAPTER_WEIGHT].detach().clone(), **state}

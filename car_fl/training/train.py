@@ -1,0 +1,349 @@
+"""Local training and evaluation of the CaR retriever, in both modes.
+
+``classifier``: the head trains on cached pooled features (one encoder pass, ever).
+``adapter+classifier``: the adapter and the head train through the frozen encoder; each batch
+is padded to its own length. The order of examples in epoch ``e`` depends only on
+``(seed, e)``, so a run split into rounds of local epochs sees the same order as one long run.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from car_fl.common.progress import bar
+from car_fl.common.threads import head_work, threads_for
+from car_fl.model.features import LocalData, extract_features
+from car_fl.model.retriever import CaRRetriever
+from car_fl.privacy.mechanism import ADAPTER_PREFIX, ADAPTER_WEIGHT
+from car_fl.settings.schema import OptimizerKind, Settings, TrainConfig
+from car_fl.training.metrics import rank_metrics
+from car_fl.training.metrics import ranks as rank_of_true
+
+log = logging.getLogger(__name__)
+
+
+#: The per-document rows of document heads (their own learning rate, ``train.rows_lr``).
+ROW_PREFIXES = ("head.rows", "head.experts.")
+
+
+def make_optimizer(model: CaRRetriever, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """``torch.optim``'s SGD, Adam or AdamW over the trainable parameters only (no state for
+    frozen weights): the head, the document rows and the adapter each with its learning rate.
+
+    The first step in a process imports ``torch._dynamo`` (seconds); a node's worker
+    (``car-fl worker``) pays it once, not every round (docs/performance.md).
+    """
+    params = model.trainable_parameters()
+    rows = [p for name, p in params.items() if name.startswith(ROW_PREFIXES)]
+    head = [
+        p
+        for name, p in params.items()
+        if not name.startswith(ADAPTER_PREFIX) and not name.startswith(ROW_PREFIXES)
+    ]
+    groups: list[dict[str, Any]] = [{"params": head, "lr": cfg.lr}] if head else []
+    if rows:
+        groups.append({"params": rows, "lr": cfg.rows_lr or cfg.lr})
+    if ADAPTER_WEIGHT in params:
+        groups.append({"params": [params[ADAPTER_WEIGHT]], "lr": cfg.adapter_lr or cfg.lr})
+    if not groups:
+        raise ValueError(
+            f"nothing to train: head.kind={model.kind.value} in mode={model.mode.value} has no "
+            "trainable parameter (evaluate it directly)"
+        )
+    kind = OptimizerKind.parse("train.optimizer", cfg.optimizer)
+    if kind is OptimizerKind.SGD:
+        return torch.optim.SGD(
+            groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        )
+    adam = torch.optim.AdamW if kind is OptimizerKind.ADAMW else torch.optim.Adam
+    return adam(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The RNG seed of global epoch ``epoch`` (0-based): data order and dropout."""
+    return (seed * 1_000_003 + epoch * 7_919) % (2**63 - 1)
+
+
+def epoch_order(n: int, *, seed: int, epoch: int) -> torch.Tensor:
+    """A permutation of ``range(n)`` that depends only on ``(seed, epoch)``."""
+    generator = torch.Generator().manual_seed(epoch_seed(seed, epoch))
+    return torch.randperm(n, generator=generator)
+
+
+@dataclass
+class EpochResult:
+    loss: float
+    accuracy: float
+    examples: int
+    steps: int
+
+
+StepHook = Callable[[CaRRetriever], None]
+
+
+def train_epoch(
+    model: CaRRetriever,
+    data: LocalData,
+    optimizer: torch.optim.Optimizer,
+    *,
+    batch_size: int,
+    seed: int,
+    epoch: int,
+    progress: bool = True,
+    desc: str = "train",
+    after_step: StepHook | None = None,
+    prox_mu: float = 0.0,
+    anchor: Mapping[str, torch.Tensor] | None = None,
+) -> EpochResult:
+    """One pass over ``data`` in the order of ``epoch_order(seed, epoch)``.
+
+    ``after_step`` runs after every optimizer step (per-step DP uses it). ``prox_mu`` > 0 adds
+    FedProx's proximal term μ/2·‖θ − ``anchor``‖² (``anchor``: the global trainable state) to
+    the loss that is minimised; the reported loss stays the task loss.
+    """
+    proximal = ProximalTerm(model, anchor, prox_mu) if prox_mu > 0 else None
+    if len(data) == 0:
+        raise ValueError("cannot train on an empty dataset")
+    model.train()
+    torch.manual_seed(epoch_seed(seed, epoch))  # dropout
+    device = model.device
+    order = epoch_order(len(data), seed=seed, epoch=epoch)
+    features = data.features.to(device) if data.features is not None else None
+    labels_all = data.labels.to(device)
+    total_loss, correct, steps = 0.0, 0, 0
+    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    with threads_for(step_work(model, features, batch_size)):
+        for batch in bar(batches, desc=desc, unit="step", enabled=progress):
+            labels = labels_all[batch.to(device)]
+            if features is not None:
+                logits, loss = model(features=features[batch.to(device)], labels=labels)
+            else:
+                assert data.input_ids is not None
+                ids, mask = model.encoder.pad([data.input_ids[i] for i in batch.tolist()])
+                logits, loss = model(ids, mask, labels=labels)
+            assert loss is not None
+            if not torch.isfinite(loss):
+                raise FloatingPointError(
+                    f"training loss became {loss.item()} at step {steps}; lower train.lr"
+                )
+            optimizer.zero_grad(set_to_none=True)
+            (loss + proximal() if proximal is not None else loss).backward()
+            optimizer.step()
+            if after_step is not None:
+                after_step(model)
+            total_loss += float(loss.detach()) * len(batch)
+            correct += int((logits.detach().argmax(dim=1) == labels).sum())
+            steps += 1
+    model.eval()
+    return EpochResult(
+        loss=total_loss / len(data), accuracy=correct / len(data), examples=len(data), steps=steps
+    )
+
+
+def train_epoch_dpsgd(
+    model: CaRRetriever,
+    data: LocalData,
+    optimizer: torch.optim.Optimizer,
+    *,
+    sample_rate: float,
+    clip: float,
+    noise_multiplier: float,
+    steps: int,
+    seed: int,
+    epoch: int,
+    batches: Sequence[torch.Tensor] | None = None,
+    generator: torch.Generator | None = None,
+    progress: bool = True,
+    desc: str = "dp-sgd",
+    population: int | None = None,
+    adapter_clip: float | None = None,
+) -> EpochResult:
+    """One epoch of record-level DP-SGD: ``steps`` Poisson-sampled steps at rate q.
+
+    Each step is :func:`car_fl.privacy.dpsgd.dpsgd_step` (per-example clipping at C, or the
+    adapter's part at ``adapter_clip`` and the head's at the rest of C; noise σ·C, division by
+    q·n). Batches are drawn from OS entropy, unless ``batches`` (index
+    tensors, one per step) are given (tests: the same batches as :func:`train_epoch`);
+    ``generator`` makes the noise reproducible in tests. Loss and accuracy are over the
+    sampled examples, for the client's own log. ``population`` (default ``len(data)``) is the
+    n the expected batch q·n stands for: a client that left out examples it cannot train on
+    (labels the server's map lacks) still divides by its whole n, as if they had been sampled
+    with a zero gradient, so nothing it sends depends on how many it left out.
+    """
+    from car_fl.privacy.dpsgd import dpsgd_step, poisson_sample
+
+    population = len(data) if population is None else population
+    if population == 0:
+        raise ValueError("cannot train on an empty dataset")
+    if population < len(data):
+        raise ValueError(f"cannot train {len(data)} examples standing for only {population}")
+    model.train()
+    torch.manual_seed(epoch_seed(seed, epoch))  # dropout
+    device = model.device
+    params = model.trainable_parameters()
+    features = data.features.to(device) if data.features is not None else None
+    planned = list(batches) if batches is not None else [None] * steps
+    expected = sample_rate * population
+    total_loss, correct, seen = 0.0, 0, 0
+    with threads_for(step_work(model, features, math.ceil(expected))):
+        for batch in bar(planned, desc=desc, unit="step", enabled=progress):
+            index = batch if batch is not None else poisson_sample(len(data), sample_rate)
+            labels = data.labels[index].to(device)
+            if features is not None:
+                inputs: dict[str, Any] = {"features": features[index.to(device)]}
+            else:
+                assert data.input_ids is not None
+                inputs = {"input_ids": [torch.tensor(data.input_ids[i]) for i in index.tolist()]}
+            result = dpsgd_step(
+                model,
+                params,
+                optimizer,
+                labels,
+                clip=clip,
+                adapter_clip=adapter_clip,
+                noise_multiplier=noise_multiplier,
+                expected_batch_size=expected,
+                generator=generator,
+                **inputs,
+            )
+            if not all(bool(torch.isfinite(p).all()) for p in params.values()):
+                raise FloatingPointError(
+                    f"DP-SGD made a parameter non-finite after {seen} examples; lower train.lr"
+                )
+            total_loss += result.loss_sum
+            correct += result.correct
+            seen += result.examples
+    model.eval()
+    return EpochResult(
+        loss=total_loss / max(seen, 1),
+        accuracy=correct / max(seen, 1),
+        examples=seen,
+        steps=len(planned),
+    )
+
+
+def step_work(model: CaRRetriever, features: torch.Tensor | None, batch: int) -> int:
+    """Multiply-adds of one step on cached ``features`` (the head's, and scoring every
+    label); an encoder pass (no features) counts as large (:mod:`car_fl.common.threads`)."""
+    if features is None:
+        return sys.maxsize
+    head = sum(p.numel() for p in model.head.parameters())
+    return head_work(head + features.shape[1] * model.num_labels, batch)
+
+
+class ProximalTerm:
+    """FedProx's μ/2·‖θ − θ_global‖² over the trainable parameters (Li et al., 2020)."""
+
+    def __init__(
+        self, model: CaRRetriever, anchor: Mapping[str, torch.Tensor] | None, mu: float
+    ) -> None:
+        if anchor is None:
+            raise ValueError("the proximal term (strategy=fedprox) needs the global parameters")
+        self.params = model.trainable_parameters()
+        self.anchor = {
+            k: anchor[k].detach().to(device=p.device, dtype=p.dtype) for k, p in self.params.items()
+        }
+        self.mu = mu
+
+    def __call__(self) -> torch.Tensor:
+        total = sum((p - self.anchor[k]).pow(2).sum() for k, p in self.params.items())
+        return 0.5 * self.mu * torch.as_tensor(total)
+
+
+def one_epoch(
+    settings: Settings,
+    model: CaRRetriever,
+    data: LocalData,
+    optimizer: torch.optim.Optimizer,
+    epoch: int,
+    *,
+    desc: str,
+) -> EpochResult:
+    """One epoch of ``data`` with the run's batch size, seed and progress bar (the probe's
+    and the main loop's)."""
+    return train_epoch(
+        model,
+        data,
+        optimizer,
+        batch_size=settings.train.batch_size,
+        seed=settings.seed,
+        epoch=epoch,
+        progress=settings.progress,
+        desc=f"{desc} {epoch + 1}",
+    )
+
+
+def query_features(
+    model: CaRRetriever, data: LocalData, *, batch_size: int, progress: bool = False
+) -> torch.Tensor:
+    """Pooled queries ``(n, d)``: the cached features, or encoded through the current adapter."""
+    if data.features is not None:
+        return data.features
+    assert data.input_ids is not None
+    with torch.inference_mode():
+        return extract_features(
+            model.encode,
+            model.encoder.pad,
+            data.input_ids,
+            batch_size=batch_size,
+            progress=progress,
+            desc="eval",
+        )
+
+
+def evaluate(
+    model: CaRRetriever,
+    data: LocalData,
+    *,
+    batch_size: int,
+    top_k: list[int],
+    progress: bool = False,
+    subsets: Mapping[str, torch.Tensor] | None = None,
+) -> dict[str, float]:
+    """Loss, top-K accuracy, Recall@K, MRR, nDCG@10 and macro-F1 on ``data``.
+
+    Scores are computed one batch at a time and only each query's rank and best label are
+    kept, so no queries × labels matrix exists beyond one batch. ``subsets`` (name → boolean
+    mask over ``data``) add the same metrics on those queries alone, as ``{name}_{metric}``.
+    """
+    model.eval()
+    features = query_features(model, data, batch_size=batch_size, progress=progress)
+    ranks, predictions = [], []
+    loss_sum = 0.0
+    work = step_work(model, features if data.features is not None else None, batch_size)
+    with torch.inference_mode(), threads_for(work):
+        index = model.index()
+        for start in range(0, len(data), batch_size):
+            batch = features[start : start + batch_size].to(model.device)
+            labels = data.labels[start : start + batch_size].to(model.device)
+            scores = model.score(batch, index=index).float()  # (batch, labels)
+            loss_sum += float(model.head.evaluation_loss(scores, labels))  # the head's own
+            if model.lexical is not None:  # the ranking a user gets: fused with the index's
+                if data.texts is None:
+                    raise ValueError("a retriever with a lexical index ranks by the query texts")
+                scores = model.fuse(scores, data.texts[start : start + batch_size])
+            ranks.append(rank_of_true(scores, labels.to(scores.device)).cpu())
+            predictions.append(scores.argmax(dim=1).cpu())
+    rank, predicted = torch.cat(ranks), torch.cat(predictions)
+    loss = loss_sum / max(len(data), 1)
+    if not math.isfinite(loss):
+        log.warning("evaluation loss is %s", loss)
+    out = rank_metrics(
+        rank,
+        top_k=top_k,
+        predictions=predicted,
+        labels=data.labels,
+        num_labels=model.num_labels,
+        loss=loss,
+    )
+    for name, mask in (subsets or {}).items():
+        part = rank_metrics(rank[mask], top_k=top_k)
+        out.update({f"{name}_{key}": value for key, value in part.items()})
+    return out

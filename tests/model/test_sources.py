@@ -1,0 +1,116 @@
+"""car_fl.model.sources: an unreachable encoder or dataset fails in seconds, naming every fix."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from car_fl.model.sources import DATASET_FIX, MODEL_FIX, SourceError, check_sources
+from car_fl.settings.compose import load_settings
+
+
+@pytest.fixture
+def empty_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """No Hub cache, the Hub forbidden (as in the whole suite) unless a test allows it."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    for var in ("HF_HUB_CACHE", "HF_DATASETS_CACHE"):
+        monkeypatch.delenv(var, raising=False)
+    return tmp_path / "hf"
+
+
+def test_local_files_and_folders_must_exist(make_settings, tmp_path: Path) -> None:
+    check_sources(make_settings())  # the fixtures exist: nothing from the Hub
+    with pytest.raises(SourceError, match=r"dataset.path=.*nope.tsv does not exist on the server"):
+        check_sources(make_settings(f"dataset.path={tmp_path / 'nope.tsv'}"), where="on the server")
+    with pytest.raises(FileNotFoundError, match=r"model.name_or_path=.*no-model is not a folder"):
+        check_sources(make_settings(model_dir=tmp_path / "no-model"))
+
+
+def test_the_offline_default_names_both_fixes_at_once(empty_cache: Path) -> None:
+    tick = time.monotonic()
+    with pytest.raises(SourceError) as err:
+        check_sources(load_settings())
+    assert time.monotonic() - tick < 3.0  # HF_HUB_OFFLINE: no probe (a probe waits 4 s)
+    message = str(err.value)
+    assert "\n" not in message
+    assert "'TinyLlama/TinyLlama-1.1B-Chat-v1.0' and the dataset 'ucirvine/sms_spam'" in message
+    assert MODEL_FIX in message and DATASET_FIX in message and "HF_HUB_OFFLINE is set" in message
+    assert "model=smollm2" in message and "model=minilm" in message and "dataset.path=" in message
+    # With the encoder offline (MiniLM's package) only the dataset's fix is left.
+    with pytest.raises(SourceError, match=r"^the dataset 'ucirvine/sms_spam' must.*dataset.path="):
+        check_sources(load_settings("model=minilm"))
+
+
+def test_what_the_hub_cache_holds_needs_no_hub(empty_cache: Path) -> None:
+    model = empty_cache / "hub" / "models--TinyLlama--TinyLlama-1.1B-Chat-v1.0" / "snapshots" / "a"
+    model.mkdir(parents=True)
+    (empty_cache / "datasets" / "ucirvine___sms_spam" / "default").mkdir(parents=True)
+    check_sources(load_settings())
+
+
+class Hub(BaseHTTPRequestHandler):
+    """A stand-in Hub API: 200 for the default model, 404 for anything else."""
+
+    def do_HEAD(self) -> None:
+        known = self.path == "/api/models/TinyLlama/TinyLlama-1.1B-Chat-v1.0"
+        self.send_response(200 if known else 404)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def hub(monkeypatch: pytest.MonkeyPatch, empty_cache: Path) -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("HF_DATASETS_OFFLINE")
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    yield endpoint
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_hub_that_answers_lets_the_loaders_do_their_work(hub: str) -> None:
+    check_sources(load_settings("dataset.path=/dev/null"))  # the model is on the Hub
+    with pytest.raises(SourceError, match=r"answered HTTP 404 for dataset 'ucirvine/sms_spam'"):
+        check_sources(load_settings())  # this stand-in Hub has no such dataset
+
+
+def closed_endpoint() -> str:
+    """An endpoint on 127.0.0.1 whose port nothing listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_an_unreachable_hub_fails_in_seconds(empty_cache: Path, monkeypatch) -> None:
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("HF_DATASETS_OFFLINE")
+    monkeypatch.setenv("HF_ENDPOINT", closed_endpoint())
+    tick = time.monotonic()
+    with pytest.raises(SourceError, match=r"could not be reached.*model=minilm.*dataset.path="):
+        check_sources(load_settings())
+    assert time.monotonic() - tick < 5.0
+
+
+def test_a_missing_data_file_names_the_near_names_in_its_folder(
+    make_settings, tmp_path: Path
+) -> None:
+    (tmp_path / "SMSSpamCollection.tsv").write_text("ham\thi\n", encoding="utf-8")
+    typo = make_settings(f"dataset.path={tmp_path / 'SMSSpamColection.tsv'}")
+    with pytest.raises(
+        SourceError, match=r"does not exist here \(did you mean .*SMSSpamCollection"
+    ):
+        check_sources(typo)
+    elsewhere = make_settings(f"dataset.path={tmp_path / 'other.csv'}")
+    with pytest.raises(SourceError, match=r"holds: SMSSpamCollection.tsv\)"):
+        check_sources(elsewhere)
