@@ -33,10 +33,11 @@ def run(args: argparse.Namespace) -> int:
     from car_fl.settings.schema import DPMode
 
     settings = load_settings(args.overrides)
-    if settings.resume and settings.dp.mode is not DPMode.RECORD:  # DP-SGD: a federation's
-        from car_fl.standalone.resume import check_run_dir
+    if settings.resume:  # a mistyped folder fails first; DP-SGD's run is a one-node federation
+        from car_fl.results.resume import check_run_dir
 
-        check_run_dir(Path(settings.resume))  # a mistyped folder fails first
+        kind = "federated" if settings.dp.mode is DPMode.RECORD else "centralized"
+        check_run_dir(Path(settings.resume), kind)
     check_sources(settings)  # before torch (without resume=) and transformers are imported
     setup_logging()
     logging.getLogger(__name__).info("loading PyTorch and car-fl's model code (seconds)")

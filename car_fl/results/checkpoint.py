@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
 
 from car_fl.common.io import atomic_write_bytes, atomic_write_json
@@ -76,8 +76,11 @@ def load_checkpoint(folder: str | Path) -> Checkpoint:
             f"{folder} is not a car-fl checkpoint: {WEIGHTS} is missing (expected a folder "
             "written by a car-fl run, e.g. <run dir>/checkpoints/final)"
         )
-    with safe_open(str(weights), framework="pt") as handle:
-        header = handle.metadata() or {}
+    try:
+        with safe_open(str(weights), framework="pt") as handle:
+            header = handle.metadata() or {}
+    except SafetensorError as err:  # cut short by a stop, or not safetensors at all
+        raise ValueError(f"{weights}: not a readable safetensors file ({err})") from err
     if header.get("format") != FORMAT or "meta" not in header:
         raise ValueError(f"{weights}: not a car-fl checkpoint (format {header.get('format')!r})")
     meta = json.loads(header["meta"])

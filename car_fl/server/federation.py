@@ -31,7 +31,7 @@ from car_fl.results.rows import RunSummary
 from car_fl.server.aggregation import build_strategy
 from car_fl.server.evaluation import ServerEvaluator
 from car_fl.server.failure_summary import failure_summary
-from car_fl.server.resume import ResumePoint, load_resume_point
+from car_fl.server.resume import RoundPoint, load_round_point
 from car_fl.server.round_recorder import PatienceSpent, RoundRecorder
 from car_fl.server.simulation_exit import end_ray_on_exit
 from car_fl.server.strategy import GuardedStrategy, spec_of
@@ -126,7 +126,7 @@ def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
     done = 0
     if point is not None:  # continue after the last complete round
         done, initial = point.round, point.arrays
-        recorder.resume(point.history, point.client_rows, point.initial, done=done)
+        recorder.resume(point.saved.history, point.client_rows, point.saved.initial, done=done)
         strategy.round_offset = done
         log.info("resuming %s after round %d of %d", output_dir, done, settings.fl.rounds)
     try:
@@ -155,7 +155,7 @@ def check_federable(settings: Settings) -> None:
         raise ValueError(reason)
 
 
-def open_output(settings: Settings) -> tuple[Path, ResumePoint | None]:
+def open_output(settings: Settings) -> tuple[Path, RoundPoint | None]:
     """The run's folder (the resumed run's, or a new one) with its ``config.yaml``, and the
     point to resume from (``None``: a new run)."""
     resume_dir = Path(settings.resume).resolve() if settings.resume else None
@@ -163,7 +163,7 @@ def open_output(settings: Settings) -> tuple[Path, ResumePoint | None]:
     output_dir.mkdir(parents=True, exist_ok=True)
     config_yaml = settings_to_yaml(settings)
     log.info("resolved configuration (fingerprint %s):\n%s", fingerprint(settings), config_yaml)
-    point = load_resume_point(resume_dir, settings) if resume_dir is not None else None
+    point = load_round_point(resume_dir, settings) if resume_dir is not None else None
     atomic_write_text(output_dir / "config.yaml", config_yaml)
     log.info("results: %s", output_dir)
     return output_dir, point

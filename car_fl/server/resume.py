@@ -1,35 +1,36 @@
-"""Resuming an interrupted federation: its last complete round, read back from its run directory."""
+"""What a federation adds to a resume (:mod:`car_fl.results.resume`): its clients' rows, its
+global model as Flower's record, and DP-SGD's σ kept as the rounds already run used it."""
 
 from __future__ import annotations
 
 import copy
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from flwr.app import ArrayRecord
 
 from car_fl.protocol.messages import to_record
-from car_fl.results.checkpoint import load_checkpoint
-from car_fl.results.rows import CLIENTS_CSV, METRICS_JSON, ClientRow, MetricsFile, RoundRow
+from car_fl.results.resume import ResumePoint, check_run_dir, load_resume_point
+from car_fl.results.rows import CLIENTS_CSV, ClientRow
 from car_fl.settings.compose import settings_from_yaml
 from car_fl.settings.dp_plan import record_plan
-from car_fl.settings.flat import refuse_other_settings
 from car_fl.settings.flower import NODE_LOCAL_KEYS
 from car_fl.settings.schema import DPMode, Settings, federated_part
 
-log = logging.getLogger(__name__)
-
 
 @dataclass
-class ResumePoint:
-    """Where an interrupted run continues: its last complete round and what it had written."""
+class RoundPoint:
+    """Where an interrupted federation continues: the run read back
+    (:class:`car_fl.results.resume.ResumePoint`), its global model as Flower's record, and
+    the clients' rows up to its last complete round."""
 
-    round: int
+    saved: ResumePoint
     arrays: ArrayRecord
-    history: list[RoundRow]
     client_rows: list[ClientRow]
-    initial: dict[str, float]
+
+    @property
+    def round(self) -> int:
+        return self.saved.done
 
 
 def check_noise_kept(run_dir: Path, settings: Settings, planned: int) -> None:
@@ -53,56 +54,35 @@ def check_noise_kept(run_dir: Path, settings: Settings, planned: int) -> None:
         )
 
 
-def load_resume_point(run_dir: Path, settings: Settings) -> ResumePoint:
-    """The last round whose checkpoint is complete, with the history up to it.
-
-    The run's saved configuration must match this one (``fl.rounds`` may be raised, unless
-    DP-SGD's σ depends on it).
-    """
-    saved_config = run_dir / "config.yaml"
-    for path in (saved_config, run_dir / METRICS_JSON):
-        if not path.is_file():
-            raise FileNotFoundError(f"resume={run_dir}: {path.name} is missing; is it a run dir?")
+def load_round_point(run_dir: Path, settings: Settings) -> RoundPoint:
+    """The last round whose checkpoint is complete, with the history up to it
+    (:func:`car_fl.results.resume.load_resume_point`). ``fl.rounds`` may be raised, unless
+    DP-SGD's σ depends on it (:func:`check_noise_kept`); node-local values are each machine's
+    own; a federation does not read ``train.epochs`` (car-fl train dp=record makes it
+    ``fl.rounds``)."""
+    check_run_dir(run_dir, "federated")
     # a run saved before federated runs refused train.probe_epochs (which it ignored)
-    saved = federated_part(settings_from_yaml(saved_config.read_text(encoding="utf-8")))
-    planned = saved.fl.rounds
-    # node-local values are each machine's own; a federation does not read train.epochs
-    # (car-fl train dp=record makes it fl.rounds)
-    refuse_other_settings(
+    saved = federated_part(settings_from_yaml((run_dir / "config.yaml").read_text("utf-8")))
+    check_noise_kept(run_dir, settings, saved.fl.rounds)
+    point = load_resume_point(
         run_dir,
-        saved,
         settings,
+        kind="federated",
+        saved=saved,
+        steps=settings.fl.rounds,
+        steps_key="fl.rounds",
+        unit="round",
         may_change=(*NODE_LOCAL_KEYS, "fl.rounds", "train.epochs"),
         fix="resume it with the same overrides (only fl.rounds may change)",
     )
-    check_noise_kept(run_dir, settings, planned)
-    metrics = MetricsFile.read(run_dir)
-    stopped = metrics.summary.stopped_early
-    if stopped is not None:
+    if point.finished:
         raise ValueError(
-            f"resume={run_dir}: that run ended after round {stopped}, when train.patience="
-            f"{settings.train.patience} rounds had not improved on validation: it finished, it "
-            "was not interrupted; to train longer start a new run (a larger train.patience)"
+            f"resume={run_dir}: the run already has {point.done} rounds; raise fl.rounds above it"
         )
-    for row in reversed(metrics.history):
-        folder = run_dir / "checkpoints" / f"round-{row.round:03d}"
-        try:
-            checkpoint = load_checkpoint(folder)
-        except (OSError, ValueError) as err:
-            log.warning("resume: skipping round %s (%s)", row.round, err)
-            continue
-        done = checkpoint.round
-        if done >= settings.fl.rounds:
-            raise ValueError(
-                f"resume={run_dir}: the run already has {done} rounds; raise fl.rounds above it"
-            )
-        clients_csv = run_dir / CLIENTS_CSV
-        client_rows = ClientRow.read_csv(clients_csv) if clients_csv.is_file() else []
-        return ResumePoint(
-            round=done,
-            arrays=to_record(checkpoint.state, dtype=settings.comm.dtype),
-            history=[r for r in metrics.history if r.round <= done],
-            client_rows=[r for r in client_rows if r.round <= done],
-            initial=metrics.summary.initial or {},
-        )
-    raise ValueError(f"resume={run_dir}: no complete round checkpoint to continue from")
+    clients_csv = run_dir / CLIENTS_CSV
+    client_rows = ClientRow.read_csv(clients_csv) if clients_csv.is_file() else []
+    return RoundPoint(
+        saved=point,
+        arrays=to_record(point.checkpoint.state, dtype=settings.comm.dtype),
+        client_rows=[row for row in client_rows if row.round <= point.done],
+    )

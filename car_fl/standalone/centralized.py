@@ -59,7 +59,7 @@ def run_centralized(settings: Settings, output_dir: str | Path) -> dict[str, Any
     check_sources(settings)  # seconds, not a minute of Hub retries, when offline
     # a resumed run's config.yaml is rewritten only once its data is found to be the same
     out = write_config(settings, output_dir, write=point is None)
-    start = time.perf_counter() - (point.seconds if point is not None else 0.0)
+    start = time.perf_counter() - (point.saved.summary.total_seconds if point is not None else 0.0)
     run = prepare(settings, probe=point is None)
     extra = checkpoint_extra(settings, run.splits.label_map.names, run.model)
     if point is not None:
@@ -182,9 +182,10 @@ def train(
     model, held_out = run.model, run.held_out
     epochs = 0 if trains_nothing(settings) else settings.train.epochs
     if point is not None:
-        start = RoundRow(round=0, epochs=0, metrics=point.initial, seconds=0.0)
-        recorder.resume(point.history, point.initial)
-        model.load_trainable_state_dict(point.state)
+        saved = point.saved
+        start = RoundRow(round=0, epochs=0, metrics=saved.initial, seconds=0.0)
+        recorder.resume(saved.history, saved.initial)
+        model.load_trainable_state_dict(saved.checkpoint.state)
         log.info("resumed after epoch %d of %d", point.epoch, epochs)
     else:
         tick = time.perf_counter()

@@ -1,11 +1,11 @@
-"""Continuing a stopped centralised run: ``car-fl train resume=<its run directory>``.
+"""What a centralised run adds to a resume (:mod:`car_fl.results.resume`): its optimiser.
 
 After every epoch a run rewrites ``metrics.json`` (``complete: false`` until it ends), then
 keeps ``checkpoints/last`` (the trainable tensors, and beside them the optimiser's state). A
 resumed run loads both and goes on from the next epoch: each epoch's data order and dropout
 depend only on the seed and the epoch (:func:`car_fl.training.train.epoch_seed`), so it ends
-where an uninterrupted run would. The federation's counterpart is :mod:`car_fl.server.resume`
-(its clients start every round with a new optimiser).
+where an uninterrupted run would. A federation's clients start every round with a new
+optimiser, so it keeps none (:mod:`car_fl.server.resume`).
 """
 
 from __future__ import annotations
@@ -21,12 +21,11 @@ from safetensors.torch import load_file, save
 
 from car_fl.common.io import atomic_write_bytes
 from car_fl.data.labels import LabelMap
-from car_fl.results.checkpoint import WEIGHTS, Checkpoint, load_checkpoint, save_checkpoint
+from car_fl.results.checkpoint import WEIGHTS, Checkpoint, save_checkpoint
 from car_fl.results.recorder import best_row, rows_since_best
-from car_fl.results.rows import METRICS_JSON, MetricsFile, RoundRow
+from car_fl.results.resume import ResumePoint, check_run_dir, load_resume_point
+from car_fl.results.rows import METRICS_JSON, RoundRow
 from car_fl.results.selection import patience_spent
-from car_fl.settings.compose import settings_from_yaml
-from car_fl.settings.flat import refuse_other_settings
 from car_fl.settings.schema import Settings, trains_nothing
 
 #: ``checkpoints/last``: the state after the last epoch, what a resume continues from.
@@ -44,25 +43,20 @@ def optimizer_file(epoch: int) -> str:
 
 @dataclass
 class EpochPoint:
-    """Where a resumed run continues: after ``epoch``, with what the run had written."""
+    """Where a resumed centralised run continues: the run read back
+    (:class:`car_fl.results.resume.ResumePoint`) and the optimiser's state of its epoch."""
 
-    epoch: int
-    state: dict[str, torch.Tensor]
+    saved: ResumePoint
     optimizer: dict[str, torch.Tensor]
-    history: list[RoundRow]
-    initial: dict[str, float]
-    #: Seconds the run had taken before it was stopped (its ``total_seconds``).
-    seconds: float
-    #: The saved run's split sizes, its labels and its checkpoints' extra (a corpus's
-    #: digest, a mixture's layout), to be found again (:func:`check_same_run`).
-    data: dict[str, int]
-    label_map: LabelMap
-    extra: dict[str, Any]
     #: The probe's curve (``train.probe_epochs``): the probe is not run again.
     probe: dict[str, Any] = field(default_factory=dict)
     #: Nothing is left to train (``train.epochs`` done, or ``train.patience`` ran out), but
     #: the run was stopped before its end was written: the resume writes it.
     finished: bool = False
+
+    @property
+    def epoch(self) -> int:
+        return self.saved.done
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -114,76 +108,47 @@ def save_last(folder: Path, checkpoint: Checkpoint, optimizer: torch.optim.Optim
             old.unlink(missing_ok=True)
 
 
-def check_run_dir(run_dir: Path) -> None:
-    """Refuse (``FileNotFoundError``/``ValueError``, in seconds, before any other work) a folder
-    that is not a centralised run that trained an epoch."""
-    for name in ("config.yaml", METRICS_JSON):
-        if not (run_dir / name).is_file():
-            raise FileNotFoundError(
-                f"resume={run_dir}: {name} is missing; resume= takes the folder of a "
-                "centralised run that trained at least one epoch"
-            )
-    kind = json.loads((run_dir / METRICS_JSON).read_text(encoding="utf-8")).get("kind")
-    if kind != "centralized":
-        raise ValueError(
-            f"resume={run_dir}: that is a {kind} run; car-fl train resumes centralised runs "
-            "(a federation resumes with car-fl run / flwr run ., a car-fl train dp=record run "
-            "with dp=record)"
-        )
-    if not (run_dir / "checkpoints" / LAST / WEIGHTS).is_file():
-        raise FileNotFoundError(
-            f"resume={run_dir}: checkpoints/{LAST} is missing: the run was stopped before its "
-            "first epoch ended (or was made by a car-fl older than resume=); start it again"
-        )
-
-
 def load_epoch_point(run_dir: Path, settings: Settings) -> EpochPoint:
-    """The last epoch of the run in ``run_dir``, to continue with ``settings``.
-
-    Refused (``ValueError``/``FileNotFoundError``, saying what to do) when the folder is not a
-    centralised run, a setting other than :data:`MAY_CHANGE` differs, it trains nothing, or it
-    ended (``train.epochs`` done, or ``train.patience`` ran out) and wrote its end.
-    """
+    """The last epoch of the centralised run in ``run_dir``, to continue with ``settings``
+    (:func:`car_fl.results.resume.load_resume_point`, from ``checkpoints/last``), with its
+    optimiser's state. Refused also when it trains nothing, or when its patience ran out
+    at its last epoch."""
     if trains_nothing(settings):
         raise ValueError(
             f"resume={run_dir}: this run trains nothing (MIPS or kNN on the frozen encoder), "
             "so there is nothing to continue; run it again without resume="
         )
-    check_run_dir(run_dir)
-    saved = settings_from_yaml((run_dir / "config.yaml").read_text(encoding="utf-8"))
-    refuse_other_settings(
+    check_run_dir(run_dir, "centralized")
+    folder = run_dir / "checkpoints" / LAST
+    if not (folder / WEIGHTS).is_file():
+        raise FileNotFoundError(
+            f"resume={run_dir}: checkpoints/{LAST} is missing: the run was stopped before its "
+            "first epoch ended (or was made by a car-fl older than resume=); start it again"
+        )
+    point = load_resume_point(
         run_dir,
-        saved,
         settings,
+        kind="centralized",
+        steps=settings.train.epochs,
+        steps_key="train.epochs",
+        unit="epoch",
         may_change=MAY_CHANGE,
         fix="resume it with the same overrides (only train.epochs may change)",
+        checkpoints=[folder],
     )
-    metrics = MetricsFile.read(run_dir)
-    folder = run_dir / "checkpoints" / LAST
-    checkpoint = load_checkpoint(folder)
-    done = checkpoint.round
-    history = [row for row in metrics.history if row.round <= done]
-    if [row.round for row in history] != list(range(1, done + 1)):
-        raise ValueError(
-            f"resume={run_dir}: metrics.json does not hold epochs 1 to {done} of "
-            f"checkpoints/{LAST}; it was changed by hand, or is another run's; start a new run"
-        )
-    initial = metrics.summary.initial or {}
-    start = RoundRow(round=0, epochs=0, metrics=initial, seconds=0.0) if initial else None
-    best = best_row(history, initial=start)
-    out_of_time = done >= settings.train.epochs
+    done = point.done
+    start = (
+        RoundRow(round=0, epochs=0, metrics=point.initial, seconds=0.0) if point.initial else None
+    )
+    best = best_row(point.history, initial=start)
     stalled = best is not None and patience_spent(
-        rows_since_best(history, best), settings.train.patience
+        rows_since_best(point.history, best), settings.train.patience
     )
-    if metrics.summary.complete and stalled:
+    if stalled and point.summary.complete:
         raise ValueError(
             f"resume={run_dir}: that run ended after epoch {done}, when train.patience="
             f"{settings.train.patience} epochs had not improved on validation: it finished, "
             "it was not interrupted; to train longer start a new run (a larger train.patience)"
-        )
-    if metrics.summary.complete and out_of_time:
-        raise ValueError(
-            f"resume={run_dir}: the run already has {done} epochs; raise train.epochs above it"
         )
     optimizer = folder / optimizer_file(done)
     if not optimizer.is_file():
@@ -193,17 +158,10 @@ def load_epoch_point(run_dir: Path, settings: Settings) -> EpochPoint:
             raise ValueError(f"resume={run_dir}: {optimizer.name} is not epoch {done}'s")
     content = json.loads((run_dir / METRICS_JSON).read_text(encoding="utf-8"))
     return EpochPoint(
-        epoch=done,
-        state=checkpoint.state,
+        saved=point,
         optimizer=load_file(str(optimizer)),
-        history=history,
-        initial=initial,
-        seconds=metrics.summary.total_seconds,
-        data=metrics.summary.data,
-        label_map=checkpoint.label_map,
-        extra=checkpoint.extra,
         probe=content["summary"].get("probe", {}),
-        finished=out_of_time or stalled,
+        finished=point.finished or stalled,
     )
 
 
@@ -217,12 +175,13 @@ def check_same_run(
 ) -> None:
     """Refuse to continue on other data than the run's: other split sizes, other labels, or
     another corpus or mixture layout (its checkpoints' ``extra``)."""
-    for what, saved, now in (
-        ("the data splits", point.data, data),
-        ("the labels", point.label_map.to_list(), labels.to_list()),
-        ("the documents or experts", point.extra, extra),
+    saved = point.saved
+    for what, before, now in (
+        ("the data splits", saved.summary.data, data),
+        ("the labels", saved.checkpoint.label_map.to_list(), labels.to_list()),
+        ("the documents or experts", saved.checkpoint.extra, extra),
     ):
-        if json.dumps(saved, sort_keys=True) != json.dumps(now, sort_keys=True):
+        if json.dumps(before, sort_keys=True) != json.dumps(now, sort_keys=True):
             raise ValueError(
                 f"resume={run_dir}: {what} differ from that run's; point dataset.path (and "
                 "dataset.documents_path) at the files it was trained on"

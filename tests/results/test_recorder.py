@@ -17,7 +17,7 @@ from car_fl.protocol.messages import from_record, to_record
 from car_fl.results.checkpoint import load_checkpoint
 from car_fl.results.recorder import Recorder, round_line
 from car_fl.results.rows import CLIENTS_CSV, ClientRow, MetricsFile, RoundRow, RunSummary
-from car_fl.server.resume import load_resume_point
+from car_fl.server.resume import load_round_point
 from car_fl.server.round_recorder import RoundRecorder
 from car_fl.settings.compose import settings_to_yaml
 from car_fl.settings.schema import Mode, Settings
@@ -241,16 +241,16 @@ def test_the_strategy_hands_its_round_statistics_to_the_recorder(
     assert load_checkpoint(tmp_path / "checkpoints" / "best").round == 1
 
     # Resume reads the same typed rows back and restores selection and ε.
-    point = load_resume_point(tmp_path, settings)
-    assert point.round == 2 and same(point.history, history)
+    point = load_round_point(tmp_path, settings)
+    assert point.round == 2 and same(point.saved.history, history)
     assert point.client_rows == rounds.client_rows
-    assert point.initial == scores(0.3, 1.0, 0.3)
+    assert point.saved.initial == scores(0.3, 1.0, 0.3)
     again = RoundRecorder(
         recorder(settings, tmp_path, unit="round", per_round=True),
         evaluate=lambda arrays: scores(0.0, 0.0, 0.0),
         describe=federated_summary,
     )
-    again.resume(point.history, point.client_rows, point.initial, done=point.round)
+    again.resume(point.saved.history, point.client_rows, point.saved.initial, done=point.round)
     assert again.recorder.best == history[0] and again.privacy.last_epsilon == one
     assert again.privacy.flagged == {12}
     assert json.loads((tmp_path / "metrics.json").read_text())["summary"]["epsilon"] == one
