@@ -49,26 +49,7 @@ def pytest_configure(config: pytest.Config) -> None:
         signal.signal(signal.SIGTERM, _terminate_as_interrupt)
 
 
-#: The files of the longest tests (half a minute to minutes each, most of it waiting on
-#: Flower's processes and polling), longest first: they run first, so ``--dist load`` hands
-#: them out over the workers at the start and no worker begins one while the others end.
-LONG_FIRST = (
-    "tests/test_benchmarks.py",
-    "tests/deploy/test_deployment.py",
-    "tests/commands/test_run_superlink.py",
-    "tests/commands/test_run.py",
-    "tests/test_sweep.py",
-    "tests/test_real_data.py",
-    "tests/simulation/test_flower.py",
-    "tests/training/test_train.py",
-    "tests/test_doc_commands.py",
-    "tests/model/test_gguf_real.py",
-)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    rank = {name: index for index, name in enumerate(LONG_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.partition("::")[0], len(rank)))
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     skip_mps = pytest.mark.skip(reason="needs Apple's MPS device")
     for item in items:
