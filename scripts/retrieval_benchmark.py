@@ -155,7 +155,7 @@ def federation_overrides(
 
 def head_cost(summary: dict[str, Any], settings: Any) -> dict[str, float]:
     """Head multiply-adds per query (gate and routed experts for a mixture; maps excluded)."""
-    from car_fl.heads.experts import ExpertLayout
+    from car_fl.heads.clustering import ExpertLayout
     from car_fl.settings.schema import HeadKind
 
     documents, dim = int(summary["num_labels"]), 384

@@ -27,7 +27,7 @@ from car_fl.client.local_dp_round import LocalDPRound
 from car_fl.client.node_privacy import NodePrivacy
 from car_fl.client.record_dp import RecordDPRound
 from car_fl.client.shard import Shard, client_seed, empty_shard, local_retriever, shard_data
-from car_fl.heads.experts import ExpertLayout
+from car_fl.heads.clustering import ExpertLayout
 from car_fl.model.features import LocalData
 from car_fl.model.retriever import CaRRetriever
 from car_fl.settings.dp_plan import public_examples

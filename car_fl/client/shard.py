@@ -25,7 +25,7 @@ from dataclasses import asdict, astuple, dataclass
 
 from car_fl.client import node_cache
 from car_fl.data.labels import LabelMap
-from car_fl.heads.experts import ExpertLayout
+from car_fl.heads.clustering import ExpertLayout
 from car_fl.model.build import build_retriever
 from car_fl.model.documents import document_features, document_texts
 from car_fl.model.encoder import Encoder, shared_encoder
@@ -198,7 +198,7 @@ def local_retriever(
     documents = document_texts(settings, label_map.names)
     features = None
     standardize = settings.model.standardize is Standardize.DOCUMENTS
-    if settings.head.kind in (HeadKind.DOCUMENT, HeadKind.MOE) or standardize:
+    if settings.head.kind.traits.from_documents or standardize:
         features = document_features(
             settings, documents, get_encoder=lambda: cached_encoder(settings)
         )

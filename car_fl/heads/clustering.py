@@ -5,12 +5,16 @@ so the balanced assignment is written here: every cluster holds at most âŒˆn/kâŒ
 expert (and no query's cost) is much larger than n/k. Points propose to their most similar
 cluster that still has room; a cluster keeps its most similar proposers up to its capacity;
 the others propose again (:func:`balanced_assign`). Centroids and assignment then alternate
-for a few Lloyd iterations. Vectors are compared by cosine similarity (they are normalised).
+for a few Lloyd iterations. Vectors are compared by cosine similarity (they are normalised). The
+clusters a mixture is built on are its :class:`ExpertLayout`.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -85,3 +89,52 @@ def balanced_tree(
         local = balanced_kmeans(x[members], per_group, seed=seed + g + 1, iterations=iterations)
         expert_of[members] = g * per_group + local
     return expert_of, np.repeat(np.arange(groups), per_group)
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Each document's expert ``(documents,)`` and, with two levels, each expert's group."""
+
+    expert_of: np.ndarray
+    group_of: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        experts = int(self.expert_of.max()) + 1 if len(self.expert_of) else 0
+        counts = np.bincount(self.expert_of, minlength=experts)
+        if experts == 0 or (counts == 0).any():
+            raise ValueError("an expert layout needs at least one document in every expert")
+        if self.group_of is not None and len(self.group_of) != experts:
+            raise ValueError(f"{len(self.group_of)} expert groups for {experts} experts")
+
+    @property
+    def experts(self) -> int:
+        return int(self.expert_of.max()) + 1
+
+    @property
+    def groups(self) -> int | None:
+        return None if self.group_of is None else int(self.group_of.max()) + 1
+
+    def members(self, expert: int) -> np.ndarray:
+        """The documents of ``expert``, in label order."""
+        return np.flatnonzero(self.expert_of == expert)
+
+    def sizes(self) -> np.ndarray:
+        return np.bincount(self.expert_of, minlength=self.experts)
+
+    def to_text(self) -> str:
+        """A compact text (base64 of int32s) for checkpoints and messages."""
+        parts = [self.expert_of.astype("<i4").tobytes()]
+        if self.group_of is not None:
+            parts.append(self.group_of.astype("<i4").tobytes())
+        return ".".join(base64.b64encode(p).decode("ascii") for p in parts)
+
+    @classmethod
+    def from_text(cls, text: str) -> ExpertLayout:
+        parts = [np.frombuffer(base64.b64decode(p), dtype="<i4") for p in text.split(".")]
+        if not 1 <= len(parts) <= 2:
+            raise ValueError("an expert layout text has one or two parts")
+        groups = parts[1].astype(np.int64) if len(parts) == 2 else None
+        return cls(expert_of=parts[0].astype(np.int64), group_of=groups)
+
+    def digest(self) -> str:
+        return hashlib.sha256(self.to_text().encode()).hexdigest()[:16]

@@ -17,12 +17,17 @@ training, :meth:`DocumentHead.set_trained_rows`) are left out of the training so
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from car_fl.settings.schema import HeadConfig, MapKind
+from car_fl.heads.scorer import Scorer
+from car_fl.settings.schema import HeadConfig, HeadKind, MapKind, MoEConfig
+
+if TYPE_CHECKING:
+    from car_fl.heads.clustering import ExpertLayout
 
 
 class ResidualMap(nn.Module):
@@ -157,3 +162,30 @@ class DocumentHead(nn.Module):
         if self.training:
             scores = scores.masked_fill(~self.trained, float("-inf"))
         return scores
+
+
+class DocumentScorer(DocumentHead, Scorer):
+    """CaR with rows that start as the documents' embeddings (:class:`DocumentHead`)."""
+
+    kind = HeadKind.DOCUMENT
+
+    @classmethod
+    def build(
+        cls,
+        head: HeadConfig,
+        *,
+        dim: int,
+        num_labels: int,
+        device: torch.device | str,
+        moe: MoEConfig | None,
+        layout: ExpertLayout | None,
+    ) -> Scorer:
+        return cls(dim, num_labels, head).to(device)
+
+    def forward(
+        self,
+        queries: torch.Tensor,
+        index: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return DocumentHead.forward(self, queries)

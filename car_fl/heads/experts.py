@@ -1,10 +1,10 @@
 """The method's mixture of experts: documents in balanced clusters, a gate, one expert per cluster.
 
-:class:`ExpertLayout` says which expert (cluster, :mod:`car_fl.heads.clustering`) holds each
-document, and in two-level mode which group holds each expert. :class:`MixtureHead` is the
-document head (:mod:`car_fl.heads.document_head`) with its Δ rows split into one tensor per
-expert (``experts.<c>``) and a gate (``gate``: one vector per expert, starting at its documents'
-mean; ``group_gate`` per group in two-level mode):
+An expert layout (:class:`~car_fl.heads.clustering.ExpertLayout`) says which expert (cluster)
+holds each document, and in two-level mode which group holds each expert. :class:`MixtureHead`
+is the document head (:mod:`car_fl.heads.document_head`) with its Δ rows split into one tensor
+per expert (``experts.<c>``) and a gate (``gate``: one vector per expert, starting at its
+documents' mean; ``group_gate`` per group in two-level mode):
 
 - a query goes to its ``route`` best experts by s_g·cos(f(q̂), gate) (``eval_route`` outside
   training; within its ``route_groups`` best groups); its documents in those experts get the
@@ -22,69 +22,18 @@ mean; ``group_gate`` per group in two-level mode):
 
 from __future__ import annotations
 
-import base64
-import hashlib
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from car_fl.heads.clustering import ExpertLayout
 from car_fl.heads.document_head import DocumentHead
-from car_fl.settings.schema import HeadConfig, MoEConfig
+from car_fl.heads.scorer import Scorer
+from car_fl.settings.schema import HeadConfig, HeadKind, MoEConfig
 
 #: Name prefix of the expert tensors in the trainable state (``head.experts.<c>``).
 EXPERT_PREFIX = "head.experts."
-
-
-@dataclass(frozen=True)
-class ExpertLayout:
-    """Each document's expert ``(documents,)`` and, with two levels, each expert's group."""
-
-    expert_of: np.ndarray
-    group_of: np.ndarray | None = None
-
-    def __post_init__(self) -> None:
-        experts = int(self.expert_of.max()) + 1 if len(self.expert_of) else 0
-        counts = np.bincount(self.expert_of, minlength=experts)
-        if experts == 0 or (counts == 0).any():
-            raise ValueError("an expert layout needs at least one document in every expert")
-        if self.group_of is not None and len(self.group_of) != experts:
-            raise ValueError(f"{len(self.group_of)} expert groups for {experts} experts")
-
-    @property
-    def experts(self) -> int:
-        return int(self.expert_of.max()) + 1
-
-    @property
-    def groups(self) -> int | None:
-        return None if self.group_of is None else int(self.group_of.max()) + 1
-
-    def members(self, expert: int) -> np.ndarray:
-        """The documents of ``expert``, in label order."""
-        return np.flatnonzero(self.expert_of == expert)
-
-    def sizes(self) -> np.ndarray:
-        return np.bincount(self.expert_of, minlength=self.experts)
-
-    def to_text(self) -> str:
-        """A compact text (base64 of int32s) for checkpoints and messages."""
-        parts = [self.expert_of.astype("<i4").tobytes()]
-        if self.group_of is not None:
-            parts.append(self.group_of.astype("<i4").tobytes())
-        return ".".join(base64.b64encode(p).decode("ascii") for p in parts)
-
-    @classmethod
-    def from_text(cls, text: str) -> ExpertLayout:
-        parts = [np.frombuffer(base64.b64decode(p), dtype="<i4") for p in text.split(".")]
-        if not 1 <= len(parts) <= 2:
-            raise ValueError("an expert layout text has one or two parts")
-        groups = parts[1].astype(np.int64) if len(parts) == 2 else None
-        return cls(expert_of=parts[0].astype(np.int64), group_of=groups)
-
-    def digest(self) -> str:
-        return hashlib.sha256(self.to_text().encode()).hexdigest()[:16]
 
 
 def experts_in(state: dict[str, torch.Tensor] | set[str] | list[str]) -> set[int] | None:
@@ -329,6 +278,31 @@ class MixtureHead(DocumentHead):
             groups = len(self.group_gate)
             gate = groups + min(self.route_groups, groups) * self.layout.experts // groups
         return int((gate + largest) * self.dim)
+
+
+class MixtureScorer(MixtureHead, Scorer):
+    """The mixture of experts (:class:`~car_fl.heads.experts.MixtureHead`)."""
+
+    kind = HeadKind.MOE
+    per_example_loop = True
+
+    @classmethod
+    def build(
+        cls,
+        head: HeadConfig,
+        *,
+        dim: int,
+        num_labels: int,
+        device: torch.device | str,
+        moe: MoEConfig | None,
+        layout: ExpertLayout | None,
+    ) -> Scorer:
+        if moe is None or layout is None:
+            raise ValueError("a mixture of experts needs its settings (moe) and expert layout")
+        return cls(dim, num_labels, head, moe, layout).to(device)
+
+    def evaluation_loss(self, scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return MixtureHead.evaluation_loss(self, scores, labels)
 
 
 def score_by_expert(

@@ -1,4 +1,4 @@
-"""The classifier head and top-K retrieval.
+"""The classifier head (CaR's own scorer, :class:`ClassifierScorer`) and top-K retrieval.
 
 ``ClassifierHead``: pooled states ``(batch, d)`` → logits ``(batch, labels)``, either one linear
 layer or a linear pre-classifier, ReLU, dropout, then the linear classifier. The K largest
@@ -9,9 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+from car_fl.heads.scorer import Scorer
+from car_fl.settings.schema import HeadConfig, HeadKind, MoEConfig
+
+if TYPE_CHECKING:
+    from car_fl.heads.clustering import ExpertLayout
 
 
 class ClassifierHead(nn.Module):
@@ -41,6 +48,35 @@ class ClassifierHead(nn.Module):
             x = torch.relu(self.pre_classifier(x))
         logits: torch.Tensor = self.classifier(self.dropout(x))
         return logits
+
+
+class ClassifierScorer(ClassifierHead, Scorer):
+    """CaR: the classifier head (:class:`~car_fl.heads.head.ClassifierHead`) scores the labels."""
+
+    kind = HeadKind.CLASSIFIER
+
+    @classmethod
+    def build(
+        cls,
+        head: HeadConfig,
+        *,
+        dim: int,
+        num_labels: int,
+        device: torch.device | str,
+        moe: MoEConfig | None,
+        layout: ExpertLayout | None,
+    ) -> Scorer:
+        return cls(
+            dim, num_labels, pre_classifier_dim=head.pre_classifier_dim, dropout=head.dropout
+        ).to(device)
+
+    def forward(
+        self,
+        queries: torch.Tensor,
+        index: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return ClassifierHead.forward(self, queries)
 
 
 @dataclass(frozen=True)

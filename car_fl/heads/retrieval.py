@@ -1,4 +1,5 @@
-"""Retrieval without a classifier: maximum inner-product search (MIPS) and k nearest neighbours.
+"""Retrieval without a classifier: maximum inner-product search (MIPS) and k nearest neighbours
+(their scorers: :class:`MIPSScorer`, :class:`KNNScorer`).
 
 These are the baselines CaR is measured against. Labels are documents: each label has a text
 (``dataset.label_texts``, or its name), embedded with the same encoder and pooling as the
@@ -9,11 +10,16 @@ so top-K accuracy, MRR and macro-F1 are computed exactly as for the classifier.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from car_fl.settings.schema import Similarity
+from car_fl.heads.scorer import EncodeIds, Scorer
+from car_fl.settings.schema import HeadConfig, HeadKind, MoEConfig, Similarity
+
+if TYPE_CHECKING:
+    from car_fl.heads.clustering import ExpertLayout
 
 
 def label_documents(label_names: Sequence[str], label_texts: Mapping[str, str]) -> list[str]:
@@ -77,3 +83,155 @@ def knn_scores(
         tie = 0.5 * (best - low) / (high - low).clamp_min(1e-12)
         out.append(votes + torch.where(present, tie, torch.full_like(tie, -1.0)))
     return torch.cat(out)
+
+
+class MIPSScorer(Scorer):
+    """MIPS over the label documents: similarity to each label's document, / temperature.
+
+    The documents are token ids (:meth:`set_documents`, re-encoded through the adapter while
+    it is in use, encoded once and kept otherwise) or fixed embeddings
+    (:meth:`set_document_features`, no encoder needed).
+    """
+
+    kind = HeadKind.MIPS
+    calibrated = False
+    index_uses_adapter = True
+
+    @classmethod
+    def build(
+        cls,
+        head: HeadConfig,
+        *,
+        dim: int,
+        num_labels: int,
+        device: torch.device | str,
+        moe: MoEConfig | None,
+        layout: ExpertLayout | None,
+    ) -> Scorer:
+        similarity = head.similarity or Similarity.DOT  # resolved by Settings; dot standalone
+        return cls(num_labels, similarity=similarity, temperature=head.temperature, device=device)
+
+    def __init__(
+        self,
+        num_labels: int,
+        *,
+        similarity: Similarity,
+        temperature: float,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.num_labels = num_labels
+        self.similarity = similarity
+        self.temperature = temperature
+        self.device = torch.device(device)
+        self.document_ids: list[list[int]] | None = None
+        self.document_features: torch.Tensor | None = None  # (labels, d)
+
+    @property
+    def score_kind(self) -> str:  # cosine or dot
+        return self.similarity.value
+
+    def reported(self, scores: torch.Tensor) -> torch.Tensor:
+        return scores * self.temperature  # the similarity itself
+
+    def set_documents(self, input_ids: list[list[int]]) -> None:
+        """The labels' documents as token ids, in label order."""
+        self._check_count(len(input_ids))
+        self.document_ids = [list(ids) for ids in input_ids]
+        self.document_features = None
+
+    def set_document_features(self, features: torch.Tensor) -> None:
+        """Precomputed document embeddings ``(labels, d)``."""
+        self._check_count(int(features.shape[0]))
+        self.document_features = features.to(self.device)
+
+    def _check_count(self, count: int) -> None:
+        if count != self.num_labels:
+            raise ValueError(f"{count} label documents for {self.num_labels} labels")
+
+    def index(self, encode: EncodeIds, *, adapted: bool) -> torch.Tensor:
+        """The label documents ``(labels, d)``: re-encoded (with gradients when enabled) while
+        the adapter is in use, encoded once and kept otherwise."""
+        if self.document_ids is not None and (adapted or self.document_features is None):
+            if adapted:
+                return encode(self.document_ids)
+            with torch.no_grad():
+                self.document_features = encode(self.document_ids)
+        if self.document_features is None:
+            raise RuntimeError("a MIPS head needs its label documents: call set_documents")
+        return self.document_features
+
+    def forward(
+        self,
+        queries: torch.Tensor,
+        index: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if index is None:
+            raise ValueError("MIPS scores need the label documents (index)")
+        return mips_scores(queries, index, kind=self.similarity, temperature=self.temperature)
+
+
+class KNNScorer(Scorer):
+    """kNN over training examples: votes of the ``k`` most similar memory rows per label."""
+
+    kind = HeadKind.KNN
+    calibrated = False
+
+    @classmethod
+    def build(
+        cls,
+        head: HeadConfig,
+        *,
+        dim: int,
+        num_labels: int,
+        device: torch.device | str,
+        moe: MoEConfig | None,
+        layout: ExpertLayout | None,
+    ) -> Scorer:
+        similarity = head.similarity or Similarity.DOT  # resolved by Settings; dot standalone
+        return cls(num_labels, k=head.knn_k, similarity=similarity, device=device)
+
+    @property
+    def score_kind(self) -> str:
+        return "votes"
+
+    def __init__(
+        self,
+        num_labels: int,
+        *,
+        k: int,
+        similarity: Similarity,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.num_labels = num_labels
+        self.k = k
+        self.similarity = similarity
+        self.device = torch.device(device)
+        self.memory: torch.Tensor | None = None  # (n, d)
+        self.memory_labels: torch.Tensor | None = None  # (n,)
+
+    def set_memory(self, features: torch.Tensor, labels: torch.Tensor) -> None:
+        """The training examples' embeddings ``(n, d)`` and labels ``(n,)``."""
+        if len(features) != len(labels):
+            raise ValueError(f"{len(features)} memory rows for {len(labels)} labels")
+        self.memory = features.to(self.device)
+        self.memory_labels = labels.to(self.device)
+
+    def forward(
+        self,
+        queries: torch.Tensor,
+        index: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if self.memory is None or self.memory_labels is None:
+            raise RuntimeError("a kNN head needs its memory: call set_memory(features, labels)")
+        return knn_scores(
+            queries,
+            self.memory,
+            self.memory_labels,
+            self.num_labels,
+            k=self.k,
+            kind=self.similarity,
+        )

@@ -12,10 +12,11 @@ from collections.abc import Sequence
 
 import torch
 
+from car_fl.heads.clustering import ExpertLayout
 from car_fl.heads.document_head import DocumentHead
-from car_fl.heads.experts import ExpertLayout, build_layout
+from car_fl.heads.experts import build_layout
 from car_fl.heads.lexical import LexicalIndex
-from car_fl.heads.scorers import MIPSScorer
+from car_fl.heads.retrieval import MIPSScorer
 from car_fl.model.documents import document_features as embed_documents
 from car_fl.model.documents import trained_rows
 from car_fl.model.encoder import Encoder, load_encoder, pick_device
@@ -55,7 +56,7 @@ def build_retriever(
 
     frozen_mips = kind is HeadKind.MIPS and mode is Mode.CLASSIFIER
     standardize = settings.model.standardize is Standardize.DOCUMENTS
-    needs_documents = kind in (HeadKind.DOCUMENT, HeadKind.MOE) or standardize
+    needs_documents = kind.traits.from_documents or standardize
     if (needs_documents or frozen_mips) and document_features is None:
         if documents is None and not frozen_mips:
             why = f"head.kind={kind}" if not standardize else "model.standardize=documents"

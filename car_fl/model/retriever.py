@@ -1,6 +1,6 @@
 """The CaR retriever: frozen encoder → soft-embedding adapter → transformer → pooling → scorer.
 
-``scores = HEAD(POOL(TRF(ADP(TKN(x)))))``. ``HEAD`` is one scorer of :mod:`car_fl.heads.scorers`:
+``scores = HEAD(POOL(TRF(ADP(TKN(x)))))``. ``HEAD`` is one scorer of :mod:`car_fl.heads.registry`:
 CaR's classifier, MIPS against the labels' documents, or kNN over training examples. What is
 trained is whatever requires a gradient: the adapter (in ``adapter+classifier`` mode) and the
 classifier's weights. :meth:`CaRRetriever.trainable_state_dict` is exactly what travels
@@ -17,12 +17,15 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from car_fl.heads.clustering import ExpertLayout
 from car_fl.heads.document_head import DocumentHead
-from car_fl.heads.experts import ExpertLayout, MixtureHead, experts_in
+from car_fl.heads.experts import MixtureHead, experts_in
 from car_fl.heads.fusion import reciprocal_rank_fusion
 from car_fl.heads.head import Retrieval, retrieve
 from car_fl.heads.lexical import LexicalIndex
-from car_fl.heads.scorers import KNNScorer, MIPSScorer, Scorer, build_scorer
+from car_fl.heads.registry import build_scorer
+from car_fl.heads.retrieval import KNNScorer, MIPSScorer
+from car_fl.heads.scorer import Scorer
 from car_fl.model.adapter import SoftEmbeddingAdapter
 from car_fl.model.documents import encode_documents
 from car_fl.model.encoder import Encoder
@@ -69,8 +72,8 @@ class CaRRetriever(nn.Module):
             dim = hidden_size
         if encoder is None and self.mode is Mode.ADAPTER_CLASSIFIER:
             raise ValueError("adapter+classifier mode needs the encoder")
-        if head.kind is HeadKind.KNN and self.mode is Mode.ADAPTER_CLASSIFIER:
-            raise ValueError("a kNN head trains nothing; use mode=classifier")
+        if not head.kind.traits.adapts and self.mode is Mode.ADAPTER_CLASSIFIER:
+            raise ValueError(f"a {head.kind} head trains nothing; use mode=classifier")
         self.num_labels = num_labels
         self._device = torch.device(device)
         self.adapter = SoftEmbeddingAdapter(dim).to(device)

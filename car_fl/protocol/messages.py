@@ -93,7 +93,7 @@ class TrainInstruction:
     server_round: int
     fingerprint: str | None
     labels: tuple[str, ...] | None = None
-    #: A mixture of experts' layout as text (:class:`car_fl.heads.experts.ExpertLayout`).
+    #: A mixture of experts' layout as text (:class:`car_fl.heads.clustering.ExpertLayout`).
     layout: str | None = None
 
 

@@ -18,7 +18,8 @@ from flwr.app import ArrayRecord
 from car_fl.data.labels import LabelMap
 from car_fl.data.partition import partition
 from car_fl.data.splits import load_splits
-from car_fl.heads.experts import ExpertLayout, MixtureHead
+from car_fl.heads.clustering import ExpertLayout
+from car_fl.heads.experts import MixtureHead
 from car_fl.model.build import build_retriever
 from car_fl.model.retriever import CaRRetriever
 from car_fl.protocol.messages import from_record

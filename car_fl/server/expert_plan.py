@@ -37,7 +37,7 @@ class ExpertPlan:
     send: ExpertSending
     blocks: int
     names: tuple[str, ...]
-    #: The expert layout (:meth:`~car_fl.heads.experts.ExpertLayout.to_text`) sent to clients.
+    #: The expert layout (:meth:`~car_fl.heads.clustering.ExpertLayout.to_text`) sent to clients.
     layout: str
 
     @classmethod

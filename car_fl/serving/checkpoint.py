@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from car_fl.data.labels import LabelMap
-from car_fl.heads.experts import ExpertLayout, MixtureHead
-from car_fl.heads.scorers import KNNScorer
+from car_fl.heads.clustering import ExpertLayout
+from car_fl.heads.experts import MixtureHead
+from car_fl.heads.retrieval import KNNScorer
 from car_fl.model.build import build_retriever
 from car_fl.model.documents import document_texts, documents_identity
 from car_fl.model.encoder import Encoder

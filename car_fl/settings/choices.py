@@ -94,6 +94,20 @@ class DPMode(Choice):
     RECORD = "record"
 
 
+class HeadTraits(NamedTuple):
+    """What every party asks of a head's kind before building one (its scorer is in
+    :mod:`car_fl.heads.registry`)."""
+
+    #: The head has weights of its own to train (MIPS and kNN score with the encoder's states).
+    weights: bool = False
+    #: The adapter can train through it (kNN: no gradient reaches the encoder).
+    adapts: bool = True
+    #: Its rows start as the documents' embeddings: it needs the documents.
+    from_documents: bool = False
+    #: Linear probing (``fl.probe_rounds``, ``train.probe_epochs``) has this head to train alone.
+    probe: bool = False
+
+
 class HeadKind(Choice):
     """How labels are scored: CaR's classifier, MIPS against label documents, or kNN."""
 
@@ -106,6 +120,19 @@ class HeadKind(Choice):
     #: The document head split into experts (clusters of documents) behind a gate
     #: (:mod:`car_fl.heads.experts`).
     MOE = "moe"
+
+    @property
+    def traits(self) -> HeadTraits:
+        return HEAD_TRAITS[self]
+
+
+HEAD_TRAITS = {
+    HeadKind.CLASSIFIER: HeadTraits(weights=True, probe=True),
+    HeadKind.MIPS: HeadTraits(),
+    HeadKind.KNN: HeadTraits(adapts=False),
+    HeadKind.DOCUMENT: HeadTraits(weights=True, from_documents=True),
+    HeadKind.MOE: HeadTraits(weights=True, from_documents=True),
+}
 
 
 class MapKind(Choice):

@@ -136,10 +136,10 @@ class Settings:
                 f"dataset.split={self.dataset.split} places the split by the others; set "
                 "dataset.split=hash too (the server's validation and test are then the nodes')"
             )
-        if self.head.kind is HeadKind.KNN and self.train.mode is Mode.ADAPTER_CLASSIFIER:
+        if not self.head.kind.traits.adapts and self.train.mode is Mode.ADAPTER_CLASSIFIER:
             raise ValueError(
-                "head.kind=knn trains nothing, so mode=adapter does not apply; use "
-                "mode=classifier (kNN over the frozen encoder's embeddings)"
+                f"head.kind={self.head.kind} trains nothing, so mode=adapter does not apply; use "
+                "mode=classifier (it scores with the frozen encoder's embeddings)"
             )
         if self.dp.mode is DPMode.ADAPTIVE:
             z, m = self.dp.noise_multiplier, self.fl.clients
@@ -169,7 +169,7 @@ class Settings:
         on its data; stateful server optimisers need every tensor every round."""
         kind = self.head.kind
         documents = self.dataset.reader is Reader.CORPUS or self.dataset.label_texts
-        if kind in (HeadKind.DOCUMENT, HeadKind.MOE) and not documents:
+        if kind.traits.from_documents and not documents:
             raise ValueError(
                 f"head.kind={kind} starts its rows from the documents' embeddings: use a "
                 "corpus (dataset=corpus) or give dataset.label_texts"
@@ -245,17 +245,16 @@ class Settings:
 
 
 def trains_nothing(settings: Settings) -> bool:
-    """MIPS on the frozen encoder and kNN have no trainable parameter: one evaluation, no epochs."""
-    kind = settings.head.kind
-    return kind is HeadKind.KNN or (
-        kind is HeadKind.MIPS and settings.train.mode is Mode.CLASSIFIER
-    )
+    """A head without weights of its own (MIPS, kNN) and no adapter training through it has no
+    trainable parameter: one evaluation, no epochs."""
+    traits = settings.head.kind.traits
+    return not traits.weights and (not traits.adapts or settings.train.mode is Mode.CLASSIFIER)
 
 
 def has_head_to_probe(kind: HeadKind) -> bool:
     """Whether linear probing (``fl.probe_rounds``) has a head to train alone before the
     adapter: a classifier; MIPS scores with the encoder's own states."""
-    return kind is HeadKind.CLASSIFIER
+    return kind.traits.probe
 
 
 #: The train settings only a centralised run's epoch loop reads (the linear probe), with the

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from car_fl.heads.document_head import DocumentHead, ResidualMap
-from car_fl.heads.scorers import MIPSScorer
+from car_fl.heads.retrieval import MIPSScorer
 from car_fl.settings.schema import HeadConfig, MapKind, Similarity
 
 

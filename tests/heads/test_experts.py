@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from car_fl.heads.clustering import ExpertLayout
 from car_fl.heads.document_head import DocumentHead
-from car_fl.heads.experts import ExpertLayout, MixtureHead, build_layout, experts_in
+from car_fl.heads.experts import MixtureHead, build_layout, experts_in
 from car_fl.settings.schema import HeadConfig, MapKind, MoEConfig
 
 

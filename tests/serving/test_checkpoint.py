@@ -9,7 +9,8 @@ import torch
 
 from car_fl.data.labels import LabelMap
 from car_fl.data.splits import load_splits
-from car_fl.heads.scorers import ClassifierScorer, KNNScorer, MIPSScorer
+from car_fl.heads.head import ClassifierScorer
+from car_fl.heads.retrieval import KNNScorer, MIPSScorer
 from car_fl.model.build import build_retriever
 from car_fl.model.retriever import CaRRetriever
 from car_fl.results.checkpoint import Checkpoint, load_checkpoint, save_checkpoint

@@ -1,4 +1,4 @@
-"""One scorer per retrieval method: its own state, its scores by hand, its use in the retriever."""
+"""The heads by kind: one scorer each, its state, its scores by hand, its use in the retriever."""
 
 from __future__ import annotations
 
@@ -7,17 +7,30 @@ from pathlib import Path
 import pytest
 import torch
 
-from car_fl.heads.head import ClassifierHead
-from car_fl.heads.retrieval import knn_scores
-from car_fl.heads.scorers import ClassifierScorer, KNNScorer, MIPSScorer, build_scorer
+from car_fl.heads.document_head import DocumentHead
+from car_fl.heads.head import ClassifierHead, ClassifierScorer
+from car_fl.heads.registry import SCORERS, build_scorer
+from car_fl.heads.retrieval import KNNScorer, MIPSScorer, knn_scores
 from car_fl.model.encoder import Encoder, load_encoder
 from car_fl.model.retriever import CaRRetriever
+from car_fl.settings.choices import HEAD_TRAITS
 from car_fl.settings.schema import HeadConfig, HeadKind, Mode, ModelConfig, Similarity
 
 
 @pytest.fixture
 def encoder(tiny_llama: Path) -> Encoder:
     return load_encoder(ModelConfig(name_or_path=str(tiny_llama)), device="cpu")
+
+
+def test_every_head_kind_has_one_scorer_and_its_traits() -> None:
+    assert set(SCORERS) == set(HeadKind) == set(HEAD_TRAITS)
+    assert all(scorer.kind is kind for kind, scorer in SCORERS.items())
+    # the traits agree with what the built scorers are: weights, documents
+    for kind, scorer in SCORERS.items():
+        assert kind.traits.from_documents == issubclass(scorer, DocumentHead), kind
+        if kind is not HeadKind.MOE:  # a mixture needs its layout to be built
+            built = build_scorer(HeadConfig(kind=kind), dim=4, num_labels=3)
+            assert kind.traits.weights == any(True for _ in built.parameters()), kind
 
 
 def test_each_head_kind_builds_its_own_scorer() -> None:

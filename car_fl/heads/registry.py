@@ -1,0 +1,40 @@
+"""The heads by ``head.kind``: the one place a new head is registered.
+
+Each entry is a :class:`~car_fl.heads.scorer.Scorer` subclass from its own module; what the
+rest of car-fl asks of a kind without building it (does it start from the documents, does it
+train, can it be probed) is its :class:`~car_fl.settings.choices.HeadTraits`, beside its
+``HeadKind`` member. docs/architecture.md ("Adding a head") works one example through.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from car_fl.heads.clustering import ExpertLayout
+from car_fl.heads.document_head import DocumentScorer
+from car_fl.heads.experts import MixtureScorer
+from car_fl.heads.head import ClassifierScorer
+from car_fl.heads.retrieval import KNNScorer, MIPSScorer
+from car_fl.heads.scorer import Scorer
+from car_fl.settings.schema import HeadConfig, HeadKind, MoEConfig
+
+#: ``head.kind`` → its scorer.
+SCORERS: dict[HeadKind, type[Scorer]] = {
+    scorer.kind: scorer
+    for scorer in (ClassifierScorer, MIPSScorer, KNNScorer, DocumentScorer, MixtureScorer)
+}
+
+
+def build_scorer(
+    head: HeadConfig,
+    *,
+    dim: int,
+    num_labels: int,
+    device: torch.device | str = "cpu",
+    moe: MoEConfig | None = None,
+    layout: ExpertLayout | None = None,
+) -> Scorer:
+    """The scorer of ``head.kind`` (:meth:`~car_fl.heads.scorer.Scorer.build`)."""
+    return SCORERS[head.kind].build(
+        head, dim=dim, num_labels=num_labels, device=device, moe=moe, layout=layout
+    )

@@ -1,0 +1,93 @@
+"""The interface every head implements: pooled queries ``(batch, d)`` → a score per label.
+
+A head is one :class:`Scorer` subclass in its own module (``head``, ``document_head``,
+``experts``, ``retrieval``) with its ``kind``, how it is built from the settings
+(:meth:`Scorer.build`); the registry (:mod:`car_fl.heads.registry`) maps each ``head.kind``
+to it, and what is asked of a kind before one is built is its ``HeadTraits``
+(:mod:`car_fl.settings.choices`). Each keeps its own state;
+:class:`~car_fl.model.retriever.CaRRetriever` composes the encoder, the adapter and one scorer,
+registered as its ``head`` (hence the ``head.*`` names of the trainable state).
+
+A scorer may score against an *index* computed through the current adapter (the MIPS label
+documents): :meth:`Scorer.index` builds it, so an evaluation can build it once for all batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from car_fl.settings.schema import HeadConfig, HeadKind, MoEConfig
+
+if TYPE_CHECKING:
+    from car_fl.heads.clustering import ExpertLayout
+
+#: Token id lists → pooled vectors ``(n, d)`` through the retriever's adapter and encoder.
+EncodeIds = Callable[[list[list[int]]], torch.Tensor]
+
+
+class Scorer(nn.Module):
+    """Pooled queries ``(batch, d)`` → scores ``(batch, labels)`` that rank like logits."""
+
+    kind: ClassVar[HeadKind]
+    #: Per-example gradients need a loop over examples (routing is data-dependent, so
+    #: ``torch.func.vmap`` cannot trace it).
+    per_example_loop: ClassVar[bool] = False
+    #: Whether :meth:`index` runs the encoder through the adapter (MIPS's label documents):
+    #: then a query's loss reaches the adapter by a second path, which DP-SGD's batched clipping
+    #: (:mod:`car_fl.privacy.ghost`) does not follow, so it takes one example at a time.
+    index_uses_adapter: ClassVar[bool] = False
+
+    #: Whether the softmax of the scores is a probability the head was trained to give
+    #: (cross-entropy over the labels); MIPS and kNN have none.
+    calibrated: ClassVar[bool] = True
+
+    @classmethod
+    def build(
+        cls,
+        head: HeadConfig,
+        *,
+        dim: int,
+        num_labels: int,
+        device: torch.device | str,
+        moe: MoEConfig | None,
+        layout: ExpertLayout | None,
+    ) -> Scorer:
+        """The scorer of ``head`` (its initialisation draws from torch's global RNG); a mixture
+        of experts also takes its ``moe`` settings and ``layout``."""
+        raise NotImplementedError
+
+    @property
+    def score_kind(self) -> str:
+        """What :meth:`reported` scores are (:data:`car_fl.heads.head.SCORE_KINDS`)."""
+        return "logit"
+
+    def reported(self, scores: torch.Tensor) -> torch.Tensor:
+        """The scores retrieval returns: those :meth:`forward` computed (MIPS undoes its
+        temperature, so that a hit's score is its similarity)."""
+        return scores
+
+    def index(self, encode: EncodeIds, *, adapted: bool) -> torch.Tensor | None:
+        """What the queries are scored against, through the adapter (``None``: nothing)."""
+        return None
+
+    def forward(
+        self,
+        queries: torch.Tensor,
+        index: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Scores; ``labels`` are given while training (a mixture of experts routes by them)."""
+        raise NotImplementedError
+
+    def loss(self, scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The training loss of ``scores`` from :meth:`forward`: cross-entropy."""
+        return F.cross_entropy(scores, labels)
+
+    def evaluation_loss(self, scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The summed cross-entropy of evaluation ``scores`` (from the last :meth:`forward`)."""
+        return F.cross_entropy(scores, labels, reduction="sum")
