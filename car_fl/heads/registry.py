@@ -34,7 +34,15 @@ def build_scorer(
     moe: MoEConfig | None = None,
     layout: ExpertLayout | None = None,
 ) -> Scorer:
-    """The scorer of ``head.kind`` (:meth:`~car_fl.heads.scorer.Scorer.build`)."""
-    return SCORERS[head.kind].build(
+    """The scorer of ``head.kind`` (:meth:`~car_fl.heads.scorer.Scorer.build`); ``TypeError``
+    for a head with a 0-d parameter, which no message could carry."""
+    scorer = SCORERS[head.kind].build(
         head, dim=dim, num_labels=num_labels, device=device, moe=moe, layout=layout
     )
+    for name, parameter in scorer.named_parameters():
+        if parameter.dim() == 0:
+            raise TypeError(
+                f"head.kind={head.kind}: its parameter {name!r} is 0-d, and Flower's messages "
+                "carry no 0-d arrays; give it shape (1,)"
+            )
+    return scorer

@@ -33,6 +33,17 @@ def test_every_head_kind_has_one_scorer_and_its_traits() -> None:
             assert kind.traits.weights == any(True for _ in built.parameters()), kind
 
 
+def test_a_head_with_a_0_d_parameter_is_refused_when_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Scalar(ClassifierScorer):
+        def __init__(self, dim: int, num_labels: int, **kwargs: object) -> None:
+            super().__init__(dim, num_labels)
+            self.scale = torch.nn.Parameter(torch.tensor(1.0))
+
+    monkeypatch.setitem(SCORERS, HeadKind.CLASSIFIER, Scalar)
+    with pytest.raises(TypeError, match=r"'scale' is 0-d.*give it shape \(1,\)"):
+        build_scorer(HeadConfig(), dim=4, num_labels=3)
+
+
 def test_each_head_kind_builds_its_own_scorer() -> None:
     cases = {
         HeadKind.CLASSIFIER: ClassifierScorer,
