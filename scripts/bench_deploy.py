@@ -147,7 +147,9 @@ def import_seconds(module: str, repeats: int = 3, cwd: Path = PROJECT) -> float:
 
 
 # ------------------------------------------------------------------------------- overhead
-def bench_overhead(work: Path, *, clients: int, rounds: int, settle: float = 8.0) -> dict[str, Any]:
+def bench_overhead(
+    work: Path, *, clients: int, rounds: int, settle: float = 8.0, repeats: int = 3
+) -> dict[str, Any]:
     from car_fl.testing.tiny import build_llama, synthetic_examples, write_tsv
 
     work.mkdir(parents=True, exist_ok=True)
@@ -172,9 +174,11 @@ def bench_overhead(work: Path, *, clients: int, rounds: int, settle: float = 8.0
         "clients": clients,
         **runs,
         "import_seconds": {
-            "car_fl_client_app": import_seconds("client_app"),
-            "floor_client_app": import_seconds("floor_client_app", cwd=PROJECT / "scripts"),
-            "python_only": import_seconds("sys"),
+            "car_fl_client_app": import_seconds("client_app", repeats),
+            "floor_client_app": import_seconds(
+                "floor_client_app", repeats, cwd=PROJECT / "scripts"
+            ),
+            "python_only": import_seconds("sys", repeats),
         },
     }
     floor_overhead = result["floor"]["overhead_seconds"]
@@ -479,7 +483,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--smoke",
         action="store_true",
-        help="every part on tiny random Llamas and synthetic data, shortly (checks that the "
+        help="every part on tiny random Llamas and synthetic data, shortly, the overhead part "
+        "with one SuperNode and one import timing (checks that the "
         "script runs to the end; its numbers mean nothing)",
     )
     args = parser.parse_args(argv)
@@ -503,7 +508,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.part in ("all", "overhead"):
             print("per-round overhead in deployment vs an empty ClientApp ...", flush=True)
             results["overhead"] = bench_overhead(
-                work / "overhead", clients=args.clients[0], rounds=args.rounds, settle=settle
+                work / "overhead",
+                clients=1 if args.smoke else args.clients[0],  # a smoke run: its code paths
+                rounds=args.rounds,
+                settle=settle,
+                repeats=1 if args.smoke else 3,
             )
         if args.part in ("all", "speedup"):
             print("speed-up of N pinned clients vs one pinned core ...", flush=True)
