@@ -177,11 +177,11 @@ class Node:
         settings = node_settings(
             run_config, self.config, instruction.fingerprint, memory=self.settings_memory
         )
-        place = NodeInfo.from_node_config(self.config, settings)
+        node_info = NodeInfo.from_node_config(self.config, settings)
         self._open_privacy()
         state, metrics = self.train(
             settings,
-            place,
+            node_info,
             instruction.global_state,
             instruction.server_round,
             node_state,
@@ -190,7 +190,7 @@ class Node:
             layout=instruction.layout,
             run_files=(  # the run's own, where the node's settings carry the node's files
                 None
-                if self.privacy is None or place.data_is_shard
+                if self.privacy is None or node_info.data_is_shard
                 else run_files(run_config, self.config)
             ),
         )
@@ -199,7 +199,7 @@ class Node:
     def train(
         self,
         settings: Settings,
-        place: NodeInfo,
+        node_info: NodeInfo,
         global_state: dict[str, torch.Tensor],
         server_round: int,
         node_state: RecordDict,
@@ -215,45 +215,45 @@ class Node:
         active) and the reply's metrics (under DP nothing data-dependent besides
         ``num-examples`` and the privacy figures). ``run_files``: the run's own files where
         ``settings`` carry the node's (:func:`~car_fl.client.node_settings.run_files`)."""
-        guard = self.privacy
-        if guard is not None:
+        privacy = self.privacy
+        if privacy is not None:
             own = own_files(self.config)
-            if not place.data_is_shard:  # on a shared file its split must be the server's
-                why = guard.policy.data.refusal(
-                    settings, paths=own, run_paths=run_files, source=guard.policy.source
+            if not node_info.data_is_shard:  # on a shared file its split must be the server's
+                why = privacy.policy.data.refusal(
+                    settings, paths=own, run_paths=run_files, source=privacy.policy.source
                 )
                 if why is not None:
                     raise Refusal(Failure.READING_DIFFERS, why)
-            settings = guard.policy.data.apply(settings, source=guard.policy.source, paths=own)
-            guard.admit(settings, shared_file=not place.data_is_shard)  # 3. before any data
+            settings = privacy.policy.data.apply(settings, source=privacy.policy.source, paths=own)
+            privacy.admit(settings, shared_file=not node_info.data_is_shard)  # 3. before any data
             refuse_before_the_ledger(  # 6.'s refusals that read no record: they cost nothing
                 settings,
-                place,
+                node_info,
                 node_state,
                 server_round=server_round,
                 global_state=global_state,
-                max_clip=guard.policy.max_clip,
+                max_clip=privacy.policy.max_clip,
             )
         # 4. the ledger, before any record (when the release does not follow n)
-        spent = guard is not None and guard.spend_ahead(
+        spent = privacy is not None and privacy.spend_ahead(
             settings, run=run, server_round=server_round
         )
         private = spent and dp_active(settings, server_round)
         shard = node_shard(  # 5. (a probe round's: cached features, not token ids)
             round_settings(settings, server_round),
-            place,
+            node_info,
             labels,
             memory=self.shards,
             noise_only=private,
         )
         return train_shard(  # 6-7. the run's budget, the epochs, the release
             settings,
-            place,
+            node_info,
             shard,
             global_state,
             server_round,
             node_state,
-            guard=guard,
+            node_privacy=privacy,
             run=run,
             layout=layout,
             spent=spent,

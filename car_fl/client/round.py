@@ -180,7 +180,7 @@ def train_shard(
     server_round: int,
     node_state: RecordDict,
     *,
-    guard: NodePrivacy | None = None,
+    node_privacy: NodePrivacy | None = None,
     run: str = "",
     layout: str | None = None,
     spent: bool = False,
@@ -198,11 +198,11 @@ def train_shard(
         node_state,
         server_round=server_round,
         global_state=global_state,
-        max_clip=guard.policy.max_clip if guard is not None else math.inf,
+        max_clip=node_privacy.policy.max_clip if node_privacy is not None else math.inf,
     )
     privacy.check(shard.examples)  # before any training
-    if guard is not None and not spent:  # recorded before training, let alone the reply
-        guard.spend(settings, run=run, server_round=server_round, examples=shard.examples)
+    if node_privacy is not None and not spent:  # recorded before training, let alone the reply
+        node_privacy.spend(settings, run=run, server_round=server_round, examples=shard.examples)
     experts = ExpertLayout.from_text(layout) if layout is not None else None
     probing = probe_round(settings, server_round)  # the head alone; the adapter as it came
     trained = round_settings(settings, server_round)
