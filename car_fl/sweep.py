@@ -32,7 +32,6 @@ from car_fl.common.io import atomic_write_json, atomic_write_text
 from car_fl.results.report import JOB_JSON, write_report
 from car_fl.settings.compose import conf_dir, register_configs, settings_to_yaml, to_settings
 from car_fl.settings.schema import (
-    DPMode,
     HeadKind,
     Settings,
     centralised_only,
@@ -95,7 +94,7 @@ def job_settings(cfg: DictConfig) -> tuple[Settings, int]:
 
 def skip_reason(settings: Settings, clients: int) -> str:
     """Why this combination is not run ('' when it is)."""
-    if clients == 1 and settings.dp.mode != DPMode.NONE:
+    if clients == 1 and settings.dp.enabled:
         return (
             f"dp={settings.dp.mode} with clients=1: local DP privatises client updates in a "
             "federation; a centralised run has none"

@@ -14,14 +14,14 @@ import torch
 
 from car_fl.heads.experts import EXPERT_PREFIX, MixtureHead
 from car_fl.model.retriever import CaRRetriever
-from car_fl.settings.schema import DPMode, ExpertSending, Settings
+from car_fl.settings.schema import ExpertSending, Settings
 
 
 def outgoing(model: CaRRetriever, settings: Settings) -> dict[str, torch.Tensor]:
     """The trainable tensors this node sends (before any DP release)."""
     state = model.trainable_state_dict()
     head = model.head
-    routed = settings.moe.send is ExpertSending.ROUTED and settings.dp.mode is DPMode.NONE
+    routed = settings.moe.send is ExpertSending.ROUTED and not settings.dp.enabled
     if not isinstance(head, MixtureHead) or not routed:
         return state
     return {

@@ -170,7 +170,7 @@ class NodePolicy:
                 "asks client-level DP (dp=fixed or dp=adaptive)"
             )
             return found
-        if dp.mode is DPMode.NONE:
+        if not dp.enabled:
             if self.public_example_count:
                 found.append(
                     "dp=none sends the example count un-noised and public-example-count is true"

@@ -33,7 +33,7 @@ from car_fl.results.plots import plot_against_epochs
 from car_fl.results.report_markdown import markdown_report
 from car_fl.results.rows import METRICS_JSON, MetricsFile, RoundRow, RunSummary, write_csv
 from car_fl.settings.compose import settings_from_yaml
-from car_fl.settings.schema import Approach, DPMode, Settings
+from car_fl.settings.schema import Approach, Settings
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +51,7 @@ def approach_of(settings: Settings) -> str:
 
 def scenario_of(settings: Settings, clients: int) -> str:
     if clients == 1:
-        return "centralised" + (
-            "" if settings.dp.mode is DPMode.NONE else f" + DP ({settings.dp.mode})"
-        )
+        return "centralised" + (f" + DP ({settings.dp.mode})" if settings.dp.enabled else "")
     return {
         "none": "FL",
         "fixed": "FL + DP (fixed)",

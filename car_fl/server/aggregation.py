@@ -26,7 +26,7 @@ from car_fl.server.expert_plan import ExpertPlan
 from car_fl.server.strategy import GuardedStrategy, Spec
 from car_fl.server.update_norm import NormBound
 from car_fl.settings.dp_plan import public_examples
-from car_fl.settings.schema import DPMode, Settings, StrategyConfig, StrategyName
+from car_fl.settings.schema import Settings, StrategyConfig, StrategyName
 
 #: ``strategy.name`` → the Flower strategy it builds.
 REGISTRY: dict[StrategyName, Callable[[StrategyConfig], FedAvg]] = {
@@ -82,6 +82,6 @@ def build_strategy(
         min_valid=fl.min_valid_replies,
         min_valid_fraction=fl.min_valid_fraction,
         experts=ExpertPlan.from_settings(settings, spec, layout) if layout is not None else None,
-        public_examples=public_examples(settings) if settings.dp.mode is not DPMode.NONE else None,
+        public_examples=public_examples(settings) if settings.dp.enabled else None,
         private_from=settings.dp.warmup_rounds + 1,
     )

@@ -59,7 +59,7 @@ def sigma_b(cfg: DPConfig, num_clients: int) -> float:
 
 def non_private_reason(cfg: DPConfig) -> str | None:
     """Why this configuration's local-DP releases are not differentially private, or None."""
-    if cfg.mode is DPMode.NONE:
+    if not cfg.enabled:
         return "dp=none adds no noise"
     if cfg.mode is DPMode.RECORD:
         return None
@@ -106,7 +106,7 @@ def fixed_noise_std(cfg: DPConfig) -> float:
 
 def active(cfg: DPConfig, server_round: int) -> bool:
     """Whether a release in ``server_round`` is made under DP (a mode, and not a warm-up)."""
-    return cfg.mode is not DPMode.NONE and server_round > cfg.warmup_rounds
+    return cfg.enabled and server_round > cfg.warmup_rounds
 
 
 def dp_active(settings: Settings, server_round: int) -> bool:
@@ -168,7 +168,7 @@ def round_release(settings: Settings, *, server_round: int, examples: int) -> Re
             noise_multiplier=plan.noise_multiplier,
             sample_rate=plan.sample_rate,
         )
-    stepwise = dp.mode is not DPMode.NONE and dp.granularity is Granularity.STEP
+    stepwise = dp.enabled and dp.granularity is Granularity.STEP
     count = local_steps(settings, accounted_examples(settings, examples)) if stepwise else 1
     active = dp_active(settings, server_round)
     return local_release(dp, settings.fl.clients, count, active=active)
@@ -181,7 +181,7 @@ def local_release(
     Gaussian of multiplier μ each (:func:`local_multiplier`), or non-private (``dp=none``, a
     warm-up round, a non-private rule). The client steps its accountant with it, the server
     with :func:`round_release`, which calls it."""
-    mu = local_multiplier(dp, num_clients) if active and dp.mode is not DPMode.NONE else 0.0
+    mu = local_multiplier(dp, num_clients) if active and dp.enabled else 0.0
     if mu == 0:
         return Release(ReleaseKind.NON_PRIVATE, count)
     return Release(ReleaseKind.GAUSSIAN, count, noise_multiplier=mu)

@@ -264,6 +264,11 @@ class DPConfig:
     #: (expected batch size q·n).
     sample_rate: float = 0.05
 
+    @property
+    def enabled(self) -> bool:
+        """A DP mode is set (its releases are private after ``warmup_rounds``)."""
+        return self.mode is not DPMode.NONE
+
     def __post_init__(self) -> None:
         self.mode = DPMode.parse("dp.mode", self.mode)
         self.granularity = Granularity.parse("dp.granularity", self.granularity)

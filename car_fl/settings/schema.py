@@ -191,7 +191,7 @@ class Settings:
             )
         if kind is not HeadKind.MOE:
             return
-        if self.dp.mode is not DPMode.NONE and self.moe.send is ExpertSending.ROUTED:
+        if self.dp.enabled and self.moe.send is ExpertSending.ROUTED:
             raise ValueError(
                 f"moe.send=routed sends the experts a client's queries reach, which depends on "
                 f"its data; under dp={self.dp.mode} use moe.send=schedule (a fixed rotation) or "

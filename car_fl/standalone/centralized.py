@@ -277,7 +277,7 @@ def check_no_dp(settings: Settings) -> None:
     and ``python -m car_fl.centralized`` go there); ``dp=fixed`` and ``dp=adaptive`` protect an
     update from the server that aggregates it, and one machine has no such server.
     """
-    if settings.dp.mode is not DPMode.NONE:
+    if settings.dp.enabled:
         mode = settings.dp.mode.value
         fix = (
             "car-fl train dp=record trains it with DP-SGD (car_fl.simulation.centralized_dp)"
