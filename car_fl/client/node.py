@@ -2,82 +2,16 @@
 
 A Node owns everything a node decides or remembers: its node configuration (never a value the
 server sent), the owner's privacy policy and lifetime ledger, the settings it composed for each
-run, the shards it read, every run's DP state (:class:`car_fl.client.run_states.RunStates`:
-a worker's, on disk; without a worker Flower's ``context.state`` of the message, which the
-ClientApp hands to :meth:`Node.answer`), and the mapping from every refusal to its fixed
-failure code. Its one
-method, :meth:`Node.answer`, turns a train message into a reply. The node's worker
+run, the shards it read, every run's DP state (:class:`car_fl.client.run_states.RunStates`),
+and the mapping from every refusal to its fixed failure code. Its one method,
+:meth:`Node.answer`, turns a train message into a reply. The node's worker
 (:mod:`car_fl.client.worker`) keeps one Node for its whole life; without a worker the
-ClientApp keeps one per node for the life of its process (in a deployment, a new process per
-message: one Node per message). The frozen encoder's weights are public and hold no data: a
-process shares them between the nodes it serves (:func:`car_fl.model.encoder.shared_encoder`).
+ClientApp keeps one per node for the life of its process.
 
-Every check a node makes before anything leaves it, in the order a train message meets them.
-This list is the code of :meth:`Node.respond` and :meth:`Node.train`;
-each step names where its rule lives. Policy and budget come before any record is read, and
-no failure that the records could cause is an answer a server can read (argued after the list):
-
-1. **The message**: a train message without the server's label map is refused
-   (``CONFIG_MISMATCH``) before any data is read, so the head's size cannot probe the label
-   count.
-2. **The configuration**: the run's settings must have the server's fingerprint
-   (``CONFIG_MISMATCH``); the node's paths, and where it writes (its own cache folder, 0700,
-   files 0600; a run config's ``cache_dir`` is ignored and logged), come from its node config
-   (:func:`car_fl.client.node_settings.node_settings`).
-3. **The policy**: on a shared file (not ``data-is-shard``), a reading of the file other than
-   the run's (the policy's ``[data]``, :meth:`car_fl.client.node_reading.NodeReading.differences`)
-   is refused (``READING_DIFFERS``): the node's split would not be the server's. Then
-   (:meth:`car_fl.client.node_privacy.NodePrivacy.admit`; the rules:
-   :meth:`car_fl.client.policy.NodePolicy.violations`): accepted modes, σ floor, clip ceilings
-   (``dp.clip`` and ``dp.adapter_clip``), δ ceiling, warm-up, ``trust_remote_code``, and (with
-   ``public-example-count``) no run whose reply would follow n (``POLICY_REFUSED``). Before
-   any data is read.
-4. **The ledger, before any record** (:meth:`car_fl.client.node_privacy.NodePrivacy.spend_ahead`
-   and ``spend``): the round is within ``1..fl.rounds`` and after every round of this run
-   already released, and no record's lifetime ε passes ``lifetime-epsilon``
-   (``POLICY_REFUSED``, ``BUDGET_EXHAUSTED``); the release is recorded now. Its size is a
-   function of the settings alone whenever the reply does not follow n (every run a policy
-   with ``public-example-count`` admits), so this step reads no record. Only a per-step run
-   without ``fl.max_examples_per_client``, which such a policy refuses, is charged after step
-   5 instead. Step 6's refusals that read no record (its target ε for a release whose size is
-   public, one mechanism and DP-SGD's fixed (σ, q, δ) for a run's life) come before the charge
-   (:func:`car_fl.client.round.refuse_before_the_ledger`): a round they refuse costs the
-   owner's lifetime budget nothing.
-5. **The shard**: the node reads its own data file with its own label map; examples whose label
-   the server's map lacks are left out and still counted, so nothing depends on which labels
-   the node holds (:func:`car_fl.client.shard.shard_data`). With a policy, *how* it reads (the
-   reader, the columns, duplicate removal, label filters, the split seed) is the policy's
-   ``[data]`` table's, never the run's (:mod:`car_fl.client.node_reading`). After step 4
-   charged the round, anything reading the records raises (the owner's reading does not fit
-   the file, a label-dependent partition of a shared file) gives an empty shard: the round
-   releases noise alone (:func:`car_fl.client.round.node_shard`).
-6. **The run's own budget**: local DP's and DP-SGD's target ε (``RUN_TARGET_REACHED``;
-   :class:`car_fl.client.local_dp_round.LocalDPRound`,
-   :class:`car_fl.client.record_dp.RecordDPRound`),
-   functions of the configuration and the rounds trained only. The shard's size decides
-   nothing: DP-SGD trains on at most ⌈1/δ⌉ − 1 examples (a fresh OS-random subset, so δ < 1/n
-   holds for what it trains on), an empty shard takes noise-only steps, and every step
-   divides by the public ``fl.max_examples_per_client`` (which a policy with
-   ``public-example-count`` demands under ``dp=record``); per-step local DP noises every
-   accounted step, made or not. Every ε is the one accountant's
-   (:class:`car_fl.privacy.accountant.Accountant`), as on the server and in the ledger.
-7. **The release**: the adaptive clip never above ``max-clip``; clipping and noise from OS
-   entropy (:mod:`car_fl.client.local_dp`, :mod:`car_fl.privacy.dpsgd`); under DP the reply
-   carries a public example count and no train metric (:func:`car_fl.client.round.train_shard`).
-8. **Failures**: whatever is raised becomes a fixed code with fixed text (:meth:`Node.failure`,
-   :func:`car_fl.client.failures.failure_of`); the details stay in the node's log.
-
-Which failures can depend on the records, and why a server sees none of them: steps 1 to 4
-read no record, so their refusals are functions of the message, the settings, the policy and
-the ledger. Step 5 reads as the owner set (a run cannot make one record decide how the others
-parse, or make a label vanish with a filter); if that read still fails because of the records,
-under DP it then gives a noise-only release that is charged
-like any other and carries the same public figures: the server receives a reply either way.
-Steps 6 and 7 depend on the records only through what is clipped and noised: a diverging
-local-DP round releases what it has (clipped, noised), a non-finite update is released as a
-zero update with its noise, and a DP-SGD step with a learning rate beyond float range fails
-for every shard size alike. Without DP (a policy that accepts ``none``), nothing is private
-and a failure is reported as it is.
+Every check a node makes before anything leaves it, in the order a train message meets them,
+is the code of :meth:`Node.respond` and :meth:`Node.train`; the list, each step with where its
+rule lives, and why no failure the records could cause is an answer a server can read:
+docs/privacy.md, "Every check a node makes".
 """
 
 from __future__ import annotations
