@@ -31,7 +31,7 @@ def test_floor_reply_is_accepted_by_the_server() -> None:
     reply = floor.train(msg, context).content
     assert (floor.ARRAYS_KEY, floor.METRICS_KEY) == (ARRAYS_KEY, METRICS_KEY)
     # as GuardedStrategy._check does: the claimed partition first, then the reply itself
-    cap, reason = ShardClaims({0: 100, 1: 100}).check(7, reply[METRICS_KEY].get("partition-id"))
+    cap, reason = ShardClaims({0: 100, 1: 100}).cap_for(7, reply[METRICS_KEY].get("partition-id"))
     assert (cap, reason) == (100, None)
     assert validate_reply(reply, spec_of(arrays), max_examples=cap) is None
 

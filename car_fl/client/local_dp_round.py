@@ -71,7 +71,7 @@ class LocalDPRound:
         self.examples = 0
         self.diverged = False
 
-    def check(self, examples: int) -> None:
+    def refuse_past_target(self, examples: int) -> None:
         """The run's target ε for this round's releases, before any training.
 
         Per step with ``fl.max_examples_per_client`` set, the round trains on at most that

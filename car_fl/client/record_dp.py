@@ -115,7 +115,7 @@ class RecordDPRound:
         self.examples = 0
         self.trained: tuple[LocalData, int] | None = None
 
-    def check(self, examples: int) -> None:
+    def refuse_past_target(self, examples: int) -> None:
         """This round's steps within the target ε: before any training. ``examples`` (n)
         decides nothing here: it only sizes what :meth:`epoch` trains on."""
         self.examples = examples

@@ -45,7 +45,7 @@ class RoundPrivacy(Protocol):
     #: Whether this round's release is private: then train metrics stay in the client's log.
     private: bool
 
-    def check(self, examples: int) -> None:
+    def refuse_past_target(self, examples: int) -> None:
         """Refuse the round before any training (raises)."""
 
     def epoch(
@@ -169,7 +169,7 @@ def refuse_before_the_ledger(
         server_round=server_round,
         global_state=global_state,
         max_clip=max_clip,
-    ).check(0)
+    ).refuse_past_target(0)
 
 
 def train_shard(
@@ -200,7 +200,7 @@ def train_shard(
         global_state=global_state,
         max_clip=node_privacy.policy.max_clip if node_privacy is not None else math.inf,
     )
-    privacy.check(shard.examples)  # before any training
+    privacy.refuse_past_target(shard.examples)  # before any training
     if node_privacy is not None and not spent:  # recorded before training, let alone the reply
         node_privacy.spend(settings, run=run, server_round=server_round, examples=shard.examples)
     experts = ExpertLayout.from_text(layout) if layout is not None else None

@@ -147,15 +147,15 @@ class RoundRecorder:
         """Whether ``job``'s round, not yet evaluated, spends the patience unless it beats the
         best round: it trained and counts, and the rounds recorded since the best are one
         short of :attr:`patience`. Never the run's last round (nothing to stop)."""
-        trained = self.recorder.since_best(self.counts_row)
+        since = self.recorder.since_best(self.counts_row)
         if (
-            trained is None
+            since is None
             or job.stats is None
             or not self.counts(job.round, job.stats.aggregated)
             or job.round >= self.recorder.settings.fl.rounds
         ):
             return False
-        return patience_spent(trained + 1, self.patience)
+        return patience_spent(since + 1, self.patience)
 
     def stop_if_stalled(self, job: Evaluation, best: int | None) -> None:
         """End the run after ``job``'s round (:class:`PatienceSpent`) when it has stalled since

@@ -24,7 +24,7 @@ class ShardClaims:
         self.max_examples = max_examples
         self.held: dict[int, int] = {}  # node id → partition id
 
-    def check(self, node: int, claimed: Any) -> tuple[int | None, str | None]:
+    def cap_for(self, node: int, claimed: Any) -> tuple[int | None, str | None]:
         """(cap, None) if ``node`` may claim partition ``claimed``, else (None, reason)."""
         if self.max_examples is not None or not self.shard_sizes:
             return self.max_examples, None

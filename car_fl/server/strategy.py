@@ -263,7 +263,7 @@ class GuardedStrategy(Strategy):
         }
         stats.released[node] = numbers
         claimed = metrics.get("partition-id") if metrics is not None else None
-        cap, reason = self.claims.check(node, claimed)
+        cap, reason = self.claims.cap_for(node, claimed)
         sent, optional = self.expected.get(node, (list(self.spec), set()))
         spec = {name: self.spec[name] for name in sent}
         if reason is None:

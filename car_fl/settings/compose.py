@@ -128,7 +128,8 @@ def to_settings(cfg: DictConfig | dict[str, Any]) -> Settings:
     """Validate a composed config against :class:`Settings` and return typed dataclasses.
 
     Unknown keys and values of the wrong type raise ``ValueError`` naming the key; so does a
-    record-level DP target ε that cannot be reached (:func:`car_fl.settings.dp_plan.check`).
+    record-level DP target ε that cannot be reached
+    (:func:`car_fl.settings.dp_plan.check_record_plan`).
     """
     container = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg)
     container = OmegaConf.masked_copy(container, [str(k) for k in container if k != "hydra"])
@@ -150,7 +151,7 @@ def to_settings(cfg: DictConfig | dict[str, Any]) -> Settings:
     assert isinstance(obj, Settings)
     if obj.head.similarity is None:  # MIPS and kNN score as the encoder was trained
         obj.head.similarity = obj.model.similarity
-    dp_plan.check(obj)
+    dp_plan.check_record_plan(obj)
     return obj
 
 

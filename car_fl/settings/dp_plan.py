@@ -46,7 +46,7 @@ def record_plan(settings: Settings) -> RecordPlan:
     )
 
 
-def check(settings: Settings) -> None:
+def check_record_plan(settings: Settings) -> None:
     """Raise ``ValueError`` (naming the key) when the record-level DP plan cannot be made."""
     if settings.dp.mode is DPMode.RECORD:
         record_plan(settings)

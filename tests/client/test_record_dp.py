@@ -100,7 +100,7 @@ def test_a_shard_of_at_least_one_over_delta_trains_on_a_fresh_random_subset(reco
     subsets = []
     for _ in range(2):
         dp_round = RecordDPRound(s, node, RecordDict())
-        dp_round.check(whole.examples)
+        dp_round.refuse_past_target(whole.examples)
         trained, population = dp_round.round_data(whole.data)
         assert population == 99 and len(trained) == 99  # every example has a known label here
         assert dp_round.round_data(whole.data)[0] is trained  # one subset per round
@@ -108,7 +108,7 @@ def test_a_shard_of_at_least_one_over_delta_trains_on_a_fresh_random_subset(reco
         subsets.append(trained.features)
     assert not torch.equal(subsets[0], subsets[1])  # OS entropy: not reproducible by the server
     dp_round = RecordDPRound(s, node, RecordDict())
-    dp_round.check(0)
+    dp_round.refuse_past_target(0)
     empty, population = dp_round.round_data(whole.data.select([]))
     assert len(empty) == 0 and population == 1  # an empty shard: noise-only steps
 

@@ -51,13 +51,13 @@ def honest_claims(
         round_dp: LocalDPRound | RecordDPRound
         if settings.dp.mode.value == "record":
             round_dp = RecordDPRound(settings, node, state)
-            round_dp.check(examples)
+            round_dp.refuse_past_target(examples)
         else:
             start = {"w": torch.zeros(3)}
             round_dp = LocalDPRound(
                 settings, node, state, server_round=server_round, global_state=start
             )
-            round_dp.check(examples)
+            round_dp.refuse_past_target(examples)
             round_dp.release({"w": torch.ones(3)})
         round_dp.save(state)
         replies.append({**round_dp.reply_metrics(), "num-examples": EXAMPLES})
