@@ -17,17 +17,13 @@ training, :meth:`DocumentHead.set_trained_rows`) are left out of the training so
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from car_fl.heads.scorer import Scorer
-from car_fl.settings.schema import HeadConfig, HeadKind, MapKind, MoEConfig
-
-if TYPE_CHECKING:
-    from car_fl.heads.clustering import ExpertLayout
+from car_fl.heads.scorer import Scorer, ScorerSpec
+from car_fl.settings.schema import HeadConfig, HeadKind, MapKind
 
 
 class ResidualMap(nn.Module):
@@ -170,17 +166,8 @@ class DocumentScorer(DocumentHead, Scorer):
     kind = HeadKind.DOCUMENT
 
     @classmethod
-    def build(
-        cls,
-        head: HeadConfig,
-        *,
-        dim: int,
-        num_labels: int,
-        device: torch.device | str,
-        moe: MoEConfig | None,
-        layout: ExpertLayout | None,
-    ) -> Scorer:
-        return cls(dim, num_labels, head).to(device)
+    def build(cls, spec: ScorerSpec) -> Scorer:
+        return cls(spec.dim, spec.num_labels, spec.head).to(spec.device)
 
     def forward(
         self,

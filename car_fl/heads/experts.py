@@ -29,7 +29,7 @@ from torch import nn
 
 from car_fl.heads.clustering import ExpertLayout
 from car_fl.heads.document_head import DocumentHead
-from car_fl.heads.scorer import Scorer
+from car_fl.heads.scorer import Scorer, ScorerSpec
 from car_fl.settings.schema import HeadConfig, HeadKind, MoEConfig
 
 #: Name prefix of the expert tensors in the trainable state (``head.experts.<c>``).
@@ -287,19 +287,10 @@ class MixtureScorer(MixtureHead, Scorer):
     per_example_loop = True
 
     @classmethod
-    def build(
-        cls,
-        head: HeadConfig,
-        *,
-        dim: int,
-        num_labels: int,
-        device: torch.device | str,
-        moe: MoEConfig | None,
-        layout: ExpertLayout | None,
-    ) -> Scorer:
-        if moe is None or layout is None:
+    def build(cls, spec: ScorerSpec) -> Scorer:
+        if spec.moe is None or spec.layout is None:
             raise ValueError("a mixture of experts needs its settings (moe) and expert layout")
-        return cls(dim, num_labels, head, moe, layout).to(device)
+        return cls(spec.dim, spec.num_labels, spec.head, spec.moe, spec.layout).to(spec.device)
 
     def evaluation_loss(self, scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return MixtureHead.evaluation_loss(self, scores, labels)

@@ -9,16 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from car_fl.heads.scorer import Scorer
-from car_fl.settings.schema import HeadConfig, HeadKind, MoEConfig
-
-if TYPE_CHECKING:
-    from car_fl.heads.clustering import ExpertLayout
+from car_fl.heads.scorer import Scorer, ScorerSpec
+from car_fl.settings.schema import HeadKind
 
 
 class ClassifierHead(nn.Module):
@@ -56,19 +52,14 @@ class ClassifierScorer(ClassifierHead, Scorer):
     kind = HeadKind.CLASSIFIER
 
     @classmethod
-    def build(
-        cls,
-        head: HeadConfig,
-        *,
-        dim: int,
-        num_labels: int,
-        device: torch.device | str,
-        moe: MoEConfig | None,
-        layout: ExpertLayout | None,
-    ) -> Scorer:
+    def build(cls, spec: ScorerSpec) -> Scorer:
+        head = spec.head
         return cls(
-            dim, num_labels, pre_classifier_dim=head.pre_classifier_dim, dropout=head.dropout
-        ).to(device)
+            spec.dim,
+            spec.num_labels,
+            pre_classifier_dim=head.pre_classifier_dim,
+            dropout=head.dropout,
+        ).to(spec.device)
 
     def forward(
         self,

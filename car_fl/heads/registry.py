@@ -15,7 +15,7 @@ from car_fl.heads.document_head import DocumentScorer
 from car_fl.heads.experts import MixtureScorer
 from car_fl.heads.head import ClassifierScorer
 from car_fl.heads.retrieval import KNNScorer, MIPSScorer
-from car_fl.heads.scorer import Scorer
+from car_fl.heads.scorer import Scorer, ScorerSpec
 from car_fl.settings.schema import HeadConfig, HeadKind, MoEConfig
 
 #: ``head.kind`` → its scorer.
@@ -36,9 +36,8 @@ def build_scorer(
 ) -> Scorer:
     """The scorer of ``head.kind`` (:meth:`~car_fl.heads.scorer.Scorer.build`); ``TypeError``
     for a head with a 0-d parameter, which no message could carry."""
-    scorer = SCORERS[head.kind].build(
-        head, dim=dim, num_labels=num_labels, device=device, moe=moe, layout=layout
-    )
+    spec = ScorerSpec(head, dim, num_labels, device=device, moe=moe, layout=layout)
+    scorer = SCORERS[head.kind].build(spec)
     for name, parameter in scorer.named_parameters():
         if parameter.dim() == 0:
             raise TypeError(

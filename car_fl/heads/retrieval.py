@@ -10,16 +10,12 @@ so top-K accuracy, MRR and macro-F1 are computed exactly as for the classifier.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from car_fl.heads.scorer import EncodeIds, Scorer
-from car_fl.settings.schema import HeadConfig, HeadKind, MoEConfig, Similarity
-
-if TYPE_CHECKING:
-    from car_fl.heads.clustering import ExpertLayout
+from car_fl.heads.scorer import EncodeIds, Scorer, ScorerSpec
+from car_fl.settings.schema import HeadKind, Similarity
 
 
 def label_documents(label_names: Sequence[str], label_texts: Mapping[str, str]) -> list[str]:
@@ -98,18 +94,13 @@ class MIPSScorer(Scorer):
     index_uses_adapter = True
 
     @classmethod
-    def build(
-        cls,
-        head: HeadConfig,
-        *,
-        dim: int,
-        num_labels: int,
-        device: torch.device | str,
-        moe: MoEConfig | None,
-        layout: ExpertLayout | None,
-    ) -> Scorer:
-        similarity = head.similarity or Similarity.DOT  # resolved by Settings; dot standalone
-        return cls(num_labels, similarity=similarity, temperature=head.temperature, device=device)
+    def build(cls, spec: ScorerSpec) -> Scorer:
+        return cls(
+            spec.num_labels,
+            similarity=spec.similarity,
+            temperature=spec.head.temperature,
+            device=spec.device,
+        )
 
     def __init__(
         self,
@@ -179,18 +170,10 @@ class KNNScorer(Scorer):
     calibrated = False
 
     @classmethod
-    def build(
-        cls,
-        head: HeadConfig,
-        *,
-        dim: int,
-        num_labels: int,
-        device: torch.device | str,
-        moe: MoEConfig | None,
-        layout: ExpertLayout | None,
-    ) -> Scorer:
-        similarity = head.similarity or Similarity.DOT  # resolved by Settings; dot standalone
-        return cls(num_labels, k=head.knn_k, similarity=similarity, device=device)
+    def build(cls, spec: ScorerSpec) -> Scorer:
+        return cls(
+            spec.num_labels, k=spec.head.knn_k, similarity=spec.similarity, device=spec.device
+        )
 
     @property
     def score_kind(self) -> str:

@@ -15,19 +15,38 @@ documents): :meth:`Scorer.index` builds it, so an evaluation can build it once f
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from car_fl.settings.schema import HeadConfig, HeadKind, MoEConfig
+from car_fl.settings.schema import HeadConfig, HeadKind, MoEConfig, Similarity
 
 if TYPE_CHECKING:
     from car_fl.heads.clustering import ExpertLayout
 
 #: Token id lists → pooled vectors ``(n, d)`` through the retriever's adapter and encoder.
 EncodeIds = Callable[[list[list[int]]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ScorerSpec:
+    """What a head is built from: its settings, the feature width and the number of labels;
+    a mixture of experts also its ``moe`` settings and ``layout``."""
+
+    head: HeadConfig
+    dim: int
+    num_labels: int
+    device: torch.device | str = "cpu"
+    moe: MoEConfig | None = None
+    layout: ExpertLayout | None = None
+
+    @property
+    def similarity(self) -> Similarity:
+        """MIPS's and kNN's similarity (resolved by ``Settings``; dot for a bare config)."""
+        return self.head.similarity or Similarity.DOT
 
 
 class Scorer(nn.Module):
@@ -47,18 +66,8 @@ class Scorer(nn.Module):
     calibrated: ClassVar[bool] = True
 
     @classmethod
-    def build(
-        cls,
-        head: HeadConfig,
-        *,
-        dim: int,
-        num_labels: int,
-        device: torch.device | str,
-        moe: MoEConfig | None,
-        layout: ExpertLayout | None,
-    ) -> Scorer:
-        """The scorer of ``head`` (its initialisation draws from torch's global RNG); a mixture
-        of experts also takes its ``moe`` settings and ``layout``."""
+    def build(cls, spec: ScorerSpec) -> Scorer:
+        """The scorer ``spec`` asks for (its initialisation draws from torch's global RNG)."""
         raise NotImplementedError
 
     @property
