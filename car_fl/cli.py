@@ -12,7 +12,17 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from car_fl.commands import ask, generate_queries, ledger, report, retrieve, run, train, worker
+from car_fl.commands import (
+    ask,
+    generate_queries,
+    ledger,
+    report,
+    retrieve,
+    run,
+    serve_blocks,
+    train,
+    worker,
+)
 
 #: The subcommands, in the order ``car-fl --help`` lists them.
 COMMANDS: tuple[ModuleType, ...] = (
@@ -20,6 +30,7 @@ COMMANDS: tuple[ModuleType, ...] = (
     run,
     retrieve,
     ask,
+    serve_blocks,
     generate_queries,
     report,
     ledger,

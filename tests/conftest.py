@@ -103,6 +103,20 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def normed_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with a random final norm: a node that skipped it would be caught."""
+    import torch
+    from transformers import AutoModel
+
+    folder = build_llama(tmp_path_factory.mktemp("models") / "normed-llama", layers=3)
+    model = AutoModel.from_pretrained(folder)
+    with torch.no_grad():
+        model.norm.weight.copy_(torch.rand_like(model.norm.weight) + 0.5)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
 def tiny_generator(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama with its LM head (``LlamaForCausalLM``): a generator for RAG."""
     return build_llama(tmp_path_factory.mktemp("models") / "tiny-generator", causal=True)

@@ -29,6 +29,7 @@ RANKS = {
     "data": 3,
     "results": 4,
     "heads": 5,
+    "blocks": 5,
     "model": 6,
     "training": 7,
     "serving": 7,

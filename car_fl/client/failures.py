@@ -62,10 +62,12 @@ def known() -> tuple[tuple[type[BaseException], Failure], ...]:
     Imported here, not at the top: the ClientApp of a node with a worker imports this module
     and must stay free of torch and Hydra.
     """
+    from car_fl.blocks.errors import BlocksUnavailable
     from car_fl.client.policy import PolicyError
     from car_fl.settings.flower import FingerprintMismatch, NodeConfigError
 
     return (
+        (BlocksUnavailable, Failure.BLOCKS_UNAVAILABLE),
         (FingerprintMismatch, Failure.CONFIG_MISMATCH),
         (NodeConfigError, Failure.NODE_CONFIG),
         (PolicyError, Failure.NODE_CONFIG),

@@ -12,13 +12,17 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 from car_fl.client import node_cache
+from car_fl.client.failures import Refusal
+from car_fl.protocol.failures import Failure
 from car_fl.settings.flower import (
+    BLOCKS_SERVICE,
     CACHE_DIR,
     DOCUMENTS_PATH,
     GENERATED_QUERIES_PATH,
@@ -33,6 +37,10 @@ from car_fl.settings.flower import (
 from car_fl.settings.schema import Settings
 
 log = logging.getLogger(__name__)
+
+#: Where a node without ``--node-config blocks-service`` finds its blocks service (simulated
+#: nodes: Flower's simulation takes no per-node config; the environment is its owner's).
+BLOCKS_SERVICE_ENV = "CAR_FL_BLOCKS_SERVICE"
 
 #: Settings a node composed, with their fingerprint, by a digest of the run's inputs and the
 #: node config (a :class:`car_fl.client.node.Node` keeps one for its life).
@@ -80,6 +88,7 @@ def node_settings(
     only.
     """
     memory = {} if memory is None else memory
+    node_config = with_environment(node_config)
     text, overrides = run_inputs(run_config)
     node = sorted((str(k), str(v)) for k, v in node_config.items())
     memo = node_cache.digest({"settings": text, "overrides": overrides, "node_config": node})
@@ -100,9 +109,25 @@ def node_settings(
     return copy.deepcopy(settings)
 
 
+def with_environment(node_config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``node_config`` with the blocks service of this process's environment where it names
+    none (the environment is the node owner's; a run config never reaches it)."""
+    service = os.environ.get(BLOCKS_SERVICE_ENV)
+    if service and not node_config.get(BLOCKS_SERVICE):
+        return {**node_config, BLOCKS_SERVICE: service}
+    return node_config
+
+
 def own_cache(settings: Settings, node_config: Mapping[str, Any]) -> Settings:
     """The run's ``settings`` with the node's paths (:func:`apply_node_config`), writing only
     where the node decides: never the run config's ``cache_dir``, logged when it named one."""
+    if settings.model.blocks_service is not None:  # the server would choose where texts go
+        raise Refusal(
+            Failure.POLICY_REFUSED,
+            f"the run config sets model.blocks_service={settings.model.blocks_service}: only "
+            f"this node's owner chooses where its texts go (--node-config {BLOCKS_SERVICE}=URL "
+            f"or {BLOCKS_SERVICE_ENV}); refused before anything was sent",
+        )
     mine = node_cache.node_dir(node_config.get(CACHE_DIR))
     asked = settings.cache_dir
     if asked not in (None, "") and Path(str(asked)).expanduser() != mine:

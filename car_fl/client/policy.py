@@ -17,6 +17,8 @@ TOML file and names it in the SuperNode's ``--node-config privacy-policy=/path/p
     max-steps-per-round = 100000  # the most DP steps (DP-SGD, or per-step local DP) a round may
                                   # plan (default 100,000): bounds the work a server can ask
     ledger = "ledger"             # the ledger's folder (relative to this file)
+    blocks-services = ["http://127.0.0.1:8200/blocks"]  # blocks services this node's texts
+                                  # may go to (model.blocks=remote; default: none, so never)
 
     [data]                        # how this node reads its data file: the run cannot change it
     reader = "sms_spam"           # (car_fl.client.node_reading: every key, and why)
@@ -78,6 +80,8 @@ class NodePolicy:
     ledger: Path = Path(DEFAULT_LEDGER)
     #: How the node reads its data file (the ``[data]`` table): the run config cannot change it.
     data: NodeReading = field(default_factory=NodeReading)
+    #: The blocks services (``car-fl serve-blocks``) that may see this node's soft embeddings.
+    blocks_services: tuple[str, ...] = ()
     #: Where the policy was read from (for messages).
     source: Path = field(default=Path("<policy>"), compare=False)
 
@@ -128,6 +132,7 @@ class NodePolicy:
             protect=reader.choice("protect", "records", PROTECT),
             ledger=ledger if ledger.is_absolute() else (source.parent / ledger),
             data=data,
+            blocks_services=reader.addresses("blocks-services"),
             source=source,
         )
 
@@ -160,6 +165,15 @@ class NodePolicy:
                 "model.trust_remote_code=true would run the model repository's own code on "
                 "this node, beside its data and its privacy ledger"
             )
+        if settings.model.blocks == "remote":  # car_fl.blocks: the service sees soft embeddings
+            service = settings.model.blocks_service
+            if service not in self.blocks_services:
+                listed = ", ".join(self.blocks_services) or "none"
+                found.append(
+                    f"model.blocks=remote would send this node's soft embeddings (its texts, "
+                    f"docs/blocks.md) to {service or 'no service named'}, not among the "
+                    f"policy's blocks-services ({listed})"
+                )
         if dp.mode not in self.modes:
             accepted = ", ".join(sorted(m.value for m in self.modes))
             found.append(f"dp={dp.mode.value} is not among the accepted modes ({accepted})")
@@ -244,6 +258,7 @@ KEYS = (
     "max-steps-per-round",
     "protect",
     "ledger",
+    "blocks-services",
     "data",
 )
 #: The values of ``protect``.
@@ -279,6 +294,17 @@ class _Reader:
         if unknown:
             raise PolicyError(self.where("modes") + f"unknown mode {unknown[0]!r}; valid: {valid}")
         return frozenset(DPMode(m) for m in raw)
+
+    def addresses(self, key: str) -> tuple[str, ...]:
+        raw = self.values.get(key, [])
+        if not isinstance(raw, list) or not all(
+            isinstance(a, str) and a.startswith(("http://", "https://")) for a in raw
+        ):
+            raise PolicyError(
+                self.where(key) + f'must be a list of http(s):// addresses, e.g. ["http://'
+                f'127.0.0.1:8200/blocks"], got {raw!r}'
+            )
+        return tuple(raw)
 
     def choice(self, key: str, default: str, valid: tuple[str, ...]) -> str:
         value = self.values.get(key, default)

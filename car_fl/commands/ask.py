@@ -45,6 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="encoder hub id or folder, if not the one the checkpoint was trained with",
     )
     parser.add_argument(
+        "--blocks-service",
+        default=None,
+        help="run the encoder's transformer blocks on this blocks service (car-fl serve-blocks), "
+        "e.g. http://127.0.0.1:8200/blocks; this machine keeps its embeddings, norm and head",
+    )
+    parser.add_argument(
         "--max-new-tokens", type=int, default=128, help="most tokens generated (128)"
     )
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
@@ -97,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
         args.checkpoint,
         device=args.device,
         model=args.model,
+        blocks_service=args.blocks_service,
         documents_path=args.documents,
         encoder=encoder,
     )

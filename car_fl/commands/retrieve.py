@@ -27,6 +27,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="encoder hub id or folder, if not the one the checkpoint was trained with",
     )
     parser.add_argument(
+        "--blocks-service",
+        default=None,
+        help="run the encoder's transformer blocks on this blocks service (car-fl serve-blocks), "
+        "e.g. http://127.0.0.1:8200/blocks; this machine keeps its embeddings, norm and head",
+    )
+    parser.add_argument(
         "--documents",
         default=None,
         help="a corpus's documents file, if not where the checkpoint's settings name it "
@@ -57,7 +63,11 @@ def run(args: argparse.Namespace) -> int:
     from car_fl.serving.checkpoint import load_retriever  # torch: only when retrieving
 
     retriever = load_retriever(
-        args.checkpoint, device=args.device, model=args.model, documents_path=args.documents
+        args.checkpoint,
+        device=args.device,
+        model=args.model,
+        blocks_service=args.blocks_service,
+        documents_path=args.documents,
     )
     assert retriever.settings is not None
     k = args.k or max(retriever.settings.eval.top_k)

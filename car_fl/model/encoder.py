@@ -10,12 +10,15 @@ from __future__ import annotations
 import inspect
 import logging
 from dataclasses import astuple, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from car_fl.blocks.parts import final_norm_name, get_module
+from car_fl.blocks.remote import RemoteBlocks
+from car_fl.model.blockless import connect
+from car_fl.model.loading import EncoderLoadError, load_error, load_pretrained
 from car_fl.settings.schema import DEVICES, DTYPES, FeatureNorm, ModelConfig, Pooling, one_of
 
 log = logging.getLogger(__name__)
@@ -24,10 +27,6 @@ log = logging.getLogger(__name__)
 LOAD_COUNT = 0
 #: Encoders loaded by :func:`shared_encoder`, by their model settings and device.
 _SHARED: dict[tuple[object, ...], Encoder] = {}
-
-
-class EncoderLoadError(RuntimeError):
-    """A model or tokenizer could not be loaded; the message says which, why and what to do."""
 
 
 def pick_device(requested: str = "auto") -> torch.device:
@@ -80,58 +79,9 @@ def dtype_choice(requested: str, device: torch.device) -> tuple[torch.dtype, str
     return torch.float32, "auto: the CPU has no native bf16 (AVX512-BF16 or AMX)"
 
 
-def attention_choice(dtype: torch.dtype, device: torch.device) -> str:
-    """The frozen model's attention kernels: ``eager`` for bf16 on a CPU, ``sdpa`` elsewhere.
-
-    PyTorch's CPU SDPA backward is slower in bf16 than eager attention's matmuls at a query's
-    lengths: measured side by side (docs/performance.md), a bf16 adapter step ran 1.87x float32
-    with eager attention against 1.55x with SDPA (SmolLM2), 1.89x against 1.68x (Gemma 3), with
-    forwards within 5 %. Both compute exact attention; only the kernels differ. (A model
-    loaded with eager kernels and cast to float64 afterwards gives NaN under left padding:
-    transformers' eager masks; tests that need float64 load in float32 first.)
-    """
-    return "eager" if device.type == "cpu" and dtype == torch.bfloat16 else "sdpa"
-
-
-def load_pretrained(
-    auto_class: Any, name: str, *, dtype: torch.dtype, device: torch.device, **kwargs: Any
-) -> Any:
-    """``auto_class.from_pretrained`` in ``dtype`` with :func:`attention_choice`'s kernels for
-    ``dtype`` on ``device``: the one place the encoder and the RAG generator load a frozen
-    model, so that both run the same kernels (a retriever sharing the generator's weights
-    computes what it computes alone). A model without SDPA support falls back to
-    transformers' default; other errors propagate. Placing it on ``device`` is the caller's."""
-    attention = attention_choice(dtype, device)
-    try:
-        return auto_class.from_pretrained(
-            name, dtype=dtype, attn_implementation=attention, **kwargs
-        )
-    except (ValueError, ImportError) as err:
-        if attention != "sdpa" or "sdpa" not in str(err).lower():
-            raise
-        return auto_class.from_pretrained(name, dtype=dtype, **kwargs)
-
-
 def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
     """The frozen model's dtype (:func:`dtype_choice` without its reason)."""
     return dtype_choice(requested, device)[0]
-
-
-def _load_error(name: str, what: str, err: Exception) -> EncoderLoadError:
-    reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    text = str(err).lower()
-    if Path(name).exists() or name.startswith(("/", ".", "~")):
-        hint = "check that the folder holds config.json, the weights and the tokenizer files"
-    elif "gated" in text or "401" in text or "403" in text or "access" in text:
-        hint = (
-            "the model is gated: accept its licence on huggingface.co and run "
-            "`huggingface-cli login`, or download it and set model.name_or_path=/local/folder"
-        )
-    else:
-        from car_fl.model.sources import MODEL_FIX
-
-        hint = f"check the hub id and your network; offline, use {MODEL_FIX}"
-    return EncoderLoadError(f"could not load the {what} of model {name!r}: {reason}. Fix: {hint}")
 
 
 @dataclass
@@ -152,9 +102,14 @@ class Encoder(nn.Module):
     ``(batch, seq, hidden)``. ``pool`` reduces them to ``(batch, hidden)``.
     """
 
-    def __init__(self, model: Any, tokenizer: Any, cfg: ModelConfig) -> None:
+    def __init__(
+        self, model: Any, tokenizer: Any, cfg: ModelConfig, *, blocks: RemoteBlocks | None = None
+    ) -> None:
         super().__init__()
         self.model: Any = model
+        #: The blocks on a service (``model`` then holds only the embeddings and final norm).
+        self.blocks = blocks
+        self._norm = final_norm_name(model) if blocks is not None else None
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.pooling = cfg.pooling
@@ -276,8 +231,14 @@ class Encoder(nn.Module):
         """TRF: embeddings ``(batch, seq, hidden)`` → final hidden states, same shape.
 
         Position ids are derived from the mask, so left and right padding give the same
-        positions to the real tokens.
+        positions to the real tokens. With remote blocks the service runs them
+        (:mod:`car_fl.blocks`) and the node applies its final norm.
         """
+        if self.blocks is not None:
+            states: torch.Tensor = self.blocks(inputs_embeds, attention_mask)
+            if self._norm is not None:
+                states = get_module(self.model, self._norm)(states)
+            return states
         kwargs: dict[str, Any] = {"inputs_embeds": inputs_embeds, "attention_mask": attention_mask}
         if self._takes_position_ids:
             kwargs["position_ids"] = (attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -361,25 +322,29 @@ def load_encoder(cfg: ModelConfig, *, device: str = "auto") -> Encoder:
             name, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
         )
     except Exception as err:
-        raise _load_error(name, "tokenizer", err) from err
-    try:
-        model = load_pretrained(
-            AutoModel,
-            name,
-            dtype=dtype,
-            device=target,
-            revision=cfg.revision,
-            trust_remote_code=cfg.trust_remote_code,
-        )
-    except Exception as err:
-        raise _load_error(name, "weights", err) from err
-    model.to(target)
-    encoder = Encoder(model, tokenizer, cfg)
+        raise load_error(name, "tokenizer", err) from err
+    if cfg.blocks == "remote":
+        model, blocks = connect(cfg, name, dtype=dtype, device=target)
+        encoder = Encoder(model, tokenizer, cfg, blocks=blocks)
+    else:
+        try:
+            model = load_pretrained(
+                AutoModel,
+                name,
+                dtype=dtype,
+                device=target,
+                revision=cfg.revision,
+                trust_remote_code=cfg.trust_remote_code,
+            )
+        except Exception as err:
+            raise load_error(name, "weights", err) from err
+        model.to(target)
+        encoder = Encoder(model, tokenizer, cfg)
     LOAD_COUNT += 1
     frozen = sum(p.numel() for p in model.parameters())
     log.info(
-        "encoder %s loaded on %s in %s (%s), %s attention: hidden size %d, %s frozen parameters, "
-        "pooling %s",
+        "encoder %s loaded on %s in %s (%s), %s attention: hidden size %d, %s frozen parameters "
+        "on this node%s, pooling %s",
         cfg.name_or_path,
         target,
         str(dtype).removeprefix("torch."),
@@ -387,6 +352,7 @@ def load_encoder(cfg: ModelConfig, *, device: str = "auto") -> Encoder:
         model.config._attn_implementation,
         encoder.hidden_size,
         f"{frozen:,}",
+        "" if encoder.blocks is None else f" (the blocks on {cfg.blocks_service})",
         cfg.pooling,
     )
     return encoder

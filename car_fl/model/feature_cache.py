@@ -24,7 +24,8 @@ import torch
 from safetensors.torch import load_file, save
 
 from car_fl.common.io import atomic_write_bytes
-from car_fl.model.encoder import attention_choice, pick_device, pick_dtype
+from car_fl.model.encoder import pick_device, pick_dtype
+from car_fl.model.loading import attention_choice
 from car_fl.settings.schema import ModelConfig
 
 log = logging.getLogger(__name__)

@@ -36,6 +36,8 @@ class Failure(IntEnum):
     #: The node's owner reads the shared data file otherwise than the run (its policy's
     #: ``[data]``): its split would not be the server's.
     READING_DIFFERS = 1106
+    #: The node's blocks service (``model.blocks=remote``) did not answer within its retries.
+    BLOCKS_UNAVAILABLE = 1107
 
     @property
     def text(self) -> str:
@@ -56,6 +58,7 @@ FAILURE_TEXT: dict[Failure, str] = {
     Failure.CONFIG_MISMATCH: "car-fl: this node resolved another configuration than the server's",
     Failure.NODE_CONFIG: "car-fl: this node's own configuration is incomplete or invalid",
     Failure.READING_DIFFERS: "car-fl: this node's owner reads the data file otherwise than the run",
+    Failure.BLOCKS_UNAVAILABLE: "car-fl: this node's blocks service did not answer",
 }
 
 
@@ -90,6 +93,10 @@ FAILURE_MEANING: dict[Failure, tuple[str, str]] = {
         "run ([data]), so their splits would not be the server's",
         "set the run's dataset keys and seed to their [data] (each node's log names the keys), "
         "or start them with data-is-shard",
+    ),
+    Failure.BLOCKS_UNAVAILABLE: (
+        "failed the round: their blocks service (model.blocks=remote) was down or too slow",
+        "start it again (car-fl serve-blocks); the next round works once it answers",
     ),
 }
 

@@ -30,6 +30,7 @@ def load_retriever(
     *,
     device: str | None = "auto",
     model: str | None = None,
+    blocks_service: str | None = None,
     documents_path: str | Path | None = None,
     encoder: Encoder | None = None,
 ) -> CaRRetriever:
@@ -49,6 +50,8 @@ def load_retriever(
     settings = ckpt.settings
     if model is not None:
         settings.model.name_or_path = model
+    if blocks_service is not None:  # the blocks on a service (car_fl.blocks), not loaded here
+        settings.model.blocks, settings.model.blocks_service = "remote", blocks_service
     if device is not None:
         settings.device = device
     if documents_path is not None:

@@ -191,8 +191,9 @@ def load_generator(
     (``auto``: as :func:`~car_fl.model.encoder.pick_dtype` chooses for the device)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from car_fl.model.encoder import load_pretrained, pick_device, pick_dtype
+    from car_fl.model.encoder import pick_device, pick_dtype
     from car_fl.model.gguf import GgufError, resolve
+    from car_fl.model.loading import load_pretrained
 
     target = pick_device(device)
     torch_dtype = pick_dtype(dtype, target)

@@ -382,6 +382,9 @@ DEVICES = ("auto", "cpu", "cuda", "mps")
 #: ``comm.dtype``: dtypes a tensor may travel in; bfloat16 has no NumPy dtype, so no Array.
 WIRE_DTYPES = ("float32", "float16")
 PADDING_SIDES = ("auto", "left", "right")
+#: ``model.blocks``: the transformer blocks on this machine, or on a blocks service
+#: (:mod:`car_fl.blocks`; the service's address is node-local: ``model.blocks_service``).
+BLOCKS = ("local", "remote")
 
 
 def one_of(key: str, value: str, valid: tuple[str, ...] | list[str]) -> None:

@@ -42,6 +42,8 @@ DEVICE = "device"
 CACHE_DIR = "cache-dir"
 PRIVACY_POLICY = "privacy-policy"
 WORKER = "worker"
+BLOCKS = "blocks"
+BLOCKS_SERVICE = "blocks-service"
 
 
 class NodeKey(NamedTuple):
@@ -68,6 +70,12 @@ NODE_CONFIG: dict[str, NodeKey] = {
     MODEL_PATH: NodeKey("model.name_or_path", "this node's local copy of the encoder"),
     DEVICE: NodeKey("device", "where this node runs the encoder (auto, cpu, cuda, mps)"),
     CACHE_DIR: NodeKey("cache_dir", "this node's cache folder (features, settings, shard)"),
+    BLOCKS: NodeKey("model.blocks", "local (default) or remote: the blocks on a blocks service"),
+    BLOCKS_SERVICE: NodeKey(
+        "model.blocks_service",
+        "this node's blocks service (car-fl serve-blocks), which its policy's blocks-services "
+        "must list; the run config can never set it",
+    ),
     PRIVACY_POLICY: NodeKey(
         None, "this node's privacy policy (a TOML file its owner writes; see docs/privacy.md)"
     ),

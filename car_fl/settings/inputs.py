@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from car_fl.settings.choices import (
+    BLOCKS,
     DTYPES,
     PADDING_SIDES,
     FeatureNorm,
@@ -166,6 +167,12 @@ class ModelConfig:
     document_max_length: int | None = None
     padding_side: str = "auto"
     trust_remote_code: bool = False
+    #: ``local``: the node runs the transformer blocks; ``remote``: a blocks service does
+    #: (``car-fl serve-blocks``) and the node keeps the embeddings, adapter, norm and head.
+    blocks: str = "local"
+    #: The blocks service's address (``http://127.0.0.1:8200/blocks``). Node-local: a node sets
+    #: it (``--node-config blocks-service=URL``) and refuses a run config that does.
+    blocks_service: str | None = None
 
     def __post_init__(self) -> None:
         one_of("model.dtype", self.dtype, DTYPES)
@@ -179,6 +186,7 @@ class ModelConfig:
                 'goes), e.g. \'This sentence : "{text}" means in one word:"\''
             )
         one_of("model.padding_side", self.padding_side, PADDING_SIDES)
+        one_of("model.blocks", self.blocks, BLOCKS)
         if self.max_length < 2:
             raise ValueError(f"model.max_length must be >= 2, got {self.max_length}")
         if self.document_max_length is not None and self.document_max_length < 2:

@@ -71,7 +71,7 @@ def test_with_eager_attention_the_batched_path_still_equals_the_loop(
     """The kernels a native-bf16 CPU runs (``attention_choice``: eager): a padded batch's
     examples still do not mix (pads get no weight, so each record's share is its own), in
     float32, to float32's precision."""
-    monkeypatch.setattr("car_fl.model.encoder.attention_choice", lambda *_: "eager")
+    monkeypatch.setattr("car_fl.model.loading.attention_choice", lambda *_: "eager")
     model, params, ids, labels = adapter_model(
         make_settings, f"model.padding_side={side}", dtype=torch.float32
     )

@@ -2,7 +2,7 @@
 preset (one batch of 16 SMS), float32 and bfloat16 weights, SDPA and eager attention, each
 built, timed (median of 5, wall and CPU seconds) and freed in turn in one process.
 
-Why `car_fl.model.encoder.attention_choice` picks eager attention for bf16 on a CPU. Run from
+Why `car_fl.model.loading.attention_choice` picks eager attention for bf16 on a CPU. Run from
 the repository root: ``python docs/results/bf16-attention/attention_kernels.py smollm2``.
 """
 

@@ -1,0 +1,250 @@
+"""The node's client of a blocks service: HTTP(S) with a token, bounded retries, clear causes.
+
+Ours on the standard library (``http.client``) rather than an HTTP package: a node must not
+need Ray or a web stack to use a service, and one kept-alive connection is all it takes.
+
+A service that is down, slow or restarting is retried ``retries`` times with a growing pause
+(connection refused or reset, a timeout, a 502/503/504), then :class:`BlocksUnavailable` says
+what happened and which address; a 4xx answer is the node's own mistake and is never retried
+(:class:`BlocksRefused`, with the service's message). Requests are cut to the service's limits
+(rows, tokens per request), so a node's batch of any size is accepted.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import ssl
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import torch
+
+from car_fl.blocks.compute import BACKWARD, FORWARD, HEALTH, Answer
+from car_fl.blocks.errors import BlocksRefused, BlocksUnavailable
+from car_fl.blocks.wire import MEDIA_TYPE, WireError, read_reply, write_request
+
+log = logging.getLogger(__name__)
+
+#: ``(path, body, headers) → Answer``: how a request reaches a service (HTTP, or in process).
+Transport = Callable[[str, bytes, dict[str, str]], Answer]
+RETRY_STATUSES = (502, 503, 504)
+#: Services in this process, by ``inprocess://<name>`` address (tests, benchmarks of the
+#: arithmetic): the node's code path is the HTTP one's, minus the socket.
+IN_PROCESS: dict[str, Transport] = {}
+
+
+@dataclass(frozen=True)
+class Retry:
+    """How long a node waits for a service: per attempt, and how many attempts."""
+
+    timeout_s: float = 120.0
+    attempts: int = 4
+    #: The pause before the second attempt; each later pause doubles it.
+    backoff_s: float = 0.5
+
+
+#: The retries of a client built without its own (a test may shorten them).
+DEFAULT_RETRY = Retry()
+
+
+class HttpTransport:
+    """One kept-alive HTTP(S) connection to a service's address."""
+
+    def __init__(
+        self, url: str, *, timeout_s: float, ca_file: str | None = None, route: str = ""
+    ) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(
+                f"blocks service address {url!r} is not http(s)://host:port; e.g. "
+                "http://127.0.0.1:8200/blocks"
+            )
+        self.url = url
+        self.scheme, self.host = parts.scheme, parts.hostname
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.prefix = (route or parts.path).rstrip("/")
+        self.timeout_s = timeout_s
+        self.context = (
+            ssl.create_default_context(cafile=ca_file) if self.scheme == "https" else None
+        )
+        self._connection: http.client.HTTPConnection | None = None
+
+    def _connect(self) -> http.client.HTTPConnection:
+        if self._connection is None:
+            if self.context is not None:
+                self._connection = http.client.HTTPSConnection(
+                    self.host, self.port, timeout=self.timeout_s, context=self.context
+                )
+            else:
+                self._connection = http.client.HTTPConnection(
+                    self.host, self.port, timeout=self.timeout_s
+                )
+        return self._connection
+
+    def close(self) -> None:
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
+
+    def __call__(self, path: str, body: bytes, headers: dict[str, str]) -> Answer:
+        connection = self._connect()
+        method = "GET" if path == HEALTH else "POST"
+        try:
+            connection.request(
+                method,
+                self.prefix + path,
+                body=body or None,
+                headers={**headers, "Content-Type": MEDIA_TYPE},
+            )
+            reply = connection.getresponse()
+            data = reply.read()
+        except BaseException:
+            self.close()  # a half-read connection is never reused
+            raise
+        return Answer(reply.status, data, reply.getheader("Content-Type") or "")
+
+
+class BlocksClient:
+    """A service's forward, backward and health, from the node."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None = None,
+        retry: Retry | None = None,
+        ca_file: str | None = None,
+        transport: Transport | None = None,
+    ) -> None:
+        self.url = url
+        self.retry = retry or DEFAULT_RETRY
+        self.token = token
+        if transport is None and url.startswith("inprocess://"):
+            transport = _in_process(url)
+        self.transport: Transport = transport or HttpTransport(
+            url, timeout_s=self.retry.timeout_s, ca_file=ca_file
+        )
+        self.health_info: dict[str, Any] | None = None
+        self.calls = 0
+
+    # ---------------------------------------------------------------------------- transport
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
+    def _call(self, path: str, body: bytes) -> Answer:
+        pause = self.retry.backoff_s
+        cause = ""
+        for attempt in range(1, self.retry.attempts + 1):
+            try:
+                answer = self.transport(path, body, self._headers())
+            except (OSError, http.client.HTTPException) as err:  # refused, reset, timed out
+                cause = f"{type(err).__name__}: {err}"
+            else:
+                if answer.status == 200:
+                    self.calls += 1
+                    return answer
+                message = _message(answer)
+                if answer.status not in RETRY_STATUSES:
+                    raise BlocksRefused(
+                        f"the blocks service at {self.url} refused {path} ({answer.status}): "
+                        f"{message}"
+                    )
+                cause = f"HTTP {answer.status}: {message}"
+            if attempt < self.retry.attempts:
+                log.warning(
+                    "blocks service %s: %s (attempt %d of %d); retrying in %.1f s",
+                    self.url,
+                    cause,
+                    attempt,
+                    self.retry.attempts,
+                    pause,
+                )
+                time.sleep(pause)
+                pause *= 2
+        raise BlocksUnavailable(
+            f"the blocks service at {self.url} did not answer {path} after "
+            f"{self.retry.attempts} attempts ({self.retry.timeout_s:g} s each): {cause}. Fix: "
+            "start it (car-fl serve-blocks) or point blocks-service at one that runs"
+        )
+
+    # ---------------------------------------------------------------------------- operations
+    def health(self) -> dict[str, Any]:
+        """What the service holds (model, fingerprint, weights digest, dtype, limits)."""
+        answer = self._call(HEALTH, b"")
+        try:
+            info: dict[str, Any] = json.loads(answer.body)
+        except json.JSONDecodeError:
+            raise BlocksRefused(
+                f"{self.url}{HEALTH} did not answer JSON: is it a blocks service?"
+            ) from None
+        self.health_info = info
+        return info
+
+    def _limits(self) -> tuple[int, int]:
+        info = self.health_info or self.health()
+        return int(info["max_rows"]), int(info["max_tokens"])
+
+    def _chunks(self, mask: torch.Tensor) -> list[slice]:
+        max_rows, max_tokens = self._limits()
+        rows, seq = int(mask.shape[0]), int(mask.shape[1])
+        step = max(1, min(max_rows, max_tokens // max(seq, 1)))
+        return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
+
+    def _operation(
+        self,
+        path: str,
+        name: str,
+        embeds: torch.Tensor,
+        mask: torch.Tensor,
+        grad: torch.Tensor | None,
+        fingerprint: str,
+    ) -> torch.Tensor:
+        parts = []
+        for rows in self._chunks(mask):
+            body = write_request(
+                embeds[rows],
+                mask[rows],
+                fingerprint=fingerprint,
+                grad=None if grad is None else grad[rows],
+            )
+            answer = self._call(path, body)
+            try:
+                parts.append(read_reply(answer.body, name, tuple(embeds[rows].shape)))
+            except WireError as err:
+                raise BlocksRefused(f"the blocks service at {self.url}: {err}") from None
+        return torch.cat(parts)
+
+    def forward(
+        self, embeds: torch.Tensor, mask: torch.Tensor, *, fingerprint: str
+    ) -> torch.Tensor:
+        """The blocks' output states for ``embeds`` ``(rows, seq, hidden)`` under ``mask``."""
+        return self._operation(FORWARD, "states", embeds, mask, None, fingerprint)
+
+    def backward(
+        self, embeds: torch.Tensor, mask: torch.Tensor, grad: torch.Tensor, *, fingerprint: str
+    ) -> torch.Tensor:
+        """The gradient of ``embeds`` given the gradient ``grad`` of the blocks' states."""
+        return self._operation(BACKWARD, "grad", embeds, mask, grad, fingerprint)
+
+
+def _in_process(url: str) -> Transport:
+    """The service registered at ``url`` when each request is sent (it may be replaced)."""
+
+    def send(path: str, body: bytes, headers: dict[str, str]) -> Answer:
+        if url not in IN_PROCESS:
+            raise ConnectionRefusedError(111, f"no blocks service {url} runs in this process")
+        return IN_PROCESS[url](path, body, headers)
+
+    return send
+
+
+def _message(answer: Answer) -> str:
+    try:
+        return str(json.loads(answer.body).get("error", answer.body[:200]))
+    except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
+        return answer.body[:200].decode("utf-8", "replace")

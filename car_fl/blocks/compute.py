@@ -1,0 +1,209 @@
+"""The blocks service's arithmetic and its request handling, without any serving engine.
+
+:class:`BlocksRunner` holds a model stripped by :func:`car_fl.blocks.parts.strip_for_service`
+and runs many requests as one padded batch: **forward** gives the blocks' output states,
+**backward** recomputes the forward and returns the vector-Jacobian product with the states'
+gradient (the gradient of the soft embeddings), keeping nothing between calls (as Petals does).
+Rows never mix: position ids come from each row's mask and attention is masked, so a row's
+result does not depend on what else shares its batch (docs/blocks.md argues it; the tests
+check it within float tolerance). :class:`BlocksHandler` turns HTTP-shaped requests (a path, a
+body, headers) into checked :class:`~car_fl.blocks.wire.Request` objects or a 4xx answer, so the
+Ray Serve deployment and the fast tests run the same code.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from car_fl.blocks.wire import MEDIA_TYPE, Limits, Request, WireError, read_request, write_reply
+
+log = logging.getLogger(__name__)
+
+FORWARD, BACKWARD, HEALTH = "/forward", "/backward", "/health"
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What the service holds, as its health operation reports it."""
+
+    model: str
+    fingerprint: str
+    weights: str
+    dtype: str
+    hidden: int
+    norm_on_node: bool
+    limits: Limits = field(default_factory=Limits)
+    replicas: int = 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "fingerprint": self.fingerprint,
+            "weights": self.weights,
+            "dtype": self.dtype,
+            "hidden": self.hidden,
+            "norm_on_node": self.norm_on_node,
+            "max_rows": self.limits.max_rows,
+            "max_tokens": self.limits.max_tokens,
+            "max_seq": self.limits.max_seq,
+            "replicas": self.replicas,
+        }
+
+
+def padding_left(mask: torch.Tensor) -> bool:
+    """Whether a request pads on the left (its last column is all real tokens, its first not)."""
+    return bool(mask[:, -1].all()) and not bool(mask[:, 0].all())
+
+
+def merge(requests: Sequence[Request], attr: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One padded batch of every request's ``attr`` (``embeds`` or ``grad``) and the masks,
+    each request padded to the widest on the side it pads on."""
+    width = max(int(r.mask.shape[1]) for r in requests)
+    values, masks = [], []
+    for r in requests:
+        tensor: torch.Tensor = getattr(r, attr)
+        extra = width - int(r.mask.shape[1])
+        left = padding_left(r.mask)
+        pad = (0, 0, extra, 0) if left else (0, 0, 0, extra)
+        values.append(torch.nn.functional.pad(tensor.float(), pad))
+        masks.append(torch.nn.functional.pad(r.mask, pad[2:]))
+    return torch.cat(values), torch.cat(masks)
+
+
+def split(batch: torch.Tensor, requests: Sequence[Request]) -> list[torch.Tensor]:
+    """``batch``'s rows back into one tensor per request, cut to its own width and side."""
+    out, start = [], 0
+    width = int(batch.shape[1])
+    for r in requests:
+        rows, seq = int(r.mask.shape[0]), int(r.mask.shape[1])
+        part = batch[start : start + rows]
+        part = part[:, width - seq :] if padding_left(r.mask) else part[:, :seq]
+        out.append(part.contiguous())
+        start += rows
+    return out
+
+
+class BlocksRunner:
+    """The frozen blocks of a model (stripped for the service), run on many requests at once."""
+
+    def __init__(self, model: Any, identity: Identity) -> None:
+        self.model = model
+        self.model.eval()
+        self.model.requires_grad_(False)
+        self.identity = identity
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+
+    def _run(self, embeds: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        mask = mask.to(self.device)
+        out = self.model(
+            inputs_embeds=embeds,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            use_cache=False,
+        )
+        states: torch.Tensor = (
+            out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        )
+        return states
+
+    def forward(self, requests: Sequence[Request]) -> list[torch.Tensor]:
+        """The blocks' output states of each request, in the service's dtype."""
+        embeds, mask = merge(requests, "embeds")
+        with torch.no_grad():
+            states = self._run(embeds.to(self.device, self.dtype), mask)
+        return split(states.cpu(), requests)
+
+    def backward(self, requests: Sequence[Request]) -> list[torch.Tensor]:
+        """∂⟨states, grad⟩/∂embeds for each request: the forward recomputed, then one VJP."""
+        embeds, mask = merge(requests, "embeds")
+        grad, _ = merge(requests, "grad")
+        leaf = embeds.to(self.device, self.dtype).requires_grad_(True)
+        with torch.enable_grad():
+            states = self._run(leaf, mask)
+            (result,) = torch.autograd.grad(states, leaf, grad_outputs=grad.to(states))
+        return split(result.detach().cpu(), requests)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """An HTTP answer: a status, a body and its media type."""
+
+    status: int
+    body: bytes
+    media_type: str = MEDIA_TYPE
+
+    @classmethod
+    def error(cls, status: int, message: str) -> Answer:
+        return cls(status, json.dumps({"error": message}).encode(), "application/json")
+
+
+class BlocksHandler:
+    """Checks each request (token, path, body) before it reaches the runner's batch."""
+
+    def __init__(self, runner: BlocksRunner, *, token: str | None = None) -> None:
+        self.runner = runner
+        self.token = token
+        self.served = 0
+        self.refused = 0
+
+    def authorised(self, headers: dict[str, str]) -> bool:
+        if not self.token:
+            return True
+        given = headers.get("authorization", "")
+        return hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode())
+
+    def prepare(self, path: str, body: bytes, headers: dict[str, str]) -> Request | Answer:
+        """The checked request of a forward or backward, or the answer to give at once."""
+        if not self.authorised({k.lower(): v for k, v in headers.items()}):
+            self.refused += 1
+            return Answer.error(401, "missing or wrong token: send 'Authorization: Bearer <token>'")
+        if path == HEALTH:
+            return Answer(
+                200, json.dumps(self.runner.identity.as_dict()).encode(), "application/json"
+            )
+        if path not in (FORWARD, BACKWARD):
+            return Answer.error(404, f"no operation {path!r}: use {FORWARD}, {BACKWARD}, {HEALTH}")
+        identity = self.runner.identity
+        limits = identity.limits
+        most = limits.max_tokens * identity.hidden * 4 * 2 + (1 << 20)  # embeds + grad, float32
+        if len(body) > most:
+            self.refused += 1
+            return Answer.error(413, f"the body is {len(body):,} bytes, above {most:,}")
+        try:
+            request, _ = read_request(
+                body, hidden=identity.hidden, limits=limits, backward=path == BACKWARD
+            )
+        except WireError as err:
+            self.refused += 1
+            return Answer.error(400, str(err))
+        if request.fingerprint != identity.fingerprint:
+            self.refused += 1
+            return Answer.error(
+                409,
+                f"the request is for model fingerprint {request.fingerprint!r}; this service "
+                f"holds {identity.model} ({identity.fingerprint})",
+            )
+        return request
+
+    def run(self, path: str, requests: Sequence[Request]) -> list[Answer]:
+        """Answers for ``requests`` of one operation, computed as one batch."""
+        compute = self.runner.backward if path == BACKWARD else self.runner.forward
+        name = "grad" if path == BACKWARD else "states"
+        results = compute(requests)
+        self.served += len(requests)
+        return [Answer(200, write_reply(name, result)) for result in results]
+
+    def handle(self, path: str, body: bytes, headers: dict[str, str]) -> Answer:
+        """One request, alone in its batch (the in-process transport and the fast tests)."""
+        prepared = self.prepare(path, body, headers)
+        if isinstance(prepared, Answer):
+            return prepared
+        return self.run(path, [prepared])[0]

@@ -1,0 +1,101 @@
+"""A node's share of a model whose blocks are remote: its embeddings and final norm, linked.
+
+:func:`connect` loads the model with zero blocks (:func:`car_fl.blocks.parts.blockless_kwargs`:
+the embedding table and the final norm come from the checkpoint, the blocks' tensors are never
+read), asks the service named by ``model.blocks_service`` what it holds, and refuses one whose
+model fingerprint differs from the node's own files, before any text is sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from car_fl.blocks.client import BlocksClient, BlocksRefused
+from car_fl.blocks.parts import (
+    blockless_kwargs,
+    final_norm_name,
+    identity_fingerprint,
+    model_folder,
+    node_tensor_names,
+)
+from car_fl.blocks.remote import RemoteBlocks
+from car_fl.model.loading import EncoderLoadError, load_error, load_pretrained
+from car_fl.settings.schema import ModelConfig
+
+log = logging.getLogger(__name__)
+
+#: The token a node sends to its blocks service (never a setting: settings travel).
+TOKEN_ENV = "CAR_FL_BLOCKS_TOKEN"
+#: A CA bundle that signs an https:// service's certificate.
+CA_ENV = "CAR_FL_BLOCKS_CA"
+
+
+def connect(
+    cfg: ModelConfig, name: str, *, dtype: torch.dtype, device: torch.device
+) -> tuple[Any, RemoteBlocks]:
+    """The node's blockless model of ``name`` and the remote blocks it is checked against."""
+    from transformers import AutoConfig, AutoModel
+    from transformers.utils import logging as hf_logging
+
+    if not cfg.blocks_service:
+        raise EncoderLoadError(
+            "model.blocks=remote, but no blocks service is named: on a node, --node-config "
+            "blocks-service=URL (listed in its policy's blocks-services) or CAR_FL_BLOCKS_SERVICE; "
+            "for car-fl train/retrieve/ask, model.blocks_service=URL"
+        )
+    if cfg.layer != -1:
+        raise EncoderLoadError(
+            f"model.layer={cfg.layer} with model.blocks=remote: the service returns the last "
+            "block's states only; use model.layer=-1 or model.blocks=local"
+        )
+    try:
+        config = AutoConfig.from_pretrained(name, revision=cfg.revision)
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # the blocks' tensors are "unexpected": by design
+        try:
+            model = load_pretrained(
+                AutoModel,
+                name,
+                dtype=dtype,
+                device=device,
+                revision=cfg.revision,
+                **blockless_kwargs(config),
+            )
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        mine = identity_fingerprint(model_folder(name, cfg.revision), node_tensor_names(model))
+    except Exception as err:
+        raise load_error(name, "embeddings and final norm", err) from err
+    model.to(device)
+    client = BlocksClient(
+        cfg.blocks_service, token=os.environ.get(TOKEN_ENV) or None, ca_file=os.environ.get(CA_ENV)
+    )
+    try:
+        info = client.health()  # BlocksUnavailable goes up as it is: the round's failure code
+    except BlocksRefused as err:
+        raise EncoderLoadError(str(err)) from err
+    if info.get("fingerprint") != mine:
+        raise EncoderLoadError(
+            f"the blocks service at {cfg.blocks_service} holds {info.get('model')!r} (fingerprint "
+            f"{info.get('fingerprint')}), not this node's {cfg.name_or_path} ({mine}); start the "
+            "service with the same model, or point model.blocks_service at one that holds it"
+        )
+    if bool(info.get("norm_on_node")) != (final_norm_name(model) is not None):
+        raise EncoderLoadError(
+            f"the blocks service at {cfg.blocks_service} and this node disagree on who applies "
+            "the final norm: run the same car-fl version on both"
+        )
+    log.info(
+        "blocks of %s on %s: %s in %s, weights %s, %s replica(s)",
+        cfg.name_or_path,
+        cfg.blocks_service,
+        info.get("model"),
+        info.get("dtype"),
+        info.get("weights"),
+        info.get("replicas"),
+    )
+    return model, RemoteBlocks(client, mine)

@@ -1,0 +1,211 @@
+"""The blocks service on Ray Serve: the frozen blocks of one model, shared by many nodes.
+
+:func:`load_runner` loads any model car-fl loads (preset, GGUF, folder, Hub id) in
+``model.dtype``, fingerprints it and strips what nodes keep; :class:`BlocksDeployment` serves
+it over HTTP (``/forward``, ``/backward``, ``/health`` under the route prefix), batching the
+requests of many nodes with Serve's batching, bounded by tokens per batch
+(``batch_size_fn``), each replica computing one batch at a time in a worker thread.
+:func:`start` runs it on a local Ray instance of its own (a private temp folder, so Flower's
+simulation never attaches to it) or on an existing cluster, bound to 127.0.0.1 unless told
+otherwise, with TLS where certificates are given. Ray itself assumes a trusted network: what
+that means for who may run a service is in docs/blocks.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from car_fl.blocks.compute import BACKWARD, FORWARD, Answer, BlocksHandler, BlocksRunner, Identity
+from car_fl.blocks.parts import (
+    identity_fingerprint,
+    model_folder,
+    node_tensor_names,
+    strip_for_service,
+    weights_digest,
+)
+from car_fl.blocks.wire import Limits, Request
+from car_fl.settings.schema import ModelConfig
+
+log = logging.getLogger(__name__)
+
+APP_NAME = "car-fl-blocks"
+ROUTE = "/blocks"
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """How the service runs: where it listens, how many replicas, what each may use."""
+
+    host: str = "127.0.0.1"
+    port: int = 8200
+    replicas: int = 1
+    cpus_per_replica: float = 1.0
+    gpus_per_replica: float = 0.0
+    #: ``local``: a Ray instance of its own; ``auto`` or ``host:port``: an existing cluster.
+    ray_address: str = "local"
+    #: Requests a replica takes into one batch at most (each bounded by ``limits``).
+    max_batch_requests: int = 16
+    batch_wait_s: float = 0.005
+    limits: Limits = field(default_factory=Limits)
+    token: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port must be in 1..65535, got {self.port}")
+        if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
+            raise ValueError("TLS needs both --ssl-certfile and --ssl-keyfile")
+        if self.host not in ("127.0.0.1", "localhost", "::1") and not self.token:
+            raise ValueError(
+                f"--host {self.host} would serve other machines without a token: give "
+                "--token-file (and TLS: --ssl-certfile/--ssl-keyfile), or keep 127.0.0.1"
+            )
+
+    @property
+    def url(self) -> str:
+        scheme = "https" if self.ssl_certfile else "http"
+        return f"{scheme}://{self.host}:{self.port}{ROUTE}"
+
+
+def load_runner(
+    cfg: ModelConfig, *, device: str = "auto", limits: Limits | None = None, replicas: int = 1
+) -> BlocksRunner:
+    """The stripped blocks of ``cfg``'s model with their :class:`Identity`."""
+    from transformers import AutoModel
+
+    from car_fl.model.encoder import dtype_choice, pick_device
+    from car_fl.model.gguf import GgufError, resolve
+    from car_fl.model.loading import EncoderLoadError, load_error, load_pretrained
+
+    try:
+        name = resolve(cfg.name_or_path)
+    except GgufError as err:
+        raise EncoderLoadError(str(err)) from err
+    target = pick_device(device)
+    dtype, _ = dtype_choice(cfg.dtype, target)
+    try:
+        model = load_pretrained(AutoModel, name, dtype=dtype, device=target, revision=cfg.revision)
+    except Exception as err:
+        raise load_error(name, "weights", err) from err
+    folder = model_folder(name, cfg.revision)
+    fingerprint = identity_fingerprint(folder, node_tensor_names(model))
+    norm_on_node = strip_for_service(model)
+    model.to(target)
+    identity = Identity(
+        model=cfg.name_or_path,
+        fingerprint=fingerprint,
+        weights=weights_digest(folder),
+        dtype=str(dtype).removeprefix("torch."),
+        hidden=int(model.config.hidden_size),
+        norm_on_node=norm_on_node,
+        limits=limits or Limits(),
+        replicas=replicas,
+    )
+    return BlocksRunner(model, identity)
+
+
+def _tokens(items: list[Request]) -> int:
+    return sum(item.tokens for item in items)
+
+
+def deployment(service: ServiceConfig) -> Any:
+    """The Serve deployment class, configured for ``service`` (imported lazily: ray[serve])."""
+    from ray import serve
+    from starlette.requests import Request as HttpRequest
+    from starlette.responses import Response
+
+    @serve.deployment(
+        name="blocks",
+        num_replicas=service.replicas,
+        ray_actor_options={
+            "num_cpus": service.cpus_per_replica,
+            "num_gpus": service.gpus_per_replica,
+        },
+        max_ongoing_requests=4 * service.max_batch_requests,
+    )
+    class BlocksDeployment:
+        def __init__(self, model: dict[str, Any], device: str, limits: dict[str, int]) -> None:
+            logging.basicConfig(level=logging.INFO)
+            self.handler = BlocksHandler(
+                load_runner(
+                    ModelConfig(**model),
+                    device=device,
+                    limits=Limits(**limits),
+                    replicas=service.replicas,
+                ),
+                token=service.token,
+            )
+            batches: tuple[Any, ...] = (self.forward_batch, self.backward_batch)
+            for batched in batches:
+                batched.set_max_batch_size(int(limits["max_tokens"]))  # tokens (batch_size_fn)
+                batched.set_batch_wait_timeout_s(service.batch_wait_s)
+
+        async def __call__(self, request: HttpRequest) -> Response:
+            path = "/" + request.url.path.rstrip("/").rsplit("/", 1)[-1]
+            prepared = self.handler.prepare(path, await request.body(), dict(request.headers))
+            if isinstance(prepared, Answer):
+                answer = prepared
+            else:
+                batch = self.backward_batch if path == BACKWARD else self.forward_batch
+                answer = await batch(prepared)
+            return Response(answer.body, status_code=answer.status, media_type=answer.media_type)
+
+        @serve.batch(max_batch_size=16_384, batch_size_fn=_tokens)
+        async def forward_batch(self, requests: list[Request]) -> list[Answer]:
+            return await asyncio.to_thread(self.handler.run, FORWARD, requests)
+
+        @serve.batch(max_batch_size=16_384, batch_size_fn=_tokens)
+        async def backward_batch(self, requests: list[Request]) -> list[Answer]:
+            return await asyncio.to_thread(self.handler.run, BACKWARD, requests)
+
+    return BlocksDeployment
+
+
+def model_kwargs(cfg: ModelConfig) -> dict[str, Any]:
+    """``cfg`` as plain values a Ray actor can receive (enums as their names)."""
+    return {k: (v.value if hasattr(v, "value") else v) for k, v in asdict(cfg).items()}
+
+
+def start(cfg: ModelConfig, service: ServiceConfig, *, device: str = "auto") -> str:
+    """Start Ray (or join ``service.ray_address``) and the Serve app; returns its URL."""
+    import tempfile
+
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        own: dict[str, Any] = {}
+        if service.ray_address == "local":  # its own folder: Flower's ray.init() never joins it
+            own["_temp_dir"] = tempfile.mkdtemp(prefix="car-fl-ray-", dir="/tmp")
+        ray.init(
+            address=service.ray_address,
+            include_dashboard=False,
+            namespace=APP_NAME,
+            log_to_driver=False,
+            **own,
+        )
+    http: dict[str, Any] = {"host": service.host, "port": service.port}
+    if service.ssl_certfile:
+        http.update(ssl_certfile=service.ssl_certfile, ssl_keyfile=service.ssl_keyfile)
+    serve.start(http_options=http)
+    app = deployment(service).bind(model_kwargs(cfg), device, asdict(service.limits))
+    serve.run(app, name=APP_NAME, route_prefix=ROUTE, blocking=False)
+    return service.url
+
+
+def stop() -> None:
+    """Delete the app, stop Serve, and end the Ray instance this process started."""
+    import ray
+    from ray import serve
+
+    if ray.is_initialized():
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
