@@ -34,6 +34,21 @@ TOKEN_ENV = "CAR_FL_BLOCKS_TOKEN"
 CA_ENV = "CAR_FL_BLOCKS_CA"
 
 
+def service_identity(cfg: ModelConfig) -> dict[str, Any]:
+    """What the feature cache names of ``cfg``'s blocks service: the model fingerprint, the
+    digest of all its weights and its dtype (features from another service are another space)."""
+    if not cfg.blocks_service:
+        raise EncoderLoadError("model.blocks=remote, but no blocks service is named")
+    info = _client(cfg.blocks_service).health()
+    return {key: info.get(key) for key in ("fingerprint", "weights", "dtype")}
+
+
+def _client(url: str) -> BlocksClient:
+    return BlocksClient(
+        url, token=os.environ.get(TOKEN_ENV) or None, ca_file=os.environ.get(CA_ENV)
+    )
+
+
 def connect(
     cfg: ModelConfig, name: str, *, dtype: torch.dtype, device: torch.device
 ) -> tuple[Any, RemoteBlocks]:
@@ -71,9 +86,7 @@ def connect(
     except Exception as err:
         raise load_error(name, "embeddings and final norm", err) from err
     model.to(device)
-    client = BlocksClient(
-        cfg.blocks_service, token=os.environ.get(TOKEN_ENV) or None, ca_file=os.environ.get(CA_ENV)
-    )
+    client = _client(cfg.blocks_service)
     try:
         info = client.health()  # BlocksUnavailable goes up as it is: the round's failure code
     except BlocksRefused as err:

@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save
 
 from car_fl.common.io import atomic_write_bytes
 from car_fl.model.encoder import pick_device, pick_dtype
+from car_fl.model.blockless import service_identity
 from car_fl.model.loading import attention_choice
 from car_fl.settings.schema import ModelConfig
 
@@ -56,7 +57,7 @@ def _model_fingerprint(cfg: ModelConfig) -> dict[str, object]:
 
 def space_key(cfg: ModelConfig, *, device: str) -> str:
     """The features' *space*: model identity and files, dtype, device type, attention kernels,
-    pooling and max length. Two texts' features are interchangeable only within one space."""
+    pooling and max length, and with remote blocks the service's model, weights and dtype. Two texts' features are interchangeable only within one space."""
     target = pick_device(device)
     dtype = pick_dtype(cfg.dtype, target)
     attention = attention_choice(dtype, target)
@@ -72,6 +73,7 @@ def space_key(cfg: ModelConfig, *, device: str) -> str:
         **({"layer": cfg.layer} if cfg.layer != -1 else {}),
         **({"prompt": cfg.prompt} if cfg.prompt is not None else {}),
         **({"normalize": cfg.normalize} if cfg.normalize != "none" else {}),
+        **({"blocks": service_identity(cfg)} if cfg.blocks == "remote" else {}),
     }
     return hashlib.sha256(json.dumps(header, sort_keys=True).encode()).hexdigest()[:32]
 

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from car_fl.blocks import client
+from car_fl.model import encoder
 from car_fl.blocks.client import IN_PROCESS
 from car_fl.blocks.compute import Answer, BlocksHandler
 from car_fl.client.failures import Refusal, failure_of
@@ -63,6 +64,7 @@ def test_a_service_down_fails_the_round_with_its_own_code_and_the_next_round_wor
     """Down for one node's round 1 (two attempts refused): that node fails the round with
     BLOCKS_UNAVAILABLE (nothing of it aggregated), and round 2 trains on both once it is back."""
     monkeypatch.setattr(client, "DEFAULT_RETRY", client.Retry(attempts=2, backoff_s=0.0))
+    monkeypatch.setattr(encoder, "_SHARED", {})  # nodes connect anew, with those retries
     refused: list[str] = []
 
     def flaky(path: str, body: bytes, headers: dict[str, str]) -> Answer:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,20 @@ def test_an_intermediate_layer_is_refused_with_remote_blocks(normed_llama: Path)
         load_encoder(
             model_cfg(normed_llama, blocks="remote", blocks_service=URL, layer=1), device="cpu"
         )
+
+
+def test_the_feature_cache_names_the_services_weights(
+    normed_llama: Path, service: BlocksHandler
+) -> None:
+    from car_fl.blocks.client import IN_PROCESS
+    from car_fl.blocks.compute import BlocksHandler as Handler
+    from car_fl.blocks.compute import BlocksRunner
+    from car_fl.model.feature_cache import space_key
+
+    local = model_cfg(normed_llama)
+    remote = model_cfg(normed_llama, blocks="remote", blocks_service=URL)
+    first = space_key(remote, device="cpu")
+    assert first != space_key(local, device="cpu")
+    identity = dataclasses.replace(service.runner.identity, weights="another-digest")
+    IN_PROCESS[URL] = Handler(BlocksRunner(service.runner.model, identity)).handle
+    assert space_key(remote, device="cpu") != first  # other blocks: other features

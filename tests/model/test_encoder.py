@@ -10,7 +10,6 @@ import torch
 
 from car_fl.model.encoder import (
     EncoderLoadError,
-    attention_choice,
     dtype_choice,
     load_encoder,
     load_pretrained,
@@ -18,6 +17,7 @@ from car_fl.model.encoder import (
     pick_dtype,
     pool,
 )
+from car_fl.model.loading import attention_choice
 from car_fl.model.retriever import CaRRetriever
 from car_fl.settings.schema import (
     HeadConfig,
