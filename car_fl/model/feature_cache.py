@@ -24,8 +24,8 @@ import torch
 from safetensors.torch import load_file, save
 
 from car_fl.common.io import atomic_write_bytes
-from car_fl.model.encoder import pick_device, pick_dtype
 from car_fl.model.blockless import service_identity
+from car_fl.model.encoder import pick_device, pick_dtype
 from car_fl.model.loading import attention_choice
 from car_fl.settings.schema import ModelConfig
 
@@ -57,7 +57,8 @@ def _model_fingerprint(cfg: ModelConfig) -> dict[str, object]:
 
 def space_key(cfg: ModelConfig, *, device: str) -> str:
     """The features' *space*: model identity and files, dtype, device type, attention kernels,
-    pooling and max length, and with remote blocks the service's model, weights and dtype. Two texts' features are interchangeable only within one space."""
+    pooling and max length, and with remote blocks the service's model, weights and dtype. Two
+    texts' features are interchangeable only within one space."""
     target = pick_device(device)
     dtype = pick_dtype(cfg.dtype, target)
     attention = attention_choice(dtype, target)

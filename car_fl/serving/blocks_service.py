@@ -131,7 +131,10 @@ def deployment(service: ServiceConfig) -> Any:
     )
     class BlocksDeployment:
         def __init__(self, model: dict[str, Any], device: str, limits: dict[str, int]) -> None:
+            import torch
+
             logging.basicConfig(level=logging.INFO)
+            torch.set_num_threads(max(1, int(service.cpus_per_replica)))  # the CPUs Ray gave it
             self.handler = BlocksHandler(
                 load_runner(
                     ModelConfig(**model),
