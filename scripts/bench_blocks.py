@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -74,7 +73,7 @@ def start_service(model: str, port: int, log: Path) -> subprocess.Popen[bytes]:
 
 
 NODE = r"""
-import json, resource, sys, time, torch
+import json, sys, time, torch
 from car_fl.model.encoder import load_encoder
 from car_fl.settings.schema import ModelConfig
 model, blocks, url, texts = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
@@ -85,7 +84,10 @@ with torch.no_grad():
     for i in range(0, len(texts), 16):
         ids, mask = enc.pad(enc.tokenize(texts[i:i + 16]).input_ids)
         enc.pool(enc.transform(enc.embed(ids), mask), mask)
-print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+# VmHWM, this process's own peak (ru_maxrss keeps the parent's from before exec on Linux)
+status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+peak = int(status["VmHWM"].split()[0]) / 1024
+print(json.dumps({"peak_rss_mb": peak,
                   "node_parameters": sum(p.numel() for p in enc.model.parameters())}))
 """
 
@@ -212,7 +214,6 @@ def main() -> int:
             proc.wait(timeout=120)
         results["models"][name] = entry  # type: ignore[index]
         print(f"{name}: {json.dumps(entry)}", flush=True)
-    results["children_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     (args.out / "blocks.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     print(f"wrote {args.out / 'blocks.json'}")
     return 0
