@@ -8,6 +8,7 @@ model fingerprint differs from the node's own files, before any text is sent.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any
@@ -32,14 +33,23 @@ log = logging.getLogger(__name__)
 TOKEN_ENV = "CAR_FL_BLOCKS_TOKEN"
 #: A CA bundle that signs an https:// service's certificate.
 CA_ENV = "CAR_FL_BLOCKS_CA"
+#: The service of a party whose settings name none (the server of a simulation, whose nodes
+#: read it too: car_fl.client.node_settings): this machine's owner's environment.
+SERVICE_ENV = "CAR_FL_BLOCKS_SERVICE"
+
+
+def service_of(cfg: ModelConfig) -> str | None:
+    """``model.blocks_service``, else this machine's ``CAR_FL_BLOCKS_SERVICE``."""
+    return cfg.blocks_service or os.environ.get(SERVICE_ENV) or None
 
 
 def service_identity(cfg: ModelConfig) -> dict[str, Any]:
     """What the feature cache names of ``cfg``'s blocks service: the model fingerprint, the
     digest of all its weights and its dtype (features from another service are another space)."""
-    if not cfg.blocks_service:
+    service = service_of(cfg)
+    if not service:
         raise EncoderLoadError("model.blocks=remote, but no blocks service is named")
-    info = _client(cfg.blocks_service).health()
+    info = _client(service).health()
     return {key: info.get(key) for key in ("fingerprint", "weights", "dtype")}
 
 
@@ -56,6 +66,8 @@ def connect(
     from transformers import AutoConfig, AutoModel
     from transformers.utils import logging as hf_logging
 
+    if service_of(cfg) is not None:
+        cfg = dataclasses.replace(cfg, blocks_service=service_of(cfg))
     if not cfg.blocks_service:
         raise EncoderLoadError(
             "model.blocks=remote, but no blocks service is named: on a node, --node-config "

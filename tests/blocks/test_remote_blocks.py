@@ -93,6 +93,16 @@ def test_no_service_named_refuses_before_anything_is_sent(normed_llama: Path) ->
         load_encoder(model_cfg(normed_llama, blocks="remote"), device="cpu")
 
 
+def test_this_machines_environment_names_the_service_where_the_settings_do_not(
+    normed_llama: Path, service: BlocksHandler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server of a simulation (model.blocks=remote in the run, no address in any setting)
+    finds the service its owner's environment names, as the simulated nodes do."""
+    monkeypatch.setenv("CAR_FL_BLOCKS_SERVICE", URL)
+    remote = load_encoder(model_cfg(normed_llama, blocks="remote"), device="cpu")
+    assert remote.blocks is not None and remote.blocks.client.url == URL
+
+
 def test_a_service_holding_another_model_is_refused(
     normed_llama: Path, tiny_llama: Path, service: BlocksHandler
 ) -> None:
