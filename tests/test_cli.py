@@ -95,4 +95,5 @@ def test_every_subcommand_is_listed() -> None:
         "report",
         "ledger",
         "worker",
+        "serve-blocks",
     }

@@ -48,7 +48,7 @@ def test_data_is_shard_comes_from_the_node_config(make_settings) -> None:
 
 def test_every_node_config_key_sets_its_setting_and_none_enters_the_fingerprint() -> None:
     settings = load_settings("dataset.path=/data/a.tsv")
-    values = {"device": "cpu"}  # a value the schema accepts for each setting
+    values = {"device": "cpu", "blocks": "remote"}  # a value the schema accepts for each
     node_config = {
         key: values.get(key, f"/node/{key}") for key, spec in NODE_CONFIG.items() if spec.setting
     }
