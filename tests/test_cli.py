@@ -96,4 +96,5 @@ def test_every_subcommand_is_listed() -> None:
         "ledger",
         "worker",
         "serve-blocks",
+        "serve",
     }

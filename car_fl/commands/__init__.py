@@ -10,5 +10,6 @@ Each module has ``NAME``, ``HELP``, ``add_arguments(parser)`` and ``run(args) ->
 - :mod:`~car_fl.commands.worker`: this node's worker, which holds the encoder across rounds.
 - :mod:`~car_fl.commands.ask`: retrieve a question's documents and let a causal LM answer.
 - :mod:`~car_fl.commands.generate_queries`: training queries for a corpus, written by its SLM.
+- :mod:`~car_fl.commands.serve`: a checkpoint's retriever as an endpoint (Ray Serve).
 - :mod:`~car_fl.commands.serve_blocks`: a model's frozen blocks served to many nodes.
 """

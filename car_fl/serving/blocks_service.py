@@ -27,6 +27,8 @@ from car_fl.blocks.parts import (
     weights_digest,
 )
 from car_fl.blocks.wire import Limits, Request
+from car_fl.serving.ray_app import ServeConfig, start_serve
+from car_fl.serving.ray_app import stop as stop  # the service's stop is every Serve app's
 from car_fl.settings.schema import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -36,41 +38,14 @@ ROUTE = "/blocks"
 
 
 @dataclass(frozen=True)
-class ServiceConfig:
-    """How the service runs: where it listens, how many replicas, what each may use."""
+class ServiceConfig(ServeConfig):
+    """How the service runs (:class:`~car_fl.serving.ray_app.ServeConfig`) and its limits."""
 
-    host: str = "127.0.0.1"
-    port: int = 8200
-    replicas: int = 1
-    cpus_per_replica: float = 1.0
-    gpus_per_replica: float = 0.0
-    #: ``local``: a Ray instance of its own; ``auto`` or ``host:port``: an existing cluster.
-    ray_address: str = "local"
-    #: Requests a replica takes into one batch at most (each bounded by ``limits``).
-    max_batch_requests: int = 16
-    batch_wait_s: float = 0.005
     limits: Limits = field(default_factory=Limits)
-    token: str | None = None
-    ssl_certfile: str | None = None
-    ssl_keyfile: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.replicas < 1:
-            raise ValueError(f"--replicas must be >= 1, got {self.replicas}")
-        if not 0 < self.port < 65536:
-            raise ValueError(f"--port must be in 1..65535, got {self.port}")
-        if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
-            raise ValueError("TLS needs both --ssl-certfile and --ssl-keyfile")
-        if self.host not in ("127.0.0.1", "localhost", "::1") and not self.token:
-            raise ValueError(
-                f"--host {self.host} would serve other machines without a token: give "
-                "--token-file (and TLS: --ssl-certfile/--ssl-keyfile), or keep 127.0.0.1"
-            )
 
     @property
     def url(self) -> str:
-        scheme = "https" if self.ssl_certfile else "http"
-        return f"{scheme}://{self.host}:{self.port}{ROUTE}"
+        return self.origin + ROUTE
 
 
 def load_runner(
@@ -123,10 +98,7 @@ def deployment(service: ServiceConfig) -> Any:
     @serve.deployment(
         name="blocks",
         num_replicas=service.replicas,
-        ray_actor_options={
-            "num_cpus": service.cpus_per_replica,
-            "num_gpus": service.gpus_per_replica,
-        },
+        ray_actor_options=service.actor_options(),
         max_ongoing_requests=4 * service.max_batch_requests,
     )
     class BlocksDeployment:
@@ -177,38 +149,9 @@ def model_kwargs(cfg: ModelConfig) -> dict[str, Any]:
 
 def start(cfg: ModelConfig, service: ServiceConfig, *, device: str = "auto") -> str:
     """Start Ray (or join ``service.ray_address``) and the Serve app; returns its URL."""
-    import tempfile
-
-    import ray
     from ray import serve
 
-    if not ray.is_initialized():
-        own: dict[str, Any] = {}
-        if service.ray_address == "local":  # its own folder: Flower's ray.init() never joins it
-            own["_temp_dir"] = tempfile.mkdtemp(prefix="car-fl-ray-", dir="/tmp")
-        ray.init(
-            address=service.ray_address,
-            include_dashboard=False,
-            namespace=APP_NAME,
-            log_to_driver=False,
-            **own,
-        )
-    http: dict[str, Any] = {"host": service.host, "port": service.port}
-    if service.ssl_certfile:
-        http.update(ssl_certfile=service.ssl_certfile, ssl_keyfile=service.ssl_keyfile)
-    serve.start(http_options=http)
+    start_serve(service, namespace=APP_NAME)
     app = deployment(service).bind(model_kwargs(cfg), device, asdict(service.limits))
     serve.run(app, name=APP_NAME, route_prefix=ROUTE, blocking=False)
     return service.url
-
-
-def stop() -> None:
-    """Delete the app, stop Serve, and end the Ray instance this process started."""
-    import ray
-    from ray import serve
-
-    if ray.is_initialized():
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()

@@ -1,0 +1,55 @@
+"""``car-fl serve``: a trained checkpoint as a retrieval endpoint many RAG applications share.
+
+    car-fl serve --checkpoint outputs/<date>/<time>/checkpoints/best --port 8300
+
+``POST /retrieve`` with ``{"queries": [...], "k": 5}`` answers per query its top-k documents;
+``GET /health`` names the checkpoint, its settings' fingerprint and the model; the schema is at
+``/docs`` (docs/retrieval.md). A checkpoint that cannot load fails in one line before Ray
+starts. It runs until Ctrl-C or SIGTERM, then ends the Ray instance it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from car_fl.serving.ray_app import add_serve_arguments, serve_config_values, serve_until_stopped
+
+NAME = "serve"
+HELP = "serve a checkpoint's retriever as an HTTP endpoint (Ray Serve): top-k documents"
+#: Where the token may come from besides --token-file (never a flag: argv is visible to all).
+TOKEN_ENV = "CAR_FL_SERVE_TOKEN"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--checkpoint",
+        required=True,
+        help="checkpoint folder, e.g. outputs/<date>/<time>/checkpoints/best",
+    )
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
+    add_serve_arguments(parser, port=8300, token_env=TOKEN_ENV)
+    parser.add_argument(
+        "--max-batch-queries", type=int, default=256, help="queries per batch (many clients')"
+    )
+    parser.add_argument(
+        "--batch-wait-ms", type=float, default=5.0, help="how long a batch waits to fill"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check the flags and the checkpoint, start the endpoint, serve until stopped."""
+    from car_fl.common.hub import offline_unless_reachable
+    from car_fl.serving.retrieval_service import RetrievalConfig, start
+
+    service = RetrievalConfig(
+        **serve_config_values(args, token_env=TOKEN_ENV),
+        max_batch_queries=args.max_batch_queries,
+        batch_wait_s=args.batch_wait_ms / 1000,
+    )
+    offline_unless_reachable()  # no Hub: the loaders read the local cache, and fail in seconds
+    return serve_until_stopped(
+        NAME,
+        lambda: start(args.checkpoint, service, device=args.device),
+        what=args.checkpoint,
+        ready_file=args.ready_file,
+    )

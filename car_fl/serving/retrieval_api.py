@@ -1,0 +1,272 @@
+"""The retrieval endpoint without Ray: its schema, its checks and the app that answers.
+
+:class:`RetrieveRequest` is one or many queries and ``k``; :class:`RetrieveResponse` gives per
+query the top-k documents with id, rank, score (the head's own, ``score_kind``), probability,
+text and title (a corpus's), exactly as :meth:`~car_fl.model.retriever.CaRRetriever.retrieve`
+returns them (:func:`results_of`). :class:`RetrievalService` checks the token and ``k`` and
+answers a batch of requests with one ``retrieve`` call; :func:`build_app` is its FastAPI app
+(``/retrieve``, ``/health``, OpenAPI at ``/docs``). Every bad input is a 4xx whose message
+names the field, never a 500, and never echoes the input back; queries are logged by count,
+never by content. Ray Serve runs the same app on its replicas (:mod:`.retrieval_service`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from car_fl.heads.head import Retrieval
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from car_fl.model.retriever import CaRRetriever
+
+log = logging.getLogger(__name__)
+
+#: Characters one query may hold (a megabyte is refused, not encoded and cut).
+MAX_QUERY_CHARS = 8192
+#: Queries one request may hold.
+MAX_QUERIES = 256
+#: Paths anyone may read: the schema and its page (nothing about the checkpoint).
+OPEN_PATHS = ("/docs", "/openapi.json", "/redoc")
+
+
+class RetrieveRequest(BaseModel):
+    """One or many queries (a string is one) and how many documents each gets back."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    queries: list[str] = Field(
+        min_length=1,
+        max_length=MAX_QUERIES,
+        description=f"query texts (a single string is one query), 1 to {MAX_QUERIES}, each "
+        f"not blank and at most {MAX_QUERY_CHARS} characters",
+    )
+    k: int = Field(ge=1, description="documents per query: 1 to the documents served")
+
+    @field_validator("queries", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("queries")
+    @classmethod
+    def _each_query(cls, queries: list[str]) -> list[str]:
+        for i, query in enumerate(queries):
+            if not query.strip():
+                raise ValueError(f"query {i} is empty")
+            if len(query) > MAX_QUERY_CHARS:
+                raise ValueError(
+                    f"query {i} has {len(query)} characters, at most {MAX_QUERY_CHARS}"
+                )
+        return queries
+
+
+class RetrievedDocument(BaseModel):
+    """One retrieved document, best first: ``rank`` 1 is the best."""
+
+    rank: int
+    id: str
+    score: float
+    probability: float | None = Field(
+        default=None, description="softmax over all documents (cross-entropy heads only)"
+    )
+    text: str
+    title: str | None = None
+
+
+class QueryResult(BaseModel):
+    """One query's documents and what their scores are (logit, cosine, dot, votes, rrf)."""
+
+    score_kind: str
+    documents: list[RetrievedDocument]
+
+
+class RetrieveResponse(BaseModel):
+    """Per query of the request, in its order, its top-k documents."""
+
+    results: list[QueryResult]
+
+
+class Health(BaseModel):
+    """What is served: the checkpoint, its settings' fingerprint, the model, the documents."""
+
+    status: str = "ok"
+    checkpoint: str
+    fingerprint: str
+    model: str
+    head: str
+    documents: int
+
+
+class Refused(Exception):
+    """A request answered with a 4xx: its status and a message naming the field."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+def results_of(
+    retrievals: Sequence[Retrieval], titles: dict[str, str] | None = None
+) -> list[QueryResult]:
+    """``retrieve``'s results as the endpoint returns them (rank from 1, titles of a corpus)."""
+    titles = titles or {}
+    return [
+        QueryResult(
+            score_kind=r.score_kind,
+            documents=[
+                RetrievedDocument(
+                    rank=rank,
+                    id=hit.id,
+                    score=hit.score,
+                    probability=hit.probability,
+                    text=hit.text,
+                    title=titles.get(hit.id),
+                )
+                for rank, hit in enumerate(r.hits, 1)
+            ],
+        )
+        for r in retrievals
+    ]
+
+
+def corpus_titles(retriever: CaRRetriever) -> dict[str, str]:
+    """Each document's title (id → title) of a corpus checkpoint; empty for labels."""
+    from car_fl.data.corpus import read_documents
+    from car_fl.settings.schema import Reader
+
+    settings = retriever.settings
+    if settings is None or settings.dataset.reader is not Reader.CORPUS:
+        return {}
+    path = settings.dataset.documents_path
+    return {d.id: d.title for d in read_documents(path) if d.title} if path else {}
+
+
+class RetrievalService:
+    """A loaded retriever behind the endpoint's checks: token, ``k``, batches of requests."""
+
+    def __init__(
+        self, retriever: CaRRetriever, *, checkpoint: str | Path, token: str | None = None
+    ) -> None:
+        from car_fl.settings.flower import fingerprint
+
+        if retriever.label_names is None or retriever.settings is None:
+            raise ValueError("the retriever has no labels: load it with load_retriever")
+        self.retriever, self.token = retriever, token
+        self.titles = corpus_titles(retriever)
+        self.documents = len(retriever.label_names)
+        self.health = Health(
+            checkpoint=str(checkpoint),
+            fingerprint=fingerprint(retriever.settings),
+            model=retriever.settings.model.name_or_path,
+            head=str(retriever.kind.value),
+            documents=self.documents,
+        )
+
+    def authorize(self, header: str | None) -> None:
+        """Refuse (401) a request without ``Authorization: Bearer <token>`` when one is set."""
+        if self.token and not hmac.compare_digest(
+            (header or "").encode(), f"Bearer {self.token}".encode()
+        ):
+            raise Refused(401, "Authorization: missing or wrong token (send 'Bearer <token>')")
+
+    def check(self, request: RetrieveRequest) -> None:
+        """What the schema cannot know: ``k`` against the documents this checkpoint serves."""
+        if request.k > self.documents:
+            raise Refused(
+                422, f"k: {request.k} is above the {self.documents} documents this serves"
+            )
+
+    def run(self, requests: Sequence[RetrieveRequest]) -> list[RetrieveResponse]:
+        """One ``retrieve`` for all queries of ``requests`` (at their largest ``k``), each
+        request's own queries and ``k`` cut from it."""
+        queries = [q for request in requests for q in request.queries]
+        k = max(request.k for request in requests)
+        log.info("retrieve: %d requests, %d queries, k=%d", len(requests), len(queries), k)
+        results = results_of(self.retriever.retrieve(queries, k), self.titles)
+        out, start = [], 0
+        for request in requests:
+            mine = results[start : start + len(request.queries)]
+            start += len(request.queries)
+            cut = [
+                QueryResult(score_kind=r.score_kind, documents=r.documents[: request.k])
+                for r in mine
+            ]
+            out.append(RetrieveResponse(results=cut))
+        return out
+
+
+def field_message(errors: Sequence[Any]) -> str:
+    """Pydantic's errors as one line, each naming its field (``queries.0: ...``), no input."""
+    parts = []
+    for error in errors:
+        loc = [str(p) for p in error.get("loc", ())][1:]  # after "body" (or "header")
+        if error.get("type") == "json_invalid":
+            loc = []  # its place in the text, not a field
+        where = ".".join(loc) or "body"
+        parts.append(f"{where}: {error.get('msg', 'invalid')}")
+    return "; ".join(parts)
+
+
+def build_app(
+    service: RetrievalService,
+    *,
+    batch: Callable[[RetrieveRequest], Awaitable[RetrieveResponse]] | None = None,
+) -> FastAPI:
+    """The endpoint's FastAPI app; ``batch`` answers one checked request (Serve's batching on
+    a replica; by default :meth:`RetrievalService.run` of that one request in a thread)."""
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response
+
+    import car_fl
+
+    async def alone(request: RetrieveRequest) -> RetrieveResponse:
+        [answer] = await asyncio.to_thread(service.run, [request])
+        return answer
+
+    answer = batch or alone
+    app = FastAPI(
+        title="car-fl retrieval",
+        version=getattr(car_fl, "__version__", "0"),
+        description="Top-k documents of a car-fl checkpoint (docs/retrieval.md).",
+    )
+
+    @app.middleware("http")
+    async def _token(request: Request, call_next: Any) -> Response:  # before any body is read
+        if not request.url.path.endswith(OPEN_PATHS):
+            try:
+                service.authorize(request.headers.get("authorization"))
+            except Refused as err:
+                return JSONResponse({"detail": err.message}, status_code=err.status)
+        response: Response = await call_next(request)
+        return response
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+        return JSONResponse({"detail": field_message(err.errors())}, status_code=422)
+
+    @app.exception_handler(Refused)
+    async def _refused(request: Request, err: Refused) -> JSONResponse:
+        return JSONResponse({"detail": err.message}, status_code=err.status)
+
+    @app.post("/retrieve", response_model=RetrieveResponse)
+    async def retrieve(body: RetrieveRequest) -> RetrieveResponse:
+        """Per query, its top-k documents (ids, scores, texts, titles), best first."""
+        service.check(body)
+        return await answer(body)
+
+    @app.get("/health", response_model=Health)
+    async def health() -> Health:
+        """The checkpoint served, its settings' fingerprint, the model and the documents."""
+        return service.health
+
+    return app
