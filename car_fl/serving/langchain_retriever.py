@@ -1,0 +1,67 @@
+"""car-fl's retriever as a LangChain ``BaseRetriever`` (``pip install -e ".[langchain]"``).
+
+:class:`CarFlRetriever` returns, per query, the top ``k`` documents as LangChain
+``Document`` objects (``page_content`` the text, ``id`` the document id, car-fl's id, rank,
+score, score kind, probability and title in ``metadata``), exactly what
+:meth:`~car_fl.model.retriever.CaRRetriever.retrieve` returns, from a checkpoint loaded in this
+process or from a running ``car-fl serve`` endpoint; ``ainvoke`` is async throughout.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from langchain_core.callbacks import (
+    AsyncCallbackManagerForRetrieverRun,
+    CallbackManagerForRetrieverRun,
+)
+from langchain_core.documents import Document
+from langchain_core.retrievers import BaseRetriever
+from pydantic import ConfigDict, Field
+
+from car_fl.serving.retrieval_api import QueryResult
+from car_fl.serving.retrieval_client import Source, metadata, source
+
+
+def documents_of(result: QueryResult) -> list[Document]:
+    """One query's car-fl result as LangChain documents, best first."""
+    return [
+        Document(page_content=d.text, id=d.id, metadata=metadata(d, result.score_kind))
+        for d in result.documents
+    ]
+
+
+class CarFlRetriever(BaseRetriever):
+    """The top ``k`` documents of a car-fl retriever, in-process or from its endpoint."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    source: Any = Field(description="a car_fl.serving.retrieval_client.Source")
+    k: int = Field(default=4, ge=1)
+
+    @classmethod
+    def from_checkpoint(
+        cls, path: str | Path, *, k: int = 4, device: str = "auto"
+    ) -> CarFlRetriever:
+        """A retriever loaded in this process from a car-fl checkpoint folder."""
+        return cls(source=source(checkpoint=path, device=device), k=k)
+
+    @classmethod
+    def from_endpoint(cls, url: str, *, k: int = 4, token: str | None = None) -> CarFlRetriever:
+        """The retriever that ``car-fl serve`` runs at ``url``."""
+        return cls(source=source(url=url, token=token), k=k)
+
+    def _get_relevant_documents(
+        self, query: str, *, run_manager: CallbackManagerForRetrieverRun
+    ) -> list[Document]:
+        found: Source = self.source
+        [result] = found.retrieve([query], self.k)
+        return documents_of(result)
+
+    async def _aget_relevant_documents(
+        self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun
+    ) -> list[Document]:
+        found: Source = self.source
+        [result] = await found.aretrieve([query], self.k)
+        return documents_of(result)

@@ -1,0 +1,61 @@
+"""car-fl's retriever as a LlamaIndex ``BaseRetriever`` (``pip install -e ".[llamaindex]"``).
+
+:class:`CarFlLlamaRetriever` returns, per query, the top ``k`` documents as ``NodeWithScore``
+(a ``TextNode`` whose id is the document id, its text, car-fl's id, rank, score, score kind,
+probability and title in ``metadata``; the score is car-fl's), exactly what
+:meth:`~car_fl.model.retriever.CaRRetriever.retrieve` returns, from a checkpoint loaded in this
+process or from a running ``car-fl serve`` endpoint; ``aretrieve`` is async throughout.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from llama_index.core.retrievers import BaseRetriever
+from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+
+from car_fl.serving.retrieval_api import QueryResult
+from car_fl.serving.retrieval_client import Source, metadata, source
+
+
+def nodes_of(result: QueryResult) -> list[NodeWithScore]:
+    """One query's car-fl result as LlamaIndex nodes with their scores, best first."""
+    return [
+        NodeWithScore(
+            node=TextNode(id_=d.id, text=d.text, metadata=metadata(d, result.score_kind)),
+            score=d.score,
+        )
+        for d in result.documents
+    ]
+
+
+class CarFlLlamaRetriever(BaseRetriever):
+    """The top ``k`` documents of a car-fl retriever, in-process or from its endpoint."""
+
+    def __init__(self, found: Source, *, k: int = 4) -> None:
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        super().__init__()
+        self.source, self.k = found, k
+
+    @classmethod
+    def from_checkpoint(
+        cls, path: str | Path, *, k: int = 4, device: str = "auto"
+    ) -> CarFlLlamaRetriever:
+        """A retriever loaded in this process from a car-fl checkpoint folder."""
+        return cls(source(checkpoint=path, device=device), k=k)
+
+    @classmethod
+    def from_endpoint(
+        cls, url: str, *, k: int = 4, token: str | None = None
+    ) -> CarFlLlamaRetriever:
+        """The retriever that ``car-fl serve`` runs at ``url``."""
+        return cls(source(url=url, token=token), k=k)
+
+    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        [result] = self.source.retrieve([query_bundle.query_str], self.k)
+        return nodes_of(result)
+
+    async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        [result] = await self.source.aretrieve([query_bundle.query_str], self.k)
+        return nodes_of(result)

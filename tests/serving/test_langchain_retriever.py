@@ -1,0 +1,60 @@
+"""car_fl.serving.langchain_retriever: LangChain's BaseRetriever over a checkpoint in-process.
+
+Sync and async answer exactly what ``load_retriever(...).retrieve`` returns, car-fl's score and
+rank in each document's metadata (against the endpoint: tests/serving/test_retrieval_service.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("langchain_core", reason='needs langchain-core: pip install -e ".[langchain]"')
+
+from car_fl.heads.head import Retrieval
+from car_fl.serving.checkpoint import load_retriever
+from car_fl.serving.langchain_retriever import CarFlRetriever
+from car_fl.serving.retrieval_client import source
+from tests.serving.test_retrieval_api import QUERIES, corpus_checkpoint
+
+
+@pytest.fixture(scope="module")
+def checkpoint(
+    tiny_llama: Path, tiny_corpus: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    return corpus_checkpoint(tmp_path_factory.mktemp("langchain"), tiny_llama, tiny_corpus)
+
+
+def assert_documents(documents: list, want: Retrieval) -> None:
+    """LangChain documents equal to one ``Retrieval`` of ``load_retriever``."""
+    assert [d.id for d in documents] == list(want.labels)
+    assert [d.page_content for d in documents] == list(want.documents)
+    for rank, (doc, score) in enumerate(zip(documents, want.scores, strict=True), 1):
+        assert doc.metadata["rank"] == rank and doc.metadata["id"] == doc.id
+        assert abs(doc.metadata["score"] - score) <= 1e-6
+        assert (
+            doc.metadata["score_kind"] == want.score_kind
+            and doc.metadata["title"] == f"Title of {doc.id}"
+        )
+
+
+def test_in_process_it_returns_what_load_retriever_retrieves_sync_and_async(
+    checkpoint: Path,
+) -> None:
+    retriever = CarFlRetriever.from_checkpoint(checkpoint, k=4, device="cpu")
+    loaded = load_retriever(checkpoint, device="cpu")
+    for query in QUERIES:  # one query a call, as the framework asks
+        [expected] = loaded.retrieve([query], 4)
+        assert_documents(retriever.invoke(query), expected)
+        assert_documents(asyncio.run(retriever.ainvoke(query)), expected)
+
+
+def test_it_needs_exactly_one_source_and_a_positive_k(checkpoint: Path) -> None:
+    with pytest.raises(ValueError, match="exactly one"):
+        source()
+    with pytest.raises(ValueError, match="exactly one"):
+        source(checkpoint=checkpoint, url="http://127.0.0.1:1")
+    with pytest.raises(ValueError, match="greater than or equal to 1"):
+        CarFlRetriever.from_endpoint("http://127.0.0.1:1", k=0)
