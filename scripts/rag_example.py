@@ -1,0 +1,136 @@
+"""A worked RAG example, offline: a car-fl retriever trained by a federation, in a LangChain chain.
+
+    python scripts/rag_example.py --papers 300        # arXiv dev papers, MiniLM, SmolLM2 answers
+    python scripts/rag_example.py --smoke             # tiny models and corpus (a test)
+
+Steps: (1) the first ``--papers`` papers of the arXiv dev set become a corpus
+(scripts/arxiv_corpus.py: papers are documents, their sentences queries); (2) a federation of
+``--clients`` nodes trains a document head on it for ``--rounds`` rounds, in this process
+(:func:`car_fl.simulation.in_process.run_local`, the real ServerApp and ClientApp handlers);
+(3) a LangChain chain retrieves with :class:`car_fl.serving.langchain_retriever.CarFlRetriever`
+from the run's best checkpoint and answers with the local generator
+(:func:`car_fl.serving.rag.load_generator`, ``gguf:smollm2``). Prints the question, the
+retrieved documents (id, score, title) and the answer. ``--url`` retrieves from a running
+``car-fl serve`` of that checkpoint instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+ARXIV = ROOT.parent / "shared" / "data" / "arxiv_dev" / "arxiv_dev.jsonl"
+#: Asked unless --question says otherwise (an arXiv dev paper's subject).
+QUESTION = "How can a neural network be made robust to adversarial examples?"
+
+
+def corpus(papers: int, work: Path, *, smoke: bool) -> tuple[Path, Path]:
+    """``documents.jsonl`` and ``queries.jsonl`` of the first ``papers`` arXiv dev papers."""
+    from car_fl.testing.tiny import write_corpus
+
+    if smoke:
+        return write_corpus(work / "corpus")
+    out = work / "corpus"
+    script = ROOT / "scripts" / "arxiv_corpus.py"
+    subprocess.run(
+        [sys.executable, str(script), str(ARXIV), str(out), "--limit", str(papers)], check=True
+    )
+    return out / "documents.jsonl", out / "queries.jsonl"
+
+
+def federated_checkpoint(
+    documents: Path, queries: Path, work: Path, args: argparse.Namespace
+) -> Path:
+    """The best checkpoint of a federation trained on the corpus in this process."""
+    from car_fl.settings.compose import load_settings
+    from car_fl.simulation.in_process import run_local
+    from car_fl.testing.tiny import build_llama, tiny_overrides
+
+    if args.smoke:
+        model = tiny_overrides(build_llama(work / "tiny-llama"), queries, cache_dir=work / "cache")
+    else:
+        model = [f"model={args.model}", f"dataset.path={queries}", f"cache_dir={work / 'cache'}"]
+        model += ["progress=false", "model.document_max_length=256"]
+    overrides = [
+        *model,
+        "dataset=corpus",
+        f"dataset.documents_path={documents}",
+        "approach=document",
+        f"fl.clients={args.clients}",
+        f"fl.rounds={args.rounds}",
+        f"output_dir={work / 'federation'}",
+    ]
+    run_local(load_settings(overrides))
+    return work / "federation" / "checkpoints" / "best"
+
+
+def chain_for(retriever: Any, generator: Any, *, max_new_tokens: int) -> Any:
+    """question → {documents, question} → the generator's answer with its sources."""
+    from langchain_core.runnables import RunnableLambda, RunnableParallel, RunnablePassthrough
+
+    from car_fl.heads.head import Hit
+
+    def answer(found: dict[str, Any]) -> dict[str, Any]:
+        hits = [
+            Hit(id=d.id, text=d.page_content, score=d.metadata["score"]) for d in found["documents"]
+        ]
+        reply = generator.answer(found["question"], hits, max_new_tokens=max_new_tokens)
+        return {"answer": reply.text, "documents": found["documents"]}
+
+    fetch = RunnableParallel(documents=retriever, question=RunnablePassthrough())
+    return fetch | RunnableLambda(answer)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--papers", type=int, default=300, help="arXiv dev papers in the corpus")
+    parser.add_argument("--model", default="minilm", help="the retriever's encoder (model=...)")
+    parser.add_argument("--generator", default="gguf:smollm2", help="hub id, folder or GGUF")
+    parser.add_argument("--clients", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("-k", type=int, default=3, help="documents the generator reads")
+    parser.add_argument("--question", default=QUESTION)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--url", default=None, help="retrieve from this car-fl serve instead")
+    parser.add_argument("--work", type=Path, default=None, help="corpus and run (default: temp)")
+    parser.add_argument("--smoke", action="store_true", help="tiny models and corpus (a test)")
+    args = parser.parse_args(argv)
+    from car_fl.serving.langchain_retriever import CarFlRetriever
+    from car_fl.serving.rag import load_generator
+    from car_fl.testing.tiny import build_llama
+
+    work = args.work or Path(tempfile.mkdtemp(prefix="rag-example-"))
+    work.mkdir(parents=True, exist_ok=True)
+    if not args.smoke and not ARXIV.is_file():
+        parser.error(f"{ARXIV} not found (the arXiv dev set)")
+    documents, queries = corpus(args.papers, work, smoke=args.smoke)
+    checkpoint = federated_checkpoint(documents, queries, work, args)
+    if args.url:
+        retriever = CarFlRetriever.from_endpoint(args.url, k=args.k)
+    else:
+        retriever = CarFlRetriever.from_checkpoint(checkpoint, k=args.k, device="cpu")
+    if args.smoke:
+        args.generator = str(build_llama(work / "tiny-generator", causal=True))
+        args.question, args.max_new_tokens = "w5 w25", 4
+    generator = load_generator(args.generator, device="cpu")
+    chain = chain_for(retriever, generator, max_new_tokens=args.max_new_tokens)
+    result = chain.invoke(args.question)
+    print(f"checkpoint: {checkpoint}")
+    print(f"question: {args.question}")
+    for doc in result["documents"]:
+        meta = doc.metadata
+        title = meta.get("title") or " ".join(doc.page_content.split())[:60]
+        print(f"  {meta['rank']}. {doc.id}\t{meta['score']:.4f}\t{title}")
+    print(f"answer: {result['answer']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
