@@ -92,6 +92,17 @@ class HttpTransport:
             self._connection = None
 
     def __call__(self, path: str, body: bytes, headers: dict[str, str]) -> Answer:
+        reused = self._connection is not None
+        try:
+            return self._send(path, body, headers)
+        except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
+            if not reused:
+                raise
+        # the server closed the kept-alive connection while it was idle (its keep-alive
+        # timeout): every operation is stateless, so it is sent again at once on a new one
+        return self._send(path, body, headers)
+
+    def _send(self, path: str, body: bytes, headers: dict[str, str]) -> Answer:
         connection = self._connect()
         method = "GET" if path == HEALTH else "POST"
         try:

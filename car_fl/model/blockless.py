@@ -66,8 +66,9 @@ def connect(
     from transformers import AutoConfig, AutoModel
     from transformers.utils import logging as hf_logging
 
-    if service_of(cfg) is not None:
-        cfg = dataclasses.replace(cfg, blocks_service=service_of(cfg))
+    service = service_of(cfg)
+    if service:
+        cfg = dataclasses.replace(cfg, blocks_service=service)
     if not cfg.blocks_service:
         raise EncoderLoadError(
             "model.blocks=remote, but no blocks service is named: on a node, --node-config "

@@ -90,3 +90,40 @@ def test_a_large_batch_is_cut_to_the_service_limits(service: BlocksHandler) -> N
 
 def _request(embeds: torch.Tensor, mask: torch.Tensor) -> Request:
     return Request(embeds, mask.long(), None, "")
+
+
+def test_a_kept_alive_connection_the_server_closed_is_reopened_without_a_retry(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A server closes an idle kept-alive connection (its keep-alive timeout, as Serve's proxy
+    does): the next request goes out again at once on a new connection, no retry, no warning."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class OneRequestPerConnection(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # promises keep-alive, then closes after each reply
+
+        def do_GET(self) -> None:
+            body = json.dumps({"fingerprint": "f"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            self.close_connection = True
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), OneRequestPerConnection)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = BlocksClient(f"http://127.0.0.1:{server.server_port}/blocks", retry=FAST)
+        with caplog.at_level("WARNING"):
+            for _ in range(3):
+                assert client.health()["fingerprint"] == "f"
+        assert not [r for r in caplog.records if "retrying" in r.getMessage()]
+    finally:
+        server.shutdown()
+        server.server_close()
