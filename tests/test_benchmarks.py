@@ -1,7 +1,10 @@
 """Every benchmark script that the docs name runs to the end, in its smoke mode (tiny models).
 
 The numbers of a smoke run mean nothing; what is checked is that each script reaches its
-report and writes every figure, so that a change elsewhere cannot break one unnoticed.
+report and writes every figure, so that a change elsewhere cannot break one unnoticed. Marked
+``bench`` (about 10 minutes of the two cores): the default run leaves them out, so that CI
+answers sooner; ``python -m pytest -m bench`` runs them, as before a benchmark's figures are
+quoted.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.bench]
 
 ROOT = Path(__file__).resolve().parents[1]
 
