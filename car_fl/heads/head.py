@@ -116,12 +116,17 @@ class Retrieval:
 
 
 def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores (as given) and indices of the ``k`` best labels: two ``(batch, min(k, labels))``."""
+    """Scores (as given) and indices of the ``k`` best labels: two ``(batch, min(k, labels))``.
+
+    Ties go to the lower label index (a stable sort), so the top ``k`` are the first ``k`` of
+    any larger top: a batch of requests served at their largest ``k`` and cut to each one's own
+    gives each exactly what it alone would get."""
     if k < 1:
         raise ValueError(f"K must be >= 1, got {k}")
     exact = logits if logits.dtype == torch.float64 else logits.float()  # fused ranks: float64
-    scores, indices = exact.topk(min(k, logits.shape[-1]), dim=-1)
-    return scores, indices
+    scores, indices = torch.sort(exact, dim=-1, descending=True, stable=True)
+    keep = min(k, logits.shape[-1])
+    return scores[..., :keep], indices[..., :keep]
 
 
 def retrieve(

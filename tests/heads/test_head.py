@@ -39,6 +39,19 @@ def test_top_k_and_retrieve_return_best_labels_first() -> None:
         top_k(logits, 0)
 
 
+def test_top_k_breaks_ties_by_label_so_a_smaller_k_is_a_prefix_of_a_larger() -> None:
+    # the endpoint answers a batch at its largest k and cuts each request to its own
+    logits = torch.zeros(3, 300)
+    logits[:, ::7] = 1.0
+    logits[1, 5] = 2.0
+    _, every = top_k(logits, 300)
+    for k in (1, 5, 43, 44, 120):
+        _, idx = top_k(logits, k)
+        assert torch.equal(idx, every[:, :k])
+    assert every[0, :3].tolist() == [0, 7, 14]  # equal scores: the lower label first
+    assert every[1, :2].tolist() == [5, 0]
+
+
 def test_retrieve_returns_each_labels_document_or_its_name() -> None:
     logits = torch.tensor([[0.0, 2.0, 1.0]])
     [named] = retrieve(logits, 2, ["a", "b", "c"])
