@@ -16,7 +16,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +38,12 @@ class ServeConfig:
     #: Requests a replica takes into one batch at most.
     max_batch_requests: int = 16
     batch_wait_s: float = 0.005
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)  # never in a log line or a traceback
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
+    #: Serve other machines over plain HTTP (the token and the data in clear): a trusted
+    #: network only, e.g. a VPN; without it another host needs TLS.
+    plain_http: bool = False
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -53,6 +56,12 @@ class ServeConfig:
             raise ValueError(
                 f"--host {self.host} would serve other machines without a token: give "
                 "--token-file (and TLS: --ssl-certfile/--ssl-keyfile), or keep 127.0.0.1"
+            )
+        if self.host not in LOOPBACK and not self.ssl_certfile and not self.plain_http:
+            raise ValueError(
+                f"--host {self.host} would send the token and every request in clear text: "
+                "give --ssl-certfile and --ssl-keyfile (python scripts/make_certs.py), or "
+                "--plain-http on a network you trust (a VPN)"
             )
 
     @property
@@ -120,6 +129,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser, *, port: int, token_env
     parser.add_argument("--ssl-certfile", default=None, help="TLS certificate (PEM)")
     parser.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM)")
     parser.add_argument(
+        "--plain-http",
+        action="store_true",
+        help="serve another --host without TLS (a trusted network only: the token is in clear)",
+    )
+    parser.add_argument(
         "--ready-file", default=None, help="write the service's URL here once it answers"
     )
 
@@ -149,6 +163,7 @@ def serve_config_values(args: argparse.Namespace, *, token_env: str) -> dict[str
         "token": read_token(args.token_file, env=token_env),
         "ssl_certfile": args.ssl_certfile,
         "ssl_keyfile": args.ssl_keyfile,
+        "plain_http": args.plain_http,
     }
 
 

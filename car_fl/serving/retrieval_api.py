@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from car_fl.heads.head import Retrieval
 
@@ -36,6 +36,8 @@ MAX_QUERY_CHARS = 8192
 MAX_QUERIES = 256
 #: Paths anyone may read: the schema and its page (nothing about the checkpoint).
 OPEN_PATHS = ("/docs", "/openapi.json", "/redoc")
+#: A request's fields (the schema's, named in the message that refuses any other).
+FIELDS = ("queries", "k")
 
 
 class RetrieveRequest(BaseModel):
@@ -49,7 +51,7 @@ class RetrieveRequest(BaseModel):
         description=f"query texts (a single string is one query), 1 to {MAX_QUERIES}, each "
         f"not blank and at most {MAX_QUERY_CHARS} characters",
     )
-    k: int = Field(ge=1, description="documents per query: 1 to the documents served")
+    k: StrictInt = Field(ge=1, description="documents per query: 1 to the documents served")
 
     @field_validator("queries", mode="before")
     @classmethod
@@ -66,6 +68,12 @@ class RetrieveRequest(BaseModel):
                 raise ValueError(
                     f"query {i} has {len(query)} characters, at most {MAX_QUERY_CHARS}"
                 )
+            try:  # JSON's \ud800 escapes decode to lone surrogates no tokenizer takes
+                query.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(
+                    f"query {i} is not valid Unicode (a lone surrogate): send UTF-8 text"
+                ) from None
         return queries
 
 
@@ -181,9 +189,7 @@ class RetrievalService:
     def check(self, request: RetrieveRequest) -> None:
         """What the schema cannot know: ``k`` against the documents this checkpoint serves."""
         if request.k > self.documents:
-            raise Refused(
-                422, f"k: {request.k} is above the {self.documents} documents this serves"
-            )
+            raise Refused(422, f"k: at most the {self.documents} documents this serves")
 
     def run(self, requests: Sequence[RetrieveRequest]) -> list[RetrieveResponse]:
         """One ``retrieve`` for all queries of ``requests`` (at their largest ``k``), each
@@ -203,33 +209,55 @@ class RetrievalService:
             out.append(RetrieveResponse(results=cut))
         return out
 
+    def run_each(self, requests: Sequence[RetrieveRequest]) -> list[RetrieveResponse | Exception]:
+        """:meth:`run`, and when that batch fails, each request alone: one request that breaks
+        the model fails by itself, never the other clients' requests in its batch."""
+        try:
+            return list(self.run(requests))
+        except Exception:
+            if len(requests) == 1:
+                raise
+            log.exception("retrieve: a batch of %d requests failed; each alone", len(requests))
+        answers: list[RetrieveResponse | Exception] = []
+        for request in requests:
+            try:
+                answers.extend(self.run([request]))
+            except Exception as err:
+                log.exception("retrieve: a request of %d queries failed", len(request.queries))
+                answers.append(err)
+        return answers
+
 
 def field_message(errors: Sequence[Any]) -> str:
     """Pydantic's errors as one line, each naming its field (``queries.0: ...``), no input."""
     parts = []
     for error in errors:
         loc = [str(p) for p in error.get("loc", ())][1:]  # after "body" (or "header")
+        message = str(error.get("msg", "invalid"))
         if error.get("type") == "json_invalid":
             loc = []  # its place in the text, not a field
+        if error.get("type") == "extra_forbidden":  # its name is the sender's text
+            loc, message = [], f"unknown field (a request holds {', '.join(FIELDS)})"
         where = ".".join(loc) or "body"
-        parts.append(f"{where}: {error.get('msg', 'invalid')}")
+        parts.append(f"{where}: {message}")
     return "; ".join(parts)
 
 
 def build_app(
     service: RetrievalService,
     *,
-    batch: Callable[[RetrieveRequest], Awaitable[RetrieveResponse]] | None = None,
+    batch: Callable[[RetrieveRequest], Awaitable[RetrieveResponse | Exception]] | None = None,
 ) -> FastAPI:
-    """The endpoint's FastAPI app; ``batch`` answers one checked request (Serve's batching on
-    a replica; by default :meth:`RetrievalService.run` of that one request in a thread)."""
+    """The endpoint's FastAPI app; ``batch`` answers one checked request, or gives the error
+    that failed it (Serve's batching on a replica, :meth:`RetrievalService.run_each`; by
+    default :meth:`RetrievalService.run` of that one request in a thread)."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, Response
 
     import car_fl
 
-    async def alone(request: RetrieveRequest) -> RetrieveResponse:
+    async def alone(request: RetrieveRequest) -> RetrieveResponse | Exception:
         [answer] = await asyncio.to_thread(service.run, [request])
         return answer
 
@@ -262,7 +290,10 @@ def build_app(
     async def retrieve(body: RetrieveRequest) -> RetrieveResponse:
         """Per query, its top-k documents (ids, scores, texts, titles), best first."""
         service.check(body)
-        return await answer(body)
+        found = await answer(body)
+        if isinstance(found, Exception):
+            raise found  # this request's own failure: a 500 for it alone
+        return found
 
     @app.get("/health", response_model=Health)
     async def health() -> Health:

@@ -81,8 +81,8 @@ def deployment(service: RetrievalConfig, checkpoint: str, *, device: str) -> Any
             batch_wait_timeout_s=service.batch_wait_s,
             batch_size_fn=_queries,
         )
-        async def batched(requests: list[RetrieveRequest]) -> list[RetrieveResponse]:
-            return await asyncio.to_thread(retrieval.run, requests)
+        async def batched(requests: list[RetrieveRequest]) -> list[RetrieveResponse | Exception]:
+            return await asyncio.to_thread(retrieval.run_each, requests)
 
         return build_app(retrieval, batch=batched)
 

@@ -144,10 +144,13 @@ BAD = [
     ({"queries": [], "k": 2}, "queries", "at least 1"),
     ({"queries": ["w5"], "k": 0}, "k", "greater than or equal to 1"),
     ({"queries": ["w5"], "k": -3}, "k", "greater than or equal to 1"),
-    ({"queries": ["w5"], "k": 13}, "k", "above the 12 documents"),
+    ({"queries": ["w5"], "k": 13}, "k", "at most the 12 documents"),
     ({"queries": ["w5"], "k": "many"}, "k", "integer"),
+    ({"queries": ["w5"], "k": "3"}, "k", "integer"),
+    ({"queries": ["w5"], "k": True}, "k", "integer"),
+    ({"queries": ["w5"], "k": 2.0}, "k", "integer"),
     ({"queries": ["w5"]}, "k", "required"),
-    ({"queries": ["w5"], "k": 2, "top": 3}, "top", "not permitted"),
+    ({"queries": ["w5"], "k": 2, "top_secret_field": 3}, "body", "unknown field"),
     ({"queries": [5], "k": 2}, "queries.0", "string"),
 ]
 
@@ -161,7 +164,37 @@ def test_bad_input_is_a_4xx_naming_the_field_and_it_keeps_answering(
     detail = response.json()["detail"]
     assert detail.startswith(f"{field}: ") and says in detail
     assert len(response.content) < 1000  # the input is never echoed back
+    assert "secret" not in detail and "many" not in detail and "13" not in detail
     assert client.post("/retrieve", json={"queries": ["w5"], "k": 1}).status_code == 200
+
+
+def test_a_lone_surrogate_is_a_4xx_and_a_query_that_breaks_the_model_fails_alone(
+    client: TestClient, service: RetrievalService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    body = b'{"queries": ["w5", "w2 \\ud800 w3"], "k": 1}'  # valid JSON, not valid UTF-8 text
+    response = client.post("/retrieve", content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == 422
+    assert (
+        response.json()["detail"].startswith("queries: ")
+        and "surrogate" in response.json()["detail"]
+    )
+    real = service.retriever.retrieve
+
+    def breaks_on_w2(queries: list[str], k: int) -> list:
+        if any("w2" in q for q in queries):
+            raise RuntimeError("the model broke")
+        return real(queries, k)
+
+    monkeypatch.setattr(service.retriever, "retrieve", breaks_on_w2)
+    requests = [RetrieveRequest(queries=[q], k=2) for q in QUERIES]  # the second holds w2
+    answers = service.run_each(requests)
+    assert isinstance(answers[1], RuntimeError)
+    for answer, query in zip([answers[0], answers[2]], [QUERIES[0], QUERIES[2]], strict=True):
+        assert not isinstance(answer, Exception)
+        [want] = service.run([RetrieveRequest(queries=[query], k=2)])
+        assert [d.id for d in answer.results[0].documents] == [
+            d.id for d in want.results[0].documents
+        ]
 
 
 def test_a_malformed_body_is_a_4xx_naming_the_body(client: TestClient) -> None:
@@ -196,10 +229,17 @@ def test_queries_are_logged_by_count_never_by_content(
     assert "1 queries" in caplog.text and "secret" not in caplog.text
 
 
-def test_the_config_refuses_other_hosts_without_a_token_and_small_batches() -> None:
+def test_the_config_refuses_other_hosts_without_a_token_or_tls_and_small_batches() -> None:
     with pytest.raises(ValueError, match="without a token"):
         RetrievalConfig(host="0.0.0.0")
-    assert RetrievalConfig(host="0.0.0.0", token="t").url == "http://0.0.0.0:8300"
+    with pytest.raises(ValueError, match=r"in clear text.*--ssl-certfile.*--plain-http"):
+        RetrievalConfig(host="0.0.0.0", token="t")
+    assert RetrievalConfig(host="0.0.0.0", token="t", plain_http=True).url == (
+        "http://0.0.0.0:8300"
+    )
+    tls = RetrievalConfig(host="10.0.0.2", token="t", ssl_certfile="c", ssl_keyfile="k")
+    assert tls.url == "https://10.0.0.2:8300"
+    assert "a-secret-token" not in repr(RetrievalConfig(token="a-secret-token"))
     with pytest.raises(ValueError, match="--max-batch-queries"):
         RetrievalConfig(max_batch_queries=8)
 
