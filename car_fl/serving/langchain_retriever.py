@@ -48,9 +48,11 @@ class CarFlRetriever(BaseRetriever):
         return cls(source=source(checkpoint=path, device=device), k=k)
 
     @classmethod
-    def from_endpoint(cls, url: str, *, k: int = 4, token: str | None = None) -> CarFlRetriever:
-        """The retriever that ``car-fl serve`` runs at ``url``."""
-        return cls(source=source(url=url, token=token), k=k)
+    def from_endpoint(
+        cls, url: str, *, k: int = 4, token: str | None = None, ca_file: str | None = None
+    ) -> CarFlRetriever:
+        """The retriever that ``car-fl serve`` runs at ``url`` (``ca_file``: a private CA)."""
+        return cls(source=source(url=url, token=token, ca_file=ca_file), k=k)
 
     def _get_relevant_documents(
         self, query: str, *, run_manager: CallbackManagerForRetrieverRun

@@ -47,10 +47,10 @@ class CarFlLlamaRetriever(BaseRetriever):
 
     @classmethod
     def from_endpoint(
-        cls, url: str, *, k: int = 4, token: str | None = None
+        cls, url: str, *, k: int = 4, token: str | None = None, ca_file: str | None = None
     ) -> CarFlLlamaRetriever:
-        """The retriever that ``car-fl serve`` runs at ``url``."""
-        return cls(source(url=url, token=token), k=k)
+        """The retriever that ``car-fl serve`` runs at ``url`` (``ca_file``: a private CA)."""
+        return cls(source(url=url, token=token, ca_file=ca_file), k=k)
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         [result] = self.source.retrieve([query_bundle.query_str], self.k)

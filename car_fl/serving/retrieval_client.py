@@ -11,6 +11,11 @@ and the message naming the field.
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
+import math
+import ssl
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -55,56 +60,170 @@ class InProcess:
 
 
 class EndpointError(RuntimeError):
-    """The endpoint refused a request or could not be reached: its status and its message."""
+    """The endpoint refused a request, could not be reached or answered something else than
+    the schema promises: its status (0: no HTTP answer) and its message."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(f"car-fl serve answered {status}: {message}")
         self.status = status
 
 
-class Endpoint:
-    """A running ``car-fl serve`` at ``url`` (e.g. ``http://127.0.0.1:8300``)."""
+#: Characters of an endpoint's error message kept (a hostile server's megabyte is cut).
+MAX_DETAIL = 500
 
-    def __init__(self, url: str, *, token: str | None = None, timeout_s: float = 60.0) -> None:
+
+def checked(results: list[QueryResult], queries: int, k: int) -> list[QueryResult]:
+    """``results`` if they are what a car-fl endpoint answers ``queries`` queries at ``k``:
+    one result per query, each exactly ``k`` documents ranked 1..k by non-increasing finite
+    scores, probabilities in [0, 1]; else :class:`EndpointError` (a server that is not one)."""
+
+    def refuse(what: str) -> EndpointError:
+        return EndpointError(200, f"the answer is not a car-fl retrieval: {what}")
+
+    if len(results) != queries:
+        raise refuse(f"{len(results)} results for {queries} queries")
+    for i, result in enumerate(results):
+        docs = result.documents
+        if len(docs) != k:
+            raise refuse(f"query {i} got {len(docs)} documents, asked for {k}")
+        if [d.rank for d in docs] != list(range(1, k + 1)):
+            raise refuse(f"query {i}'s ranks are not 1..{k}")
+        scores = [d.score for d in docs]
+        if not all(math.isfinite(x) for x in scores):
+            raise refuse(f"query {i} has a score that is not finite")
+        if any(a < b for a, b in itertools.pairwise(scores)):
+            raise refuse(f"query {i}'s documents are not best first")
+        if any(
+            d.probability is not None and not 0.0 <= d.probability <= 1.0 for d in docs
+        ):  # NaN fails the comparison too
+            raise refuse(f"query {i} has a probability outside [0, 1]")
+    return results
+
+
+class Endpoint:
+    """A running ``car-fl serve`` at ``url`` (e.g. ``http://127.0.0.1:8300``).
+
+    ``timeout_s`` bounds a whole request however slowly the server sends its bytes (checked
+    as each arrives; ``aretrieve`` cancels at it); ``max_reply_bytes`` bounds what is read;
+    every answer is checked against the schema and its promises (:func:`checked`); ``ca_file``
+    trusts a private CA's certificate (``scripts/make_certs.py``) for ``https://``."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None = None,
+        timeout_s: float = 60.0,
+        max_reply_bytes: int = 64 << 20,
+        ca_file: str | Path | None = None,
+    ) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"endpoint {url!r} is not http(s)://host:port (car-fl serve's URL)")
         self.url = url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.timeout_s = timeout_s
+        self.max_reply_bytes = max_reply_bytes
+        self.verify: ssl.SSLContext | bool = (
+            ssl.create_default_context(cafile=str(ca_file)) if ca_file else True
+        )
 
-    def _answer(self, response: Any) -> list[QueryResult]:
-        if response.status_code != 200:
+    def __repr__(self) -> str:  # never the token
+        return f"Endpoint({self.url!r})"
+
+    def _body(self, chunks: Any, deadline: float) -> bytes:
+        """The reply's bytes, refused past the deadline or the size bound."""
+        body = bytearray()
+        for chunk in chunks:
+            body += chunk
+            if len(body) > self.max_reply_bytes:
+                raise EndpointError(
+                    0, f"the reply is above {self.max_reply_bytes:,} bytes (max_reply_bytes)"
+                )
+            if time.monotonic() > deadline:
+                raise self._late()
+        return bytes(body)
+
+    def _late(self) -> EndpointError:
+        return EndpointError(0, f"{self.url} did not answer within {self.timeout_s:g} s")
+
+    def _answer(self, status: int, body: bytes, queries: int, k: int) -> list[QueryResult]:
+        if status != 200:
             try:
-                message = str(response.json().get("detail"))
-            except ValueError:
-                message = response.text[:200]
-            raise EndpointError(response.status_code, message)
-        return RetrieveResponse.model_validate_json(response.content).results
+                message = str(json.loads(body).get("detail"))
+            except (ValueError, AttributeError):
+                message = body.decode("utf-8", "replace")
+            raise EndpointError(status, message[:MAX_DETAIL])
+        try:
+            results = RetrieveResponse.model_validate_json(body).results
+        except ValueError as err:
+            what = f"the answer is not a car-fl retrieval: {err}"
+            raise EndpointError(200, what[:MAX_DETAIL]) from None
+        return checked(results, queries, k)
 
     def retrieve(self, queries: list[str], k: int) -> list[QueryResult]:
         import httpx
 
-        response = httpx.post(
-            f"{self.url}/retrieve",
-            json={"queries": queries, "k": k},
-            headers=self.headers,
-            timeout=self.timeout_s,
-        )
-        return self._answer(response)
+        deadline = time.monotonic() + self.timeout_s
+        payload = {"queries": queries, "k": k}
+        try:
+            with (
+                httpx.Client(timeout=self.timeout_s, verify=self.verify) as client,
+                client.stream(
+                    "POST", f"{self.url}/retrieve", json=payload, headers=self.headers
+                ) as response,
+            ):
+                body = self._body(response.iter_bytes(), deadline)
+        except httpx.TimeoutException:
+            raise self._late() from None
+        except httpx.TransportError as err:
+            raise EndpointError(0, f"{self.url} cannot be reached: {err}") from None
+        return self._answer(response.status_code, body, len(queries), k)
 
     async def aretrieve(self, queries: list[str], k: int) -> list[QueryResult]:
         import httpx
 
-        async with httpx.AsyncClient(timeout=self.timeout_s) as client:
-            response = await client.post(
-                f"{self.url}/retrieve", json={"queries": queries, "k": k}, headers=self.headers
-            )
-        return self._answer(response)
+        async def ask() -> tuple[int, bytes]:
+            body = bytearray()
+            async with (
+                httpx.AsyncClient(timeout=self.timeout_s, verify=self.verify) as client,
+                client.stream(
+                    "POST",
+                    f"{self.url}/retrieve",
+                    json={"queries": queries, "k": k},
+                    headers=self.headers,
+                ) as response,
+            ):
+                async for chunk in response.aiter_bytes():
+                    body += chunk
+                    if len(body) > self.max_reply_bytes:
+                        raise EndpointError(
+                            0,
+                            f"the reply is above {self.max_reply_bytes:,} bytes (max_reply_bytes)",
+                        )
+            return response.status_code, bytes(body)
+
+        try:
+            status, body = await asyncio.wait_for(ask(), self.timeout_s)
+        except (TimeoutError, httpx.TimeoutException):
+            raise self._late() from None
+        except httpx.TransportError as err:
+            raise EndpointError(0, f"{self.url} cannot be reached: {err}") from None
+        return self._answer(status, body, len(queries), k)
 
     def health(self) -> dict[str, Any]:
         import httpx
 
-        response = httpx.get(f"{self.url}/health", headers=self.headers, timeout=self.timeout_s)
+        try:
+            response = httpx.get(
+                f"{self.url}/health",
+                headers=self.headers,
+                timeout=self.timeout_s,
+                verify=self.verify,
+            )
+        except httpx.TransportError as err:
+            raise EndpointError(0, f"{self.url} cannot be reached: {err}") from None
         if response.status_code != 200:
-            raise EndpointError(response.status_code, response.text[:200])
+            raise EndpointError(response.status_code, response.text[:MAX_DETAIL])
         health: dict[str, Any] = response.json()
         return health
 
@@ -115,12 +234,13 @@ def source(
     url: str | None = None,
     token: str | None = None,
     device: str = "auto",
+    ca_file: str | Path | None = None,
 ) -> Source:
     """A checkpoint loaded here, or the endpoint at ``url``: exactly one of the two."""
     if (checkpoint is None) == (url is None):
         raise ValueError("give exactly one of checkpoint= (in-process) and url= (car-fl serve)")
     if url is not None:
-        return Endpoint(url, token=token)
+        return Endpoint(url, token=token, ca_file=ca_file)
     assert checkpoint is not None
     return InProcess.from_checkpoint(checkpoint, device=device)
 
