@@ -52,8 +52,17 @@ class Retry:
 DEFAULT_RETRY = Retry()
 
 
+#: The most bytes a reply may have before the service's limits are known (its health).
+HEALTH_REPLY_BYTES = 1 << 20
+
+
 class HttpTransport:
-    """One kept-alive HTTP(S) connection to a service's address."""
+    """One kept-alive HTTP(S) connection to a service's address.
+
+    ``timeout_s`` bounds a whole request (a reply that drips in past it is cut, checked as its
+    bytes arrive); a reply above :attr:`max_reply_bytes` is refused without being read: before
+    the service's health is known, :data:`HEALTH_REPLY_BYTES`, then what its own limits allow
+    (:meth:`BlocksClient.health` sets it)."""
 
     def __init__(
         self, url: str, *, timeout_s: float, ca_file: str | None = None, route: str = ""
@@ -73,6 +82,7 @@ class HttpTransport:
             ssl.create_default_context(cafile=ca_file) if self.scheme == "https" else None
         )
         self._connection: http.client.HTTPConnection | None = None
+        self.max_reply_bytes = HEALTH_REPLY_BYTES
 
     def _connect(self) -> http.client.HTTPConnection:
         if self._connection is None:
@@ -113,11 +123,32 @@ class HttpTransport:
                 headers={**headers, "Content-Type": MEDIA_TYPE},
             )
             reply = connection.getresponse()
-            data = reply.read()
+            data = self._read(reply, deadline=time.monotonic() + self.timeout_s)
         except BaseException:
             self.close()  # a half-read connection is never reused
             raise
         return Answer(reply.status, data, reply.getheader("Content-Type") or "")
+
+    def _read(self, reply: http.client.HTTPResponse, *, deadline: float) -> bytes:
+        """The reply's body, refused above :attr:`max_reply_bytes` or past ``deadline``."""
+        declared = reply.getheader("Content-Length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_reply_bytes:
+            raise BlocksRefused(self._too_big(int(declared)))
+        data = bytearray()
+        while chunk := reply.read1(1 << 20):
+            data += chunk
+            if len(data) > self.max_reply_bytes:
+                raise BlocksRefused(self._too_big(len(data)))
+            if time.monotonic() > deadline:  # a server that drips its reply
+                raise TimeoutError(f"the reply took longer than {self.timeout_s:g} s")
+        data += reply.read()  # nothing left: marks the reply done, so the connection is reused
+        return bytes(data)
+
+    def _too_big(self, size: int) -> str:
+        return (
+            f"the blocks service at {self.url} replied with {size:,} bytes, above the "
+            f"{self.max_reply_bytes:,} its limits allow: is it a car-fl blocks service?"
+        )
 
 
 class BlocksClient:
@@ -194,6 +225,15 @@ class BlocksClient:
                 f"{self.url}{HEALTH} did not answer JSON: is it a blocks service?"
             ) from None
         self.health_info = info
+        if isinstance(self.transport, HttpTransport):  # a reply's most: max_tokens states
+            try:
+                most = int(info["max_tokens"]) * int(info["hidden"]) * 4 + (1 << 20)
+            except (KeyError, TypeError, ValueError):
+                raise BlocksRefused(
+                    f"{self.url}{HEALTH} does not report max_tokens and hidden: is it a car-fl "
+                    "blocks service?"
+                ) from None
+            self.transport.max_reply_bytes = max(most, HEALTH_REPLY_BYTES)
         return info
 
     def _limits(self) -> tuple[int, int]:

@@ -90,6 +90,24 @@ def split(batch: torch.Tensor, requests: Sequence[Request]) -> list[torch.Tensor
     return out
 
 
+def batches(requests: Sequence[Request], max_tokens: int) -> list[list[int]]:
+    """``requests``' indices in groups whose merged batch (rows × the widest row, as
+    :func:`merge` pads) holds at most ``max_tokens``: narrow requests together, a wide one
+    never inflating many narrow ones. Each request fits alone (the wire's limits)."""
+    order = sorted(range(len(requests)), key=lambda i: int(requests[i].mask.shape[1]))
+    groups: list[list[int]] = []
+    rows = 0
+    for i in order:
+        r_rows, width = (int(n) for n in requests[i].mask.shape)
+        if groups and (rows + r_rows) * width <= max_tokens:  # sorted: width is the widest
+            groups[-1].append(i)
+            rows += r_rows
+        else:
+            groups.append([i])
+            rows = r_rows
+    return groups
+
+
 class BlocksRunner:
     """The frozen blocks of a model (stripped for the service), run on many requests at once."""
 
@@ -160,26 +178,48 @@ class BlocksHandler:
         given = headers.get("authorization", "")
         return hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode())
 
-    def prepare(self, path: str, body: bytes, headers: dict[str, str]) -> Request | Answer:
-        """The checked request of a forward or backward, or the answer to give at once."""
-        if not self.authorised({k.lower(): v for k, v in headers.items()}):
+    @property
+    def max_body(self) -> int:
+        """The largest body a request within the limits can have (embeds and grad in float32)."""
+        identity = self.runner.identity
+        return identity.limits.max_tokens * identity.hidden * 4 * 2 + (1 << 20)
+
+    def admit(self, path: str, headers: dict[str, str]) -> Answer | None:
+        """What the headers alone refuse (token, operation, a declared size above
+        :attr:`max_body`), before a byte of the body is read; ``None`` to read it."""
+        headers = {k.lower(): v for k, v in headers.items()}
+        if not self.authorised(headers):
             self.refused += 1
             return Answer.error(401, "missing or wrong token: send 'Authorization: Bearer <token>'")
+        if path not in (FORWARD, BACKWARD, HEALTH):
+            return Answer.error(404, f"no such operation: use {FORWARD}, {BACKWARD}, {HEALTH}")
+        declared = headers.get("content-length", "0")
+        if not declared.isdigit():
+            self.refused += 1
+            return Answer.error(400, "Content-Length is not a number of bytes")
+        if int(declared) > self.max_body:
+            self.refused += 1
+            return Answer.error(
+                413, f"the body is {int(declared):,} bytes, above {self.max_body:,}"
+            )
+        return None
+
+    def prepare(self, path: str, body: bytes, headers: dict[str, str]) -> Request | Answer:
+        """The checked request of a forward or backward, or the answer to give at once."""
+        refused = self.admit(path, headers)
+        if refused is not None:
+            return refused
         if path == HEALTH:
             return Answer(
                 200, json.dumps(self.runner.identity.as_dict()).encode(), "application/json"
             )
-        if path not in (FORWARD, BACKWARD):
-            return Answer.error(404, f"no operation {path!r}: use {FORWARD}, {BACKWARD}, {HEALTH}")
         identity = self.runner.identity
-        limits = identity.limits
-        most = limits.max_tokens * identity.hidden * 4 * 2 + (1 << 20)  # embeds + grad, float32
-        if len(body) > most:
+        if len(body) > self.max_body:
             self.refused += 1
-            return Answer.error(413, f"the body is {len(body):,} bytes, above {most:,}")
+            return Answer.error(413, f"the body is {len(body):,} bytes, above {self.max_body:,}")
         try:
             request, _ = read_request(
-                body, hidden=identity.hidden, limits=limits, backward=path == BACKWARD
+                body, hidden=identity.hidden, limits=identity.limits, backward=path == BACKWARD
             )
         except WireError as err:
             self.refused += 1
@@ -188,18 +228,22 @@ class BlocksHandler:
             self.refused += 1
             return Answer.error(
                 409,
-                f"the request is for model fingerprint {request.fingerprint!r}; this service "
-                f"holds {identity.model} ({identity.fingerprint})",
+                "the request is for another model's fingerprint; this service holds "
+                f"{identity.model} ({identity.fingerprint}): point the node at its own service",
             )
         return request
 
     def run(self, path: str, requests: Sequence[Request]) -> list[Answer]:
-        """Answers for ``requests`` of one operation, computed as one batch."""
+        """Answers for ``requests`` of one operation, computed in as few batches as keep each
+        one's padded size within ``max_tokens`` (:func:`batches`)."""
         compute = self.runner.backward if path == BACKWARD else self.runner.forward
         name = "grad" if path == BACKWARD else "states"
-        results = compute(requests)
+        results: dict[int, torch.Tensor] = {}
+        for group in batches(requests, self.runner.identity.limits.max_tokens):
+            for i, result in zip(group, compute([requests[i] for i in group]), strict=True):
+                results[i] = result
         self.served += len(requests)
-        return [Answer(200, write_reply(name, result)) for result in results]
+        return [Answer(200, write_reply(name, results[i])) for i in range(len(requests))]
 
     def handle(self, path: str, body: bytes, headers: dict[str, str]) -> Answer:
         """One request, alone in its batch (the in-process transport and the fast tests)."""

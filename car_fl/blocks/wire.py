@@ -84,17 +84,24 @@ def write_reply(name: str, tensor: torch.Tensor) -> bytes:
 
 
 def read_reply(body: bytes, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """The tensor ``name`` of a reply, refused unless it has ``shape`` and is finite."""
+    """The tensor ``name`` of a reply, refused unless it is one float tensor of ``shape``
+    (checked in the header, before a byte is decoded) and finite."""
     header = _header(body)
+    header.pop("__metadata__", None)
     if set(header) != {name}:
-        raise WireError(f"the blocks service replied with {sorted(header)}, expected [{name!r}]")
-    tensor = load(body)[name]
-    if tuple(tensor.shape) != shape:
+        raise WireError(f"the blocks service's reply does not hold exactly one tensor {name!r}")
+    entry = header[name]
+    if entry["dtype"] not in FLOATS:
+        raise WireError(f"the blocks service replied with {name} not in a float dtype")
+    if tuple(entry["shape"]) != shape:
         raise WireError(
-            f"the blocks service replied with {name} of shape {tuple(tensor.shape)}, "
+            f"the blocks service replied with {name} of shape {tuple(entry['shape'])}, "
             f"expected {shape}"
         )
-    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+    tensor = _load(body)[name]
+    if tuple(tensor.shape) != shape:  # safetensors read what the header said; never else
+        raise WireError(f"the blocks service replied with {name} of another shape")
+    if not bool(torch.isfinite(tensor).all()):
         raise WireError(f"the blocks service replied with non-finite {name}")
     return tensor
 
@@ -110,20 +117,20 @@ def read_request(
     wanted = {"embeds", "mask", "grad"} if backward else {"embeds", "mask"}
     if set(header) != wanted:
         raise WireError(
-            f"the request holds tensors {sorted(header)}; a {'backward' if backward else 'forward'}"
+            f"the request holds {len(header)} tensors; a {'backward' if backward else 'forward'}"
             f" takes exactly {sorted(wanted)}"
         )
     embeds, mask = header["embeds"], header["mask"]
     if embeds["dtype"] not in FLOATS:
-        raise WireError(f"embeds has dtype {embeds['dtype']}; send one of {sorted(FLOATS)}")
+        raise WireError(f"embeds' dtype is not one of {sorted(FLOATS)}")
     if mask["dtype"] not in MASKS:
-        raise WireError(f"mask has dtype {mask['dtype']}; send one of {sorted(MASKS)}")
+        raise WireError(f"mask's dtype is not one of {sorted(MASKS)}")
     shape = embeds["shape"]
     if len(shape) != 3 or shape[2] != hidden:
-        raise WireError(f"embeds has shape {shape}; expected (rows, seq, {hidden})")
+        raise WireError(f"embeds must have shape (rows, seq, {hidden}), 3 dimensions")
     rows, seq = int(shape[0]), int(shape[1])
     if mask["shape"] != [rows, seq]:
-        raise WireError(f"mask has shape {mask['shape']}; expected [{rows}, {seq}] as embeds")
+        raise WireError(f"mask must have shape [{rows}, {seq}], embeds' rows and tokens")
     if backward and (header["grad"]["shape"] != shape or header["grad"]["dtype"] not in FLOATS):
         raise WireError(f"grad must be a float tensor of embeds' shape {shape}")
     if rows < 1 or seq < 1:
@@ -134,10 +141,7 @@ def read_request(
             f"({limits.max_rows} rows, {limits.max_seq} tokens per row, {limits.max_tokens} "
             "tokens in all): send smaller batches"
         )
-    try:
-        tensors = load(body)
-    except Exception as err:  # safetensors' own checks: offsets, lengths, dtypes
-        raise WireError(f"the body is not valid safetensors: {err}") from None
+    tensors = _load(body)
     mask_values = tensors["mask"].to(torch.int64)
     if bool(((mask_values != 0) & (mask_values != 1)).any()):
         raise WireError("mask holds values other than 0 and 1")
@@ -155,22 +159,54 @@ def read_request(
     return request, {str(k): str(v) for k, v in meta.items()}
 
 
+#: The most dimensions a tensor's shape may list (ours have 2 or 3).
+MAX_DIMS = 8
+
+
+def _load(body: bytes) -> dict[str, torch.Tensor]:
+    """The tensors of a body whose header :func:`_header` passed; safetensors' own checks
+    (offsets, lengths) refuse the rest."""
+    try:
+        return load(body)
+    except Exception:  # SafetensorError, and whatever a forged buffer provokes
+        raise WireError("the body is not valid safetensors: its offsets or lengths") from None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _header(body: bytes) -> dict[str, Any]:
-    """The safetensors header of ``body`` (tensor name → dtype, shape, offsets), checked."""
+    """The safetensors header of ``body`` (tensor name → dtype, shape, offsets), checked to be
+    exactly safetensors' form (a dtype string, a shape of at most :data:`MAX_DIMS`
+    non-negative ints, two offsets, string metadata), so no later step meets another type."""
+
+    def refuse(what: str) -> WireError:
+        return WireError(f"the body is not safetensors: {what}")
+
     if len(body) < 8:
-        raise WireError("the body is not safetensors: shorter than its 8-byte header length")
+        raise refuse("shorter than its 8-byte header length")
     (length,) = struct.unpack("<Q", body[:8])
     if length > min(len(body) - 8, 1 << 20):
-        raise WireError("the body is not safetensors: its header length runs past the body")
+        raise refuse("its header length runs past the body")
     try:
         header = json.loads(body[8 : 8 + length])
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise WireError("the body is not safetensors: its header is not JSON") from None
+    except (UnicodeDecodeError, ValueError, RecursionError):  # JSONDecodeError is a ValueError
+        raise refuse("its header is not JSON") from None
     if not isinstance(header, dict):
-        raise WireError("the body is not safetensors: its header is not a JSON object")
+        raise refuse("its header is not a JSON object")
     for name, entry in header.items():
         if name == "__metadata__":
+            if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
+                raise refuse("its metadata is not an object of strings")
             continue
-        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
-            raise WireError(f"the body is not safetensors: tensor {name!r} has no dtype or shape")
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            raise refuse("a tensor's entry is not exactly dtype, shape and data_offsets")
+        shape, offsets = entry["shape"], entry["data_offsets"]
+        if not isinstance(entry["dtype"], str):
+            raise refuse("a tensor's dtype is not a string")
+        if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(map(_is_int, shape)):
+            raise refuse(f"a tensor's shape is not a list of at most {MAX_DIMS} sizes")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_is_int, offsets)):
+            raise refuse("a tensor's data_offsets are not two offsets")
     return header

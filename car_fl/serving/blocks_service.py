@@ -123,7 +123,16 @@ def deployment(service: ServiceConfig) -> Any:
 
         async def __call__(self, request: HttpRequest) -> Response:
             path = "/" + request.url.path.rstrip("/").rsplit("/", 1)[-1]
-            prepared = self.handler.prepare(path, await request.body(), dict(request.headers))
+            refused = self.handler.admit(path, dict(request.headers))  # before the body
+            if refused is not None:
+                return Response(refused.body, refused.status, media_type=refused.media_type)
+            body = bytearray()
+            async for chunk in request.stream():  # a body without Content-Length is bounded too
+                body += chunk
+                if len(body) > self.handler.max_body:
+                    too_big = Answer.error(413, f"the body is above {self.handler.max_body:,}")
+                    return Response(too_big.body, 413, media_type=too_big.media_type)
+            prepared = self.handler.prepare(path, bytes(body), dict(request.headers))
             if isinstance(prepared, Answer):
                 answer = prepared
             else:

@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import socket
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
 
-from car_fl.blocks.client import BlocksClient, BlocksRefused, BlocksUnavailable, Retry
+from car_fl.blocks.client import (
+    BlocksClient,
+    BlocksRefused,
+    BlocksUnavailable,
+    HttpTransport,
+    Retry,
+)
 from car_fl.blocks.compute import Answer, BlocksHandler
 from car_fl.blocks.wire import Request
 
@@ -97,15 +109,12 @@ def test_a_kept_alive_connection_the_server_closed_is_reopened_without_a_retry(
 ) -> None:
     """A server closes an idle kept-alive connection (its keep-alive timeout, as Serve's proxy
     does): the next request goes out again at once on a new connection, no retry, no warning."""
-    import json
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     class OneRequestPerConnection(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # promises keep-alive, then closes after each reply
 
         def do_GET(self) -> None:
-            body = json.dumps({"fingerprint": "f"}).encode()
+            body = json.dumps({"fingerprint": "f", "max_tokens": 64, "hidden": 8}).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
@@ -124,6 +133,94 @@ def test_a_kept_alive_connection_the_server_closed_is_reopened_without_a_retry(
             for _ in range(3):
                 assert client.health()["fingerprint"] == "f"
         assert not [r for r in caplog.records if "retrying" in r.getMessage()]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _serve(reply: Callable[[BaseHTTPRequestHandler], None]) -> ThreadingHTTPServer:
+    """A server on 127.0.0.1 whose every GET and POST is answered by ``reply``."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                reply(self)  # a client that gives up is what these tests want
+
+        do_GET = do_POST = _answer
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_a_reply_that_drips_in_is_cut_at_the_timeout() -> None:
+    def drip(handler: BaseHTTPRequestHandler) -> None:
+        handler.send_response(200)
+        handler.send_header("Content-Length", "100")
+        handler.end_headers()
+        for _ in range(100):  # 10 s in all, each byte well inside the socket's timeout
+            handler.wfile.write(b" ")
+            handler.wfile.flush()
+            time.sleep(0.1)
+
+    server = _serve(drip)
+    try:
+        client = BlocksClient(
+            f"http://127.0.0.1:{server.server_port}/blocks",
+            retry=Retry(timeout_s=0.5, attempts=2, backoff_s=0.0),
+        )
+        start = time.monotonic()
+        with pytest.raises(BlocksUnavailable, match=r"longer than 0\.5 s"):
+            client.health()
+        assert time.monotonic() - start < 3.0  # two attempts of about 0.5 s
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_reply_above_what_the_limits_allow_is_refused_unread() -> None:
+    def huge(handler: BaseHTTPRequestHandler) -> None:
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(1 << 40))  # a terabyte, declared
+        handler.end_headers()
+        handler.wfile.write(b"{}")
+
+    def streamed(handler: BaseHTTPRequestHandler) -> None:  # no length: chunks until cut
+        handler.send_response(200)
+        handler.end_headers()
+        for _ in range(8):
+            handler.wfile.write(b" " * (1 << 20))
+
+    for reply in (huge, streamed):
+        server = _serve(reply)
+        try:
+            client = BlocksClient(f"http://127.0.0.1:{server.server_port}/blocks", retry=FAST)
+            with pytest.raises(BlocksRefused, match="above the 1,048,576 its limits allow"):
+                client.health()
+        finally:
+            server.shutdown()
+            server.server_close()
+
+
+def test_a_health_answer_sets_the_reply_bound_from_the_services_limits() -> None:
+    def health(handler: BaseHTTPRequestHandler) -> None:
+        body = json.dumps({"max_tokens": 4096, "hidden": 2048, "max_rows": 8}).encode()
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        handler.wfile.write(body)
+
+    server = _serve(health)
+    try:
+        client = BlocksClient(f"http://127.0.0.1:{server.server_port}/blocks", retry=FAST)
+        client.health()
+        assert isinstance(client.transport, HttpTransport)
+        assert client.transport.max_reply_bytes == 4096 * 2048 * 4 + (1 << 20)
     finally:
         server.shutdown()
         server.server_close()
