@@ -25,8 +25,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 ARXIV = ROOT.parent / "shared" / "data" / "arxiv_dev" / "arxiv_dev.jsonl"
-#: Asked unless --question says otherwise (an arXiv dev paper's subject).
-QUESTION = "How can a neural network be made robust to adversarial examples?"
+#: Asked unless --question says otherwise: the subject of one of the first 300 papers (the
+#: corpus is 2007-08 arXiv physics and mathematics; a question it cannot answer shows little).
+QUESTION = "How can an electrostatic device harvest energy from vibrations?"
 
 
 def corpus(papers: int, work: Path, *, smoke: bool) -> tuple[Path, Path]:
