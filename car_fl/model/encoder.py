@@ -300,23 +300,49 @@ def shared_encoder(cfg: ModelConfig, *, device: str = "auto") -> Encoder:
     return _SHARED[key]
 
 
-def load_encoder(cfg: ModelConfig, *, device: str = "auto") -> Encoder:
-    """Load, place and freeze the model named by ``cfg``: a hub id, a local folder, or a GGUF
-    file or preset (``gguf:smollm2``), dequantised once into a cached folder
-    (:mod:`car_fl.model.gguf`) and then loaded like any folder."""
-    global LOAD_COUNT
-    from transformers import AutoModel, AutoTokenizer
-
-    from car_fl.common.progress import quiet_hub_bars
+def placement(cfg: ModelConfig, device: str) -> tuple[str, torch.device, torch.dtype, str]:
+    """Where ``cfg``'s model comes from (a GGUF resolved to its folder), the device it runs on,
+    its dtype and why that dtype; :class:`EncoderLoadError` for a GGUF that cannot be read."""
     from car_fl.model.gguf import GgufError, resolve
 
-    quiet_hub_bars()
     try:
         name = resolve(cfg.name_or_path)
     except GgufError as err:
         raise EncoderLoadError(str(err)) from err
     target = pick_device(device)
     dtype, why = dtype_choice(cfg.dtype, target)
+    return name, target, dtype, why
+
+
+def load_weights(cfg: ModelConfig, name: str, *, dtype: torch.dtype, device: torch.device) -> Any:
+    """``AutoModel`` of ``name`` in ``dtype`` on ``device``; a failure names what to fix."""
+    from transformers import AutoModel
+
+    try:
+        model = load_pretrained(
+            AutoModel,
+            name,
+            dtype=dtype,
+            device=device,
+            revision=cfg.revision,
+            trust_remote_code=cfg.trust_remote_code,
+        )
+    except Exception as err:
+        raise load_error(name, "weights", err) from err
+    return model.to(device)
+
+
+def load_encoder(cfg: ModelConfig, *, device: str = "auto") -> Encoder:
+    """Load, place and freeze the model named by ``cfg``: a hub id, a local folder, or a GGUF
+    file or preset (``gguf:smollm2``), dequantised once into a cached folder
+    (:mod:`car_fl.model.gguf`) and then loaded like any folder."""
+    global LOAD_COUNT
+    from transformers import AutoTokenizer
+
+    from car_fl.common.progress import quiet_hub_bars
+
+    quiet_hub_bars()
+    name, target, dtype, why = placement(cfg, device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             name, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
@@ -327,18 +353,7 @@ def load_encoder(cfg: ModelConfig, *, device: str = "auto") -> Encoder:
         model, blocks = connect(cfg, name, dtype=dtype, device=target)
         encoder = Encoder(model, tokenizer, cfg, blocks=blocks)
     else:
-        try:
-            model = load_pretrained(
-                AutoModel,
-                name,
-                dtype=dtype,
-                device=target,
-                revision=cfg.revision,
-                trust_remote_code=cfg.trust_remote_code,
-            )
-        except Exception as err:
-            raise load_error(name, "weights", err) from err
-        model.to(target)
+        model = load_weights(cfg, name, dtype=dtype, device=target)
         encoder = Encoder(model, tokenizer, cfg)
     LOAD_COUNT += 1
     frozen = sum(p.numel() for p in model.parameters())

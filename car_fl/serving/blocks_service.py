@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from car_fl.blocks.compute import BACKWARD, FORWARD, Answer, BlocksHandler, BlocksRunner, Identity
 from car_fl.blocks.parts import (
@@ -42,32 +42,17 @@ class ServiceConfig(ServeConfig):
     """How the service runs (:class:`~car_fl.serving.ray_app.ServeConfig`) and its limits."""
 
     limits: Limits = field(default_factory=Limits)
-
-    @property
-    def url(self) -> str:
-        return self.origin + ROUTE
+    route: ClassVar[str] = ROUTE
 
 
 def load_runner(
     cfg: ModelConfig, *, device: str = "auto", limits: Limits | None = None, replicas: int = 1
 ) -> BlocksRunner:
     """The stripped blocks of ``cfg``'s model with their :class:`Identity`."""
-    from transformers import AutoModel
+    from car_fl.model.encoder import load_weights, placement
 
-    from car_fl.model.encoder import dtype_choice, pick_device
-    from car_fl.model.gguf import GgufError, resolve
-    from car_fl.model.loading import EncoderLoadError, load_error, load_pretrained
-
-    try:
-        name = resolve(cfg.name_or_path)
-    except GgufError as err:
-        raise EncoderLoadError(str(err)) from err
-    target = pick_device(device)
-    dtype, _ = dtype_choice(cfg.dtype, target)
-    try:
-        model = load_pretrained(AutoModel, name, dtype=dtype, device=target, revision=cfg.revision)
-    except Exception as err:
-        raise load_error(name, "weights", err) from err
+    name, target, dtype, _ = placement(cfg, device)
+    model = load_weights(cfg, name, dtype=dtype, device=target)
     folder = model_folder(name, cfg.revision)
     fingerprint = identity_fingerprint(folder, node_tensor_names(model))
     norm_on_node = strip_for_service(model)

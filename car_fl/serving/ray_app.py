@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 #: The addresses only this machine can reach: no token needed to serve there.
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -64,11 +64,19 @@ class ServeConfig:
                 "--plain-http on a network you trust (a VPN)"
             )
 
+    #: The application's route prefix (each service's own).
+    route: ClassVar[str] = ""
+
     @property
     def origin(self) -> str:
         """``scheme://host:port``, without the application's route."""
         scheme = "https" if self.ssl_certfile else "http"
         return f"{scheme}://{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        """Where clients send their requests: :attr:`origin` and :attr:`route`."""
+        return self.origin + self.route
 
     def actor_options(self) -> dict[str, float]:
         """What Ray reserves for each replica."""

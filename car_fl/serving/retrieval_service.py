@@ -47,10 +47,6 @@ class RetrievalConfig(ServeConfig):
                 f"got {self.max_batch_queries}"
             )
 
-    @property
-    def url(self) -> str:
-        return self.origin
-
 
 def _queries(requests: list[RetrieveRequest]) -> int:
     return sum(len(request.queries) for request in requests)

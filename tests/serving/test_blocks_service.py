@@ -8,71 +8,33 @@ stop that leaves no process, and a node that fails while it is down and works on
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
 from car_fl.blocks.client import BlocksClient, BlocksUnavailable, Retry
-from car_fl.deploy.ports import free_port
 from car_fl.model.encoder import EncoderLoadError, load_encoder
 from tests.blocks.conftest import model_cfg
+from tests.serving.processes import ServingProcess
 
 pytestmark = pytest.mark.slow
 TOKEN = "a-shared-token"
 TEXTS = ["free prize call now", "hello", "see you later at home ok", "w1 w2 w3 k3"]
 
 
-class Service:
-    def __init__(self, folder: Path, tmp: Path) -> None:
-        self.folder, self.tmp = folder, tmp
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}/blocks"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        ready = self.tmp / f"ready-{time.monotonic_ns()}"
-        token = self.tmp / "token"
-        token.write_text(TOKEN)
-        command = [sys.executable, "-m", "car_fl.cli", "serve-blocks"]
-        args = [f"model.name_or_path={self.folder}", "model.dtype=float32", "device=cpu"]
-        flags = ["--port", str(self.port), "--token-file", str(token), "--ready-file", str(ready)]
-        self.log = (self.tmp / "service.log").open("ab")
-        self.proc = subprocess.Popen(
-            [*command, *args, *flags], stdout=self.log, stderr=subprocess.STDOUT, cwd=self.tmp
-        )
-        deadline = time.monotonic() + 180
-        while not ready.exists():
-            assert self.proc.poll() is None, (self.tmp / "service.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "the blocks service did not start in 180 s"
-            time.sleep(0.5)
-
-    def stop(self) -> list[psutil.Process]:
-        """SIGTERM, wait; the processes of its tree still alive afterwards."""
-        assert self.proc is not None
-        tree = psutil.Process(self.proc.pid).children(recursive=True)
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(timeout=60)
-        _, alive = psutil.wait_procs(tree, timeout=30)
-        self.log.close()
-        return alive
-
-
 @pytest.fixture(scope="module")
-def running(normed_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    service = Service(normed_llama, tmp_path_factory.mktemp("blocks-service"))
+def running(
+    normed_llama: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServingProcess]:
+    command = ["serve-blocks", f"model.name_or_path={normed_llama}", "model.dtype=float32"]
+    tmp = tmp_path_factory.mktemp("blocks-service")
+    service = ServingProcess([*command, "device=cpu"], tmp, token=TOKEN, route="/blocks")
     service.start()
     yield service
-    if service.proc is not None and service.proc.poll() is None:
-        for process in service.stop():
-            process.kill()
+    service.end()
 
 
 @pytest.fixture
@@ -81,7 +43,7 @@ def token(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_over_http_states_and_gradients_equal_local_blocks(
-    running: Service, normed_llama: Path, token: None
+    running: ServingProcess, normed_llama: Path, token: None
 ) -> None:
     local = load_encoder(model_cfg(normed_llama), device="cpu")
     remote = load_encoder(
@@ -103,7 +65,7 @@ def test_over_http_states_and_gradients_equal_local_blocks(
 
 
 def test_many_nodes_at_once_each_get_their_own_rows(
-    running: Service, normed_llama: Path, token: None
+    running: ServingProcess, normed_llama: Path, token: None
 ) -> None:
     local = load_encoder(model_cfg(normed_llama), device="cpu")
     remote_cfg = model_cfg(normed_llama, blocks="remote", blocks_service=running.url)
@@ -124,7 +86,7 @@ def test_many_nodes_at_once_each_get_their_own_rows(
 
 
 def test_a_wrong_token_is_refused_and_bad_input_leaves_it_serving(
-    running: Service, normed_llama: Path, monkeypatch: pytest.MonkeyPatch
+    running: ServingProcess, normed_llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("CAR_FL_BLOCKS_TOKEN", "not-the-token")
     cfg = model_cfg(normed_llama, blocks="remote", blocks_service=running.url)
@@ -137,7 +99,7 @@ def test_a_wrong_token_is_refused_and_bad_input_leaves_it_serving(
 
 
 def test_stopped_it_leaves_nothing_the_node_fails_then_works_when_it_is_back(
-    running: Service, normed_llama: Path, token: None
+    running: ServingProcess, normed_llama: Path, token: None
 ) -> None:
     remote = load_encoder(
         model_cfg(normed_llama, blocks="remote", blocks_service=running.url), device="cpu"

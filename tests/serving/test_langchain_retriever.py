@@ -17,14 +17,7 @@ from car_fl.heads.head import Retrieval
 from car_fl.serving.checkpoint import load_retriever
 from car_fl.serving.langchain_retriever import CarFlRetriever
 from car_fl.serving.retrieval_client import source
-from tests.serving.test_retrieval_api import QUERIES, corpus_checkpoint
-
-
-@pytest.fixture(scope="module")
-def checkpoint(
-    tiny_llama: Path, tiny_corpus: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Path:
-    return corpus_checkpoint(tmp_path_factory.mktemp("langchain"), tiny_llama, tiny_corpus)
+from tests.serving.test_retrieval_api import QUERIES
 
 
 def assert_documents(documents: list, want: Retrieval) -> None:

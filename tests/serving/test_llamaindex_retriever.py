@@ -19,14 +19,7 @@ pytest.importorskip(
 from car_fl.heads.head import Retrieval
 from car_fl.serving.checkpoint import load_retriever
 from car_fl.serving.llamaindex_retriever import CarFlLlamaRetriever
-from tests.serving.test_retrieval_api import QUERIES, corpus_checkpoint
-
-
-@pytest.fixture(scope="module")
-def checkpoint(
-    tiny_llama: Path, tiny_corpus: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Path:
-    return corpus_checkpoint(tmp_path_factory.mktemp("llamaindex"), tiny_llama, tiny_corpus)
+from tests.serving.test_retrieval_api import QUERIES
 
 
 def assert_nodes(nodes: list, want: Retrieval) -> None:

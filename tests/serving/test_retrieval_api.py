@@ -72,13 +72,6 @@ def corpus_checkpoint(
 
 
 @pytest.fixture(scope="module")
-def checkpoint(
-    tiny_llama: Path, tiny_corpus: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Path:
-    return corpus_checkpoint(tmp_path_factory.mktemp("retrieval"), tiny_llama, tiny_corpus)
-
-
-@pytest.fixture(scope="module")
 def service(checkpoint: Path) -> RetrievalService:
     return RetrievalService(
         load_retriever(checkpoint, device="cpu"), checkpoint=checkpoint, token=TOKEN

@@ -9,77 +9,32 @@ retrievers against it with its token, and a stop that leaves no process.
 from __future__ import annotations
 
 import asyncio
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 
-from car_fl.deploy.ports import free_port
 from car_fl.serving.checkpoint import load_retriever
 from car_fl.serving.retrieval_client import Endpoint, EndpointError
-from tests.serving.test_retrieval_api import BAD, QUERIES, TOKEN, assert_same, corpus_checkpoint
+from tests.serving.processes import ServingProcess
+from tests.serving.test_retrieval_api import BAD, QUERIES, TOKEN, assert_same
 
 pytestmark = pytest.mark.slow
 
 
-class Service:
-    """``car-fl serve`` in a subprocess, its URL once it answers, stopped by SIGTERM."""
-
-    def __init__(self, checkpoint: Path, tmp: Path) -> None:
-        self.checkpoint, self.tmp = checkpoint, tmp
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        token = tmp / "token"
-        token.write_text(TOKEN)
-        ready = tmp / "ready"
-        command = [sys.executable, "-m", "car_fl.cli", "serve", "--checkpoint", str(checkpoint)]
-        flags = ["--port", str(self.port), "--token-file", str(token), "--ready-file", str(ready)]
-        self.log = (tmp / "service.log").open("ab")
-        self.proc = subprocess.Popen(
-            [*command, *flags, "--device", "cpu"], stdout=self.log, stderr=subprocess.STDOUT
-        )
-        deadline = time.monotonic() + 180
-        while not ready.exists():
-            assert self.proc.poll() is None, (tmp / "service.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "car-fl serve did not start in 180 s"
-            time.sleep(0.5)
-        assert ready.read_text().strip() == self.url
-
-    def stop(self) -> list[psutil.Process]:
-        """SIGTERM, wait; the processes of its tree still alive afterwards."""
-        tree = psutil.Process(self.proc.pid).children(recursive=True)
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(timeout=60)
-        _, alive = psutil.wait_procs(tree, timeout=30)
-        self.log.close()
-        return alive
-
-
 @pytest.fixture(scope="module")
-def checkpoint(
-    tiny_llama: Path, tiny_corpus: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
-) -> Path:
-    return corpus_checkpoint(tmp_path_factory.mktemp("served"), tiny_llama, tiny_corpus)
-
-
-@pytest.fixture(scope="module")
-def running(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    service = Service(checkpoint, tmp_path_factory.mktemp("retrieval-service"))
+def running(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServingProcess]:
+    command = ["serve", "--checkpoint", str(checkpoint), "--device", "cpu"]
+    service = ServingProcess(command, tmp_path_factory.mktemp("retrieval-service"), token=TOKEN)
+    service.start()
     yield service
-    if service.proc.poll() is None:
-        for process in service.stop():
-            process.kill()
+    service.end()
 
 
 @pytest.fixture(scope="module")
-def client(running: Service) -> Iterator[httpx.Client]:
+def client(running: ServingProcess) -> Iterator[httpx.Client]:
     headers = {"Authorization": f"Bearer {TOKEN}"}
     with httpx.Client(base_url=running.url, headers=headers, timeout=60) as http:
         yield http
@@ -121,7 +76,7 @@ def test_many_clients_at_once_each_get_their_own_answer(
 
 
 def test_every_bad_input_is_a_4xx_naming_its_field_and_it_keeps_serving(
-    client: httpx.Client, running: Service
+    client: httpx.Client, running: ServingProcess
 ) -> None:
     for body, field, says in BAD:
         response = client.post("/retrieve", json=body)
@@ -144,7 +99,7 @@ def test_every_bad_input_is_a_4xx_naming_its_field_and_it_keeps_serving(
 
 
 def test_the_langchain_and_llamaindex_retrievers_against_it_equal_load_retriever(
-    running: Service, checkpoint: Path
+    running: ServingProcess, checkpoint: Path
 ) -> None:
     from car_fl.serving.langchain_retriever import CarFlRetriever
 
@@ -175,8 +130,8 @@ def test_the_langchain_and_llamaindex_retrievers_against_it_equal_load_retriever
             assert max(abs(n.score - s) for n, s in zip(nodes, want.scores, strict=True)) <= 1e-6
 
 
-def test_stopped_it_leaves_no_process(running: Service) -> None:
+def test_stopped_it_leaves_no_process(running: ServingProcess) -> None:
     assert running.stop() == []
-    assert running.proc.returncode == 0
+    assert running.proc is not None and running.proc.returncode == 0
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{running.url}/health", timeout=5)
