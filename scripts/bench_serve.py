@@ -44,6 +44,8 @@ def checkpoint_for(model: str, data: Path, work: Path, *, epochs: int, smoke: bo
         base = [f"model={model}", f"dataset.path={data}", f"cache_dir={work / 'cache'}"]
         base += ["progress=false", "device=cpu"]
     run = work / f"run-{model}"
+    if (run / "checkpoints" / "best").is_dir():  # a --work of an earlier run: its checkpoint
+        return run / "checkpoints" / "best"
     run_centralized(load_settings([*base, f"train.epochs={epochs}"]), run)
     return run / "checkpoints" / "best"
 
@@ -81,8 +83,38 @@ def in_process(checkpoint: Path, queries: list[str], *, k: int) -> dict[str, Any
     }
 
 
+#: Which Ray processes are whose (their process titles), for the CPU each role used.
+ROLES = {"ServeReplica": "replica", "ProxyActor": "proxy", "ServeController": "controller"}
+
+
+def cpu_by_role() -> dict[str, float]:
+    """CPU seconds (user + system) so far of this process (the clients), Serve's replica,
+    proxy and controller, and the rest of Ray (GCS, raylet, workers), all this process's tree."""
+    import psutil
+
+    me = psutil.Process()
+    times = me.cpu_times()
+    out = {"clients": times.user + times.system}
+    for child in me.children(recursive=True):
+        try:
+            title = " ".join(child.cmdline()) or child.name()
+            t = child.cpu_times()
+        except psutil.Error:
+            continue
+        role = next((r for key, r in ROLES.items() if key in title), "ray")
+        out[role] = out.get(role, 0.0) + t.user + t.system
+    return out
+
+
 def under_load(
-    checkpoint: Path, queries: list[str], *, k: int, clients: int, rounds: int, cpus: int
+    checkpoint: Path,
+    queries: list[str],
+    *,
+    k: int,
+    clients: int,
+    rounds: int,
+    cpus: int,
+    batch_wait_ms: float,
 ) -> dict[str, Any]:
     """The endpoint on 127.0.0.1 with ``clients`` threads, one query per request."""
     import httpx
@@ -90,7 +122,9 @@ def under_load(
     from car_fl.deploy.ports import free_port
     from car_fl.serving.retrieval_service import RetrievalConfig, start, stop
 
-    service = RetrievalConfig(port=free_port(), cpus_per_replica=cpus)
+    service = RetrievalConfig(
+        port=free_port(), cpus_per_replica=cpus, batch_wait_s=batch_wait_ms / 1000
+    )
     url = start(str(checkpoint), service, device="cpu")
     try:
         work = queries * rounds
@@ -115,14 +149,15 @@ def under_load(
                 else:
                     failures[name] = failures.get(name, 0) + 1
 
-        with ThreadPoolExecutor(clients) as pool:  # warm-up: every client's connection
-            list(pool.map(one, queries[:clients]))
-        latencies.clear()
-        load_before = os.getloadavg()[0]
-        started = time.perf_counter()
-        with ThreadPoolExecutor(clients) as pool:
+        with ThreadPoolExecutor(clients) as pool:  # the same threads, so the same connections
+            list(pool.map(one, queries[:clients]))  # warm-up: every client's connection
+            latencies.clear()
+            load_before = os.getloadavg()[0]
+            cpu_before = cpu_by_role()
+            started = time.perf_counter()
             list(pool.map(one, work))
-        seconds = time.perf_counter() - started
+            seconds = time.perf_counter() - started
+            cpu = {r: t - cpu_before.get(r, 0.0) for r, t in cpu_by_role().items()}
     finally:
         stop()
     return {
@@ -136,6 +171,8 @@ def under_load(
         "load": [load_before, os.getloadavg()[0]],
         "clients": clients,
         "cpus_per_replica": cpus,
+        "batch_wait_ms": batch_wait_ms,
+        "cpu_s": {role: round(t, 2) for role, t in cpu.items()},
     }
 
 
@@ -150,6 +187,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-k", type=int, default=2, help="documents per query (SMS: 2 labels)")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--cpus", type=int, default=os.cpu_count() or 1)
+    parser.add_argument(
+        "--batch-wait-ms",
+        type=float,
+        nargs="+",
+        default=[5.0],
+        help="how long a batch waits to fill (car-fl serve --batch-wait-ms); several: one "
+        "served run each",
+    )
     parser.add_argument("--work", type=Path, default=None, help="checkpoints (default: a temp)")
     parser.add_argument("--json", type=Path, default=Path("runs/bench-serve.json"))
     parser.add_argument("--smoke", action="store_true", help="tiny models and data (a test)")
@@ -172,19 +217,29 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint = checkpoint_for(model, args.data, work, epochs=args.epochs, smoke=args.smoke)
         queries = test_queries(checkpoint)
         alone = in_process(checkpoint, queries, k=args.k)
-        served = under_load(
-            checkpoint, queries, k=args.k, clients=args.clients, rounds=args.rounds, cpus=args.cpus
-        )
-        served["ratio_to_in_process"] = served["qps"] / alone["qps"]
-        results["models"][model] = {"in_process": alone, "served": served}
-        print(
-            f"{model}: in-process {alone['qps']:.0f} q/s (load {alone['load'][1]:.1f}); served "
-            f"{served['qps']:.0f} q/s = {served['ratio_to_in_process']:.2f}x, p50 "
-            f"{served['p50_ms']:.0f} ms, p99 {served['p99_ms']:.0f} ms, {served['answered']}/"
-            f"{served['requests']} answered, not 2xx {served['not_2xx'] or 0} "
-            f"(load {served['load'][1]:.1f})",
-            flush=True,
-        )
+        runs = []
+        for wait in args.batch_wait_ms:
+            served = under_load(
+                checkpoint,
+                queries,
+                k=args.k,
+                clients=args.clients,
+                rounds=args.rounds,
+                cpus=args.cpus,
+                batch_wait_ms=wait,
+            )
+            served["ratio_to_in_process"] = served["qps"] / alone["qps"]
+            runs.append(served)
+            print(
+                f"{model}: in-process {alone['qps']:.0f} q/s (load {alone['load'][1]:.1f}); "
+                f"served (batch wait {wait:g} ms) {served['qps']:.0f} q/s = "
+                f"{served['ratio_to_in_process']:.2f}x, p50 {served['p50_ms']:.0f} ms, p99 "
+                f"{served['p99_ms']:.0f} ms, {served['answered']}/{served['requests']} answered, "
+                f"not 2xx {served['not_2xx'] or 0} (load {served['load'][1]:.1f}); CPU s "
+                + ", ".join(f"{r} {t:.1f}" for r, t in served["cpu_s"].items()),
+                flush=True,
+            )
+        results["models"][model] = {"in_process": alone, "served": runs}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     print(f"wrote {args.json}; reproduce: {command}")
