@@ -1,6 +1,7 @@
 """A worked RAG example, offline: a car-fl retriever trained by a federation, in a LangChain chain.
 
     python scripts/rag_example.py --papers 300        # arXiv dev papers, MiniLM, SmolLM2 answers
+    python scripts/rag_example.py --papers 300 --framework llamaindex   # a LlamaIndex query engine
     python scripts/rag_example.py --smoke             # tiny models and corpus (a test)
 
 Steps: (1) the first ``--papers`` papers of the arXiv dev set become a corpus
@@ -8,8 +9,9 @@ Steps: (1) the first ``--papers`` papers of the arXiv dev set become a corpus
 ``--clients`` nodes trains a document head on it for ``--rounds`` rounds, in this process
 (:func:`car_fl.simulation.in_process.run_local`, the real ServerApp and ClientApp handlers);
 (3) a LangChain chain retrieves with :class:`car_fl.serving.langchain_retriever.CarFlRetriever`
-from the run's best checkpoint and answers with the local generator
-(:func:`car_fl.serving.rag.load_generator`, ``gguf:smollm2``). Prints the question, the
+from the run's best checkpoint (``--framework llamaindex``: a LlamaIndex query engine with
+:class:`car_fl.serving.llamaindex_retriever.CarFlLlamaRetriever`) and answers with the local
+generator (:func:`car_fl.serving.rag.load_generator`, ``gguf:smollm2``). Prints the question, the
 retrieved documents (id, score, title) and the answer. ``--url`` retrieves from a running
 ``car-fl serve`` of that checkpoint instead.
 """
@@ -87,6 +89,69 @@ def chain_for(retriever: Any, generator: Any, *, max_new_tokens: int) -> Any:
     return fetch | RunnableLambda(answer)
 
 
+def query_engine_for(retriever: Any, generator: Any, *, max_new_tokens: int) -> Any:
+    """A LlamaIndex query engine: the retriever's nodes → the generator's answer, the nodes as
+    its sources (a ``CustomQueryEngine``: the generator is car-fl's, not a LlamaIndex LLM)."""
+    from llama_index.core.base.response.schema import Response
+    from llama_index.core.query_engine import CustomQueryEngine
+
+    from car_fl.heads.head import Hit
+
+    class Engine(CustomQueryEngine):
+        def custom_query(self, query_str: str) -> Response:
+            nodes = retriever.retrieve(query_str)
+            hits = [Hit(id=n.node.node_id, text=n.node.get_content(), score=n.score) for n in nodes]
+            reply = generator.answer(query_str, hits, max_new_tokens=max_new_tokens)
+            return Response(reply.text, source_nodes=nodes)
+
+    return Engine()
+
+
+def ask(args: argparse.Namespace, checkpoint: Path, generator: Any) -> tuple[list, str]:
+    """(rank, id, score, title) of each retrieved document and the answer, through the chosen
+    framework."""
+    if args.framework == "llamaindex":
+        from car_fl.serving.llamaindex_retriever import CarFlLlamaRetriever
+
+        index = (
+            CarFlLlamaRetriever.from_endpoint(args.url, k=args.k)
+            if args.url
+            else CarFlLlamaRetriever.from_checkpoint(checkpoint, k=args.k, device="cpu")
+        )
+        response = query_engine_for(index, generator, max_new_tokens=args.max_new_tokens).query(
+            args.question
+        )
+        rows = [
+            (
+                n.node.metadata["rank"],
+                n.node.node_id,
+                n.score,
+                _title(n.node.metadata, n.node.get_content()),
+            )
+            for n in response.source_nodes
+        ]
+        return rows, str(response.response)
+    from car_fl.serving.langchain_retriever import CarFlRetriever
+
+    retriever = (
+        CarFlRetriever.from_endpoint(args.url, k=args.k)
+        if args.url
+        else CarFlRetriever.from_checkpoint(checkpoint, k=args.k, device="cpu")
+    )
+    result = chain_for(retriever, generator, max_new_tokens=args.max_new_tokens).invoke(
+        args.question
+    )
+    rows = [
+        (d.metadata["rank"], d.id, d.metadata["score"], _title(d.metadata, d.page_content))
+        for d in result["documents"]
+    ]
+    return rows, str(result["answer"])
+
+
+def _title(metadata: dict[str, Any], text: str) -> str:
+    return str(metadata.get("title") or " ".join(text.split())[:60])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -100,10 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--question", default=QUESTION)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--url", default=None, help="retrieve from this car-fl serve instead")
+    parser.add_argument(
+        "--framework", choices=["langchain", "llamaindex"], default="langchain", help="whose chain"
+    )
     parser.add_argument("--work", type=Path, default=None, help="corpus and run (default: temp)")
     parser.add_argument("--smoke", action="store_true", help="tiny models and corpus (a test)")
     args = parser.parse_args(argv)
-    from car_fl.serving.langchain_retriever import CarFlRetriever
     from car_fl.serving.rag import load_generator
     from car_fl.testing.tiny import build_llama
 
@@ -113,23 +180,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{ARXIV} not found (the arXiv dev set)")
     documents, queries = corpus(args.papers, work, smoke=args.smoke)
     checkpoint = federated_checkpoint(documents, queries, work, args)
-    if args.url:
-        retriever = CarFlRetriever.from_endpoint(args.url, k=args.k)
-    else:
-        retriever = CarFlRetriever.from_checkpoint(checkpoint, k=args.k, device="cpu")
     if args.smoke:
         args.generator = str(build_llama(work / "tiny-generator", causal=True))
         args.question, args.max_new_tokens = "w5 w25", 4
     generator = load_generator(args.generator, device="cpu")
-    chain = chain_for(retriever, generator, max_new_tokens=args.max_new_tokens)
-    result = chain.invoke(args.question)
+    rows, answer = ask(args, checkpoint, generator)
     print(f"checkpoint: {checkpoint}")
-    print(f"question: {args.question}")
-    for doc in result["documents"]:
-        meta = doc.metadata
-        title = meta.get("title") or " ".join(doc.page_content.split())[:60]
-        print(f"  {meta['rank']}. {doc.id}\t{meta['score']:.4f}\t{title}")
-    print(f"answer: {result['answer']}")
+    print(f"question: {args.question} ({args.framework})")
+    for rank, doc_id, score, title in rows:
+        print(f"  {rank}. {doc_id}\t{score:.4f}\t{title}")
+    print(f"answer: {answer}")
     return 0
 
 

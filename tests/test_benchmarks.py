@@ -129,3 +129,46 @@ def test_scale_benchmark_compares_the_dense_head_with_the_mixture(tmp_path: Path
         dense["bytes_per_client_round"] / moe["bytes_per_client_round"]
     )
     assert (tmp_path / "scale" / "table.md").read_text().count("\n") == 4
+
+
+def test_bench_serve_answers_every_request_and_writes_its_figures(tmp_path: Path) -> None:
+    out = tmp_path / "bench-serve.json"
+    command = [sys.executable, str(ROOT / "scripts" / "bench_serve.py"), "--smoke"]
+    done = subprocess.run(
+        [*command, "--json", str(out), "--work", str(tmp_path / "work")],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    (model,) = json.loads(out.read_text())["models"].values()
+    assert positive(model["in_process"]["qps"])
+    (served,) = model["served"]
+    assert served["answered"] == served["requests"] and not served["not_2xx"]
+    assert positive(served["p99_ms"]) and positive(served["cpu_s"]["replica"])
+
+
+@pytest.mark.parametrize("framework", ["langchain", "llamaindex"])
+def test_rag_example_retrieves_and_answers_through_each_framework(
+    tmp_path: Path, framework: str
+) -> None:
+    if framework == "llamaindex":
+        pytest.importorskip("llama_index.core", reason='pip install -e ".[llamaindex]"')
+    command = [sys.executable, str(ROOT / "scripts" / "rag_example.py"), "--smoke"]
+    done = subprocess.run(
+        [*command, "--framework", framework, "--work", str(tmp_path)],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    lines = done.stdout.splitlines()
+    assert f"question: w5 w25 ({framework})" in lines
+    assert any(line.startswith("  1. d5\t") for line in lines)  # the document the query names
+    assert any(line.startswith("answer: ") for line in lines)

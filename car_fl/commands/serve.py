@@ -32,7 +32,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-batch-queries", type=int, default=256, help="queries per batch (many clients')"
     )
     parser.add_argument(
-        "--batch-wait-ms", type=float, default=5.0, help="how long a batch waits to fill"
+        "--batch-wait-ms", type=float, default=50.0, help="how long a batch waits to fill"
+    )
+    parser.add_argument(
+        "--encode-batch",
+        type=int,
+        default=8,
+        help="queries encoded at once, sorted by length (a batch is cut into such chunks)",
     )
 
 
@@ -45,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
         **serve_config_values(args, token_env=TOKEN_ENV),
         max_batch_queries=args.max_batch_queries,
         batch_wait_s=args.batch_wait_ms / 1000,
+        encode_batch=args.encode_batch,
     )
     offline_unless_reachable()  # no Hub: the loaders read the local cache, and fail in seconds
     return serve_until_stopped(

@@ -162,13 +162,20 @@ class RetrievalService:
     """A loaded retriever behind the endpoint's checks: token, ``k``, batches of requests."""
 
     def __init__(
-        self, retriever: CaRRetriever, *, checkpoint: str | Path, token: str | None = None
+        self,
+        retriever: CaRRetriever,
+        *,
+        checkpoint: str | Path,
+        token: str | None = None,
+        encode_batch: int | None = None,
     ) -> None:
         from car_fl.settings.flower import fingerprint
 
         if retriever.label_names is None or retriever.settings is None:
             raise ValueError("the retriever has no labels: load it with load_retriever")
         self.retriever, self.token = retriever, token
+        #: Queries encoded at once, sorted by length (``None``: the checkpoint's eval batch).
+        self.encode_batch = encode_batch
         self.titles = corpus_titles(retriever)
         self.documents = len(retriever.label_names)
         self.health = Health(
@@ -197,7 +204,8 @@ class RetrievalService:
         queries = [q for request in requests for q in request.queries]
         k = max(request.k for request in requests)
         log.info("retrieve: %d requests, %d queries, k=%d", len(requests), len(queries), k)
-        results = results_of(self.retriever.retrieve(queries, k), self.titles)
+        found = self.retriever.retrieve(queries, k, batch_size=self.encode_batch)
+        results = results_of(found, self.titles)
         out, start = [], 0
         for request in requests:
             mine = results[start : start + len(request.queries)]

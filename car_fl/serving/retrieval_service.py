@@ -38,6 +38,12 @@ class RetrievalConfig(ServeConfig):
     port: int = 8300
     #: Queries one batch holds at most (the requests of many clients together).
     max_batch_queries: int = MAX_QUERIES
+    #: How long a batch waits to fill: 50 ms doubles what 32 clients get through against 5 ms
+    #: (docs/retrieval.md, "Under load"), and is what a lone request waits.
+    batch_wait_s: float = 0.05
+    #: Queries the encoder runs at once, sorted by length: a batch of many clients' queries is
+    #: cut into such chunks, so a long query pads a few short ones, not all of them.
+    encode_batch: int = 8
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -46,18 +52,23 @@ class RetrievalConfig(ServeConfig):
                 f"--max-batch-queries must be >= {MAX_QUERIES} (one request's queries), "
                 f"got {self.max_batch_queries}"
             )
+        if self.encode_batch < 1:
+            raise ValueError(f"--encode-batch must be >= 1, got {self.encode_batch}")
 
 
 def _queries(requests: list[RetrieveRequest]) -> int:
     return sum(len(request.queries) for request in requests)
 
 
-def load_service(checkpoint: str, *, device: str, token: str | None) -> RetrievalService:
+def load_service(checkpoint: str, service: RetrievalConfig, *, device: str) -> RetrievalService:
     """The checkpoint's retriever behind the endpoint's checks (raises what cannot load)."""
     from car_fl.serving.checkpoint import load_retriever
 
     return RetrievalService(
-        load_retriever(checkpoint, device=device), checkpoint=checkpoint, token=token
+        load_retriever(checkpoint, device=device),
+        checkpoint=checkpoint,
+        token=service.token,
+        encode_batch=service.encode_batch,
     )
 
 
@@ -70,7 +81,7 @@ def deployment(service: RetrievalConfig, checkpoint: str, *, device: str) -> Any
 
         logging.basicConfig(level=logging.INFO)
         torch.set_num_threads(max(1, int(service.cpus_per_replica)))  # the CPUs Ray gave it
-        retrieval = load_service(checkpoint, device=device, token=service.token)
+        retrieval = load_service(checkpoint, service, device=device)
 
         @serve.batch(
             max_batch_size=service.max_batch_queries,
@@ -87,7 +98,7 @@ def deployment(service: RetrievalConfig, checkpoint: str, *, device: str) -> Any
         name="retrieval",
         num_replicas=service.replicas,
         ray_actor_options=service.actor_options(),
-        max_ongoing_requests=4 * service.max_batch_requests,
+        max_ongoing_requests=2 * service.max_batch_queries,  # a batch can fill while one runs
     )
 
 
@@ -95,7 +106,7 @@ def start(checkpoint: str, service: RetrievalConfig, *, device: str = "auto") ->
     """Check that ``checkpoint`` loads, start Ray and Serve, run the endpoint; its URL."""
     from ray import serve
 
-    probe = load_service(checkpoint, device=device, token=service.token)  # fails before Ray
+    probe = load_service(checkpoint, service, device=device)  # fails before Ray
     log.info("serving %s (%d documents)", checkpoint, probe.documents)
     del probe
     start_serve(service, namespace=APP_NAME)

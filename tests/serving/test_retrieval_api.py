@@ -119,7 +119,8 @@ def test_a_batch_of_requests_of_different_k_answers_each_as_alone(
         RetrieveRequest(queries=QUERIES[2:], k=5),
         RetrieveRequest(queries=QUERIES, k=3),
     ]
-    together = service.run(requests)
+    chunked = RetrievalService(service.retriever, checkpoint="c", encode_batch=2)
+    together = chunked.run(requests)  # encoded 2 at a time, sorted by length
     for request, answer in zip(requests, together, strict=True):
         [alone] = service.run([request])
         assert all(len(r.documents) == request.k for r in answer.results)
@@ -173,10 +174,10 @@ def test_a_lone_surrogate_is_a_4xx_and_a_query_that_breaks_the_model_fails_alone
     )
     real = service.retriever.retrieve
 
-    def breaks_on_w2(queries: list[str], k: int) -> list:
+    def breaks_on_w2(queries: list[str], k: int, **kw: int | None) -> list:
         if any("w2" in q for q in queries):
             raise RuntimeError("the model broke")
-        return real(queries, k)
+        return real(queries, k, **kw)
 
     monkeypatch.setattr(service.retriever, "retrieve", breaks_on_w2)
     requests = [RetrieveRequest(queries=[q], k=2) for q in QUERIES]  # the second holds w2
