@@ -12,10 +12,13 @@ what happened and which address; a 4xx answer is the node's own mistake and is n
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import logging
+import socket
 import ssl
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,17 +55,19 @@ class Retry:
 DEFAULT_RETRY = Retry()
 
 
-#: The most bytes a reply may have before the service's limits are known (its health).
+#: The most bytes a health reply may have.
 HEALTH_REPLY_BYTES = 1 << 20
+#: What a health reply must report, each a size in 1..its bound.
+SIZES = {"max_rows": 1 << 20, "max_tokens": 1 << 26, "hidden": 1 << 17}
 
 
 class HttpTransport:
     """One kept-alive HTTP(S) connection to a service's address.
 
-    ``timeout_s`` bounds a whole request (a reply that drips in past it is cut, checked as its
-    bytes arrive); a reply above :attr:`max_reply_bytes` is refused without being read: before
-    the service's health is known, :data:`HEALTH_REPLY_BYTES`, then what its own limits allow
-    (:meth:`BlocksClient.health` sets it)."""
+    ``timeout_s`` bounds a whole request, sending, headers and body (a watchdog shuts the
+    socket at it, so a server that drips its reply is cut); a reply above
+    :attr:`max_reply_bytes` is refused without being read (:class:`BlocksClient` sets it per
+    request: 1 MiB for health, the states of the rows sent for a forward or backward)."""
 
     def __init__(
         self, url: str, *, timeout_s: float, ca_file: str | None = None, route: str = ""
@@ -115,6 +120,19 @@ class HttpTransport:
     def _send(self, path: str, body: bytes, headers: dict[str, str]) -> Answer:
         connection = self._connect()
         method = "GET" if path == HEALTH else "POST"
+        expired = threading.Event()
+        sent: list[socket.socket] = []  # the reply's socket: an HTTP/1.0 reply unsets .sock
+
+        def expire() -> None:  # the socket's own timeout bounds each read, not the whole
+            expired.set()
+            for sock in [connection.sock, *sent]:
+                if sock is not None:
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_RDWR)
+
+        watchdog = threading.Timer(self.timeout_s, expire)
+        watchdog.daemon = True
+        watchdog.start()
         try:
             connection.request(
                 method,
@@ -122,26 +140,37 @@ class HttpTransport:
                 body=body or None,
                 headers={**headers, "Content-Type": MEDIA_TYPE},
             )
+            if connection.sock is not None:
+                sent.append(connection.sock)
+            if expired.is_set():
+                raise TimeoutError
             reply = connection.getresponse()
-            data = self._read(reply, deadline=time.monotonic() + self.timeout_s)
-        except BaseException:
+            data = self._read(reply)
+            if expired.is_set():
+                raise TimeoutError
+        except BaseException as err:
             self.close()  # a half-read connection is never reused
+            if expired.is_set() and isinstance(err, OSError | http.client.HTTPException):
+                raise TimeoutError(f"the reply took longer than {self.timeout_s:g} s") from None
             raise
+        finally:
+            watchdog.cancel()
         return Answer(reply.status, data, reply.getheader("Content-Type") or "")
 
-    def _read(self, reply: http.client.HTTPResponse, *, deadline: float) -> bytes:
-        """The reply's body, refused above :attr:`max_reply_bytes` or past ``deadline``."""
+    def _read(self, reply: http.client.HTTPResponse) -> bytes:
+        """The reply's body, refused above :attr:`max_reply_bytes` or cut short."""
         declared = reply.getheader("Content-Length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_reply_bytes:
-            raise BlocksRefused(self._too_big(int(declared)))
+        length = int(declared) if declared and declared.isascii() and declared.isdigit() else None
+        if length is not None and length > self.max_reply_bytes:
+            raise BlocksRefused(self._too_big(length))
         data = bytearray()
         while chunk := reply.read1(1 << 20):
             data += chunk
             if len(data) > self.max_reply_bytes:
                 raise BlocksRefused(self._too_big(len(data)))
-            if time.monotonic() > deadline:  # a server that drips its reply
-                raise TimeoutError(f"the reply took longer than {self.timeout_s:g} s")
         data += reply.read()  # nothing left: marks the reply done, so the connection is reused
+        if length is not None and len(data) != length:  # read1 ends quietly on a closed socket
+            raise http.client.IncompleteRead(bytes(data), length - len(data))
         return bytes(data)
 
     def _too_big(self, size: int) -> str:
@@ -178,7 +207,9 @@ class BlocksClient:
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
-    def _call(self, path: str, body: bytes) -> Answer:
+    def _call(self, path: str, body: bytes, *, reply_bytes: int = HEALTH_REPLY_BYTES) -> Answer:
+        if isinstance(self.transport, HttpTransport):
+            self.transport.max_reply_bytes = reply_bytes
         pause = self.retry.backoff_s
         cause = ""
         for attempt in range(1, self.retry.attempts + 1):
@@ -219,21 +250,21 @@ class BlocksClient:
         """What the service holds (model, fingerprint, weights digest, dtype, limits)."""
         answer = self._call(HEALTH, b"")
         try:
-            info: dict[str, Any] = json.loads(answer.body)
-        except json.JSONDecodeError:
+            info = json.loads(answer.body)
+        except (ValueError, RecursionError):  # not JSON, not UTF-8, nested past the stack
             raise BlocksRefused(
                 f"{self.url}{HEALTH} did not answer JSON: is it a blocks service?"
             ) from None
-        self.health_info = info
-        if isinstance(self.transport, HttpTransport):  # a reply's most: max_tokens states
-            try:
-                most = int(info["max_tokens"]) * int(info["hidden"]) * 4 + (1 << 20)
-            except (KeyError, TypeError, ValueError):
+        if not isinstance(info, dict):
+            raise BlocksRefused(f"{self.url}{HEALTH} did not answer a JSON object")
+        for key, most in SIZES.items():
+            value = info.get(key)
+            if not (isinstance(value, int) and not isinstance(value, bool) and 0 < value <= most):
                 raise BlocksRefused(
-                    f"{self.url}{HEALTH} does not report max_tokens and hidden: is it a car-fl "
+                    f"{self.url}{HEALTH} reports no {key} in 1..{most:,}: is it a car-fl "
                     "blocks service?"
-                ) from None
-            self.transport.max_reply_bytes = max(most, HEALTH_REPLY_BYTES)
+                )
+        self.health_info = info  # only once it is one
         return info
 
     def _limits(self) -> tuple[int, int]:
@@ -263,9 +294,11 @@ class BlocksClient:
                 fingerprint=fingerprint,
                 grad=None if grad is None else grad[rows],
             )
-            answer = self._call(path, body)
+            shape = tuple(embeds[rows].shape)
+            states = shape[0] * shape[1] * shape[2] * 4  # float32 at most
+            answer = self._call(path, body, reply_bytes=states + (1 << 16))
             try:
-                parts.append(read_reply(answer.body, name, tuple(embeds[rows].shape)))
+                parts.append(read_reply(answer.body, name, shape))
             except WireError as err:
                 raise BlocksRefused(f"the blocks service at {self.url}: {err}") from None
         return torch.cat(parts)
@@ -294,8 +327,14 @@ def _in_process(url: str) -> Transport:
     return send
 
 
+#: Characters of a service's error message kept, its control characters blanked (a hostile
+#: service's megabyte, or a forged log line, never reaches the node's log whole).
+MAX_MESSAGE = 500
+
+
 def _message(answer: Answer) -> str:
     try:
-        return str(json.loads(answer.body).get("error", answer.body[:200]))
-    except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
-        return answer.body[:200].decode("utf-8", "replace")
+        text = str(json.loads(answer.body).get("error", ""))
+    except (ValueError, AttributeError, RecursionError):
+        text = answer.body[:MAX_MESSAGE].decode("utf-8", "replace")
+    return "".join(c if c.isprintable() else " " for c in text[:MAX_MESSAGE])

@@ -194,7 +194,7 @@ class BlocksHandler:
         if path not in (FORWARD, BACKWARD, HEALTH):
             return Answer.error(404, f"no such operation: use {FORWARD}, {BACKWARD}, {HEALTH}")
         declared = headers.get("content-length", "0")
-        if not declared.isdigit():
+        if not (declared.isascii() and declared.isdigit()):  # "²".isdigit() is True
             self.refused += 1
             return Answer.error(400, "Content-Length is not a number of bytes")
         if int(declared) > self.max_body:

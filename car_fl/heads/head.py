@@ -120,7 +120,7 @@ def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
     Ties go to the lower label index (a stable sort), so the top ``k`` are the first ``k`` of
     any larger top: a batch of requests served at their largest ``k`` and cut to each one's own
-    gives each exactly what it alone would get."""
+    ``k`` gives each the ranking its own scores give at that ``k``."""
     if k < 1:
         raise ValueError(f"K must be >= 1, got {k}")
     exact = logits if logits.dtype == torch.float64 else logits.float()  # fused ranks: float64

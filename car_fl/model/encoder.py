@@ -315,7 +315,9 @@ def placement(cfg: ModelConfig, device: str) -> tuple[str, torch.device, torch.d
 
 
 def load_weights(cfg: ModelConfig, name: str, *, dtype: torch.dtype, device: torch.device) -> Any:
-    """``AutoModel`` of ``name`` in ``dtype`` on ``device``; a failure names what to fix."""
+    """``AutoModel`` of ``name`` in ``dtype``, its attention chosen for ``device`` but left on
+    the CPU (placing it is the caller's: the blocks service strips it first); a failure names
+    what to fix."""
     from transformers import AutoModel
 
     try:
@@ -329,7 +331,7 @@ def load_weights(cfg: ModelConfig, name: str, *, dtype: torch.dtype, device: tor
         )
     except Exception as err:
         raise load_error(name, "weights", err) from err
-    return model.to(device)
+    return model
 
 
 def load_encoder(cfg: ModelConfig, *, device: str = "auto") -> Encoder:
@@ -353,7 +355,7 @@ def load_encoder(cfg: ModelConfig, *, device: str = "auto") -> Encoder:
         model, blocks = connect(cfg, name, dtype=dtype, device=target)
         encoder = Encoder(model, tokenizer, cfg, blocks=blocks)
     else:
-        model = load_weights(cfg, name, dtype=dtype, device=target)
+        model = load_weights(cfg, name, dtype=dtype, device=target).to(target)
         encoder = Encoder(model, tokenizer, cfg)
     LOAD_COUNT += 1
     frozen = sum(p.numel() for p in model.parameters())

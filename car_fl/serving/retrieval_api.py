@@ -36,6 +36,9 @@ MAX_QUERY_CHARS = 8192
 MAX_QUERIES = 256
 #: Paths anyone may read: the schema and its page (nothing about the checkpoint).
 OPEN_PATHS = ("/docs", "/openapi.json", "/redoc")
+#: Bytes a request body may declare: the most queries of the longest, every character a
+#: 12-byte JSON escape (a surrogate pair), and room for the rest; larger is a 413 unread.
+MAX_BODY = MAX_QUERIES * MAX_QUERY_CHARS * 12 + (1 << 20)
 #: A request's fields (the schema's, named in the message that refuses any other).
 FIELDS = ("queries", "k")
 
@@ -283,6 +286,10 @@ def build_app(
                 service.authorize(request.headers.get("authorization"))
             except Refused as err:
                 return JSONResponse({"detail": err.message}, status_code=err.status)
+            declared = request.headers.get("content-length", "0")
+            if not (declared.isascii() and declared.isdigit()) or int(declared) > MAX_BODY:
+                detail = f"body: at most {MAX_BODY:,} bytes, with a Content-Length"
+                return JSONResponse({"detail": detail}, status_code=413)
         response: Response = await call_next(request)
         return response
 

@@ -15,9 +15,10 @@ import itertools
 import json
 import math
 import ssl
-import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
+from urllib.parse import urlsplit
 
 from car_fl.serving.retrieval_api import (
     QueryResult,
@@ -103,8 +104,9 @@ def checked(results: list[QueryResult], queries: int, k: int) -> list[QueryResul
 class Endpoint:
     """A running ``car-fl serve`` at ``url`` (e.g. ``http://127.0.0.1:8300``).
 
-    ``timeout_s`` bounds a whole request however slowly the server sends its bytes (checked
-    as each arrives; ``aretrieve`` cancels at it); ``max_reply_bytes`` bounds what is read;
+    ``timeout_s`` bounds a whole request (connecting, sending, the headers and the body: it is
+    cancelled at that time however slowly the server sends); ``max_reply_bytes`` bounds the
+    bytes read, and a compressed reply is refused (it could inflate past any bound);
     every answer is checked against the schema and its promises (:func:`checked`); ``ca_file``
     trusts a private CA's certificate (``scripts/make_certs.py``) for ``https://``."""
 
@@ -117,7 +119,12 @@ class Endpoint:
         max_reply_bytes: int = 64 << 20,
         ca_file: str | Path | None = None,
     ) -> None:
-        if not url.startswith(("http://", "https://")):
+        try:
+            parts = urlsplit(url)
+            parts.port  # noqa: B018 (parses it: a port out of range or not a number raises)
+        except ValueError:
+            parts = None
+        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"endpoint {url!r} is not http(s)://host:port (car-fl serve's URL)")
         self.url = url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -130,102 +137,92 @@ class Endpoint:
     def __repr__(self) -> str:  # never the token
         return f"Endpoint({self.url!r})"
 
-    def _body(self, chunks: Any, deadline: float) -> bytes:
-        """The reply's bytes, refused past the deadline or the size bound."""
-        body = bytearray()
-        for chunk in chunks:
-            body += chunk
-            if len(body) > self.max_reply_bytes:
-                raise EndpointError(
-                    0, f"the reply is above {self.max_reply_bytes:,} bytes (max_reply_bytes)"
-                )
-            if time.monotonic() > deadline:
-                raise self._late()
-        return bytes(body)
+    async def _exchange(self, method: str, path: str, payload: Any = None) -> tuple[int, bytes]:
+        """One request's status and raw body: identity encoding only (a compressed reply could
+        inflate past any bound), at most :attr:`max_reply_bytes` read."""
+        import httpx
 
-    def _late(self) -> EndpointError:
-        return EndpointError(0, f"{self.url} did not answer within {self.timeout_s:g} s")
+        headers = {**self.headers, "Accept-Encoding": "identity"}
+        body = bytearray()
+        async with (
+            httpx.AsyncClient(timeout=self.timeout_s, verify=self.verify) as client,
+            client.stream(method, f"{self.url}{path}", json=payload, headers=headers) as response,
+        ):
+            encoding = response.headers.get("content-encoding", "identity").lower()
+            if encoding != "identity":
+                raise EndpointError(0, "the reply is compressed, which this client refuses")
+            async for chunk in response.aiter_raw():
+                body += chunk
+                if len(body) > self.max_reply_bytes:
+                    raise EndpointError(
+                        0, f"the reply is above {self.max_reply_bytes:,} bytes (max_reply_bytes)"
+                    )
+        return response.status_code, bytes(body)
+
+    async def _within_deadline(
+        self, method: str, path: str, payload: Any = None
+    ) -> tuple[int, bytes]:
+        """:meth:`_exchange` cancelled at :attr:`timeout_s`: connecting, sending, headers, body."""
+        import httpx
+
+        try:
+            return await asyncio.wait_for(self._exchange(method, path, payload), self.timeout_s)
+        except (TimeoutError, httpx.TimeoutException):
+            raise EndpointError(
+                0, f"{self.url} did not answer within {self.timeout_s:g} s"
+            ) from None
+        except httpx.HTTPError as err:  # unreachable, a broken reply, a malformed URL
+            what = f"{self.url} cannot be reached or its reply cannot be read: {err}"
+            raise EndpointError(0, what[:MAX_DETAIL]) from None
+
+    def _wait(self, method: str, path: str, payload: Any = None) -> tuple[int, bytes]:
+        """The async exchange from synchronous code, on its own loop in a worker thread (the
+        caller may be inside a running loop, as a notebook is)."""
+        with ThreadPoolExecutor(1) as pool:
+            return pool.submit(asyncio.run, self._within_deadline(method, path, payload)).result()
 
     def _answer(self, status: int, body: bytes, queries: int, k: int) -> list[QueryResult]:
         if status != 200:
-            try:
-                message = str(json.loads(body).get("detail"))
-            except (ValueError, AttributeError):
-                message = body.decode("utf-8", "replace")
-            raise EndpointError(status, message[:MAX_DETAIL])
+            raise EndpointError(status, _detail(body))
         try:
             results = RetrieveResponse.model_validate_json(body).results
-        except ValueError as err:
+        except (ValueError, RecursionError) as err:
             what = f"the answer is not a car-fl retrieval: {err}"
             raise EndpointError(200, what[:MAX_DETAIL]) from None
         return checked(results, queries, k)
 
     def retrieve(self, queries: list[str], k: int) -> list[QueryResult]:
-        import httpx
-
-        deadline = time.monotonic() + self.timeout_s
-        payload = {"queries": queries, "k": k}
-        try:
-            with (
-                httpx.Client(timeout=self.timeout_s, verify=self.verify) as client,
-                client.stream(
-                    "POST", f"{self.url}/retrieve", json=payload, headers=self.headers
-                ) as response,
-            ):
-                body = self._body(response.iter_bytes(), deadline)
-        except httpx.TimeoutException:
-            raise self._late() from None
-        except httpx.TransportError as err:
-            raise EndpointError(0, f"{self.url} cannot be reached: {err}") from None
-        return self._answer(response.status_code, body, len(queries), k)
+        status, body = self._wait("POST", "/retrieve", {"queries": queries, "k": k})
+        return self._answer(status, body, len(queries), k)
 
     async def aretrieve(self, queries: list[str], k: int) -> list[QueryResult]:
-        import httpx
-
-        async def ask() -> tuple[int, bytes]:
-            body = bytearray()
-            async with (
-                httpx.AsyncClient(timeout=self.timeout_s, verify=self.verify) as client,
-                client.stream(
-                    "POST",
-                    f"{self.url}/retrieve",
-                    json={"queries": queries, "k": k},
-                    headers=self.headers,
-                ) as response,
-            ):
-                async for chunk in response.aiter_bytes():
-                    body += chunk
-                    if len(body) > self.max_reply_bytes:
-                        raise EndpointError(
-                            0,
-                            f"the reply is above {self.max_reply_bytes:,} bytes (max_reply_bytes)",
-                        )
-            return response.status_code, bytes(body)
-
-        try:
-            status, body = await asyncio.wait_for(ask(), self.timeout_s)
-        except (TimeoutError, httpx.TimeoutException):
-            raise self._late() from None
-        except httpx.TransportError as err:
-            raise EndpointError(0, f"{self.url} cannot be reached: {err}") from None
+        payload = {"queries": queries, "k": k}
+        status, body = await self._within_deadline("POST", "/retrieve", payload)
         return self._answer(status, body, len(queries), k)
 
     def health(self) -> dict[str, Any]:
-        import httpx
-
+        """What the endpoint serves (checkpoint, fingerprint, model, head, documents)."""
+        status, body = self._wait("GET", "/health")
+        if status != 200:
+            raise EndpointError(status, _detail(body))
         try:
-            response = httpx.get(
-                f"{self.url}/health",
-                headers=self.headers,
-                timeout=self.timeout_s,
-                verify=self.verify,
-            )
-        except httpx.TransportError as err:
-            raise EndpointError(0, f"{self.url} cannot be reached: {err}") from None
-        if response.status_code != 200:
-            raise EndpointError(response.status_code, response.text[:MAX_DETAIL])
-        health: dict[str, Any] = response.json()
+            health = json.loads(body)
+        except (ValueError, RecursionError):
+            health = None
+        if not isinstance(health, dict):
+            raise EndpointError(200, "the health answer is not a JSON object: is it car-fl serve?")
         return health
+
+
+def _detail(body: bytes) -> str:
+    """An error reply's message, cut to :data:`MAX_DETAIL` characters, control characters
+    blanked."""
+    try:
+        found = json.loads(body)
+        text = str(found.get("detail")) if isinstance(found, dict) else str(found)
+    except (ValueError, RecursionError):
+        text = body[: 4 * MAX_DETAIL].decode("utf-8", "replace")
+    return "".join(c if c.isprintable() else " " for c in text[:MAX_DETAIL])
 
 
 def source(

@@ -17,7 +17,6 @@ from car_fl.blocks.client import (
     BlocksClient,
     BlocksRefused,
     BlocksUnavailable,
-    HttpTransport,
     Retry,
 )
 from car_fl.blocks.compute import Answer, BlocksHandler
@@ -114,7 +113,8 @@ def test_a_kept_alive_connection_the_server_closed_is_reopened_without_a_retry(
         protocol_version = "HTTP/1.1"  # promises keep-alive, then closes after each reply
 
         def do_GET(self) -> None:
-            body = json.dumps({"fingerprint": "f", "max_tokens": 64, "hidden": 8}).encode()
+            body = json.dumps({"fingerprint": "f", "max_tokens": 64, "hidden": 8, "max_rows": 8})
+            body = body.encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
@@ -207,20 +207,111 @@ def test_a_reply_above_what_the_limits_allow_is_refused_unread() -> None:
             server.server_close()
 
 
-def test_a_health_answer_sets_the_reply_bound_from_the_services_limits() -> None:
-    def health(handler: BaseHTTPRequestHandler) -> None:
-        body = json.dumps({"max_tokens": 4096, "hidden": 2048, "max_rows": 8}).encode()
+HEALTH = {"fingerprint": "f", "max_tokens": 4096, "hidden": 8, "max_rows": 8}
+
+
+def _health_then(post: Callable[[BaseHTTPRequestHandler], None]) -> ThreadingHTTPServer:
+    """A service whose health is :data:`HEALTH` and whose every POST is answered by ``post``."""
+
+    def reply(handler: BaseHTTPRequestHandler) -> None:
+        if handler.command == "POST":
+            post(handler)
+            return
+        body = json.dumps(HEALTH).encode()
         handler.send_response(200)
         handler.send_header("Content-Length", str(len(body)))
         handler.end_headers()
         handler.wfile.write(body)
 
-    server = _serve(health)
+    return _serve(reply)
+
+
+def test_a_reply_above_the_states_of_the_rows_sent_is_refused_unread() -> None:
+    def flood(handler: BaseHTTPRequestHandler) -> None:
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(1 << 20))  # 1 MiB for 16 floats' states
+        handler.end_headers()
+        handler.wfile.write(b"\0" * (1 << 20))
+
+    server = _health_then(flood)
     try:
         client = BlocksClient(f"http://127.0.0.1:{server.server_port}/blocks", retry=FAST)
-        client.health()
-        assert isinstance(client.transport, HttpTransport)
-        assert client.transport.max_reply_bytes == 4096 * 2048 * 4 + (1 << 20)
+        with pytest.raises(BlocksRefused, match="replied with 1,048,576 bytes"):
+            client.forward(torch.zeros(1, 2, 8), torch.ones(1, 2), fingerprint="f")
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_headers_that_drip_in_are_cut_at_the_timeout_too() -> None:
+    def drip_headers(handler: BaseHTTPRequestHandler) -> None:
+        handler.send_response(200)
+        handler.flush_headers()
+        for i in range(30):  # 9 s of headers, each line well inside the socket's timeout
+            handler.wfile.write(f"X-Slow-{i}: 1\r\n".encode())
+            handler.wfile.flush()
+            time.sleep(0.3)
+
+    server = _serve(drip_headers)
+    try:
+        client = BlocksClient(
+            f"http://127.0.0.1:{server.server_port}/blocks",
+            retry=Retry(timeout_s=0.5, attempts=1, backoff_s=0.0),
+        )
+        start = time.monotonic()
+        with pytest.raises(BlocksUnavailable, match=r"longer than 0\.5 s"):
+            client.health()
+        assert time.monotonic() - start < 2.0
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+LYING_HEALTH = [
+    b'{"max_tokens": Infinity, "hidden": 8, "max_rows": 8}',
+    b'{"max_tokens": 1000000000000, "hidden": 1000000, "max_rows": 8}',
+    b'{"max_tokens": 64, "hidden": 8, "max_rows": "abc"}',
+    b'{"max_tokens": true, "hidden": 8, "max_rows": 8}',
+    b"[1, 2]",
+    b"\xff\xfe not utf-8",
+    b"[" * 100_000,
+]
+
+
+@pytest.mark.parametrize("body", LYING_HEALTH, ids=range(len(LYING_HEALTH)))
+def test_a_health_that_lies_is_refused_and_never_kept(body: bytes) -> None:
+    def reply(handler: BaseHTTPRequestHandler) -> None:
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        handler.wfile.write(body)
+
+    server = _serve(reply)
+    try:
+        client = BlocksClient(f"http://127.0.0.1:{server.server_port}/blocks", retry=FAST)
+        with pytest.raises(BlocksRefused, match="health"):
+            client.health()
+        assert client.health_info is None
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_an_error_message_is_cut_and_its_control_characters_blanked() -> None:
+    def refuse(handler: BaseHTTPRequestHandler) -> None:
+        body = json.dumps({"error": "ok\n\x1b[31mFAKE LOG LINE" + "A" * 100_000}).encode()
+        handler.send_response(400)
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        handler.wfile.write(body)
+
+    server = _health_then(refuse)
+    try:
+        client = BlocksClient(f"http://127.0.0.1:{server.server_port}/blocks", retry=FAST)
+        with pytest.raises(BlocksRefused) as err:
+            client.forward(torch.zeros(1, 2, 8), torch.ones(1, 2), fingerprint="f")
+        assert len(str(err.value)) < 700 and "\n" not in str(err.value)
+        assert "\x1b" not in str(err.value)
     finally:
         server.shutdown()
         server.server_close()

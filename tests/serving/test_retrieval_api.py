@@ -191,6 +191,17 @@ def test_a_lone_surrogate_is_a_4xx_and_a_query_that_breaks_the_model_fails_alone
         ]
 
 
+def test_a_body_above_the_bound_is_refused_unread(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import car_fl.serving.retrieval_api as api
+
+    monkeypatch.setattr(api, "MAX_BODY", 1000)
+    response = client.post("/retrieve", json={"queries": ["w5 " * 500], "k": 1})
+    assert response.status_code == 413 and response.json()["detail"].startswith("body: ")
+    assert client.post("/retrieve", json={"queries": ["w5"], "k": 1}).status_code == 200
+
+
 def test_a_malformed_body_is_a_4xx_naming_the_body(client: TestClient) -> None:
     for content in (b"{not json", b"", b"[1, 2]"):
         response = client.post(

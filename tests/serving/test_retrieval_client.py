@@ -56,6 +56,8 @@ def server() -> Iterator[Callable[[Behaviour], str]]:
                 with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                     behaviour(self)  # a client that gives up is what some tests want
 
+            do_GET = do_POST
+
             def log_message(self, *args: object) -> None:
                 pass
 
@@ -153,5 +155,58 @@ def test_an_error_message_is_cut_and_the_token_never_shown(
 
 
 def test_an_address_that_is_not_http_is_refused_at_once() -> None:
-    with pytest.raises(ValueError, match="not http"):
-        Endpoint("127.0.0.1:8300")
+    for url in ("127.0.0.1:8300", "http://[bad", "http://host:99999", "ftp://host"):
+        with pytest.raises(ValueError, match="not http"):
+            Endpoint(url)
+
+
+def test_headers_that_drip_in_are_cut_at_the_deadline(server: Callable[[Behaviour], str]) -> None:
+    def drip_headers(handler: BaseHTTPRequestHandler) -> None:
+        handler.send_response(200)
+        handler.flush_headers()
+        for i in range(30):  # 9 s of headers, each line well inside the read timeout
+            handler.wfile.write(f"X-Slow-{i}: 1\r\n".encode())
+            handler.wfile.flush()
+            time.sleep(0.3)
+
+    url = server(drip_headers)
+    for ask in (
+        lambda: Endpoint(url, timeout_s=0.6).retrieve(["q"], 2),
+        lambda: Endpoint(url, timeout_s=0.6).health(),
+    ):
+        start = time.monotonic()
+        with pytest.raises(EndpointError, match=r"did not answer within 0\.6 s"):
+            ask()
+        assert time.monotonic() - start < 2.0
+
+
+def test_a_compressed_reply_is_refused_before_it_inflates(
+    server: Callable[[Behaviour], str],
+) -> None:
+    import gzip
+
+    bomb = gzip.compress(b" " * (64 << 20))  # 64 MiB of spaces in about 64 KiB
+
+    def compressed(handler: BaseHTTPRequestHandler) -> None:
+        handler.send_response(200)
+        handler.send_header("Content-Encoding", "gzip")
+        handler.send_header("Content-Length", str(len(bomb)))
+        handler.end_headers()
+        handler.wfile.write(bomb)
+
+    url = server(compressed)
+    with pytest.raises(EndpointError, match="compressed"):
+        Endpoint(url, max_reply_bytes=1 << 20).retrieve(["q"], 2)
+
+
+@pytest.mark.parametrize(
+    "body", [b"[" * 100_000, b"not json", b"[1, 2]"], ids=["nested", "not json", "a list"]
+)
+def test_a_broken_error_or_health_body_is_an_endpoint_error(
+    server: Callable[[Behaviour], str], body: bytes
+) -> None:
+    with pytest.raises(EndpointError) as err:
+        Endpoint(server(replies(422, body))).retrieve(["q"], 2)
+    assert err.value.status == 422
+    with pytest.raises(EndpointError, match="not a JSON object"):
+        Endpoint(server(replies(200, body))).health()
