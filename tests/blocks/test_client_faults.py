@@ -113,8 +113,8 @@ def test_a_kept_alive_connection_the_server_closed_is_reopened_without_a_retry(
         protocol_version = "HTTP/1.1"  # promises keep-alive, then closes after each reply
 
         def do_GET(self) -> None:
-            body = json.dumps({"fingerprint": "f", "max_tokens": 64, "hidden": 8, "max_rows": 8})
-            body = body.encode()
+            health = {"fingerprint": "f", "max_tokens": 64, "hidden": 8, "max_rows": 8}
+            body = json.dumps(health).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
