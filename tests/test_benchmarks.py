@@ -31,19 +31,18 @@ def script_command(name: str, out: Path, *args: str) -> list[str]:
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def run_script(name: str, tmp_path: Path, *args: str) -> dict[str, Any]:
-    out = tmp_path / f"{name}.json"
+def run_to_the_end(command: list[str], cwd: Path) -> str:
+    """``command``'s stdout, once it has exited 0 (else its output's tail, failing)."""
     done = subprocess.run(
-        script_command(name, out, *args),
-        cwd=tmp_path,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
+        command, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=900, check=False
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    assert f"results: {out}" in done.stdout
+    return done.stdout
+
+
+def run_script(name: str, tmp_path: Path, *args: str) -> dict[str, Any]:
+    out = tmp_path / f"{name}.json"
+    assert f"results: {out}" in run_to_the_end(script_command(name, out, *args), tmp_path)
     result: dict[str, Any] = json.loads(out.read_text())
     return result
 
@@ -134,16 +133,7 @@ def test_scale_benchmark_compares_the_dense_head_with_the_mixture(tmp_path: Path
 def test_bench_serve_answers_every_request_and_writes_its_figures(tmp_path: Path) -> None:
     out = tmp_path / "bench-serve.json"
     command = [sys.executable, str(ROOT / "scripts" / "bench_serve.py"), "--smoke"]
-    done = subprocess.run(
-        [*command, "--json", str(out), "--work", str(tmp_path / "work")],
-        cwd=tmp_path,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    run_to_the_end([*command, "--json", str(out), "--work", str(tmp_path / "work")], tmp_path)
     (model,) = json.loads(out.read_text())["models"].values()
     assert positive(model["in_process"]["qps"])
     (served,) = model["served"]
@@ -158,17 +148,8 @@ def test_rag_example_retrieves_and_answers_through_each_framework(
     if framework == "llamaindex":
         pytest.importorskip("llama_index.core", reason='pip install -e ".[llamaindex]"')
     command = [sys.executable, str(ROOT / "scripts" / "rag_example.py"), "--smoke"]
-    done = subprocess.run(
-        [*command, "--framework", framework, "--work", str(tmp_path)],
-        cwd=tmp_path,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    lines = done.stdout.splitlines()
+    stdout = run_to_the_end([*command, "--framework", framework, "--work", str(tmp_path)], tmp_path)
+    lines = stdout.splitlines()
     assert f"question: w5 w25 ({framework})" in lines
     assert any(line.startswith("  1. d5\t") for line in lines)  # the document the query names
     assert any(line.startswith("answer: ") for line in lines)

@@ -7,7 +7,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -138,8 +138,9 @@ def test_a_kept_alive_connection_the_server_closed_is_reopened_without_a_retry(
         server.server_close()
 
 
-def _serve(reply: Callable[[BaseHTTPRequestHandler], None]) -> ThreadingHTTPServer:
-    """A server on 127.0.0.1 whose every GET and POST is answered by ``reply``."""
+@contextlib.contextmanager
+def _serve(reply: Callable[[BaseHTTPRequestHandler], None]) -> Iterator[ThreadingHTTPServer]:
+    """A server on 127.0.0.1 whose every GET and POST is answered by ``reply``, while open."""
 
     class Handler(BaseHTTPRequestHandler):
         def _answer(self) -> None:
@@ -155,7 +156,11 @@ def _serve(reply: Callable[[BaseHTTPRequestHandler], None]) -> ThreadingHTTPServ
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_a_reply_that_drips_in_is_cut_at_the_timeout() -> None:
@@ -168,8 +173,7 @@ def test_a_reply_that_drips_in_is_cut_at_the_timeout() -> None:
             handler.wfile.flush()
             time.sleep(0.1)
 
-    server = _serve(drip)
-    try:
+    with _serve(drip) as server:
         client = BlocksClient(
             f"http://127.0.0.1:{server.server_port}/blocks",
             retry=Retry(timeout_s=0.5, attempts=2, backoff_s=0.0),
@@ -178,9 +182,6 @@ def test_a_reply_that_drips_in_is_cut_at_the_timeout() -> None:
         with pytest.raises(BlocksUnavailable, match=r"longer than 0\.5 s"):
             client.health()
         assert time.monotonic() - start < 3.0  # two attempts of about 0.5 s
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def test_a_reply_above_what_the_limits_allow_is_refused_unread() -> None:
@@ -197,20 +198,18 @@ def test_a_reply_above_what_the_limits_allow_is_refused_unread() -> None:
             handler.wfile.write(b" " * (1 << 20))
 
     for reply in (huge, streamed):
-        server = _serve(reply)
-        try:
+        with _serve(reply) as server:
             client = BlocksClient(f"http://127.0.0.1:{server.server_port}/blocks", retry=FAST)
             with pytest.raises(BlocksRefused, match="above the 1,048,576 its limits allow"):
                 client.health()
-        finally:
-            server.shutdown()
-            server.server_close()
 
 
 HEALTH = {"fingerprint": "f", "max_tokens": 4096, "hidden": 8, "max_rows": 8}
 
 
-def _health_then(post: Callable[[BaseHTTPRequestHandler], None]) -> ThreadingHTTPServer:
+def _health_then(
+    post: Callable[[BaseHTTPRequestHandler], None],
+) -> contextlib.AbstractContextManager[ThreadingHTTPServer]:
     """A service whose health is :data:`HEALTH` and whose every POST is answered by ``post``."""
 
     def reply(handler: BaseHTTPRequestHandler) -> None:
@@ -233,14 +232,10 @@ def test_a_reply_above_the_states_of_the_rows_sent_is_refused_unread() -> None:
         handler.end_headers()
         handler.wfile.write(b"\0" * (1 << 20))
 
-    server = _health_then(flood)
-    try:
+    with _health_then(flood) as server:
         client = BlocksClient(f"http://127.0.0.1:{server.server_port}/blocks", retry=FAST)
         with pytest.raises(BlocksRefused, match="replied with 1,048,576 bytes"):
             client.forward(torch.zeros(1, 2, 8), torch.ones(1, 2), fingerprint="f")
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def test_headers_that_drip_in_are_cut_at_the_timeout_too() -> None:
@@ -252,8 +247,7 @@ def test_headers_that_drip_in_are_cut_at_the_timeout_too() -> None:
             handler.wfile.flush()
             time.sleep(0.3)
 
-    server = _serve(drip_headers)
-    try:
+    with _serve(drip_headers) as server:
         client = BlocksClient(
             f"http://127.0.0.1:{server.server_port}/blocks",
             retry=Retry(timeout_s=0.5, attempts=1, backoff_s=0.0),
@@ -262,9 +256,6 @@ def test_headers_that_drip_in_are_cut_at_the_timeout_too() -> None:
         with pytest.raises(BlocksUnavailable, match=r"longer than 0\.5 s"):
             client.health()
         assert time.monotonic() - start < 2.0
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 LYING_HEALTH = [
@@ -286,15 +277,11 @@ def test_a_health_that_lies_is_refused_and_never_kept(body: bytes) -> None:
         handler.end_headers()
         handler.wfile.write(body)
 
-    server = _serve(reply)
-    try:
+    with _serve(reply) as server:
         client = BlocksClient(f"http://127.0.0.1:{server.server_port}/blocks", retry=FAST)
         with pytest.raises(BlocksRefused, match="health"):
             client.health()
         assert client.health_info is None
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def test_an_error_message_is_cut_and_its_control_characters_blanked() -> None:
@@ -305,13 +292,9 @@ def test_an_error_message_is_cut_and_its_control_characters_blanked() -> None:
         handler.end_headers()
         handler.wfile.write(body)
 
-    server = _health_then(refuse)
-    try:
+    with _health_then(refuse) as server:
         client = BlocksClient(f"http://127.0.0.1:{server.server_port}/blocks", retry=FAST)
         with pytest.raises(BlocksRefused) as err:
             client.forward(torch.zeros(1, 2, 8), torch.ones(1, 2), fingerprint="f")
         assert len(str(err.value)) < 700 and "\n" not in str(err.value)
         assert "\x1b" not in str(err.value)
-    finally:
-        server.shutdown()
-        server.server_close()
