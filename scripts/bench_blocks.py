@@ -119,7 +119,7 @@ def compare(model: str, url: str, texts: list[str], steps: int) -> dict[str, obj
     """Equality of states and gradients, adapter-step time, and token recovery, in process."""
     import torch
 
-    from car_fl.model.adapter import SoftEmbeddingAdapter
+    from car_fl.adapters.full import FullAdapter
     from car_fl.model.encoder import load_encoder
     from car_fl.settings.schema import ModelConfig
 
@@ -141,7 +141,7 @@ def compare(model: str, url: str, texts: list[str], steps: int) -> dict[str, obj
     grads, timing = [], {}
     for name, encoder in (("local", local), ("remote", remote)):
         torch.manual_seed(0)
-        adapter = SoftEmbeddingAdapter(encoder.hidden_size)
+        adapter = FullAdapter(encoder.hidden_size)
         with torch.no_grad():
             adapter.weight.add_(0.01 * torch.randn_like(adapter.weight))
         ids, mask = batches[0]
@@ -166,7 +166,7 @@ def compare(model: str, url: str, texts: list[str], steps: int) -> dict[str, obj
     recovered = {}
     for scale in (0.0, 0.01, 0.05):
         torch.manual_seed(1)
-        adapter = SoftEmbeddingAdapter(local.hidden_size)
+        adapter = FullAdapter(local.hidden_size)
         with torch.no_grad():
             adapter.weight.add_(scale * torch.randn_like(adapter.weight))
             hits = total = 0
@@ -193,10 +193,10 @@ def profile(model: str, url: str, texts: list[str], steps: int) -> dict[str, obj
     process (a stateless backward recomputes the forward; the wire format, no HTTP); over HTTP
     to the Serve app (adds HTTP, Serve's proxy and batching, the hop between processes)."""
 
+    from car_fl.adapters.full import FullAdapter
     from car_fl.blocks import wire
     from car_fl.blocks.client import IN_PROCESS
     from car_fl.blocks.compute import BlocksHandler
-    from car_fl.model.adapter import SoftEmbeddingAdapter
     from car_fl.model.encoder import load_encoder
     from car_fl.serving.blocks_service import load_runner
     from car_fl.settings.schema import ModelConfig
@@ -222,7 +222,7 @@ def profile(model: str, url: str, texts: list[str], steps: int) -> dict[str, obj
     ]
     seconds: dict[str, dict[str, float]] = {}
     for name, encoder in encoders.items():
-        adapter = SoftEmbeddingAdapter(encoder.hidden_size)
+        adapter = FullAdapter(encoder.hidden_size)
         split = {"forward_s": 0.0, "backward_s": 0.0}
         for step in range(steps + 1):  # the first step warms up and is not counted
             ids, mask = batches[step % len(batches)]

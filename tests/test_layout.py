@@ -28,6 +28,7 @@ RANKS = {
     "settings": 2,
     "data": 3,
     "results": 4,
+    "adapters": 5,
     "heads": 5,
     "blocks": 5,
     "model": 6,

@@ -58,7 +58,14 @@ def query_encoder(settings: Settings, num_labels: int) -> CaRRetriever:
     """A retriever on the shared encoder that encodes a shard's queries: any head will do, a
     classifier's."""
     head = dataclasses.replace(settings.head, kind=HeadKind.CLASSIFIER)
-    return CaRRetriever(cached_encoder(settings), num_labels, head=head, mode=settings.train.mode)
+    return CaRRetriever(
+        cached_encoder(settings),
+        num_labels,
+        head=head,
+        mode=settings.train.mode,
+        adapter=settings.adapter,
+        seed=settings.seed,
+    )
 
 
 def client_seed(seed: int, partition_id: int) -> int:

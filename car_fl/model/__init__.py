@@ -1,7 +1,7 @@
 """The retriever's model: the frozen encoder, the adapter, features, and the assembled retriever.
 
 - :mod:`~car_fl.model.encoder`: the frozen encoder (``load_encoder``, ``Encoder``), device and
-  dtype; :mod:`~car_fl.model.adapter`: the soft-embedding adapter;
+  dtype; the soft-embedding adapter is :mod:`car_fl.adapters`;
   :mod:`~car_fl.model.loading`: a model's weights loaded, and load errors that say what to do;
   :mod:`~car_fl.model.blockless`: a node's embeddings and norm, linked to remote blocks.
 - :mod:`~car_fl.model.sources`: where the encoder and data come from, checked before any work;

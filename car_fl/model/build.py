@@ -83,6 +83,8 @@ def build_retriever(
         device=pick_device(settings.device),
         moe=settings.moe,
         layout=layout,
+        adapter=settings.adapter,
+        seed=settings.seed,
     )
     if scaler is not None:
         model.standardizer.load(scaler)

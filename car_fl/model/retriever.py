@@ -17,6 +17,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from car_fl.adapters.adapter import Adapter
+from car_fl.adapters.registry import build_adapter
 from car_fl.heads.clustering import ExpertLayout
 from car_fl.heads.document_head import DocumentHead
 from car_fl.heads.experts import MixtureHead, experts_in
@@ -26,13 +28,13 @@ from car_fl.heads.lexical import LexicalIndex
 from car_fl.heads.registry import build_scorer
 from car_fl.heads.retrieval import KNNScorer, MIPSScorer
 from car_fl.heads.scorer import Scorer
-from car_fl.model.adapter import SoftEmbeddingAdapter
 from car_fl.model.documents import encode_documents
 from car_fl.model.encoder import Encoder
 from car_fl.model.features import extract_features
 from car_fl.model.standardize import Standardizer
-from car_fl.privacy.mechanism import ADAPTER_WEIGHT
+from car_fl.privacy.mechanism import ADAPTER_PREFIX
 from car_fl.settings.schema import (
+    AdapterConfig,
     HeadConfig,
     HeadKind,
     Mode,
@@ -58,9 +60,13 @@ class CaRRetriever(nn.Module):
         device: torch.device | str = "cpu",
         moe: MoEConfig | None = None,
         layout: ExpertLayout | None = None,
+        adapter: AdapterConfig | None = None,
+        seed: int = 0,
     ) -> None:
         """Without an ``encoder`` (classifier mode on cached features) give ``hidden_size``; a
-        mixture of experts needs ``moe`` and its ``layout``."""
+        mixture of experts needs ``moe`` and its ``layout``. ``adapter`` is its kind and
+        settings (default: the full d×d), its random start (a low-rank V) drawn from
+        ``seed``."""
         super().__init__()
         self._encoder = encoder
         self.mode = mode
@@ -76,7 +82,7 @@ class CaRRetriever(nn.Module):
             raise ValueError(f"a {head.kind} head trains nothing; use mode=classifier")
         self.num_labels = num_labels
         self._device = torch.device(device)
-        self.adapter = SoftEmbeddingAdapter(dim).to(device)
+        self.adapter: Adapter = build_adapter(adapter or AdapterConfig(), dim, seed=seed).to(device)
         #: Pooled features → the space every scorer works in (the identity unless fitted to the
         #: corpus's documents by :func:`~car_fl.model.build.build_retriever`).
         self.standardizer = Standardizer(dim).to(device)
@@ -250,8 +256,17 @@ class CaRRetriever(nn.Module):
 
     # ------------------------------------------------------------------- trainable parameters
     def trainable_parameters(self) -> dict[str, nn.Parameter]:
-        """Name → parameter for whatever requires a gradient (``adapter.weight`` first)."""
+        """Name → parameter for whatever requires a gradient (the adapter's first)."""
         return {name: p for name, p in self.named_parameters() if p.requires_grad}
+
+    def adapter_penalty(self) -> torch.Tensor | None:
+        """``adapter.anchor`` λ·‖ADP − I‖²_F while the adapter trains (None otherwise): the L2-SP
+        pull toward the identity, added to the loss (:func:`car_fl.training.train.train_epoch`)
+        and, under DP-SGD, its gradient to the noised one (it depends on no record)."""
+        anchor = self.adapter.cfg.anchor
+        if anchor <= 0 or self.mode is not Mode.ADAPTER_CLASSIFIER:
+            return None
+        return anchor * self.adapter.deviation()
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Detached CPU copies of the trainable tensors, in a fixed order."""
@@ -265,7 +280,7 @@ class CaRRetriever(nn.Module):
         if isinstance(self.head, MixtureHead):  # a client holds the experts it was sent
             self.head.set_available(experts_in(state))
         expected = self.trainable_parameters()
-        optional = {ADAPTER_WEIGHT: self.adapter.weight}
+        optional = {ADAPTER_PREFIX + k: p for k, p in self.adapter.named_parameters()}
         missing = sorted(set(expected) - set(state))
         unexpected = sorted(set(state) - set(expected) - set(optional))
         if missing or unexpected:

@@ -27,7 +27,7 @@ parameters' device.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -228,12 +228,15 @@ def dpsgd_step(
     features: torch.Tensor | None = None,
     input_ids: Sequence[torch.Tensor] | None = None,
     generator: torch.Generator | None = None,
+    penalty: Callable[[], torch.Tensor | None] | None = None,
 ) -> StepResult:
     """One DP-SGD step on a sampled batch: set each parameter's ``.grad`` and step.
 
     ``optimizer`` is a ``torch.optim.Optimizer`` (or anything with ``step``) over
     ``params``. ``noise_multiplier`` σ gives noise std σ·C, with or without ``adapter_clip``
-    (each example's clipped gradient has norm ≤ C either way).
+    (each example's clipped gradient has norm ≤ C either way). ``penalty`` (the adapter's
+    identity anchor) is a function of the parameters alone: its gradient is added to the
+    noised one unclipped, post-processing of the release that costs no ε.
     """
     detached = {k: p.detach() for k, p in params.items()}
     summed, losses, predicted = clipped_gradient_sum(
@@ -251,6 +254,13 @@ def dpsgd_step(
         expected_batch_size=expected_batch_size,
         generator=generator,
     )
+    term = penalty() if penalty is not None else None
+    if term is not None:
+        with_grad = [k for k, p in params.items() if p.requires_grad]
+        grads = torch.autograd.grad(term, [params[k] for k in with_grad], allow_unused=True)
+        for name, g in zip(with_grad, grads, strict=True):
+            if g is not None:
+                update[name] = update[name] + g.to(update[name].device, update[name].dtype)
     for name, param in params.items():
         param.grad = update[name].to(param.dtype)
     optimizer.step()

@@ -1,16 +1,17 @@
 """DP-SGD through the frozen encoder from batched passes: per-example clipping by ghost norms.
 
-Ours rather than Opacus's ``GradSampleModule``: the only trainable tensor before the pooled
-features is the adapter, one matmul ``a = x Wᵀ`` over the token embeddings, so one batched
-backward gives every example's gradient at the adapter's output, ``gₜ = ∂ℓᵢ/∂aₜ`` (examples
-never mix in an attention model that takes position ids and the mask: :func:`supports_ghost`
-says which), and its gradient ``Gᵢ = Σₜ gₜ xₜᵀ`` has the norm
+Ours rather than Opacus's ``GradSampleModule``: the only trainable module before the pooled
+features is the adapter, applied token by token (``a = ADP(x)``), so one batched backward
+gives every example's gradient at the adapter's output, ``gₜ = ∂ℓᵢ/∂aₜ`` (examples never mix
+in an attention model that takes position ids and the mask: :func:`supports_ghost` says
+which). From ``x`` and ``g`` each adapter kind gives its per-example norms and clipped sum
+(:mod:`car_fl.adapters`): the full d×d one without building any d×d per-example matrix,
 
     ‖Gᵢ‖² = Σₜ,ₛ (gₜ·gₛ)(xₜ·xₛ)                       (ghost clipping, Li et al. 2022)
 
-without building any d×d per-example matrix. The head's per-example gradients come from
-``torch.func`` over the pooled features, as in classifier mode. The clipped sum is then
-``Σᵢ cᵢ Gᵢ = Σᵢ,ₜ cᵢ gₜ xₜᵀ``, one contraction. One step costs a batched forward and backward
+and ``Σᵢ cᵢ Gᵢ = Σᵢ,ₜ cᵢ gₜ xₜᵀ``, one contraction; a low-rank or diagonal one from its small
+per-example gradients. The head's per-example gradients come from ``torch.func`` over the
+pooled features, as in classifier mode. One step costs a batched forward and backward
 through the frozen LM instead of one per example (:func:`car_fl.privacy.dpsgd.clipped_gradient_sum`
 uses this whenever the model allows it); the result is the per-example loop's, which
 ``tests/privacy/test_ghost.py`` checks on a real Llama class with padding on either side.
@@ -27,7 +28,6 @@ from torch.func import functional_call, grad, vmap
 
 from car_fl.privacy.mechanism import (
     ADAPTER_PREFIX,
-    ADAPTER_WEIGHT,
     in_float64,
     per_example_squares,
     record_clip_factors,
@@ -52,16 +52,23 @@ def supports_ghost(model: nn.Module, params: Mapping[str, torch.Tensor]) -> bool
     Everything else takes the per-example loop."""
     if not getattr(model, "has_encoder", False) or getattr(model, "per_example_loop", True):
         return False
-    if ADAPTER_WEIGHT not in params or getattr(model.head, "index_uses_adapter", True):
+    adapter = adapter_names(model)
+    if not adapter & set(params) or getattr(model.head, "index_uses_adapter", True):
         return False
     encoder: Any = getattr(model, "encoder", None)
     if not getattr(encoder, "_takes_position_ids", False):
         return False
     if getattr(encoder.cfg, "trust_remote_code", True):
         return False
-    return all(
-        k == ADAPTER_WEIGHT or not k.startswith(("_encoder.", ADAPTER_PREFIX)) for k in params
-    )
+    return all(k in adapter or not k.startswith(("_encoder.", ADAPTER_PREFIX)) for k in params)
+
+
+def adapter_names(model: Any) -> set[str]:
+    """The names of the retriever's adapter tensors, as its trainable state names them."""
+    adapter = getattr(model, "adapter", None)
+    if adapter is None:
+        return set()
+    return {ADAPTER_PREFIX + k for k, _ in adapter.named_parameters()}
 
 
 def ghost_clipped_sum(
@@ -83,8 +90,7 @@ def ghost_clipped_sum(
     """
     if not clip > 0:
         raise ValueError(f"dp.clip (the per-example bound C) must be > 0, got {clip}")
-    weight = params[ADAPTER_WEIGHT]
-    device = weight.device
+    device = next(iter(params.values())).device
     total = {k: torch.zeros_like(v) for k, v in params.items()}
     if len(labels) == 0:
         empty = torch.zeros(0, device=device)
@@ -111,16 +117,21 @@ def _chunk(
     clip: float,
     adapter_clip: float | None,
 ) -> tuple[Tensors, torch.Tensor, torch.Tensor]:
-    encoder = model.encoder
-    weight = params[ADAPTER_WEIGHT].detach()
-    head = {k: v.detach() for k, v in params.items() if k != ADAPTER_WEIGHT}
+    encoder, adapter = model.encoder, model.adapter
+    adapted_names = adapter_names(model)
+    head = {k: v.detach() for k, v in params.items() if k not in adapted_names}
+    dtype = next(adapter.parameters()).dtype
     ids, mask = encoder.pad(batch)
     with torch.no_grad():
         embedded = encoder.embed(ids)  # frozen TKN
-    real = mask[..., None].bool()
-    x = torch.where(real, embedded.to(weight.dtype), 0.0)  # (b, t, d), pads zero (even NaN)
-    adapted = (x @ weight.T).requires_grad_(True)  # the adapter's output, a leaf
-    features = encoder.pool(encoder.transform(adapted.to(embedded.dtype), mask), mask)
+        real = mask[..., None].bool()
+        x = torch.where(real, embedded.to(dtype), 0.0)  # (b, t, d), pads zero (even NaN)
+        affine = adapter.affine(x)
+    adapted = affine.requires_grad_(True)  # the adapter's output, a leaf
+    # dropout on the soft embeddings (training) after the leaf: g is then the gradient of the
+    # example's loss through its own mask, as in the per-example definition
+    soft = adapter.dropout(adapted)
+    features = encoder.pool(encoder.transform(soft.to(embedded.dtype), mask), mask)
 
     def one(
         p: Mapping[str, torch.Tensor], f: torch.Tensor, y: torch.Tensor
@@ -133,8 +144,11 @@ def _chunk(
     )(head, features.detach(), labels)
     # every example's ∂ℓᵢ/∂fᵢ back through TRF at once: row i of the result is ∂ℓᵢ/∂aᵢ
     (out_grads,) = torch.autograd.grad(features, adapted, grad_outputs=feature_grads)
-    g64, x64 = in_float64(out_grads), in_float64(x)  # float64: the Gram products can cancel
-    adapter_squares = ((g64 @ g64.transpose(1, 2)) * (x64 @ x64.transpose(1, 2))).sum(dim=(1, 2))
+    # float64: the Gram products can cancel; g zero at pads (a pad changes no real state)
+    g64 = in_float64(out_grads)
+    g64 = torch.where(real.to(g64.device), g64, 0.0)
+    x64 = in_float64(x)
+    adapter_squares = adapter.example_squares(x64, g64)
     head_squares = (
         per_example_squares(head_grads) if head_grads else torch.zeros_like(adapter_squares)
     )
@@ -144,9 +158,11 @@ def _chunk(
     keep = (adapter_factors > 0).view(-1, 1, 1)
     g64 = torch.where(keep, g64, 0.0)
     x64 = torch.where(keep, x64, 0.0)  # 0 · NaN is NaN: drop the example's inputs too
-    # contracted in float64: float32 sums over the tokens could carry an example above C_a
-    contracted = torch.einsum("b,btd,bte->de", adapter_factors, g64, x64)
-    summed = {ADAPTER_WEIGHT: contracted.to(weight.dtype).to(weight.device)}  # narrowed first
+    # summed in float64: float32 sums over the tokens could carry an example above C_a
+    summed: Tensors = {}
+    for name, value in adapter.clipped_sum(adapter_factors, x64, g64).items():
+        target = params[ADAPTER_PREFIX + name]
+        summed[ADAPTER_PREFIX + name] = value.to(target.dtype).to(target.device)  # narrowed first
     for k, g in scale_per_example(head_grads, head_factors).items():
         summed[k] = g.sum(dim=0)
     return summed, loss.flatten(), pred.flatten()

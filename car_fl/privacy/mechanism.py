@@ -25,7 +25,7 @@ SHRINK = 1.0 - 2.0**-22
 
 #: The adapter's tensors: ``dp.adapter_clip`` clips them apart from the head's.
 ADAPTER_PREFIX = "adapter."
-#: The adapter's one tensor, as the retriever names it (tests/model/test_retriever.py checks).
+#: The full adapter's one tensor (adapter.kind=full), as the retriever names it.
 ADAPTER_WEIGHT = f"{ADAPTER_PREFIX}weight"
 
 

@@ -145,6 +145,18 @@ class MapKind(Choice):
     LOWRANK = "lowrank"
 
 
+class AdapterKind(Choice):
+    """The soft-embedding adapter's form (:mod:`car_fl.adapters`), each the identity at start.
+
+    ``full``: x Wᵀ with a d×d W; ``lowrank``: x (I + U Vᵀ)ᵀ, U and V d×``adapter.rank``, U zero
+    at start; ``diagonal``: x ⊙ s + b, a per-dimension scale and shift.
+    """
+
+    FULL = "full"
+    LOWRANK = "lowrank"
+    DIAGONAL = "diagonal"
+
+
 class ExpertSending(Choice):
     """Which experts a client trains and sends (:mod:`car_fl.heads.experts`).
 

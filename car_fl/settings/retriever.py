@@ -1,10 +1,12 @@
-"""The retriever and its training: the head (and its mixture of experts), epochs, evaluation."""
+"""The retriever and its training: the adapter, the head (and its mixture of experts), epochs,
+evaluation."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from car_fl.settings.choices import (
+    AdapterKind,
     ExpertSending,
     HeadKind,
     Lexical,
@@ -14,6 +16,38 @@ from car_fl.settings.choices import (
     Similarity,
     positive,
 )
+
+
+@dataclass
+class AdapterConfig:
+    """The soft-embedding adapter ADP between the token embeddings and the first block
+    (:mod:`car_fl.adapters`): its form, and how it is kept near its start. It trains in
+    ``mode=adapter`` (``approach=adapter_*``) only; its learning rate is ``train.adapter_lr``.
+    """
+
+    #: full: a d×d matrix (d² numbers travel); lowrank: the identity plus a rank-``rank``
+    #: residual U Vᵀ (2·d·rank); diagonal: a scale and a shift per dimension (2·d).
+    kind: AdapterKind = AdapterKind.FULL
+    #: lowrank: the rank r of the residual (1 ≤ r ≤ d; 4 to 64 is typical).
+    rank: int = 16
+    #: λ of the identity anchor (L2-SP): λ·‖ADP − I‖²_F is added to the loss, a penalty of the
+    #: adapter's distance from where it started (0: none). It depends on the adapter alone, so
+    #: under dp=record its gradient joins the noised one untouched (post-processing).
+    anchor: float = 0.0
+    #: Dropout on the soft embeddings (the adapter's output) while training (0: none).
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.kind = AdapterKind.parse("adapter.kind", self.kind)
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"adapter.rank must be an integer >= 1, got {self.rank!r}")
+        if not (isinstance(self.anchor, int | float) and 0 <= self.anchor < float("inf")):
+            raise ValueError(
+                f"adapter.anchor (λ of the identity anchor) must be a finite number >= 0, got "
+                f"{self.anchor!r}; e.g. adapter.anchor=0.01"
+            )
+        if not (isinstance(self.dropout, int | float) and 0.0 <= self.dropout < 1.0):
+            raise ValueError(f"adapter.dropout must be in [0, 1), got {self.dropout!r}")
 
 
 @dataclass

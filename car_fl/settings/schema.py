@@ -23,6 +23,7 @@ from car_fl.settings.choices import (
     DTYPES,
     PADDING_SIDES,
     WIRE_DTYPES,
+    AdapterKind,
     AdaptiveRule,
     Approach,
     ApproachSpec,
@@ -51,7 +52,13 @@ from car_fl.settings.choices import (
 )
 from car_fl.settings.federation import CommConfig, DPConfig, FLConfig, StrategyConfig
 from car_fl.settings.inputs import DatasetConfig, ModelConfig
-from car_fl.settings.retriever import EvalConfig, HeadConfig, MoEConfig, TrainConfig
+from car_fl.settings.retriever import (
+    AdapterConfig,
+    EvalConfig,
+    HeadConfig,
+    MoEConfig,
+    TrainConfig,
+)
 
 __all__ = [
     "APPROACHES",
@@ -59,6 +66,8 @@ __all__ = [
     "DTYPES",
     "PADDING_SIDES",
     "WIRE_DTYPES",
+    "AdapterConfig",
+    "AdapterKind",
     "AdaptiveRule",
     "Approach",
     "ApproachSpec",
@@ -105,6 +114,7 @@ class Settings:
 
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
     head: HeadConfig = field(default_factory=HeadConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)

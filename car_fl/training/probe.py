@@ -22,7 +22,7 @@ import torch
 from car_fl.model.feature_cache import FeatureCache
 from car_fl.model.features import LocalData, prepare_data
 from car_fl.model.retriever import CaRRetriever
-from car_fl.privacy.mechanism import ADAPTER_WEIGHT
+from car_fl.privacy.mechanism import split_adapter
 from car_fl.results.selection import is_better, patience_spent
 from car_fl.settings.schema import Mode, Settings
 from car_fl.training.train import evaluate, make_optimizer, one_epoch
@@ -116,9 +116,10 @@ def keep_adapter(
     """A probe round's trained state with the server's adapter added back, untouched: the
     reply has the tensors of every other round of the run, and its adapter depends on no
     record."""
-    if ADAPTER_WEIGHT not in global_state:
+    adapter, _ = split_adapter(global_state)
+    if not adapter:
         raise ValueError(
             "a probe round (fl.probe_rounds) of adapter + CaR needs the adapter among the "
             f"tensors the server sent; got {sorted(global_state)}"
         )
-    return {ADAPTER_WEIGHT: global_state[ADAPTER_WEIGHT].detach().clone(), **state}
+    return {**{k: global_state[k].detach().clone() for k in adapter}, **state}

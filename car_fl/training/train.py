@@ -21,7 +21,7 @@ from car_fl.common.progress import bar
 from car_fl.common.threads import head_work, threads_for
 from car_fl.model.features import LocalData, extract_features
 from car_fl.model.retriever import CaRRetriever
-from car_fl.privacy.mechanism import ADAPTER_PREFIX, ADAPTER_WEIGHT
+from car_fl.privacy.mechanism import ADAPTER_PREFIX
 from car_fl.settings.schema import OptimizerKind, Settings, TrainConfig
 from car_fl.training.metrics import rank_metrics
 from car_fl.training.metrics import ranks as rank_of_true
@@ -50,8 +50,9 @@ def make_optimizer(model: CaRRetriever, cfg: TrainConfig) -> torch.optim.Optimiz
     groups: list[dict[str, Any]] = [{"params": head, "lr": cfg.lr}] if head else []
     if rows:
         groups.append({"params": rows, "lr": cfg.rows_lr or cfg.lr})
-    if ADAPTER_WEIGHT in params:
-        groups.append({"params": [params[ADAPTER_WEIGHT]], "lr": cfg.adapter_lr or cfg.lr})
+    adapter = [p for name, p in params.items() if name.startswith(ADAPTER_PREFIX)]
+    if adapter:
+        groups.append({"params": adapter, "lr": cfg.adapter_lr or cfg.lr})
     if not groups:
         raise ValueError(
             f"nothing to train: head.kind={model.kind.value} in mode={model.mode.value} has no "
@@ -106,7 +107,8 @@ def train_epoch(
 
     ``after_step`` runs after every optimizer step (per-step DP uses it). ``prox_mu`` > 0 adds
     FedProx's proximal term μ/2·‖θ − ``anchor``‖² (``anchor``: the global trainable state) to
-    the loss that is minimised; the reported loss stays the task loss.
+    the loss that is minimised, as the adapter's identity anchor (``adapter.anchor``) is; the
+    reported loss stays the task loss.
     """
     proximal = ProximalTerm(model, anchor, prox_mu) if prox_mu > 0 else None
     if len(data) == 0:
@@ -134,7 +136,9 @@ def train_epoch(
                     f"training loss became {loss.item()} at step {steps}; lower train.lr"
                 )
             optimizer.zero_grad(set_to_none=True)
-            (loss + proximal() if proximal is not None else loss).backward()
+            objective = loss + proximal() if proximal is not None else loss
+            penalty = model.adapter_penalty()
+            (objective + penalty if penalty is not None else objective).backward()
             optimizer.step()
             if after_step is not None:
                 after_step(model)
@@ -211,6 +215,7 @@ def train_epoch_dpsgd(
                 noise_multiplier=noise_multiplier,
                 expected_batch_size=expected,
                 generator=generator,
+                penalty=model.adapter_penalty,
                 **inputs,
             )
             if not all(bool(torch.isfinite(p).all()) for p in params.values()):

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from car_fl.adapters.registry import build_adapter
 from car_fl.blocks.compute import BlocksHandler
-from car_fl.model.adapter import SoftEmbeddingAdapter
 from car_fl.model.encoder import Encoder, EncoderLoadError, load_encoder
+from car_fl.settings.schema import AdapterConfig, AdapterKind
 from tests.blocks.conftest import URL, model_cfg
 
 TEXTS = ["free prize call now", "hello", "see you later at home ok", "w1 w2 w3 w4 w5 w6 w7 k3"]
@@ -47,21 +48,24 @@ def test_node_holds_no_block(normed_llama: Path, service: BlocksHandler) -> None
     )
 
 
+@pytest.mark.parametrize("kind", list(AdapterKind))
 def test_adapter_gradient_through_remote_blocks_equals_local(
-    normed_llama: Path, service: BlocksHandler
+    normed_llama: Path, service: BlocksHandler, kind: AdapterKind
 ) -> None:
+    """Every adapter kind trains through remote blocks as through local ones."""
     local, remote = pair(normed_llama)
     ids, mask = local.pad(local.tokenize(TEXTS).input_ids)
     grads = []
     for encoder in (local, remote):
-        torch.manual_seed(0)
-        adapter = SoftEmbeddingAdapter(encoder.hidden_size)
+        adapter = build_adapter(AdapterConfig(kind=kind, rank=4), encoder.hidden_size, seed=0)
+        g = torch.Generator().manual_seed(0)
         with torch.no_grad():
-            adapter.weight.add_(0.05 * torch.randn_like(adapter.weight))
+            for p in adapter.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
         pooled = encoder.pool(encoder.transform(adapter(encoder.embed(ids)), mask), mask)
         (pooled.square().sum() + pooled[:, 0].sum()).backward()
-        assert adapter.weight.grad is not None
-        grads.append(adapter.weight.grad.flatten())
+        assert all(p.grad is not None for p in adapter.parameters())
+        grads.append(torch.cat([p.grad.flatten() for p in adapter.parameters()]))  # type: ignore[union-attr]
     want, got = grads
     cosine = torch.nn.functional.cosine_similarity(got, want, dim=0).item()
     assert cosine >= 0.9999

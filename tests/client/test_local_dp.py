@@ -201,6 +201,33 @@ def test_an_adapter_bound_clips_the_adapter_apart_from_the_head() -> None:
     assert float(shrunk) < 0.3 / 30
 
 
+def test_a_lowrank_adapters_two_tensors_are_clipped_together_as_the_adapters_part() -> None:
+    """adapter.kind=lowrank sends U and V: dp.adapter_clip bounds them as one part (their joint
+    norm), apart from the head, as it bounds the full adapter's one tensor."""
+    p = client_privacy("fixed", clip=1.0, noise_multiplier=0.0, adapter_clip=0.01)
+    before = {
+        "adapter.up": torch.zeros(40, 4),
+        "adapter.down": torch.ones(40, 4),
+        "head.classifier.weight": torch.zeros(2, 500),
+        "head.classifier.bias": torch.zeros(2),
+    }
+    after = {k: v.clone() for k, v in before.items()}
+    after["adapter.up"] += 1.0
+    after["adapter.down"] -= 1.0
+    after["head.classifier.weight"][0, 0] = 0.3
+    released = p.release(before, after, server_round=1)
+    change = torch.cat(
+        [(released[k] - before[k]).flatten() for k in ("adapter.up", "adapter.down")]
+    )
+    # clipped to 0.01 as one part (θ + Δ then rounds at V's 1.0: float32's ulp, rel ~1e-5)
+    assert float(change.norm()) == pytest.approx(0.01, rel=1e-4)
+    up = released["adapter.up"] - before["adapter.up"]
+    down = released["adapter.down"] - before["adapter.down"]
+    # one factor for the part: the direction is kept (θ + Δ rounds at 1 − f: float32's ulp)
+    torch.testing.assert_close(up, -down, rtol=1e-3, atol=0)
+    assert torch.equal(released["head.classifier.weight"], after["head.classifier.weight"])
+
+
 @pytest.mark.parametrize("mode", ["fixed", "adaptive"])
 def test_each_part_gets_its_share_of_the_noise_and_epsilon_is_that_of_one_joint_release(
     mode: str,

@@ -154,9 +154,17 @@ def test_a_client_never_releases_past_its_target_epsilon(record_inputs) -> None:
     assert load_record_state(state).steps == 20  # nothing was trained or counted
 
 
-def test_record_round_in_adapter_mode_trains_the_adapter(record_inputs) -> None:
+@pytest.mark.parametrize(
+    ("kind", "tensors"),
+    [("full", {"weight"}), ("lowrank", {"up", "down"}), ("diagonal", {"scale", "shift"})],
+)
+def test_record_round_in_adapter_mode_trains_the_adapter(record_inputs, kind, tensors) -> None:
+    """Every adapter kind: the node's DP-SGD round trains it and sends exactly its tensors."""
     s, node, initial = record_inputs(
         "mode=adapter",
+        f"adapter.kind={kind}",
+        "adapter.rank=4",
+        "adapter.anchor=0.1",
         "dataset.max_examples=40",
         "dp.sample_rate=0.5",
         "dp.target_epsilon=null",
@@ -164,7 +172,9 @@ def test_record_round_in_adapter_mode_trains_the_adapter(record_inputs) -> None:
     )
     released, metrics = Node(config={}).train(s, node, initial, 1, RecordDict())
     assert metrics["dp-steps"] == 2
-    assert not torch.equal(released["adapter.weight"], initial["adapter.weight"])
+    sent = {k.removeprefix("adapter.") for k in released if k.startswith("adapter.")}
+    assert sent == tensors and set(released) == set(initial)
+    assert all(not torch.equal(released[f"adapter.{t}"], initial[f"adapter.{t}"]) for t in sent)
 
 
 def test_record_round_clips_the_adapter_apart_when_asked(

@@ -20,6 +20,8 @@ from car_fl.model.encoder import (
 from car_fl.model.loading import attention_choice
 from car_fl.model.retriever import CaRRetriever
 from car_fl.settings.schema import (
+    AdapterConfig,
+    AdapterKind,
     HeadConfig,
     Mode,
     ModelConfig,
@@ -46,9 +48,16 @@ def test_encoder_is_frozen_and_in_eval_mode(model_dir: Path) -> None:
     assert not encoder.model.training, "the frozen model must stay in eval mode"
 
 
-def test_identity_adapter_gives_the_plain_models_hidden_states(model_dir: Path) -> None:
+@pytest.mark.parametrize("kind", list(AdapterKind))
+def test_identity_adapter_gives_the_plain_models_hidden_states(
+    model_dir: Path, kind: AdapterKind
+) -> None:
+    """Every adapter kind, untrained, changes nothing: the plain model's states, bit for bit."""
     encoder = load_encoder(cfg(model_dir), device="cpu")
-    model = CaRRetriever(encoder, 3, head=HeadConfig(), mode=Mode.ADAPTER_CLASSIFIER)
+    adapter = AdapterConfig(kind=kind, rank=4)
+    model = CaRRetriever(
+        encoder, 3, head=HeadConfig(), mode=Mode.ADAPTER_CLASSIFIER, adapter=adapter, seed=7
+    )
     ids, mask = encoder.pad(encoder.tokenize(["w1 k2 w3 w4", "hello there"]).input_ids)
     with torch.no_grad():
         plain = encoder.model(input_ids=ids, attention_mask=mask).last_hidden_state
@@ -332,9 +341,9 @@ def test_l2_normalised_features_have_unit_norm_whatever_the_model_scale(tiny_lla
 
 def test_the_adapters_identity_answer_follows_every_change_of_its_weight() -> None:
     """Asked at every scoring step, answered again only after the weight changed."""
-    from car_fl.model.adapter import SoftEmbeddingAdapter
+    from car_fl.adapters.full import FullAdapter
 
-    adapter = SoftEmbeddingAdapter(6)
+    adapter = FullAdapter(6)
     assert adapter.is_identity() and adapter.is_identity()
     optimizer = torch.optim.SGD(adapter.parameters(), lr=0.1)
     adapter(torch.randn(2, 3, 6)).sum().backward()

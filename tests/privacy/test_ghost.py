@@ -30,14 +30,26 @@ def adapter_model(make_settings, *overrides: str, dtype: torch.dtype = torch.flo
     model = build_retriever(s, len(splits.label_map)).to(dtype)
     with torch.no_grad():
         g = torch.Generator().manual_seed(0)
-        shift = torch.randn(model.adapter.weight.shape, generator=g, dtype=torch.float64)
-        model.adapter.weight.add_(0.05 * shift)
+        for p in model.adapter.parameters():  # every kind: its tensors off their start
+            p.add_(0.05 * torch.randn(p.shape, generator=g, dtype=torch.float64))
     texts = [t for t in splits.train["text"]][:7]
     ids = [torch.tensor(t) for t in model.encoder.tokenize(texts).input_ids]
     assert len({len(t) for t in ids}) > 1, "the examples must need padding"
     labels = torch.tensor(splits.train["label"][:7])
     params = {k: p.detach() for k, p in model.trainable_parameters().items()}
     return model, params, ids, labels
+
+
+#: Every adapter kind, as overrides (a rank below the tiny models' width).
+KINDS = {
+    "full": ("adapter.kind=full",),
+    "lowrank": ("adapter.kind=lowrank", "adapter.rank=4"),
+    "diagonal": ("adapter.kind=diagonal",),
+}
+
+
+def adapter_part(params):
+    return [k for k in params if k.startswith("adapter.")]
 
 
 def loop_reference(model, params, ids, labels, clip, adapter_clip=None):
@@ -47,17 +59,22 @@ def loop_reference(model, params, ids, labels, clip, adapter_clip=None):
     return {k: g.sum(dim=0) for k, g in clipped.items()}, losses, predicted, norms
 
 
+@pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("side", ["left", "right"])
 @pytest.mark.parametrize("clip_scale", [0.1, 1.0, 100.0])  # all clipped, some, none
-def test_batched_ghost_clipping_equals_the_per_example_loop(make_settings, side, clip_scale):
-    model, params, ids, labels = adapter_model(make_settings, f"model.padding_side={side}")
+def test_batched_ghost_clipping_equals_the_per_example_loop(make_settings, side, clip_scale, kind):
+    """Every adapter kind: the batched path's clipped sum is the definition's."""
+    model, params, ids, labels = adapter_model(
+        make_settings, f"model.padding_side={side}", *KINDS[kind]
+    )
     _, _, _, norms = loop_reference(model, params, ids, labels, math.inf)
-    clip = float(norms.median()) * clip_scale
+    middle = norms.sort().values[len(norms) // 2 - 1 : len(norms) // 2 + 1].mean()
+    clip = float(middle) * clip_scale  # between two examples' norms: none sits on the bound
     summed, losses, predicted, _ = loop_reference(model, params, ids, labels, clip)
     ghost, ghost_losses, ghost_predicted = ghost_clipped_sum(
         model, params, labels, ids, clip=clip, chunk=3
     )
-    assert set(ghost) == set(summed) and "adapter.weight" in ghost
+    assert set(ghost) == set(summed) and adapter_part(ghost)
     for name in summed:
         torch.testing.assert_close(ghost[name], summed[name], rtol=1e-7, atol=1e-9)
     torch.testing.assert_close(ghost_losses, losses, rtol=1e-7, atol=1e-9)
@@ -88,15 +105,18 @@ def test_with_eager_attention_the_batched_path_still_equals_the_loop(
     assert torch.equal(ghost_predicted, predicted)
 
 
+@pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("side", ["left", "right"])
 @pytest.mark.parametrize("share", [0.01, 0.5, 0.99])  # the adapter's bound over C
 def test_per_part_clipping_on_the_batched_path_equals_the_loop(
-    make_settings, monkeypatch: pytest.MonkeyPatch, side: str, share: float
+    make_settings, monkeypatch: pytest.MonkeyPatch, side: str, share: float, kind: str
 ) -> None:
     """dp.adapter_clip under dp=record: the adapter's and the head's parts clipped apart,
     equal to the definition (per-example gradients) whether one part, both or none clip, on
     the batched path and on the loop that models without it take."""
-    model, params, ids, labels = adapter_model(make_settings, f"model.padding_side={side}")
+    model, params, ids, labels = adapter_model(
+        make_settings, f"model.padding_side={side}", *KINDS[kind]
+    )
     _, _, _, norms = loop_reference(model, params, ids, labels, math.inf)
     clip = float(norms.median())
     summed, _, _, _ = loop_reference(model, params, ids, labels, clip, clip * share)
@@ -111,22 +131,25 @@ def test_per_part_clipping_on_the_batched_path_equals_the_loop(
     for name in summed:
         torch.testing.assert_close(ghost[name], summed[name], rtol=1e-7, atol=1e-9)
         torch.testing.assert_close(looped[name], summed[name], rtol=1e-7, atol=1e-9)
-    assert not torch.allclose(summed["adapter.weight"], joint["adapter.weight"])
+    first = adapter_part(summed)[0]
+    assert not torch.allclose(summed[first], joint[first])
 
 
-def test_each_example_adds_at_most_each_part_bound_and_c(make_settings) -> None:
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_each_example_adds_at_most_each_part_bound_and_c(make_settings, kind) -> None:
     """The guarantee with per-part bounds: each example's adapter share ≤ C_a, its head share
     ≤ √(C² − C_a²), so its whole share ≤ C, on the batched path and the loop alike."""
-    model, params, ids, labels = adapter_model(make_settings)
+    model, params, ids, labels = adapter_model(make_settings, *KINDS[kind])
     clip, adapter_clip = 1e-3, 2e-4
     for i in range(len(ids)):
         one = (labels[i : i + 1], ids[i : i + 1])
         batched, _, _ = ghost_clipped_sum(model, params, *one, clip=clip, adapter_clip=adapter_clip)
         looped, _, _, _ = loop_reference(model, params, one[1], one[0], clip, adapter_clip)
         for alone in (batched, looped):
-            adapter = float(alone["adapter.weight"].double().norm())
+            parts = adapter_part(alone)
+            adapter = math.sqrt(sum(float(alone[k].double().pow(2).sum()) for k in parts))
             head = math.sqrt(
-                sum(float(v.double().pow(2).sum()) for k, v in alone.items() if k != ADAPTER_WEIGHT)
+                sum(float(v.double().pow(2).sum()) for k, v in alone.items() if k not in parts)
             )
             assert adapter == pytest.approx(adapter_clip, rel=1e-6)  # far above 2e-4
             assert adapter <= adapter_clip  # strictly: SHRINK, and the contraction in float64
@@ -164,20 +187,64 @@ def test_a_per_part_dpsgd_step_adds_noise_sigma_c(make_settings) -> None:
         torch.testing.assert_close(param.detach(), before[name] - expected[name])
 
 
-def test_dpsgd_takes_the_batched_path_for_an_adapter_model(make_settings) -> None:
-    model, params, ids, labels = adapter_model(make_settings)
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_the_identity_anchor_joins_the_noised_gradient_unclipped(make_settings, kind) -> None:
+    """adapter.anchor under DP-SGD: the step is the noised clipped sum over q·n plus λ·∇‖ADP −
+    I‖², a function of the parameters alone (no record's bound, no ε), for every kind."""
+    model, _, ids, labels = adapter_model(make_settings, "adapter.anchor=0.3", *KINDS[kind])
+    trained = model.trainable_parameters()
+    before = {k: p.detach().clone() for k, p in trained.items()}
+    clip, sigma = 0.5, 0.7
+    summed, _, _, _ = loop_reference(model, before, ids, labels, clip)
+    expected = noisy_gradient(
+        summed,
+        noise_std=sigma * clip,
+        expected_batch_size=7.0,
+        generator=torch.Generator().manual_seed(3),
+    )
+    penalty = model.adapter_penalty()
+    assert penalty is not None and float(penalty) > 0
+    pulls = dict(
+        zip(
+            trained,
+            torch.autograd.grad(penalty, list(trained.values()), allow_unused=True),
+            strict=True,
+        )
+    )
+    dpsgd_step(
+        model,
+        trained,
+        torch.optim.SGD(list(trained.values()), lr=1.0),
+        labels,
+        clip=clip,
+        noise_multiplier=sigma,
+        expected_batch_size=7.0,
+        input_ids=ids,
+        generator=torch.Generator().manual_seed(3),
+        penalty=model.adapter_penalty,
+    )
+    for name, param in trained.items():
+        pull = pulls[name] if pulls[name] is not None else 0.0
+        torch.testing.assert_close(param.detach(), before[name] - expected[name] - pull)
+        assert (pulls[name] is not None) == name.startswith("adapter.")
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_dpsgd_takes_the_batched_path_for_an_adapter_model(make_settings, kind) -> None:
+    model, params, ids, labels = adapter_model(make_settings, *KINDS[kind])
     assert supports_ghost(model, params)
     through_dpsgd, _, _ = clipped_gradient_sum(model, params, labels, clip=0.5, input_ids=ids)
     direct, _, _ = ghost_clipped_sum(model, params, labels, ids, clip=0.5)
     for name in direct:
         assert torch.equal(through_dpsgd[name], direct[name])
-    head_only = {k: v for k, v in params.items() if k != "adapter.weight"}
+    head_only = {k: v for k, v in params.items() if not k.startswith("adapter.")}
     assert not supports_ghost(model, head_only)  # classifier mode: vmap over features instead
 
 
-def test_each_example_adds_at_most_the_bound(make_settings) -> None:
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_each_example_adds_at_most_the_bound(make_settings, kind) -> None:
     """The guarantee itself: whatever the example, its share of the sum has norm ≤ C."""
-    model, params, ids, labels = adapter_model(make_settings)
+    model, params, ids, labels = adapter_model(make_settings, *KINDS[kind])
     clip = 1e-3
     for i in range(len(ids)):
         alone, _, _ = ghost_clipped_sum(model, params, labels[i : i + 1], ids[i : i + 1], clip=clip)

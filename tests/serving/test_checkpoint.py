@@ -156,3 +156,24 @@ def test_a_corpus_checkpoint_refuses_other_documents(make_corpus_settings, tmp_p
         load_retriever(folder, device="cpu", documents_path=changed)
     with pytest.raises(FileNotFoundError, match="documents_path="):
         load_retriever(folder, device="cpu", documents_path=tmp_path / "missing.jsonl")
+
+
+@pytest.mark.parametrize("kind", ["lowrank", "diagonal"])
+def test_a_checkpoint_of_another_adapter_kind_loads_and_retrieves_as_trained(
+    make_settings, tmp_path: Path, kind: str
+) -> None:
+    """The checkpoint's settings name its adapter kind: the loaded retriever builds that kind
+    and scores as the trained model did."""
+    settings = make_settings("mode=adapter", f"adapter.kind={kind}", "adapter.rank=4")
+    model = build_retriever(settings, len(LABELS))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.adapter.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    folder = save(model, settings, tmp_path / "ckpt")
+    retriever = load_retriever(folder, device="cpu")
+    assert retriever.adapter.kind.value == kind and not retriever.adapter.is_identity()
+    labels, scores, _ = expected(model, 3)
+    results = retriever.retrieve(QUERIES, 3)
+    assert [list(r.labels) for r in results] == labels
+    torch.testing.assert_close(torch.tensor([r.scores for r in results]), scores)
