@@ -321,7 +321,7 @@ def report(out: Path) -> str:
             "test mean ± sd",
             "test per seed",
             "Δ test vs CaR",
-            "selected epoch per seed",
+            "selected / run epochs per seed",
             "ε",
             "reply bytes",
             "wall s",
@@ -339,7 +339,8 @@ def report(out: Path) -> str:
         )
         for name, results in ranked:
             ok = [r for r in results if r.get("exit") == 0 and r.get("best")]
-            failed = len(results) - len(ok)
+            early = sum(bool(r.get("cut")) and not r.get("best") for r in results)
+            failed = len(results) - len(ok) - early
             cut = sum(bool(r.get("cut")) for r in ok)
             val = spread([100 * r["best"][f"val_{metric}"] for r in ok])
             test = spread([100 * r["best"][f"test_{metric}"] for r in ok])
@@ -348,7 +349,8 @@ def report(out: Path) -> str:
                 for r in sorted(ok, key=lambda r: r["seed"])
             )
             selected = ", ".join(
-                str(r["best"].get("round")) for r in sorted(ok, key=lambda r: r["seed"])
+                f"{r['best'].get('round')}/{r.get('rounds_run')}"
+                for r in sorted(ok, key=lambda r: r["seed"])
             )
             delta = test[0] - 100 * ref_test[0] if reference else math.nan
             eps = [r["epsilon"] for r in ok if r.get("epsilon")]
@@ -362,7 +364,9 @@ def report(out: Path) -> str:
             )
             lines.append(
                 f"| {name}{f' ({failed} failed)' if failed else ''}"
-                f"{f' ({cut} cut)' if cut else ''} | {val[0]:.2f} ± {val[1]:.2f} | "
+                f"{f' ({cut} cut)' if cut else ''}"
+                f"{f' ({early} cut before an epoch)' if early else ''} | "
+                f"{val[0]:.2f} ± {val[1]:.2f} | "
                 f"{test[0]:.2f} ± {test[1]:.2f} | {per_seed} | {delta:+.2f} | {selected} | "
                 f"{f'{max(eps):.2f}' if eps else '–'} | "
                 f"{max((s for s in size if s), default=0):,} | {wall:.0f} | {cpu:.0f} | {load} |"
@@ -376,6 +380,8 @@ def report(out: Path) -> str:
                     "seeds": [r["seed"] for r in ok],
                     "failed": failed,
                     "cut": cut,
+                    "cut_before_an_epoch": early,
+                    "epochs_run": [r.get("rounds_run") for r in ok],
                     "val_mean": val[0],
                     "val_sd": val[1],
                     "test_mean": test[0],

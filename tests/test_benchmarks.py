@@ -153,3 +153,53 @@ def test_rag_example_retrieves_and_answers_through_each_framework(
     assert f"question: w5 w25 ({framework})" in lines
     assert any(line.startswith("  1. d5\t") for line in lines)  # the document the query names
     assert any(line.startswith("answer: ") for line in lines)
+
+
+def test_adapter_study_runs_every_plan_and_reports_each_row(
+    tmp_path: Path, tiny_llama: Path
+) -> None:
+    """scripts/adapter_study.py on the tiny Llama and a synthetic arXiv file: the grid's rows
+    over two seeds, a federated and a private row, and a report with every row, its seeds and
+    the bytes of its reply (the low-rank adapter's below the full one's)."""
+    from car_fl.testing.tiny import synthetic_examples
+
+    codes = {"topic0": "hep-th", "topic1": "math.AG", "topic2": "cs.LG", "topic3": "astro-ph.GA"}
+    data = tmp_path / "arxiv.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps({"id": f"x{i}", "title": t, "abstract": t, "categories": codes[label]})
+            + "\n"
+            for i, (t, label) in enumerate(synthetic_examples(300))
+        )
+    )
+    out = tmp_path / "study"
+    common = [
+        *("--model", str(tiny_llama), "--data", str(data), "--out", str(out), "--epochs", "2"),
+        *("--set", "dataset.min_examples_per_label=5", f"cache_dir={tmp_path / 'cache'}"),
+        "adapter.rank=4",
+    ]
+    script = [sys.executable, str(ROOT / "scripts" / "adapter_study.py"), "run"]
+    run_to_the_end(
+        [*script, "--only", "car", "full", "lowrank4+anchor", "--seeds", "0", "1", *common],
+        tmp_path,
+    )
+    run_to_the_end(
+        [*script, "--plan", "federated", "--only", "fl-lowrank16", "--seeds", "0", *common],
+        tmp_path,
+    )
+    run_to_the_end(
+        [*script, "--plan", "private", "--only", "dpsgd-lowrank16", "--seeds", "0", *common],
+        tmp_path,
+    )
+    rows = {(r["plan"], r["row"]): r for r in json.loads((out / "results.json").read_text())}
+    assert set(rows) == {
+        ("grid", "car"),
+        ("grid", "full"),
+        ("grid", "lowrank4+anchor"),
+        ("federated", "fl-lowrank16"),
+        ("private", "dpsgd-lowrank16"),
+    }
+    assert all(rows["grid", r]["seeds"] == [0, 1] for r in ("car", "full", "lowrank4+anchor"))
+    assert rows["grid", "lowrank4+anchor"]["reply_bytes"] < rows["grid", "full"]["reply_bytes"]
+    assert rows["private", "dpsgd-lowrank16"]["epsilon"] == pytest.approx(3.0, rel=0.01)
+    assert (out / "results.png").is_file() and "| car |" in (out / "results.md").read_text()

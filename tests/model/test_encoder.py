@@ -72,7 +72,7 @@ def test_adapter_changes_hidden_states_when_not_identity(tiny_llama: Path) -> No
     ids, mask = encoder.pad(encoder.tokenize(["w1 k2 w3"]).input_ids)
     with torch.no_grad():
         before = model.encode(ids, mask)
-        model.adapter.weight.mul_(2.0)
+        model.adapter.get_parameter("weight").mul_(2.0)
         after = model.encode(ids, mask)
     assert not torch.allclose(before, after)
 

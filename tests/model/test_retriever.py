@@ -46,8 +46,8 @@ def test_only_adapter_and_head_require_gradients(encoder) -> None:
 def test_adapter_mode_gradient_reaches_adapter_but_no_encoder_weight(encoder) -> None:
     model = CaRRetriever(encoder, 3, head=HeadConfig(), mode=Mode.ADAPTER_CLASSIFIER)
     backward_once(model)
-    assert model.adapter.weight.grad is not None
-    assert model.adapter.weight.grad.abs().sum() > 0
+    grad = model.adapter.get_parameter("weight").grad
+    assert grad is not None and grad.abs().sum() > 0
     assert all(p.grad is None for p in model.encoder.parameters())
 
 
@@ -55,7 +55,7 @@ def test_classifier_mode_adapter_gets_no_gradient(encoder) -> None:
     model = CaRRetriever(encoder, 3, head=HeadConfig(), mode=Mode.CLASSIFIER)
     assert not model.adapter.weight.requires_grad
     backward_once(model)
-    assert model.adapter.weight.grad is None
+    assert model.adapter.get_parameter("weight").grad is None
     assert model.head.classifier.weight.grad is not None  # type: ignore[union-attr]
     assert all(p.grad is None for p in model.encoder.parameters())
 
@@ -77,7 +77,7 @@ def test_load_trainable_state_dict_round_trip_and_errors(encoder) -> None:
     a = CaRRetriever(encoder, 3, head=HeadConfig(), mode=Mode.ADAPTER_CLASSIFIER)
     b = CaRRetriever(encoder, 3, head=HeadConfig(), mode=Mode.ADAPTER_CLASSIFIER)
     with torch.no_grad():
-        a.adapter.weight.add_(0.5)
+        a.adapter.get_parameter("weight").add_(0.5)
     b.load_trainable_state_dict(a.trainable_state_dict())
     for name, value in a.trainable_state_dict().items():
         assert torch.equal(value, b.trainable_state_dict()[name])

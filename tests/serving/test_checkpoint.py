@@ -45,7 +45,9 @@ def test_load_retriever_retrieves_what_the_trained_classifier_scores(
     settings = make_settings("mode=adapter", "head.pre_classifier_dim=8")
     model = build_retriever(settings, len(LABELS))
     with torch.no_grad():  # a trained state: adapter and head away from their initialisation
-        model.adapter.weight.add_(0.05 * torch.randn_like(model.adapter.weight))
+        model.adapter.get_parameter("weight").add_(
+            0.05 * torch.randn_like(model.adapter.get_parameter("weight"))
+        )
         assert isinstance(model.head, ClassifierScorer)
         model.head.classifier.weight.mul_(3.0)
     folder = save(model, settings, tmp_path / "ckpt")
@@ -68,7 +70,9 @@ def test_load_retriever_gives_mips_its_documents_through_the_trained_adapter(
     documents = [f"k{i}" for i in range(4)]
     model = build_retriever(settings, len(LABELS), documents=documents)
     with torch.no_grad():
-        model.adapter.weight.add_(0.1 * torch.randn_like(model.adapter.weight))
+        model.adapter.get_parameter("weight").add_(
+            0.1 * torch.randn_like(model.adapter.get_parameter("weight"))
+        )
     folder = save(model, settings, tmp_path / "ckpt")
     assert list(load_checkpoint(folder).state) == ["adapter.weight"]
     retriever = load_retriever(folder, device="cpu")
