@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import pytest
@@ -59,9 +60,22 @@ def loop_reference(model, params, ids, labels, clip, adapter_clip=None):
     return {k: g.sum(dim=0) for k, g in clipped.items()}, losses, predicted, norms
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
-@pytest.mark.parametrize("side", ["left", "right"])
-@pytest.mark.parametrize("clip_scale", [0.1, 1.0, 100.0])  # all clipped, some, none
+def every_kind_and(*grid: list[object]) -> list[tuple[object, ...]]:
+    """The full adapter at every point of ``grid``; the other kinds at each axis's middle and at
+    its ends on the first axis (their formulas differ, the padding and clipping paths do not)."""
+    points = [("full", *p) for p in itertools.product(*grid)]
+    for kind in KINDS:
+        if kind != "full":
+            points += [
+                (kind, first, *(axis[len(axis) // 2] for axis in grid[1:])) for first in grid[0]
+            ]
+    return points
+
+
+@pytest.mark.parametrize(
+    ("kind", "side", "clip_scale"),  # clip scale: all clipped, some, none
+    every_kind_and(["left", "right"], [0.1, 1.0, 100.0]),
+)
 def test_batched_ghost_clipping_equals_the_per_example_loop(make_settings, side, clip_scale, kind):
     """Every adapter kind: the batched path's clipped sum is the definition's."""
     model, params, ids, labels = adapter_model(
@@ -105,9 +119,10 @@ def test_with_eager_attention_the_batched_path_still_equals_the_loop(
     assert torch.equal(ghost_predicted, predicted)
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
-@pytest.mark.parametrize("side", ["left", "right"])
-@pytest.mark.parametrize("share", [0.01, 0.5, 0.99])  # the adapter's bound over C
+@pytest.mark.parametrize(
+    ("kind", "side", "share"),  # share: the adapter's bound over C
+    every_kind_and(["left", "right"], [0.01, 0.5, 0.99]),
+)
 def test_per_part_clipping_on_the_batched_path_equals_the_loop(
     make_settings, monkeypatch: pytest.MonkeyPatch, side: str, share: float, kind: str
 ) -> None:
