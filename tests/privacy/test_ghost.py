@@ -19,6 +19,7 @@ from car_fl.privacy.dpsgd import (
 )
 from car_fl.privacy.ghost import ghost_clipped_sum, supports_ghost
 from car_fl.privacy.mechanism import ADAPTER_WEIGHT, clip_per_example, record_part_bounds
+from car_fl.settings.schema import AdapterKind
 
 
 def adapter_model(make_settings, *overrides: str, dtype: torch.dtype = torch.float64):
@@ -41,12 +42,8 @@ def adapter_model(make_settings, *overrides: str, dtype: torch.dtype = torch.flo
     return model, params, ids, labels
 
 
-#: Every adapter kind, as overrides (a rank below the tiny models' width).
-KINDS = {
-    "full": ("adapter.kind=full",),
-    "lowrank": ("adapter.kind=lowrank", "adapter.rank=4"),
-    "diagonal": ("adapter.kind=diagonal",),
-}
+#: Every registered adapter kind, as overrides (a rank below the tiny models' width).
+KINDS = {kind.value: (f"adapter.kind={kind.value}", "adapter.rank=4") for kind in AdapterKind}
 
 
 def adapter_part(params):
