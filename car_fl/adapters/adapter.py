@@ -42,6 +42,12 @@ class Adapter(nn.Module, ABC):
     def build(cls, dim: int, cfg: AdapterConfig, generator: torch.Generator) -> Adapter:
         """A new adapter of width ``dim``, the identity; random parts drawn from ``generator``."""
 
+    @classmethod
+    @abstractmethod
+    def shapes(cls, cfg: AdapterConfig, dim: int) -> dict[str, tuple[int, ...]]:
+        """Each tensor's shape for width ``dim``, by name; a ``ValueError`` for settings that
+        do not fit it (a rank above d)."""
+
     @property
     @abstractmethod
     def dim(self) -> int:

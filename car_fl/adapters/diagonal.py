@@ -28,6 +28,10 @@ class DiagonalAdapter(Adapter):
     def build(cls, dim: int, cfg: AdapterConfig, generator: torch.Generator) -> DiagonalAdapter:
         return cls(dim, cfg)
 
+    @classmethod
+    def shapes(cls, cfg: AdapterConfig, dim: int) -> dict[str, tuple[int, ...]]:
+        return {"scale": (dim,), "shift": (dim,)}
+
     @property
     def dim(self) -> int:
         return int(self.scale.shape[0])

@@ -26,6 +26,10 @@ class FullAdapter(Adapter):
     def build(cls, dim: int, cfg: AdapterConfig, generator: torch.Generator) -> FullAdapter:
         return cls(dim, cfg)
 
+    @classmethod
+    def shapes(cls, cfg: AdapterConfig, dim: int) -> dict[str, tuple[int, ...]]:
+        return {"weight": (dim, dim)}
+
     @property
     def dim(self) -> int:
         return int(self.weight.shape[0])

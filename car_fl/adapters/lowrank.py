@@ -3,8 +3,9 @@
 U (d×r) starts at zero, so an untrained adapter is the identity; V (d×r) starts random
 (N(0, 1/d), from the run's seed) so that U's first gradient is not zero (as LoRA starts).
 Soft prompts have low intrinsic rank (DePT, DPT); a rank-r adapter sends 2·d·r numbers
-instead of d² and takes DP noise on that many. Per-example gradients are d×r, small enough
-to form for a batch: ∇U = Σₜ gₜ zₜᵀ with z = x V, ∇V = Σₜ xₜ (Uᵀ gₜ)ᵀ.
+instead of d² and takes DP noise on that many. Per-example gradients are d×r; DP-SGD never
+forms them: with z = x V, ∇U = Σₜ gₜ zₜᵀ and ∇V = Σₜ xₜ (Uᵀ gₜ)ᵀ have ghost norms from
+(t × t) Gram matrices, and the clipped sum is one contraction each.
 """
 
 from __future__ import annotations
@@ -47,23 +48,34 @@ class LowRankAdapter(Adapter):
         return ((self.up.T @ self.up) * (self.down.T @ self.down)).sum()
 
     def at_start(self) -> bool:
-        return int(self.up.detach().count_nonzero()) == 0
+        return int(self.up.detach().count_nonzero()) == 0 and bool(
+            torch.isfinite(self.down.detach()).all()
+        )
 
-    def _per_example(self, x: torch.Tensor, g: torch.Tensor) -> Tensors:
+    @classmethod
+    def shapes(cls, cfg: AdapterConfig, dim: int) -> dict[str, tuple[int, ...]]:
+        check_rank(cfg.rank, dim)
+        return {"up": (dim, cfg.rank), "down": (dim, cfg.rank)}
+
+    def _inputs(self, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """z = x V and Uᵀ g per token, ``(b, t, r)`` each."""
         up, down = self.up.detach().to(x), self.down.detach().to(x)
-        z = x @ down  # (b, t, r)
-        back = g @ up  # (b, t, r): Uᵀ gₜ
-        return {
-            "up": torch.einsum("btd,btr->bdr", g, z),
-            "down": torch.einsum("btd,btr->bdr", x, back),
-        }
+        return x @ down, g @ up
 
     def example_squares(self, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        return sum(v.pow(2).sum(dim=(1, 2)) for v in self._per_example(x, g).values())  # type: ignore[return-value]
+        # ghost norms, as the full adapter's: ‖Σₜ gₜ zₜᵀ‖² = Σₜ,ₛ (gₜ·gₛ)(zₜ·zₛ), and ∇V's alike;
+        # (b, t, t) Gram matrices, never a (b, d, r) per-example gradient (r is the server's)
+        z, back = self._inputs(x, g)
+        grams = (g @ g.transpose(1, 2), x @ x.transpose(1, 2))
+        up = (grams[0] * (z @ z.transpose(1, 2))).sum(dim=(1, 2))
+        down = (grams[1] * (back @ back.transpose(1, 2))).sum(dim=(1, 2))
+        return up + down
 
     def clipped_sum(self, factors: torch.Tensor, x: torch.Tensor, g: torch.Tensor) -> Tensors:
+        z, back = self._inputs(x, g)
         return {
-            k: torch.einsum("b,bdr->dr", factors, v) for k, v in self._per_example(x, g).items()
+            "up": torch.einsum("b,btd,btr->dr", factors, g, z),
+            "down": torch.einsum("b,btd,btr->dr", factors, x, back),
         }
 
 

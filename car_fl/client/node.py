@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from flwr.app import RecordDict
 
+from car_fl.adapters.registry import state_refusal
 from car_fl.client.failures import Refusal, failure_of
 from car_fl.client.node_privacy import NodePrivacy
 from car_fl.client.node_settings import SettingsMemory, node_settings, own_files, run_files
@@ -149,6 +150,11 @@ class Node:
         active) and the reply's metrics (under DP nothing data-dependent besides
         ``num-examples`` and the privacy figures). ``run_files``: the run's own files where
         ``settings`` carry the node's (:func:`~car_fl.client.node_settings.run_files`)."""
+        # the server's adapter is the run's kind, rank and finite: before anything is charged
+        # or read, with a policy or without
+        why = state_refusal(settings.adapter, global_state)
+        if why is not None:
+            raise ValueError(f"client {node_info.partition_id}: {why}")
         privacy = self.privacy
         if privacy is not None:
             own = own_files(self.config)

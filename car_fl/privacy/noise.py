@@ -21,6 +21,13 @@ def secure_generator(device: torch.device | str = "cpu") -> torch.Generator:
     return generator
 
 
+def seed_from_entropy() -> None:
+    """Seed torch's global RNG (dropout's) with 63 bits of OS entropy: under DP-SGD a mask
+    drawn from a seed the server knows, in a batch whose shape depends on the other records,
+    would let one record change another's gradient beyond the clipping bound."""
+    torch.manual_seed(secrets.randbits(63))
+
+
 def gaussian_like(
     like: Mapping[str, torch.Tensor],
     *,

@@ -182,6 +182,7 @@ def train_epoch_dpsgd(
     with a zero gradient, so nothing it sends depends on how many it left out.
     """
     from car_fl.privacy.dpsgd import dpsgd_step, poisson_sample
+    from car_fl.privacy.noise import seed_from_entropy
 
     population = len(data) if population is None else population
     if population == 0:
@@ -189,7 +190,9 @@ def train_epoch_dpsgd(
     if population < len(data):
         raise ValueError(f"cannot train {len(data)} examples standing for only {population}")
     model.train()
-    torch.manual_seed(epoch_seed(seed, epoch))  # dropout
+    # dropout (the head's, the soft embeddings'): masks from OS entropy, never from a seed the
+    # server knows (tests/privacy/test_ghost.py tests it)
+    seed_from_entropy()
     device = model.device
     params = model.trainable_parameters()
     features = data.features.to(device) if data.features is not None else None

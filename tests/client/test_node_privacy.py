@@ -505,3 +505,35 @@ def test_a_round_the_run_itself_refuses_costs_the_owner_nothing(
     assert [(e.run, e.round) for e in node_privacy.ledger.entries()] == [("1", 1)]
     node.train(adaptive, NODE, initial(adaptive), 1, RecordDict(), LABELS, run="2")  # a new run
     assert [(e.run, e.round) for e in node_privacy.ledger.entries()] == [("1", 1), ("2", 1)]
+
+
+@pytest.mark.parametrize(
+    ("sent", "why"),
+    [
+        ({"adapter.weight": torch.eye(64)}, "are not adapter.kind=lowrank's"),  # another kind
+        (
+            {"adapter.up": torch.zeros(64, 65), "adapter.down": torch.zeros(64, 65)},
+            r"adapter\.rank=4 must be in|has shape \(64, 65\)",
+        ),
+        (
+            {"adapter.up": torch.zeros(64, 4), "adapter.down": torch.full((64, 4), math.inf)},
+            "non-finite",  # U = 0 looks like the identity, and an infinite V poisons every step
+        ),
+    ],
+)
+def test_a_servers_ill_formed_adapter_is_refused_before_the_ledger_or_any_record(
+    tmp_path: Path, make_settings, synthetic_tsv: Path, sent: dict, why: str
+) -> None:
+    """The malicious server's adapter: another kind than the run's, a rank the width cannot
+    hold (memory), an infinite V. The node refuses it before it charges its owner's ledger or
+    reads a record."""
+    settings = make_settings(
+        *AGREED, "approach=adapter_car", "adapter.kind=lowrank", "adapter.rank=4"
+    )
+    node_privacy = guard(tmp_path, synthetic_tsv)
+    state = {k: v for k, v in initial(make_settings(*AGREED)).items()} | sent
+    with pytest.raises(ValueError, match=why):
+        Node(config={}, privacy=node_privacy).train(
+            settings, NODE, state, 1, RecordDict(), LABELS, run="1"
+        )
+    assert node_privacy.ledger.entries() == []

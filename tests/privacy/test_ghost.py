@@ -241,6 +241,39 @@ def test_the_identity_anchor_joins_the_noised_gradient_unclipped(make_settings, 
         assert (pulls[name] is not None) == name.startswith("adapter.")
 
 
+def test_dropout_masks_under_dpsgd_are_not_the_servers_to_know(make_settings) -> None:
+    """The adversary's lever: dropout on the soft embeddings masks a padded batch whose shape
+    depends on the other records, so masks drawn from a seed the server knows (the run's seed,
+    the round, the epoch) would let one record move another's clipped gradient, and the sum by
+    more than C. Under DP-SGD the masks come from OS entropy: the same epoch, seed and batches
+    twice give two different steps (noise off, so only the masks differ)."""
+    from car_fl.model.features import LocalData
+    from car_fl.training.train import train_epoch_dpsgd
+
+    model, _, ids, labels = adapter_model(make_settings, "adapter.dropout=0.5")
+    data = LocalData(labels=labels, input_ids=[t.tolist() for t in ids])
+    start = {k: p.detach().clone() for k, p in model.trainable_parameters().items()}
+    after = []
+    for _ in range(2):
+        model.load_trainable_state_dict(start)
+        params = model.trainable_parameters()
+        train_epoch_dpsgd(
+            model,
+            data,
+            torch.optim.SGD(list(params.values()), lr=1.0),
+            sample_rate=1.0,
+            clip=1.0,
+            noise_multiplier=0.0,
+            steps=1,
+            seed=7,
+            epoch=0,
+            batches=[torch.arange(len(labels))],
+            progress=False,
+        )
+        after.append({k: p.detach().clone() for k, p in params.items()})
+    assert not torch.equal(after[0]["adapter.weight"], after[1]["adapter.weight"])
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_dpsgd_takes_the_batched_path_for_an_adapter_model(make_settings, kind) -> None:
     model, params, ids, labels = adapter_model(make_settings, *KINDS[kind])
