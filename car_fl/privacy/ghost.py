@@ -83,6 +83,10 @@ def ghost_clipped_sum(
 ) -> tuple[Tensors, torch.Tensor, torch.Tensor]:
     """Σᵢ gᵢ · min(1, C/‖gᵢ‖) over the batch, each loss and each argmax, in the input order.
 
+    The adapter is applied with the model's own parameters: ``params`` names which tensors are
+    summed and must hold the model's current values (as :func:`car_fl.privacy.dpsgd.dpsgd_step`
+    passes them), not other values to take gradients at.
+
     ‖gᵢ‖ is the norm over the adapter and the head together, or with ``adapter_clip`` each
     part is clipped to its own bound (:func:`car_fl.privacy.mechanism.record_clip_factors`).
     An example whose gradient is not finite contributes zero (as
