@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 
 APP_NAME = "car-fl-blocks"
 ROUTE = "/blocks"
+#: The widest hidden size the proxy lets a body be sized for (Llama-3 70B's 8,192).
+MAX_HIDDEN = 8192
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,12 @@ class ServiceConfig(ServeConfig):
 
     limits: Limits = field(default_factory=Limits)
     route: ClassVar[str] = ROUTE
+
+    @property
+    def max_body(self) -> int:
+        """The proxy's bound, before the model says its width: embeds and grad of
+        ``max_tokens`` at a width of up to :data:`MAX_HIDDEN` (each replica checks exactly)."""
+        return self.limits.max_tokens * MAX_HIDDEN * 4 * 2 + (1 << 20)
 
 
 def load_runner(

@@ -3,22 +3,33 @@
 :class:`ServeConfig` holds where a service listens and what its replicas may use, and refuses
 to serve other machines without a token. :func:`start_serve` starts a local Ray instance of its
 own (a private temp folder, so Flower's simulation never attaches to it) or joins an existing
-cluster, then Serve's HTTP proxy; :func:`stop` ends both. :func:`add_serve_arguments`,
-:func:`serve_config_values` and :func:`serve_until_stopped` give ``car-fl serve-blocks`` and
-``car-fl serve`` one set of flags and one lifetime: serve until Ctrl-C or SIGTERM, then stop.
+cluster, then Serve's HTTP proxy, with :mod:`.admission` in it (a Ray of its own only); it
+refuses a port another process holds, in one line naming that process, before Ray starts.
+:func:`stop` drains (new requests 503, open ones answered, within ``drain_s``), then ends both
+and removes the temp folder. :func:`add_serve_arguments`, :func:`serve_config_values` and
+:func:`serve_until_stopped` give ``car-fl serve-blocks`` and ``car-fl serve`` one set of flags
+and one lifetime: serve until Ctrl-C or SIGTERM, then stop.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import shutil
 import signal
+import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
+
+from car_fl.serving.admission import AdmissionConfig, drain, environment, token_digest
+
+log = logging.getLogger(__name__)
 
 #: The addresses only this machine can reach: no token needed to serve there.
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -44,6 +55,12 @@ class ServeConfig:
     #: Serve other machines over plain HTTP (the token and the data in clear): a trusted
     #: network only, e.g. a VPN; without it another host needs TLS.
     plain_http: bool = False
+    #: Seconds a request's body may take to arrive after its headers (408 after).
+    body_timeout_s: float = 10.0
+    #: Requests one client (IP address) may have open at once (503 with Retry-After above).
+    max_per_client: int = 128
+    #: Seconds a stop waits for the requests in flight to be answered.
+    drain_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -64,8 +81,30 @@ class ServeConfig:
                 "--plain-http on a network you trust (a VPN)"
             )
 
+        if self.drain_s < 0:
+            raise ValueError(f"--drain-s must be >= 0, got {self.drain_s}")
+
     #: The application's route prefix (each service's own).
     route: ClassVar[str] = ""
+    #: Paths of the application that answer without the token.
+    open_paths: ClassVar[tuple[str, ...]] = ()
+
+    @property
+    def max_body(self) -> int:
+        """The largest body a request may declare (each service's own)."""
+        return 1 << 20
+
+    def admission(self, drain_file: str | None) -> AdmissionConfig:
+        """What Serve's proxy admits (:mod:`.admission`): its limits, and the token's digest."""
+        return AdmissionConfig(
+            max_body=self.max_body,
+            body_timeout_s=self.body_timeout_s,
+            per_client=self.max_per_client,
+            max_buffered=max(512 << 20, 2 * self.max_body),
+            open_paths=(*self.open_paths, "/-/routes", "/-/healthz"),
+            token_sha256=token_digest(self.token),
+            drain_file=drain_file,
+        )
 
     @property
     def origin(self) -> str:
@@ -83,6 +122,63 @@ class ServeConfig:
         return {"num_cpus": self.cpus_per_replica, "num_gpus": self.gpus_per_replica}
 
 
+class PortInUse(OSError):
+    """The service's port is held by another process."""
+
+
+def check_port(host: str, port: int) -> None:
+    """Refuse, in one line naming the holder, a ``host:port`` this process cannot bind."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # past connections in TIME_WAIT do not count; a listener does, even one that set
+        # SO_REUSEPORT (as Serve's proxy may: two services would then share the port)
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as err:
+            raise PortInUse(
+                f"{host}:{port} is in use{holder(port)} ({err.strerror}): choose another --port"
+            ) from None
+
+
+def holder(port: int) -> str:
+    """`` by <name> (pid N)``: the process listening on ``port``, where this user may see it."""
+    import psutil
+
+    try:
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port:
+                if conn.pid is None:
+                    return " by another user's process"
+                return f" by {psutil.Process(conn.pid).name()} (pid {conn.pid})"
+    except (psutil.Error, OSError):
+        pass
+    return ""
+
+
+@dataclass
+class _Running:
+    """What :func:`start_serve` made that :func:`stop` must end: the proxy's drain, the folder."""
+
+    service: ServeConfig
+    app: str
+    admission: AdmissionConfig | None = None
+    folder: str | None = None
+
+
+_running: _Running | None = None
+
+
+def _quiet(record: logging.LogRecord) -> bool:
+    """Drop Serve's notes that ``serve.run`` ignores the HTTP options ``serve.start`` applied
+    (it always passes its own defaults, so they differ in the port: the port *is* used)."""
+    message = record.getMessage()
+    return not (
+        message.startswith("The new client HTTP config differs")
+        or message.startswith("Connecting to existing Serve app")
+    )
+
+
 def start_serve(service: ServeConfig, *, namespace: str) -> None:
     """Start Ray (or join ``service.ray_address``) and Serve's HTTP proxy on its address."""
     import tempfile
@@ -90,10 +186,23 @@ def start_serve(service: ServeConfig, *, namespace: str) -> None:
     import ray
     from ray import serve
 
+    global _running
+    running = _Running(service, namespace)
+    logging.getLogger("ray.serve").addFilter(_quiet)
     if not ray.is_initialized():
         own: dict[str, Any] = {}
         if service.ray_address == "local":  # its own folder: Flower's ray.init() never joins it
-            own["_temp_dir"] = tempfile.mkdtemp(prefix="car-fl-ray-", dir="/tmp")
+            check_port(service.host, service.port)  # before Ray: one line, not a hung proxy
+            running.folder = own["_temp_dir"] = tempfile.mkdtemp(prefix="car-fl-ray-", dir="/tmp")
+            running.admission = service.admission(os.path.join(running.folder, "drain"))
+            os.environ.update(environment(running.admission))  # the proxy's process reads them
+        else:
+            log.warning(
+                "--ray-address %s: the cluster's own HTTP proxy serves, without car-fl's "
+                "admission limits (docs/retrieval.md, 'Hostile clients')",
+                service.ray_address,
+            )
+        _running = running
         ray.init(
             address=service.ray_address,
             include_dashboard=False,
@@ -108,15 +217,54 @@ def start_serve(service: ServeConfig, *, namespace: str) -> None:
 
 
 def stop() -> None:
-    """Delete the apps, stop Serve, and end the Ray instance this process started."""
+    """Drain the proxy (its open requests answered, within ``drain_s``), then end the Ray
+    instance this process started and remove its temp folder; on a cluster it joined, delete
+    only this service's app."""
     import ray
     from ray import serve
 
+    global _running
+    running, _running = _running, None
     if ray.is_initialized():
         try:
-            serve.shutdown()
+            if running is not None and running.admission is not None:
+                started = time.monotonic()
+                drained = drain(
+                    running.admission,
+                    timeout_s=running.service.drain_s,
+                    poke=lambda: poke(running.service),
+                )
+                if not drained:
+                    log.warning(
+                        "stop: requests still open after --drain-s %g s", running.service.drain_s
+                    )
+                log.info("stop: drained in %.1f s", time.monotonic() - started)
+            elif running is not None:  # someone else's cluster: only our app goes
+                serve.delete(running.app)
         finally:
-            ray.shutdown()
+            ray.shutdown()  # our own instance: its proxy, replicas and controller end with it
+    if running is not None and running.folder is not None:
+        shutil.rmtree(running.folder, ignore_errors=True)
+
+
+def poke(service: ServeConfig) -> None:
+    """One request to the proxy (Serve's own health path), so that it notices a drain."""
+    import ssl
+
+    host = "127.0.0.1" if service.host in ("0.0.0.0", "localhost") else service.host
+    host = "::1" if host == "::" else host
+    try:
+        with socket.create_connection((host, service.port), timeout=2) as raw:
+            sock: socket.socket = raw
+            if service.ssl_certfile:  # our own proxy: its certificate need not name the host
+                context = ssl.create_default_context()
+                context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+                sock = context.wrap_socket(raw)
+            sock.sendall(b"GET /-/healthz HTTP/1.1\r\nHost: car-fl\r\nConnection: close\r\n\r\n")
+            while sock.recv(4096):
+                pass
+    except OSError:
+        pass
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser, *, port: int, token_env: str) -> None:
@@ -143,6 +291,24 @@ def add_serve_arguments(parser: argparse.ArgumentParser, *, port: int, token_env
     )
     parser.add_argument(
         "--ready-file", default=None, help="write the service's URL here once it answers"
+    )
+    parser.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=10.0,
+        help="seconds a request's body may take to arrive (408 after; default 10)",
+    )
+    parser.add_argument(
+        "--max-per-client",
+        type=int,
+        default=128,
+        help="requests one client address may have open (503 + Retry-After above; default 128)",
+    )
+    parser.add_argument(
+        "--drain-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds to answer the requests in flight before stopping (default 30)",
     )
 
 
@@ -172,6 +338,9 @@ def serve_config_values(args: argparse.Namespace, *, token_env: str) -> dict[str
         "ssl_certfile": args.ssl_certfile,
         "ssl_keyfile": args.ssl_keyfile,
         "plain_http": args.plain_http,
+        "body_timeout_s": args.body_timeout_s,
+        "max_per_client": args.max_per_client,
+        "drain_s": args.drain_s,
     }
 
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from car_fl.serving.ray_app import ServeConfig, start_serve
 from car_fl.serving.ray_app import stop as stop  # the service's stop is every Serve app's
 from car_fl.serving.retrieval_api import (
+    MAX_BODY,
     MAX_QUERIES,
+    OPEN_PATHS,
     RetrievalService,
     RetrieveRequest,
     RetrieveResponse,
@@ -44,6 +46,11 @@ class RetrievalConfig(ServeConfig):
     #: Queries the encoder runs at once, sorted by length: a batch of many clients' queries is
     #: cut into such chunks, so a long query pads a few short ones, not all of them.
     encode_batch: int = 8
+    open_paths: ClassVar[tuple[str, ...]] = OPEN_PATHS
+
+    @property
+    def max_body(self) -> int:
+        return MAX_BODY
 
     def __post_init__(self) -> None:
         super().__post_init__()

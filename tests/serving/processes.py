@@ -53,10 +53,20 @@ class ServingProcess:
 
     def stop(self) -> list[psutil.Process]:
         """SIGTERM, wait; the processes of its tree still alive afterwards."""
+        tree = self.terminate()
+        return self.wait(tree)
+
+    def terminate(self) -> list[psutil.Process]:
+        """Send SIGTERM; the processes of its tree as they were just before."""
         assert self.proc is not None
         tree = psutil.Process(self.proc.pid).children(recursive=True)
         self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(timeout=60)
+        return tree
+
+    def wait(self, tree: list[psutil.Process]) -> list[psutil.Process]:
+        """Wait for it to end; the processes of ``tree`` still alive afterwards."""
+        assert self.proc is not None
+        self.proc.wait(timeout=90)
         _, alive = psutil.wait_procs(tree, timeout=30)
         self.log.close()
         return alive

@@ -3,17 +3,25 @@
 One service for the whole module (a start costs ~25 s on 2 cores): equal to
 ``load_retriever(...).retrieve``, many clients at once batched without changing an answer,
 every bad input a 4xx naming its field while it keeps serving, the LangChain and LlamaIndex
-retrievers against it with its token, and a stop that leaves no process.
+retrievers against it with its token, 600 slow bodies from one client that leave another's
+``/health`` and ``/retrieve`` answered within a second, a busy port refused in one line, and
+a SIGTERM that answers the requests in flight, then stops leaving no process.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from car_fl.serving.checkpoint import load_retriever
@@ -23,14 +31,61 @@ from tests.serving.test_retrieval_api import BAD, QUERIES, TOKEN, assert_same
 
 pytestmark = pytest.mark.slow
 
+#: The service's body deadline in this module (the default is 10 s).
+BODY_TIMEOUT_S = 4
+#: Requests one client may have open: the default.
+PER_CLIENT = 128
+#: A slow body: its headers, then 1 byte of a declared 1,000.
+SLOW_HEAD = (
+    "POST /retrieve HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {token}\r\n"
+    "Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
+)
+
+
+async def open_slow_bodies(
+    port: int, n: int, body: bytes = b'{"queries": ["w5"], "k": 1}' + b" " * 973
+) -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    """``n`` connections from 127.0.0.1 that each send their headers and ``body``'s first byte."""
+    head = SLOW_HEAD.format(token=TOKEN, length=len(body)).encode()
+    connections = []
+    for _ in range(n):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(head + body[:1])
+        connections.append((reader, writer))
+    await asyncio.gather(*(writer.drain() for _, writer in connections))
+    return connections
+
+
+async def status_of(reader: asyncio.StreamReader, timeout: float) -> tuple[int, bytes]:
+    """A response's status and its head (``0`` when none came within ``timeout``)."""
+    try:
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
+    except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+        return 0, b""
+    return int(head.split(b" ", 2)[1]), head.lower()
+
+
+def other_client(running: ServingProcess) -> httpx.AsyncClient:
+    """Another client: its requests come from 127.0.0.2 (all of 127/8 is loopback on Linux)."""
+    return httpx.AsyncClient(
+        base_url=running.url,
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        transport=httpx.AsyncHTTPTransport(local_address="127.0.0.2"),
+        timeout=30,
+    )
+
 
 @pytest.fixture(scope="module")
 def running(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServingProcess]:
     command = ["serve", "--checkpoint", str(checkpoint), "--device", "cpu"]
+    command += ["--body-timeout-s", str(BODY_TIMEOUT_S)]
     service = ServingProcess(command, tmp_path_factory.mktemp("retrieval-service"), token=TOKEN)
     service.start()
     yield service
     service.end()
+
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture(scope="module")
@@ -130,8 +185,80 @@ def test_the_langchain_and_llamaindex_retrievers_against_it_equal_load_retriever
             assert max(abs(n.score - s) for n, s in zip(nodes, want.scores, strict=True)) <= 1e-6
 
 
-def test_stopped_it_leaves_no_process(running: ServingProcess) -> None:
-    assert running.stop() == []
+def test_600_slow_bodies_leave_another_client_answered_within_a_second(
+    running: ServingProcess, checkpoint: Path
+) -> None:
+    async def attack() -> None:
+        slow = await open_slow_bodies(running.port, 600)
+        try:
+            async with other_client(running) as other:
+                started = time.monotonic()
+                health = await other.get("/health")
+                assert health.status_code == 200, health.text
+                assert time.monotonic() - started < 1.0
+                started = time.monotonic()
+                found = await other.post("/retrieve", json={"queries": QUERIES, "k": 4})
+                assert time.monotonic() - started < 1.0
+                assert found.status_code == 200, found.text
+                assert_same(found.json(), checkpoint, QUERIES, 4)
+            at_once = await asyncio.gather(*(status_of(r, 0.5) for r, _ in slow))
+            busy = [head for status, head in at_once if status == 503]
+            assert len(busy) == 600 - PER_CLIENT and all(b"retry-after: 1" in h for h in busy)
+            held = [c for c, (status, _) in zip(slow, at_once, strict=True) if status == 0]
+            assert len(held) == PER_CLIENT  # held at the proxy, never at the replica
+            late = await asyncio.gather(*(status_of(r, BODY_TIMEOUT_S + 5) for r, _ in held))
+            assert {status for status, _ in late} == {408}
+        finally:
+            for _, writer in slow:
+                writer.close()
+
+    asyncio.run(attack())
+
+
+def test_a_second_service_on_its_port_fails_in_one_line_naming_the_holder(
+    running: ServingProcess, checkpoint: Path
+) -> None:
+    command = ["serve", "--checkpoint", str(checkpoint), "--device", "cpu"]
+    flags = ["--port", str(running.port)]
+    started = time.monotonic()
+    second = subprocess.run(
+        [sys.executable, "-m", "car_fl.cli", *command, *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "CAR_FL_SERVE_TOKEN": TOKEN},
+    )
+    assert second.returncode == 1 and time.monotonic() - started < 60
+    [line] = second.stderr.strip().splitlines()
+    assert f"127.0.0.1:{running.port} is in use by " in line and "--port" in line
+    assert httpx.get(f"{running.url}/health", headers=AUTH, timeout=10).status_code == 200
+
+
+def test_sigterm_answers_the_requests_in_flight_then_stops_leaving_no_process(
+    running: ServingProcess,
+) -> None:
+    body = json.dumps({"queries": QUERIES, "k": 2}).encode()
+
+    tree: list[psutil.Process] = []
+
+    async def stop_in_flight() -> tuple[list[int], int, str]:
+        flying = await open_slow_bodies(running.port, 64, body)
+        await asyncio.sleep(0.5)  # admitted: their bodies are being read
+        tree.extend(running.terminate())
+        await asyncio.sleep(1.0)
+        async with other_client(running) as other:  # a new request while it drains
+            late = await other.get("/health")
+        for _, writer in flying:
+            writer.write(body[1:])
+        answered = await asyncio.gather(*(status_of(r, 30) for r, _ in flying))
+        for _, writer in flying:
+            writer.close()
+        return [status for status, _ in answered], late.status_code, late.headers["retry-after"]
+
+    statuses, late, retry_after = asyncio.run(stop_in_flight())
+    assert statuses == [200] * 64
+    assert (late, retry_after) == (503, "1")
+    assert running.wait(tree) == []
     assert running.proc is not None and running.proc.returncode == 0
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{running.url}/health", timeout=5)

@@ -1,0 +1,259 @@
+"""Admission at Serve's HTTP proxy: what a request must be before any replica sees it.
+
+Serve's proxy streams a body to its replica as the bytes arrive, so a request that declares a
+body and sends it a byte at a time holds one of the replica's ``max_ongoing_requests`` for as
+long as it likes: about 520 such connections silenced ``/health`` and ``/retrieve``.
+:class:`Admission` runs inside the proxy (Serve's HTTP proxy callback: :func:`proxy_middlewares`,
+configured by :func:`environment`) and guarantees:
+
+- a replica is handed only requests whose whole body has arrived, within ``body_timeout_s`` of
+  the headers (408 after that), declared by ``Content-Length`` (411 without, 413 above
+  ``max_body``), and with the right token when one is set (401, nothing read);
+- a client (its IP address) holds at most ``per_client`` open requests and the proxy at most
+  ``max_open``, with at most ``max_buffered`` body bytes held: beyond any of them the answer is
+  503 with ``Retry-After`` at once, never silence;
+- once :func:`drain` has been called (SIGTERM), every new request is a 503 with ``Retry-After``
+  while the open ones finish; the proxy writes ``<drain file>.done`` when none is left open.
+
+Written here because Serve 2.55 has none of these at its proxy (its ``request_timeout_s`` also
+ends requests that are computing, and its ``max_queued_requests`` counts slow bodies as work).
+Request headers are read by uvicorn before any middleware sees them: a client that never ends
+its headers holds a socket, never a slot (docs/retrieval.md, "Hostile clients").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import os
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: The environment variable that carries :class:`AdmissionConfig` to the proxy's process.
+ENV = "CAR_FL_ADMISSION"
+#: Serve's own: the function its proxy calls for the middlewares it wraps itself in.
+RAY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
+CALLBACK = "car_fl.serving.admission.proxy_middlewares"
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """The proxy's limits; the token travels only as its SHA-256."""
+
+    max_body: int
+    body_timeout_s: float = 10.0
+    per_client: int = 128
+    max_open: int = 2048
+    max_buffered: int = 512 << 20
+    retry_after_s: int = 1
+    #: Paths that need no token (the schema; Serve's own health and routes).
+    open_paths: tuple[str, ...] = ()
+    token_sha256: str | None = field(default=None, repr=False)
+    #: Its existence means "drain": refuse new requests, let open ones finish.
+    drain_file: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_body", "per_client", "max_open", "max_buffered", "retry_after_s"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"admission: {name} must be >= 1, got {getattr(self, name)}")
+        if not self.body_timeout_s > 0:
+            raise ValueError(f"--body-timeout-s must be > 0, got {self.body_timeout_s}")
+
+
+def token_digest(token: str | None) -> str | None:
+    return hashlib.sha256(token.encode()).hexdigest() if token else None
+
+
+def environment(config: AdmissionConfig) -> dict[str, str]:
+    """The variables that make a proxy started from this environment admit by ``config``."""
+    values = asdict(config)
+    values["open_paths"] = list(config.open_paths)
+    return {ENV: json.dumps(values), RAY_CALLBACK_ENV: CALLBACK}
+
+
+def proxy_middlewares() -> list[Any]:
+    """Serve's HTTP proxy callback: :class:`Admission` configured from :data:`ENV`."""
+    from starlette.middleware import Middleware
+
+    raw = os.environ.get(ENV)
+    if not raw:
+        return []
+    values = json.loads(raw)
+    values["open_paths"] = tuple(values["open_paths"])
+    return [Middleware(Admission, config=AdmissionConfig(**values))]
+
+
+def drain(config: AdmissionConfig, *, timeout_s: float, poke: Callable[[], None]) -> bool:
+    """Ask the proxy to refuse new requests; wait until its open ones ended (True) or
+    ``timeout_s`` passed (False). ``poke`` sends it one request: a proxy with none open learns
+    of the drain from that one (refused), one with some from the last that ends."""
+    if config.drain_file is None:
+        return True
+    done = Path(config.drain_file + ".done")
+    done.unlink(missing_ok=True)
+    Path(config.drain_file).touch()
+    deadline = time.monotonic() + timeout_s
+    poke()
+    while not done.exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+class _Refuse(Exception):
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(detail)
+        self.status, self.detail = status, detail
+
+
+class Admission:
+    """The pure ASGI middleware that enforces :class:`AdmissionConfig` (module docstring)."""
+
+    def __init__(self, app: Any, *, config: AdmissionConfig) -> None:
+        self.app, self.config = app, config
+        self.open: Counter[str] = Counter()
+        self.buffered = 0
+        self.expected = f"Bearer {config.token_sha256}" if config.token_sha256 else None
+
+    @property
+    def open_total(self) -> int:
+        return sum(self.open.values())
+
+    def draining(self) -> bool:
+        return self.config.drain_file is not None and os.path.exists(self.config.drain_file)
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        client = (scope.get("client") or ("unknown",))[0]
+        try:
+            self.admit(client)
+        except _Refuse as refused:
+            await self.reply(send, refused)
+            self.mark_drained()
+            return
+        self.open[client] += 1
+        held = 0
+        try:
+            headers = {k.decode("latin-1").lower(): v for k, v in scope["headers"]}
+            declared = self.check(scope, headers)
+            held = declared
+            self.buffered += held
+            body = await self.read(receive, declared)
+            await self.app(scope, _replay(body, receive), send)
+        except _Refuse as refused:
+            await self.reply(send, refused)
+        finally:
+            self.buffered -= held
+            self.open[client] -= 1
+            if not self.open[client]:
+                del self.open[client]
+            self.mark_drained()
+
+    def mark_drained(self) -> None:
+        """Tell :func:`drain` that no request is open any more, once it asked."""
+        if not self.open and self.draining():
+            Path(str(self.config.drain_file) + ".done").touch()
+
+    def admit(self, client: str) -> None:
+        """503 when draining, or when this client, the proxy or its buffers are full."""
+        if self.draining():
+            raise _Refuse(503, "the service is stopping: retry on another replica or later")
+        if self.open[client] >= self.config.per_client:
+            raise _Refuse(
+                503, f"this client has {self.config.per_client} requests open: retry later"
+            )
+        if self.open_total >= self.config.max_open:
+            raise _Refuse(503, "the service is at its open requests' limit: retry later")
+
+    def check(self, scope: Scope, headers: dict[str, bytes]) -> int:
+        """The token and the declared body (before a byte of it is read); its length."""
+        path = scope.get("path", "")
+        if self.expected and not path.endswith(self.config.open_paths):
+            sent = headers.get("authorization", b"")
+            scheme, _, token = sent.decode("latin-1").partition(" ")
+            digest = hashlib.sha256(token.encode("latin-1")).hexdigest()
+            if scheme != "Bearer" or not hmac.compare_digest(f"Bearer {digest}", self.expected):
+                raise _Refuse(401, "Authorization: missing or wrong token (send 'Bearer <token>')")
+        if "transfer-encoding" in headers:
+            raise _Refuse(411, "body: send it with a Content-Length, not chunked")
+        declared = headers.get("content-length")
+        if declared is None:
+            return 0
+        if not (declared.isascii() and declared.isdigit()):
+            raise _Refuse(400, "Content-Length: not a number of bytes")
+        length = int(declared)
+        if length > self.config.max_body:
+            raise _Refuse(413, f"body: at most {self.config.max_body:,} bytes")
+        if self.buffered + length > self.config.max_buffered:
+            raise _Refuse(503, "the service holds its most bodies in reading: retry later")
+        return length
+
+    async def read(self, receive: Any, declared: int) -> bytes:
+        """The whole body under the deadline: exactly ``declared`` bytes."""
+        chunks: list[bytes] = []
+        got = 0
+
+        async def whole() -> None:
+            nonlocal got
+            more = True
+            while more:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise _Refuse(400, "body: the client left before sending it")
+                chunk = message.get("body", b"")
+                got += len(chunk)
+                if got > declared:
+                    raise _Refuse(400, "body: longer than its Content-Length")
+                chunks.append(chunk)
+                more = message.get("more_body", False)
+
+        try:
+            await asyncio.wait_for(whole(), self.config.body_timeout_s)
+        except TimeoutError:
+            raise _Refuse(
+                408, f"body: not received within {self.config.body_timeout_s:g} s"
+            ) from None
+        return b"".join(chunks)
+
+    async def reply(self, send: Any, refused: _Refuse) -> None:
+        """The refusal as JSON ``{"detail": ...}``, closing the connection (a client gone
+        already is not an error)."""
+        body = json.dumps({"detail": refused.detail}).encode()
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        if refused.status == 503:
+            headers.append((b"retry-after", str(self.config.retry_after_s).encode()))
+        headers.append((b"content-length", str(len(body)).encode()))
+        try:
+            await send(
+                {"type": "http.response.start", "status": refused.status, "headers": headers}
+            )
+            await send({"type": "http.response.body", "body": body})
+        except OSError:
+            pass
+
+
+def _replay(body: bytes, receive: Any) -> Any:
+    """A ``receive`` that gives the buffered body in one message, then the client's own."""
+    sent = False
+
+    async def replayed() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        message: Message = await receive()
+        return message
+
+    return replayed
