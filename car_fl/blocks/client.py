@@ -7,7 +7,10 @@ A service that is down, slow or restarting is retried ``retries`` times with a g
 (connection refused or reset, a timeout, a 502/503/504), then :class:`BlocksUnavailable` says
 what happened and which address; a 4xx answer is the node's own mistake and is never retried
 (:class:`BlocksRefused`, with the service's message). Requests are cut to the service's limits
-(rows, tokens per request), so a node's batch of any size is accepted.
+(rows, tokens per request) and to what it computes in a quarter of ``timeout_s`` at the speed
+its ``/health`` reports; each request's deadline is ``timeout_s`` plus four times its
+expected compute, and its attempts share one ``Idempotency-Key``, so a retry joins the run the
+service may still be computing instead of starting another (docs/blocks.md, "Deadlines").
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import socket
 import ssl
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +32,7 @@ from urllib.parse import urlsplit
 import torch
 
 from car_fl.blocks.compute import BACKWARD, FORWARD, HEALTH, Answer
+from car_fl.blocks.dedupe import HEADER as IDEMPOTENCY_HEADER
 from car_fl.blocks.errors import BlocksRefused, BlocksUnavailable
 from car_fl.blocks.wire import MEDIA_TYPE, WireError, read_reply, write_request
 
@@ -59,6 +64,12 @@ DEFAULT_RETRY = Retry()
 HEALTH_REPLY_BYTES = 1 << 20
 #: What a health reply must report, each a size in 1..its bound.
 SIZES = {"max_rows": 1 << 20, "max_tokens": 1 << 26, "hidden": 1 << 17}
+#: The speeds a health reply may report (seconds per 1,000 tokens), and the bounds believed.
+SPEEDS = {FORWARD: "forward_s_per_ktoken", BACKWARD: "backward_s_per_ktoken"}
+SPEED_BOUNDS = (1e-6, 3600.0)
+#: A request's deadline is ``timeout_s`` plus this many times its expected compute; a request
+#: is cut so that its expected compute is at most ``timeout_s`` over this.
+SLACK = 4.0
 
 
 class HttpTransport:
@@ -66,8 +77,9 @@ class HttpTransport:
 
     ``timeout_s`` bounds a whole request, sending, headers and body (a watchdog shuts the
     socket at it, so a server that drips its reply is cut); a reply above
-    :attr:`max_reply_bytes` is refused without being read (:class:`BlocksClient` sets it per
-    request: 1 MiB for health, the states of the rows sent for a forward or backward)."""
+    :attr:`max_reply_bytes` is refused without being read (:class:`BlocksClient` sets both per
+    request: 1 MiB for health, the states of the rows sent for a forward or backward; the
+    deadline from the request's size)."""
 
     def __init__(
         self, url: str, *, timeout_s: float, ca_file: str | None = None, route: str = ""
@@ -119,6 +131,9 @@ class HttpTransport:
 
     def _send(self, path: str, body: bytes, headers: dict[str, str]) -> Answer:
         connection = self._connect()
+        connection.timeout = self.timeout_s  # each read's bound: this request's deadline
+        if connection.sock is not None:
+            connection.sock.settimeout(self.timeout_s)
         method = "GET" if path == HEALTH else "POST"
         expired = threading.Event()
         sent: list[socket.socket] = []  # the reply's socket: an HTTP/1.0 reply unsets .sock
@@ -202,19 +217,31 @@ class BlocksClient:
         )
         self.health_info: dict[str, Any] | None = None
         self.calls = 0
+        #: Each forward or backward attempt's deadline, in order (what a test can check).
+        self.deadlines: list[float] = []
 
     # ---------------------------------------------------------------------------- transport
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
-    def _call(self, path: str, body: bytes, *, reply_bytes: int = HEALTH_REPLY_BYTES) -> Answer:
+    def _call(
+        self, path: str, body: bytes, *, reply_bytes: int = HEALTH_REPLY_BYTES, tokens: int = 0
+    ) -> Answer:
+        deadline = self.deadline(path, tokens)
         if isinstance(self.transport, HttpTransport):
             self.transport.max_reply_bytes = reply_bytes
+            self.transport.timeout_s = deadline
+        headers = self._headers()
+        if path != HEALTH:  # one name for every attempt: a retry joins the run still going
+            headers[IDEMPOTENCY_HEADER] = uuid.uuid4().hex
         pause = self.retry.backoff_s
         cause = ""
+        started = time.monotonic()
         for attempt in range(1, self.retry.attempts + 1):
+            if path != HEALTH:
+                self.deadlines.append(deadline)
             try:
-                answer = self.transport(path, body, self._headers())
+                answer = self.transport(path, body, headers)
             except (OSError, http.client.HTTPException) as err:  # refused, reset, timed out
                 cause = f"{type(err).__name__}: {err}"
             else:
@@ -240,10 +267,27 @@ class BlocksClient:
                 time.sleep(pause)
                 pause *= 2
         raise BlocksUnavailable(
-            f"the blocks service at {self.url} did not answer {path} after "
-            f"{self.retry.attempts} attempts ({self.retry.timeout_s:g} s each): {cause}. Fix: "
-            "start it (car-fl serve-blocks) or point blocks-service at one that runs"
+            f"the blocks service at {self.url} did not answer {path} in "
+            f"{self.retry.attempts} attempts over {time.monotonic() - started:.1f} s (each "
+            f"allowed {deadline:.0f} s): {cause}. Fix: start it (car-fl serve-blocks) or point "
+            "model.blocks_service (a SuperNode's --node-config blocks-service) at one that runs"
         )
+
+    def seconds_per_ktoken(self, path: str) -> float | None:
+        """The service's measured speed for ``path`` from its health, where believable."""
+        if self.health_info is None:
+            return None
+        value = self.health_info.get(SPEEDS.get(path, ""))
+        low, high = SPEED_BOUNDS
+        if isinstance(value, int | float) and not isinstance(value, bool) and low <= value <= high:
+            return float(value)
+        return None
+
+    def deadline(self, path: str, tokens: int) -> float:
+        """``timeout_s``, plus :data:`SLACK` times what ``tokens`` take at the service's speed."""
+        speed = self.seconds_per_ktoken(path)
+        expected = 0.0 if speed is None else speed * tokens / 1000
+        return self.retry.timeout_s + SLACK * expected
 
     # ---------------------------------------------------------------------------- operations
     def health(self) -> dict[str, Any]:
@@ -271,9 +315,14 @@ class BlocksClient:
         info = self.health_info or self.health()
         return int(info["max_rows"]), int(info["max_tokens"])
 
-    def _chunks(self, mask: torch.Tensor) -> list[slice]:
+    def _chunks(self, mask: torch.Tensor, path: str) -> list[slice]:
+        """Rows per request: within the service's limits, and its expected compute within
+        ``timeout_s / SLACK`` at the speed the service reports."""
         max_rows, max_tokens = self._limits()
         rows, seq = int(mask.shape[0]), int(mask.shape[1])
+        speed = self.seconds_per_ktoken(path)
+        if speed is not None:
+            max_tokens = min(max_tokens, int(1000 * self.retry.timeout_s / (SLACK * speed)))
         step = max(1, min(max_rows, max_tokens // max(seq, 1)))
         return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
 
@@ -287,7 +336,7 @@ class BlocksClient:
         fingerprint: str,
     ) -> torch.Tensor:
         parts = []
-        for rows in self._chunks(mask):
+        for rows in self._chunks(mask, path):
             body = write_request(
                 embeds[rows],
                 mask[rows],
@@ -296,7 +345,8 @@ class BlocksClient:
             )
             shape = tuple(embeds[rows].shape)
             states = shape[0] * shape[1] * shape[2] * 4  # float32 at most
-            answer = self._call(path, body, reply_bytes=states + (1 << 16))
+            tokens = shape[0] * shape[1]
+            answer = self._call(path, body, reply_bytes=states + (1 << 16), tokens=tokens)
             try:
                 parts.append(read_reply(answer.body, name, shape))
             except WireError as err:

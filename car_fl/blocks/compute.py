@@ -16,6 +16,8 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import statistics
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +29,32 @@ from car_fl.blocks.wire import MEDIA_TYPE, Limits, Request, WireError, read_requ
 log = logging.getLogger(__name__)
 
 FORWARD, BACKWARD, HEALTH = "/forward", "/backward", "/health"
+
+
+class Speed:
+    """Seconds per 1,000 padded tokens of each operation, as this service measured them: the
+    median of its last :data:`WINDOW` batches (a node sizes its requests and their deadlines by
+    it: docs/blocks.md, "Deadlines")."""
+
+    WINDOW = 32
+
+    def __init__(self) -> None:
+        self.recent: dict[str, list[float]] = {FORWARD: [], BACKWARD: []}
+
+    def record(self, path: str, tokens: int, seconds: float) -> None:
+        window = self.recent[path]
+        window.append(1000 * seconds / max(tokens, 1))
+        del window[: -self.WINDOW]
+
+    def per_ktoken(self, path: str) -> float | None:
+        window = self.recent[path]
+        return statistics.median(window) if window else None
+
+    def as_dict(self) -> dict[str, float | None]:
+        return {
+            "forward_s_per_ktoken": self.per_ktoken(FORWARD),
+            "backward_s_per_ktoken": self.per_ktoken(BACKWARD),
+        }
 
 
 @dataclass(frozen=True)
@@ -41,9 +69,13 @@ class Identity:
     norm_on_node: bool
     limits: Limits = field(default_factory=Limits)
     replicas: int = 1
+    #: Measured seconds per 1,000 padded tokens, by operation (:class:`Speed`): how long a
+    #: node should wait for a request of its size.
+    speed: Speed = field(default_factory=lambda: Speed())
 
     def as_dict(self) -> dict[str, Any]:
         return {
+            **self.speed.as_dict(),
             "model": self.model,
             "fingerprint": self.fingerprint,
             "weights": self.weights,
@@ -240,10 +272,33 @@ class BlocksHandler:
         name = "grad" if path == BACKWARD else "states"
         results: dict[int, torch.Tensor] = {}
         for group in batches(requests, self.runner.identity.limits.max_tokens):
-            for i, result in zip(group, compute([requests[i] for i in group]), strict=True):
+            started = time.perf_counter()
+            computed = compute([requests[i] for i in group])
+            width = max(int(requests[i].mask.shape[1]) for i in group)
+            padded = width * sum(int(requests[i].mask.shape[0]) for i in group)
+            self.runner.identity.speed.record(path, padded, time.perf_counter() - started)
+            for i, result in zip(group, computed, strict=True):
                 results[i] = result
         self.served += len(requests)
         return [Answer(200, write_reply(name, results[i])) for i in range(len(requests))]
+
+    def warm_up(self, tokens: int = 64) -> None:
+        """Run each operation twice on one row of ``tokens``, so that :class:`Speed` reports
+        a measured speed before the first node asks (the first run, its one-off costs, is not
+        counted)."""
+        identity = self.runner.identity
+        width = max(1, min(tokens, identity.limits.max_tokens, identity.limits.max_seq))
+        row = Request(
+            embeds=torch.zeros(1, width, identity.hidden),
+            mask=torch.ones(1, width, dtype=torch.long),
+            grad=torch.zeros(1, width, identity.hidden),
+            fingerprint=identity.fingerprint,
+        )
+        for path in (FORWARD, BACKWARD):
+            self.run(path, [row])
+            identity.speed.recent[path].clear()
+            self.run(path, [row])
+        self.served = 0
 
     def handle(self, path: str, body: bytes, headers: dict[str, str]) -> Answer:
         """One request, alone in its batch (the in-process transport and the fast tests)."""

@@ -4,7 +4,9 @@
 ``model.dtype``, fingerprints it and strips what nodes keep; :class:`BlocksDeployment` serves
 it over HTTP (``/forward``, ``/backward``, ``/health`` under the route prefix), batching the
 requests of many nodes with Serve's batching, bounded by tokens per batch
-(``batch_size_fn``), each replica computing one batch at a time in a worker thread.
+(``batch_size_fn``), each replica computing one batch at a time in a worker thread; a retried
+request (its ``Idempotency-Key``) waits for its first run (:mod:`car_fl.blocks.dedupe`), and
+``/health`` reports the speed each replica measured (a warm-up at load, then every batch).
 :func:`start` runs it on a local Ray instance of its own (a private temp folder, so Flower's
 simulation never attaches to it) or on an existing cluster, bound to 127.0.0.1 unless told
 otherwise, with TLS where certificates are given. Ray itself assumes a trusted network: what
@@ -19,6 +21,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 from car_fl.blocks.compute import BACKWARD, FORWARD, Answer, BlocksHandler, BlocksRunner, Identity
+from car_fl.blocks.dedupe import HEADER as IDEMPOTENCY
+from car_fl.blocks.dedupe import Deduplicator
 from car_fl.blocks.parts import (
     identity_fingerprint,
     model_folder,
@@ -100,6 +104,7 @@ def deployment(service: ServiceConfig) -> Any:
 
             logging.basicConfig(level=logging.INFO)
             torch.set_num_threads(max(1, int(service.cpus_per_replica)))  # the CPUs Ray gave it
+            self.dedupe = Deduplicator()
             self.handler = BlocksHandler(
                 load_runner(
                     ModelConfig(**model),
@@ -113,6 +118,7 @@ def deployment(service: ServiceConfig) -> Any:
             for batched in batches:
                 batched.set_max_batch_size(int(limits["max_tokens"]))  # tokens (batch_size_fn)
                 batched.set_batch_wait_timeout_s(service.batch_wait_s)
+            self.handler.warm_up()  # /health reports a measured speed from the start
 
         async def __call__(self, request: HttpRequest) -> Response:
             path = "/" + request.url.path.rstrip("/").rsplit("/", 1)[-1]
@@ -130,7 +136,9 @@ def deployment(service: ServiceConfig) -> Any:
                 answer = prepared
             else:
                 batch = self.backward_batch if path == BACKWARD else self.forward_batch
-                answer = await batch(prepared)
+                answer = await self.dedupe.answer(  # a retry waits for its first run
+                    request.headers.get(IDEMPOTENCY), bytes(body), lambda: batch(prepared)
+                )
             return Response(answer.body, status_code=answer.status, media_type=answer.media_type)
 
         @serve.batch(max_batch_size=16_384, batch_size_fn=_tokens)

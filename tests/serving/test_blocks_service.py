@@ -95,7 +95,9 @@ def test_a_wrong_token_is_refused_and_bad_input_leaves_it_serving(
     client = BlocksClient(running.url, token=TOKEN, retry=Retry(attempts=1))
     answer = client.transport("/forward", b"not safetensors at all", client._headers())
     assert answer.status == 400 and b"not safetensors" in answer.body
-    assert client.health()["fingerprint"]  # still serving
+    health = client.health()  # still serving, and says how fast it computes
+    assert health["fingerprint"] and health["forward_s_per_ktoken"] > 0
+    assert health["backward_s_per_ktoken"] > 0
 
 
 def test_stopped_it_leaves_nothing_the_node_fails_then_works_when_it_is_back(
