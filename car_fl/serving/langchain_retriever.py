@@ -9,6 +9,7 @@ process or from a running ``car-fl serve`` endpoint; ``ainvoke`` is async throug
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -58,12 +59,13 @@ class CarFlRetriever(BaseRetriever):
         self, query: str, *, run_manager: CallbackManagerForRetrieverRun
     ) -> list[Document]:
         found: Source = self.source
-        [result] = found.retrieve([query], self.k)
+        [result] = found.retrieve([query], min(self.k, found.documents()))
         return documents_of(result)
 
     async def _aget_relevant_documents(
         self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun
     ) -> list[Document]:
         found: Source = self.source
-        [result] = await found.aretrieve([query], self.k)
+        served = await asyncio.to_thread(found.documents)  # asked once, then kept
+        [result] = await found.aretrieve([query], min(self.k, served))
         return documents_of(result)

@@ -9,6 +9,7 @@ process or from a running ``car-fl serve`` endpoint; ``aretrieve`` is async thro
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from llama_index.core.retrievers import BaseRetriever
@@ -53,9 +54,11 @@ class CarFlLlamaRetriever(BaseRetriever):
         return cls(source(url=url, token=token, ca_file=ca_file), k=k)
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        [result] = self.source.retrieve([query_bundle.query_str], self.k)
+        k = min(self.k, self.source.documents())
+        [result] = self.source.retrieve([query_bundle.query_str], k)
         return nodes_of(result)
 
     async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        [result] = await self.source.aretrieve([query_bundle.query_str], self.k)
+        k = min(self.k, await asyncio.to_thread(self.source.documents))  # asked once, kept
+        [result] = await self.source.aretrieve([query_bundle.query_str], k)
         return nodes_of(result)

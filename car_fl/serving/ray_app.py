@@ -196,6 +196,9 @@ def start_serve(service: ServeConfig, *, namespace: str) -> None:
             running.folder = own["_temp_dir"] = tempfile.mkdtemp(prefix="car-fl-ray-", dir="/tmp")
             running.admission = service.admission(os.path.join(running.folder, "drain"))
             os.environ.update(environment(running.admission))  # the proxy's process reads them
+            # Ray starts its workers at nice 15 (a batch job's place); a service answers at the
+            # priority of the command that started it, unless the user says otherwise
+            os.environ.setdefault("RAY_worker_niceness", "0")
         else:
             log.warning(
                 "--ray-address %s: the cluster's own HTTP proxy serves, without car-fl's "

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import html
+import json
 import logging
+import unicodedata
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,7 +38,7 @@ MAX_QUERY_CHARS = 8192
 #: Queries one request may hold.
 MAX_QUERIES = 256
 #: Paths anyone may read: the schema and its page (nothing about the checkpoint).
-OPEN_PATHS = ("/docs", "/openapi.json", "/redoc")
+OPEN_PATHS = ("/docs", "/openapi.json")
 #: Bytes a request body may declare: the most queries of the longest, every character a
 #: 12-byte JSON escape (a surrogate pair), and room for the rest; larger is a 413 unread.
 MAX_BODY = MAX_QUERIES * MAX_QUERY_CHARS * 12 + (1 << 20)
@@ -65,8 +68,8 @@ class RetrieveRequest(BaseModel):
     @classmethod
     def _each_query(cls, queries: list[str]) -> list[str]:
         for i, query in enumerate(queries):
-            if not query.strip():
-                raise ValueError(f"query {i} is empty")
+            if not visible(query):
+                raise ValueError(f"query {i} is empty (it has no visible character)")
             if len(query) > MAX_QUERY_CHARS:
                 raise ValueError(
                     f"query {i} has {len(query)} characters, at most {MAX_QUERY_CHARS}"
@@ -78,6 +81,12 @@ class RetrieveRequest(BaseModel):
                     f"query {i} is not valid Unicode (a lone surrogate): send UTF-8 text"
                 ) from None
         return queries
+
+
+def visible(text: str) -> bool:
+    """Whether ``text`` has a character that is neither a space, a control or format character
+    (NUL, zero-width space, BOM) nor unassigned: what an encoder has to go on."""
+    return any(not unicodedata.category(c).startswith(("C", "Z")) for c in text)
 
 
 class RetrievedDocument(BaseModel):
@@ -253,6 +262,23 @@ def field_message(errors: Sequence[Any]) -> str:
     return "; ".join(parts)
 
 
+def schema_page(schema: dict[str, Any]) -> str:
+    """The OpenAPI schema as one self-contained HTML page: each operation, then the JSON."""
+    rows = "".join(
+        f"<li><code>{html.escape(method.upper())} {html.escape(path)}</code>: "
+        f"{html.escape(str(operation.get('summary', '')))}</li>"
+        for path, operations in schema.get("paths", {}).items()
+        for method, operation in operations.items()
+    )
+    title = html.escape(str(schema.get("info", {}).get("title", "")))
+    text = html.escape(json.dumps(schema, indent=2))
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title></head>"
+        f"<body><h1>{title}</h1><ul>{rows}</ul><p>Machine-readable: "
+        f"<a href='openapi.json'>openapi.json</a></p><pre>{text}</pre></body></html>"
+    )
+
+
 def build_app(
     service: RetrievalService,
     *,
@@ -263,7 +289,8 @@ def build_app(
     default :meth:`RetrievalService.run` of that one request in a thread)."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, Response
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+    from fastapi.responses import HTMLResponse, JSONResponse, Response
 
     import car_fl
 
@@ -276,6 +303,8 @@ def build_app(
         title="car-fl retrieval",
         version=getattr(car_fl, "__version__", "0"),
         description="Top-k documents of a car-fl checkpoint (docs/retrieval.md).",
+        docs_url=None,  # FastAPI's page loads Swagger UI from a CDN: blank offline
+        redoc_url=None,
     )
 
     @app.middleware("http")
@@ -296,6 +325,15 @@ def build_app(
     async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
         return JSONResponse({"detail": field_message(err.errors())}, status_code=422)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _unparsed(request: Request, err: StarletteHTTPException) -> Response:
+        if err.status_code == 400:  # FastAPI's "error parsing the body": not UTF-8, too deep
+            detail = "body: cannot be parsed as JSON (send a UTF-8 JSON object)"
+            return JSONResponse({"detail": detail}, status_code=422)
+        return JSONResponse(
+            {"detail": err.detail}, status_code=err.status_code, headers=err.headers
+        )
+
     @app.exception_handler(Refused)
     async def _refused(request: Request, err: Refused) -> JSONResponse:
         return JSONResponse({"detail": err.message}, status_code=err.status)
@@ -308,6 +346,11 @@ def build_app(
         if isinstance(found, Exception):
             raise found  # this request's own failure: a 500 for it alone (logged by Starlette)
         return found
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> Response:
+        """The schema as a page that needs nothing from the network."""
+        return HTMLResponse(schema_page(app.openapi()))
 
     @app.get("/health", response_model=Health)
     async def health() -> Health:

@@ -4,8 +4,10 @@
 :class:`Endpoint` asks a running ``car-fl serve`` over HTTP(S), with its token. Both answer
 ``retrieve(queries, k)`` (and ``aretrieve``) with the same
 :class:`~car_fl.serving.retrieval_api.QueryResult` list, so a framework's retriever is one
-class whichever it uses. An endpoint's refusal is an :class:`EndpointError` with its status
-and the message naming the field.
+class whichever it uses. A refusal is an :class:`EndpointError` with its status and the
+message naming the field, the same in both: an in-process request is checked by the
+endpoint's own schema and ``k`` rule. Both say how many documents they serve
+(:meth:`documents`), so a framework's ``k`` above that returns them all in both.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import itertools
 import json
 import math
 import ssl
-from concurrent.futures import ThreadPoolExecutor
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
@@ -23,8 +25,10 @@ from urllib.parse import urlsplit
 from car_fl.serving.retrieval_api import (
     QueryResult,
     RetrievedDocument,
+    RetrieveRequest,
     RetrieveResponse,
     corpus_titles,
+    field_message,
     results_of,
 )
 
@@ -38,6 +42,8 @@ class Source(Protocol):
     def retrieve(self, queries: list[str], k: int) -> list[QueryResult]: ...
 
     async def aretrieve(self, queries: list[str], k: int) -> list[QueryResult]: ...
+
+    def documents(self) -> int: ...
 
 
 class InProcess:
@@ -53,7 +59,21 @@ class InProcess:
 
         return cls(load_retriever(path, device=device))
 
+    def documents(self) -> int:
+        return len(self.retriever.label_names or ())
+
     def retrieve(self, queries: list[str], k: int) -> list[QueryResult]:
+        """The endpoint's answer, computed here: refused as the endpoint refuses it."""
+        from pydantic import ValidationError
+
+        try:
+            RetrieveRequest(queries=queries, k=k)
+        except ValidationError as err:
+            raise EndpointError(
+                422, field_message([{**e, "loc": ("body", *e["loc"])} for e in err.errors()])
+            ) from None
+        if k > self.documents():
+            raise EndpointError(422, f"k: at most the {self.documents()} documents this serves")
         return results_of(self.retriever.retrieve(queries, k), self.titles)
 
     async def aretrieve(self, queries: list[str], k: int) -> list[QueryResult]:
@@ -108,7 +128,9 @@ class Endpoint:
     cancelled at that time however slowly the server sends); ``max_reply_bytes`` bounds the
     bytes read, and a compressed reply is refused (it could inflate past any bound);
     every answer is checked against the schema and its promises (:func:`checked`); ``ca_file``
-    trusts a private CA's certificate (``scripts/make_certs.py``) for ``https://``."""
+    trusts a private CA's certificate (``scripts/make_certs.py``) for ``https://``. Every call,
+    synchronous or async, runs on one event loop of its own in a daemon thread with one HTTP
+    client, so its connections are kept alive and reused (:meth:`close` ends both)."""
 
     def __init__(
         self,
@@ -133,6 +155,45 @@ class Endpoint:
         self.verify: ssl.SSLContext | bool = (
             ssl.create_default_context(cafile=str(ca_file)) if ca_file else True
         )
+        self._documents: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._client: Any = None
+        self._lock = threading.Lock()
+
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        """This endpoint's own loop, started on first use in a daemon thread."""
+        with self._lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                threading.Thread(
+                    target=loop.run_forever, name="car-fl-endpoint", daemon=True
+                ).start()
+                self._loop = loop
+            return self._loop
+
+    def _http(self) -> Any:
+        """The one HTTP client (made on this endpoint's loop, where it is used)."""
+        import httpx
+
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=self.timeout_s, verify=self.verify)
+        return self._client
+
+    def close(self) -> None:
+        """Close the HTTP client's connections and stop the loop (a later call starts anew)."""
+        with self._lock:
+            loop, client, self._loop, self._client = self._loop, self._client, None, None
+        if loop is None:
+            return
+        if client is not None:
+            asyncio.run_coroutine_threadsafe(client.aclose(), loop).result(timeout=10)
+        loop.call_soon_threadsafe(loop.stop)
+
+    def __enter__(self) -> Endpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def __repr__(self) -> str:  # never the token
         return f"Endpoint({self.url!r})"
@@ -140,14 +201,13 @@ class Endpoint:
     async def _exchange(self, method: str, path: str, payload: Any = None) -> tuple[int, bytes]:
         """One request's status and raw body: identity encoding only (a compressed reply could
         inflate past any bound), at most :attr:`max_reply_bytes` read."""
-        import httpx
 
         headers = {**self.headers, "Accept-Encoding": "identity"}
         body = bytearray()
-        async with (
-            httpx.AsyncClient(timeout=self.timeout_s, verify=self.verify) as client,
-            client.stream(method, f"{self.url}{path}", json=payload, headers=headers) as response,
-        ):
+        client = self._http()
+        async with client.stream(
+            method, f"{self.url}{path}", json=payload, headers=headers
+        ) as response:
             encoding = response.headers.get("content-encoding", "identity").lower()
             if encoding != "identity":
                 raise EndpointError(0, "the reply is compressed, which this client refuses")
@@ -176,10 +236,16 @@ class Endpoint:
             raise EndpointError(0, what[:MAX_DETAIL]) from None
 
     def _wait(self, method: str, path: str, payload: Any = None) -> tuple[int, bytes]:
-        """The async exchange from synchronous code, on its own loop in a worker thread (the
-        caller may be inside a running loop, as a notebook is)."""
-        with ThreadPoolExecutor(1) as pool:
-            return pool.submit(asyncio.run, self._within_deadline(method, path, payload)).result()
+        """The exchange from synchronous code, on this endpoint's loop (the caller may be
+        inside a running loop, as a notebook is)."""
+        work = self._within_deadline(method, path, payload)
+        return asyncio.run_coroutine_threadsafe(work, self._running_loop()).result()
+
+    async def _await(self, method: str, path: str, payload: Any = None) -> tuple[int, bytes]:
+        """The exchange from the caller's loop, run on this endpoint's (cancelled with it)."""
+        work = self._within_deadline(method, path, payload)
+        future = asyncio.run_coroutine_threadsafe(work, self._running_loop())
+        return await asyncio.wrap_future(future)
 
     def _answer(self, status: int, body: bytes, queries: int, k: int) -> list[QueryResult]:
         if status != 200:
@@ -197,8 +263,22 @@ class Endpoint:
 
     async def aretrieve(self, queries: list[str], k: int) -> list[QueryResult]:
         payload = {"queries": queries, "k": k}
-        status, body = await self._within_deadline("POST", "/retrieve", payload)
+        status, body = await self._await("POST", "/retrieve", payload)
         return self._answer(status, body, len(queries), k)
+
+    def documents(self) -> int:
+        """How many documents the endpoint serves (its health, asked once)."""
+        if self._documents is None:
+            documents = self.health().get("documents")
+            if (
+                not (isinstance(documents, int) and not isinstance(documents, bool))
+                or documents < 1
+            ):
+                raise EndpointError(
+                    200, "the health answer names no documents: is it car-fl serve?"
+                )
+            self._documents = documents
+        return self._documents
 
     def health(self) -> dict[str, Any]:
         """What the endpoint serves (checkpoint, fingerprint, model, head, documents)."""

@@ -51,3 +51,16 @@ def test_it_needs_exactly_one_source_and_a_positive_k(checkpoint: Path) -> None:
         source(checkpoint=checkpoint, url="http://127.0.0.1:1")
     with pytest.raises(ValueError, match="greater than or equal to 1"):
         CarFlRetriever.from_endpoint("http://127.0.0.1:1", k=0)
+
+
+def test_a_k_above_the_documents_returns_them_all_and_a_blank_query_is_refused_as_served(
+    checkpoint: Path,
+) -> None:
+    from car_fl.serving.retrieval_client import EndpointError
+
+    retriever = CarFlRetriever.from_checkpoint(checkpoint, k=50, device="cpu")
+    assert len(retriever.invoke(QUERIES[0])) == 12  # the checkpoint's documents
+    for blank in ("", "   ", "\u200b\u200b", "\x00\x00", "\ufeff"):
+        with pytest.raises(EndpointError, match=r"query 0 is empty") as err:
+            retriever.invoke(blank)
+        assert err.value.status == 422

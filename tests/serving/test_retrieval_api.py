@@ -134,6 +134,8 @@ def test_a_batch_of_requests_of_different_k_answers_each_as_alone(
 BAD = [
     ({"queries": [""], "k": 2}, "queries", "query 0 is empty"),
     ({"queries": ["w5", "   "], "k": 2}, "queries", "query 1 is empty"),
+    ({"queries": ["\u200b\u200b\ufeff"], "k": 2}, "queries", "query 0 is empty"),
+    ({"queries": ["\x00\x00"], "k": 2}, "queries", "query 0 is empty"),
     ({"queries": "x" * 1_000_000, "k": 2}, "queries", f"at most {MAX_QUERY_CHARS}"),
     ({"queries": [], "k": 2}, "queries", "at least 1"),
     ({"queries": ["w5"], "k": 0}, "k", "greater than or equal to 1"),
@@ -208,7 +210,16 @@ def test_a_body_above_the_bound_is_refused_unread(
 
 
 def test_a_malformed_body_is_a_4xx_naming_the_body(client: TestClient) -> None:
-    for content in (b"{not json", b"", b"[1, 2]"):
+    malformed = (
+        b"{not json",
+        b"",
+        b"[1, 2]",
+        b'{"queries": ["\xff\xfe"], "k": 1}',  # not UTF-8
+        bytes(range(256)),  # binary
+        b'{"queries": ["w5"], "k": 1' + b"0" * 5000 + b"}",  # an integer of 5,000 digits
+        b"[" * 100_000 + b"]" * 100_000,  # nested past any parser's stack
+    )
+    for content in malformed:
         response = client.post(
             "/retrieve", content=content, headers={"Content-Type": "application/json"}
         )
@@ -225,7 +236,9 @@ def test_a_missing_or_wrong_token_is_refused_and_the_schema_is_open(
             assert response.status_code == 401 and "Authorization" in response.json()["detail"]
     schema = bare.get("/openapi.json")
     assert schema.status_code == 200 and {"/retrieve", "/health"} <= set(schema.json()["paths"])
-    assert bare.get("/docs").status_code == 200
+    page = bare.get("/docs")
+    assert page.status_code == 200 and "POST /retrieve" in page.text
+    assert "<script" not in page.text and "cdn" not in page.text.lower()  # nothing to fetch
     health = client.get("/health").json()
     assert health["documents"] == 12 and health["head"] == "document"
     assert len(health["fingerprint"]) == 16 and health["model"]

@@ -210,3 +210,47 @@ def test_a_broken_error_or_health_body_is_an_endpoint_error(
     assert err.value.status == 422
     with pytest.raises(EndpointError, match="not a JSON object"):
         Endpoint(server(replies(200, body))).health()
+
+
+def test_one_endpoint_keeps_one_connection_for_its_sync_and_async_calls() -> None:
+    peers: list[tuple[str, int]] = []
+    asked: list[int] = []
+
+    class KeepAlive(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:
+            peers.append(self.client_address)
+            self._send(json.dumps({"documents": 2}).encode())
+
+        def do_POST(self) -> None:
+            peers.append(self.client_address)
+            asked.append(json.loads(self.rfile.read(int(self.headers["Content-Length"])))["k"])
+            self._send(answer(GOOD))
+
+        def _send(self, body: bytes) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), KeepAlive)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        with Endpoint(f"http://127.0.0.1:{httpd.server_address[1]}") as endpoint:
+            for _ in range(3):
+                endpoint.retrieve(["q"], 2)
+                asyncio.run(endpoint.aretrieve(["q"], 2))
+            assert endpoint.documents() == 2 and endpoint.documents() == 2  # asked once
+        assert len(peers) == 7 and len(set(peers)) == 1  # one connection, kept alive
+        lc = pytest.importorskip("car_fl.serving.langchain_retriever")
+        chain = lc.CarFlRetriever.from_endpoint(f"http://127.0.0.1:{httpd.server_address[1]}")
+        assert len(chain.invoke("q")) == 2 and asked[-1] == 2  # its default k=4, cut to 2
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

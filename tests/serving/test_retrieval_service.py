@@ -107,6 +107,13 @@ def test_it_answers_what_load_retriever_retrieves_and_names_what_it_serves(
     assert client.get("/docs").status_code == 200
 
 
+def test_its_replicas_and_proxy_run_at_the_commands_priority(running: ServingProcess) -> None:
+    assert running.proc is not None
+    tree = psutil.Process(running.proc.pid).children(recursive=True)
+    serving = [p for p in tree if "ServeReplica" in p.name() or "ProxyActor" in p.name()]
+    assert len(serving) >= 2 and {p.nice() for p in serving} == {os.nice(0)}  # Ray's is 15
+
+
 def test_many_clients_at_once_each_get_their_own_answer(
     client: httpx.Client, checkpoint: Path
 ) -> None:
