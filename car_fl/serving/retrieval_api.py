@@ -289,8 +289,8 @@ def build_app(
     default :meth:`RetrievalService.run` of that one request in a thread)."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
-    from starlette.exceptions import HTTPException as StarletteHTTPException
     from fastapi.responses import HTMLResponse, JSONResponse, Response
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     import car_fl
 

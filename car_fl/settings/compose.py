@@ -149,6 +149,11 @@ def to_settings(cfg: DictConfig | dict[str, Any]) -> Settings:
             raise ValueError(f"{key} is not a setting;{did_you_mean(key)}") from err
         raise ValueError(one_line(f"invalid configuration: {err}")) from err
     assert isinstance(obj, Settings)
+    if not obj.model.name_or_path.strip():  # conf/model/local.yaml leaves it to the user
+        raise ValueError(
+            "model.name_or_path must be given: model=local reads a model folder on disk "
+            "(model.name_or_path=/path/to/model)"
+        )
     if obj.head.similarity is None:  # MIPS and kNN score as the encoder was trained
         obj.head.similarity = obj.model.similarity
     dp_plan.check_record_plan(obj)

@@ -194,3 +194,12 @@ def test_a_wrong_type_is_named_in_car_fls_voice_with_an_example(
         load_settings([override])
     assert str(err.value) == message or str(err.value).startswith(message), str(err.value)
     assert "could not be converted" not in str(err.value)
+
+
+def test_model_local_without_its_folder_is_refused_naming_the_key_not_tinyllama() -> None:
+    from car_fl.settings.compose import load_settings
+
+    with pytest.raises(ValueError, match=r"model\.name_or_path must be given") as err:
+        load_settings(["model=local"])
+    assert "TinyLlama" not in str(err.value)
+    assert load_settings(["model=local", "model.name_or_path=/m"]).model.name_or_path == "/m"
