@@ -162,9 +162,14 @@ def open_output(settings: Settings) -> tuple[Path, RoundPoint | None]:
     output_dir = resume_dir or Path(settings.output_dir or default_output_dir(settings)).resolve()
     output_dir.mkdir(parents=True, exist_ok=True)
     config_yaml = settings_to_yaml(settings)
-    log.info("resolved configuration (fingerprint %s):\n%s", fingerprint(settings), config_yaml)
+    log.debug("resolved configuration:\n%s", config_yaml)  # the file holds it (below)
     point = load_round_point(resume_dir, settings) if resume_dir is not None else None
     atomic_write_text(output_dir / "config.yaml", config_yaml)
+    log.info(
+        "resolved configuration (fingerprint %s): %s",
+        fingerprint(settings),
+        output_dir / "config.yaml",
+    )
     log.info("results: %s", output_dir)
     return output_dir, point
 

@@ -103,11 +103,13 @@ def write_config(
     ``log_it``)."""
     out = Path(output_dir)
     config_yaml = settings_to_yaml(settings)
-    if log_it:
-        log.info("resolved configuration:\n%s", config_yaml)
+    if log_it:  # the whole YAML at debug: a run's first screen is its progress, not ~150 lines
+        log.debug("resolved configuration:\n%s", config_yaml)
     if write:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out / "config.yaml", config_yaml)
+        if log_it:
+            log.info("resolved configuration: %s", out / "config.yaml")
     return out
 
 

@@ -4,6 +4,10 @@ twice: the node's client and the service's :class:`Deduplicator`, as a slow serv
 from __future__ import annotations
 
 import asyncio
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +15,7 @@ import torch
 from car_fl.blocks.client import SLACK, BlocksClient, Retry
 from car_fl.blocks.compute import BACKWARD, FORWARD, Answer, BlocksHandler
 from car_fl.blocks.dedupe import Deduplicator
+from car_fl.testing.tiny import tiny_overrides
 
 RETRY = Retry(timeout_s=8.0, attempts=3, backoff_s=0.0)
 
@@ -168,3 +173,29 @@ def test_backward_requests_are_cut_by_the_backward_speed(service: BlocksHandler)
         fingerprint=service.runner.identity.fingerprint,
     )
     assert grad.shape[0] == 4 and len(transport.sent) == 2  # 100 tokens a request
+
+
+@pytest.mark.slow
+def test_car_fl_train_with_no_service_says_why_within_a_few_lines(
+    normed_llama: Path, synthetic_tsv: Path, tmp_path: Path
+) -> None:
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    overrides = [
+        *tiny_overrides(normed_llama, synthetic_tsv, cache_dir=tmp_path / "cache"),
+        "model.blocks=remote",
+        f"model.blocks_service=http://127.0.0.1:{port}/blocks",
+        f"output_dir={tmp_path / 'run'}",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "car_fl.cli", "train", *overrides],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert done.returncode == 1 and len(lines) <= 10, "\n".join(lines)
+    assert lines[-1].startswith("car-fl train: the blocks service at http://127.0.0.1:")
+    assert "model.blocks_service" in lines[-1] and "120 s each" not in lines[-1]
