@@ -40,7 +40,8 @@ def sms(n: int) -> list[str]:
 
 
 def tinyllama_shape(folder: Path) -> str:
-    """A TinyLlama-shaped Llama with random weights (22 blocks, hidden 2048), bf16 on disk."""
+    """A TinyLlama-shaped Llama with random weights (22 blocks, hidden 2048, TinyLlama's
+    32,000-row embedding table), bf16 on disk."""
     from car_fl.testing.tiny import build_llama
 
     if not (folder / "config.json").exists():
@@ -52,6 +53,7 @@ def tinyllama_shape(folder: Path) -> str:
             heads=32,
             kv_heads=4,
             dtype="bfloat16",
+            vocab_size=32_000,
         )
     return str(folder)
 
@@ -474,7 +476,7 @@ def federated(model: str, url: str, examples: int, scratch: Path) -> dict[str, o
     }
 
 
-PARTS = ("compare", "profile", "many", "train", "federated")
+PARTS = ("compare", "memory", "profile", "many", "train", "federated")
 
 
 def main() -> int:
@@ -518,6 +520,17 @@ def main() -> int:
                 entry["remote_over_local_peak_rss"] = (
                     mem["remote"]["peak_rss_mb"] / mem["local"]["peak_rss_mb"]  # type: ignore[index]
                 )
+            if "memory" in args.parts and "compare" not in args.parts:
+                entry["node_memory"] = {
+                    blocks: node_memory(model, blocks, url, texts[:32])
+                    for blocks in ("local", "remote")
+                }
+                mem = entry["node_memory"]
+                entry["remote_over_local_peak_rss"] = (
+                    mem["remote"]["peak_rss_mb"] / mem["local"]["peak_rss_mb"]  # type: ignore[index]
+                )
+                entry["memory_measured"] = time.strftime("%Y-%m-%d %H:%M")
+                entry["memory_load"] = os.getloadavg()
             if "profile" in args.parts and not big:
                 entry["profile"] = profile(model, url, texts, args.steps)
             if "train" in args.parts and name == "smollm2":

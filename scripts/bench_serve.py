@@ -1,17 +1,20 @@
-"""The retrieval endpoint under load: 32 concurrent clients against in-process batched retrieve.
+"""The retrieval endpoint under load, against in-process retrieve of the same requests.
 
     python scripts/bench_serve.py --json runs/bench-serve.json     # MiniLM and SmolLM2 on SMS
     python scripts/bench_serve.py --smoke --json /tmp/bench-serve.json   # tiny models (a test)
 
 Per model it trains a checkpoint centrally on the SMS Spam Collection (``train.epochs``), then
-on the same machine: (1) in-process, ``load_retriever(...).retrieve`` of the whole test split in
-one call (car-fl's own batching), queries per second; (2) ``car-fl serve``'s app
-(:func:`car_fl.serving.retrieval_service.start`, one replica with every CPU) on 127.0.0.1, with
-``--clients`` threads each sending one test query per request (a RAG application's call) until
-the split is answered ``--rounds`` times: queries per second, p50 and p99 latency, every
-non-2xx or failed request counted. The load average is recorded beside each figure. Writes JSON
-and prints the command that reproduces it. Threads with httpx, not locust: the load is one POST
-shape and the figures are four numbers; a bounded thread pool says exactly what was sent.
+on the same machine, per ``--queries-per-request`` n: (1) in-process, the whole test split in
+one ``retrieve`` call (car-fl's own batching: the ceiling); (2) in-process as the clients would
+ask without a service: ``--clients`` threads in one process, each calling
+``load_retriever(...).retrieve`` on n queries at a time, with as many torch threads as the
+replica gets (the fair baseline: the same requests, sizes and threads); (3) ``car-fl serve``'s
+app (:func:`car_fl.serving.retrieval_service.start`, one replica with every CPU) on 127.0.0.1,
+``--clients`` threads each sending n test queries per request until the split is answered
+``--rounds`` times: queries per second, p50 and p99 latency, every non-2xx or failed request
+counted. The load average is recorded beside each figure. Writes JSON and prints the command
+that reproduces it. Threads with httpx, not locust: the load is one POST shape and the figures
+are four numbers; a bounded thread pool says exactly what was sent.
 """
 
 from __future__ import annotations
@@ -83,6 +86,33 @@ def in_process(checkpoint: Path, queries: list[str], *, k: int) -> dict[str, Any
     }
 
 
+def in_process_concurrent(
+    checkpoint: Path, queries: list[str], *, k: int, clients: int, per_request: int
+) -> dict[str, Any]:
+    """The fair baseline: ``clients`` threads of one process, each ``retrieve`` on
+    ``per_request`` queries at a time (one loaded retriever, shared, as an app would)."""
+    from car_fl.serving.checkpoint import load_retriever
+
+    retriever = load_retriever(checkpoint, device="cpu")
+    requests = [queries[i : i + per_request] for i in range(0, len(queries), per_request)]
+    retriever.retrieve(queries[:per_request], k)
+    load_before = os.getloadavg()[0]
+    cpu_before = time.process_time()
+    started = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(lambda asked: retriever.retrieve(asked, k), requests))
+    seconds = time.perf_counter() - started
+    return {
+        "queries": len(queries),
+        "clients": clients,
+        "queries_per_request": per_request,
+        "seconds": seconds,
+        "cpu_s": time.process_time() - cpu_before,
+        "qps": len(queries) / seconds,
+        "load": [load_before, os.getloadavg()[0]],
+    }
+
+
 #: Which Ray processes are whose (their process titles), for the CPU each role used.
 ROLES = {"ServeReplica": "replica", "ProxyActor": "proxy", "ServeController": "controller"}
 
@@ -115,8 +145,9 @@ def under_load(
     rounds: int,
     cpus: int,
     batch_wait_ms: float,
+    per_request: int = 1,
 ) -> dict[str, Any]:
-    """The endpoint on 127.0.0.1 with ``clients`` threads, one query per request."""
+    """The endpoint on 127.0.0.1 with ``clients`` threads, ``per_request`` queries a request."""
     import httpx
 
     from car_fl.deploy.ports import free_port
@@ -127,18 +158,19 @@ def under_load(
     )
     url = start(str(checkpoint), service, device="cpu")
     try:
-        work = queries * rounds
+        asked = [queries[i : i + per_request] for i in range(0, len(queries), per_request)]
+        work = asked * rounds
         latencies: list[float] = []
         failures: dict[str, int] = {}
         lock = threading.Lock()
         local = threading.local()
 
-        def one(query: str) -> None:
+        def one(texts: list[str]) -> None:
             if not hasattr(local, "http"):
                 local.http = httpx.Client(base_url=url, timeout=120)
             started = time.perf_counter()
             try:
-                status = local.http.post("/retrieve", json={"queries": [query], "k": k}).status_code
+                status = local.http.post("/retrieve", json={"queries": texts, "k": k}).status_code
             except httpx.HTTPError as err:
                 status, name = 0, type(err).__name__
             else:
@@ -150,7 +182,7 @@ def under_load(
                     failures[name] = failures.get(name, 0) + 1
 
         with ThreadPoolExecutor(clients) as pool:  # the same threads, so the same connections
-            list(pool.map(one, queries[:clients]))  # warm-up: every client's connection
+            list(pool.map(one, asked[:clients]))  # warm-up: every client's connection
             latencies.clear()
             load_before = os.getloadavg()[0]
             cpu_before = cpu_by_role()
@@ -160,12 +192,14 @@ def under_load(
             cpu = {r: t - cpu_before.get(r, 0.0) for r, t in cpu_by_role().items()}
     finally:
         stop()
+    answered_queries = sum(len(texts) for texts in work) if not failures else None
     return {
         "requests": len(work),
+        "queries_per_request": per_request,
         "answered": len(latencies),
         "not_2xx": failures,
         "seconds": seconds,
-        "qps": len(latencies) / seconds,
+        "qps": (answered_queries or len(latencies) * per_request) / seconds,
         "p50_ms": 1000 * statistics.median(latencies) if latencies else None,
         "p99_ms": 1000 * percentile(latencies, 0.99) if latencies else None,
         "load": [load_before, os.getloadavg()[0]],
@@ -182,7 +216,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--models", nargs="+", default=["minilm", "smollm2"])
     parser.add_argument("--data", type=Path, default=SMS, help="the SMS Spam Collection TSV")
-    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument(
+        "--queries-per-request",
+        type=int,
+        nargs="+",
+        default=[1, 16],
+        help="queries each request holds; several: one in-process and one served run each",
+    )
     parser.add_argument("--rounds", type=int, default=1, help="times the test split is sent")
     parser.add_argument("-k", type=int, default=2, help="documents per query (SMS: 2 labels)")
     parser.add_argument("--epochs", type=int, default=1)
@@ -218,7 +259,14 @@ def main(argv: list[str] | None = None) -> int:
         queries = test_queries(checkpoint)
         alone = in_process(checkpoint, queries, k=args.k)
         runs = []
-        for wait in args.batch_wait_ms:
+        fair: dict[int, dict[str, Any]] = {}
+        for wait, per_request in [
+            (w, n) for n in args.queries_per_request for w in args.batch_wait_ms
+        ]:
+            if per_request not in fair:
+                fair[per_request] = in_process_concurrent(
+                    checkpoint, queries, k=args.k, clients=args.clients, per_request=per_request
+                )
             served = under_load(
                 checkpoint,
                 queries,
@@ -227,13 +275,21 @@ def main(argv: list[str] | None = None) -> int:
                 rounds=args.rounds,
                 cpus=args.cpus,
                 batch_wait_ms=wait,
+                per_request=per_request,
             )
+            baseline = fair[per_request]
             served["ratio_to_in_process"] = served["qps"] / alone["qps"]
+            served["in_process_same_requests"] = baseline
+            served["ratio_to_same_requests"] = served["qps"] / baseline["qps"]
             runs.append(served)
             print(
-                f"{model}: in-process {alone['qps']:.0f} q/s (load {alone['load'][1]:.1f}); "
+                f"{model}, {per_request} queries a request, {args.clients} clients: in-process "
+                f"all at once {alone['qps']:.0f} q/s, the same requests in-process "
+                f"{baseline['qps']:.0f} q/s (load {baseline['load'][1]:.1f}); "
                 f"served (batch wait {wait:g} ms) {served['qps']:.0f} q/s = "
-                f"{served['ratio_to_in_process']:.2f}x, p50 {served['p50_ms']:.0f} ms, p99 "
+                f"{served['ratio_to_same_requests']:.2f}x the same requests, "
+                f"{served['ratio_to_in_process']:.2f}x all at once, "
+                f"p50 {served['p50_ms']:.0f} ms, p99 "
                 f"{served['p99_ms']:.0f} ms, {served['answered']}/{served['requests']} answered, "
                 f"not 2xx {served['not_2xx'] or 0} (load {served['load'][1]:.1f}); CPU s "
                 + ", ".join(f"{r} {t:.1f}" for r, t in served["cpu_s"].items()),

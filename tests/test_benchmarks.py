@@ -136,9 +136,13 @@ def test_bench_serve_answers_every_request_and_writes_its_figures(tmp_path: Path
     run_to_the_end([*command, "--json", str(out), "--work", str(tmp_path / "work")], tmp_path)
     (model,) = json.loads(out.read_text())["models"].values()
     assert positive(model["in_process"]["qps"])
-    (served,) = model["served"]
-    assert served["answered"] == served["requests"] and not served["not_2xx"]
-    assert positive(served["p99_ms"]) and positive(served["cpu_s"]["replica"])
+    assert [served["queries_per_request"] for served in model["served"]] == [1, 16]
+    for served in model["served"]:
+        assert served["answered"] == served["requests"] and not served["not_2xx"]
+        assert positive(served["p99_ms"]) and positive(served["cpu_s"]["replica"])
+        same = served["in_process_same_requests"]
+        assert same["queries_per_request"] == served["queries_per_request"]
+        assert served["ratio_to_same_requests"] == pytest.approx(served["qps"] / same["qps"])
 
 
 @pytest.mark.parametrize("framework", ["langchain", "llamaindex"])

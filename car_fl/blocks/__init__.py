@@ -9,5 +9,6 @@ share. docs/blocks.md says what runs where and what the service sees.
 - :mod:`~car_fl.blocks.compute`: the service's arithmetic: a stateless forward and VJP.
 - :mod:`~car_fl.blocks.client`: the node's HTTP client, bounded retries;
   :mod:`~car_fl.blocks.errors`: why a service could not be used.
+- :mod:`~car_fl.blocks.dedupe`: one computation per request however often it is retried.
 - :mod:`~car_fl.blocks.remote`: the remote blocks as one autograd module.
 """

@@ -6,12 +6,13 @@ long as it likes: about 520 such connections silenced ``/health`` and ``/retriev
 :class:`Admission` runs inside the proxy (Serve's HTTP proxy callback: :func:`proxy_middlewares`,
 configured by :func:`environment`) and guarantees:
 
-- a replica is handed only requests whose whole body has arrived, within ``body_timeout_s`` of
-  the headers (408 after that), declared by ``Content-Length`` (411 without, 413 above
-  ``max_body``), and with the right token when one is set (401, nothing read);
+- a replica is handed only requests whose whole body has arrived, within ``body_timeout_s``
+  plus a second per MiB declared (:data:`MIN_RATE`) of the headers (408 after that), declared by
+  ``Content-Length`` (411 without, 413 above ``max_body``), and with the right token when one is
+  set (401, nothing read);
 - a client (its IP address) holds at most ``per_client`` open requests and the proxy at most
-  ``max_open``, with at most ``max_buffered`` body bytes held: beyond any of them the answer is
-  503 with ``Retry-After`` at once, never silence;
+  ``max_open``, with at most ``max_buffered`` body bytes reserved, a quarter of them by one
+  client: beyond any of these the answer is 503 with ``Retry-After`` at once, never silence;
 - once :func:`drain` has been called (SIGTERM), every new request is a 503 with ``Retry-After``
   while the open ones finish; the proxy writes ``<drain file>.done`` when none is left open.
 
@@ -40,6 +41,9 @@ ENV = "CAR_FL_ADMISSION"
 #: Serve's own: the function its proxy calls for the middlewares it wraps itself in.
 RAY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 CALLBACK = "car_fl.serving.admission.proxy_middlewares"
+
+#: The slowest a declared body may arrive, beyond ``body_timeout_s``: 1 MiB/s.
+MIN_RATE = 1 << 20
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -123,6 +127,7 @@ class Admission:
         self.app, self.config = app, config
         self.open: Counter[str] = Counter()
         self.buffered = 0
+        self.reserved: Counter[str] = Counter()  # body bytes reserved, by client
         self.expected = f"Bearer {config.token_sha256}" if config.token_sha256 else None
 
     @property
@@ -147,15 +152,19 @@ class Admission:
         held = 0
         try:
             headers = {k.decode("latin-1").lower(): v for k, v in scope["headers"]}
-            declared = self.check(scope, headers)
+            declared = self.check(scope, headers, client)
             held = declared
             self.buffered += held
+            self.reserved[client] += held
             body = await self.read(receive, declared)
             await self.app(scope, _replay(body, receive), send)
         except _Refuse as refused:
             await self.reply(send, refused)
         finally:
             self.buffered -= held
+            self.reserved[client] -= held
+            if not self.reserved[client]:
+                del self.reserved[client]
             self.open[client] -= 1
             if not self.open[client]:
                 del self.open[client]
@@ -177,7 +186,7 @@ class Admission:
         if self.open_total >= self.config.max_open:
             raise _Refuse(503, "the service is at its open requests' limit: retry later")
 
-    def check(self, scope: Scope, headers: dict[str, bytes]) -> int:
+    def check(self, scope: Scope, headers: dict[str, bytes], client: str = "") -> int:
         """The token and the declared body (before a byte of it is read); its length."""
         path = scope.get("path", "")
         if self.expected and not path.endswith(self.config.open_paths):
@@ -198,6 +207,8 @@ class Admission:
             raise _Refuse(413, f"body: at most {self.config.max_body:,} bytes")
         if self.buffered + length > self.config.max_buffered:
             raise _Refuse(503, "the service holds its most bodies in reading: retry later")
+        if self.reserved[client] + length > self.config.max_buffered // 4:
+            raise _Refuse(503, "this client's bodies in reading are at its share: retry later")
         return length
 
     async def read(self, receive: Any, declared: int) -> bytes:
@@ -219,12 +230,11 @@ class Admission:
                 chunks.append(chunk)
                 more = message.get("more_body", False)
 
+        allowed = self.config.body_timeout_s + declared / MIN_RATE
         try:
-            await asyncio.wait_for(whole(), self.config.body_timeout_s)
+            await asyncio.wait_for(whole(), allowed)
         except TimeoutError:
-            raise _Refuse(
-                408, f"body: not received within {self.config.body_timeout_s:g} s"
-            ) from None
+            raise _Refuse(408, f"body: not received within {allowed:.3g} s") from None
         return b"".join(chunks)
 
     async def reply(self, send: Any, refused: _Refuse) -> None:

@@ -51,6 +51,7 @@ def build_llama(
     kv_heads: int = 2,
     dtype: str = "float32",
     causal: bool = False,
+    vocab_size: int | None = None,
 ) -> Path:
     """A 2-layer Llama (hidden 64) and a word-level tokenizer that adds BOS but not EOS.
 
@@ -58,7 +59,9 @@ def build_llama(
     ``LlamaModel`` (an encoder).
 
     ``intermediate`` defaults to twice ``hidden``; a TinyLlama-shaped one (random weights):
-    ``hidden=2048, layers=22, intermediate=5632, heads=32, kv_heads=4, dtype="bfloat16"``.
+    ``hidden=2048, layers=22, intermediate=5632, heads=32, kv_heads=4, dtype="bfloat16"``,
+    ``vocab_size=32000`` (its embedding table as large as TinyLlama's; the tokenizer uses the
+    first rows only).
     """
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
@@ -74,8 +77,10 @@ def build_llama(
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )
+    if vocab_size is not None and vocab_size < len(vocab):
+        raise ValueError(f"vocab_size must be >= the tokenizer's {len(vocab)}, got {vocab_size}")
     config = LlamaConfig(
-        vocab_size=len(vocab),
+        vocab_size=vocab_size or len(vocab),
         hidden_size=hidden,
         intermediate_size=intermediate or 2 * hidden,
         num_hidden_layers=layers,

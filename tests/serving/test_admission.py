@@ -116,7 +116,7 @@ def test_a_body_longer_than_declared_or_too_slow_never_reaches_the_app() -> None
     status, _, body = run(call(admission, scope(length=3), [b"ab", b"cd"]))
     assert status == 400 and "longer" in json.loads(body)["detail"]
     status, _, body = run(call(admission, scope(length=5), [b"a", b"b", b"c"], gap_s=0.15))
-    assert status == 408 and "0.2 s" in json.loads(body)["detail"]
+    assert status == 408 and "0.2 s" in json.loads(body)["detail"]  # 5 bytes: ~0 s more
     assert behind.bodies == [] and not admission.open and admission.buffered == 0
 
 
@@ -140,12 +140,24 @@ def test_a_client_at_its_cap_gets_503_with_retry_after_and_another_client_is_ser
     run(scenario())
 
 
-def test_bodies_past_the_buffer_budget_get_503() -> None:
+def test_bodies_past_the_buffer_budget_or_a_clients_share_of_it_get_503() -> None:
     behind = Behind()
-    admission = Admission(behind, config=config(max_buffered=8))
-    admission.buffered = 4  # another request's body being read
+    admission = Admission(behind, config=config(max_buffered=40))
+    admission.buffered = 36  # other requests' bodies being read
     status, headers, _ = run(call(admission, scope(length=5), [b"abcde"]))
     assert (status, headers[b"retry-after"]) == (503, b"1")
+    admission.buffered, admission.reserved["10.0.0.1"] = 6, 6  # this client's own: 6 of 10
+    status, _, body = run(call(admission, scope(length=5), [b"abcde"]))
+    assert status == 503 and "share" in json.loads(body)["detail"]
+    status, _, _ = run(call(admission, scope(client="10.0.0.2", length=5), [b"abcde"]))
+    assert status == 200 and admission.reserved == {"10.0.0.1": 6}
+
+
+def test_a_large_body_gets_a_second_per_mib_beyond_the_timeout() -> None:
+    admission = Admission(Behind(), config=config(max_body=8 << 20, body_timeout_s=0.1))
+    chunk = b"x" * (1 << 20)  # 2 MiB arriving 0.3 s apart: 0.6 s, within 0.1 + 2 s
+    status, _, _ = run(call(admission, scope(length=2 << 20), [chunk, chunk], gap_s=0.3))
+    assert status == 200
 
 
 def test_a_drain_refuses_new_requests_and_ends_when_the_open_ones_are_answered(

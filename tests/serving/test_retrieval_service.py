@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -248,6 +249,15 @@ def test_sigterm_answers_the_requests_in_flight_then_stops_leaving_no_process(
 
     tree: list[psutil.Process] = []
 
+    assert running.proc is not None
+    folders = {  # Ray's temp folder of this service, named in its processes' command lines
+        found
+        for process in psutil.Process(running.proc.pid).children(recursive=True)
+        for found in re.findall(r"/tmp/car-fl-ray-\w+", " ".join(process.cmdline()))
+    }
+    folders_seen = list(folders)
+    assert len(folders_seen) == 1 and Path(folders_seen[0]).is_dir()
+
     async def stop_in_flight() -> tuple[list[int], int, str]:
         flying = await open_slow_bodies(running.port, 64, body)
         await asyncio.sleep(0.5)  # admitted: their bodies are being read
@@ -267,5 +277,6 @@ def test_sigterm_answers_the_requests_in_flight_then_stops_leaving_no_process(
     assert (late, retry_after) == (503, "1")
     assert running.wait(tree) == []
     assert running.proc is not None and running.proc.returncode == 0
+    assert not any(Path(folder).exists() for folder in folders_seen)
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{running.url}/health", timeout=5)
