@@ -246,6 +246,12 @@ def stop() -> None:
                 serve.delete(running.app)
         finally:
             ray.shutdown()  # our own instance: its proxy, replicas and controller end with it
+            # serve.shutdown would forget its client; without it (its controller's noisy
+            # "graceful_shutdown failed"), Serve's cached client names a dead controller and
+            # a later start in this process would use it
+            from ray.serve import context
+
+            context._set_global_client(None)
     if running is not None and running.folder is not None:
         shutil.rmtree(running.folder, ignore_errors=True)
 
