@@ -278,5 +278,8 @@ def test_sigterm_answers_the_requests_in_flight_then_stops_leaving_no_process(
     assert running.wait(tree) == []
     assert running.proc is not None and running.proc.returncode == 0
     assert not any(Path(folder).exists() for folder in folders_seen)
+    log = (running.tmp / "service.log").read_text(errors="replace")
+    for noise in ("graceful_shutdown failed", "HTTP config differs", "Traceback"):
+        assert noise not in log, noise
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{running.url}/health", timeout=5)
