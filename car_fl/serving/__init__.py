@@ -4,6 +4,7 @@
 - :mod:`~car_fl.serving.blocks_service`: the frozen blocks of a model on Ray Serve, for many nodes.
 - :mod:`~car_fl.serving.ray_app`: what every Ray Serve app shares (settings, start, stop, flags).
 - :mod:`~car_fl.serving.admission`: what Serve's proxy admits (whole bodies, caps, a drain).
+- :mod:`~car_fl.serving.header_deadline`: a deadline on request headers in its uvicorn.
 - :mod:`~car_fl.serving.retrieval_api`: the retrieval endpoint's schema, checks and FastAPI app.
 - :mod:`~car_fl.serving.retrieval_service`: that endpoint on Ray Serve (``car-fl serve``).
 - :mod:`~car_fl.serving.retrieval_client`: in-process or endpoint, for the framework retrievers.

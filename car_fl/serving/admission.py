@@ -18,8 +18,8 @@ configured by :func:`environment`) and guarantees:
 
 Written here because Serve 2.55 has none of these at its proxy (its ``request_timeout_s`` also
 ends requests that are computing, and its ``max_queued_requests`` counts slow bodies as work).
-Request headers are read by uvicorn before any middleware sees them: a client that never ends
-its headers holds a socket, never a slot (docs/retrieval.md, "Hostile clients").
+Request headers are read by uvicorn before any middleware sees them; their deadline,
+``header_timeout_s``, is :mod:`.header_deadline`'s, which :func:`proxy_middlewares` installs.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ class AdmissionConfig:
 
     max_body: int
     body_timeout_s: float = 10.0
+    header_timeout_s: float = 10.0
     per_client: int = 128
     max_open: int = 2048
     max_buffered: int = 512 << 20
@@ -71,6 +72,8 @@ class AdmissionConfig:
                 raise ValueError(f"admission: {name} must be >= 1, got {getattr(self, name)}")
         if not self.body_timeout_s > 0:
             raise ValueError(f"--body-timeout-s must be > 0, got {self.body_timeout_s}")
+        if not self.header_timeout_s > 0:
+            raise ValueError(f"--header-timeout-s must be > 0, got {self.header_timeout_s}")
 
 
 def token_digest(token: str | None) -> str | None:
@@ -85,15 +88,20 @@ def environment(config: AdmissionConfig) -> dict[str, str]:
 
 
 def proxy_middlewares() -> list[Any]:
-    """Serve's HTTP proxy callback: :class:`Admission` configured from :data:`ENV`."""
+    """Serve's HTTP proxy callback: :class:`Admission` configured from :data:`ENV`; it also
+    installs the header deadline in the uvicorn server the proxy is about to start."""
     from starlette.middleware import Middleware
+
+    from car_fl.serving.header_deadline import install
 
     raw = os.environ.get(ENV)
     if not raw:
         return []
     values = json.loads(raw)
     values["open_paths"] = tuple(values["open_paths"])
-    return [Middleware(Admission, config=AdmissionConfig(**values))]
+    config = AdmissionConfig(**values)
+    install(config.header_timeout_s)
+    return [Middleware(Admission, config=config)]
 
 
 def drain(config: AdmissionConfig, *, timeout_s: float, poke: Callable[[], None]) -> bool:

@@ -57,6 +57,8 @@ class ServeConfig:
     plain_http: bool = False
     #: Seconds a request's body may take to arrive after its headers (408 after).
     body_timeout_s: float = 10.0
+    #: Seconds a request's headers may take (the connection is closed after).
+    header_timeout_s: float = 10.0
     #: Requests one client (IP address) may have open at once (503 with Retry-After above).
     max_per_client: int = 128
     #: Seconds a stop waits for the requests in flight to be answered.
@@ -99,6 +101,7 @@ class ServeConfig:
         return AdmissionConfig(
             max_body=self.max_body,
             body_timeout_s=self.body_timeout_s,
+            header_timeout_s=self.header_timeout_s,
             per_client=self.max_per_client,
             max_buffered=max(512 << 20, 2 * self.max_body),
             open_paths=(*self.open_paths, "/-/routes", "/-/healthz"),
@@ -308,6 +311,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser, *, port: int, token_env
         help="seconds a request's body may take to arrive (408 after; default 10)",
     )
     parser.add_argument(
+        "--header-timeout-s",
+        type=float,
+        default=10.0,
+        help="seconds a request's headers may take to arrive (closed after; default 10)",
+    )
+    parser.add_argument(
         "--max-per-client",
         type=int,
         default=128,
@@ -348,6 +357,7 @@ def serve_config_values(args: argparse.Namespace, *, token_env: str) -> dict[str
         "ssl_keyfile": args.ssl_keyfile,
         "plain_http": args.plain_http,
         "body_timeout_s": args.body_timeout_s,
+        "header_timeout_s": args.header_timeout_s,
         "max_per_client": args.max_per_client,
         "drain_s": args.drain_s,
     }

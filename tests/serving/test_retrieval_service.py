@@ -4,7 +4,8 @@ One service for the whole module (a start costs ~25 s on 2 cores): equal to
 ``load_retriever(...).retrieve``, many clients at once batched without changing an answer,
 every bad input a 4xx naming its field while it keeps serving, the LangChain and LlamaIndex
 retrievers against it with its token, 600 slow bodies from one client that leave another's
-``/health`` and ``/retrieve`` answered within a second, a busy port refused in one line, and
+``/health`` and ``/retrieve`` answered within a second, headers that never end closed at their
+deadline, a busy port refused in one line, and
 a SIGTERM that answers the requests in flight, then stops leaving no process.
 """
 
@@ -34,6 +35,8 @@ pytestmark = pytest.mark.slow
 
 #: The service's body deadline in this module (the default is 10 s).
 BODY_TIMEOUT_S = 4
+#: The service's header deadline in this module (the default is 10 s).
+HEADER_TIMEOUT_S = 3
 #: Requests one client may have open: the default.
 PER_CLIENT = 128
 #: A slow body: its headers, then 1 byte of a declared 1,000.
@@ -79,7 +82,12 @@ def other_client(running: ServingProcess) -> httpx.AsyncClient:
 @pytest.fixture(scope="module")
 def running(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServingProcess]:
     command = ["serve", "--checkpoint", str(checkpoint), "--device", "cpu"]
-    command += ["--body-timeout-s", str(BODY_TIMEOUT_S)]
+    command += [
+        "--body-timeout-s",
+        str(BODY_TIMEOUT_S),
+        "--header-timeout-s",
+        str(HEADER_TIMEOUT_S),
+    ]
     service = ServingProcess(command, tmp_path_factory.mktemp("retrieval-service"), token=TOKEN)
     service.start()
     yield service
@@ -218,6 +226,35 @@ def test_600_slow_bodies_leave_another_client_answered_within_a_second(
             assert {status for status, _ in late} == {408}
         finally:
             for _, writer in slow:
+                writer.close()
+
+    asyncio.run(attack())
+
+
+def test_headers_that_never_end_are_closed_at_their_deadline_and_others_are_served(
+    running: ServingProcess,
+) -> None:
+    async def attack() -> None:
+        held = []
+        for i in range(300):  # half silent, half a header that never ends
+            reader, writer = await asyncio.open_connection("127.0.0.1", running.port)
+            writer.write(b"" if i % 2 else b"POST /retrieve HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            held.append((reader, writer))
+        try:
+            async with other_client(running) as other:
+                started = time.monotonic()
+                assert (await other.get("/health")).status_code == 200
+                assert time.monotonic() - started < 1.0
+
+            async def closed(reader: asyncio.StreamReader) -> float:
+                started = time.monotonic()
+                await asyncio.wait_for(reader.read(), HEADER_TIMEOUT_S + 10)
+                return time.monotonic() - started
+
+            waits = await asyncio.gather(*(closed(r) for r, _ in held))
+            assert max(waits) < HEADER_TIMEOUT_S + 3
+        finally:
+            for _, writer in held:
                 writer.close()
 
     asyncio.run(attack())
