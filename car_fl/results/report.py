@@ -52,12 +52,14 @@ def approach_of(settings: Settings) -> str:
 def scenario_of(settings: Settings, clients: int) -> str:
     if clients == 1:
         return "centralised" + (f" + DP ({settings.dp.mode})" if settings.dp.enabled else "")
-    return {
+    named = {
         "none": "FL",
         "fixed": "FL + DP (fixed)",
         "adaptive": "FL + DP (adaptive)",
         "record": "FL + DP-SGD (record)",
-    }[settings.dp.mode]
+    }
+    mode = str(settings.dp.mode.value)
+    return named.get(mode, f"FL + DP ({mode})")  # a mode added later still reports
 
 
 @dataclass

@@ -211,3 +211,30 @@ def test_a_loss_panel_whose_lines_differ_by_orders_of_magnitude_is_drawn_in_log_
     ax.plot([0, 2], [32.0, 32.0])
     assert wide_range(ax)
     pyplot.close(fig)
+
+
+def test_every_dp_mode_has_a_scenario_name_and_an_unknown_one_still_reports() -> None:
+    from types import SimpleNamespace
+
+    from car_fl.results.report import scenario_of
+    from car_fl.settings.schema import DPMode
+
+    names = {scenario_of(SimpleNamespace(dp=SimpleNamespace(mode=m)), 2) for m in DPMode}  # type: ignore[arg-type]
+    assert len(names) == len(DPMode) and "FL" in names
+    head_only = SimpleNamespace(value="head_only")
+    assert scenario_of(SimpleNamespace(dp=SimpleNamespace(mode=head_only)), 2) == (  # type: ignore[arg-type]
+        "FL + DP (head_only)"
+    )
+
+
+def test_the_configuration_docs_name_every_approach() -> None:
+    from car_fl.settings.choices import Approach
+
+    row = next(
+        line
+        for line in (Path(__file__).parents[2] / "docs" / "configuration.md")
+        .read_text()
+        .splitlines()
+        if line.startswith("| `approach` |")
+    )
+    assert [a.value for a in Approach if f"`{a.value}`" not in row] == []
