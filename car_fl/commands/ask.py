@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--checkpoint",
         required=True,
-        help="a corpus checkpoint folder, e.g. outputs/<date>/<time>/checkpoints/best",
+        help="a corpus checkpoint folder, e.g. runs/<run>/checkpoints/best",
     )
     who = parser.add_mutually_exclusive_group(required=True)
     who.add_argument(

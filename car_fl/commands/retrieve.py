@@ -15,7 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--checkpoint",
         required=True,
-        help="checkpoint folder, e.g. outputs/<date>/<time>/checkpoints/best",
+        help="checkpoint folder, e.g. runs/<run>/checkpoints/best",
     )
     parser.add_argument("--file", help="text file with one query per line")
     parser.add_argument(

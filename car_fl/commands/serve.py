@@ -1,6 +1,6 @@
 """``car-fl serve``: a trained checkpoint as a retrieval endpoint many RAG applications share.
 
-    car-fl serve --checkpoint outputs/<date>/<time>/checkpoints/best --port 8300
+    car-fl serve --checkpoint runs/<run>/checkpoints/best --port 8300
 
 ``POST /retrieve`` with ``{"queries": [...], "k": 5}`` answers per query its top-k documents;
 ``GET /health`` names the checkpoint, its settings' fingerprint and the model; the schema is at
@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--checkpoint",
         required=True,
-        help="checkpoint folder, e.g. outputs/<date>/<time>/checkpoints/best",
+        help="checkpoint folder, e.g. runs/<run>/checkpoints/best",
     )
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
     add_serve_arguments(parser, port=8300, token_env=TOKEN_ENV)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import time
 from pathlib import Path
 
 NAME = "train"
@@ -20,11 +19,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def default_output_dir() -> Path:
-    """``outputs/<date>/<time>``, where ``python -m car_fl.centralized`` (Hydra) writes too."""
-    return Path("outputs", time.strftime("%Y-%m-%d"), time.strftime("%H-%M-%S"))
-
-
 def run(args: argparse.Namespace) -> int:
     """Compose the settings, check the encoder and data can be had, then train."""
     from car_fl.common.logs import setup_logging
@@ -33,19 +27,19 @@ def run(args: argparse.Namespace) -> int:
     from car_fl.settings.schema import DPMode
 
     settings = load_settings(args.overrides)
+    one_node = settings.dp.mode is DPMode.RECORD
     if settings.resume:  # a mistyped folder fails first; DP-SGD's run is a one-node federation
-        from car_fl.results.resume import check_run_dir
+        from car_fl.results.run import CENTRALIZED, FEDERATED, check_run_dir
 
-        kind = "federated" if settings.dp.mode is DPMode.RECORD else "centralized"
-        check_run_dir(Path(settings.resume), kind)
+        check_run_dir(Path(settings.resume), FEDERATED if one_node else CENTRALIZED)
     check_sources(settings)  # before torch (without resume=) and transformers are imported
     setup_logging()
     logging.getLogger(__name__).info("loading PyTorch and car-fl's model code (seconds)")
+    from car_fl.results.run import default_output_dir
     from car_fl.simulation.centralized_dp import train_centrally
 
     # a resumed run goes on in its own folder
-    where = settings.resume or settings.output_dir
-    out = Path(where) if where else default_output_dir()
+    out = Path(settings.resume or settings.output_dir or default_output_dir(settings))
     summary = train_centrally(settings, out)  # dp=record: DP-SGD; local DP modes: refused
     best = summary["best"]
     private = (

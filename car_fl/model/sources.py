@@ -162,6 +162,10 @@ def near_names(path: str) -> str:
     return f" ({target.parent} holds: {shown})" if names else f" ({target.parent} is empty)"
 
 
+#: (``HF_ENDPOINT``, repository) pairs that answered in this process.
+HUB_ANSWERED: set[tuple[str, str]] = set()
+
+
 def check_sources(settings: Settings, *, where: str = "here") -> None:
     """Fail at once, naming every fix, if this machine cannot get the encoder or the data.
 
@@ -198,8 +202,13 @@ def check_sources(settings: Settings, *, where: str = "here") -> None:
         return
     if hub_offline():
         problems = {repo: "HF_HUB_OFFLINE is set" for repo in from_hub}
-    else:
-        problems = hub_problems([(kind, repo) for repo, (kind, _) in from_hub.items()])
+    else:  # the Hub is asked once a process: car-fl train checks before torch, its run again
+        endpoint = os.environ.get("HF_ENDPOINT", "")
+        ask = [
+            (k, repo) for repo, (k, _) in from_hub.items() if (endpoint, repo) not in HUB_ANSWERED
+        ]
+        problems = hub_problems(ask) if ask else {}
+        HUB_ANSWERED.update((endpoint, repo) for _, repo in ask if repo not in problems)
     if not problems:
         return
     what = " and ".join(f"the {from_hub[repo][0]} {repo!r}" for repo in problems)

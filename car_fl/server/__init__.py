@@ -7,9 +7,9 @@
   :mod:`~car_fl.server.update_norm`, :mod:`~car_fl.server.sampled_grid`: reply validation,
   partitions pinned per node, the update-norm bound, seeded client sampling.
 - :mod:`~car_fl.server.round_stats`, :mod:`~car_fl.server.round_recorder`: what a round saw,
-  and its recording; :mod:`~car_fl.server.evaluation_scheduler`: evaluated now or in a
-  thread; :mod:`~car_fl.server.evaluation`: ``ServerEvaluator`` (held-out splits).
-- :mod:`~car_fl.server.resume`: continuing an interrupted run.
+  and its ``Run`` fed as Flower's ``evaluate_fn``;
+  :mod:`~car_fl.server.evaluation_scheduler`: evaluated now or in a thread;
+  :mod:`~car_fl.server.evaluation`: ``ServerEvaluator`` (held-out splits).
 - :mod:`~car_fl.server.privacy_check`: each client's ε as the server computes it, whether
   its claim agrees, the flags and DP rows it keeps, and the client rows of a round.
 - :mod:`~car_fl.server.expert_plan`: which experts each client is sent and may send back.

@@ -5,40 +5,37 @@ matches ``fl.clients``, builds the initial trainable state (same seed and initia
 centralised run), runs the configured strategy
 (:func:`~car_fl.server.aggregation.build_strategy`) for ``fl.rounds`` rounds (fewer when
 ``train.patience`` rounds pass without a better one on validation) and, after every round,
-evaluates the global model on the held-out split, logs one line, and writes the metrics files,
-the plot and a checkpoint.
+evaluates the global model on the held-out split; its :class:`~car_fl.results.run.Run` logs
+one line and writes the metrics files, the plot and a checkpoint.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import re
 import time
-from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from flwr.app import ConfigRecord
 from flwr.serverapp import Grid
 
-from car_fl.common.io import atomic_write_text
 from car_fl.model.sources import check_sources
 from car_fl.protocol.messages import LAYOUT_KEY, from_record, to_record
 from car_fl.results.plots import data_label, model_label
-from car_fl.results.recorder import Recorder
 from car_fl.results.rows import RunSummary
+from car_fl.results.run import FEDERATED, Run, open_run_dir
 from car_fl.server.aggregation import build_strategy
 from car_fl.server.evaluation import ServerEvaluator
 from car_fl.server.failure_summary import failure_summary
-from car_fl.server.resume import RoundPoint, load_round_point
 from car_fl.server.round_recorder import PatienceSpent, RoundRecorder
 from car_fl.server.simulation_exit import end_ray_on_exit
 from car_fl.server.strategy import GuardedStrategy, spec_of
 from car_fl.serving.checkpoint import checkpoint_extra
-from car_fl.settings.compose import settings_to_yaml
+from car_fl.settings.compose import settings_from_yaml
+from car_fl.settings.dp_plan import record_plan
 from car_fl.settings.flower import fingerprint
-from car_fl.settings.schema import Settings, federation_refusal
+from car_fl.settings.schema import DPMode, Settings, federation_refusal
 
 log = logging.getLogger(__name__)
 
@@ -91,18 +88,13 @@ def wait_for_nodes(
         time.sleep(poll)
 
 
-def default_output_dir(settings: Settings) -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    data = settings.dataset.label.rsplit(".", 1)[0]  # synthetic.tsv -> synthetic
-    name = f"{stamp}-{data}-{settings.model.name}-{settings.train.mode}"
-    return Path("runs") / re.sub(r"[^A-Za-z0-9_.-]+", "-", name)
-
-
 def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
     """The whole federated run on the server side; returns the summary."""
     check_federable(settings)
     end_ray_on_exit()  # a stopped simulation leaves none of Ray's processes behind
-    output_dir, point = open_output(settings)
+    if settings.resume:
+        check_noise_kept(Path(settings.resume), settings)
+    output_dir, point = open_run_dir(settings, FEDERATED)
     check_sources(settings, where="on the server")  # the server evaluates: data and encoder
     simulation = is_simulation(grid)
     wait_for_nodes(
@@ -122,13 +114,14 @@ def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
         settings, spec=spec_of(initial), shard_sizes=evaluator.shard_sizes, layout=layout
     )
     recorder = round_recorder(settings, evaluator, output_dir)
+    recorder.run.begin(point, data=evaluator.data_stats)
     strategy.on_round = recorder.receive  # the strategy hands each round's statistics over
     done = 0
     if point is not None:  # continue after the last complete round
-        done, initial = point.round, point.arrays
-        recorder.resume(point.saved.history, point.client_rows, point.saved.initial, done=done)
+        done = point.done
+        initial = to_record(point.checkpoint.state, dtype=settings.comm.dtype)
+        recorder.resume(point)
         strategy.round_offset = done
-        log.info("resuming %s after round %d of %d", output_dir, done, settings.fl.rounds)
     try:
         result = strategy.start(
             grid=grid,
@@ -155,49 +148,51 @@ def check_federable(settings: Settings) -> None:
         raise ValueError(reason)
 
 
-def open_output(settings: Settings) -> tuple[Path, RoundPoint | None]:
-    """The run's folder (the resumed run's, or a new one) with its ``config.yaml``, and the
-    point to resume from (``None``: a new run)."""
-    resume_dir = Path(settings.resume).resolve() if settings.resume else None
-    output_dir = resume_dir or Path(settings.output_dir or default_output_dir(settings)).resolve()
-    output_dir.mkdir(parents=True, exist_ok=True)
-    config_yaml = settings_to_yaml(settings)
-    log.debug("resolved configuration:\n%s", config_yaml)  # the file holds it (below)
-    point = load_round_point(resume_dir, settings) if resume_dir is not None else None
-    atomic_write_text(output_dir / "config.yaml", config_yaml)
-    log.info(
-        "resolved configuration (fingerprint %s): %s",
-        fingerprint(settings),
-        output_dir / "config.yaml",
-    )
-    log.info("results: %s", output_dir)
-    return output_dir, point
+def check_noise_kept(run_dir: Path, settings: Settings) -> None:
+    """Refuse a new ``fl.rounds`` that would change DP-SGD's σ: with ``dp.target_epsilon`` σ
+    is calibrated to the run's planned rounds, and the rounds already run used the old one
+    (the server would count them with the new σ: a run from 3 to 30 rounds reported ε 0.88
+    where 3.21 had been spent)."""
+    config = run_dir / "config.yaml"
+    if settings.dp.mode is not DPMode.RECORD or not config.is_file():
+        return  # not DP-SGD, or not a run (refused next, by the Run's resume)
+    planned = settings_from_yaml(config.read_text("utf-8")).fl.rounds
+    if planned == settings.fl.rounds:
+        return
+    before = record_plan(replace(settings, fl=replace(settings.fl, rounds=planned)))
+    after = record_plan(settings)
+    if before.noise_multiplier != after.noise_multiplier:
+        raise ValueError(
+            f"resume={run_dir}: under dp=record with dp.target_epsilon, σ is calibrated to "
+            f"fl.rounds: {planned} rounds gave σ {before.noise_multiplier:.4g}, "
+            f"fl.rounds={settings.fl.rounds} gives {after.noise_multiplier:.4g}, and the rounds "
+            f"already run used the first; resume with fl.rounds={planned} (car-fl train: "
+            f"train.epochs={planned}), or start a new run"
+        )
 
 
 def round_recorder(
     settings: Settings, evaluator: ServerEvaluator, output_dir: Path
 ) -> RoundRecorder:
-    """The run's ``evaluate_fn``: its recorder (a checkpoint per round), the server's
-    evaluation; in adapter mode by default the test split once at the end and each round's
-    evaluation in the background while the next round trains (docs/performance.md)."""
+    """The run's ``evaluate_fn``: its Run, the server's evaluation; in adapter mode by default
+    the test split once at the end and each round's evaluation in the background while the
+    next round trains (docs/performance.md)."""
     return RoundRecorder(
-        Recorder(
+        Run(
             settings=settings,
+            kind=FEDERATED,
             output_dir=output_dir,
             label_map=evaluator.label_map,
-            unit="round",
             title=(
                 f"FL, {settings.fl.clients} clients, {data_label(settings.dataset)}, "
                 f"{model_label(settings.model)}"
             ),
-            round_checkpoints=True,
+            describe=lambda: describe(settings, evaluator),
             extra=checkpoint_extra(settings, evaluator.label_map.names, evaluator.model),
         ),
         evaluate=evaluator,
-        describe=lambda: describe(settings, evaluator),
         test=None if evaluator.tests_every_round else evaluator.test,
         background=evaluator.plan.background,
-        patience=settings.train.patience,
     )
 
 
@@ -219,30 +214,12 @@ def check_outcome(
     summary: RunSummary, strategy: GuardedStrategy, output_dir: Path, *, rounds: int
 ) -> None:
     """Fail a run in which every one of the ``rounds`` it ran (``fl.rounds``, or fewer when
-    its patience ended it) failed, naming why per failure code; else log its last line."""
+    its patience ended it) failed, naming why per failure code."""
     if len(summary.skipped_rounds or []) == rounds:
         raise RuntimeError(
             f"every round failed: no client sent a valid update in {rounds} rounds: "
             f"{failure_summary(strategy.history)} (results: {output_dir})"
         )
-    assert summary.final is not None and summary.best is not None
-    log.info(
-        "final test top1 %.4f; best on validation in round %d: test top1 %.4f (round 0, the "
-        "starting point: test top1 %s); results: %s",
-        summary.final.metrics["test_top1"],
-        summary.best.round,
-        summary.best.metrics["test_top1"],
-        starting_point(summary.initial),
-        output_dir,
-    )
-
-
-def starting_point(initial: Mapping[str, float] | None) -> str:
-    """Round 0's test top-1 for the last line, or why there is none (never "nan")."""
-    value = (initial or {}).get("test_top1")
-    if value is None or not math.isfinite(value):
-        return "not evaluated"
-    return f"{value:.4f}"
 
 
 def describe(settings: Settings, evaluator: ServerEvaluator) -> RunSummary:

@@ -134,8 +134,8 @@ class Settings:
     output_dir: str | None = None
     progress: bool = True
     #: Continue a stopped run: resume=<its run directory> (same overrides; fl.rounds, or
-    #: train.epochs for car-fl train, may be raised), from its last round's checkpoint, or its
-    #: last epoch's trainable and optimiser state (car_fl.standalone.resume).
+    #: train.epochs for car-fl train, may be raised), from its newest step's checkpoint and
+    #: optimiser state (car_fl.results.run).
     resume: str | None = None
 
     def __post_init__(self) -> None:

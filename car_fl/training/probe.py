@@ -23,7 +23,8 @@ from car_fl.model.feature_cache import FeatureCache
 from car_fl.model.features import LocalData, prepare_data
 from car_fl.model.retriever import CaRRetriever
 from car_fl.privacy.mechanism import split_adapter
-from car_fl.results.selection import is_better, patience_spent
+from car_fl.results.rows import RoundRow
+from car_fl.results.run import CENTRALIZED, Run
 from car_fl.settings.schema import Mode, Settings
 from car_fl.training.train import evaluate, make_optimizer, one_epoch
 
@@ -38,10 +39,10 @@ def probe_head(settings: Settings, model: CaRRetriever, splits: DataSplits) -> d
     on the frozen features of the training texts (the identity adapter changes nothing; the
     features come from the cache CaR runs fill), with an optimiser of its own. Each epoch is
     scored on validation's cached features (epoch 0 too: the untrained head, as CaR's run
-    scores it) and the head of the best one
-    (:func:`~car_fl.results.selection.is_better`) is kept, so the adapter starts from the head
-    CaR's own run would select; ``train.patience`` ends the probe as it ends training. Without a
-    validation split the last epoch's head is kept. Returns ``history`` and ``selected``."""
+    scores it) and the head of the best one (a :class:`~car_fl.results.run.Run` in memory
+    selects and stops) is kept, so the adapter starts from the head CaR's own run would select;
+    ``train.patience`` ends the probe as it ends training. Without a validation split
+    the last epoch's head is kept. Returns ``history`` and ``selected``."""
 
     def features(split: str) -> LocalData:
         return prepare_data(
@@ -60,9 +61,8 @@ def probe_head(settings: Settings, model: CaRRetriever, splits: DataSplits) -> d
     data = features("train")
     validation = features("validation") if len(splits.validation) else None
     optimizer = make_optimizer(model, settings.train)
+    run = Run(settings, CENTRALIZED, None, splits.label_map)  # in memory: selection, patience
     rows: list[dict[str, float]] = []
-    best: dict[str, float] | None = None
-    best_state = model.trainable_state_dict()
     for epoch in range(settings.train.probe_epochs + 1):  # 0: the untrained head, as in CaR
         row: dict[str, float] = {"epoch": epoch}
         if epoch:
@@ -77,13 +77,18 @@ def probe_head(settings: Settings, model: CaRRetriever, splits: DataSplits) -> d
             )
             row.update(val_top1=scores["top1"], val_loss=scores["loss"])
         rows.append(row)
-        if is_better(row, best):
-            best, best_state = row, model.trainable_state_dict()
-        assert best is not None
-        if patience_spent(epoch - int(best["epoch"]), settings.train.patience):
+        metrics = {k: v for k, v in row.items() if k.startswith("val_")}
+        step = RoundRow(round=epoch, epochs=epoch, metrics=metrics, seconds=0.0)
+        state = model.trainable_state_dict()
+        if epoch:
+            run.record(step, state)
+        else:
+            run.start(step, state)
+        if run.stalled() is not None:
             break
-    assert best is not None
-    model.load_trainable_state_dict(best_state)
+    assert run.best is not None and run.best_state is not None
+    model.load_trainable_state_dict(run.best_state)
+    best = rows[run.best.round]
     log.info(
         "probed the head for %d epochs on frozen features; the adapter starts from probe "
         "epoch %d (val top1 %s)",

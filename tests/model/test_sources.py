@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -57,7 +58,10 @@ def test_what_the_hub_cache_holds_needs_no_hub(empty_cache: Path) -> None:
 class Hub(BaseHTTPRequestHandler):
     """A stand-in Hub API: 200 for the default model, 404 for anything else."""
 
+    asked: ClassVar[list[str]] = []
+
     def do_HEAD(self) -> None:
+        self.asked.append(self.path)
         known = self.path == "/api/models/TinyLlama/TinyLlama-1.1B-Chat-v1.0"
         self.send_response(200 if known else 404)
         self.end_headers()
@@ -80,7 +84,10 @@ def hub(monkeypatch: pytest.MonkeyPatch, empty_cache: Path) -> Iterator[str]:
 
 
 def test_a_hub_that_answers_lets_the_loaders_do_their_work(hub: str) -> None:
+    Hub.asked.clear()
     check_sources(load_settings("dataset.path=/dev/null"))  # the model is on the Hub
+    check_sources(load_settings("dataset.path=/dev/null"))  # car-fl train, then its run
+    assert Hub.asked == ["/api/models/TinyLlama/TinyLlama-1.1B-Chat-v1.0"]  # asked once
     with pytest.raises(SourceError, match=r"answered HTTP 404 for dataset 'ucirvine/sms_spam'"):
         check_sources(load_settings())  # this stand-in Hub has no such dataset
 

@@ -142,7 +142,7 @@ def test_a_deployment_waits_for_missing_nodes_and_refuses_extra_ones() -> None:
 
 
 def test_a_runs_folder_names_the_data_file_it_read_not_the_reader(make_settings) -> None:
-    from car_fl.server.federation import default_output_dir
+    from car_fl.results.run import default_output_dir
 
     folder = default_output_dir(make_settings())
     assert folder.parent.name == "runs"
@@ -151,7 +151,7 @@ def test_a_runs_folder_names_the_data_file_it_read_not_the_reader(make_settings)
 
 def test_a_starting_point_not_evaluated_is_said_so_not_nan() -> None:
     """Issue 43: federated runs printed "(round 0, the starting point: test top1 nan)"."""
-    from car_fl.server.federation import starting_point
+    from car_fl.results.run import starting_point
 
     assert starting_point(None) == "not evaluated"
     assert starting_point({"test_top1": float("nan")}) == "not evaluated"

@@ -23,8 +23,8 @@ from car_fl.data.labels import LabelMap
 from car_fl.privacy.accountant import Accountant
 from car_fl.privacy.accountant import epsilon as rdp_epsilon
 from car_fl.protocol.messages import decode, to_record
-from car_fl.results.recorder import Recorder
 from car_fl.results.rows import CLIENTS_CSV, ClientRow, RunSummary
+from car_fl.results.run import FEDERATED, ResumePoint, Run
 from car_fl.server.aggregation import build_strategy
 from car_fl.server.privacy_check import PrivacyCheck, disagreement
 from car_fl.server.round_recorder import RoundRecorder
@@ -122,12 +122,25 @@ def test_a_claim_within_tolerance_agrees() -> None:
 
 def recorder_of(settings: Settings, out: Path) -> tuple[CaRFedAvg, RoundRecorder]:
     rounds = RoundRecorder(
-        Recorder(
+        Run(
             settings=settings,
+            kind=FEDERATED,
             output_dir=out,
             label_map=LabelMap.from_labels(["a", "b"]),
-            unit="round",
             title="test",
+            describe=lambda: RunSummary(
+                kind="federated",
+                clients=2,
+                mode=Mode.CLASSIFIER,
+                head="classifier",
+                num_labels=2,
+                final=None,
+                best=None,
+                total_seconds=0.0,
+                test_examples=10,
+                selection="validation",
+                data={},
+            ),
         ),
         evaluate=lambda arrays: {
             "val_loss": 1.0,
@@ -135,19 +148,6 @@ def recorder_of(settings: Settings, out: Path) -> tuple[CaRFedAvg, RoundRecorder
             "test_loss": 1.0,
             "test_top1": 0.5,
         },
-        describe=lambda: RunSummary(
-            kind="federated",
-            clients=2,
-            mode=Mode.CLASSIFIER,
-            head="classifier",
-            num_labels=2,
-            final=None,
-            best=None,
-            total_seconds=0.0,
-            test_examples=10,
-            selection="validation",
-            data={},
-        ),
     )
     strategy = CaRFedAvg(spec=SPEC)
     strategy.on_round = rounds.receive
@@ -205,10 +205,10 @@ def test_a_client_claiming_dp_in_a_run_without_dp_is_flagged(tmp_path: Path) -> 
     forged = {"dp-active": 1.0, "dp-epsilon": 0.5, "train-loss": 1.0}
     honest = honest_claims(settings, 1)[0]
     play_round(strategy, rounds, 1, {10: forged, 11: honest})
-    row = rounds.recorder.history[-1]
+    row = rounds.run.history[-1]
     assert row.epsilon == 0.0 and row.dp_active == 0 and row.claims_flagged == 1
     assert "dp-active=1" in rounds.privacy.verdicts[10].mismatch
-    assert rounds.summary(final=False).flagged_clients == [10]
+    assert rounds.run.summary(complete=False).flagged_clients == [10]
 
 
 def test_forged_record_level_figures_are_replaced_by_the_servers(tmp_path: Path) -> None:
@@ -223,7 +223,7 @@ def test_forged_record_level_figures_are_replaced_by_the_servers(tmp_path: Path)
         {10: {**forged, "partition-id": 0.0}, 11: {**honest, "partition-id": 1.0}},
     )
     plan = record_plan(settings)
-    summary = rounds.summary(final=False)
+    summary = rounds.run.summary(complete=False)
     assert summary.flagged_clients == [10]
     for figures in summary.dp_clients.values():
         assert figures.noise_multiplier == plan.noise_multiplier
@@ -268,15 +268,15 @@ def test_after_a_resume_the_servers_epsilon_counts_the_releases_before_it(tmp_pa
         play_round(strategy, rounds, server_round, {10: honest[server_round - 1]})
     # A new server process resumes after round 2 from what the first one wrote
     strategy, resumed = recorder_of(settings, tmp_path / "again")
-    resumed.resume(
-        list(rounds.recorder.history),
-        ClientRow.read_csv(tmp_path / CLIENTS_CSV),
-        dict(rounds.initial),
-        2,
-    )
+    summary = rounds.run.summary(complete=False)
+    checkpoint = rounds.run.checkpoint({}, rounds.run.history[-1])
+    client_rows = ClientRow.read_csv(tmp_path / CLIENTS_CSV)
+    point = ResumePoint(2, checkpoint, list(rounds.run.history), summary, client_rows, None, False)
+    resumed.run.begin(point, data={})
+    resumed.resume(point)
     strategy.round_offset = 2  # as run_federation sets it: Flower counts from 1 again
     play_round(strategy, resumed, 1, {10: honest[2]})
-    row = resumed.recorder.history[-1]
+    row = resumed.run.history[-1]
     assert row.epsilon == pytest.approx(rdp_epsilon({0.5: 3}, settings.dp.delta))
     assert row.claims_flagged == 0  # the honest client's claim (3 releases) agrees
 
@@ -288,7 +288,7 @@ def test_a_node_claiming_another_nodes_partition_cannot_overwrite_its_dp_row(
     strategy, rounds = recorder_of(settings, tmp_path)
     honest = {**honest_claims(settings, 1)[0], "partition-id": 0.0}
     play_round(strategy, rounds, 1, {10: honest, 11: dict(honest)})  # 11 claims partition 0 too
-    rows = rounds.summary(final=False).dp_clients
+    rows = rounds.run.summary(complete=False).dp_clients
     assert set(rows) == {0, 11}  # node 10 keeps partition 0's row; node 11 gets its own
 
 

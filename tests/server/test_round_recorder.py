@@ -12,11 +12,12 @@ from flwr.app import Context, Message
 
 from car_fl.privacy.mechanism import ADAPTER_WEIGHT
 from car_fl.results.checkpoint import load_checkpoint
+from car_fl.results.run import ResumePoint
 from car_fl.server.round_recorder import PatienceSpent, RoundRecorder
 from car_fl.server.round_stats import RoundStats
 from car_fl.simulation.apps import import_app
 from car_fl.simulation.in_process import run_local
-from tests.results.test_recorder import federated_summary, global_model, recorder, scores
+from tests.results.test_run import federated_summary, global_model, make_run, scores
 
 ROUNDS = ("fl.clients=2", "fl.local_epochs=1", "fl.rounds=6")
 
@@ -115,6 +116,16 @@ def test_skipped_rounds_do_not_spend_the_patience_and_a_failed_run_still_fails(
         run_local(settings, client_train=broken)
 
 
+def resumed(rounds: RoundRecorder, history: list, done: int) -> None:
+    """``rounds`` goes on after round ``done`` of ``history`` (started from val top-1 0.2)."""
+    summary = federated_summary()
+    summary.initial, summary.total_seconds = scores(0.2, 1.0, 0.5), 0.0
+    folder = rounds.run.checkpoints / f"round-{done:03d}"
+    point = ResumePoint(done, load_checkpoint(folder), history[:done], summary, [], None, False)
+    rounds.run.begin(point, data={})
+    rounds.resume(point)
+
+
 def record_round(rounds: RoundRecorder, number: int, *, aggregated: bool = True) -> None:
     rounds.receive(RoundStats(round=number, started=0.0, aggregated=aggregated))
     rounds(number - rounds.round_offset, global_model())
@@ -127,7 +138,7 @@ def test_patience_counts_the_rounds_that_trained_since_the_best_one(
     not improve: patience 2 ends the run after round 6, not after 2 (since round 0) nor after 5
     (round 4 trained nothing). Resumed after round 6, the stalled run ends at once; one whose
     last round is the stall's ends normally (nothing left to stop)."""
-    settings = make_settings("fl.rounds=10")
+    settings = make_settings("fl.rounds=10", "train.patience=2")
     val = {0: 0.2, 1: 0.5, 2: 0.4, 3: 0.6, 4: 0.6, 5: 0.5, 6: 0.55}
     step = iter(sorted(val))
 
@@ -135,27 +146,22 @@ def test_patience_counts_the_rounds_that_trained_since_the_best_one(
         return scores(val[next(step)], 1.0, 0.5)
 
     def make() -> RoundRecorder:
-        return RoundRecorder(
-            recorder(settings, tmp_path, unit="round", per_round=True),
-            evaluate=evaluate,
-            describe=federated_summary,
-            patience=2,
-        )
+        return RoundRecorder(make_run(settings, tmp_path), evaluate=evaluate)
 
     rounds = make()
     rounds(0, global_model())
     for number in range(1, 6):
         record_round(rounds, number, aggregated=number != 4)
-        assert rounds.stopped_early is None
+        assert rounds.run.stopped_early is None
     with pytest.raises(PatienceSpent) as stop:
         record_round(rounds, 6)
-    assert stop.value.round == 6 and rounds.stopped_early == 6
-    assert rounds.recorder.best is not None and rounds.recorder.best.round == 3
-    assert [row.skipped for row in rounds.recorder.history] == [0, 0, 0, 1, 0, 0]
+    assert stop.value.round == 6 and rounds.run.stopped_early == 6
+    assert rounds.run.best is not None and rounds.run.best.round == 3
+    assert [row.skipped for row in rounds.run.history] == [0, 0, 0, 1, 0, 0]
 
-    history = list(rounds.recorder.history)
+    history = list(rounds.run.history)
     again = make()
-    again.resume(history, [], scores(0.2, 1.0, 0.5), done=6)
+    resumed(again, history, 6)
     step = iter([6])  # the resumed state is evaluated again
     with pytest.raises(PatienceSpent) as stop:
         again(0, global_model())
@@ -163,11 +169,11 @@ def test_patience_counts_the_rounds_that_trained_since_the_best_one(
 
     settings.fl.rounds = 6  # the stall falls on the last round: the run simply ends there
     last = make()
-    last.resume(history[:5], [], scores(0.2, 1.0, 0.5), done=5)
+    resumed(last, history, 5)
     step = iter([5, 6])
     last(0, global_model())
     record_round(last, 6)
-    assert last.stopped_early is None
+    assert last.run.stopped_early is None
 
 
 @pytest.mark.parametrize(("round_3", "stops"), [(0.45, True), (0.6, False)])
@@ -181,7 +187,7 @@ def test_in_the_background_only_the_round_that_decides_the_patience_is_waited_fo
     later, after a round the run would drop)."""
     import threading
 
-    settings = make_settings("fl.rounds=10")
+    settings = make_settings("fl.rounds=10", "train.patience=2")
     val = {0: 0.2, 1: 0.5, 2: 0.4, 3: round_3}
     gates = {r: threading.Event() for r in val}  # round r's evaluation waits for gates[r]
     step = iter(sorted(val))
@@ -191,31 +197,25 @@ def test_in_the_background_only_the_round_that_decides_the_patience_is_waited_fo
         assert gates[r].wait(10), f"round {r}'s evaluation was never released"
         return scores(val[r], 1.0, 0.5)
 
-    rounds = RoundRecorder(
-        recorder(settings, tmp_path, unit="round", per_round=True),
-        evaluate=evaluate,
-        describe=federated_summary,
-        background=True,
-        patience=2,
-    )
+    rounds = RoundRecorder(make_run(settings, tmp_path), evaluate=evaluate, background=True)
     rounds(0, global_model())  # returns while round 0's evaluation waits
     gates[0].set()
     for number in (1, 2):
         record_round(rounds, number)  # returns while round `number`'s evaluation waits
-        assert [row.round for row in rounds.recorder.history] == list(range(1, number))
+        assert [row.round for row in rounds.run.history] == list(range(1, number))
         gates[number].set()
     gates[3].set()  # round 3 decides: its call waits for the evaluation
     if stops:
         with pytest.raises(PatienceSpent) as stop:
             record_round(rounds, 3)
-        assert stop.value.round == 3 and rounds.stopped_early == 3
+        assert stop.value.round == 3 and rounds.run.stopped_early == 3
     else:
         record_round(rounds, 3)
-        assert rounds.stopped_early is None
-    assert [row.round for row in rounds.recorder.history] == [1, 2, 3]
-    assert rounds.recorder.best is not None
-    assert rounds.recorder.best.round == (1 if stops else 3)
-    rounds.finish()
+        assert rounds.run.stopped_early is None
+    assert [row.round for row in rounds.run.history] == [1, 2, 3]
+    assert rounds.run.best is not None
+    assert rounds.run.best.round == (1 if stops else 3)
+    rounds.schedule.close()
 
 
 def test_probe_rounds_do_not_spend_the_patience(make_settings, tmp_path: Path) -> None:
@@ -225,13 +225,11 @@ def test_probe_rounds_do_not_spend_the_patience(make_settings, tmp_path: Path) -
     val = {0: 0.2, 1: 0.5, 2: 0.4, 3: 0.45, 4: 0.4, 5: 0.4}
 
     def run(*overrides: str) -> int | None:
-        settings = make_settings("mode=adapter", "fl.rounds=10", *overrides)
+        settings = make_settings("mode=adapter", "fl.rounds=10", "train.patience=2", *overrides)
         step = iter(sorted(val))
         rounds = RoundRecorder(
-            recorder(settings, tmp_path / "-".join(overrides), unit="round", per_round=True),
+            make_run(settings, tmp_path / "-".join(overrides)),
             evaluate=lambda arrays: scores(val[next(step)], 1.0, 0.5),
-            describe=federated_summary,
-            patience=2,
         )
         rounds(0, global_model())
         try:

@@ -1,4 +1,5 @@
-"""car_fl.standalone.resume: a stopped centralised run, resumed, ends as an uninterrupted one."""
+"""car_fl.results.run's resume driven by the centralised epochs: a stopped run, resumed, ends
+as an uninterrupted one."""
 
 from __future__ import annotations
 
@@ -9,16 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from car_fl.results import run as run_module
+from car_fl.results.run import OPTIMIZER, Run, load_optimizer_tensors, optimizer_tensors
 from car_fl.simulation.centralized_dp import train_centrally
 from car_fl.standalone import centralized
-from car_fl.standalone import resume as resume_module
 from car_fl.standalone.centralized import run_centralized
-from car_fl.standalone.resume import (
-    LAST,
-    load_optimizer_tensors,
-    optimizer_file,
-    optimizer_tensors,
-)
 
 
 def rows(out: Path) -> list[dict[str, float]]:
@@ -69,8 +65,8 @@ def test_a_run_stopped_in_an_epoch_resumes_and_ends_where_an_uninterrupted_one_d
     left = json.loads((stopped / "metrics.json").read_text())
     assert [row["round"] for row in left["history"]] == [1]
     assert left["summary"]["complete"] is False
-    kept = sorted(p.name for p in (stopped / "checkpoints" / LAST).glob("optimizer-*"))
-    assert kept == [optimizer_file(1)]
+    kept = sorted(p.parent.name for p in (stopped / "checkpoints").glob(f"*/{OPTIMIZER}"))
+    assert kept == ["round-001"]
     assert not (stopped / "checkpoints" / "final").exists()
 
     resumed = run_centralized(make_settings(*overrides, f"resume={stopped}"), stopped)
@@ -173,37 +169,40 @@ def test_dp_sgd_on_one_machine_resumes_as_the_federation_of_one_it_is(
     assert summary["complete"] is True
 
 
-@pytest.mark.parametrize("where", ["before checkpoints/last", "between its two files"])
+@pytest.mark.parametrize("where", ["between its optimiser and its weights", "after its row"])
 def test_a_run_stopped_at_any_point_of_its_epoch_end_resumes_to_the_same_end(
     make_settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
-    """Stopped between epoch 2's row and its checkpoints/last, or between the optimiser file
-    and the weights: the resume starts from a state whose row and optimiser match it (epoch
-    1's), trains epoch 2 again and ends as an uninterrupted run does."""
+    """Stopped in epoch 2's checkpoint between the optimiser file and the weights (the
+    resume goes on from epoch 1, whose optimiser is still there, and trains epoch 2 again), or
+    after epoch 2's row before epoch 1's optimiser file is removed (it goes on from epoch 2):
+    it ends as an uninterrupted run does."""
     overrides = ["train.epochs=3", "train.lr=0.01", "train.weight_decay=0.01"]
     whole = tmp_path / "whole"
     run_centralized(make_settings(*overrides), whole)
-    real_last, real_save = centralized.save_last, resume_module.save_checkpoint
-
-    def stop_last(folder, checkpoint, optimizer):
-        if checkpoint.round == 2:
-            raise KeyboardInterrupt
-        real_last(folder, checkpoint, optimizer)
+    real_save, real_write = run_module.save_checkpoint, Run.write
 
     def stop_in_save(folder, checkpoint):
-        if checkpoint.round == 2:  # after optimizer-0002 was written
+        if folder.name == "round-002":  # after its optimizer.safetensors was written
             raise KeyboardInterrupt
         return real_save(folder, checkpoint)
 
+    def stop_after_row(self, *, complete):
+        real_write(self, complete=complete)
+        if len(self.history) == 2:
+            raise KeyboardInterrupt
+
     run = tmp_path / "run"
     with monkeypatch.context() as patch:
-        if where == "before checkpoints/last":
-            patch.setattr(centralized, "save_last", stop_last)
+        if where == "after its row":
+            patch.setattr(Run, "write", stop_after_row)
         else:
-            patch.setattr(resume_module, "save_checkpoint", stop_in_save)
+            patch.setattr(run_module, "save_checkpoint", stop_in_save)
         with pytest.raises(KeyboardInterrupt):
             run_centralized(make_settings(*overrides), run)
-    assert len(json.loads((run / "metrics.json").read_text())["history"]) == 2
+    rows_left = len(json.loads((run / "metrics.json").read_text())["history"])
+    assert rows_left == (2 if where == "after its row" else 1)
+    assert (run / "checkpoints" / "round-002" / OPTIMIZER).is_file()
     run_centralized(make_settings(*overrides, f"resume={run}"), run)
     assert rows(run) == rows(whole)
     a, b = final_state(whole), final_state(run)
@@ -220,7 +219,7 @@ def test_a_run_stopped_after_its_last_epoch_is_finished_by_a_resume_without_more
         def stop(*args, **kwargs):
             raise KeyboardInterrupt
 
-        patch.setattr(centralized.Recorder, "save_final", stop)
+        patch.setattr(Run, "end", stop)
         with pytest.raises(KeyboardInterrupt):
             run_centralized(make_settings(*overrides), run)
     assert json.loads((run / "metrics.json").read_text())["summary"]["complete"] is False

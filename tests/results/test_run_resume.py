@@ -1,6 +1,6 @@
-"""car_fl.results.resume: one procedure reads every kind of stopped run back, and refuses a
-folder it cannot continue before any work (the runs end to end: tests/standalone/test_resume.py,
-tests/server/test_federation_runs.py)."""
+"""car_fl.results.run.load_resume_point: one procedure reads every kind of stopped run back,
+and refuses a folder it cannot continue before any work (the runs end to end:
+tests/standalone/test_resume.py, tests/server/test_federation_runs.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 
 from car_fl.data.labels import LabelMap
 from car_fl.results.checkpoint import Checkpoint, save_checkpoint
-from car_fl.results.resume import check_run_dir, load_resume_point
 from car_fl.results.rows import MetricsFile, RoundRow, RunSummary
+from car_fl.results.run import CENTRALIZED, FEDERATED, check_run_dir, load_resume_point
 from car_fl.settings.compose import load_settings, settings_to_yaml
 from car_fl.settings.schema import Settings
 
@@ -70,16 +70,8 @@ def write_run(
         )
 
 
-def resume(folder: Path, settings: Settings, **kwargs):
-    options = {
-        "kind": "federated",
-        "steps": settings.fl.rounds,
-        "steps_key": "fl.rounds",
-        "unit": "round",
-        "may_change": ("fl.rounds",),
-        "fix": "resume it with the same overrides",
-    }
-    return load_resume_point(folder, settings, **{**options, **kwargs})
+def resume(folder: Path, settings: Settings, kind=FEDERATED):
+    return load_resume_point(folder, settings, kind)
 
 
 def test_the_newest_checkpoint_that_loads_is_where_the_run_goes_on(
@@ -101,7 +93,7 @@ def test_a_run_of_the_other_kind_is_refused_naming_both(settings: Settings, tmp_
     with pytest.raises(ValueError, match=r"that is a centralised run .* and this is a federation"):
         resume(tmp_path, settings)
     with pytest.raises(FileNotFoundError, match=r"config\.yaml is missing; resume= takes"):
-        check_run_dir(tmp_path / "elsewhere", "federated")
+        check_run_dir(tmp_path / "elsewhere", FEDERATED)
 
 
 def test_other_settings_a_finished_run_and_rows_changed_by_hand_are_refused(
@@ -118,9 +110,14 @@ def test_other_settings_a_finished_run_and_rows_changed_by_hand_are_refused(
     write_run(tmp_path / "done", settings, rounds=3, complete=True)
     with pytest.raises(ValueError, match=r"already has 3 rounds; raise fl\.rounds above it"):
         resume(tmp_path / "done", settings)
-    # every round done but the end not written: the point says so, its caller decides
+    # every step done but the end not written: a centralised run writes its end, a
+    # federation (whose server may have lost its last round's evaluation) is refused
     write_run(tmp_path / "unwritten", settings, rounds=3, complete=False)
-    assert resume(tmp_path / "unwritten", settings).finished
+    with pytest.raises(ValueError, match=r"already has 3 rounds"):
+        resume(tmp_path / "unwritten", settings)
+    central = load_settings(["train.epochs=3", "train.patience=2"])
+    write_run(tmp_path / "epochs", central, kind="centralized", rounds=3, complete=False)
+    assert resume(tmp_path / "epochs", central, CENTRALIZED).finished
 
     write_run(tmp_path / "gap", settings, rounds=3, skip_row=2)
     with pytest.raises(ValueError, match=r"does not hold rounds 1 to 3 .* changed by hand"):

@@ -1,4 +1,4 @@
-"""car_fl.results.recorder: one recorder for epochs and rounds; selection on validation."""
+"""car_fl.results.run: one Run for epochs, rounds and the probe; selection on validation."""
 
 from __future__ import annotations
 
@@ -15,9 +15,8 @@ from car_fl.data.labels import LabelMap
 from car_fl.privacy.accountant import epsilon as rdp_epsilon
 from car_fl.protocol.messages import from_record, to_record
 from car_fl.results.checkpoint import load_checkpoint
-from car_fl.results.recorder import Recorder, round_line
 from car_fl.results.rows import CLIENTS_CSV, ClientRow, MetricsFile, RoundRow, RunSummary
-from car_fl.server.resume import load_round_point
+from car_fl.results.run import CENTRALIZED, FEDERATED, Kind, Run, load_resume_point, round_line
 from car_fl.server.round_recorder import RoundRecorder
 from car_fl.settings.compose import settings_to_yaml
 from car_fl.settings.schema import Mode, Settings
@@ -43,21 +42,21 @@ def scores(val_top1: float, val_loss: float, test_top1: float) -> dict[str, floa
     }
 
 
-def recorder(settings: Settings, out: Path, *, unit: str, per_round: bool) -> Recorder:
-    return Recorder(
+def make_run(settings: Settings, out: Path, kind: Kind = FEDERATED) -> Run:
+    return Run(
         settings=settings,
+        kind=kind,
         output_dir=out,
         label_map=LABELS,
-        unit=unit,
         title="test",
-        round_checkpoints=per_round,
+        describe=federated_summary,
     )
 
 
 def test_best_follows_validation_and_its_checkpoint_is_that_rounds_model(
     make_settings, tmp_path: Path
 ) -> None:
-    rec = recorder(make_settings(), tmp_path, unit="epoch", per_round=False)
+    rec = make_run(make_settings(), tmp_path, CENTRALIZED)
     # Test top-1 falls while validation rises: selecting on test would keep epoch 1.
     for epoch, (val, loss, test) in enumerate([(0.5, 1.0, 0.9), (0.7, 0.9, 0.6), (0.7, 0.8, 0.3)]):
         row = RoundRow(
@@ -73,15 +72,16 @@ def test_best_follows_validation_and_its_checkpoint_is_that_rounds_model(
     best = load_checkpoint(tmp_path / "checkpoints" / "best")
     assert best.round == 3 and best.metrics == rec.best.to_dict()
     assert torch.equal(best.state["w"], torch.full((3,), 3.0))
-    assert not list((tmp_path / "checkpoints").glob("round-*"))  # only when asked for
-    rec.save_final({"w": torch.zeros(3)})
+    steps = sorted(p.name for p in (tmp_path / "checkpoints").glob("round-*"))
+    assert steps == ["round-001", "round-002", "round-003"]  # one checkpoint per step
+    rec.end({"w": torch.zeros(3)})
     assert load_checkpoint(tmp_path / "checkpoints" / "final").round == 3
 
 
 def test_the_starting_point_is_selected_when_every_trained_epoch_is_worse_on_validation(
     make_settings, tmp_path: Path
 ) -> None:
-    rec = recorder(make_settings(), tmp_path, unit="epoch", per_round=False)
+    rec = make_run(make_settings(), tmp_path, CENTRALIZED)
     start = RoundRow(round=0, epochs=0, metrics=scores(0.6, 1.0, 0.6), seconds=0.0)
     rec.start(start, {"w": torch.zeros(3)})
     for epoch, val in enumerate([0.5, 0.6]):  # worse, then equal top-1 at a higher loss
@@ -101,13 +101,11 @@ def test_the_starting_point_is_selected_when_every_trained_epoch_is_worse_on_val
 
 
 def test_a_round_without_validation_selects_the_latest() -> None:
-    rec = Recorder(
-        settings=Settings(), output_dir=Path("."), label_map=LABELS, unit="round", title=""
-    )
+    rec = Run(settings=Settings(), kind=FEDERATED, output_dir=None, label_map=LABELS)
     for r, top1 in ((1, 0.9), (2, 0.1)):
         no_val = {"test_top1": top1, "test_loss": 0.0}
-        assert rec.add(RoundRow(round=r, epochs=r, metrics=no_val, seconds=0.0))
-    assert rec.best is not None and rec.best.round == 2
+        rec.record(RoundRow(round=r, epochs=r, metrics=no_val, seconds=0.0), {})
+        assert rec.best is not None and rec.best.round == r
 
 
 def test_round_line_is_one_fixed_format_line() -> None:
@@ -199,9 +197,8 @@ def test_the_strategy_hands_its_round_statistics_to_the_recorder(
     (tmp_path / "config.yaml").write_text(settings_to_yaml(settings))
     evaluations = iter([scores(0.3, 1.0, 0.3), scores(0.6, 0.9, 0.5), scores(0.5, 0.8, 0.7)])
     rounds = RoundRecorder(
-        recorder(settings, tmp_path, unit="round", per_round=True),
+        make_run(settings, tmp_path),
         evaluate=lambda arrays: next(evaluations),
-        describe=federated_summary,
     )
     strategy = CaRFedAvg(spec=SPEC)
     strategy.on_round = rounds.receive
@@ -211,7 +208,7 @@ def test_the_strategy_hands_its_round_statistics_to_the_recorder(
     round_of(strategy, rounds, 1, (0.0, 0.0), active=0.0)  # the warm-up round
     round_of(strategy, rounds, 2, (one, 0.5), active=1.0)  # node 12 claims less than it spent
 
-    history = rounds.recorder.history
+    history = rounds.run.history
     assert [row.round for row in history] == [1, 2]
     first, second = history
     assert first.epochs == 2 and first.clients_ok == 2 and first.clients_rejected == 0
@@ -222,36 +219,34 @@ def test_the_strategy_hands_its_round_statistics_to_the_recorder(
     assert [row.epsilon for row in history] == [0.0, one]
     assert [row.claims_flagged for row in history] == [0, 1]
     assert [row.dp_active for row in history] == [0, 1] and first.skipped == 0
-    assert [(r.round, r.node, r.dp_epsilon, r.server_epsilon) for r in rounds.client_rows] == [
+    assert rounds.run.client_rows is not None
+    assert [(r.round, r.node, r.dp_epsilon, r.server_epsilon) for r in rounds.run.client_rows] == [
         (1, 11, 0.0, 0.0),
         (1, 12, 0.0, 0.0),
         (2, 11, one, one),
         (2, 12, 0.5, one),
     ]
-    assert [bool(r.claim_mismatch) for r in rounds.client_rows] == [False, False, False, True]
+    assert [bool(r.claim_mismatch) for r in rounds.run.client_rows] == [False, False, False, True]
     # Files after every round; the best round (on validation) has its checkpoint.
     metrics = MetricsFile.read(tmp_path)
     assert same(metrics.history, history) and metrics.summary.complete is False
     # Round 2 has the better test top-1, round 1 the better validation top-1.
     assert metrics.summary.best == history[0] and metrics.summary.initial == scores(0.3, 1.0, 0.3)
     assert metrics.summary.epsilon == one and metrics.summary.flagged_clients == [12]
-    assert ClientRow.read_csv(tmp_path / CLIENTS_CSV) == rounds.client_rows
+    assert ClientRow.read_csv(tmp_path / CLIENTS_CSV) == rounds.run.client_rows
     ckpt = load_checkpoint(tmp_path / "checkpoints" / "round-002")
     assert ckpt.epsilon == one and same(ckpt.metrics, history[1].to_dict())
     assert load_checkpoint(tmp_path / "checkpoints" / "best").round == 1
 
     # Resume reads the same typed rows back and restores selection and ε.
-    point = load_round_point(tmp_path, settings)
-    assert point.round == 2 and same(point.saved.history, history)
-    assert point.client_rows == rounds.client_rows
-    assert point.saved.initial == scores(0.3, 1.0, 0.3)
-    again = RoundRecorder(
-        recorder(settings, tmp_path, unit="round", per_round=True),
-        evaluate=lambda arrays: scores(0.0, 0.0, 0.0),
-        describe=federated_summary,
-    )
-    again.resume(point.saved.history, point.client_rows, point.saved.initial, done=point.round)
-    assert again.recorder.best == history[0] and again.privacy.last_epsilon == one
+    point = load_resume_point(tmp_path, settings, FEDERATED)
+    assert point.done == 2 and same(point.history, history)
+    assert point.client_rows == rounds.run.client_rows and point.optimizer is None
+    assert point.initial == scores(0.3, 1.0, 0.3)
+    again = RoundRecorder(make_run(settings, tmp_path), evaluate=lambda a: scores(0, 0, 0))
+    again.run.begin(point, data={})
+    again.resume(point)
+    assert again.run.best == history[0] and again.privacy.last_epsilon == one
     assert again.privacy.flagged == {12}
     assert json.loads((tmp_path / "metrics.json").read_text())["summary"]["epsilon"] == one
 
@@ -271,9 +266,8 @@ def test_a_hostile_clients_metrics_cannot_end_the_run_or_poison_epsilon(
     # With a cap on claimed examples, the server does not check the claimed partition id.
     settings = make_settings()
     rounds = RoundRecorder(
-        recorder(settings, tmp_path, unit="round", per_round=False),
+        make_run(settings, tmp_path),
         evaluate=lambda arrays: scores(0.5, 1.0, 0.5),
-        describe=federated_summary,
     )
     strategy = CaRFedAvg(spec=SPEC, max_examples=100)
     strategy.on_round = rounds.receive
@@ -282,7 +276,7 @@ def test_a_hostile_clients_metrics_cannot_end_the_run_or_poison_epsilon(
     arrays, _ = strategy.aggregate_train(1, [hostile, honest])  # the hostile reply first
     assert arrays is not None
     rounds(1, arrays)  # evaluates and records the round without raising
-    row = rounds.recorder.history[-1]
+    row = rounds.run.history[-1]
     assert row.clients_ok == 2
     assert row.epsilon == 0.0  # the server's figure under dp=none; no claim takes over
     assert rounds.privacy.verdicts[11].mismatch == ""
@@ -292,9 +286,8 @@ def test_a_hostile_clients_metrics_cannot_end_the_run_or_poison_epsilon(
 
 def test_a_round_the_strategy_never_handed_over_is_an_error(make_settings, tmp_path: Path) -> None:
     rounds = RoundRecorder(
-        recorder(make_settings(), tmp_path, unit="round", per_round=True),
+        make_run(make_settings(), tmp_path),
         evaluate=lambda arrays: scores(0.5, 1.0, 0.5),
-        describe=federated_summary,
     )
     with pytest.raises(RuntimeError, match="handed over no statistics"):
         rounds(1, global_model())
@@ -308,13 +301,13 @@ def test_centralised_and_federated_runs_record_through_the_same_recorder(
     from car_fl.simulation.in_process import run_local
 
     calls: list[tuple[str, int]] = []
-    record = Recorder.record
+    record = Run.record
 
-    def spy(self: Recorder, row: RoundRow, state, **kwargs) -> None:
+    def spy(self: Run, row: RoundRow, state, **kwargs) -> None:
         calls.append((self.unit, row.round))
         record(self, row, state, **kwargs)
 
-    monkeypatch.setattr(Recorder, "record", spy)
+    monkeypatch.setattr(Run, "record", spy)
     run_centralized(make_settings("train.epochs=2"), tmp_path / "central")
     out = tmp_path / "fl"
     run_local(make_settings("fl.rounds=1", "fl.local_epochs=1", f"output_dir={out}"))
@@ -331,8 +324,8 @@ def test_a_background_evaluation_lets_the_next_round_start_and_the_end_tests_bes
     make_settings, tmp_path: Path
 ) -> None:
     """``background``: the call returns while the evaluation runs; the round is recorded at
-    the next call (or at ``finish``). ``test``: only the best and the final state get test
-    metrics, at ``finish``, in their rows and checkpoints."""
+    the next call (or at ``close``). ``test``: only the best and the final state get test
+    metrics, at ``close``, in their rows and checkpoints."""
     import threading
 
     settings = make_settings("dp=none")
@@ -353,9 +346,8 @@ def test_a_background_evaluation_lets_the_next_round_start_and_the_end_tests_bes
         return {"test_top1": 0.1 * float(state["w"][0]), "test_loss": 0.5}
 
     rounds = RoundRecorder(
-        recorder(settings, tmp_path, unit="round", per_round=True),
+        make_run(settings, tmp_path),
         evaluate=evaluate,
-        describe=federated_summary,
         test=test,
         background=True,
     )
@@ -365,12 +357,12 @@ def test_a_background_evaluation_lets_the_next_round_start_and_the_end_tests_bes
     gates[0].set()
     for r in (1, 2, 3):
         round_of(strategy, rounds, r, (0.0, 0.0), active=0.0)  # returns while r's waits
-        assert [row.round for row in rounds.recorder.history] == list(range(1, r))
+        assert [row.round for row in rounds.run.history] == list(range(1, r))
         gates[r].set()
-    rounds.finish(final_state={"w": torch.full((3,), 3.0)})
-    history = rounds.recorder.history
+    rounds.close({"w": torch.full((3,), 3.0)}, round=3)
+    history = rounds.run.history
     assert [row.round for row in history] == [1, 2, 3] and started == [0.0, 1.0, 2.0, 3.0]
-    assert rounds.recorder.best is history[1] and tested == [2.0, 3.0]
+    assert rounds.run.best is history[1] and tested == [2.0, 3.0]
     assert history[1].metrics["test_top1"] == pytest.approx(0.2)
     assert history[2].metrics["test_top1"] == pytest.approx(0.3)
     assert math.isnan(history[0].metrics["test_top1"])
@@ -386,20 +378,16 @@ def test_a_running_runs_plot_is_drawn_at_most_every_plot_seconds_and_always_at_i
 ) -> None:
     """Drawing costs more than a round of a small head: while the run goes on, the metrics
     files are written every round and the plot at most every PLOT_SECONDS."""
-    from car_fl.results import recorder as module
+    from car_fl.results import run as module
 
     drawn: list[int] = []
     monkeypatch.setattr(module, "plot_curves", lambda *a, **k: drawn.append(len(a[1])))
     clock = iter([0.0, 1.0, 2.0, module.PLOT_SECONDS + 5.0, module.PLOT_SECONDS + 6.0])
     monkeypatch.setattr(module.time, "monotonic", lambda: next(clock))
-    rec = Recorder(
-        settings=Settings(), output_dir=tmp_path, label_map=LABELS, unit="round", title=""
-    )
+    rec = make_run(Settings(), tmp_path)
     for r in range(1, 6):
         metrics = {"val_top1": 0.1 * r, "val_loss": 1.0, "test_top1": 0.5, "test_loss": 1.0}
-        rec.add(RoundRow(round=r, epochs=r, metrics=metrics, seconds=0.0))
-        summary = federated_summary()
-        summary.complete = r == 5
-        rec.write(summary)
+        rec.history.append(RoundRow(round=r, epochs=r, metrics=metrics, seconds=0.0))
+        rec.write(complete=r == 5)
         assert len(MetricsFile.read(tmp_path).history) == r  # the rows: every round
     assert drawn == [1, 4, 5]  # the first, one after PLOT_SECONDS, the end

@@ -1,0 +1,573 @@
+"""One run, whatever drives it: its folder, rows, selection, patience, checkpoints, resume, end.
+
+The centralised epochs (:mod:`car_fl.standalone.centralized`), the federation's rounds (its
+``evaluate_fn``, :mod:`car_fl.server.round_recorder`) and the linear probe
+(:mod:`car_fl.training.probe`, a run in memory) each drive a :class:`Run`; nothing else selects,
+counts patience, checkpoints or resumes (docs/architecture.md, "One run").
+
+Guarantees: selection is on validation only (:mod:`car_fl.results.selection`); a checkpoint
+folder ``checkpoints/round-NNN`` per step (an epoch or a round) holds its optimiser's state
+when the run has one, written before the step's row, so a run stopped at any point resumes
+from the newest step whose checkpoint loads and ends where an uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save
+
+from car_fl.common.io import atomic_write_bytes, atomic_write_text
+from car_fl.data.labels import LabelMap
+from car_fl.results.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from car_fl.results.plots import plot_curves
+from car_fl.results.rows import (
+    CLIENTS_CSV,
+    METRICS_JSON,
+    ClientRow,
+    MetricsFile,
+    RoundRow,
+    RunSummary,
+)
+from car_fl.results.selection import is_better, patience_spent, select_best
+from car_fl.settings.compose import settings_from_yaml, settings_to_yaml
+from car_fl.settings.flat import refuse_other_settings
+from car_fl.settings.flower import NODE_LOCAL_KEYS, fingerprint
+from car_fl.settings.schema import Settings, federated_part
+
+log = logging.getLogger(__name__)
+
+#: Seconds between two drawings of a running run's ``curves.png`` (its end always draws it).
+PLOT_SECONDS = 30.0
+#: The optimiser's state beside a step's weights (a run whose steps keep one optimiser).
+OPTIMIZER = "optimizer.safetensors"
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What differs between the kinds of run: names, the step's setting, what a resume may
+    change."""
+
+    name: str
+    unit: str
+    steps_key: str
+    described: str
+    may_change: tuple[str, ...]
+
+    def steps(self, settings: Settings) -> int:
+        return int(settings.fl.rounds if self.name == "federated" else settings.train.epochs)
+
+    def comparable(self, saved: Settings) -> Settings:
+        """A saved run's settings as a resume compares them (a federation saved before it
+        refused train.probe_epochs, which it ignored, is the same configuration)."""
+        return federated_part(saved) if self.name == "federated" else saved
+
+
+CENTRALIZED = Kind(
+    "centralized",
+    "epoch",
+    "train.epochs",
+    "a centralised run (car-fl train)",
+    ("output_dir", "cache_dir", "resume", "progress", "device", "train.epochs"),
+)
+FEDERATED = Kind(
+    "federated",
+    "round",
+    "fl.rounds",
+    "a federation (car-fl run / flwr run ., or car-fl train dp=record)",
+    (*NODE_LOCAL_KEYS, "fl.rounds", "train.epochs"),
+)
+KINDS = {kind.name: kind for kind in (CENTRALIZED, FEDERATED)}
+
+
+def round_line(row: RoundRow, *, unit: str = "round") -> str:
+    """The fixed-format log line of one round (or epoch)."""
+    m = row.metrics
+    val = f"val loss {m['val_loss']:.4f} top1 {m['val_top1']:.4f} | " if "val_top1" in m else ""
+    train_loss = row.train_loss if row.train_loss is not None else float("nan")
+    train_acc = row.train_accuracy if row.train_accuracy is not None else float("nan")
+    test = (
+        f"test loss {m['test_loss']:.4f} top1 {m['test_top1']:.4f}"
+        if math.isfinite(m.get("test_top1", math.nan))
+        else "test at the end"  # eval.test_every_round=false: the selected and final state
+    )
+    return (
+        f"{unit} {row.round:>3d} | train loss {train_loss:.4f} acc {train_acc:.4f} | {val}"
+        f"{test} | {row.seconds:.1f}s | "
+        f"sent {row.bytes_sent:,} B recv {row.bytes_received:,} B"
+        + (f" | ε {row.epsilon:.4g}" if row.dp_active else "")
+    )
+
+
+def brief(metrics: dict[str, float]) -> str:
+    """``val``/``test`` loss and top-1 of a row's metrics, those that were evaluated."""
+    parts = [
+        f"{split} loss {metrics[f'{split}_loss']:.4f} top1 {metrics[f'{split}_top1']:.4f}"
+        for split in ("val", "test")
+        if math.isfinite(metrics.get(f"{split}_top1", math.nan))
+    ]
+    return ", ".join(parts) or "not evaluated"
+
+
+def default_output_dir(settings: Settings) -> Path:
+    """``runs/<date>-<time>-<data>-<model>-<mode>``: where a run writes without ``output_dir``."""
+    data = settings.dataset.label.rsplit(".", 1)[0]  # synthetic.tsv -> synthetic
+    name = f"{time.strftime('%Y%m%d-%H%M%S')}-{data}-{settings.model.name}-{settings.train.mode}"
+    return Path("runs") / re.sub(r"[^A-Za-z0-9_.-]+", "-", name)
+
+
+@dataclass
+class ResumePoint:
+    """Where a stopped run goes on: after step ``done``, from its ``checkpoint`` (and its
+    ``optimizer`` state, if it kept one), with the rows and files the run had written."""
+
+    done: int
+    checkpoint: Checkpoint
+    history: list[RoundRow]
+    summary: RunSummary
+    client_rows: list[ClientRow]
+    optimizer: dict[str, torch.Tensor] | None
+    #: Every planned step is done (or the patience ran out) but the end was not written.
+    finished: bool
+
+    @property
+    def initial(self) -> dict[str, float]:
+        """The starting point's metrics (step 0)."""
+        return self.summary.initial or {}
+
+
+def check_run_dir(run_dir: Path, kind: Kind) -> None:
+    """Refuse, in seconds and before any other work, a folder that is not a run of ``kind``."""
+    for name in ("config.yaml", METRICS_JSON):
+        if not (run_dir / name).is_file():
+            raise FileNotFoundError(
+                f"resume={run_dir}: {name} is missing; resume= takes the folder of "
+                f"{kind.described} that has run at least one step"
+            )
+    saved = json.loads((run_dir / METRICS_JSON).read_text(encoding="utf-8")).get("kind")
+    if saved != kind.name:
+        other = KINDS[saved].described if saved in KINDS else repr(saved)
+        raise ValueError(
+            f"resume={run_dir}: that is {other}, and this is {kind.described}; resume it the "
+            "way it was started"
+        )
+
+
+def open_run_dir(settings: Settings, kind: Kind) -> tuple[Path, ResumePoint | None]:
+    """The run's folder (the resumed run's, ``output_dir`` or :func:`default_output_dir`) and
+    the point to resume from; a new run's ``config.yaml`` is written here, a resumed run's once
+    :meth:`Run.begin` has found its data the same. The one writer of a run's folder."""
+    resume_dir = Path(settings.resume).resolve() if settings.resume else None
+    point = load_resume_point(resume_dir, settings, kind) if resume_dir is not None else None
+    out = resume_dir or Path(settings.output_dir or default_output_dir(settings)).resolve()
+    log.debug("resolved configuration:\n%s", settings_to_yaml(settings))
+    if point is None:
+        write_config(settings, out)
+    log.info("results: %s", out)
+    return out, point
+
+
+def write_config(settings: Settings, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "config.yaml", settings_to_yaml(settings))
+    log.info(
+        "resolved configuration (fingerprint %s): %s", fingerprint(settings), out / "config.yaml"
+    )
+
+
+def load_resume_point(run_dir: Path, settings: Settings, kind: Kind) -> ResumePoint:
+    """The newest step of the ``kind`` run in ``run_dir`` whose checkpoint loads, to go on
+    with ``settings``. Refused (``ValueError``/``FileNotFoundError``, saying what to do) when
+    the folder is not such a run, a setting other than ``kind.may_change`` differs, the run
+    ended by its patience, or it has every step and its end."""
+    check_run_dir(run_dir, kind)
+    saved = kind.comparable(settings_from_yaml((run_dir / "config.yaml").read_text("utf-8")))
+    fix = f"resume it with the same overrides (only {kind.steps_key} may change)"
+    refuse_other_settings(run_dir, saved, settings, may_change=kind.may_change, fix=fix)
+    metrics = MetricsFile.read(run_dir)
+    summary, unit, steps = metrics.summary, kind.unit, kind.steps(settings)
+    if summary.stopped_early is not None:
+        raise ValueError(
+            f"resume={run_dir}: that run ended after {unit} {summary.stopped_early}, when "
+            f"train.patience={settings.train.patience} {unit}s had not improved on validation: "
+            "it finished, it was not interrupted; to train longer start a new run (a larger "
+            "train.patience)"
+        )
+    for row in reversed(metrics.history):
+        folder = run_dir / "checkpoints" / f"round-{row.round:03d}"
+        try:
+            checkpoint = load_checkpoint(folder)
+            optimizer = load_optimizer(folder, checkpoint.round)
+        except (OSError, ValueError, SafetensorError) as err:
+            log.warning("resume: skipping %s (%s)", folder.name, err)
+            continue
+        done = checkpoint.round
+        history = [row for row in metrics.history if row.round <= done]
+        if [row.round for row in history] != list(range(1, done + 1)):
+            raise ValueError(
+                f"resume={run_dir}: metrics.json does not hold {unit}s 1 to {done} of "
+                f"{folder.name}; it was changed by hand, or is another run's; start a new run"
+            )
+        if done >= steps and (summary.complete or kind is FEDERATED):
+            raise ValueError(
+                f"resume={run_dir}: the run already has {done} {unit}s; raise "
+                f"{kind.steps_key} above it"
+            )
+        clients = run_dir / CLIENTS_CSV
+        client_rows = ClientRow.read_csv(clients) if clients.is_file() else []
+        return ResumePoint(
+            done=done,
+            checkpoint=checkpoint,
+            history=history,
+            summary=summary,
+            client_rows=[row for row in client_rows if row.round <= done],
+            optimizer=optimizer,
+            finished=done >= steps,
+        )
+    raise ValueError(
+        f"resume={run_dir}: no complete {unit} checkpoint to continue from: the run was "
+        f"stopped before its first {unit} ended; start it again"
+    )
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The optimiser's per-parameter state as flat tensors (``"<parameter>.<name>"``);
+    its hyper-parameters are the run's settings and are not kept."""
+    out: dict[str, torch.Tensor] = {}
+    for index, values in optimizer.state_dict()["state"].items():
+        for name, value in values.items():
+            if isinstance(value, torch.Tensor):
+                out[f"{index}.{name}"] = value.detach().cpu().contiguous()
+            elif value is not None:
+                raise TypeError(f"optimizer state {index}.{name} is not a tensor: {value!r}")
+    return out
+
+
+def load_optimizer_tensors(
+    optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]
+) -> None:
+    """Restore :func:`optimizer_tensors` into ``optimizer`` (built over the same parameters);
+    ``ValueError`` if they belong to other parameters."""
+    content = optimizer.state_dict()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        index, _, name = key.partition(".")
+        if not index.isdigit() or int(index) >= len(params):
+            raise ValueError(f"optimizer state {key!r} is for a parameter this model lacks")
+        param = params[int(index)]
+        if value.dim() and value.shape != param.shape:
+            raise ValueError(
+                f"optimizer state {key!r} has shape {tuple(value.shape)}, its parameter "
+                f"{tuple(param.shape)}"
+            )
+        state.setdefault(int(index), {})[name] = value
+    content["state"] = state
+    optimizer.load_state_dict(content)
+
+
+def load_optimizer(folder: Path, step: int) -> dict[str, torch.Tensor] | None:
+    """The optimiser's state kept beside step ``step``'s weights (None: the run keeps none)."""
+    path = folder / OPTIMIZER
+    if not path.is_file():
+        return None
+    with safe_open(str(path), framework="pt") as handle:
+        if (handle.metadata() or {}).get("step") != str(step):
+            raise ValueError(f"{path.name} is not step {step}'s")
+    return load_file(str(path))
+
+
+@dataclass
+class Run:
+    """Rows, selection, patience, checkpoints, resume, files and end of one run.
+
+    ``output_dir`` None: a run in memory (the linear probe): selection and patience only.
+    """
+
+    settings: Settings
+    kind: Kind
+    output_dir: Path | None
+    label_map: LabelMap
+    #: The plot's title.
+    title: str = ""
+    #: What the summary says of the run beyond its rows (clients, data, selection, ...).
+    describe: Callable[[], RunSummary] | None = None
+    #: Whether a row spends the patience (default: one that trained, not skipped).
+    counts: Callable[[RoundRow], bool] = lambda row: not row.skipped
+    #: What every checkpoint also records (a corpus's digest, a mixture of experts' layout).
+    extra: dict[str, Any] = field(default_factory=dict)
+    history: list[RoundRow] = field(default_factory=list)
+    best: RoundRow | None = None
+    #: The starting point (step 0, before any training), evaluated like any other row and a
+    #: candidate for ``best``, so that selection never keeps a trained model worse on
+    #: validation than the one it started from. Not part of :attr:`history`.
+    initial: RoundRow | None = None
+    #: A federation's rows per client and round (``clients.csv``); None: not written.
+    client_rows: list[ClientRow] | None = None
+    #: The step after which :attr:`patience` ended the run (None: it has not).
+    stopped_early: int | None = None
+    started: float = field(default_factory=time.perf_counter)
+    best_state: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+    plotted_at: float | None = field(default=None, repr=False)
+
+    @property
+    def unit(self) -> str:
+        return self.kind.unit
+
+    @property
+    def checkpoints(self) -> Path:
+        assert self.output_dir is not None, "a run in memory keeps no checkpoints"
+        return self.output_dir / "checkpoints"
+
+    @property
+    def patience(self) -> int | None:
+        return self.settings.train.patience
+
+    def begin(self, point: ResumePoint | None, *, data: dict[str, int]) -> None:
+        """Continue after ``point`` (None: a new run) once this run's ``data`` (split sizes),
+        labels and :attr:`extra` are found to be the saved run's; rewrite its config."""
+        if point is None:
+            return
+        assert self.output_dir is not None
+        for what, before, now in (
+            ("the data splits", point.summary.data, data),
+            ("the labels", point.checkpoint.label_map.to_list(), self.label_map.to_list()),
+            ("the documents or experts", point.checkpoint.extra, self.extra),
+        ):
+            if json.dumps(before, sort_keys=True) != json.dumps(now, sort_keys=True):
+                raise ValueError(
+                    f"resume={self.output_dir}: {what} differ from that run's; point "
+                    "dataset.path (and dataset.documents_path) at the files it was trained on"
+                )
+        write_config(self.settings, self.output_dir)
+        self.history = point.history
+        self.initial = RoundRow(round=0, epochs=0, metrics=point.initial, seconds=0.0)
+        self.best = select_best(
+            [self.initial, *self.history] if point.initial else self.history,
+            scores=lambda row: row.metrics,
+        )
+        if self.client_rows is not None:
+            self.client_rows = point.client_rows
+        self.started -= point.summary.total_seconds
+        log.info(
+            "resumed %s after %s %d of %d", self.output_dir, self.unit, point.done,
+            self.kind.steps(self.settings),
+        )  # fmt: skip
+
+    def start(self, row: RoundRow, state: dict[str, torch.Tensor], **meta: Any) -> None:
+        """The starting point ``row`` (step 0) of the model ``state``: logged, the first
+        candidate for ``best``, kept as :attr:`initial`."""
+        if self.history or self.initial is not None:
+            raise RuntimeError("the starting point is recorded once, before any other row")
+        self.initial = row
+        if self.output_dir is not None:
+            log.info("%s | starting point", round_line(row, unit=self.unit))
+        self._consider(row, state, **meta)
+
+    def record(
+        self,
+        row: RoundRow,
+        state: dict[str, torch.Tensor],
+        *,
+        epsilon: float | None = None,
+        note: str = "",
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> None:
+        """Add step ``row`` of the model ``state``: log it, checkpoint it (with the
+        ``optimizer``'s state), keep it as best if it is, rewrite the metrics files."""
+        self.history.append(row)
+        if self.output_dir is None:
+            self._consider(row, state)
+            return
+        log.info("%s%s", round_line(row, unit=self.unit), note)
+        folder = self.checkpoints / f"round-{row.round:03d}"
+        if optimizer is not None:  # before the weights: weights that load have their optimiser
+            data = save(optimizer_tensors(optimizer), metadata={"step": str(row.round)})
+            atomic_write_bytes(folder / OPTIMIZER, data)
+        save_checkpoint(folder, self.checkpoint(state, row, epsilon=epsilon))
+        self._consider(row, state, epsilon=epsilon)
+        self.write(complete=False)
+        for old in self.checkpoints.glob(f"round-*/{OPTIMIZER}"):  # once the row is written
+            if old.parent != folder:
+                old.unlink(missing_ok=True)
+
+    def _consider(
+        self, row: RoundRow, state: dict[str, torch.Tensor], *, epsilon: float | None = None
+    ) -> None:
+        """Keep ``row`` as :attr:`best` if validation prefers it (never test)."""
+        if not is_better(row.metrics, self.best.metrics if self.best is not None else None):
+            return
+        self.best, self.best_state = row, state
+        if self.output_dir is not None:
+            save_checkpoint(self.checkpoints / "best", self.checkpoint(state, row, epsilon=epsilon))
+
+    def since_best(self) -> int | None:
+        """The rows after :attr:`best` that spend the patience; None before any best."""
+        if self.best is None:
+            return None
+        best = self.best.round
+        return sum(1 for row in self.history if row.round > best and self.counts(row))
+
+    def stalled(self, *, ahead: int = 0) -> int | None:
+        """The step validation selects, once :attr:`patience` rows that count (with ``ahead``
+        more) have been recorded after it (:func:`~car_fl.results.selection.patience_spent`,
+        the one rule); None before. Without a validation split every row is "best": it never
+        stalls."""
+        since = self.since_best()
+        if since is None or self.best is None or not patience_spent(since + ahead, self.patience):
+            return None
+        return self.best.round
+
+    def stop_if_stalled(self, step: int) -> bool:
+        """Whether the run ends after ``step`` for its patience (logged, in the summary);
+        never at its last planned step (nothing to stop)."""
+        best = self.stalled()
+        if best is None or step >= self.kind.steps(self.settings):
+            return False
+        self.stopped_early = step
+        if self.output_dir is not None:
+            log.info(
+                "early stop after %s %d: %d %ss have trained since the best on validation, "
+                "%s %d (train.patience)",
+                self.unit, step, self.patience, self.unit, self.unit, best,
+            )  # fmt: skip
+        return True
+
+    def test_at_end(
+        self,
+        test: Callable[[dict[str, torch.Tensor]], dict[str, float]],
+        final_state: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """The test metrics of the state selected on validation and of the final state, for
+        rows not tested in their step, written into their rows and checkpoints."""
+        if not self.history:
+            return
+        best, final = self.best, self.history[-1]
+        tested: dict[int, dict[str, float]] = {}
+        for row in [best, final] if final is not best else [final]:
+            if row is None or math.isfinite(row.metrics.get("test_top1", math.nan)):
+                continue  # tested in its step
+            state = final_state if row is final and final_state is not None else self.state_of(row)
+            if row.round not in tested:
+                tested[row.round] = test(state)
+            row.metrics.update(tested[row.round])
+            what = "selected on validation" if row is best else "final"
+            log.info("%s %3d (%s) | %s", self.unit, row.round, what, brief(row.metrics))
+            checkpoint = self.checkpoint(state, row, epsilon=row.epsilon)
+            if row is best:
+                save_checkpoint(self.checkpoints / "best", checkpoint)
+            save_checkpoint(self.checkpoints / f"round-{row.round:03d}", checkpoint)
+
+    def state_of(self, row: RoundRow) -> dict[str, torch.Tensor]:
+        """The trainable state of a recorded row: in memory, else from its checkpoint."""
+        if row is self.best and self.best_state is not None:
+            return self.best_state
+        folder = "best" if row.round == 0 else f"round-{row.round:03d}"
+        return load_checkpoint(self.checkpoints / folder).state
+
+    def checkpoint(
+        self,
+        state: dict[str, torch.Tensor],
+        row: RoundRow,
+        *,
+        round: int | None = None,
+        epsilon: float | None = None,
+    ) -> Checkpoint:
+        return Checkpoint(
+            state=state,
+            label_map=self.label_map,
+            settings=self.settings,
+            round=row.round if round is None else round,
+            metrics=row.to_dict(),
+            epsilon=epsilon,
+            extra=dict(self.extra),
+        )
+
+    def summary(self, *, complete: bool) -> RunSummary:
+        """:attr:`describe`'s summary with the rows' final, best, times and stop."""
+        assert self.describe is not None, "a run with files says what its summary holds"
+        summary = self.describe()
+        summary.initial = self.initial.metrics if self.initial is not None else {}
+        summary.final = self.history[-1] if self.history else self.initial
+        summary.best = self.best
+        summary.total_seconds = time.perf_counter() - self.started
+        if self.kind is CENTRALIZED and summary.final is not None:
+            summary.epochs = summary.final.epochs
+        if self.kind is FEDERATED:
+            summary.skipped_rounds = [row.round for row in self.history if row.skipped]
+        summary.stopped_early = self.stopped_early
+        summary.complete = complete
+        return summary
+
+    def write(self, *, complete: bool) -> None:
+        """``metrics.json``/``.csv``, ``clients.csv`` and ``curves.png`` as they stand: at a
+        run's end, and while it runs the plot at most every :data:`PLOT_SECONDS` (a plot costs
+        a few tenths of a second, more than a round of a small head)."""
+        assert self.output_dir is not None
+        summary = self.summary(complete=complete)
+        MetricsFile(history=self.history, summary=summary).write(self.output_dir)
+        if self.client_rows is not None:
+            ClientRow.write_csv(self.output_dir / CLIENTS_CSV, self.client_rows)
+        now = time.monotonic()
+        if self.plotted_at is not None and now - self.plotted_at < PLOT_SECONDS and not complete:
+            return
+        self.plotted_at = now
+        plot_curves(
+            self.output_dir,
+            self.history,
+            title=self.title,
+            x_label=self.unit,
+            num_labels=len(self.label_map),
+            selected=self.best.round if self.best is not None else None,
+        )
+
+    def end(
+        self,
+        final_state: dict[str, torch.Tensor],
+        *,
+        round: int | None = None,
+        epsilon: float | None = None,
+        test: Callable[[dict[str, torch.Tensor]], dict[str, float]] | None = None,
+    ) -> RunSummary:
+        """The run's end: the test split of the selected and final state (``test``, for rows
+        not tested in their step), ``checkpoints/final``, the files, one last log line."""
+        if test is not None:
+            self.test_at_end(test, final_state)
+        last = self.history[-1] if self.history else self.initial
+        if last is None:
+            raise RuntimeError("no row to save a final checkpoint of")
+        checkpoint = self.checkpoint(final_state, last, round=round, epsilon=epsilon)
+        save_checkpoint(self.checkpoints / "final", checkpoint)
+        self.write(complete=True)
+        summary = self.summary(complete=True)
+        assert summary.final is not None and summary.best is not None
+        log.info(
+            "final test top1 %.4f; best on validation after %s %d: test top1 %.4f (%s 0, the "
+            "starting point: test top1 %s); results: %s",
+            summary.final.metrics["test_top1"],
+            self.unit,
+            summary.best.round,
+            summary.best.metrics["test_top1"],
+            self.unit,
+            starting_point(summary.initial),
+            self.output_dir,
+        )
+        return summary
+
+
+def starting_point(initial: dict[str, float] | None) -> str:
+    """Step 0's test top-1 for the last line, or why there is none (never "nan")."""
+    value = (initial or {}).get("test_top1")
+    if value is None or not math.isfinite(value):
+        return "not evaluated"
+    return f"{value:.4f}"
