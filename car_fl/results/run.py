@@ -163,13 +163,17 @@ def check_run_dir(run_dir: Path, kind: Kind) -> None:
         )
 
 
-def open_run_dir(settings: Settings, kind: Kind) -> tuple[Path, ResumePoint | None]:
-    """The run's folder (the resumed run's, ``output_dir`` or :func:`default_output_dir`) and
+def open_run_dir(
+    settings: Settings, kind: Kind, output_dir: str | Path | None = None
+) -> tuple[Path, ResumePoint | None]:
+    """The run's folder (the resumed run's, ``output_dir``, ``settings.output_dir`` or
+    :func:`default_output_dir`) and
     the point to resume from; a new run's ``config.yaml`` is written here, a resumed run's once
     :meth:`Run.begin` has found its data the same. The one writer of a run's folder."""
     resume_dir = Path(settings.resume).resolve() if settings.resume else None
     point = load_resume_point(resume_dir, settings, kind) if resume_dir is not None else None
-    out = resume_dir or Path(settings.output_dir or default_output_dir(settings)).resolve()
+    out = resume_dir or Path(output_dir or settings.output_dir or default_output_dir(settings))
+    out = out.resolve()
     log.debug("resolved configuration:\n%s", settings_to_yaml(settings))
     if point is None:
         write_config(settings, out)

@@ -4,11 +4,10 @@
 - :mod:`~car_fl.server.strategy`: ``GuardedStrategy``: any Flower strategy behind car-fl's
   sampling and checks; :mod:`~car_fl.server.aggregation`: the strategy registry.
 - :mod:`~car_fl.server.replies`, :mod:`~car_fl.server.shard_claims`,
-  :mod:`~car_fl.server.update_norm`, :mod:`~car_fl.server.sampled_grid`: reply validation,
-  partitions pinned per node, the update-norm bound, seeded client sampling.
+  :mod:`~car_fl.server.update_norm`: reply validation, partitions pinned per node, the
+  update-norm bound.
 - :mod:`~car_fl.server.round_stats`, :mod:`~car_fl.server.round_recorder`: what a round saw,
-  and its ``Run`` fed as Flower's ``evaluate_fn``;
-  :mod:`~car_fl.server.evaluation_scheduler`: evaluated now or in a thread;
+  and its ``Run`` fed as Flower's ``evaluate_fn`` (now or in a thread);
   :mod:`~car_fl.server.evaluation`: ``ServerEvaluator`` (held-out splits).
 - :mod:`~car_fl.server.privacy_check`: each client's ε as the server computes it, whether
   its claim agrees, the flags and DP rows it keeps, and the client rows of a round.

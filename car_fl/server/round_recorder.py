@@ -9,9 +9,11 @@ a client's claim; a client whose claim differs is flagged in the round's row, it
 ``clients.csv`` row, the summary and the log.
 
 With ``background`` a round's evaluation and its recording run in a thread while the next
-round trains; when a round's validation alone decides whether the patience is spent, the
-server waits for it before starting the next round (rather than train a round the run would
-then drop). A run the patience ends raises :class:`PatienceSpent` out of ``Strategy.start``.
+round trains (:class:`EvaluationScheduler`: written here because Flower's ``evaluate_fn`` runs
+in the round's own thread; the next call, or the end, waits for them and raises their
+error); when a round's validation alone decides whether the patience is spent, the server
+waits for it before starting the next round (rather than train a round the run would then
+drop). A run the patience ends raises :class:`PatienceSpent` out of ``Strategy.start``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -28,13 +31,60 @@ from flwr.app import ArrayRecord, MetricRecord
 from car_fl.protocol.messages import from_record
 from car_fl.results.rows import RoundRow, RunSummary, wire_key
 from car_fl.results.run import ResumePoint, Run, brief
-from car_fl.server.evaluation_scheduler import Evaluation, EvaluationScheduler
 from car_fl.server.privacy_check import PrivacyCheck, client_rows_of
 from car_fl.server.round_stats import RoundStats
 from car_fl.settings.dp_plan import dp_active
 from car_fl.training.probe import probe_round
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Evaluation:
+    """One global state waiting to be evaluated and recorded."""
+
+    round: int  # the run's round (after a resume's offset); 0: the initial state
+    arrays: ArrayRecord
+    stats: RoundStats | None  # None for round 0
+    #: The round's wall seconds when its evaluation does not count (background), else None.
+    seconds: float | None = None
+    future: Future[None] | None = None
+
+
+@dataclass
+class EvaluationScheduler:
+    """Runs each round's evaluation and recording, now or in the background."""
+
+    #: Evaluate round r in a thread while round r + 1 trains.
+    background: bool = False
+    #: The evaluation running in the background, recorded at the next call or at the end.
+    running: Evaluation | None = None
+    executor: ThreadPoolExecutor | None = field(default=None, repr=False)
+
+    def run(self, job: Evaluation, work: Callable[[], None]) -> None:
+        """``work`` (evaluate ``job`` and record it) now, or in the thread with ``background``."""
+        if not self.background:
+            work()
+            return
+        if self.executor is None:
+            self.executor = ThreadPoolExecutor(1, thread_name_prefix="car-fl-evaluation")
+        job.future = self.executor.submit(work)
+        self.running = job
+
+    def flush(self) -> None:
+        """Wait for the evaluation running in the background, and its recording, if any (an
+        error in either is raised here)."""
+        job, self.running = self.running, None
+        if job is not None:
+            assert job.future is not None
+            job.future.result()
+
+    def close(self) -> None:
+        """Wait for what is running, then end the thread."""
+        self.flush()
+        if self.executor is not None:
+            self.executor.shutdown()
+            self.executor = None
 
 
 class PatienceSpent(Exception):

@@ -51,9 +51,7 @@ def run_centralized(settings: Settings, output_dir: str | Path | None = None) ->
             f"resume={settings.resume}: this run trains nothing (MIPS or kNN on the frozen "
             "encoder), so there is nothing to continue; run it again without resume="
         )
-    if output_dir is not None:
-        settings = dataclasses.replace(settings, output_dir=str(output_dir))
-    out, point = open_run_dir(settings, CENTRALIZED)
+    out, point = open_run_dir(settings, CENTRALIZED, output_dir)
     check_sources(settings)  # seconds, not a minute of Hub retries, when offline
     prepared = prepare(settings, probe=point is None)
     if point is not None:
