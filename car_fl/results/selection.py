@@ -48,5 +48,6 @@ def select_best(rows: Iterable[T], *, scores: Callable[[T], Row] = _as_scores) -
 def patience_spent(since_best: int, patience: int | None) -> bool:
     """The one patience rule (``train.patience``; null: never): ``since_best`` epochs or rounds
     that count have been recorded after the one validation selects. Centralised epochs all
-    count; a federation's skipped and probe rounds do not (:meth:`~car_fl.results.run.Run.since_best`)."""
+    count; a federation's skipped and probe rounds do not
+    (:meth:`~car_fl.results.run.Run.since_best`)."""
     return patience is not None and since_best >= patience
