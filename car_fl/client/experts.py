@@ -17,7 +17,7 @@ from car_fl.model.retriever import CaRRetriever
 from car_fl.settings.schema import ExpertSending, Settings
 
 
-def outgoing(model: CaRRetriever, settings: Settings) -> dict[str, torch.Tensor]:
+def tensors_to_send(model: CaRRetriever, settings: Settings) -> dict[str, torch.Tensor]:
     """The trainable tensors this node sends (before any DP release)."""
     state = model.trainable_state_dict()
     head = model.head

@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 from flwr.app import ConfigRecord, RecordDict
 
-from car_fl.client.experts import outgoing
+from car_fl.client.experts import tensors_to_send
 from car_fl.client.local_dp_round import LocalDPRound
 from car_fl.client.node_privacy import NodePrivacy
 from car_fl.client.record_dp import RecordDPRound
@@ -220,7 +220,7 @@ def train_shard(
             epoch=(server_round - 1) * epochs + local,
             desc=f"{who} round {server_round} epoch {local + 1}",
         )
-    state = privacy.release(outgoing(model, settings))
+    state = privacy.release(tensors_to_send(model, settings))
     if probing:  # after the release: the adapter is the server's, no step or noise of ours
         state = keep_adapter(state, global_state)
     privacy.save(node_state)

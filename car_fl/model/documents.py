@@ -106,12 +106,12 @@ def encode_documents(
 ) -> torch.Tensor:
     """Pooled embeddings ``(n, d)`` of ``texts`` through the frozen encoder alone."""
 
-    def plain(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def unadapted(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return encoder.pool(encoder.transform(encoder.embed(ids), mask), mask)
 
     ids = encoder.tokenize(list(texts), max_length=max_length).input_ids
     return extract_features(
-        plain, encoder.pad, ids, batch_size=batch_size, progress=progress, desc="documents"
+        unadapted, encoder.pad, ids, batch_size=batch_size, progress=progress, desc="documents"
     )
 
 

@@ -142,7 +142,7 @@ class ServerEvaluator:
         assert held is not None
         if self.tests_every_round:
             return held.evaluate(self.model, self.settings)
-        validation = held.on(held.validation, self.model, self.settings)
+        validation = held.metrics_on(held.validation, self.model, self.settings)
         assert validation is not None
         later = {name: math.nan for name in validation}  # the same metrics, on test, later
         return eval_row(validation, later)

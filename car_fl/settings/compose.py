@@ -302,10 +302,10 @@ _LOADED: dict[tuple[str, ...], Settings] = {}
 
 def settings_to_yaml(settings: Settings) -> str:
     """The resolved configuration as YAML, for logs and for saving beside results."""
-    return OmegaConf.to_yaml(OmegaConf.create(plain(settings)))
+    return OmegaConf.to_yaml(OmegaConf.create(settings_values(settings)))
 
 
-def plain(settings: Settings) -> dict[str, Any]:
+def settings_values(settings: Settings) -> dict[str, Any]:
     """``settings`` as plain values: choices by their value (``none``), not their enum name."""
     values: dict[str, Any] = _plain(asdict(settings))
     return values

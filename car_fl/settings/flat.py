@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from car_fl.settings.compose import plain
+from car_fl.settings.compose import settings_values
 from car_fl.settings.schema import Settings
 
 
@@ -23,7 +23,7 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def flat_settings(settings: Settings) -> dict[str, Any]:
     """``settings`` as dotted keys with plain values (choices by their value)."""
-    return flatten(plain(settings))
+    return flatten(settings_values(settings))
 
 
 def changed_keys(before: Settings, after: Settings, *, ignore: Iterable[str] = ()) -> list[str]:

@@ -24,8 +24,8 @@ from car_fl.settings.compose import (
     is_setting,
     load_settings,
     parse_overrides,
-    plain,
     settings_from_yaml,
+    settings_values,
     to_settings,
 )
 from car_fl.settings.schema import Settings
@@ -139,7 +139,7 @@ def fingerprint(settings: Settings) -> str:
     Node-local values (:data:`NODE_LOCAL_KEYS`: data and model locations, device, cache) are
     left out, so that each machine can point at its own copies.
     """
-    conf = OmegaConf.create(plain(settings))
+    conf = OmegaConf.create(settings_values(settings))
     for key in NODE_LOCAL_KEYS:
         OmegaConf.update(conf, key, None)
     text = OmegaConf.to_yaml(conf, sort_keys=True)

@@ -97,9 +97,11 @@ class HeldOut:
 
     def evaluate(self, model: CaRRetriever, settings: Settings) -> dict[str, float]:
         """``val_*`` and ``test_*`` metrics of ``model``."""
-        return eval_row(self.on(self.validation, model, settings), self.on_test(model, settings))
+        return eval_row(
+            self.metrics_on(self.validation, model, settings), self.on_test(model, settings)
+        )
 
-    def on(
+    def metrics_on(
         self, data: LocalData | None, model: CaRRetriever, settings: Settings
     ) -> dict[str, float] | None:
         """The metrics of ``model`` on ``data`` (unprefixed), or None without data."""
@@ -115,7 +117,7 @@ class HeldOut:
 
     def on_test(self, model: CaRRetriever, settings: Settings) -> dict[str, float]:
         """The metrics of ``model`` on the test split (unprefixed)."""
-        metrics = self.on(self.test, model, settings)
+        metrics = self.metrics_on(self.test, model, settings)
         assert metrics is not None
         return metrics
 

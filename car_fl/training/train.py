@@ -121,7 +121,7 @@ def train_epoch(
     labels_all = data.labels.to(device)
     total_loss, correct, steps = 0.0, 0, 0
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-    with threads_for(step_work(model, features, batch_size)):
+    with threads_for(step_multiply_adds(model, features, batch_size)):
         for batch in bar(batches, desc=desc, unit="step", enabled=progress):
             labels = labels_all[batch.to(device)]
             if features is not None:
@@ -199,7 +199,7 @@ def train_epoch_dpsgd(
     planned = list(batches) if batches is not None else [None] * steps
     expected = sample_rate * population
     total_loss, correct, seen = 0.0, 0, 0
-    with threads_for(step_work(model, features, math.ceil(expected))):
+    with threads_for(step_multiply_adds(model, features, math.ceil(expected))):
         for batch in bar(planned, desc=desc, unit="step", enabled=progress):
             index = batch if batch is not None else poisson_sample(len(data), sample_rate)
             labels = data.labels[index].to(device)
@@ -237,7 +237,7 @@ def train_epoch_dpsgd(
     )
 
 
-def step_work(model: CaRRetriever, features: torch.Tensor | None, batch: int) -> int:
+def step_multiply_adds(model: CaRRetriever, features: torch.Tensor | None, batch: int) -> int:
     """Multiply-adds of one step on cached ``features`` (the head's, and scoring every
     label); an encoder pass (no features) counts as large (:mod:`car_fl.common.threads`)."""
     if features is None:
@@ -325,7 +325,7 @@ def evaluate(
     features = query_features(model, data, batch_size=batch_size, progress=progress)
     ranks, predictions = [], []
     loss_sum = 0.0
-    work = step_work(model, features if data.features is not None else None, batch_size)
+    work = step_multiply_adds(model, features if data.features is not None else None, batch_size)
     with torch.inference_mode(), threads_for(work):
         index = model.index()
         for start in range(0, len(data), batch_size):

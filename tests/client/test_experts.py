@@ -10,7 +10,7 @@ import pytest
 import torch
 from flwr.app import RecordDict
 
-from car_fl.client.experts import outgoing
+from car_fl.client.experts import tensors_to_send
 from car_fl.client.node import Node
 from car_fl.data.splits import load_splits
 from car_fl.heads.experts import EXPERT_PREFIX, MixtureHead
@@ -96,10 +96,10 @@ def test_outgoing_under_dp_ignores_which_experts_training_touched(make_corpus_se
     assert isinstance(head, MixtureHead)
     for touched in (set(), {0}, {1, 3}):
         head.touched = touched
-        assert set(outgoing(model, settings)) == set(state)
+        assert set(tensors_to_send(model, settings)) == set(state)
     settings.dp.mode = settings.dp.mode.NONE
     head.touched = {1}
-    assert {n for n in outgoing(model, settings) if n.startswith(EXPERT_PREFIX)} == {
+    assert {n for n in tensors_to_send(model, settings) if n.startswith(EXPERT_PREFIX)} == {
         f"{EXPERT_PREFIX}1"
     }
-    assert all(torch.equal(outgoing(model, settings)[n], state[n]) for n in ("head.gate",))
+    assert all(torch.equal(tensors_to_send(model, settings)[n], state[n]) for n in ("head.gate",))

@@ -8,7 +8,7 @@ import torch
 from car_fl.common.threads import SMALL_STEP, head_work, threads_for
 from car_fl.model.build import build_retriever
 from car_fl.model.features import LocalData
-from car_fl.training.train import make_optimizer, step_work, train_epoch
+from car_fl.training.train import make_optimizer, step_multiply_adds, train_epoch
 
 
 def test_small_steps_run_on_one_thread_and_the_setting_is_restored() -> None:
@@ -36,8 +36,8 @@ def test_a_head_only_epoch_steps_on_one_thread_and_an_encoder_pass_counts_as_lar
     settings = make_settings()
     model = build_retriever(settings, 2, hidden_size=384)  # MiniLM on SMS: 770 parameters
     features = torch.randn(16, 384)
-    assert step_work(model, features, 4) == head_work(770 + 384 * 2, 4) < SMALL_STEP
-    assert step_work(model, None, 4) >= SMALL_STEP
+    assert step_multiply_adds(model, features, 4) == head_work(770 + 384 * 2, 4) < SMALL_STEP
+    assert step_multiply_adds(model, None, 4) >= SMALL_STEP
     seen: list[int] = []
     before = torch.get_num_threads()
     torch.set_num_threads(2)
