@@ -65,7 +65,9 @@ class Kind:
     may_change: tuple[str, ...]
 
     def steps(self, settings: Settings) -> int:
-        return int(settings.fl.rounds if self.name == "federated" else settings.train.epochs)
+        """The steps the run plans (its ``steps_key``)."""
+        section, key = self.steps_key.split(".")
+        return int(getattr(getattr(settings, section), key))
 
     def comparable(self, saved: Settings) -> Settings:
         """A saved run's settings as a resume compares them (a federation saved before it
