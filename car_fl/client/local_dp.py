@@ -40,6 +40,8 @@ from car_fl.privacy.mechanism import (
     split_adapter,
 )
 from car_fl.privacy.noise import gaussian_like
+from car_fl.settings.dp_modes.registry import MODES
+from car_fl.settings.dp_modes.spec import ClientLevel
 from car_fl.settings.dp_plan import (
     active,
     fixed_noise_std,
@@ -49,7 +51,7 @@ from car_fl.settings.dp_plan import (
     update_multiplier,
 )
 from car_fl.settings.flower import NodeInfo
-from car_fl.settings.schema import AdaptiveRule, DPConfig, DPMode, NoiseRule, Settings
+from car_fl.settings.schema import AdaptiveRule, DPConfig, NoiseRule, Settings
 
 log = logging.getLogger(__name__)
 
@@ -134,13 +136,17 @@ class ClientPrivacy:
         self.max_clip = max_clip
         self.rule = cfg.adaptive_rule
         self.sigma_b = sigma_b(cfg, num_clients)
-        self.z_delta = update_multiplier(cfg, num_clients) if self.mode is DPMode.ADAPTIVE else None
+        spec = MODES[cfg.mode]
+        #: The bound moves with the private rule (dp=adaptive), or is this run's dp.clip.
+        self.moves_clip = isinstance(spec, ClientLevel) and spec.moves_clip
+        self.fixed_clip = isinstance(spec, ClientLevel) and not spec.moves_clip
+        self.z_delta = update_multiplier(cfg, num_clients) if self.moves_clip else None
         #: One release as every party accounts it (the server steps its own accountant with
         #: the same :func:`~car_fl.settings.dp_plan.local_release`).
         self.unit = local_release(cfg, num_clients)
         #: μ of every release (0: not private, ε = ∞).
         self.release_multiplier = self.unit.noise_multiplier
-        self.not_private = non_private_reason(cfg) if self.mode is not DPMode.NONE else None
+        self.not_private = non_private_reason(cfg) if cfg.enabled else None
         if self.not_private:
             log.warning("%s: not differentially private, ε is reported as inf", self.not_private)
 
@@ -154,7 +160,7 @@ class ClientPrivacy:
 
     def noise_std(self, norm: float) -> float:
         """Standard deviation of this release's noise, with the current bound."""
-        if self.mode is DPMode.FIXED:
+        if self.fixed_clip:
             return fixed_noise_std(self.cfg)
         if not self.z_delta:  # z = 0 gives z_Δ = 0; also with C = ∞, where 0·C would be NaN
             return 0.0
@@ -209,7 +215,7 @@ class ClientPrivacy:
             delta = {k: torch.zeros_like(v) for k, v in before.items()}
         # fixed: this run's dp.clip, never a bound kept from an earlier configuration (the noise
         # is σ·dp.clip); adaptive: the bound the private rule has reached
-        bound = self.cfg.clip if self.mode is DPMode.FIXED else self.state.clip
+        bound = self.cfg.clip if self.fixed_clip else self.state.clip
         parts = self.parts(delta, bound)
         head = parts[-1].names if parts else tuple(delta)
         norm = flat_norm({k: delta[k] for k in head})  # what the adaptive bound follows
@@ -224,7 +230,7 @@ class ClientPrivacy:
                 before, after, bound=bound, std=std, generator=self.generator, delta=delta
             )
         self.count()
-        if self.mode is DPMode.ADAPTIVE:
+        if self.moves_clip:
             self.state.clip = self.next_clip(bound, norm)
         # Stays on this machine: the client's own log, never the reply.
         log.debug(

@@ -40,9 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from car_fl.client.node_reading import NodeReading, ReadingError
-from car_fl.privacy.record_accounting import steps_per_epoch
+from car_fl.settings.dp_modes.registry import MODES
 from car_fl.settings.dp_plan import (
-    local_steps,
     noise_floor_multiplier,
     non_private_reason,
     per_step,
@@ -152,7 +151,8 @@ class NodePolicy:
             settings.dataset.split is not Split.HASH
             or settings.fl.partitioning is not Partitioning.HASH
         )
-        if dp.mode is DPMode.RECORD and shared_file and placed_by_others:
+        mode = MODES[dp.mode]
+        if mode.record_level and shared_file and placed_by_others:
             found.append(  # car_fl.data.placement: one record would move many
                 "dp=record on a node that splits and partitions its file needs "
                 f'dataset.split=hash (the policy\'s [data] split = "hash"; it reads '
@@ -178,7 +178,7 @@ class NodePolicy:
             accepted = ", ".join(sorted(m.value for m in self.modes))
             found.append(f"dp={dp.mode.value} is not among the accepted modes ({accepted})")
             return found
-        if self.protect == "mix" and dp.mode not in (DPMode.FIXED, DPMode.ADAPTIVE):
+        if self.protect == "mix" and not mode.client_level:
             found.append(
                 f'dp={dp.mode.value} does not protect the shard as a whole and protect = "mix" '
                 "asks client-level DP (dp=fixed or dp=adaptive)"
@@ -205,7 +205,7 @@ class NodePolicy:
                 "noised steps (and the ε a reply carries) would follow the example count, "
                 "and public-example-count is true"
             )
-        if self.public_example_count and dp.mode is DPMode.RECORD and unbounded:
+        if self.public_example_count and mode.record_level and unbounded:
             found.append(
                 "dp=record without fl.max_examples_per_client: each DP-SGD step divides its "
                 "noised sum by q·n, so the update's scale would follow the example count, and "
@@ -235,15 +235,9 @@ class NodePolicy:
 
 
 def planned_steps(settings: Settings) -> int | None:
-    """The DP steps one round plans, from the settings alone (no accountant): DP-SGD's
-    ``fl.local_epochs`` × ⌈1/q⌉, per-step local DP's steps over the public
-    ``fl.max_examples_per_client``; ``None`` when it is not a function of the settings."""
-    dp = settings.dp
-    if dp.mode is DPMode.RECORD:
-        return settings.fl.local_epochs * steps_per_epoch(dp.sample_rate)
-    if per_step(settings) and settings.fl.max_examples_per_client is not None:
-        return local_steps(settings, settings.fl.max_examples_per_client)
-    return None
+    """The DP steps one round plans, from the settings alone (no accountant); ``None`` when
+    it is not a function of the settings (:meth:`DPModeSpec.planned_steps`)."""
+    return MODES[settings.dp.mode].planned_steps(settings)
 
 
 #: The policy file's keys, in the order the docs list them.

@@ -106,7 +106,11 @@ class RecordDPRound:
 
     private = True
 
-    def __init__(self, settings: Settings, node: NodeInfo, node_state: RecordDict) -> None:
+    def __init__(
+        self, settings: Settings, node: NodeInfo, node_state: RecordDict, **_: object
+    ) -> None:
+        """A round's DP-SGD (``server_round``, ``global_state``, ``max_clip``: the round's
+        context every mode's round is given, unused: its plan is fixed for the run)."""
         self.settings = settings
         self.who = f"client {node.partition_id}"
         self.plan = record_plan(settings)

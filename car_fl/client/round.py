@@ -13,6 +13,7 @@ DP-SGD tuning script runs it in process).
 
 from __future__ import annotations
 
+import importlib
 import logging
 import math
 import time
@@ -23,16 +24,15 @@ import torch
 from flwr.app import ConfigRecord, RecordDict
 
 from car_fl.client.experts import tensors_to_send
-from car_fl.client.local_dp_round import LocalDPRound
 from car_fl.client.node_privacy import NodePrivacy
-from car_fl.client.record_dp import RecordDPRound
 from car_fl.client.shard import Shard, client_seed, empty_shard, local_retriever, shard_data
 from car_fl.heads.clustering import ExpertLayout
 from car_fl.model.features import LocalData
 from car_fl.model.retriever import CaRRetriever
+from car_fl.settings.dp_modes.registry import MODES
 from car_fl.settings.dp_plan import public_examples
 from car_fl.settings.flower import NodeInfo
-from car_fl.settings.schema import DPMode, Settings
+from car_fl.settings.schema import Settings
 from car_fl.training.probe import keep_adapter, probe_round, round_settings
 from car_fl.training.train import EpochResult, make_optimizer
 
@@ -87,9 +87,9 @@ def round_privacy(
     ``max_clip``: the node owner's ceiling on the clipping bound (the adaptive bound stays
     below it).
     """
-    if settings.dp.mode is DPMode.RECORD:
-        return RecordDPRound(settings, node, node_state)
-    return LocalDPRound(
+    module, _, name = MODES[settings.dp.mode].node_round.partition(":")
+    round_class = getattr(importlib.import_module(module), name)
+    round_privacy: RoundPrivacy = round_class(
         settings,
         node,
         node_state,
@@ -97,6 +97,7 @@ def round_privacy(
         global_state=global_state,
         max_clip=max_clip,
     )
+    return round_privacy
 
 
 def node_shard(

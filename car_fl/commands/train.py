@@ -24,10 +24,10 @@ def run(args: argparse.Namespace) -> int:
     from car_fl.common.logs import setup_logging
     from car_fl.model.sources import check_sources
     from car_fl.settings.compose import load_settings
-    from car_fl.settings.schema import DPMode
+    from car_fl.settings.dp_modes.registry import MODES
 
     settings = load_settings(args.overrides)
-    one_node = settings.dp.mode is DPMode.RECORD
+    one_node = MODES[settings.dp.mode].one_machine == "one node"
     if settings.resume:  # a mistyped folder fails first; DP-SGD's run is a one-node federation
         from car_fl.results.run import CENTRALIZED, FEDERATED, check_run_dir
 

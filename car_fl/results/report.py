@@ -33,6 +33,7 @@ from car_fl.results.plots import plot_against_epochs
 from car_fl.results.report_markdown import markdown_report
 from car_fl.results.rows import METRICS_JSON, MetricsFile, RoundRow, RunSummary, write_csv
 from car_fl.settings.compose import settings_from_yaml
+from car_fl.settings.dp_modes.registry import MODES
 from car_fl.settings.schema import Approach, Settings
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 JOB_JSON = "job.json"
 CONFIG_YAML = "config.yaml"
 
-SCENARIOS = ("centralised", "FL", "FL + DP (fixed)", "FL + DP (adaptive)", "FL + DP-SGD (record)")
+SCENARIOS = ("centralised", *(spec.report_name for spec in MODES.values()))
 
 
 def approach_of(settings: Settings) -> str:
@@ -52,14 +53,7 @@ def approach_of(settings: Settings) -> str:
 def scenario_of(settings: Settings, clients: int) -> str:
     if clients == 1:
         return "centralised" + (f" + DP ({settings.dp.mode})" if settings.dp.enabled else "")
-    named = {
-        "none": "FL",
-        "fixed": "FL + DP (fixed)",
-        "adaptive": "FL + DP (adaptive)",
-        "record": "FL + DP-SGD (record)",
-    }
-    mode = str(settings.dp.mode.value)
-    return named.get(mode, f"FL + DP ({mode})")  # a mode added later still reports
+    return MODES[settings.dp.mode].report_name
 
 
 @dataclass

@@ -33,9 +33,9 @@ from car_fl.server.simulation_exit import end_ray_on_exit
 from car_fl.server.strategy import GuardedStrategy, spec_of
 from car_fl.serving.checkpoint import checkpoint_extra
 from car_fl.settings.compose import settings_from_yaml
-from car_fl.settings.dp_plan import record_plan
+from car_fl.settings.dp_modes.registry import MODES
 from car_fl.settings.flower import fingerprint
-from car_fl.settings.schema import DPMode, Settings, federation_refusal
+from car_fl.settings.schema import Settings, federation_refusal
 
 log = logging.getLogger(__name__)
 
@@ -153,19 +153,19 @@ def check_noise_kept(run_dir: Path, settings: Settings) -> None:
     is calibrated to the run's planned rounds, and the rounds already run used the old one
     (the server would count them with the new σ: a run from 3 to 30 rounds reported ε 0.88
     where 3.21 had been spent)."""
-    config = run_dir / "config.yaml"
-    if settings.dp.mode is not DPMode.RECORD or not config.is_file():
-        return  # not DP-SGD, or not a run (refused next, by the Run's resume)
+    config, mode = run_dir / "config.yaml", MODES[settings.dp.mode]
+    if not mode.calibrated_to_rounds(settings) or not config.is_file():
+        return  # σ does not follow fl.rounds, or not a run (refused next, by the resume)
     planned = settings_from_yaml(config.read_text("utf-8")).fl.rounds
     if planned == settings.fl.rounds:
         return
-    before = record_plan(replace(settings, fl=replace(settings.fl, rounds=planned)))
-    after = record_plan(settings)
-    if before.noise_multiplier != after.noise_multiplier:
+    before = mode.noise_floor(replace(settings, fl=replace(settings.fl, rounds=planned)))
+    after = mode.noise_floor(settings)
+    if before != after:
         raise ValueError(
-            f"resume={run_dir}: under dp=record with dp.target_epsilon, σ is calibrated to "
-            f"fl.rounds: {planned} rounds gave σ {before.noise_multiplier:.4g}, "
-            f"fl.rounds={settings.fl.rounds} gives {after.noise_multiplier:.4g}, and the rounds "
+            f"resume={run_dir}: under dp={settings.dp.mode} with dp.target_epsilon, σ is "
+            f"calibrated to fl.rounds: {planned} rounds gave σ {before:.4g}, "
+            f"fl.rounds={settings.fl.rounds} gives {after:.4g}, and the rounds "
             f"already run used the first; resume with fl.rounds={planned} (car-fl train: "
             f"train.epochs={planned}), or start a new run"
         )

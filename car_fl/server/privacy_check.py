@@ -33,8 +33,9 @@ from dataclasses import dataclass, field
 from car_fl.privacy.accountant import Accountant
 from car_fl.results.rows import ClientDP, ClientRow, RunSummary, wire_key
 from car_fl.server.round_stats import RoundStats
+from car_fl.settings.dp_modes.registry import MODES
 from car_fl.settings.dp_plan import dp_active, per_step, record_plan, round_release
-from car_fl.settings.schema import DPMode, Settings
+from car_fl.settings.schema import Settings
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +132,7 @@ class PrivacyCheck:
         it claims, unless another node claimed it first: then by its node id, so a node
         cannot overwrite another's row by claiming its partition)."""
         self.client_epsilon[node] = verdict.epsilon
-        if self.settings.dp.mode is not DPMode.RECORD:
+        if not MODES[self.settings.dp.mode].record_level:
             return
         owner = self.dp_owner.setdefault(place, node)
         plan = record_plan(self.settings)

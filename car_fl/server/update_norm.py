@@ -19,10 +19,9 @@ from typing import Any
 
 import numpy as np
 
+from car_fl.settings.dp_modes.registry import MODES
 from car_fl.settings.dp_plan import fixed_noise_std
 from car_fl.settings.schema import (
-    DPMode,
-    Granularity,
     NormBoundAction,
     NormBoundMode,
     Settings,
@@ -68,7 +67,7 @@ def resolve_mode(settings: Settings) -> NormBoundMode:
     mode = settings.fl.norm_bound
     if mode is not NormBoundMode.AUTO:
         return mode
-    if settings.dp.mode is DPMode.FIXED and settings.dp.granularity is Granularity.ROUND:
+    if MODES[settings.dp.mode].bounds_replies(settings.dp):
         return NormBoundMode.DP
     return NormBoundMode.FIXED if settings.fl.max_update_norm is not None else NormBoundMode.OFF
 

@@ -127,9 +127,9 @@ def compose_config(overrides: str | list[str] | tuple[str, ...] | None = None) -
 def to_settings(cfg: DictConfig | dict[str, Any]) -> Settings:
     """Validate a composed config against :class:`Settings` and return typed dataclasses.
 
-    Unknown keys and values of the wrong type raise ``ValueError`` naming the key; so does a
-    record-level DP target ε that cannot be reached
-    (:func:`car_fl.settings.dp_plan.check_record_plan`).
+    Unknown keys and values of the wrong type raise ``ValueError`` naming the key; so does what
+    the DP mode refuses, a DP-SGD target ε that cannot be reached included
+    (:func:`car_fl.settings.dp_plan.check_mode`).
     """
     container = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg)
     container = OmegaConf.masked_copy(container, [str(k) for k in container if k != "hydra"])
@@ -156,7 +156,7 @@ def to_settings(cfg: DictConfig | dict[str, Any]) -> Settings:
         )
     if obj.head.similarity is None:  # MIPS and kNN score as the encoder was trained
         obj.head.similarity = obj.model.similarity
-    dp_plan.check_record_plan(obj)
+    dp_plan.check_mode(obj)
     return obj
 
 

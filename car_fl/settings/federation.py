@@ -287,15 +287,6 @@ class DPConfig:
                 f"dp.adapter_share (the adapter's share of the noise budget) must be in (0, 1), "
                 f"got {self.adapter_share}; e.g. dp.adapter_share=0.5"
             )
-        if (
-            self.mode is DPMode.ADAPTIVE
-            and self.adaptive_rule is AdaptiveRule.GEOMETRIC
-            and self.ema_decay
-        ):
-            raise ValueError(
-                f"dp.ema_decay={self.ema_decay} smooths the raw norms of the non-private linear "
-                "rule only; set dp.ema_decay=0 (or dp.adaptive_rule=linear)"
-            )
         if not self.clip > 0:
             raise ValueError(f"dp.clip (the clipping bound C) must be > 0, got {self.clip}")
         if self.noise_multiplier < 0:
@@ -312,37 +303,3 @@ class DPConfig:
             raise ValueError(f"dp.warmup_rounds must be >= 0, got {self.warmup_rounds}")
         if self.target_epsilon is not None and not self.target_epsilon > 0:
             raise ValueError(f"dp.target_epsilon must be > 0 or null, got {self.target_epsilon}")
-        if self.mode is DPMode.RECORD:
-            self._check_record()
-
-    def _check_record(self) -> None:
-        """dp=record: q in (0, 1], σ > 0 unless a target ε calibrates it, no warm-up, an
-        adapter bound below C, local DP's noise split left alone."""
-        if not 0 < self.sample_rate <= 1:
-            raise ValueError(
-                f"dp.sample_rate (q, the Poisson sampling rate of DP-SGD) must be in (0, 1], "
-                f"got {self.sample_rate}; e.g. dp.sample_rate=0.05"
-            )
-        if self.target_epsilon is None and not self.noise_multiplier > 0:
-            raise ValueError(
-                f"dp=record needs dp.noise_multiplier (σ) > 0, got {self.noise_multiplier}; "
-                "set e.g. dp.noise_multiplier=1.0, or dp.target_epsilon=3 to calibrate σ"
-            )
-        if self.warmup_rounds:
-            raise ValueError(
-                f"dp=record trains every round with DP-SGD; dp.warmup_rounds must be 0, "
-                f"got {self.warmup_rounds}"
-            )
-        if self.adapter_clip is not None and not self.adapter_clip < self.clip:
-            raise ValueError(
-                f"dp.adapter_clip={self.adapter_clip:g} under dp=record must be below "
-                f"dp.clip={self.clip:g}: each example's adapter and head gradients share the "
-                f"bound dp.clip (the head gets the rest); e.g. dp.adapter_clip={self.clip / 10:g}"
-            )
-        if self.adapter_share != ADAPTER_SHARE_DEFAULT:  # set by hand, it would do nothing
-            raise ValueError(
-                f"dp.adapter_share={self.adapter_share:g} splits local DP's noise (dp=fixed or "
-                "adaptive); dp=record adds one noise σ·dp.clip to the whole gradient, and the "
-                "adapter's share of each example's bound is set by dp.adapter_clip instead: "
-                "remove dp.adapter_share"
-            )

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from car_fl.privacy.adaptive import paper_sigma_b
 from car_fl.settings.choices import (
     APPROACHES,
     DEVICES,
@@ -151,20 +150,6 @@ class Settings:
                 f"head.kind={self.head.kind} trains nothing, so mode=adapter does not apply; use "
                 "mode=classifier (it scores with the frozen encoder's embeddings)"
             )
-        if self.dp.mode is DPMode.ADAPTIVE:
-            z, m = self.dp.noise_multiplier, self.fl.clients
-            sigma_b = self.dp.count_noise if self.dp.count_noise is not None else paper_sigma_b(m)
-            if not z < 2 * sigma_b:
-                where = (
-                    f"dp.count_noise = {sigma_b:g}"
-                    if self.dp.count_noise is not None
-                    else f"m/20 with m = fl.clients = {m}"
-                )
-                raise ValueError(
-                    f"adaptive DP needs dp.noise_multiplier z < 2·σ_b = {2 * sigma_b:g} "
-                    f"(σ_b = {where}), got z = {z:g}; lower dp.noise_multiplier or raise "
-                    f"dp.count_noise above {z / 2:g}"
-                )
         if self.fl.probe_rounds and not has_head_to_probe(self.head.kind):
             raise ValueError(
                 f"fl.probe_rounds trains a classifier head alone before the adapter (approach="
@@ -222,14 +207,6 @@ class Settings:
 
     def _check_aggregation(self) -> None:
         """Strategy and norm-bound settings that only make sense with the federation's size."""
-        if self.fl.norm_bound is NormBoundMode.DP and not (
-            self.dp.mode is DPMode.FIXED and self.dp.granularity is Granularity.ROUND
-        ):
-            raise ValueError(
-                "fl.norm_bound=dp derives the bound from fixed DP clipped once per round; it "
-                f"needs dp=fixed and dp.granularity=round (got dp.mode={self.dp.mode}, "
-                f"dp.granularity={self.dp.granularity}); use fl.norm_bound=adaptive or fixed"
-            )
         asked = self.fl.sample_size(self.fl.clients)
         if (
             self.strategy.name is StrategyName.TRIMMED_MEAN

@@ -17,14 +17,15 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from car_fl.settings.schema import DPMode, Partitioning, Settings
+from car_fl.settings.dp_modes.registry import MODES
+from car_fl.settings.schema import Partitioning, Settings
 from car_fl.simulation.in_process import run_local
 from car_fl.standalone.centralized import run_centralized
 
 
 def train_centrally(settings: Settings, output_dir: str | Path) -> dict[str, Any]:
     """Train on this machine under ``settings.dp``; the run's summary (``metrics.json``)."""
-    if settings.dp.mode is DPMode.RECORD:
+    if MODES[settings.dp.mode].one_machine == "one node":
         summary: dict[str, Any] = run_local(one_node(settings, output_dir))["summary"]
         return summary
     return run_centralized(settings, output_dir)  # refuses the local-DP modes before any work

@@ -30,7 +30,8 @@ from car_fl.results.run import (
     open_run_dir,
 )
 from car_fl.serving.checkpoint import checkpoint_extra
-from car_fl.settings.schema import DPMode, HeadKind, Mode, Settings, trains_nothing
+from car_fl.settings.dp_modes.registry import MODES
+from car_fl.settings.schema import HeadKind, Mode, Settings, trains_nothing
 from car_fl.training.evaluation import HeldOut, LazyRetriever
 from car_fl.training.probe import probe_head
 from car_fl.training.train import make_optimizer, one_epoch
@@ -195,21 +196,20 @@ def describe(settings: Settings, prepared: Prepared) -> RunSummary:
 
 
 def check_no_dp(settings: Settings) -> None:
-    """Refuse DP settings this loop would silently ignore (``ValueError``), before any work.
-
-    ``dp=record`` trains here through :mod:`car_fl.simulation.centralized_dp` (``car-fl train``
-    and ``python -m car_fl.centralized`` go there); ``dp=fixed`` and ``dp=adaptive`` protect an
-    update from the server that aggregates it, and one machine has no such server.
-    """
-    if settings.dp.enabled:
-        mode = settings.dp.mode.value
+    """Refuse DP settings this loop would silently ignore (``ValueError``), before any work:
+    every mode whose :attr:`~car_fl.settings.dp_modes.DPModeSpec.one_machine` is not the
+    epoch loop (``dp=record`` trains as a one-node federation,
+    :mod:`car_fl.simulation.centralized_dp`; local DP protects an update from a server that
+    one machine does not have)."""
+    mode = MODES[settings.dp.mode]
+    if mode.one_machine != "epochs":
         fix = (
-            "car-fl train dp=record trains it with DP-SGD (car_fl.simulation.centralized_dp)"
-            if settings.dp.mode is DPMode.RECORD
-            else f"dp={mode} is local DP, which protects an update from the server: train it "
-            "federated (car-fl run / flwr run .), or use dp=record (DP-SGD) on one machine"
+            f"car-fl train dp={settings.dp.mode} trains it as a federation of one node "
+            "(car_fl.simulation.centralized_dp)"
+            if mode.one_machine == "one node"
+            else mode.one_machine
         )
         raise ValueError(
-            f"this centralised loop does not train with differential privacy, and dp={mode} "
-            f"would be ignored; run it with dp=none, or: {fix}"
+            f"this centralised loop does not train with differential privacy, and "
+            f"dp={settings.dp.mode} would be ignored; run it with dp=none, or: {fix}"
         )
