@@ -24,10 +24,6 @@ class Adaptive(ClientLevel):
     mode = DPMode.ADAPTIVE
     report_name = "FL + DP (adaptive)"
     moves_clip = True
-    one_machine = (
-        "dp=adaptive is local DP, which protects an update from the server: train it "
-        "federated (car-fl run / flwr run .), or use dp=record (DP-SGD) on one machine"
-    )
 
     def check(self, dp: DPConfig) -> None:
         if dp.adaptive_rule is AdaptiveRule.GEOMETRIC and dp.ema_decay:

@@ -14,10 +14,6 @@ if TYPE_CHECKING:
 class Fixed(ClientLevel):
     mode = DPMode.FIXED
     report_name = "FL + DP (fixed)"
-    one_machine = (
-        "dp=fixed is local DP, which protects an update from the server: train it federated "
-        "(car-fl run / flwr run .), or use dp=record (DP-SGD) on one machine"
-    )
 
     def bounds_replies(self, dp: DPConfig) -> bool:
         return dp.granularity is Granularity.ROUND  # a round's whole update is within C

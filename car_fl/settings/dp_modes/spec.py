@@ -94,6 +94,10 @@ class ClientLevel(DPModeSpec):
     (``dp.granularity=step``), one Gaussian of multiplier :meth:`multiplier` each."""
 
     client_level = True
+    one_machine = (
+        "client-level (local) DP protects an update from the server: train it federated "
+        "(car-fl run / flwr run .), or use dp=record (DP-SGD) on one machine"
+    )
     #: Its clipping bound moves with a private rule (dp=adaptive), else it is ``dp.clip``.
     moves_clip: ClassVar[bool] = False
 
