@@ -207,7 +207,7 @@ def check_no_dp(settings: Settings) -> None:
             f"car-fl train dp={settings.dp.mode} trains it as a federation of one node "
             "(car_fl.simulation.centralized_dp)"
             if mode.one_machine == "one node"
-            else mode.one_machine
+            else f"dp={settings.dp.mode} is {mode.one_machine}"
         )
         raise ValueError(
             f"this centralised loop does not train with differential privacy, and "

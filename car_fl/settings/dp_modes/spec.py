@@ -30,7 +30,7 @@ class DPModeSpec:
     #: The node's round that makes its releases (``module:Class``, imported on the node).
     node_round: ClassVar[str] = "car_fl.client.local_dp_round:LocalDPRound"
     #: How one machine trains under it: ``"epochs"`` (the centralised loop), ``"one node"``
-    #: (a federation of one node), or why it cannot, with the fix.
+    #: (a federation of one node), or what it is and the fix (``dp=<mode> is ...``).
     one_machine: ClassVar[str] = "epochs"
 
     @property
@@ -95,7 +95,7 @@ class ClientLevel(DPModeSpec):
 
     client_level = True
     one_machine = (
-        "client-level (local) DP protects an update from the server: train it federated "
+        "local DP, which protects an update from the server: train it federated "
         "(car-fl run / flwr run .), or use dp=record (DP-SGD) on one machine"
     )
     #: Its clipping bound moves with a private rule (dp=adaptive), else it is ``dp.clip``.
