@@ -34,7 +34,7 @@ from car_fl.results.report_markdown import markdown_report
 from car_fl.results.rows import METRICS_JSON, MetricsFile, RoundRow, RunSummary, write_csv
 from car_fl.settings.compose import settings_from_yaml
 from car_fl.settings.dp_modes.registry import MODES
-from car_fl.settings.schema import Approach, Settings
+from car_fl.settings.schema import Approach, HeadKind, Settings
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +46,9 @@ SCENARIOS = ("centralised", *(spec.report_name for spec in MODES.values()))
 
 def approach_of(settings: Settings) -> str:
     """The retrieval approach of a run, as the method's MIPS comparison names it."""
-    approach = settings.approach
-    return f"kNN (k={settings.head.knn_k})" if approach is Approach.KNN else approach.label
+    if settings.head.kind is HeadKind.KNN:
+        return f"kNN (k={settings.head.knn_k})"
+    return settings.approach_label
 
 
 def scenario_of(settings: Settings, clients: int) -> str:

@@ -205,6 +205,16 @@ class Settings:
         """The retrieval approach these settings run (:data:`APPROACHES`)."""
         return Approach.of(self.head.kind, self.train.mode, self.head.lexical)
 
+    @property
+    def approach_label(self) -> str:
+        """What reports call this run's approach: its :attr:`approach`'s label, or, for a head
+        and mode that no approach names (a new head's, or mixture of experts with the
+        adapter), the head kind and the mode."""
+        try:
+            return self.approach.label
+        except ValueError:
+            return f"{self.head.kind} head, {self.train.mode}"
+
     def _check_aggregation(self) -> None:
         """Strategy and norm-bound settings that only make sense with the federation's size."""
         asked = self.fl.sample_size(self.fl.clients)

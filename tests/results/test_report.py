@@ -234,3 +234,16 @@ def test_the_configuration_docs_name_every_approach() -> None:
         if line.startswith("| `approach` |")
     )
     assert [a.value for a in Approach if f"`{a.value}`" not in row] == []
+
+
+def test_a_head_and_mode_no_approach_names_still_report() -> None:
+    """A mixture of experts trained with the adapter (or a new head before its approaches
+    exist) is a valid run; car-fl report raised for it."""
+    from car_fl.results.report import approach_of
+    from car_fl.settings.compose import load_settings
+
+    settings = load_settings(["head.kind=moe", "mode=adapter"])
+    with pytest.raises(ValueError, match="is no approach"):
+        _ = settings.approach
+    assert approach_of(settings) == "moe head, adapter+classifier"
+    assert approach_of(load_settings(["approach=adapter_car"])) == "adapter + classifier (CaR)"
