@@ -37,7 +37,7 @@ from car_fl.settings.schema import (
     centralised_only,
     federated_part,
     has_head_to_probe,
-    trains_nothing,
+    nothing_to_train,
 )
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ def skip_reason(settings: Settings, clients: int) -> str:
             f"dp={settings.dp.mode} with clients=1: local DP privatises client updates in a "
             "federation; a centralised run has none"
         )
-    if clients > 1 and trains_nothing(settings):
+    if clients > 1 and nothing_to_train(settings):
         return (
             f"head.kind={settings.head.kind} in mode={settings.train.mode} trains nothing, so "
             "there is nothing to federate (its centralised run is the result)"

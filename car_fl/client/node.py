@@ -155,7 +155,7 @@ class Node:
         why = state_refusal(settings.adapter, global_state)
         if why is not None:
             raise ValueError(f"client {node_info.partition_id}: {why}")
-        privacy = self.privacy
+        privacy, round_dp = self.privacy, None
         if privacy is not None:
             own = own_files(self.config)
             if not node_info.data_is_shard:  # on a shared file its split must be the server's
@@ -166,7 +166,7 @@ class Node:
                     raise Refusal(Failure.READING_DIFFERS, why)
             settings = privacy.policy.data.apply(settings, source=privacy.policy.source, paths=own)
             privacy.admit(settings, shared_file=not node_info.data_is_shard)  # 3. before any data
-            refuse_before_the_ledger(  # 6.'s refusals that read no record: they cost nothing
+            round_dp = refuse_before_the_ledger(  # 6.'s refusals that read no record: free
                 settings,
                 node_info,
                 node_state,
@@ -175,7 +175,7 @@ class Node:
                 max_clip=privacy.policy.max_clip,
             )
         # 4. the ledger, before any record (when the release does not follow n)
-        spent = privacy is not None and privacy.spend_ahead(
+        spent = privacy is not None and privacy.spend_before_reading(
             settings, run=run, server_round=server_round
         )
         private = spent and dp_active(settings, server_round)
@@ -197,6 +197,7 @@ class Node:
             run=run,
             layout=layout,
             spent=spent,
+            privacy=round_dp,
         )
 
     @staticmethod

@@ -98,7 +98,7 @@ class NodePrivacy:
                 f"privacy policy {self.policy.source} refuses this run: " + "; ".join(found),
             )
 
-    def spend_ahead(self, settings: Settings, *, run: str, server_round: int) -> bool:
+    def spend_before_reading(self, settings: Settings, *, run: str, server_round: int) -> bool:
         """:meth:`spend` before any record is read, when what the round releases does not
         follow the node's n (not per-step DP, or per-step under a public
         ``fl.max_examples_per_client``): so BUDGET_EXHAUSTED and a refused round are decided on

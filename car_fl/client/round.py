@@ -156,21 +156,24 @@ def refuse_before_the_ledger(
     server_round: int,
     global_state: dict[str, torch.Tensor],
     max_clip: float,
-) -> None:
+) -> RoundPrivacy:
     """The run's own refusals that read no record, before the owner's ledger is charged: one
     DP mechanism for the run's life, DP-SGD's fixed (σ, q, δ), and the run's target ε for a
     release whose size does not follow n. A round they refuse then costs the owner's lifetime
     budget nothing (they used to come after the charge). :func:`train_shard` checks them again
-    with the shard's n (``0`` here: nothing that follows n is decided before the read)."""
+    with the shard's n (``0`` here: nothing that follows n is decided before the read).
+    Returns the round's privacy, which :func:`train_shard` then uses."""
     keep_one_mechanism(settings, node_state, who=f"client {node.partition_id}")
-    round_privacy(
+    privacy = round_privacy(
         settings,
         node,
         node_state,
         server_round=server_round,
         global_state=global_state,
         max_clip=max_clip,
-    ).refuse_past_target(0)
+    )
+    privacy.refuse_past_target(0)
+    return privacy
 
 
 def train_shard(
@@ -185,22 +188,25 @@ def train_shard(
     run: str = "",
     layout: str | None = None,
     spent: bool = False,
+    privacy: RoundPrivacy | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, int | float]]:
     """:meth:`~car_fl.client.node.Node.train` on a shard already read (privacy checks,
     ledger, epochs, release). ``spent``: the round is already in the ledger
-    (:meth:`NodePrivacy.spend_ahead`)."""
+    (:meth:`NodePrivacy.spend_before_reading`); ``privacy``: the round's, built by
+    :func:`refuse_before_the_ledger` (None: built here)."""
     tick = time.perf_counter()
     who = f"client {node.partition_id}"
     data = shard.data
-    keep_one_mechanism(settings, node_state, who=who)
-    privacy = round_privacy(
-        settings,
-        node,
-        node_state,
-        server_round=server_round,
-        global_state=global_state,
-        max_clip=node_privacy.policy.max_clip if node_privacy is not None else math.inf,
-    )
+    if privacy is None:
+        keep_one_mechanism(settings, node_state, who=who)
+        privacy = round_privacy(
+            settings,
+            node,
+            node_state,
+            server_round=server_round,
+            global_state=global_state,
+            max_clip=node_privacy.policy.max_clip if node_privacy is not None else math.inf,
+        )
     privacy.refuse_past_target(shard.examples)  # before any training
     if node_privacy is not None and not spent:  # recorded before training, let alone the reply
         node_privacy.spend(settings, run=run, server_round=server_round, examples=shard.examples)

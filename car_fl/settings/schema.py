@@ -101,9 +101,9 @@ __all__ = [
     "StrategyConfig",
     "StrategyName",
     "TrainConfig",
+    "nothing_to_train",
     "one_of",
     "positive",
-    "trains_nothing",
 ]
 
 
@@ -241,7 +241,7 @@ class Settings:
             )
 
 
-def trains_nothing(settings: Settings) -> bool:
+def nothing_to_train(settings: Settings) -> bool:
     """A head without weights of its own (MIPS, kNN) and no adapter training through it has no
     trainable parameter: one evaluation, no epochs."""
     traits = settings.head.kind.traits
@@ -278,7 +278,7 @@ def federated_part(settings: Settings) -> Settings:
 def federation_refusal(settings: Settings) -> str:
     """Why ``settings`` cannot run federated ('' when they can), with the fix: nothing to
     train, or a setting a federated run would otherwise silently ignore."""
-    if trains_nothing(settings):
+    if nothing_to_train(settings):
         return (
             f"head.kind={settings.head.kind} with train.mode={settings.train.mode} has nothing "
             "to train, so there is nothing to federate; evaluate it centrally "

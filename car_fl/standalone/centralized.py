@@ -31,7 +31,7 @@ from car_fl.results.run import (
 )
 from car_fl.serving.checkpoint import checkpoint_extra
 from car_fl.settings.dp_modes.registry import MODES
-from car_fl.settings.schema import HeadKind, Mode, Settings, trains_nothing
+from car_fl.settings.schema import HeadKind, Mode, Settings, nothing_to_train
 from car_fl.training.evaluation import HeldOut, LazyRetriever
 from car_fl.training.probe import probe_head
 from car_fl.training.train import make_optimizer, one_epoch
@@ -47,7 +47,7 @@ def run_centralized(settings: Settings, output_dir: str | Path | None = None) ->
     ``settings.resume`` (a run's folder) the run goes on there after its last epoch.
     """
     check_no_dp(settings)
-    if settings.resume and trains_nothing(settings):
+    if settings.resume and nothing_to_train(settings):
         raise ValueError(
             f"resume={settings.resume}: this run trains nothing (MIPS or kNN on the frozen "
             "encoder), so there is nothing to continue; run it again without resume="
@@ -93,7 +93,7 @@ def prepare(settings: Settings, *, probe: bool = True) -> Prepared:
     splits = load_splits(settings.dataset, seed=settings.seed)
     start = time.perf_counter()  # the features' time: reading the data is not in it
     lazy = LazyRetriever(settings, splits)
-    frozen_mips = trains_nothing(settings) and settings.head.kind is HeadKind.MIPS
+    frozen_mips = nothing_to_train(settings) and settings.head.kind is HeadKind.MIPS
     train_data = (
         None
         if frozen_mips
@@ -133,7 +133,7 @@ def train(
     ``train.patience`` epochs pass without a better one; none for MIPS on the frozen encoder
     and kNN (one evaluation). ``point``: go on after a stopped run's last epoch."""
     model, held_out = prepared.model, prepared.held_out
-    epochs = 0 if trains_nothing(settings) else settings.train.epochs
+    epochs = 0 if nothing_to_train(settings) else settings.train.epochs
     if point is not None:
         model.load_trainable_state_dict(point.checkpoint.state)
     else:
