@@ -28,9 +28,9 @@ import hydra
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from car_fl.common.io import atomic_write_json, atomic_write_text
+from car_fl.common.io import atomic_write_json
 from car_fl.results.report import JOB_JSON, write_report
-from car_fl.settings.compose import conf_dir, register_configs, settings_to_yaml, to_settings
+from car_fl.settings.compose import conf_dir, register_configs, to_settings
 from car_fl.settings.schema import (
     HeadKind,
     Settings,
@@ -109,6 +109,7 @@ def skip_reason(settings: Settings, clients: int) -> str:
 
 def run_job(cfg: DictConfig, output_dir: str | Path, overrides: list[str]) -> dict[str, Any]:
     """Run one sweep job, never raising for a failed run; returns what ``job.json`` holds."""
+    from car_fl.results.run import write_config
     from car_fl.simulation.flower import run_simulation
     from car_fl.standalone.centralized import run_centralized
 
@@ -122,7 +123,7 @@ def run_job(cfg: DictConfig, output_dir: str | Path, overrides: list[str]) -> di
         settings, clients = job_settings(cfg)
         record["clients"] = clients
         settings.output_dir = str(out.resolve())
-        atomic_write_text(out / "config.yaml", settings_to_yaml(settings))
+        write_config(settings, out)  # a skipped or failed job's folder says what it was
         reason = skip_reason(settings, clients)
         if reason:
             record.update(status="skipped", reason=reason)

@@ -184,6 +184,7 @@ def open_run_dir(
 
 
 def write_config(settings: Settings, out: Path) -> None:
+    """``out/config.yaml``: the resolved settings, the one writer of a run folder's config."""
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "config.yaml", settings_to_yaml(settings))
     log.info(
