@@ -105,24 +105,50 @@ def client_rows(out: Path) -> list[dict[str, str]]:
     return list(csv.DictReader((out / "clients.csv").open()))
 
 
-def test_superlink_and_three_supernodes_train_and_reuse_the_feature_cache(
-    deployment: Deployment,
+def write_trusted_entities(path: Path) -> Path:
+    """A ``--trusted-entities`` file naming one fresh Ed25519 key, as Flower expects it."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    public = ed25519.Ed25519PrivateKey.generate().public_key()
+    line = public.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    path.write_text(f"fpk_car_fl_reviewer: '{line.decode()} reviewer'\n", encoding="utf-8")
+    return path
+
+
+def test_three_supernodes_train_and_reuse_the_feature_cache_a_pinned_fourth_refuses_the_fab(
+    make_deployment: MakeDeployment,
 ) -> None:
+    """Three SuperNodes train two rounds and reuse their feature cache. A fourth, started with
+    ``--trusted-entities``, refuses every FAB that ``flwr run .`` sends (Flower 1.39 signs FABs
+    only through Flower Hub, so it carries no signature) before any ClientApp runs; its rounds
+    fail with Flower's reason and the run completes with the others."""
+    deployment = make_deployment(env={"OMP_NUM_THREADS": "1"})
     deployment.cluster.start_superlink()
     for i in range(3):
-        deployment.start_node(i, 3)
-    status, out = deployment.run("fl.clients=3", "fl.rounds=2", "train.lr=0.01")
+        deployment.start_node(i, 4)
+    trusted = write_trusted_entities(deployment.folder / "trusted-entities.yaml")
+    pinned = deployment.start_node(3, 4, trusted_entities=trusted)
+    status, out = deployment.run("fl.clients=4", "fl.rounds=2", "train.lr=0.01")
     assert status["status"] == "finished:completed", status
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["summary"]["complete"] and len(metrics["history"]) == 2
     assert metrics["history"][-1]["test_top1"] > 0.25  # 4 labels: chance is 0.25
     assert (out / "checkpoints" / "final" / "weights.safetensors").is_file()
     rows = client_rows(out)
-    assert len(rows) == 6 and {r["status"] for r in rows} == {"ok"}
+    refused = [r for r in rows if r["status"] == "failed"]
+    trained = [r for r in rows if r["status"] == "ok"]
+    assert len(rows) == 8 and len(trained) == 6, rows
+    assert len(refused) == 2 and len({r["node"] for r in refused}) == 1, refused
+    assert {r["reason"] for r in refused} == {"The FAB could not be verified."}, refused
+    assert "App verification is not supported by the connected SuperLink" in (
+        deployment.cluster.processes.log(pinned)
+    )
+    assert not (deployment.folder / "cache-3").exists()  # its ClientApp never ran
     # Every message runs in a new ClientApp process: round 1 computes the shard's features
     # (loading the encoder once), round 2 finds them on disk and never loads the encoder.
-    assert {float(r["encoder_loads"]) for r in rows if r["round"] == "1"} == {1.0}
-    assert {float(r["encoder_loads"]) for r in rows if r["round"] == "2"} == {0.0}
+    assert {float(r["encoder_loads"]) for r in trained if r["round"] == "1"} == {1.0}
+    assert {float(r["encoder_loads"]) for r in trained if r["round"] == "2"} == {0.0}
     for i in range(3):
         cache = deployment.folder / f"cache-{i}"
         assert list((cache / "features").rglob("*.safetensors"))  # its per-text features
@@ -233,7 +259,7 @@ def test_superlink_restarted_mid_run_resumes_from_its_database(deployment: Deplo
     deployment.cluster.start_superexec()
     for i in range(2):
         deployment.start_node(i, 2)
-    run_id = deployment.cluster.submit(PROJECT, deployment.overrides("fl.rounds=3"))
+    run_id = deployment.cluster.submit(PROJECT, deployment.overrides("fl.rounds=2"))
     metrics = deployment.out / "metrics.json"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and not (
@@ -247,7 +273,7 @@ def test_superlink_restarted_mid_run_resumes_from_its_database(deployment: Deplo
     status = deployment.cluster.wait(run_id, timeout=900)
     assert status["status"] == "finished:completed", status
     history = json.loads(metrics.read_text())["history"]
-    assert [row["round"] for row in history] == [1, 2, 3]
+    assert [row["round"] for row in history] == [1, 2]
     assert history[-1]["clients_ok"] == 2
 
 
@@ -318,40 +344,6 @@ def test_superlink_and_supernodes_on_separate_network_hosts(
     status, out = deployment.run("fl.rounds=1")
     assert status["status"] == "finished:completed", status
     assert {r["status"] for r in client_rows(out)} == {"ok"}
-
-
-def write_trusted_entities(path: Path) -> Path:
-    """A ``--trusted-entities`` file naming one fresh Ed25519 key, as Flower expects it."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ed25519
-
-    public = ed25519.Ed25519PrivateKey.generate().public_key()
-    line = public.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
-    path.write_text(f"fpk_car_fl_reviewer: '{line.decode()} reviewer'\n", encoding="utf-8")
-    return path
-
-
-def test_a_node_that_pins_signed_apps_refuses_the_unsigned_fab_of_flwr_run(
-    make_deployment: MakeDeployment,
-) -> None:
-    """Flower 1.39 signs FABs only through Flower Hub: a SuperNode started with
-    ``--trusted-entities`` refuses every FAB that ``flwr run .`` sends (it carries no
-    signature), before any ClientApp runs; the node without it trains."""
-    deployment = make_deployment(env={"OMP_NUM_THREADS": "1"})
-    deployment.cluster.start_superlink()
-    trusted = write_trusted_entities(deployment.folder / "trusted-entities.yaml")
-    pinned = deployment.start_node(0, 2, trusted_entities=trusted)
-    deployment.start_node(1, 2)
-    status, out = deployment.run("fl.clients=2", "fl.rounds=1", "fl.local_epochs=1")
-    assert status["status"] == "finished:completed", status
-    rows = client_rows(out)
-    assert sorted(r["status"] for r in rows) == ["failed", "ok"], rows
-    refused = next(r for r in rows if r["status"] == "failed")
-    assert refused["reason"] == "The FAB could not be verified.", refused
-    assert "App verification is not supported by the connected SuperLink" in (
-        deployment.cluster.processes.log(pinned)
-    )
-    assert not (deployment.folder / "cache-0").exists()  # its ClientApp never ran
 
 
 def test_the_local_cluster_script_starts_and_runs_from_a_venv_that_is_not_activated(

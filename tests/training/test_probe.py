@@ -81,7 +81,12 @@ def test_a_probe_round_trains_the_head_alone_and_sends_the_adapter_back_as_it_ca
     the adapter the server sent would count the steps the node took, and so its n. Round 2
     trains the adapter. The reply has the same tensors either way."""
     settings = make_settings(
-        "mode=adapter", "fl.rounds=3", "fl.probe_rounds=1", "fl.local_epochs=1", *dp.split()
+        "mode=adapter",
+        "fl.rounds=3",
+        "fl.probe_rounds=1",
+        "fl.local_epochs=1",
+        "train.batch_size=64",
+        *dp.split(),
     )
     place = NodeInfo(partition_id=0, num_partitions=2)
     initial = first_global_state(settings, 4)
