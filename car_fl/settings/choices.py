@@ -109,7 +109,11 @@ class HeadTraits(NamedTuple):
 
 
 class HeadKind(Choice):
-    """How labels are scored: CaR's classifier, MIPS against label documents, or kNN."""
+    """How labels are scored: CaR's classifier, MIPS against label documents, or kNN.
+
+    ``mips``: query·(each label's document text) / ``head.temperature``, trains only the
+    adapter; ``knn``: votes of the ``head.knn_k`` most similar training examples, trains nothing.
+    """
 
     CLASSIFIER = "classifier"
     MIPS = "mips"
