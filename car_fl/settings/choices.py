@@ -412,3 +412,8 @@ def one_of(key: str, value: str, valid: tuple[str, ...] | list[str]) -> None:
 def positive(key: str, value: float) -> None:
     if not value > 0:
         raise ValueError(f"{key} must be > 0, got {value!r}")
+
+
+def at_least(key: str, value: float, low: int) -> None:
+    if value < low:
+        raise ValueError(f"{key} must be >= {low}, got {value}")

@@ -15,6 +15,7 @@ from car_fl.settings.choices import (
     NormBoundMode,
     Partitioning,
     StrategyName,
+    at_least,
     one_of,
     positive,
 )
@@ -66,8 +67,7 @@ class FLConfig:
 
     def __post_init__(self) -> None:
         for key in ("clients", "rounds", "local_epochs"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"fl.{key} must be >= 1, got {getattr(self, key)}")
+            at_least(f"fl.{key}", getattr(self, key), 1)
         if not 0 <= self.probe_rounds < self.rounds:
             raise ValueError(
                 f"fl.probe_rounds must be in [0, fl.rounds={self.rounds}) so that a round is left "
@@ -77,8 +77,7 @@ class FLConfig:
             raise ValueError(
                 f"fl.min_clients must be in [1, fl.clients={self.clients}], got {self.min_clients}"
             )
-        if self.min_valid_replies < 1:
-            raise ValueError(f"fl.min_valid_replies must be >= 1, got {self.min_valid_replies}")
+        at_least("fl.min_valid_replies", self.min_valid_replies, 1)
         if not 0.0 <= self.min_valid_fraction <= 1.0:
             raise ValueError(
                 f"fl.min_valid_fraction must be in [0, 1], got {self.min_valid_fraction}"
@@ -115,8 +114,7 @@ class FLConfig:
             raise ValueError(f"fl.norm_bound_tail must be in (0, 1), got {self.norm_bound_tail}")
         positive("fl.alpha", self.alpha)
         positive("fl.round_timeout", self.round_timeout)
-        if self.wait_for_nodes < 0:
-            raise ValueError(f"fl.wait_for_nodes must be >= 0, got {self.wait_for_nodes}")
+        at_least("fl.wait_for_nodes", self.wait_for_nodes, 0)
 
     def sample_size(self, connected: int) -> int:
         """How many of ``connected`` nodes one round asks (at least ``min_clients``)."""
@@ -152,17 +150,14 @@ class StrategyConfig:
             raise ValueError(
                 f"strategy.trim_fraction must be in [0, 0.5), got {self.trim_fraction}"
             )
-        if self.num_malicious < 0:
-            raise ValueError(f"strategy.num_malicious must be >= 0, got {self.num_malicious}")
-        if self.num_selected < 1:
-            raise ValueError(f"strategy.num_selected must be >= 1, got {self.num_selected}")
+        at_least("strategy.num_malicious", self.num_malicious, 0)
+        at_least("strategy.num_selected", self.num_selected, 1)
         for key in ("eta", "eta_l", "tau", "server_lr"):
             positive(f"strategy.{key}", getattr(self, key))
         for key in ("beta_1", "beta_2", "server_momentum"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ValueError(f"strategy.{key} must be in [0, 1), got {getattr(self, key)}")
-        if self.proximal_mu < 0:
-            raise ValueError(f"strategy.proximal_mu must be >= 0, got {self.proximal_mu}")
+        at_least("strategy.proximal_mu", self.proximal_mu, 0)
 
     @property
     def prox_mu(self) -> float:
@@ -266,8 +261,7 @@ class DPConfig:
             )
         if not self.clip > 0:
             raise ValueError(f"dp.clip (the clipping bound C) must be > 0, got {self.clip}")
-        if self.noise_multiplier < 0:
-            raise ValueError(f"dp.noise_multiplier must be >= 0, got {self.noise_multiplier}")
+        at_least("dp.noise_multiplier", self.noise_multiplier, 0)
         if not 0 <= self.update_rate < 1:
             raise ValueError(f"dp.update_rate (β) must be in [0, 1), got {self.update_rate}")
         if not self.target_quantile > 0:
@@ -276,7 +270,6 @@ class DPConfig:
             raise ValueError(f"dp.delta must be in (0, 1), got {self.delta}")
         if not 0 <= self.ema_decay < 1:
             raise ValueError(f"dp.ema_decay must be in [0, 1), got {self.ema_decay}")
-        if self.warmup_rounds < 0:
-            raise ValueError(f"dp.warmup_rounds must be >= 0, got {self.warmup_rounds}")
+        at_least("dp.warmup_rounds", self.warmup_rounds, 0)
         if self.target_epsilon is not None and not self.target_epsilon > 0:
             raise ValueError(f"dp.target_epsilon must be > 0 or null, got {self.target_epsilon}")

@@ -14,6 +14,7 @@ from car_fl.settings.choices import (
     Mode,
     OptimizerKind,
     Similarity,
+    at_least,
     positive,
 )
 
@@ -87,16 +88,13 @@ class HeadConfig:
         self.query_map = MapKind.parse("head.query_map", self.query_map)
         self.document_map = MapKind.parse("head.document_map", self.document_map)
         self.lexical = Lexical.parse("head.lexical", self.lexical)
-        if self.fusion_k < 1:
-            raise ValueError(f"head.fusion_k must be >= 1, got {self.fusion_k}")
+        at_least("head.fusion_k", self.fusion_k, 1)
         if not self.fusion_weight >= 0:
             raise ValueError(f"head.fusion_weight must be >= 0, got {self.fusion_weight}")
         positive("head.temperature", self.temperature)
         positive("head.scale", self.scale)
-        if self.map_rank < 1:
-            raise ValueError(f"head.map_rank must be >= 1, got {self.map_rank}")
-        if self.knn_k < 1:
-            raise ValueError(f"head.knn_k must be >= 1, got {self.knn_k}")
+        at_least("head.map_rank", self.map_rank, 1)
+        at_least("head.knn_k", self.knn_k, 1)
         if self.pre_classifier_dim is not None and self.pre_classifier_dim < 1:
             raise ValueError(
                 f"head.pre_classifier_dim must be a positive size or null, "
@@ -128,8 +126,7 @@ class MoEConfig:
 
     def __post_init__(self) -> None:
         self.send = ExpertSending.parse("moe.send", self.send)
-        if self.experts < 1:
-            raise ValueError(f"moe.experts must be >= 1, got {self.experts}")
+        at_least("moe.experts", self.experts, 1)
         if not 1 <= self.route <= self.experts:
             raise ValueError(
                 f"moe.route must be in [1, moe.experts={self.experts}], got {self.route}"
@@ -160,8 +157,7 @@ class MoEConfig:
                 f"moe.schedule_blocks must be in [1, moe.experts={self.experts}], "
                 f"got {self.schedule_blocks}"
             )
-        if self.iterations < 0:
-            raise ValueError(f"moe.iterations must be >= 0, got {self.iterations}")
+        at_least("moe.iterations", self.iterations, 0)
 
 
 @dataclass
@@ -191,21 +187,18 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         self.mode = Mode.parse("train.mode", self.mode)
-        if self.probe_epochs < 0:
-            raise ValueError(f"train.probe_epochs must be >= 0, got {self.probe_epochs}")
+        at_least("train.probe_epochs", self.probe_epochs, 0)
         if self.patience is not None and self.patience < 1:
             raise ValueError(f"train.patience must be >= 1 or null, got {self.patience}")
         self.optimizer = OptimizerKind.parse("train.optimizer", self.optimizer)
         for key in ("epochs", "batch_size", "eval_batch_size", "feature_batch_size"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"train.{key} must be >= 1, got {getattr(self, key)}")
+            at_least(f"train.{key}", getattr(self, key), 1)
         positive("train.lr", self.lr)
         if self.adapter_lr is not None:
             positive("train.adapter_lr", self.adapter_lr)
         if self.rows_lr is not None:
             positive("train.rows_lr", self.rows_lr)
-        if self.weight_decay < 0:
-            raise ValueError(f"train.weight_decay must be >= 0, got {self.weight_decay}")
+        at_least("train.weight_decay", self.weight_decay, 0)
 
 
 @dataclass
