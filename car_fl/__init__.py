@@ -16,12 +16,10 @@ The package is laid out by who runs the code (``docs/architecture.md``):
 - :mod:`car_fl.settings`: the configuration schema, its composition, Flower's configs.
 - :mod:`car_fl.simulation`: both parties in one process (Flower's engine, in-process, attacks).
 - :mod:`car_fl.deploy`: the operator's tools for SuperLink and SuperNodes on real machines.
-- :mod:`car_fl.common`: small utilities for every party; :mod:`car_fl.testing`: tiny offline
-  models and data for tests and trials.
+- :mod:`car_fl.common`: small utilities; :mod:`car_fl.testing`: tiny offline models and data.
 - Entry points: :mod:`car_fl.centralized`, :mod:`car_fl.sweep`, :mod:`car_fl.cli`.
 
-A package's ``__init__`` imports nothing, so importing one module never loads its siblings
-(a client round on cached features imports no transformers, Hydra or datasets).
+A package's ``__init__`` imports nothing, so importing one module never loads its siblings.
 """
 
 __version__ = "0.1.0"

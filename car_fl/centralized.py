@@ -1,11 +1,8 @@
-"""Centralised training from Hydra's command line (the training itself:
-:mod:`car_fl.standalone.centralized`; with ``dp=record``, DP-SGD through
-:mod:`car_fl.simulation.centralized_dp`).
+"""Centralised training from Hydra's command line (the training:
+:mod:`car_fl.standalone.centralized`; ``dp=record``: :mod:`car_fl.simulation.centralized_dp`).
 
     car-fl train dataset=sms_spam model=tinyllama mode=classifier
     python -m car_fl.centralized dataset=sms_spam model=tinyllama mode=classifier   # Hydra's CLI
-
-Writes to the Hydra run directory (or ``output_dir``).
 """
 
 from __future__ import annotations

@@ -3,15 +3,11 @@
     python -m car_fl.sweep -m clients=1,2,3 dp=none,fixed,adaptive mode=classifier,adapter
     python -m car_fl.sweep -m experiment=sms_mips model=minilm
 
-``clients=1`` is a centralised run (``sweep.centralized_epochs``, by default ``fl.rounds ×
-fl.local_epochs`` epochs: the same passes over the data as the federation); ``clients>=2`` is
-a Flower simulation with that many SuperNodes. Each job runs in its own Hydra job directory
-and leaves ``config.yaml``, ``metrics.json``/``.csv``, ``curves.png``, ``checkpoints/`` and
-``job.json`` (status ok / failed / skipped, the reason, the overrides, the seconds it took).
-A failing job is recorded and the sweep goes on; combinations that make no sense (local DP on
-a centralised run, a federation of a method that trains nothing) are skipped with the reason.
-When all jobs are done, :func:`car_fl.results.report.write_report` writes ``report/`` in the sweep
-directory; the command exits with 1 if any job failed.
+``clients=1`` is a centralised run (``sweep.centralized_epochs``, by default the federation's
+passes over the data), ``clients>=2`` a Flower simulation. Each job leaves its run files and
+``job.json`` (ok / failed / skipped, with the reason); a failing job does not stop the sweep,
+combinations that make no sense are skipped. Then ``report/`` is written; the exit code is 1
+if any job failed.
 """
 
 from __future__ import annotations
@@ -61,8 +57,7 @@ def job_settings(cfg: DictConfig) -> tuple[Settings, int]:
     keep = [str(k) for k in cfg if str(k) not in (*SWEEP_KEYS, "hydra")]
     conf = OmegaConf.masked_copy(cfg, keep)
     if int(cfg.fl.probe_rounds) and not has_head_to_probe(HeadKind(str(cfg.head.kind))):
-        # a sweep over approaches shares fl.probe_rounds; MIPS has no head to probe, so its
-        # jobs, federated or centralised, train the adapter from the start instead of failing
+        # MIPS has no head to probe: its jobs train the adapter from the start
         log.info(
             "fl.probe_rounds=%s: head.kind=%s has no head to probe; this job trains the "
             "adapter from the start",

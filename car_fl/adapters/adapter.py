@@ -1,13 +1,9 @@
 """The interface of a soft-embedding adapter: what the retriever, the optimiser and DP-SGD ask.
 
-A kind implements :meth:`Adapter.affine` (the map, no dropout), :meth:`Adapter.deviation`
-(‖ADP − I‖²_F, what ``adapter.anchor`` penalises), :meth:`Adapter.is_identity`, and the two
-halves of DP-SGD's batched clipping: with ``x`` the token embeddings of a padded batch (pads
-zero) and ``g`` each example's gradient at the adapter's output, :meth:`Adapter.example_squares`
-gives ‖∇ᵢ‖² per example and :meth:`Adapter.clipped_sum` gives Σᵢ cᵢ ∇ᵢ. Both must equal what
-per-example autograd gives (``tests/privacy/test_ghost.py`` checks every registered kind). A
-kind's parameters start so that the map is exactly the identity: an untrained adapter changes
-no hidden state.
+A kind implements :meth:`Adapter.affine`, :meth:`Adapter.deviation` (‖ADP − I‖²_F),
+:meth:`Adapter.is_identity`, and DP-SGD's batched clipping, :meth:`Adapter.example_squares`
+(‖∇ᵢ‖²) and :meth:`Adapter.clipped_sum` (Σᵢ cᵢ ∇ᵢ), which must equal per-example autograd
+(``tests/privacy/test_ghost.py`` checks every kind). A kind starts as exactly the identity.
 """
 
 from __future__ import annotations
@@ -83,9 +79,8 @@ class Adapter(nn.Module, ABC):
         return out.to(embeddings.dtype)
 
     def is_identity(self) -> bool:
-        """Whether the map is exactly the identity (asked at every scoring step: a trained
-        adapter is applied, an untrained one skipped). Answered again only after a parameter
-        changed (an optimiser step or a load bumps its version)."""
+        """Whether the map is exactly the identity (then it is skipped); recomputed only after
+        a parameter's version changed."""
         try:
             key = tuple((p._version, p.data_ptr()) for p in self.parameters())
         except RuntimeError:  # a torch.func transform's tensor: no storage to key an answer on

@@ -1,8 +1,7 @@
 """``adapter.kind=diagonal``: x ↦ x ⊙ s + b, a scale and a shift per dimension (2·d numbers).
 
-The cheapest adapter: s starts at one and b at zero. Per example, ∇s = Σₜ gₜ ⊙ xₜ and
-∇b = Σₜ gₜ over the example's real tokens (the shift reaches pads too; DP-SGD's caller
-zeroes g there, as a pad never changes a real token's state).
+Per example, ∇s = Σₜ gₜ ⊙ xₜ and ∇b = Σₜ gₜ over the real tokens (DP-SGD's caller zeroes g at
+pads).
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """``adapter.kind=lowrank``: x ↦ x + (x V) Uᵀ, i.e. W = I + U Vᵀ of rank ``adapter.rank``.
 
-U (d×r) starts at zero, so an untrained adapter is the identity; V (d×r) starts random
-(N(0, 1/d), from the run's seed) so that U's first gradient is not zero (as LoRA starts).
-Soft prompts have low intrinsic rank (DePT, DPT); a rank-r adapter sends 2·d·r numbers
-instead of d² and takes DP noise on that many. Per-example gradients are d×r; DP-SGD never
-forms them: with z = x V, ∇U = Σₜ gₜ zₜᵀ and ∇V = Σₜ xₜ (Uᵀ gₜ)ᵀ have ghost norms from
-(t × t) Gram matrices, and the clipped sum is one contraction each.
+U starts at zero (the identity) and V random from the run's seed, as LoRA starts; 2·d·r numbers
+travel and take DP noise instead of d². DP-SGD never forms the d×r per-example gradients: their
+ghost norms come from (t × t) Gram matrices, the clipped sum from one contraction each.
 """
 
 from __future__ import annotations

@@ -28,10 +28,8 @@ def build_adapter(cfg: AdapterConfig, dim: int, *, seed: int) -> Adapter:
 
 def state_refusal(cfg: AdapterConfig, state: Mapping[str, torch.Tensor]) -> str | None:
     """Why a global state's adapter tensors (``adapter.*``) cannot be this run's adapter, or
-    None: another kind's names, shapes that are not one width's (a rank above it), values that
-    are not finite. Asked by a node before its ledger is charged and before any record is read
-    (:func:`car_fl.client.round.refuse_before_the_ledger`), so a server's ill-formed adapter costs
-    the owner nothing; a state without an adapter (classifier mode) passes."""
+    None: another kind's names, shapes not of one width, values not finite. A node asks before
+    its ledger is charged, so an ill-formed adapter costs its owner nothing."""
     sent = {
         k.removeprefix(ADAPTER_PREFIX): v for k, v in state.items() if k.startswith(ADAPTER_PREFIX)
     }

@@ -1,10 +1,5 @@
-"""``car-fl generate-queries``: training queries for a corpus written by the node's own SLM.
-
-The checkpoint's model writes queries for each document and the checkpoint's retriever keeps
-those it answers with their document (:mod:`car_fl.serving.query_generation`); the file it
-writes is what ``dataset.generated_queries_path`` (node config ``generated-queries-path``)
-adds to the training queries.
-"""
+"""``car-fl generate-queries``: training queries for a corpus written by the node's own SLM
+(:mod:`car_fl.serving.query_generation`), for ``dataset.generated_queries_path``."""
 
 from __future__ import annotations
 

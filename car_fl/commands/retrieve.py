@@ -73,9 +73,7 @@ def run(args: argparse.Namespace) -> int:
     k = args.k or max(retriever.settings.eval.top_k)
     results = retriever.retrieve(queries, k)
     if args.json:  # "label" is the document id (kept for label-classification checkpoints)
-        # "score" is what the head computed ("score_kind": logit, cosine, dot or votes);
-        # "probability" its softmax over all labels where the head was trained with
-        # cross-entropy, null for MIPS and kNN (no calibrated probability)
+        # "probability": null for MIPS and kNN (not trained with cross-entropy)
         payload = [
             {
                 "query": q,

@@ -1,10 +1,8 @@
 """``car-fl run``: ``flwr run`` this project, follow its log, and exit with its outcome.
 
 ``flwr run`` exits 0 for a run whose ServerApp failed; this command checks the configuration
-on this machine first (in seconds: unknown keys, misspelt overrides, an unreachable DP target,
-missing files, the Hub offline, a simulation's node count), then starts the run with the same
-``--run-config`` and ``--federation-config`` strings, streams its log and waits for its final
-status: 0 for ``finished:completed``, 1 with the reason on stderr for anything else.
+here first (in seconds), starts the run, streams its log and exits 0 for
+``finished:completed``, else 1 with the reason on stderr.
 """
 
 from __future__ import annotations
@@ -81,12 +79,8 @@ def is_local_simulation(connection: str) -> bool:
 
 
 def simulation_config(items: list[str], clients: int) -> list[str]:
-    """``--federation-config`` strings for a simulation of ``clients`` SuperNodes.
-
-    ``num-supernodes`` defaults to ``fl.clients`` (a mismatch fails here, not after the
-    server's wait); each SuperNode gets an equal share of this machine's CPUs unless
-    ``client-resources-num-cpus`` is given.
-    """
+    """``--federation-config`` strings for a simulation of ``clients`` SuperNodes (by default
+    ``fl.clients``), each an equal share of this machine's CPUs unless given."""
     from flwr.common.config import parse_config_args
 
     given = parse_config_args(items)
@@ -156,10 +150,9 @@ def run(args: argparse.Namespace) -> int:
 def superlink(
     app: Path, connection: str, env: dict[str, str], *, own: bool, local: bool
 ) -> Iterator[tuple[str, dict[str, str]]]:
-    """The connection to submit to and the environment of ``flwr``'s commands: a SuperLink of
-    this run's own (``own``), ended with everything it started when the block is left;
-    Flower's local SuperLink (``local``) once :func:`check_local_superlink` found it fit (or
-    absent: ``flwr run`` then starts it here); else the connection as given."""
+    """The connection to submit to and the environment of ``flwr``'s commands: this run's own
+    SuperLink (``own``, ended with the block), Flower's local one once
+    :func:`check_local_superlink` found it fit, else the connection as given."""
     if own:
         from car_fl.deploy.own_superlink import own_superlink
 
@@ -191,9 +184,8 @@ class Stopped(Exception):
 
 @contextlib.contextmanager
 def stop_signals() -> Iterator[None]:
-    """SIGTERM (a ``timeout``, a service manager) and SIGHUP (a closed terminal) raise
-    :class:`Stopped` while the run is submitted and followed, so that the run is stopped in
-    the SuperLink and the log stream (this command's child) ended, instead of both living on."""
+    """SIGTERM and SIGHUP raise :class:`Stopped` while the run is followed, so that the run and
+    its log stream are stopped instead of living on."""
 
     def stop(signum: int, _frame: object) -> None:
         raise Stopped(signum)

@@ -2,10 +2,8 @@
 
     car-fl serve --checkpoint runs/<run>/checkpoints/best --port 8300
 
-``POST /retrieve`` with ``{"queries": [...], "k": 5}`` answers per query its top-k documents;
-``GET /health`` names the checkpoint, its settings' fingerprint and the model; the schema is at
-``/docs`` (docs/retrieval.md). A checkpoint that cannot load fails in one line before Ray
-starts. It runs until Ctrl-C or SIGTERM, then ends the Ray instance it started.
+``POST /retrieve``, ``GET /health``, the schema at ``/docs`` (docs/retrieval.md); it runs until
+Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations

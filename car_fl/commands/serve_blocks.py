@@ -2,10 +2,8 @@
 
     car-fl serve-blocks model=smollm2 device=cpu --port 8200 --replicas 1
 
-The model comes from Hydra overrides like every entry point (``model=...``, ``model.dtype``,
-``device``); how the service runs from the flags. It runs until Ctrl-C or SIGTERM, then deletes
-its app and ends the Ray instance it started (an existing cluster, ``--ray-address``, is left
-running). Nodes name it in their own config (docs/blocks.md).
+The model comes from Hydra overrides, how it runs from the flags; it runs until Ctrl-C or
+SIGTERM. Nodes name it in their own config (docs/blocks.md).
 """
 
 from __future__ import annotations

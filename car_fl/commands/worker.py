@@ -3,11 +3,9 @@
     car-fl worker --dir ~/.car-fl/worker \\
         --node-config 'partition-id=1 num-partitions=3 data-path="/data/sms.tsv" device="mps"'
 
-It holds the encoder, the shard's features and the training across rounds and runs; the
-SuperNode's ``--node-config`` names its folder (``worker="~/.car-fl/worker"``) so that car-fl's
-ClientApp hands it each round. Give it the SuperNode's node config: its own values (data,
-device, cache, privacy) are the ones it trains with. Restarted when it dies, unless
-``--no-restart``; stop it with Ctrl-C or SIGTERM.
+It holds the encoder, the features and the training across rounds; the SuperNode's node config
+names its folder (``worker=...``). Give it the SuperNode's node config: it trains with its own
+values. Restarted when it dies, unless ``--no-restart``.
 """
 
 from __future__ import annotations

@@ -5,12 +5,10 @@
 - :mod:`~car_fl.data.dedupe`: exact duplicates after normalisation, before any split.
 - :mod:`~car_fl.data.splits`: ``load_splits``: train/validation/test (``DataSplits``).
 - :mod:`~car_fl.data.partition`: ``partition``: a client's shard (flwr-datasets).
-- :mod:`~car_fl.data.placement`: ``hash_placement``: a record's split and shard by its own
-  text alone (``dataset.split=hash``, ``fl.partitioning=hash``: record-level DP).
-- :mod:`~car_fl.data.corpus`, :mod:`~car_fl.data.corpus_splits`: document corpora (documents
-  and queries files) and their per-document splits with new documents;
-  :mod:`~car_fl.data.pseudo_queries`: windows of a document's own words as training queries.
+- :mod:`~car_fl.data.placement`: ``hash_placement``: a record's split and shard by its own text.
+- :mod:`~car_fl.data.corpus`, :mod:`~car_fl.data.corpus_splits`: document corpora and their
+  per-document splits with new documents.
+- :mod:`~car_fl.data.pseudo_queries`: windows of a document's own words as training queries.
 
-Imports nothing itself: ``car_fl.data.labels`` must not pull in ``datasets`` (2.5 s), which a
-client round on cached data does not need.
+Imports nothing itself: ``car_fl.data.labels`` must not pull in ``datasets`` (2.5 s).
 """

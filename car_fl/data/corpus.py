@@ -1,13 +1,9 @@
 """Document corpora for retrieval: a documents file and a queries file, read with line numbers.
 
-**Documents** (the labels): JSON lines ``{"id": ..., "text": ..., "title": ..., "metadata":
-{...}}`` (``title`` and ``metadata`` optional; any other field joins the metadata), or a CSV /
-TSV with a header holding ``id`` and ``text`` columns (``title`` optional, the other columns
-are metadata). **Queries**: JSON lines ``{"query": ..., "document_id": ..., "split": ...}`` or
-a CSV / TSV with those columns; ``split`` (``train``, ``validation`` or ``test``) is optional,
-and when one query has it every query must (:mod:`car_fl.data.corpus_splits` assigns splits
-otherwise). Malformed input raises :class:`~car_fl.data.readers.DataFormatError` naming the
-file, the line and the problem, before any work is done.
+Documents: JSON lines (``id``, ``text``, optional ``title``, ``metadata``; other fields join the
+metadata) or a CSV/TSV with ``id`` and ``text`` columns. Queries: ``query``, ``document_id``
+and optional ``split`` (all or none). Malformed input is a
+:class:`~car_fl.data.readers.DataFormatError` naming the file, the line and the problem.
 """
 
 from __future__ import annotations

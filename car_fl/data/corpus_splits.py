@@ -2,24 +2,14 @@
 
 Rules, in order (:func:`split_corpus`):
 
-1. **Splits.** A query file that names splits keeps them. Otherwise each document's queries,
-   in file order: the last is a test query, the one before it a validation query, the rest
-   train (a document with one query: test only).
-2. **Duplicates.** Texts are compared after NFKC, whitespace and case folding. Copies that
-   agree on document and split collapse to one; a text that occurs with two documents or in
-   two splits is dropped everywhere (no right answer, or a leak between splits).
-3. **Held-out text inside its document.** A validation or test query whose text occurs in its
-   own document's text is dropped: it would measure string matching, not retrieval.
-4. **New documents.** ``new_fraction`` of the documents (seeded) lose their training queries:
-   they stand for documents that arrive after training; their validation and test queries stay
-   and are reported apart (``new_*`` metrics).
-5. **Pseudo-queries.** ``pseudo_queries`` windows of each other document's own words
-   (:mod:`car_fl.data.pseudo_queries`) join the training queries, after the real ones; a window
-   whose text is a kept query's, or another document's window too, is dropped.
-6. **Generated queries.** Queries a model wrote for the documents
-   (:mod:`car_fl.serving.query_generation`, ``dataset.generated_queries_path``) join the
-   training queries on the same terms as pseudo-queries: none for a new document, none whose
-   text is a kept query's, none that two documents share.
+1. **Splits.** Named splits are kept; otherwise a document's last query is test, the one before
+   validation, the rest train.
+2. **Duplicates** (after NFKC, whitespace and case folding) collapse when they agree; a text
+   with two documents or in two splits is dropped everywhere.
+3. A validation or test query whose text is inside its own document is dropped.
+4. **New documents.** ``new_fraction`` of the documents (seeded) lose their training queries.
+5. **Pseudo-queries** and 6. **generated queries** join the training queries after the real
+   ones: none for a new document, none whose text is a kept query's or two documents share.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
-"""Exact duplicates over normalised text, so that no text lands in two splits.
+"""Exact duplicates over normalised text (NFKC, whitespace), so that no text lands in two splits.
 
-A text that occurs twice in a dataset would otherwise be split at random: one copy in train,
-one in test, and the test score partly measures memorisation (10 % of the SMS Spam
-Collection's test split had a copy in train). Texts are compared after Unicode NFKC and
-whitespace normalisation; copies with one label collapse to the first, copies with conflicting
-labels are all dropped (no right answer exists for them).
-
-``canonical`` (``dataset.split=hash``): each (normalised text, label) is kept once *as its
-normalised text*, and copies with conflicting labels are all kept. Then one record added or
-replaced changes the result by at most that record: which copy comes first, or a conflicting
-copy, can no longer remove another record (record-level DP's unit); the hash placement keeps
-every copy of a text in one split.
+Copies with one label collapse to the first; copies with conflicting labels are all dropped.
+``canonical`` (``dataset.split=hash``) keeps each (normalised text, label) once as its
+normalised text and conflicting copies too, so one record changes the result by at most itself
+(record-level DP's unit).
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Client shards: IID or Dirichlet(α) non-IID, with flwr-datasets partitioners.
 
-Partitioning happens after the global label map and the train/validation/test split are
-fixed, so every shard shares one label map and holds training examples only. Each example
-lands in exactly one shard. IID shards are random: flwr-datasets' ``IidPartitioner`` cuts
-contiguous slices, so it runs over a seeded shuffle of the indices (a file sorted by date or
-label would otherwise give each client a different slice of time or of labels); each shard
-keeps its examples in file order, so a single shard is the training split itself.
-``hash`` shards are IID too, each example placed by a keyed hash of its own text
-(:func:`~car_fl.data.placement.hash_placement`): a record added or removed moves no other.
+Shards are cut from the training split after the label map is fixed; each example lands in one.
+IID shards are cut from a seeded shuffle and keep file order; ``hash`` shards place each
+example by a keyed hash of its own text (:func:`~car_fl.data.placement.hash_placement`).
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Where a record goes (split, shard) decided by its own text alone, never by the others.
 
-A seeded permutation places each record by its rank among all of them: one record added to a
-file of 1,000 moved 450 others across the splits and three IID shards
-(``tests/data/test_splits.py``). Record-level DP's neighbouring data sets differ in one record,
-so on a node that splits a shared file the charged ε assumed a neighbour the split did not
-keep. A keyed hash of each text places it independently of every other record
-(``dataset.split=hash``, ``fl.partitioning=hash``). Written here because flwr-datasets'
-partitioners all place by position or by label counts.
+A seeded permutation moves many records when one is added, so record-level DP's neighbour
+would not be the one charged; a keyed hash of each text places it independently
+(``dataset.split=hash``, ``fl.partitioning=hash``). flwr-datasets places by position or labels.
 """
 
 from __future__ import annotations
@@ -20,9 +16,8 @@ from car_fl.data.dedupe import normalize_text
 
 
 def hash_placement(texts: Sequence[str], *, seed: int, purpose: str) -> np.ndarray:
-    """Each text's place in [0, 1): BLAKE2b of the normalised text alone (the form duplicates
-    are found by, so every copy and every machine's copy of the file agree), keyed by the seed
-    and ``purpose`` (a split and a partition draw independently); 53 bits, exact in a float."""
+    """Each text's place in [0, 1): BLAKE2b of the normalised text alone (every copy agrees),
+    keyed by the seed and ``purpose``; 53 bits, exact in a float."""
     key = f"car-fl:{seed}:{purpose}".encode()
     digests = (
         hashlib.blake2b(normalize_text(t).encode(), key=key, digest_size=8).digest() for t in texts

@@ -1,11 +1,7 @@
 """Extractive pseudo-queries: windows of a document's own words as extra training queries.
 
-A document with few real queries gets more training examples without a second model: each
-contributes ``per_document`` windows of ``words`` consecutive words of its own text, at seeded
-positions (a short restatement of part of it, as a searcher types). They are made from the
-documents alone, which every party of the federation holds, so they carry nothing of any
-node's records; a window whose text is a real query's is dropped, so no text is in two splits.
-A model generating queries (DSI-QG) would need the node's SLM to write them; this needs none.
+Each document gives ``per_document`` windows of ``words`` words at seeded positions, from the
+public documents alone, so they carry nothing of any node's records and need no second model.
 """
 
 from __future__ import annotations
@@ -26,11 +22,8 @@ def extractive_queries(
     seed: int,
     skip: frozenset[int] = frozenset(),
 ) -> list[tuple[str, int]]:
-    """``(query text, document index)`` pairs, documents in order, none for those in ``skip``.
-
-    A document of ``words`` words or fewer gives none (its one window would be itself); one
-    with fewer than ``per_document`` distinct windows gives them all.
-    """
+    """``(query text, document index)`` pairs, documents in order, none for those in ``skip``
+    nor for a document of ``words`` words or fewer (its one window would be itself)."""
     if per_document < 0 or words < 1:
         raise ValueError(f"per_document must be >= 0 and words >= 1, got {per_document}, {words}")
     out: list[tuple[str, int]] = []

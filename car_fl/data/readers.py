@@ -70,11 +70,8 @@ def read_sms_spam(path: Path | str) -> list[Example]:
 
 
 def read_ag_news(path: Path | str) -> list[Example]:
-    """AG News CSV: ``"class index (1-4)","title","description"``, no header.
-
-    The text is ``title + " " + description``; labels are the class names (World, Sports,
-    Business, Sci/Tech).
-    """
+    """AG News CSV (``"class index (1-4)","title","description"``, no header): the text is
+    ``title + " " + description``, the label the class name (World, Sports, ...)."""
     path = Path(path)
     _require_file(path)
     examples = []
@@ -110,11 +107,8 @@ def read_ag_news(path: Path | str) -> list[Example]:
 
 
 def read_arxiv(path: Path | str) -> list[Example]:
-    """arXiv metadata snapshot (JSON lines with ``title``, ``abstract``, ``categories``).
-
-    The text is ``title + ". " + abstract`` with whitespace collapsed; the label is the primary
-    (first) category of the space-separated ``categories`` field.
-    """
+    """arXiv metadata snapshot (JSON lines): the text is ``title + ". " + abstract``, whitespace
+    collapsed; the label the first of the space-separated ``categories``."""
     path = Path(path)
     examples = []
     for number, line in _lines(path):

@@ -1,9 +1,7 @@
 """Loading a configured dataset into one label map and seeded train/validation/test splits.
 
-Duplicate texts are collapsed before anything is split (:mod:`car_fl.data.dedupe`), so no
-normalised text is in two splits. The validation split is carved from train: model selection
-uses it, test is only reported. The label map is fixed here, before any partitioning, from the
-whole dataset; every client derives the same one from the same configuration.
+Duplicates are collapsed before any split; validation is carved from train; the label map is
+fixed here from the whole dataset, the same on every client.
 """
 
 from __future__ import annotations
@@ -37,13 +35,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class DataSplits:
-    """Train, validation and test sets as ``datasets.Dataset`` (``text`` str, ``label`` int).
-
-    Clients' shards come from ``train`` only; ``validation`` (for model selection) and ``test``
-    (for reporting) stay with whoever evaluates. ``stats`` counts what was removed and kept.
-    A corpus (``dataset.reader=corpus``) also gives its ``documents`` (label order) and the
-    indices of its ``new_documents``; its ``train`` has a ``topic`` column.
-    """
+    """Train, validation and test sets as ``datasets.Dataset`` (``text`` str, ``label`` int);
+    ``stats`` counts what was removed and kept. A corpus also gives its ``documents`` (label
+    order) and its ``new_documents``; its ``train`` has a ``topic`` column."""
 
     train: Dataset
     validation: Dataset
@@ -185,11 +179,8 @@ def check_label_texts(cfg: DatasetConfig, names: Sequence[str], source: object) 
 
 
 def load_splits(cfg: DatasetConfig, *, seed: int, label_map: LabelMap | None = None) -> DataSplits:
-    """Read the configured dataset, remove duplicates, fix the label map, split it (seeded).
-
-    With ``label_map`` (the server's, on a client) that map is used, and a label it does not
-    know raises a ``ValueError`` naming it.
-    """
+    """Read the configured dataset, remove duplicates, fix the label map, split it (seeded);
+    a given ``label_map`` (the server's) is used, and a label it lacks is a ``ValueError``."""
     if cfg.reader is Reader.CORPUS:
         return load_corpus_splits(cfg, seed=seed, label_map=label_map)
     test: list[Example] | None = None
@@ -279,11 +270,8 @@ def load_splits(cfg: DatasetConfig, *, seed: int, label_map: LabelMap | None = N
 def load_corpus_splits(
     cfg: DatasetConfig, *, seed: int, label_map: LabelMap | None = None
 ) -> DataSplits:
-    """A corpus (:mod:`car_fl.data.corpus`) split per document (:mod:`car_fl.data.corpus_splits`).
-
-    The label map is the document ids in the documents file's order; a given ``label_map``
-    must be exactly that (the server's corpus), else a ``ValueError`` says so.
-    """
+    """A corpus (:mod:`car_fl.data.corpus`) split per document (:mod:`car_fl.data.corpus_splits`);
+    its label map is the document ids in file order, which a given ``label_map`` must equal."""
     if cfg.path is None or cfg.documents_path is None:
         raise ValueError(
             "dataset.reader=corpus needs dataset.path (queries) and dataset.documents_path"

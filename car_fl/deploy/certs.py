@@ -1,7 +1,5 @@
-"""TLS for a SuperLink: a private CA and a server certificate; key pairs for SuperNode auth.
-
-Made with the ``cryptography`` package (imported on use), so no ``openssl`` is needed.
-"""
+"""TLS for a SuperLink: a private CA and a server certificate; key pairs for SuperNode auth
+(with ``cryptography``, imported on use: no ``openssl`` needed)."""
 
 from __future__ import annotations
 

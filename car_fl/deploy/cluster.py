@@ -1,12 +1,8 @@
 """One local deployment, assembled one way: a SuperLink and SuperNodes on this machine.
 
-``scripts/local_cluster.py``, ``scripts/deploy_overhead.py``, ``scripts/bench_deploy.py`` and
-``tests/deploy/test_deployment.py`` all build their clusters here. A cluster lives in one
-folder: the SuperLink's state database (``state.db``), the ``flwr`` configuration with the
-cluster's connection (``flwr/``, the cluster's own ``FLWR_HOME``), each node's feature cache
-(``cache-<i>``) and worker (``worker-<i>``, when it has one), certificates and node keys
-(``certs/``), one log per process, the PIDs (``cluster.json``) and the host and ports
-(``network.json``). Everything it starts is stopped by PID, never by name.
+The scripts and ``tests/deploy`` build their clusters here. A cluster lives in one folder
+(state database, its own ``FLWR_HOME``, each node's cache and worker, certificates, logs, PIDs
+in ``cluster.json``); everything it starts is stopped by PID, never by name.
 """
 
 from __future__ import annotations
@@ -65,9 +61,8 @@ class RunResult:
 class LocalCluster:
     """A SuperLink and SuperNodes in ``folder``, reached at ``host``; a context manager.
 
-    ``ports``: the Fleet API listens on it, the Control API on ``ports + 1`` and SuperNode
-    ``i``'s runtime API on ``ports + 10 + i``; ``None`` picks free ports. ``env`` is added to
-    the environment of every process (and of ``flwr``).
+    ``ports``: the Fleet API's, the Control API's + 1, node ``i``'s + 10 + i (None: free ones).
+    ``env`` is added to the environment of every process (and of ``flwr``).
     """
 
     def __init__(
@@ -143,11 +138,8 @@ class LocalCluster:
         prefix: Sequence[str] = (),
         timeout: float = 60.0,
     ) -> None:
-        """Start the SuperLink, write the cluster's connection, wait until both APIs listen.
-
-        ``prefix`` goes before the command (``taskset -c 3``, ``ip netns exec NS``). Started
-        again after :meth:`kill`, it resumes from the same state database.
-        """
+        """Start the SuperLink (after ``prefix``, e.g. ``taskset -c 3``), write the cluster's
+        connection, wait until both APIs listen; after :meth:`kill`, it resumes its state."""
         self.tls = tls
         cmd = superlink_command(
             fleet_address=self.fleet,
@@ -190,11 +182,8 @@ class LocalCluster:
     ) -> str:
         """Start SuperNode ``partition_id`` of ``num_partitions``; returns its process name.
 
-        Insecure unless ``root_cert`` is given; its feature cache is ``<folder>/cache-<i>``
-        unless ``cache_dir`` is given. A second node for the same partition gets its own name.
-        ``worker``: the folder of the node's worker (:meth:`start_worker`), which then trains.
-        ``trusted_entities``: the node runs only FABs signed by one of these keys (Flower's
-        ``--trusted-entities``; a FAB from ``flwr run .`` carries no signature).
+        Insecure unless ``root_cert`` is given; ``worker``: its worker's folder
+        (:meth:`start_worker`); ``trusted_entities``: Flower's ``--trusted-entities``.
         """
         name = f"supernode-{partition_id}"
         if name in self.processes.pids:
@@ -241,13 +230,8 @@ class LocalCluster:
         timeout: float = 300.0,
         wait: bool = True,
     ) -> Path:
-        """Start node ``partition_id``'s worker (``car-fl worker``) and wait until it answers.
-
-        Process ``worker-<i>``, folder ``<folder>/worker-<i>``, the node's own configuration
-        (the same values :meth:`start_node` gives the SuperNode); ``restart``: under a
-        supervisor that starts it again when it dies; ``wait=False``: return at once (then
-        :meth:`wait_worker`). Returns the folder (``start_node``'s ``worker``).
-        """
+        """Start node ``partition_id``'s worker (``car-fl worker``) with the node's own config
+        and wait until it answers (``wait=False``: :meth:`wait_worker`); returns its folder."""
         folder = self.worker_folder(partition_id)
         node_config = node_config_string(
             partition_id=partition_id,
@@ -300,18 +284,15 @@ class LocalCluster:
     ) -> LocalCluster:
         """The whole cluster: a SuperLink and ``nodes`` SuperNodes sharing the data file.
 
-        ``tls``: a fresh private CA in ``certs/``; ``node_auth``: a registered key per node.
-        ``client_cores`` / ``server_core`` pin node ``i`` (and its worker) / the SuperLink to
-        one CPU core. ``settle``: seconds to let the SuperNodes connect before returning.
-        ``workers``: each node gets its worker (:meth:`start_worker`), started first.
+        ``tls``: a fresh private CA; ``node_auth``: a registered key per node; ``*_core(s)``:
+        CPU pinning; ``settle``: seconds for the SuperNodes to connect; ``workers``: one each.
         """
         check_flower()  # before anything starts: one line if Flower is not found
         self.check_ports(nodes)
         files = make_certificates(self.folder / "certs", [self.host, "localhost"]) if tls else None
         try:
             prefixes = [pinned([], client_cores[i] if client_cores else None) for i in range(nodes)]
-            # the workers start side by side and beside the SuperLink (each imports torch and
-            # loads its model); each SuperNode once its worker answers
+            # the workers start side by side; each SuperNode once its worker answers
             folders = [
                 self.start_worker(i, nodes, data=data, device=device, prefix=p, wait=False)
                 for i, p in enumerate(prefixes)

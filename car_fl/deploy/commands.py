@@ -61,10 +61,8 @@ class FlowerNotFound(RuntimeError):
 
 
 def python_bin() -> Path:
-    """The folder of the running Python (a venv's ``bin``), where pip put Flower's executables.
-
-    Not resolved: a venv's ``python`` is a link to the system's, whose folder has no Flower.
-    """
+    """The folder of the running Python (a venv's ``bin``, not resolved), where pip put Flower's
+    executables."""
     return Path(sys.executable).absolute().parent
 
 
@@ -95,10 +93,8 @@ def check_flower() -> None:
 
 
 def flower_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """``env`` (default: this process's environment) with the running Python's folder first
-    on ``PATH``, for Flower processes: the SuperLink and the SuperNode start
-    ``flower-superexec`` by name from ``PATH``, and that starts ``flwr-serverapp`` /
-    ``flwr-clientapp`` the same way, so a venv that is not activated must be on it."""
+    """``env`` (default: this process's) with the running Python's folder first on ``PATH``:
+    Flower's processes start each other by name, from a venv that may not be activated."""
     env = dict(os.environ if env is None else env)
     here = str(python_bin())
     rest = [p for p in env.get("PATH", "").split(os.pathsep) if p and p != here]
@@ -156,11 +152,8 @@ def superlink_command(
 
 
 def superexec_command(*, runtime_address: str, root_cert: Path | None = None) -> list[str]:
-    """``flower-superexec`` for a SuperLink started with ``--isolation process``.
-
-    Run separately from the SuperLink, it keeps the ServerApp alive when the SuperLink is
-    restarted (the run then resumes from the SuperLink's state database).
-    """
+    """``flower-superexec`` for a SuperLink started with ``--isolation process`` (apart from it,
+    so the ServerApp lives on when the SuperLink is restarted)."""
     cmd = [flwr_bin("flower-superexec"), "--runtime-api-address", runtime_address]
     cmd += ["--root-certificates", str(root_cert)] if root_cert is not None else ["--insecure"]
     return cmd
@@ -183,14 +176,10 @@ def node_config_string(
 ) -> str:
     """Flower ``--node-config`` value: the node's shard and its local values.
 
-    ``local`` takes one keyword per key of ``car_fl.settings.flower.NODE_CONFIG`` that sets a
-    value on the node, spelled with
-    underscores (``data_path``, ``test_data_path``, ``model_path``, ``device``, ``cache_dir``);
-    ``None`` leaves a value out, paths are made absolute. ``data_is_shard``: the data file holds
-    only this node's examples (train on all of it). ``worker``: the folder of the node's worker
-    (``car-fl worker --dir``), to which the ClientApp hands its rounds. ``privacy_policy``:
-    the node owner's policy file (docs/privacy.md); give it to the worker's node config too,
-    since the worker trains with its own.
+    ``local``: a keyword per ``NODE_CONFIG`` key that sets a value, with underscores
+    (``data_path``, ``cache_dir``, ...); ``None`` leaves it out, paths are made absolute.
+    ``data_is_shard``: the file holds only this node's examples. ``worker``: the node's worker
+    folder. ``privacy_policy``: the owner's policy file (give it to the worker's config too).
     """
     unknown = sorted(set(local) - set(LOCAL_ARGUMENTS))
     if unknown:
@@ -222,11 +211,8 @@ def supernode_command(
     max_wait_time: float | None = None,
     trusted_entities: Path | None = None,
 ) -> list[str]:
-    """``flower-supernode`` for one client machine (insecure unless a CA is given).
-
-    ``trusted_entities``: a YAML file of the Ed25519 keys whose signature a FAB must carry;
-    in Flower 1.39 only FABs fetched from Flower Hub carry any (docs/deployment.md, 5c).
-    """
+    """``flower-supernode`` for one client machine (insecure unless a CA is given);
+    ``trusted_entities``: the keys a FAB must be signed by (docs/deployment.md, 5c)."""
     cmd = [
         flwr_bin("flower-supernode"),
         "--superlink",

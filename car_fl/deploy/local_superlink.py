@@ -1,16 +1,10 @@
 """Flower's local SuperLink (``flwr run . local``): found by its port, checked by its PID.
 
-Own code because Flower 1.39 starts that SuperLink detached the first time any ``flwr run``
-needs it and reuses it afterwards, for every checkout and ``FLWR_HOME`` on the machine, with
-the environment and folder it first started in: another checkout's runs execute with its
-Python and packages and write their results under its folder. Started by a plain
-``flwr run``, it also installs the app's dependencies into a fresh environment before every
-run (``uv sync``: another torch, GBs of CUDA wheels; offline it fails). ``car-fl run
---superlink flower`` submits to it only after :func:`check_local_superlink` has found the
-process listening on its port (``/proc/net/tcp``, then the socket among a process's open
-files) and read its command line, environment and folder: one that installs, or runs another
-environment or folder, is refused in one line naming its PID. (``car-fl run`` without that
-flag starts a SuperLink of its own: :mod:`car_fl.deploy.own_superlink`.)
+Flower 1.39 starts that SuperLink once per machine and reuses it for every checkout, with the
+environment and folder it first started in, and (started by a plain ``flwr run``) installs the
+app's dependencies before every run. :func:`check_local_superlink` finds the process on its
+port and refuses, in one line naming its PID, one that installs or runs another environment or
+folder. ``car-fl run`` without ``--superlink flower`` uses :mod:`car_fl.deploy.own_superlink`.
 """
 
 from __future__ import annotations
@@ -46,11 +40,8 @@ def listening_inodes(port: int, proc: Path = Path("/proc")) -> set[str]:
 
 
 def listener_pid(port: int, proc: Path = Path("/proc")) -> int | None:
-    """The PID of this user's process listening on ``port``, or None (none, or not Linux).
-
-    A child that inherited the socket holds it too: a ``flower-superlink`` process is
-    preferred, then the lowest PID.
-    """
+    """The PID of this user's process listening on ``port``, or None (none, or not Linux); of
+    those holding the socket, a ``flower-superlink`` first, then the lowest PID."""
     inodes = {f"socket:[{inode}]" for inode in listening_inodes(port, proc)}
     if not inodes:
         return None

@@ -1,14 +1,10 @@
 """A SuperLink of one ``car-fl run``'s own: this environment, this folder, a free port, and
 nothing left of it after the run.
 
-Flower's local SuperLink (``flwr run . local``) is one per machine and outlives its runs: the
-first checkout to start it decides the Python, the packages and the folder that every later
-run of every checkout executes in and writes to. :func:`own_superlink` starts a simulation
-SuperLink for one run instead: the running Python's Flower, the app folder as its working
-directory (the run's results land there), an ``FLWR_HOME`` of its own in a temporary folder,
-a free loopback port, runtime dependency installation off. Every process it starts inherits a
-token in its environment; when the run ends, or is stopped, the SuperLink is stopped and any
-process still carrying the token (Ray's included) is ended by PID.
+Flower's local SuperLink is one per machine and outlives its runs (:mod:`.local_superlink`).
+:func:`own_superlink` starts a simulation SuperLink for one run (its own ``FLWR_HOME``, no
+dependency installation); every process it starts carries a token, and when the run ends any
+process still carrying it (Ray's included) is ended by PID.
 """
 
 from __future__ import annotations

@@ -1,9 +1,4 @@
-"""TCP ports on this machine: a free one, whether one is held, whether one accepts connections.
-
-What the local cluster, the SuperLink and SuperNode scripts and the tests ask before they bind
-or after they start a server. Written here because the standard library has the socket calls
-but no one-line answers to these questions.
-"""
+"""TCP ports on this machine: a free one, whether one is held, whether one accepts connections."""
 
 from __future__ import annotations
 

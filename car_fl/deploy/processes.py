@@ -1,8 +1,7 @@
 """Process control: the processes one cluster started, by name and PID, stopped by PID only.
 
-Each process runs in its own session (so its children, the ClientApps, share its process
-group) and logs to ``<folder>/<name>.log``. The PIDs are kept in ``<folder>/cluster.json``
-so that another process (``scripts/local_cluster.py stop``) can stop them.
+Each runs in its own session and logs to ``<folder>/<name>.log``; the PIDs are kept in
+``<folder>/cluster.json`` so that another process can stop them.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Runs on a SuperLink through the ``flwr`` CLI: start one, read its status, wait for its end.
 
-``flwr ... --format json`` may print other lines before its JSON reply; the parsers below read
-from the first ``{``. ``flwr run`` can exit 0 for a run whose ServerApp failed, so the end of
-a run is read from its status (``finished:completed``, ``finished:failed``, ...):
-:func:`follow_run` waits for the end of the run's log stream, which the SuperLink ends when the
-run is finished, then reads that status.
-
-Every ``flwr`` child runs in its own session, so that Ctrl-C reaches this program alone: it
-stops the run and says so in one line, instead of each child printing its own traceback.
+``flwr ... --format json`` may print other lines first (parsed from the first ``{``); ``flwr
+run`` can exit 0 for a failed run, so its end is read from its status. Every ``flwr`` child
+runs in its own session, so that Ctrl-C reaches this program alone.
 """
 
 from __future__ import annotations
@@ -117,9 +112,8 @@ def run_status(
 def log_stream(
     connection: str, run_id: str, *, env: dict[str, str] | None = None, show: bool = True
 ) -> subprocess.Popen[bytes]:
-    """``flwr log RUN_ID CONNECTION --stream``, to stdout if ``show``: the SuperLink ends the
-    stream when the run is finished, so waiting for this one process replaces polling the
-    status (each ``flwr ls`` costs about a second of CPU)."""
+    """``flwr log RUN_ID CONNECTION --stream``, to stdout if ``show``; it ends with the run,
+    so waiting for it replaces polling the status."""
     cmd = [flwr_bin("flwr"), "log", run_id, connection, "--stream"]
     out = None if show else subprocess.DEVNULL
     return subprocess.Popen(
@@ -144,9 +138,8 @@ def follow_run(
 ) -> dict[str, str]:
     """Wait until the run is finished, its log streamed to stdout if ``show``; its status.
 
-    The status is read when the log stream ends; a stream that ended before the run (the
-    SuperLink went away) is started again, quietly, after ``poll`` seconds. After ``timeout``
-    seconds the run is stopped. ``status`` replaces :func:`run_status` (tests).
+    A stream that ends before the run is started again after ``poll`` seconds; after
+    ``timeout`` seconds the run is stopped. ``status`` replaces :func:`run_status` (tests).
     """
     read = status or (lambda: run_status(connection, run_id, env=env))
     deadline = time.monotonic() + timeout

@@ -1,12 +1,11 @@
 """The heads: what turns a pooled feature into a score per document, one module per head.
 
-- :mod:`~car_fl.heads.scorer`: the interface every head implements (``Scorer``);
-  :mod:`~car_fl.heads.registry`: each ``head.kind`` and its scorer, ``build_scorer``.
-- :mod:`~car_fl.heads.head`: CaR's classifier head and top-K;
-  :mod:`~car_fl.heads.document_head`: the head whose rows start as the documents' embeddings.
+- :mod:`~car_fl.heads.scorer`: the interface every head implements (``Scorer``).
+- :mod:`~car_fl.heads.registry`: each ``head.kind`` and its scorer, ``build_scorer``.
+- :mod:`~car_fl.heads.head`: CaR's classifier head and top-K.
+- :mod:`~car_fl.heads.document_head`: the head whose rows start as the documents' embeddings.
 - :mod:`~car_fl.heads.experts`, :mod:`~car_fl.heads.clustering`: the mixture of experts and its
   balanced clusters of documents.
 - :mod:`~car_fl.heads.retrieval`: MIPS and kNN, their scores and scorers.
-- :mod:`~car_fl.heads.lexical`, :mod:`~car_fl.heads.fusion`: BM25 over the documents and its
-  ranking fused with the head's.
+- :mod:`~car_fl.heads.lexical`, :mod:`~car_fl.heads.fusion`: BM25 and its fusion with the head.
 """

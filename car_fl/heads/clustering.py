@@ -1,12 +1,8 @@
 """Balanced clusters of document embeddings: the experts of the mixture of experts.
 
-scikit-learn's ``KMeans`` places the centroids. scikit-learn has no size-constrained k-means,
-so the balanced assignment is written here: every cluster holds at most ⌈n/k⌉ points, so no
-expert (and no query's cost) is much larger than n/k. Points propose to their most similar
-cluster that still has room; a cluster keeps its most similar proposers up to its capacity;
-the others propose again (:func:`balanced_assign`). Centroids and assignment then alternate
-for a few Lloyd iterations. Vectors are compared by cosine similarity (they are normalised). The
-clusters a mixture is built on are its :class:`ExpertLayout`.
+scikit-learn's ``KMeans`` places the centroids; it has no size-constrained k-means, so the
+balanced assignment (at most ⌈n/k⌉ points a cluster, by proposals, :func:`balanced_assign`) is
+written here, alternating with the centroids for a few Lloyd iterations, by cosine similarity.
 """
 
 from __future__ import annotations
@@ -72,11 +68,8 @@ def balanced_kmeans(x: np.ndarray, k: int, *, seed: int, iterations: int = 10) -
 def balanced_tree(
     x: np.ndarray, *, experts: int, groups: int | None, seed: int, iterations: int = 10
 ) -> tuple[np.ndarray, np.ndarray | None]:
-    """Each document's expert ``(n,)`` and, with ``groups``, each expert's group ``(experts,)``.
-
-    Two levels: the documents are split into ``groups`` balanced groups, then each group into
-    ``experts / groups`` balanced experts (numbered group by group).
-    """
+    """Each document's expert ``(n,)`` and, with ``groups``, each expert's group ``(experts,)``
+    (``groups`` balanced groups, each split into balanced experts numbered group by group)."""
     if groups is None:
         return balanced_kmeans(x, experts, seed=seed, iterations=iterations), None
     if experts % groups:

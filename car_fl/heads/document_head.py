@@ -2,16 +2,11 @@
 
     score(q, i) = s · ⟨ f(q̂)^ , (g(d̂ᵢ) + Δᵢ)^ ⟩            x^ = x / ‖x‖
 
-``d̂ᵢ`` is document i's frozen embedding, unit length (:meth:`DocumentHead.set_document_features`;
-never trained, never sent: every party computes it from the corpus). ``Δᵢ`` is its trainable
-residual row, zero at start; ``f`` and ``g`` are shared maps on the query and document side
-(:class:`ResidualMap`, identity at start), learned across documents so that a document with one
-or two training queries still benefits; ``s`` is a learned scale (a softmax temperature 1/s).
-Before training every score is s·cos(q, dᵢ): MIPS with cosine similarity, so CaR starts where
-MIPS is. A document added later (:meth:`DocumentHead.add_documents`) is one more row with
-Δ = 0; no other document's score changes. Rows marked untrained (documents that arrive after
-training, :meth:`DocumentHead.set_trained_rows`) are left out of the training softmax, so their
-Δ stays zero: they are exactly rows added afterwards.
+``d̂ᵢ`` is document i's frozen unit embedding (never trained, never sent), ``Δᵢ`` its trainable
+residual row (zero at start), ``f`` and ``g`` shared maps (:class:`ResidualMap`, identity at
+start), ``s`` a learned scale: before training it is MIPS with cosine. A document added later,
+or marked untrained (out of the training softmax), is a row with Δ = 0 that changes no other's
+score. See docs/retrieval.md, "Heads that know the documents".
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """The method's mixture of experts: documents in balanced clusters, a gate, one expert per cluster.
 
-An expert layout (:class:`~car_fl.heads.clustering.ExpertLayout`) says which expert (cluster)
-holds each document, and in two-level mode which group holds each expert. :class:`MixtureHead`
-is the document head (:mod:`car_fl.heads.document_head`) with its Δ rows split into one tensor
-per expert (``experts.<c>``) and a gate (``gate``: one vector per expert, starting at its
-documents' mean; ``group_gate`` per group in two-level mode):
-
-- a query goes to its ``route`` best experts by s_g·cos(f(q̂), gate) (``eval_route`` outside
-  training; within its ``route_groups`` best groups); its documents in those experts get the
-  document head's score s·cos(f(q̂), rowᵢ), the others -inf. All routed experts are scored in
-  one batched matmul, the (query, expert) pairs grouped by expert (:func:`score_by_expert`),
-  no loop over experts. Cost per query:
-  (experts [or groups + route_groups · experts/groups] + route · documents/experts)·d
-  multiply-adds instead of documents·d.
-- training adds the true document's expert to the routed ones (teacher forcing) and a gate
-  loss (cross-entropy of the gate over experts, target the true document's expert), so the
-  gate learns to route; with one expert the head is exactly the dense document head.
-- only *available* experts are scored and trained (:meth:`MixtureHead.set_available`): a
-  client holds the experts the server sent it; the others are neither used nor sent.
+:class:`MixtureHead` is the document head (:mod:`car_fl.heads.document_head`) with its Δ rows
+split per expert (``experts.<c>``, the :class:`~car_fl.heads.clustering.ExpertLayout`) and a
+gate (``gate``, and ``group_gate`` in two-level mode). A query's documents in its ``route``
+best experts get the document head's score, the others -inf; training adds the true document's
+expert (teacher forcing) and a gate loss. Only *available* experts (those the server sent) are
+scored and trained. See docs/retrieval.md, "Mixture of experts".
 """
 
 from __future__ import annotations
@@ -81,8 +69,7 @@ class MixtureHead(DocumentHead):
             )
         self.layout = layout
         self.route = min(moe.route, layout.experts)
-        #: Experts a query reaches outside training (more than while training: recall for
-        #: a few more documents scored).
+        #: Experts a query reaches outside training.
         self.eval_route = min(moe.eval_route or moe.route, layout.experts)
         self.route_groups = moe.route_groups
         members = [torch.from_numpy(layout.members(c)) for c in range(layout.experts)]
@@ -194,13 +181,9 @@ class MixtureHead(DocumentHead):
         index: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``(batch, d)`` → ``(batch, documents)``: -inf outside the routed experts. While
-        training, ``labels`` add each query's true expert (teacher forcing).
-
-        All routed experts are scored at once, grouped by expert: each expert's rows
-        ``(width, d)`` meet the queries routed to it in one batched matmul
-        (:func:`score_by_expert`), and the scores are put back in label order.
-        """
+        """``(batch, d)`` → ``(batch, documents)``: -inf outside the routed experts, scored at
+        once (:func:`score_by_expert`). While training, ``labels`` add each query's true expert
+        (teacher forcing)."""
         labels = labels if self.training else None
         q = self.queries(features)  # (batch, d)
         gate = self.gate_scores(q)
@@ -310,13 +293,9 @@ def score_by_expert(
     ``slots`` ``(experts, width)`` each expert's rows in ``rows`` (padding: the zero row) and
     ``slot_labels`` their label ids (padding: ``num_labels``).
 
-    Written here because torch has no grouped matmul on CPU. The (query, expert) pairs are
-    grouped by expert, the experts put in buckets of similar load (up to 2^k queries), and
-    each bucket is one ``bmm`` of its queries against its experts' rows: only the experts some
-    query reached are read, each once per batch (gathering them once per query,
-    ``(batch, routed, width, d)``, took 2.6 GB and 18 s a step at 100,000 documents), and a
-    popular expert does not pad every other one to its load. The rows are gathered once and
-    split per bucket, so the backward pass writes their gradient once, not once per bucket.
+    torch has no grouped matmul on CPU: the (query, expert) pairs are grouped by expert, the
+    experts bucketed by load (up to 2^k queries), one ``bmm`` per bucket, so each reached
+    expert is read once per batch and its gradient written once.
     """
     experts, width = slots.shape
     batch, dim = q.shape

@@ -2,13 +2,9 @@
 
     fused(q, i) = Σ_r w_r / (k + rank_r(q, i))
 
-Ranks, not scores, are combined, so a head's logits and BM25's scores need no common scale
-(k = 60 is the paper's); a weight w_r per ranking (1 by default) lets a weaker ranking count
-less. A document's rank is one plus the number of
-documents scored strictly higher, so tied documents share one rank and no order among them is
-invented. A document a ranking did not retrieve (score −∞, e.g. BM25 without one word in
-common) adds nothing, as in fusion of top-N lists. Written here because it is a few tensor
-operations on the scores the retriever already holds.
+Ranks, not scores, are combined, so no common scale is needed. Tied documents share one rank
+(one plus the number scored strictly higher); a document a ranking did not retrieve (score
+−∞) adds nothing.
 """
 
 from __future__ import annotations

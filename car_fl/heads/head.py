@@ -1,8 +1,7 @@
 """The classifier head (CaR's own scorer, :class:`ClassifierScorer`) and top-K retrieval.
 
-``ClassifierHead``: pooled states ``(batch, d)`` → logits ``(batch, labels)``, either one linear
-layer or a linear pre-classifier, ReLU, dropout, then the linear classifier. The K largest
-scores of a query are its K retrieved labels (documents): a :class:`Retrieval`.
+``ClassifierHead``: ``(batch, d)`` → ``(batch, labels)``, one linear layer or a pre-classifier,
+ReLU, dropout and the classifier; a query's K best labels are its :class:`Retrieval`.
 """
 
 from __future__ import annotations
@@ -87,15 +86,9 @@ SCORE_KINDS = ("logit", "cosine", "dot", "votes", "rrf")
 
 @dataclass(frozen=True)
 class Retrieval:
-    """One query's best labels, best first: their names (document ids), the scores the head
-    computed, their documents (texts) and, for a head trained with cross-entropy on these
-    labels, the softmax probability of each (``None`` otherwise).
-
-    ``score_kind`` says what a score is: ``logit`` (a trained head's logit), ``cosine`` or
-    ``dot`` (MIPS's similarity to the document, not divided by any temperature), ``votes``
-    (kNN's votes plus a tie-breaker below 1), ``rrf`` (the head's and BM25's rankings fused by
-    reciprocal rank, :mod:`~car_fl.heads.fusion`).
-    """
+    """One query's best labels, best first: names (document ids), scores, documents and, for a
+    head trained with cross-entropy, probabilities (else ``None``). ``score_kind``: ``logit``,
+    ``cosine`` or ``dot`` (MIPS, no temperature), ``votes`` (kNN) or ``rrf`` (fusion)."""
 
     labels: tuple[str, ...]
     scores: tuple[float, ...]
@@ -117,10 +110,7 @@ class Retrieval:
 
 def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Scores (as given) and indices of the ``k`` best labels: two ``(batch, min(k, labels))``.
-
-    Ties go to the lower label index (a stable sort), so the top ``k`` are the first ``k`` of
-    any larger top: a batch of requests served at their largest ``k`` and cut to each one's own
-    ``k`` gives each the ranking its own scores give at that ``k``."""
+    Ties go to the lower index (a stable sort), so the top ``k`` is a prefix of any larger top."""
     if k < 1:
         raise ValueError(f"K must be >= 1, got {k}")
     exact = logits if logits.dtype == torch.float64 else logits.float()  # fused ranks: float64

@@ -1,10 +1,7 @@
 """A lexical index over the documents: BM25 through ``bm25s``, beside the trained head.
 
-The index is built from the documents' texts alone (public to the federation, so every party
-builds the same one; no query of any node enters it). It scores a query's words, not its
-hidden states: another kind of evidence than the frozen encoder's, which
-:mod:`car_fl.heads.fusion` combines with the head's ranking. Tokens: ``bm25s``'s word
-splitter, lower-cased, English stop words removed, no stemming.
+Built from the public documents alone, so every party builds the same one; its tokens are
+``bm25s``'s words, lower-cased, English stop words removed, not stemmed.
 """
 
 from __future__ import annotations
@@ -17,10 +14,8 @@ import torch
 
 
 class LexicalIndex:
-    """BM25 (Lucene's variant, k1 1.5, b 0.75) over ``documents``, in label order.
-
-    Indexed on the first :meth:`scores`: a client that only trains the head never builds it.
-    """
+    """BM25 (Lucene's variant, k1 1.5, b 0.75) over ``documents``, in label order, indexed on
+    the first :meth:`scores`."""
 
     def __init__(self, documents: Sequence[str]) -> None:
         if not documents:

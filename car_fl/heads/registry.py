@@ -1,9 +1,7 @@
 """The heads by ``head.kind``: the one place a new head is registered.
 
-Each entry is a :class:`~car_fl.heads.scorer.Scorer` subclass from its own module; what the
-rest of car-fl asks of a kind without building it (does it start from the documents, does it
-train, can it be probed) is its :class:`~car_fl.settings.choices.HeadTraits`, beside its
-``HeadKind`` member. docs/architecture.md ("Adding a head") works one example through.
+What is asked of a kind without building it is its :class:`~car_fl.settings.choices.HeadTraits`;
+docs/architecture.md ("Adding a head") works one example through.
 """
 
 from __future__ import annotations

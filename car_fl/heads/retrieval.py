@@ -1,10 +1,8 @@
-"""Retrieval without a classifier: maximum inner-product search (MIPS) and k nearest neighbours
-(their scorers: :class:`MIPSScorer`, :class:`KNNScorer`).
+"""Retrieval without a classifier, the baselines CaR is measured against: maximum inner-product
+search (:class:`MIPSScorer`) and k nearest neighbours (:class:`KNNScorer`).
 
-These are the baselines CaR is measured against. Labels are documents: each label has a text
-(``dataset.label_texts``, or its name), embedded with the same encoder and pooling as the
-queries. Every function returns a score per label ``(queries, labels)`` that ranks like logits,
-so top-K accuracy, MRR and macro-F1 are computed exactly as for the classifier.
+Each label's text is embedded like the queries; every score ranks like logits, so the metrics
+are computed exactly as for the classifier.
 """
 
 from __future__ import annotations
@@ -52,13 +50,8 @@ def knn_scores(
     kind: Similarity = Similarity.DOT,
     chunk: int = 1024,
 ) -> torch.Tensor:
-    """k-nearest-neighbour votes per label ``(q, labels)``, ties broken by nearest similarity.
-
-    The score of a label is the number of the query's ``k`` most similar memory rows that carry
-    it, plus a tie-breaker in ``[0, 0.5]``: the label's highest similarity to the query, scaled
-    between the query's worst and best label. So labels rank first by votes, then by their
-    single nearest example; a label with no example in memory ranks last.
-    """
+    """k-nearest-neighbour votes per label ``(q, labels)``, ties broken by nearest similarity
+    (scaled into ``[0, 0.5]``); a label with no example in memory ranks last."""
     if len(memory) == 0:
         raise ValueError("kNN needs at least one training example in memory")
     k = min(k, len(memory))
@@ -82,12 +75,9 @@ def knn_scores(
 
 
 class MIPSScorer(Scorer):
-    """MIPS over the label documents: similarity to each label's document, / temperature.
-
-    The documents are token ids (:meth:`set_documents`, re-encoded through the adapter while
-    it is in use, encoded once and kept otherwise) or fixed embeddings
-    (:meth:`set_document_features`, no encoder needed).
-    """
+    """MIPS over the label documents: similarity to each label's document, / temperature; the
+    documents are token ids (:meth:`set_documents`, through the adapter while it trains) or
+    fixed embeddings (:meth:`set_document_features`)."""
 
     kind = HeadKind.MIPS
     calibrated = False

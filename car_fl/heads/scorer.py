@@ -1,15 +1,9 @@
 """The interface every head implements: pooled queries ``(batch, d)`` → a score per label.
 
-A head is one :class:`Scorer` subclass in its own module (``head``, ``document_head``,
-``experts``, ``retrieval``) with its ``kind``, how it is built from the settings
-(:meth:`Scorer.build`); the registry (:mod:`car_fl.heads.registry`) maps each ``head.kind``
-to it, and what is asked of a kind before one is built is its ``HeadTraits``
-(:mod:`car_fl.settings.choices`). Each keeps its own state;
-:class:`~car_fl.model.retriever.CaRRetriever` composes the encoder, the adapter and one scorer,
-registered as its ``head`` (hence the ``head.*`` names of the trainable state).
-
-A scorer may score against an *index* computed through the current adapter (the MIPS label
-documents): :meth:`Scorer.index` builds it, so an evaluation can build it once for all batches.
+A head is one :class:`Scorer` subclass in its own module, built from the settings by
+:meth:`Scorer.build` and registered in :mod:`car_fl.heads.registry`; the retriever holds it as
+its ``head``. An *index* through the current adapter (MIPS's label documents) is built by
+:meth:`Scorer.index`, once for all batches of an evaluation.
 """
 
 from __future__ import annotations
@@ -56,9 +50,8 @@ class Scorer(nn.Module):
     #: Per-example gradients need a loop over examples (routing is data-dependent, so
     #: ``torch.func.vmap`` cannot trace it).
     per_example_loop: ClassVar[bool] = False
-    #: Whether :meth:`index` runs the encoder through the adapter (MIPS's label documents):
-    #: then a query's loss reaches the adapter by a second path, which DP-SGD's batched clipping
-    #: (:mod:`car_fl.privacy.ghost`) does not follow, so it takes one example at a time.
+    #: Whether :meth:`index` runs the encoder through the adapter (MIPS's label documents): a
+    #: second path to the adapter, so DP-SGD clips one example at a time.
     index_uses_adapter: ClassVar[bool] = False
 
     #: Whether the softmax of the scores is a probability the head was trained to give

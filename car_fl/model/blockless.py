@@ -1,9 +1,7 @@
 """A node's share of a model whose blocks are remote: its embeddings and final norm, linked.
 
-:func:`connect` loads the model with zero blocks (:func:`car_fl.blocks.parts.blockless_kwargs`:
-the embedding table and the final norm come from the checkpoint, the blocks' tensors are never
-read), asks the service named by ``model.blocks_service`` what it holds, and refuses one whose
-model fingerprint differs from the node's own files, before any text is sent.
+:func:`connect` loads the model with zero blocks and refuses a service whose model fingerprint
+differs from the node's own files, before any text is sent.
 """
 
 from __future__ import annotations

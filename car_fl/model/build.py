@@ -1,9 +1,5 @@
-"""``build_retriever``: a retriever whose start depends only on the settings and the corpus.
-
-It loads the encoder only when a feature is not cached, gives each head what it starts from
-(a MIPS head its documents, a document head their embeddings, a mixture of experts its layout),
-fits the standardisation to the documents' embeddings and builds the lexical index from their
-texts: everything every party derives from the settings and the public corpus alone.
+"""``build_retriever``: a retriever whose start depends only on the settings and the public corpus
+(a head's documents, embeddings or expert layout, the standardisation, the lexical index).
 """
 
 from __future__ import annotations
@@ -37,13 +33,9 @@ def build_retriever(
 ) -> CaRRetriever:
     """A retriever whose head initialisation depends only on ``settings.seed``.
 
-    With ``hidden_size`` and no ``encoder`` in classifier mode, the encoder is not loaded
-    (training on cached features); otherwise it is loaded unless given. A MIPS head gets its
-    label ``documents`` here when the encoder is loaded (see
-    :func:`car_fl.model.documents.document_texts`). A document head (``document``, ``moe``)
-    starts its rows from ``document_features``, or from the ``documents``' embeddings through
-    the feature cache (the encoder is loaded only on a miss); a mixture of experts takes its
-    ``layout`` (the server's) or clusters the documents itself (seeded).
+    With ``hidden_size`` and no ``encoder`` in classifier mode the encoder is not loaded. A
+    document head starts from ``document_features`` or the ``documents``' cached embeddings; a
+    mixture of experts takes ``layout`` (the server's) or clusters the documents (seeded).
     """
     mode = settings.train.mode
     if encoder is None and (hidden_size is None or mode is Mode.ADAPTER_CLASSIFIER):

@@ -1,11 +1,7 @@
 """The documents a run retrieves: their texts in label order and their frozen embeddings.
 
-A corpus (``dataset.reader=corpus``) names its documents file; other datasets have one short
-text per label (``dataset.label_texts``, or the label's name). Document heads start from the
-documents' embeddings through the frozen encoder without the adapter, at
-``model.document_max_length`` tokens, cached per text like query features
-(:class:`~car_fl.model.feature_cache.FeatureCache`): a party whose document features are cached
-never loads the encoder for them.
+A corpus names its documents file; other datasets have one short text per label. The
+embeddings (frozen encoder, no adapter) are cached per text like query features.
 """
 
 from __future__ import annotations

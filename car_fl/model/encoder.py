@@ -59,10 +59,8 @@ def cpu_bf16_features() -> list[str]:
 def dtype_choice(requested: str, device: torch.device) -> tuple[torch.dtype, str]:
     """The frozen model's dtype for ``requested`` on ``device``, and why, in a few words.
 
-    ``auto`` takes the device's fast path: bfloat16 on CUDA devices that support it (else
-    float16), float16 on MPS, bfloat16 on a CPU with native bf16 instructions, float32 on any
-    other CPU (emulated bf16 is slower than float32 there). Only the frozen weights take it:
-    what is trained (adapter, head, optimiser state) and the pooled features stay float32.
+    ``auto``: bf16 on CUDA (else fp16), fp16 on MPS, bf16 on a CPU with native bf16, else fp32.
+    Only the frozen weights take it; what trains and the pooled features stay float32.
     """
     one_of("model.dtype", requested, DTYPES)
     if requested != "auto":
@@ -95,12 +93,8 @@ class Tokenized:
 
 
 class Encoder(nn.Module):
-    """A frozen Hugging Face model plus tokenizer, split as ``TKN`` → (adapter) → ``TRF``.
-
-    ``embed(input_ids)`` is TKN: ``(batch, seq)`` → ``(batch, seq, hidden)``.
-    ``transform(inputs_embeds, attention_mask)`` is TRF: returns the final hidden states
-    ``(batch, seq, hidden)``. ``pool`` reduces them to ``(batch, hidden)``.
-    """
+    """A frozen Hugging Face model plus tokenizer, split as ``TKN`` (:meth:`embed`) → (adapter)
+    → ``TRF`` (:meth:`transform`) → :meth:`pool`."""
 
     def __init__(
         self, model: Any, tokenizer: Any, cfg: ModelConfig, *, blocks: RemoteBlocks | None = None
@@ -178,9 +172,7 @@ class Encoder(nn.Module):
         if self.append_eos:
             assert self.eos_id is not None
             encoded = [[*ids, self.eos_id] for ids in encoded]
-        # A text that tokenises to nothing (no BOS, ``last`` pooling) is one pad token: an
-        # empty sequence would crash pooling, and under DP a crash would tell the server that
-        # the record was sampled.
+        # an empty text is one pad token: a crash would tell the server the record was sampled
         return Tokenized(input_ids=[list(ids) if ids else [self.pad_id] for ids in encoded])
 
     def _templated(self, texts: list[str], limit: int) -> list[list[int]]:
@@ -228,12 +220,8 @@ class Encoder(nn.Module):
         return embeddings
 
     def transform(self, inputs_embeds: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """TRF: embeddings ``(batch, seq, hidden)`` → final hidden states, same shape.
-
-        Position ids are derived from the mask, so left and right padding give the same
-        positions to the real tokens. With remote blocks the service runs them
-        (:mod:`car_fl.blocks`) and the node applies its final norm.
-        """
+        """TRF: embeddings ``(batch, seq, hidden)`` → final hidden states, same shape; position
+        ids come from the mask, so either padding side gives the same positions."""
         if self.blocks is not None:
             states: torch.Tensor = self.blocks(inputs_embeds, attention_mask)
             if self._norm is not None:
@@ -273,12 +261,8 @@ class Encoder(nn.Module):
 
 
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: Pooling) -> torch.Tensor:
-    """``eos`` and ``last``: the hidden state of the last real token (an appended EOS, or the
-    text's own last token); ``mean``: masked mean over real tokens, summed in float32.
-
-    Works for either padding side; padded positions are never read (``where`` rather than
-    multiplication, so that non-finite values at padded positions cannot leak in).
-    """
+    """``eos`` and ``last``: the hidden state of the last real token; ``mean``: masked mean over
+    real tokens, in float32. Either padding side; padded positions are never read."""
     mask = attention_mask.bool()
     if pooling in (Pooling.EOS, Pooling.LAST):
         positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
@@ -336,8 +320,7 @@ def load_weights(cfg: ModelConfig, name: str, *, dtype: torch.dtype, device: tor
 
 def load_encoder(cfg: ModelConfig, *, device: str = "auto") -> Encoder:
     """Load, place and freeze the model named by ``cfg``: a hub id, a local folder, or a GGUF
-    file or preset (``gguf:smollm2``), dequantised once into a cached folder
-    (:mod:`car_fl.model.gguf`) and then loaded like any folder."""
+    file or preset (:mod:`car_fl.model.gguf`)."""
     global LOAD_COUNT
     from transformers import AutoTokenizer
 

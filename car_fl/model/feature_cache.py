@@ -1,12 +1,8 @@
 """The feature cache: pooled hidden states kept in memory and on disk, per text, per space.
 
-A *space* is the encoder's identity and files, dtype, device type, attention kernels, pooling
-and max length (:func:`space_key`): two texts' features are interchangeable only within one.
-Within it each text is keyed by its content hash (:func:`text_digest`), so any list of texts
-is answered from whatever runs encoded them before, and only the texts never seen are encoded
-(:class:`FeatureCache`). Keys are computed without loading the encoder. Chunks are safetensors
-files written atomically. Written here because no library caches pooled states
-per text across runs and processes.
+Two texts' features are interchangeable only within one *space* (:func:`space_key`); within
+it a text is keyed by its content hash, so only texts never seen are encoded, in any run or
+process. Keys are computed without loading the encoder; chunks are written atomically.
 """
 
 from __future__ import annotations
@@ -57,8 +53,7 @@ def _model_fingerprint(cfg: ModelConfig) -> dict[str, object]:
 
 def space_key(cfg: ModelConfig, *, device: str) -> str:
     """The features' *space*: model identity and files, dtype, device type, attention kernels,
-    pooling and max length, and with remote blocks the service's model, weights and dtype. Two
-    texts' features are interchangeable only within one space."""
+    pooling and max length, and with remote blocks the service's model, weights and dtype."""
     target = pick_device(device)
     dtype = pick_dtype(cfg.dtype, target)
     attention = attention_choice(dtype, target)
@@ -106,16 +101,9 @@ class _Space:
 
 
 class FeatureCache:
-    """Features **per text**: a process-wide memory cache in front of a folder on disk.
-
-    ``directory`` is car-fl's cache folder (default :func:`default_cache_dir`; a node's is
-    its own, :mod:`car_fl.client.node_settings`); features lie under ``features/<space>/`` in
-    chunk files (``digests`` ``(n, 16)`` uint8 and ``features`` ``(n, d)``), each written
-    once, atomically, never changed. A text is encoded once per space whatever list it comes
-    in: a federated client's shard, a centralised run's split and a benchmark share every
-    text they have in common. :meth:`features` encodes only the texts no chunk holds.
-
-    ``hits`` and ``misses`` count texts found and texts encoded.
+    """Features **per text**: a process-wide memory cache in front of ``directory`` (default
+    :func:`default_cache_dir`), under ``features/<space>/`` in chunk files written once,
+    atomically. :meth:`features` encodes only the texts no chunk holds (``hits``, ``misses``).
     """
 
     _memory: ClassVar[dict[str, _Space]] = {}

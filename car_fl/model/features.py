@@ -1,16 +1,8 @@
 """Pooled hidden states of the frozen encoder: extraction batched by length, and caches.
 
-In ``classifier`` mode the encoder runs once per example, ever: features are computed under
-``torch.inference_mode()``, in batches of similar length (sorted, then put back in the original
-order, so padding costs little), and kept in memory and on disk **per text**: under the
-text's content hash within a *space* (the model's identity and files, dtype, pooling, max
-length; :func:`space_key`), so any list of texts is answered from whatever runs encoded
-them before, and only the texts never seen are encoded (:class:`FeatureCache`). The keys are
-computed without loading the encoder, so a fully cached client never loads it; the cache is
-:mod:`car_fl.model.feature_cache`.
-
-:func:`prepare_data` / :func:`prepare_for` turn texts and labels into :class:`LocalData`:
-features (classifier mode, through the cache) or token ids (adapter mode).
+In ``classifier`` mode the encoder runs once per text, ever (:mod:`car_fl.model.feature_cache`),
+in batches of similar length; :func:`prepare_data` / :func:`prepare_for` turn texts and labels
+into :class:`LocalData`: features (classifier mode) or token ids (adapter mode).
 """
 
 from __future__ import annotations
@@ -61,11 +53,8 @@ def extract_features(
     progress: bool = True,
     desc: str = "features",
 ) -> torch.Tensor:
-    """Pooled vectors ``(n, d)`` for token id lists, in the order given.
-
-    ``encode(ids, mask)`` returns ``(batch, d)``; ``pad`` pads a batch. With ``bucket`` the
-    batches group similar lengths, otherwise they follow arrival order.
-    """
+    """Pooled vectors ``(n, d)`` for token id lists, in the order given (batched by similar
+    length with ``bucket``)."""
     if not input_ids:
         raise ValueError("no texts to extract features from")
     lengths = [len(ids) for ids in input_ids]
@@ -135,11 +124,8 @@ def prepare_data(
     progress: bool = True,
     desc: str = "features",
 ) -> LocalData:
-    """Features (classifier mode, from the cache when possible) or token ids (adapter mode).
-
-    ``get_model`` is only called when the encoder is really needed: a fully cached
-    classifier-mode dataset never loads it.
-    """
+    """Features (classifier mode, from the cache when possible) or token ids (adapter mode);
+    ``get_model`` is called only when the encoder is needed."""
     label_tensor = torch.tensor(list(labels), dtype=torch.long)
     if not texts:  # no examples (a node none of whose labels the server's map has): no error,
         # since whether a round fails must not depend on the data

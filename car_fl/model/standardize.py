@@ -2,15 +2,10 @@
 
     x ↦ (x − μ) / σ      μ, σ: each dimension's mean and deviation over the documents' embeddings
 
-A generative LM's pooled states have a few dimensions far larger than the rest, which decide
-inner products and cosines on their own ("rogue dimensions", Timkey & van Schijndel, 2021);
-standardising each dimension gives every one its share. The statistics come from the
-documents' frozen embeddings only: the corpus is public to the federation, so every party
-computes the same μ and σ, and no client's queries ever enter them. Queries, documents and a
-kNN memory are scaled alike, so MIPS, kNN and every head start in the same space.
-
-Written here rather than with scikit-learn's ``StandardScaler`` because it runs inside the
-retriever, on its device and under autograd (the adapter trains through it), as a module.
+A generative LM's few "rogue dimensions" (Timkey & van Schijndel, 2021) decide inner products
+alone; standardising gives each its share. The public documents alone give μ and σ, so every
+party computes the same; a module, so the adapter trains through it (docs/retrieval.md,
+"Features worth searching").
 """
 
 from __future__ import annotations
@@ -21,18 +16,14 @@ from torch import nn
 #: The fewest documents whose deviation standardisation trusts (a handful of label texts is no
 #: sample of a space).
 MIN_DOCUMENTS = 8
-#: A deviation below this share of the median deviation divides by that floor instead: a
-#: dimension nearly constant across documents but not across queries (a length signal: long
-#: documents, short queries) would otherwise be blown up until it decides every cosine.
+#: A deviation below this share of the median divides by that floor instead: a dimension
+#: constant across documents but not queries would otherwise decide every cosine.
 RELATIVE_FLOOR = 0.01
 
 
 class Standardizer(nn.Module):
-    """``(..., d)`` → ``(x − μ) / σ``; the identity until :meth:`fit` is called.
-
-    μ and σ are buffers outside the state dict: never trained, never sent, never saved; every
-    party (and a checkpoint's reader) computes them again from the corpus.
-    """
+    """``(..., d)`` → ``(x − μ) / σ``; the identity until :meth:`fit` is called. μ and σ are
+    outside the state dict (never trained, sent or saved): every party computes them."""
 
     mean: torch.Tensor
     deviation: torch.Tensor

@@ -1,9 +1,7 @@
 """Results (both parties): what a run writes, and reports across runs.
 
-- :mod:`~car_fl.results.rows`: ``RoundRow``, ``ClientRow``, ``RunSummary``, ``MetricsFile``
-  (``metrics.json``, ``metrics.csv``, ``clients.csv``), ``wire_key``.
-- :mod:`~car_fl.results.run`: ``Run``: one run's folder, rows, selection, patience,
-  checkpoints, resume and end, whichever loop drives it.
+- :mod:`~car_fl.results.rows`: ``RoundRow``, ``ClientRow``, ``RunSummary``, ``MetricsFile``.
+- :mod:`~car_fl.results.run`: ``Run``: one run's folder, rows, selection, patience, resume, end.
 - :mod:`~car_fl.results.selection`: the best model, on validation, never on test.
 - :mod:`~car_fl.results.checkpoint`: ``save_checkpoint`` / ``load_checkpoint``.
 - :mod:`~car_fl.results.plots`, :mod:`~car_fl.results.report`,

@@ -1,9 +1,7 @@
 """Checkpoints: adapter + head weights (safetensors), label map, resolved config, round, metrics.
 
-A checkpoint folder holds ``weights.safetensors``: only trainable tensors (never the encoder),
-with the label map, mode, round, metrics, privacy spent and the resolved config (YAML) in its
-header, so that a run can be understood and reused from that one file; ``meta.json`` repeats
-the metadata for people and tools.
+``weights.safetensors`` holds only trainable tensors (never the encoder), with all the metadata
+in its header, so one file explains the run; ``meta.json`` repeats the metadata for people.
 """
 
 from __future__ import annotations
@@ -41,12 +39,7 @@ class Checkpoint:
 
 
 def save_checkpoint(folder: str | Path, ckpt: Checkpoint) -> Path:
-    """Write the checkpoint atomically; returns the folder.
-
-    ``weights.safetensors`` is the checkpoint: the tensors plus every piece of metadata, written
-    to a temporary file and renamed, so a crash leaves the previous checkpoint whole.
-    ``meta.json`` is a human-readable copy of the metadata, written after it.
-    """
+    """Write the checkpoint atomically (a crash leaves the previous one whole); the folder."""
     folder = Path(folder)
     state = {k: v.detach().cpu().contiguous() for k, v in ckpt.state.items()}
     meta = {

@@ -93,12 +93,8 @@ def curves_figure(
     num_labels: int | None,
     selected: int | None = None,
 ) -> Any:
-    """Loss and accuracy per round: train, validation and test loss; validation and test
-    top-1, test top-K, train accuracy; the round (epoch) ``selected`` on validation marked.
-
-    Legends in words, one colour per line (a split's loss and top-1 share its colour across
-    the panels), rounds ticked at integers; a top-K line only for K below ``num_labels``.
-    """
+    """Loss and accuracy per round, per split, with the round ``selected`` on validation marked
+    (a split keeps its colour across panels; top-K only for K below ``num_labels``)."""
     from matplotlib.ticker import MaxNLocator
 
     rows = [row.to_dict() for row in history]
@@ -157,10 +153,8 @@ def wide_range(ax: Any, ratio: float = 100.0) -> bool:
 
 
 def plot_against_epochs(path: Path, lines: dict[str, list[RoundRow]], *, title: str) -> None:
-    """Test loss and top-1 against epochs (FL: round × local epochs), one line per label.
-
-    A run that trained nothing (one row, epoch 0) is drawn as a flat reference line.
-    """
+    """Test loss and top-1 against epochs (FL: round × local epochs), one line per label; a
+    run that trained nothing is a flat reference line."""
     from matplotlib.ticker import MaxNLocator
 
     fig, (ax_loss, ax_acc) = _pyplot().subplots(1, 2, figsize=(11, 4))

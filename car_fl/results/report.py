@@ -1,21 +1,10 @@
 """Reports across runs: the method's tables and figures from a sweep or any run directories.
 
-(Over 300 lines: reading runs, the two tables' rows and the plots' grouping are one report.)
-
-``car-fl report SWEEP_DIR [RUN_DIR ...] --out DIR`` (and the end of every ``car_fl.sweep``
-multirun) collects each run's ``config.yaml``, ``metrics.json`` and the sweep's ``job.json``,
-then writes:
-
-- ``results.csv`` / ``report.md``: one row per job (failed and skipped jobs included, with
-  the reason): model, approach, clients, scenario (centralised / FL / FL + DP fixed / FL + DP
-  adaptive), the final model's top-1, the epoch or round selected on validation with its
-  validation and test top-1, top-K accuracy, MRR, macro-F1, train + validation seconds, speed-up
-  against the centralised run of the same model and approach, and ε where DP was on;
-- ``retrieval.csv`` and a second table in ``report.md``: the retrieval approaches (MIPS,
-  adapter + MIPS, classifier, adapter + classifier, kNN) of the centralised runs;
-- ``curves-*.png``: test loss and top-1 accuracy against epochs, one line per scenario
-  (centralised per epoch, FL per round at ``round × local epochs``), and ``retrieval-*.png``
-  with one line per approach (flat lines for the approaches that train nothing).
+``car-fl report SWEEP_DIR [RUN_DIR ...] --out DIR`` (and the end of every sweep) reads each
+run's ``config.yaml``, ``metrics.json`` and ``job.json``, and writes ``results.csv`` and
+``report.md`` (one row per job, failed and skipped ones with the reason), ``retrieval.csv``
+(the centralised runs' retrieval approaches), and ``curves-*.png`` / ``retrieval-*.png``
+(test loss and top-1 against epochs, one line per scenario or approach).
 """
 
 from __future__ import annotations
@@ -162,11 +151,8 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 
 def find_run_dirs(paths: Iterable[str | Path]) -> list[Path]:
-    """Run directories under ``paths``: those holding ``job.json`` or ``metrics.json``.
-
-    A path that is itself a run directory counts as one; otherwise its subdirectories are
-    searched (two levels deep), in name order with numbered jobs in numeric order.
-    """
+    """Run directories under ``paths`` (itself, or two levels down): those holding
+    ``job.json`` or ``metrics.json``, numbered jobs in numeric order."""
     found: list[Path] = []
     for raw in paths:
         path = Path(raw)

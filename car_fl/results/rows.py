@@ -1,12 +1,7 @@
 """A run's results as typed rows that write and read themselves: metrics.json/.csv, clients.csv.
 
-Centralised runs and federations write the same format: one :class:`RoundRow` per round, where
-a centralised "round" is one epoch, so "FL vs centralised" is one comparison of two files.
-``metrics.json`` holds ``kind``, ``history`` (the rows) and ``summary`` (:class:`RunSummary`);
-``metrics.csv`` the rows; ``clients.csv`` one :class:`ClientRow` per client and round.
-
-Names: the wire carries kebab-case metric keys (``train-loss``, ``dp-epsilon``); the files use
-snake_case (``train_loss``, ``dp_epsilon``). :func:`wire_key` is the one mapping between them.
+Centralised runs (a "round" is an epoch) and federations write the same format. The wire
+carries kebab-case metric keys, the files snake_case: :func:`wire_key` maps between them.
 """
 
 from __future__ import annotations
@@ -36,11 +31,8 @@ def wire_key(column: str) -> str:
 
 @dataclass(kw_only=True)
 class RoundRow:
-    """One round of a federation, or one epoch of a centralised run (a row of ``metrics.csv``).
-
-    Columns that are ``None`` are not written: a run that trains nothing has no train loss,
-    a centralised run none of the federation's columns.
-    """
+    """One round of a federation, or one epoch of a centralised run (a row of ``metrics.csv``);
+    columns that are ``None`` are not written."""
 
     round: int
     epochs: int
@@ -59,8 +51,7 @@ class RoundRow:
     clients_failed: int | None = None
     skipped: int | None = None
     dp_active: int | None = None
-    #: The largest ε any client has spent so far (δ = dp.delta), as the server computes it
-    #: from the settings it sent and the replies it received; 0 without DP.
+    #: The largest ε any client has spent so far (δ = dp.delta), by the server's own figures.
     epsilon: float | None = None
     #: Clients whose own ε claim this round differed from the server's figure.
     claims_flagged: int | None = None
@@ -180,10 +171,8 @@ class ClientRow:
 
 @dataclass
 class ClientDP:
-    """A client's record-level DP (``dp=record``): σ, sampling rate, steps and ε so far.
-
-    A federation writes the server's own figures (the plan it sent, the steps of the replies it
-    received, the ε they give); :meth:`from_wire` reads a client's claim of them."""
+    """A client's record-level DP (``dp=record``): σ, sampling rate, steps and ε so far, by the
+    server's own figures; :meth:`from_wire` reads a client's claim of them."""
 
     noise_multiplier: float
     sample_rate: float
@@ -201,9 +190,7 @@ class ClientDP:
 
 @dataclass(kw_only=True)
 class RunSummary:
-    """``metrics.json``'s summary of a run. Fields that are ``None`` are not written (a
-    centralised run has no rounds, a federation no feature seconds); ``final`` and ``best``
-    always are."""
+    """``metrics.json``'s summary of a run; fields that are ``None`` are not written."""
 
     kind: str  # centralized, federated
     clients: int
@@ -225,8 +212,7 @@ class RunSummary:
     #: Split sizes and the duplicates removed before splitting.
     data: dict[str, int]
     skipped_rounds: list[int] | None = None
-    #: The round (or epoch) after which ``train.patience`` ended the run (not written: it ran
-    #: every round of ``fl.rounds``, every epoch of ``train.epochs``).
+    #: The round (or epoch) after which ``train.patience`` ended the run (None: it ran all).
     stopped_early: int | None = None
     dp: str | None = None
     delta: float | None = None

@@ -1,14 +1,9 @@
 """One run, whatever drives it: its folder, rows, selection, patience, checkpoints, resume, end.
 
-The centralised epochs (:mod:`car_fl.standalone.centralized`), the federation's rounds (its
-``evaluate_fn``, :mod:`car_fl.server.round_recorder`) and the linear probe
-(:mod:`car_fl.training.probe`, a run in memory) each drive a :class:`Run`; nothing else selects,
-counts patience, checkpoints or resumes (docs/architecture.md, "One run").
-
-Guarantees: selection is on validation only (:mod:`car_fl.results.selection`); a checkpoint
-folder ``checkpoints/round-NNN`` per step (an epoch or a round) holds its optimiser's state
-when the run has one, written before the step's row, so a run stopped at any point resumes
-from the newest step whose checkpoint loads and ends where an uninterrupted run would.
+The centralised epochs, the federation's rounds and the linear probe (a run in memory) each
+drive a :class:`Run`; nothing else selects, counts patience, checkpoints or resumes
+(docs/architecture.md, "One run"). Each step's checkpoint (with its optimiser's state) is
+written before its row, so a stopped run resumes and ends where an uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -70,8 +65,7 @@ class Kind:
         return int(getattr(getattr(settings, section), key))
 
     def comparable(self, saved: Settings) -> Settings:
-        """A saved run's settings as a resume compares them (a federation saved before it
-        refused train.probe_epochs, which it ignored, is the same configuration)."""
+        """A saved run's settings as a resume compares them (a federation's, its own part)."""
         return federated_part(saved) if self.name == "federated" else saved
 
 
@@ -169,9 +163,8 @@ def open_run_dir(
     settings: Settings, kind: Kind, output_dir: str | Path | None = None
 ) -> tuple[Path, ResumePoint | None]:
     """The run's folder (the resumed run's, ``output_dir``, ``settings.output_dir`` or
-    :func:`default_output_dir`) and
-    the point to resume from; a new run's ``config.yaml`` is written here, a resumed run's once
-    :meth:`Run.begin` has found its data the same. The one writer of a run's folder."""
+    :func:`default_output_dir`) and the point to resume from; a new run's ``config.yaml``
+    is written here, a resumed run's by :meth:`Run.begin`."""
     resume_dir = Path(settings.resume).resolve() if settings.resume else None
     point = load_resume_point(resume_dir, settings, kind) if resume_dir is not None else None
     out = resume_dir or Path(output_dir or settings.output_dir or default_output_dir(settings))
@@ -194,9 +187,7 @@ def write_config(settings: Settings, out: Path) -> None:
 
 def load_resume_point(run_dir: Path, settings: Settings, kind: Kind) -> ResumePoint:
     """The newest step of the ``kind`` run in ``run_dir`` whose checkpoint loads, to go on
-    with ``settings``. Refused (``ValueError``/``FileNotFoundError``, saying what to do) when
-    the folder is not such a run, a setting other than ``kind.may_change`` differs, the run
-    ended by its patience, or it has every step and its end."""
+    with ``settings``; refused, saying what to do, when it cannot go on."""
     check_run_dir(run_dir, kind)
     saved = kind.comparable(settings_from_yaml((run_dir / "config.yaml").read_text("utf-8")))
     fix = f"resume it with the same overrides (only {kind.steps_key} may change)"
@@ -315,9 +306,7 @@ class Run:
     extra: dict[str, Any] = field(default_factory=dict)
     history: list[RoundRow] = field(default_factory=list)
     best: RoundRow | None = None
-    #: The starting point (step 0, before any training), evaluated like any other row and a
-    #: candidate for ``best``, so that selection never keeps a trained model worse on
-    #: validation than the one it started from. Not part of :attr:`history`.
+    #: The starting point (step 0), a candidate for ``best`` but not part of :attr:`history`.
     initial: RoundRow | None = None
     #: A federation's rows per client and round (``clients.csv``); None: not written.
     client_rows: list[ClientRow] | None = None
@@ -426,10 +415,8 @@ class Run:
         return sum(1 for row in self.history if row.round > best and self.counts(row))
 
     def stalled(self, *, ahead: int = 0) -> int | None:
-        """The step validation selects, once :attr:`patience` rows that count (with ``ahead``
-        more) have been recorded after it (:func:`~car_fl.results.selection.patience_spent`,
-        the one rule); None before. Without a validation split every row is "best": it never
-        stalls."""
+        """The step validation selects, once :func:`~car_fl.results.selection.patience_spent`
+        (with ``ahead`` more rows); None before."""
         since = self.since_best()
         if since is None or self.best is None or not patience_spent(since + ahead, self.patience):
             return None
@@ -517,9 +504,8 @@ class Run:
         return summary
 
     def write(self, *, complete: bool) -> None:
-        """``metrics.json``/``.csv``, ``clients.csv`` and ``curves.png`` as they stand: at a
-        run's end, and while it runs the plot at most every :data:`PLOT_SECONDS` (a plot costs
-        a few tenths of a second, more than a round of a small head)."""
+        """``metrics.json``/``.csv``, ``clients.csv`` and ``curves.png`` (while the run runs,
+        at most every :data:`PLOT_SECONDS`)."""
         assert self.output_dir is not None
         summary = self.summary(complete=complete)
         MetricsFile(history=self.history, summary=summary).write(self.output_dir)

@@ -1,9 +1,7 @@
 """Model selection on the validation split, never on test.
 
-A round (or epoch) is better than the best so far when its validation top-1 is higher, or
-equal with a lower validation loss; the earlier one wins a full tie. Without a validation
-split (``dataset.val_fraction=0``) nothing can be selected honestly, so the latest model is
-"best" (it equals "final").
+Higher validation top-1 wins, then lower validation loss, then the earlier row. Without a
+validation split the latest model is "best" (it equals "final").
 """
 
 from __future__ import annotations
@@ -34,10 +32,8 @@ def is_better(row: Row, best: Row | None) -> bool:
 
 
 def select_best(rows: Iterable[T], *, scores: Callable[[T], Row] = _as_scores) -> T | None:
-    """The row :func:`is_better` keeps when the rows arrive in order.
-
-    ``scores`` gives a row's ``val_*`` metrics (default: the row is a mapping of them).
-    """
+    """The row :func:`is_better` keeps when the rows arrive in order (``scores``: a row's
+    ``val_*`` metrics; default: the row is a mapping of them)."""
     best: T | None = None
     for row in rows:
         if is_better(scores(row), scores(best) if best is not None else None):
@@ -47,7 +43,5 @@ def select_best(rows: Iterable[T], *, scores: Callable[[T], Row] = _as_scores) -
 
 def patience_spent(since_best: int, patience: int | None) -> bool:
     """The one patience rule (``train.patience``; null: never): ``since_best`` epochs or rounds
-    that count have been recorded after the one validation selects. Centralised epochs all
-    count; a federation's skipped and probe rounds do not
-    (:meth:`~car_fl.results.run.Run.since_best`)."""
+    that count were recorded after the one validation selects."""
     return patience is not None and since_best >= patience

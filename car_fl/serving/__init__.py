@@ -11,6 +11,5 @@
 - :mod:`~car_fl.serving.langchain_retriever`: a LangChain ``BaseRetriever`` (extra: langchain).
 - :mod:`~car_fl.serving.llamaindex_retriever`: a LlamaIndex ``BaseRetriever`` (extra: llamaindex).
 - :mod:`~car_fl.serving.rag`: the top-K documents, a prompt, a causal LM's answer.
-- :mod:`~car_fl.serving.query_generation`: training queries the causal LM writes, kept by a
-  round trip through the retriever.
+- :mod:`~car_fl.serving.query_generation`: training queries the causal LM writes, filtered.
 """

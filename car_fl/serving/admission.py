@@ -1,25 +1,11 @@
 """Admission at Serve's HTTP proxy: what a request must be before any replica sees it.
 
-Serve's proxy streams a body to its replica as the bytes arrive, so a request that declares a
-body and sends it a byte at a time holds one of the replica's ``max_ongoing_requests`` for as
-long as it likes: about 520 such connections silenced ``/health`` and ``/retrieve``.
-:class:`Admission` runs inside the proxy (Serve's HTTP proxy callback: :func:`proxy_middlewares`,
-configured by :func:`environment`) and guarantees:
-
-- a replica is handed only requests whose whole body has arrived, within ``body_timeout_s``
-  plus a second per MiB declared (:data:`MIN_RATE`) of the headers (408 after that), declared by
-  ``Content-Length`` (411 without, 413 above ``max_body``), and with the right token when one is
-  set (401, nothing read);
-- a client (its IP address) holds at most ``per_client`` open requests and the proxy at most
-  ``max_open``, with at most ``max_buffered`` body bytes reserved, a quarter of them by one
-  client: beyond any of these the answer is 503 with ``Retry-After`` at once, never silence;
-- once :func:`drain` has been called (SIGTERM), every new request is a 503 with ``Retry-After``
-  while the open ones finish; the proxy writes ``<drain file>.done`` when none is left open.
-
-Written here because Serve 2.55 has none of these at its proxy (its ``request_timeout_s`` also
-ends requests that are computing, and its ``max_queued_requests`` counts slow bodies as work).
-Request headers are read by uvicorn before any middleware sees them; their deadline,
-``header_timeout_s``, is :mod:`.header_deadline`'s, which :func:`proxy_middlewares` installs.
+:class:`Admission` (Serve's proxy callback :func:`proxy_middlewares`, configured by
+:func:`environment`) hands a replica only whole bodies, in time (408), declared (411, 413) and
+with the token when one is set (401); it caps open requests and reserved body bytes per client
+and in all (503 with ``Retry-After`` at once, never silence), and after :func:`drain` refuses
+new requests while the open ones finish. Serve 2.55 has none of these at its proxy; headers
+have :mod:`.header_deadline`'s deadline. See docs/retrieval.md, "Hostile clients".
 """
 
 from __future__ import annotations
@@ -106,8 +92,7 @@ def proxy_middlewares() -> list[Any]:
 
 def drain(config: AdmissionConfig, *, timeout_s: float, poke: Callable[[], None]) -> bool:
     """Ask the proxy to refuse new requests; wait until its open ones ended (True) or
-    ``timeout_s`` passed (False). ``poke`` sends it one request: a proxy with none open learns
-    of the drain from that one (refused), one with some from the last that ends."""
+    ``timeout_s`` passed (False). ``poke`` sends one request, so an idle proxy learns of it."""
     if config.drain_file is None:
         return True
     done = Path(config.drain_file + ".done")

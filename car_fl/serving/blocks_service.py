@@ -1,16 +1,10 @@
 """The blocks service on Ray Serve: the frozen blocks of one model, shared by many nodes.
 
-:func:`load_runner` loads any model car-fl loads (preset, GGUF, folder, Hub id) in
-``model.dtype``, fingerprints it and strips what nodes keep; :class:`BlocksDeployment` serves
-it over HTTP (``/forward``, ``/backward``, ``/health`` under the route prefix), batching the
-requests of many nodes with Serve's batching, bounded by tokens per batch
-(``batch_size_fn``), each replica computing one batch at a time in a worker thread; a retried
-request (its ``Idempotency-Key``) waits for its first run (:mod:`car_fl.blocks.dedupe`), and
-``/health`` reports the speed each replica measured (a warm-up at load, then every batch).
-:func:`start` runs it on a local Ray instance of its own (a private temp folder, so Flower's
-simulation never attaches to it) or on an existing cluster, bound to 127.0.0.1 unless told
-otherwise, with TLS where certificates are given. Ray itself assumes a trusted network: what
-that means for who may run a service is in docs/blocks.md.
+:func:`load_runner` loads the model, fingerprints it and strips what nodes keep;
+:class:`BlocksDeployment` serves ``/forward``, ``/backward`` and ``/health``, batching many
+nodes' requests by tokens per batch; a retried request (``Idempotency-Key``) waits for its
+first run. :func:`start` runs it on a Ray of its own or an existing cluster. Who may run one,
+as Ray assumes a trusted network: docs/blocks.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Serving a trained checkpoint: a retriever with its labels, documents and weights.
-
-:func:`load_retriever` reads a checkpoint folder written by a run (its settings, label map and
-trainable tensors) and gives a :class:`~car_fl.model.retriever.CaRRetriever` ready for
-:meth:`~car_fl.model.retriever.CaRRetriever.retrieve`. A kNN checkpoint holds no weights: its
-memory is rebuilt from the training split its settings name (:func:`training_features`).
+"""Serving a trained checkpoint: :func:`load_retriever` gives a ready
+:class:`~car_fl.model.retriever.CaRRetriever`; a kNN checkpoint, which holds no weights,
+rebuilds its memory from the training split its settings name (:func:`training_features`).
 """
 
 from __future__ import annotations
@@ -34,17 +31,11 @@ def load_retriever(
     documents_path: str | Path | None = None,
     encoder: Encoder | None = None,
 ) -> CaRRetriever:
-    """A retriever ready for ``retrieve``, from a folder written by
-    :func:`car_fl.results.checkpoint.save_checkpoint`: its settings, label map and weights.
+    """A retriever ready for ``retrieve``, from a folder a run checkpointed (its weights, labels).
 
-    ``device``: where to run (``None``: the checkpoint's setting); ``model``: an encoder hub id
-    or folder in place of the one it was trained with; ``documents_path``: a corpus's
-    documents file in place of the one it names (its digest must match the checkpoint's);
-    ``encoder``: an encoder already in memory (e.g. a generator's own weights,
-    :meth:`car_fl.serving.rag.Generator.as_encoder`) instead of loading one.
-    A corpus checkpoint returns each hit's document id, text and score. MIPS gets its label
-    documents; kNN, which has no weights, rebuilds its memory from the training split its
-    settings name (``FileNotFoundError`` when that data cannot be read).
+    ``device`` (None: the checkpoint's), ``model`` (an encoder in place of the trained one),
+    ``documents_path`` (its digest must match) and ``encoder`` (one already in memory, e.g.
+    :meth:`car_fl.serving.rag.Generator.as_encoder`) replace what the checkpoint names.
     """
     ckpt = load_checkpoint(path)
     settings = ckpt.settings

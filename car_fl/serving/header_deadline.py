@@ -1,16 +1,10 @@
 """A deadline on a request's headers in the uvicorn server that Serve's proxy runs.
 
-uvicorn reads headers before any ASGI middleware sees a request and has no deadline for them:
-a connection that never sends a byte, or sends a header a byte a minute, is kept open for as
-long as the client likes (:mod:`.admission` bounds what happens *after* the headers). The
-protocol :func:`with_header_deadline` builds closes a connection whose next request's
-headers are not complete ``timeout_s`` after the connection opened or that request's first
-byte arrived; an idle kept-alive connection is left to uvicorn's keep-alive timeout.
-:func:`install` makes it the protocol of every uvicorn server this process starts later
-(Serve's proxy builds its own ``uvicorn.Config``, with the default ``http="auto"``).
-
-Written here because neither uvicorn (0.49) nor Serve (2.55) has a header timeout; it relies on
-uvicorn's protocols keeping the request being answered in ``self.cycle``, as both do.
+uvicorn (0.49) reads headers before any middleware (:mod:`.admission`) and has no deadline for
+them. :func:`with_header_deadline`'s protocol closes a connection whose request headers are not
+complete ``timeout_s`` after it opened or the request's first byte (idle keep-alive is
+uvicorn's); :func:`install` sets it for every later ``http="auto"`` server. It relies on
+uvicorn's protocols keeping the request being answered in ``self.cycle``.
 """
 
 from __future__ import annotations

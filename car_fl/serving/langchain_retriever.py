@@ -1,10 +1,7 @@
 """car-fl's retriever as a LangChain ``BaseRetriever`` (``pip install -e ".[langchain]"``).
 
-:class:`CarFlRetriever` returns, per query, the top ``k`` documents as LangChain
-``Document`` objects (``page_content`` the text, ``id`` the document id, car-fl's id, rank,
-score, score kind, probability and title in ``metadata``), exactly what
-:meth:`~car_fl.model.retriever.CaRRetriever.retrieve` returns, from a checkpoint loaded in this
-process or from a running ``car-fl serve`` endpoint; ``ainvoke`` is async throughout.
+:class:`CarFlRetriever` returns per query the top ``k`` documents as ``Document`` objects (the
+text, the document id, car-fl's fields in ``metadata``), in-process or from ``car-fl serve``.
 """
 
 from __future__ import annotations

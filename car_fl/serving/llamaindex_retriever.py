@@ -1,10 +1,7 @@
 """car-fl's retriever as a LlamaIndex ``BaseRetriever`` (``pip install -e ".[llamaindex]"``).
 
-:class:`CarFlLlamaRetriever` returns, per query, the top ``k`` documents as ``NodeWithScore``
-(a ``TextNode`` whose id is the document id, its text, car-fl's id, rank, score, score kind,
-probability and title in ``metadata``; the score is car-fl's), exactly what
-:meth:`~car_fl.model.retriever.CaRRetriever.retrieve` returns, from a checkpoint loaded in this
-process or from a running ``car-fl serve`` endpoint; ``aretrieve`` is async throughout.
+:class:`CarFlLlamaRetriever` returns per query the top ``k`` documents as ``NodeWithScore``
+(car-fl's score and fields in ``metadata``), in-process or from ``car-fl serve``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Training queries written by the node's own causal LM, kept by a round trip (DSI-QG style).
 
-For each document the generator samples ``per_document`` short search queries from a prompt
-holding the document's text (top-k sampling, as DSI-QG does, so the queries differ); a query
-is kept only when the current retriever, asked it, ranks its document within ``keep_top_k``
-(Zhuang et al., 2022: "DSI-QG", the cross-encoder filter; here the retriever being trained is
-the filter, so no second model is needed). Documents are public to the federation and so is
-the model: a generated query carries nothing of any node's records. Written here because
-DSI-QG ships no library; ``transformers``' ``generate`` does the sampling.
+The generator samples ``per_document`` queries per document (top-k sampling); a query is kept
+only when the retriever being trained ranks its document within ``keep_top_k`` (Zhuang et al.,
+2022, with the retriever as the filter). Documents and model are public to the federation, so
+a generated query carries nothing of any node's records.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Retrieval-augmented generation: the top-K documents, a prompt, a causal LM's answer.
 
-:func:`build_prompt` puts the retrieved documents (best first, each cut to its share of the
-generator's context) and the question into one prompt: through the tokenizer's chat template
-when it has one, else as plain text. :func:`load_generator` loads a Hugging Face causal LM (hub
-id or folder); :meth:`Generator.answer` generates and returns the answer with its sources.
+:func:`build_prompt` fits the retrieved documents (best first) and the question into one prompt
+(the chat template when there is one); :meth:`Generator.answer` answers with its sources.
 """
 
 from __future__ import annotations
@@ -81,11 +79,8 @@ def fit_documents(
     max_new_tokens: int,
     instruction: str = INSTRUCTION,
 ) -> list[Hit]:
-    """``hits`` with texts cut so that the prompt and ``max_new_tokens`` fit in ``context``.
-
-    Each document gets an equal share of the tokens the prompt leaves free; a
-    ``ValueError`` when the question alone leaves no room.
-    """
+    """``hits`` cut to equal shares of the tokens the prompt and ``max_new_tokens`` leave free
+    in ``context`` (``ValueError`` when the question alone leaves no room)."""
     bare = build_prompt(
         question, [Hit(h.id, "", h.score) for h in hits], tokenizer, instruction=instruction
     )
@@ -155,9 +150,7 @@ class Generator:
         instruction: str = INSTRUCTION,
     ) -> Answer:
         """Greedy generation of at most ``max_new_tokens`` tokens after the prompt, which opens
-        with ``instruction`` (small models may need a simpler one than :data:`INSTRUCTION`:
-        SmolLM2-135M answers "not available" to a question its one document answers when told
-        to say so if the documents do not hold the answer)."""
+        with ``instruction`` (small models may need a simpler one than :data:`INSTRUCTION`)."""
         import torch
 
         if max_new_tokens < 1:

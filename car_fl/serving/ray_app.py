@@ -1,14 +1,10 @@
 """What every car-fl Ray Serve application shares: its settings, start, stop and command line.
 
-:class:`ServeConfig` holds where a service listens and what its replicas may use, and refuses
-to serve other machines without a token. :func:`start_serve` starts a local Ray instance of its
-own (a private temp folder, so Flower's simulation never attaches to it) or joins an existing
-cluster, then Serve's HTTP proxy, with :mod:`.admission` in it (a Ray of its own only); it
-refuses a port another process holds, in one line naming that process, before Ray starts.
-:func:`stop` drains (new requests 503, open ones answered, within ``drain_s``), then ends both
-and removes the temp folder. :func:`add_serve_arguments`, :func:`serve_config_values` and
-:func:`serve_until_stopped` give ``car-fl serve-blocks`` and ``car-fl serve`` one set of flags
-and one lifetime: serve until Ctrl-C or SIGTERM, then stop.
+:class:`ServeConfig` refuses to serve other machines without a token (and TLS).
+:func:`start_serve` starts a private Ray (or joins a cluster) and Serve's proxy with
+:mod:`.admission`, refusing a held port first; :func:`stop` drains, then ends both. The
+``*serve*`` helpers give ``car-fl serve-blocks`` and ``car-fl serve`` one set of flags and one
+lifetime: serve until Ctrl-C or SIGTERM, then stop.
 """
 
 from __future__ import annotations
@@ -82,7 +78,6 @@ class ServeConfig:
                 "give --ssl-certfile and --ssl-keyfile (python scripts/make_certs.py), or "
                 "--plain-http on a network you trust (a VPN)"
             )
-
         if self.drain_s < 0:
             raise ValueError(f"--drain-s must be >= 0, got {self.drain_s}")
 
@@ -173,8 +168,7 @@ _running: _Running | None = None
 
 
 def _quiet(record: logging.LogRecord) -> bool:
-    """Drop Serve's notes that ``serve.run`` ignores the HTTP options ``serve.start`` applied
-    (it always passes its own defaults, so they differ in the port: the port *is* used)."""
+    """Drop Serve's note that ``serve.run`` ignores ``serve.start``'s HTTP options: it does not."""
     message = record.getMessage()
     return not (
         message.startswith("The new client HTTP config differs")
@@ -223,9 +217,8 @@ def start_serve(service: ServeConfig, *, namespace: str) -> None:
 
 
 def stop() -> None:
-    """Drain the proxy (its open requests answered, within ``drain_s``), then end the Ray
-    instance this process started and remove its temp folder; on a cluster it joined, delete
-    only this service's app."""
+    """Drain the proxy, then end the Ray this process started and remove its temp folder; on a
+    cluster it joined, delete only this service's app."""
     import ray
     from ray import serve
 
@@ -249,9 +242,7 @@ def stop() -> None:
                 serve.delete(running.app)
         finally:
             ray.shutdown()  # our own instance: its proxy, replicas and controller end with it
-            # serve.shutdown would forget its client; without it (its controller's noisy
-            # "graceful_shutdown failed"), Serve's cached client names a dead controller and
-            # a later start in this process would use it
+            # without serve.shutdown (noisy), Serve's cached client would name a dead controller
             from ray.serve import context
 
             context._set_global_client(None)
@@ -343,31 +334,25 @@ def read_token(path: str | None, *, env: str) -> str | None:
     return token
 
 
+#: The :class:`ServeConfig` fields a flag of :func:`add_serve_arguments` sets as it is.
+FLAG_FIELDS = (
+    "host", "port", "replicas", "cpus_per_replica", "gpus_per_replica", "ray_address",
+    "ssl_certfile", "ssl_keyfile", "plain_http", "body_timeout_s", "header_timeout_s",
+    "max_per_client", "drain_s",
+)  # fmt: skip
+
+
 def serve_config_values(args: argparse.Namespace, *, token_env: str) -> dict[str, Any]:
     """The :class:`ServeConfig` fields that :func:`add_serve_arguments`' flags set."""
-    return {
-        "host": args.host,
-        "port": args.port,
-        "replicas": args.replicas,
-        "cpus_per_replica": args.cpus_per_replica,
-        "gpus_per_replica": args.gpus_per_replica,
-        "ray_address": args.ray_address,
-        "token": read_token(args.token_file, env=token_env),
-        "ssl_certfile": args.ssl_certfile,
-        "ssl_keyfile": args.ssl_keyfile,
-        "plain_http": args.plain_http,
-        "body_timeout_s": args.body_timeout_s,
-        "header_timeout_s": args.header_timeout_s,
-        "max_per_client": args.max_per_client,
-        "drain_s": args.drain_s,
-    }
+    values = {name: getattr(args, name) for name in FLAG_FIELDS}
+    return {**values, "token": read_token(args.token_file, env=token_env)}
 
 
 def serve_until_stopped(
     command: str, start: Callable[[], str], *, what: str, ready_file: str | None
 ) -> int:
-    """Start the service, announce its URL (and write ``ready_file``), serve until Ctrl-C or
-    SIGTERM, then stop it (an existing cluster is left running)."""
+    """Start the service, announce its URL (and ``ready_file``), serve until Ctrl-C or SIGTERM,
+    then stop it."""
     stopped = threading.Event()
     previous = signal.getsignal(signal.SIGTERM)
     try:

@@ -1,13 +1,9 @@
 """The retrieval endpoint without Ray: its schema, its checks and the app that answers.
 
-:class:`RetrieveRequest` is one or many queries and ``k``; :class:`RetrieveResponse` gives per
-query the top-k documents with id, rank, score (the head's own, ``score_kind``), probability,
-text and title (a corpus's), exactly as :meth:`~car_fl.model.retriever.CaRRetriever.retrieve`
-returns them (:func:`results_of`). :class:`RetrievalService` checks the token and ``k`` and
-answers a batch of requests with one ``retrieve`` call; :func:`build_app` is its FastAPI app
-(``/retrieve``, ``/health``, OpenAPI at ``/docs``). Every bad input is a 4xx whose message
-names the field, never a 500, and never echoes the input back; queries are logged by count,
-never by content. Ray Serve runs the same app on its replicas (:mod:`.retrieval_service`).
+:class:`RetrievalService` checks the token and ``k`` and answers a batch of requests with one
+``retrieve`` call; :func:`build_app` is its FastAPI app (``/retrieve``, ``/health``, ``/docs``),
+which Ray Serve runs on its replicas (:mod:`.retrieval_service`). Every bad input is a 4xx
+naming the field, never a 500, never echoing the input; queries are logged by count only.
 """
 
 from __future__ import annotations
@@ -231,8 +227,7 @@ class RetrievalService:
 
     def run_each(self, requests: Sequence[RetrieveRequest]) -> list[RetrieveResponse | Exception]:
         """:meth:`run`, and when that batch fails, its halves, down to the request that fails:
-        that one gets its error, never the other clients' requests in its batch, and one bad
-        request among ``n`` costs about ``2 log2 n`` smaller batches, not ``n`` runs alone."""
+        only that one gets its error (about ``2 log2 n`` smaller batches, not ``n`` runs)."""
         try:
             return list(self.run(requests))
         except Exception as err:
@@ -284,9 +279,8 @@ def build_app(
     *,
     batch: Callable[[RetrieveRequest], Awaitable[RetrieveResponse | Exception]] | None = None,
 ) -> FastAPI:
-    """The endpoint's FastAPI app; ``batch`` answers one checked request, or gives the error
-    that failed it (Serve's batching on a replica, :meth:`RetrievalService.run_each`; by
-    default :meth:`RetrievalService.run` of that one request in a thread)."""
+    """The endpoint's FastAPI app; ``batch`` answers one checked request or gives its error
+    (default: :meth:`RetrievalService.run` of that request in a thread)."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import HTMLResponse, JSONResponse, Response

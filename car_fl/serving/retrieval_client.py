@@ -1,13 +1,9 @@
 """Where the LangChain and LlamaIndex retrievers get their documents: in-process or the endpoint.
 
-:class:`InProcess` runs a loaded :class:`~car_fl.model.retriever.CaRRetriever` in this process;
-:class:`Endpoint` asks a running ``car-fl serve`` over HTTP(S), with its token. Both answer
-``retrieve(queries, k)`` (and ``aretrieve``) with the same
-:class:`~car_fl.serving.retrieval_api.QueryResult` list, so a framework's retriever is one
-class whichever it uses. A refusal is an :class:`EndpointError` with its status and the
-message naming the field, the same in both: an in-process request is checked by the
-endpoint's own schema and ``k`` rule. Both say how many documents they serve
-(:meth:`documents`), so a framework's ``k`` above that returns them all in both.
+:class:`InProcess` (a loaded retriever) and :class:`Endpoint` (a running ``car-fl serve``)
+answer ``retrieve``/``aretrieve`` with the same results, check requests by the endpoint's own
+schema (a refusal is the same :class:`EndpointError` in both) and say how many documents they
+serve, so a framework's retriever is one class whichever it uses.
 """
 
 from __future__ import annotations
@@ -124,13 +120,10 @@ def checked(results: list[QueryResult], queries: int, k: int) -> list[QueryResul
 class Endpoint:
     """A running ``car-fl serve`` at ``url`` (e.g. ``http://127.0.0.1:8300``).
 
-    ``timeout_s`` bounds a whole request (connecting, sending, the headers and the body: it is
-    cancelled at that time however slowly the server sends); ``max_reply_bytes`` bounds the
-    bytes read, and a compressed reply is refused (it could inflate past any bound);
-    every answer is checked against the schema and its promises (:func:`checked`); ``ca_file``
-    trusts a private CA's certificate (``scripts/make_certs.py``) for ``https://``. Every call,
-    synchronous or async, runs on one event loop of its own in a daemon thread with one HTTP
-    client, so its connections are kept alive and reused (:meth:`close` ends both)."""
+    ``timeout_s`` bounds a whole request, however slowly the server sends; ``max_reply_bytes``
+    bounds the bytes read (a compressed reply is refused); every answer is :func:`checked`.
+    Every call runs on one event loop of its own in a daemon thread with one kept-alive HTTP
+    client (:meth:`close` ends both)."""
 
     def __init__(
         self,

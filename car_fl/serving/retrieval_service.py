@@ -1,11 +1,8 @@
 """The trained retriever as an endpoint on Ray Serve: one checkpoint, many RAG applications.
 
-:func:`start` checks that the checkpoint loads (before Ray starts: a bad one fails in one
-line), starts Ray and Serve (:mod:`.ray_app`: a private Ray, 127.0.0.1 unless told otherwise,
-a token for anything else) and runs :func:`deployment`: each replica loads the retriever once,
-with as many torch threads as the CPUs Ray gave it, and serves :func:`.retrieval_api.build_app`
-(``POST /retrieve``, ``GET /health``, OpenAPI at ``/docs``), the requests of many clients
-batched by Serve (bounded by queries per batch), each batch one ``retrieve`` in a worker thread.
+:func:`start` checks that the checkpoint loads before Ray starts, then runs
+:func:`deployment`: each replica loads the retriever once and serves
+:func:`.retrieval_api.build_app`, many clients' requests batched into one ``retrieve``.
 """
 
 from __future__ import annotations

@@ -109,7 +109,11 @@ class HeadTraits(NamedTuple):
 
 
 class HeadKind(Choice):
-    """How labels are scored: CaR's classifier, MIPS against label documents, or kNN."""
+    """How labels are scored: CaR's classifier, MIPS against label documents, or kNN.
+
+    ``mips``: query·(each label's document text) / ``head.temperature``, trains only the
+    adapter; ``knn``: votes of the ``head.knn_k`` most similar training examples, trains nothing.
+    """
 
     CLASSIFIER = "classifier"
     MIPS = "mips"
@@ -408,3 +412,8 @@ def one_of(key: str, value: str, valid: tuple[str, ...] | list[str]) -> None:
 def positive(key: str, value: float) -> None:
     if not value > 0:
         raise ValueError(f"{key} must be > 0, got {value!r}")
+
+
+def at_least(key: str, value: float, low: int) -> None:
+    if value < low:
+        raise ValueError(f"{key} must be >= {low}, got {value}")

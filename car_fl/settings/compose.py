@@ -1,11 +1,8 @@
 """Composition: ``conf/`` plus Hydra overrides → validated settings.
 
-The dataclasses of :mod:`car_fl.settings.schema` are registered in Hydra's ConfigStore as the
-schema of ``conf/config.yaml`` (and the approach group is generated from
-:data:`~car_fl.settings.schema.APPROACHES`), so the dataclass defaults are the only defaults
-and a group file holds only what it changes. :func:`load_settings` (compose, then validate) is
-the one way entry points read configuration. Hydra itself is imported only when something is
-composed: a ClientApp whose settings are cached never imports it.
+The :mod:`car_fl.settings.schema` dataclasses are the schema of ``conf/config.yaml`` (their
+defaults the only defaults); :func:`load_settings` is the one way entry points read
+configuration. Hydra is imported only when something is composed.
 """
 
 from __future__ import annotations
@@ -28,11 +25,8 @@ from omegaconf.errors import OmegaConfBaseException, ValidationError
 from car_fl.settings import dp_plan
 from car_fl.settings.schema import APPROACHES, Choice, Settings
 
-#: Name of the :class:`~car_fl.settings.schema.Settings` schema in the ConfigStore
-#: (``conf/config.yaml`` lists it first in its defaults).
+#: The :class:`Settings` schema's name in the ConfigStore (first in conf/config.yaml's defaults).
 SCHEMA = "settings_schema"
-#: Groups registered from :mod:`car_fl.settings.schema`'s tables instead of ``conf/`` files.
-GENERATED_GROUPS = ("approach",)
 
 
 def conf_dir() -> Path:
@@ -68,13 +62,8 @@ if not OmegaConf.has_resolver("package_model_dir"):
 def register_configs() -> None:
     """Register the schema and the approach group in Hydra's ConfigStore (idempotent).
 
-    The schema is :class:`Settings`' sections as typed nodes (``dataset`` a
-    :class:`~car_fl.settings.schema.DatasetConfig`, ...) with their defaults, plus its top-level
-    defaults: group files merge into typed sections, so they hold only what they change; the
-    root stays open so that ``conf/sweep.yaml`` can add its own keys (``clients``, ``sweep``).
-    :func:`to_settings` then validates the whole against :class:`Settings`. Called before
-    anything composes ``conf/``: :func:`compose_config` and the ``hydra.main`` entry points
-    (:mod:`car_fl.centralized`, :mod:`car_fl.sweep`).
+    Group files merge into the typed sections, so they hold only what they change; the root
+    stays open for ``conf/sweep.yaml``'s own keys. Called before anything composes ``conf/``.
     """
     from hydra.core.config_store import ConfigStore
 
@@ -127,10 +116,8 @@ def compose_config(overrides: str | list[str] | tuple[str, ...] | None = None) -
 def to_settings(cfg: DictConfig | dict[str, Any]) -> Settings:
     """Validate a composed config against :class:`Settings` and return typed dataclasses.
 
-    Unknown keys and values of the wrong type raise ``ValueError`` naming the key; so does what
-    the DP mode refuses, a DP-SGD target ε that cannot be reached included
-    (:func:`car_fl.settings.dp_plan.check_mode`).
-    """
+    ``ValueError`` naming the key for an unknown key, a wrong type, or what the DP mode refuses
+    (:func:`car_fl.settings.dp_plan.check_mode`)."""
     container = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg)
     container = OmegaConf.masked_copy(container, [str(k) for k in container if k != "hydra"])
     for key in _leaf_keys(OmegaConf.to_container(container, resolve=False)):
@@ -186,8 +173,7 @@ def one_line(text: str) -> str:
 @functools.cache
 def schema_keys(kind: type = Settings, prefix: str = "") -> Mapping[str, bool]:
     """Every setting's dotted key, ``True`` for a mapping whose own keys are free
-    (``dataset.label_texts.<label>``). Computed once: the schema is fixed, and every leaf of
-    every composed configuration is looked up here."""
+    (``dataset.label_texts.<label>``); computed once."""
     keys: dict[str, bool] = {}
     for name, hint in get_type_hints(kind).items():
         key = f"{prefix}{name}"
@@ -233,11 +219,8 @@ def did_you_mean(key: str) -> str:
 
 
 def unknown_override(items: list[str]) -> str | None:
-    """A one-line message for the first override that names no setting, group or option.
-
-    Hydra's own message for a misspelt key suggests appending it (``+fl.round=2``), which
-    the schema would then refuse; this names the setting meant instead.
-    """
+    """A one-line message for the first override that names no setting, group or option: the
+    setting meant (Hydra's own suggests ``+fl.round=2``, which the schema refuses)."""
     groups = group_options()
     for item in items:
         key, _, value = item.lstrip("~+").partition("=")
@@ -288,9 +271,7 @@ def _optional_of(kind: Any) -> Any:
 
 def load_settings(overrides: str | list[str] | tuple[str, ...] | None = None) -> Settings:
     """Compose and validate in one step: the single way entry points read configuration.
-
-    A process composes the same overrides once (``conf/`` does not change under it; a node
-    reads its settings every round): later calls get a copy of the first result."""
+    The same overrides are composed once per process; later calls get a copy."""
     key = (str(conf_dir()), *parse_overrides(overrides))
     if key not in _LOADED:
         _LOADED[key] = to_settings(compose_config(overrides))

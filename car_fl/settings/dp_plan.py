@@ -1,10 +1,7 @@
 """What a configuration's DP implies: each release's noise, its DP-SGD plan, the ε of k rounds.
 
-The schema (:mod:`car_fl.settings.schema`) checks what it can without the accountant; this
-module asks the run's DP mode (:mod:`car_fl.settings.dp_modes`) for the figures a
-configuration implies. Both parties use it: a client to noise and account for its releases,
-the server to compute each client's ε itself from the settings it sent and the releases it
-received (it never has to trust a client's claim).
+The run's DP mode (:mod:`car_fl.settings.dp_modes`) gives the figures; both parties use them,
+so the server computes each client's ε from its own settings, never from a client's claim.
 """
 
 from __future__ import annotations
@@ -68,12 +65,8 @@ def noise_floor_multiplier(settings: Settings) -> float:
 
 
 def public_examples(settings: Settings) -> int:
-    """The example count a reply carries once DP is active: public, the same for every node.
-
-    ``fl.max_examples_per_client`` when the run sets it, else 1 (every DP reply weighs the
-    same in FedAvg). The node's true n never leaves it under DP: it is data-dependent (with
-    ``fl.partitioning=dirichlet`` one record's label moves it), and nothing noises it.
-    """
+    """The example count a reply carries once DP is active: ``fl.max_examples_per_client``, or
+    1; public, so a node's true n (data-dependent, never noised) never leaves it."""
     return settings.fl.max_examples_per_client or 1
 
 
@@ -83,13 +76,8 @@ def per_step(settings: Settings) -> bool:
 
 
 def round_release(settings: Settings, *, server_round: int, examples: int) -> Release:
-    """What one client's reply in ``server_round`` releases, for accounting.
-
-    ``examples`` is the n the round is accounted for (the node's own n on the node; the public
-    cap on the server, which never uses a claimed count): under ``dp.granularity=step`` each
-    of the round's optimizer steps is a release, as many as :func:`accounted_examples` gives.
-    Under ``dp=none``, a warm-up round or a non-private rule the release is ``non-private``.
-    """
+    """What one client's reply in ``server_round`` releases, for accounting, with ``examples``
+    the n the round is accounted for (the node's own; on the server, the public cap)."""
     return MODES[settings.dp.mode].release(settings, server_round=server_round, examples=examples)
 
 

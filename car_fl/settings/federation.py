@@ -15,6 +15,7 @@ from car_fl.settings.choices import (
     NormBoundMode,
     Partitioning,
     StrategyName,
+    at_least,
     one_of,
     positive,
 )
@@ -24,36 +25,28 @@ from car_fl.settings.choices import (
 class FLConfig:
     """The federation (Flower): clients, rounds, local epochs, partitioning, timeouts.
 
-    The paper's defaults: 2 clients, 5 rounds x 2 local epochs.
-
-    Sampling: each round asks ``clients_per_round`` nodes (or ``fraction_train`` of those
-    connected), never fewer than ``min_clients``. Update-norm bound (server side, on
-    ‖θᵢ − θ‖): ``norm_bound`` is ``off``, ``fixed`` (``max_update_norm``), ``adaptive``
-    (``norm_bound_factor`` × the round's median update norm), ``dp`` (C plus the
-    1 − ``norm_bound_tail`` quantile of the fixed-DP noise norm) or ``auto`` (``dp`` under
-    fixed DP per round, else ``fixed`` when ``max_update_norm`` is set, else ``off``).
+    Update-norm bound (server side, on ‖θᵢ − θ‖): ``norm_bound`` is ``off``, ``fixed``
+    (``max_update_norm``), ``adaptive`` (``norm_bound_factor`` × the round's median), ``dp``
+    (C plus the 1 − ``norm_bound_tail`` quantile of the fixed-DP noise norm) or ``auto`` (``dp``
+    under fixed DP per round, else ``fixed`` when ``max_update_norm`` is set, else ``off``).
     """
 
     clients: int = 2
-    #: After all fl.clients nodes joined, a round goes ahead with at least this many (a node
-    #: may die mid-run); its replies are aggregated if valid.
+    #: Once all fl.clients joined, a round goes ahead with at least this many.
     min_clients: int = 1
-    #: A round is aggregated only with at least this many valid replies, and this fraction of
-    #: the clients asked; otherwise the global model stays exactly as it was.
+    #: A round is aggregated only with this many valid replies and this fraction of those
+    #: asked; otherwise the global model stays as it was.
     min_valid_replies: int = 1
     min_valid_fraction: float = 0.0
-    #: Cap on the example count a reply may claim; null: the shard size of the partition that
-    #: node holds in this run (the server pins each node to the first partition it claims and
-    #: refuses a second node claiming it). Nodes started with data-is-shard hold their own
-    #: data, which the server cannot size: set this cap (e.g. the largest shard) for them.
-    #: Under DP it is public: dp.granularity=step trains and accounts for exactly this many.
+    #: Cap on the example count a reply may claim; null: the size of the partition the node is
+    #: pinned to (data-is-shard nodes need this cap). Under DP it is public:
+    #: dp.granularity=step trains and accounts for exactly this many.
     max_examples_per_client: int | None = None
-    #: Client sampling: each round asks clients_per_round nodes (null: fraction_train of those
-    #: connected), at least min_clients; seeded by the run's seed and the round.
+    #: Each round asks clients_per_round nodes (null: fraction_train of those connected), at
+    #: least min_clients; seeded by the run's seed and the round.
     fraction_train: float = 1.0
     clients_per_round: int | None = None
-    #: Bound on a reply's update norm ||theta_i - theta|| (its modes: the class docstring).
-    #: Replies above it are rejected or clipped to it (norm_bound_action: reject or clip).
+    #: Bound on a reply's update norm (the class docstring); above it: norm_bound_action.
     norm_bound: NormBoundMode = NormBoundMode.AUTO
     max_update_norm: float | None = None
     norm_bound_factor: float = 3.0
@@ -62,12 +55,9 @@ class FLConfig:
     rounds: int = 5
     local_epochs: int = 2
     #: Linear probing, federated (adapter + CaR): the first ``probe_rounds`` rounds train the
-    #: head alone on cached features and send the adapter back as it came; the adapter trains
-    #: from the round after, starting from the probed head (``train.probe_epochs``'s
-    #: counterpart; :mod:`car_fl.training.probe`). 0: every round trains the adapter and head.
+    #: head alone on cached features, the adapter trains from the round after (0: none).
     probe_rounds: int = 0
-    #: iid, dirichlet (non-IID over labels, concentration fl.alpha), topic (a corpus) or hash
-    #: (IID by a keyed hash of each text: one record moves no other; dp=record on a shared file).
+    #: iid, dirichlet (non-IID over labels, concentration fl.alpha), topic or hash (keyed).
     partitioning: Partitioning = Partitioning.IID
     alpha: float = 1.0
     #: Seconds the server waits for a round's replies.
@@ -77,8 +67,7 @@ class FLConfig:
 
     def __post_init__(self) -> None:
         for key in ("clients", "rounds", "local_epochs"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"fl.{key} must be >= 1, got {getattr(self, key)}")
+            at_least(f"fl.{key}", getattr(self, key), 1)
         if not 0 <= self.probe_rounds < self.rounds:
             raise ValueError(
                 f"fl.probe_rounds must be in [0, fl.rounds={self.rounds}) so that a round is left "
@@ -88,8 +77,7 @@ class FLConfig:
             raise ValueError(
                 f"fl.min_clients must be in [1, fl.clients={self.clients}], got {self.min_clients}"
             )
-        if self.min_valid_replies < 1:
-            raise ValueError(f"fl.min_valid_replies must be >= 1, got {self.min_valid_replies}")
+        at_least("fl.min_valid_replies", self.min_valid_replies, 1)
         if not 0.0 <= self.min_valid_fraction <= 1.0:
             raise ValueError(
                 f"fl.min_valid_fraction must be in [0, 1], got {self.min_valid_fraction}"
@@ -126,8 +114,7 @@ class FLConfig:
             raise ValueError(f"fl.norm_bound_tail must be in (0, 1), got {self.norm_bound_tail}")
         positive("fl.alpha", self.alpha)
         positive("fl.round_timeout", self.round_timeout)
-        if self.wait_for_nodes < 0:
-            raise ValueError(f"fl.wait_for_nodes must be >= 0, got {self.wait_for_nodes}")
+        at_least("fl.wait_for_nodes", self.wait_for_nodes, 0)
 
     def sample_size(self, connected: int) -> int:
         """How many of ``connected`` nodes one round asks (at least ``min_clients``)."""
@@ -139,10 +126,9 @@ class FLConfig:
 class StrategyConfig:
     """How the server combines valid replies (:mod:`car_fl.server.aggregation`).
 
-    ``trim_fraction``: trimmed mean cuts ⌊β·n⌋ replies from each end of every coordinate.
-    ``num_malicious``: Krum's f. ``num_selected``: Multi-Krum's m. ``eta``, ``eta_l``,
-    ``beta_1``, ``beta_2``, ``tau``: FedAdam/FedYogi. ``server_lr``, ``server_momentum``:
-    FedAvgM. ``proximal_mu``: FedProx's μ, used by the clients' local loss.
+    ``trim_fraction``: the trimmed mean's β; ``num_malicious``: Krum's f; ``num_selected``:
+    Multi-Krum's m; ``eta`` to ``tau``: FedAdam/FedYogi; ``server_*``: FedAvgM; ``proximal_mu``:
+    FedProx's μ (the clients' local loss).
     """
 
     name: StrategyName = StrategyName.FEDAVG
@@ -164,17 +150,14 @@ class StrategyConfig:
             raise ValueError(
                 f"strategy.trim_fraction must be in [0, 0.5), got {self.trim_fraction}"
             )
-        if self.num_malicious < 0:
-            raise ValueError(f"strategy.num_malicious must be >= 0, got {self.num_malicious}")
-        if self.num_selected < 1:
-            raise ValueError(f"strategy.num_selected must be >= 1, got {self.num_selected}")
+        at_least("strategy.num_malicious", self.num_malicious, 0)
+        at_least("strategy.num_selected", self.num_selected, 1)
         for key in ("eta", "eta_l", "tau", "server_lr"):
             positive(f"strategy.{key}", getattr(self, key))
         for key in ("beta_1", "beta_2", "server_momentum"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ValueError(f"strategy.{key} must be in [0, 1), got {getattr(self, key)}")
-        if self.proximal_mu < 0:
-            raise ValueError(f"strategy.proximal_mu must be >= 0, got {self.proximal_mu}")
+        at_least("strategy.proximal_mu", self.proximal_mu, 0)
 
     @property
     def prox_mu(self) -> float:
@@ -204,10 +187,7 @@ ADAPTER_SHARE_DEFAULT = 0.5
 
 @dataclass
 class DPConfig:
-    """Local differential privacy on each client (see :mod:`car_fl.privacy`).
-
-    ``conf/dp/<mode>.yaml`` describes each mechanism; the values below are shared by all.
-    """
+    """Local differential privacy on each client (:mod:`car_fl.privacy`, conf/dp/<mode>.yaml)."""
 
     #: none, fixed, adaptive or record (:class:`DPMode`).
     mode: DPMode = DPMode.NONE
@@ -224,9 +204,8 @@ class DPConfig:
     warmup_rounds: int = 0
     #: δ (record: must be below 1/n for a client's n examples).
     delta: float = 1e-5
-    #: Stop contributing before a release would push ε past this (null: never stop). record:
-    #: calibrate σ before training so that fl.rounds × fl.local_epochs × ⌈1/q⌉ steps spend at
-    #: most this ε; a client never makes a release past it (null: use noise_multiplier).
+    #: Stop contributing before a release would push ε past this (null: never). record: σ is
+    #: calibrated so that the run's planned steps spend at most this ε.
     target_epsilon: float | None = None
     #: β, the linear adaptive rule only.
     update_rate: float = 0.05
@@ -245,23 +224,16 @@ class DPConfig:
     #: σ_b, noise std of the clipped-indicator b (sensitivity 1); null: the paper's m/20
     #: (m = fl.clients). It takes the share z²/(2σ_b)² of each release's privacy budget.
     count_noise: float | None = None
-    #: fixed, adaptive: a clipping bound of the adapter's own (adapter+classifier mode); null:
-    #: one bound for every sent tensor together (dp.clip). Set, the adapter's update is clipped
-    #: to it and the head's to dp.clip (or the adaptive C_i) separately, and each part's noise
-    #: takes its share of the same budget (dp.adapter_share): ε is that of one joint release.
-    #: record: each example's adapter gradient is clipped to it (< dp.clip) and its head
-    #: gradient to √(dp.clip² − adapter_clip²): the whole is still within dp.clip, so the noise
-    #: σ·dp.clip and ε do not change (dp.adapter_share is not used).
+    #: The adapter's own clipping bound (null: dp.clip for every sent tensor together).
+    #: fixed, adaptive: the adapter and head are clipped and noised separately, each with its
+    #: share of one release's budget (dp.adapter_share). record: per example, the adapter to
+    #: it and the head to √(dp.clip² − adapter_clip²), so σ·dp.clip and ε do not change.
     adapter_clip: float | None = None
-    #: w, the adapter's share of each release's update budget when dp.adapter_clip is set: its
-    #: noise multiplier is z/√w and the head's z/√(1 − w), and (z/√w)⁻² + (z/√(1−w))⁻² = z⁻².
-    #: Local DP's only: dp=record refuses any other value than the default.
+    #: w, the adapter's share of the budget: noise multipliers z/√w and z/√(1 − w), which
+    #: compose to z. Local DP's only: dp=record refuses any other value than the default.
     adapter_share: float = ADAPTER_SHARE_DEFAULT
 
-    # --- record-level DP-SGD (dp=record): clip = per-example C, noise_multiplier = σ (unless
-    # target_epsilon calibrates it), delta = δ; see car_fl.privacy.record_accounting
-    #: q: each step samples every local example independently with this probability
-    #: (expected batch size q·n).
+    #: record: q, the probability each step samples each local example with (Poisson).
     sample_rate: float = 0.05
 
     @property
@@ -289,8 +261,7 @@ class DPConfig:
             )
         if not self.clip > 0:
             raise ValueError(f"dp.clip (the clipping bound C) must be > 0, got {self.clip}")
-        if self.noise_multiplier < 0:
-            raise ValueError(f"dp.noise_multiplier must be >= 0, got {self.noise_multiplier}")
+        at_least("dp.noise_multiplier", self.noise_multiplier, 0)
         if not 0 <= self.update_rate < 1:
             raise ValueError(f"dp.update_rate (β) must be in [0, 1), got {self.update_rate}")
         if not self.target_quantile > 0:
@@ -299,7 +270,6 @@ class DPConfig:
             raise ValueError(f"dp.delta must be in (0, 1), got {self.delta}")
         if not 0 <= self.ema_decay < 1:
             raise ValueError(f"dp.ema_decay must be in [0, 1), got {self.ema_decay}")
-        if self.warmup_rounds < 0:
-            raise ValueError(f"dp.warmup_rounds must be >= 0, got {self.warmup_rounds}")
+        at_least("dp.warmup_rounds", self.warmup_rounds, 0)
         if self.target_epsilon is not None and not self.target_epsilon > 0:
             raise ValueError(f"dp.target_epsilon must be > 0 or null, got {self.target_epsilon}")

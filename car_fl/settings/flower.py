@@ -1,10 +1,8 @@
 """What Flower hands car-fl, turned into settings: run config, node config, fingerprint.
 
-One channel from ``flwr run`` to the settings: the ServerApp calls
-:func:`settings_from_run_config`; a node adds its ``--node-config`` (:data:`NODE_CONFIG`, the
-one table of its keys) with :func:`apply_node_config` and checks the result against the
-server's :func:`fingerprint` (:func:`car_fl.client.node_settings.node_settings`, which caches it
-on the node's disk). Imports no Hydra: only composing does.
+The ServerApp calls :func:`settings_from_run_config`; a node adds its ``--node-config``
+(:data:`NODE_CONFIG`) with :func:`apply_node_config` and checks the result against the server's
+:func:`fingerprint`. Imports no Hydra: only composing does.
 """
 
 from __future__ import annotations
@@ -53,9 +51,8 @@ class NodeKey(NamedTuple):
     help: str
 
 
-#: Every Flower ``--node-config`` key car-fl reads. Keys with a setting override it on this
-#: node only (:func:`apply_node_config`); the others place the node in the federation
-#: (:class:`NodeInfo`).
+#: Every ``--node-config`` key car-fl reads: a setting's overrides it on this node only, the
+#: others place the node in the federation (:class:`NodeInfo`).
 NODE_CONFIG: dict[str, NodeKey] = {
     PARTITION_ID: NodeKey(None, "this node's partition, 0 to num-partitions - 1"),
     NUM_PARTITIONS: NodeKey(None, "how many partitions the training split has (= fl.clients)"),
@@ -134,11 +131,8 @@ class NodeInfo:
 
 
 def fingerprint(settings: Settings) -> str:
-    """A short hash of everything that server and clients must agree on.
-
-    Node-local values (:data:`NODE_LOCAL_KEYS`: data and model locations, device, cache) are
-    left out, so that each machine can point at its own copies.
-    """
+    """A short hash of everything that server and clients must agree on (not the
+    :data:`NODE_LOCAL_KEYS`: each machine points at its own copies)."""
     conf = OmegaConf.create(settings_values(settings))
     for key in NODE_LOCAL_KEYS:
         OmegaConf.update(conf, key, None)
@@ -180,12 +174,9 @@ class RunKey(NamedTuple):
     help: str
 
 
-#: The settings people change most, as Flower run-config keys (``pyproject.toml``'s
-#: ``[tool.flwr.app.config]`` holds exactly these plus ``overrides``; a test checks it):
-#: ``flwr run . local --run-config 'fl.rounds=2 dp="record"'``. A key's value ``""`` (its
-#: default in ``pyproject.toml``) leaves conf/'s value alone, so the schema stays the one
-#: source of defaults. ``epsilon`` is not ``dp.target_epsilon`` because TOML cannot hold a
-#: value ``dp`` and a table ``dp`` in one ``--run-config`` string.
+#: The settings people change most, as run-config keys (exactly ``pyproject.toml``'s
+#: ``[tool.flwr.app.config]`` plus ``overrides``); ``""`` leaves conf/'s value. ``epsilon``,
+#: because TOML cannot hold a value ``dp`` and a table ``dp`` in one ``--run-config`` string.
 RUN_CONFIG: dict[str, RunKey] = {
     "fl.rounds": RunKey("fl.rounds", "rounds of federated training"),
     "fl.local_epochs": RunKey("fl.local_epochs", "local epochs per round"),
@@ -202,12 +193,8 @@ RUN_CONFIG_KEYS = (*RUN_CONFIG, OVERRIDES)
 
 
 def run_config_from_args(project: str | Path, items: Sequence[str]) -> dict[str, Any]:
-    """The run config a SuperLink builds from ``--run-config`` strings: the project's
-    ``[tool.flwr.app.config]`` with them fused in, parsed by Flower's own parser.
-
-    Flower refuses a key the project lacks with ``Invalid run configuration``; this names the
-    valid keys instead.
-    """
+    """The run config a SuperLink builds from ``--run-config`` strings (Flower's parser), but a
+    key the project lacks is refused naming the valid keys."""
     import click
     from flwr.common.config import flatten_dict, get_project_config, parse_config_args
 
@@ -233,14 +220,8 @@ def run_config_from_args(project: str | Path, items: Sequence[str]) -> dict[str,
 
 
 def settings_from_run_config(run_config: Mapping[str, Any]) -> Settings:
-    """Settings from Flower's run config: :data:`RUN_CONFIG`'s keys, then ``overrides``.
-
-    ``flwr run . local --run-config 'fl.rounds=2 dp="record" overrides="train.lr=0.01"'``
-
-    A non-empty ``settings`` value (a whole resolved configuration as YAML, what
-    :func:`~car_fl.settings.compose.settings_to_yaml` writes) takes precedence: in-process
-    simulations of a sweep pass configurations composed elsewhere this way.
-    """
+    """Settings from Flower's run config: :data:`RUN_CONFIG`'s keys, then ``overrides``; a
+    non-empty ``settings`` (a whole resolved configuration as YAML) takes precedence."""
     text, overrides = run_inputs(run_config)
     return settings_from_yaml(text) if text else load_settings(overrides)
 
@@ -257,8 +238,7 @@ def run_inputs(run_config: Mapping[str, Any]) -> tuple[str, str]:
         raise ValueError(f"run config 'settings' must be YAML text, got {type(text).__name__}")
     overrides = run_overrides(run_config)
     if any(INTERPOLATION in item for item in [str(text or ""), *overrides]):
-        # Resolved on each node: ${oc.env:...} would read its environment, a custom resolver
-        # import a module by name; a run config is the server's, so it gets values only
+        # values only: an interpolation would be resolved on each node (its env, its modules)
         raise ValueError(
             f"a run config may not hold an interpolation ({INTERPOLATION}...}}): write the value "
             "itself; interpolations are resolved on every node"

@@ -20,13 +20,7 @@ from car_fl.settings.choices import (
 
 @dataclass
 class DatasetConfig:
-    """Where the examples come from and how they are split.
-
-    ``path`` (a local file or folder) takes precedence over ``hub_id``. ``text_column`` and
-    ``label_column`` name the fields of the hub dataset or of a ``table`` file. Duplicates are
-    removed before splitting (``dedupe``); ``val_fraction`` of train becomes the validation
-    split used for model selection.
-    """
+    """Where the examples come from (``path`` before ``hub_id``) and how they are split."""
 
     name: str = "sms_spam"
     reader: Reader = Reader.SMS_SPAM
@@ -37,16 +31,13 @@ class DatasetConfig:
     text_column: str = "text"
     label_column: str = "label"
     test_fraction: float = 0.2
-    #: Share of the training examples held out for model selection (the best checkpoint; 0:
-    #: none, best = final); test is only reported.
+    #: Share of the training examples held out for model selection (0: none, best = final).
     val_fraction: float = 0.1
-    #: Collapse duplicate texts (after Unicode and whitespace normalisation) before splitting;
-    #: copies with conflicting labels are dropped.
+    #: Collapse duplicate (normalised) texts before splitting; conflicting labels are dropped.
     dedupe: bool = True
     #: seeded: a seeded permutation (stratified with ``stratify``); hash: a keyed hash of each
-    #: text, so that one record added or removed moves no other (record-level DP on a shared
-    #: file; a node's privacy policy asks for it), without a subsample or a label filter, and
-    #: ``dedupe`` keeps each text and label once as its normalised text (conflicts kept).
+    #: text, so one record moves no other (without a subsample or a label filter; ``dedupe``
+    #: keeps each normalised text and label once, conflicts kept).
     split: Split = Split.SEEDED
     stratify: bool = True
     min_examples_per_label: int = 1
@@ -67,9 +58,8 @@ class DatasetConfig:
     pseudo_queries: int = 0
     #: The length of a pseudo-query, in words.
     pseudo_query_words: int = 12
-    #: reader=corpus: a queries file a model wrote for the documents (``car-fl
-    #: generate-queries``), added to the training queries; null: none. Like documents_path,
-    #: other readers ignore it (a node config may name it for every run).
+    #: reader=corpus: a queries file ``car-fl generate-queries`` wrote, added to the training
+    #: queries (other readers ignore it).
     generated_queries_path: str | None = None
 
     def __post_init__(self) -> None:
@@ -149,18 +139,15 @@ class ModelConfig:
     #: Which hidden layer is pooled: -1 the final one (after the model's last norm), 0 the
     #: embeddings, k the output of block k; negative counts from the end, as in Python.
     layer: int = -1
-    #: A template around every text the encoder reads (queries and documents alike), with
-    #: ``{text}`` where the text goes, e.g. PromptEOL's
-    #: ``This sentence : "{text}" means in one word:"`` (with ``pooling: last``); null: none.
+    #: A template around every text the encoder reads, ``{text}`` where it goes, e.g. PromptEOL's
+    #: ``This sentence : "{text}" means in one word:"`` (with ``pooling: last``).
     prompt: str | None = None
     #: Per-example scaling of the pooled vector (:class:`FeatureNorm`).
     normalize: FeatureNorm = FeatureNorm.NONE
     #: Per-dimension standardisation after pooling (:class:`Standardize`): ``documents`` uses
     #: the corpus's statistics, never a client's queries; needs a corpus of documents.
     standardize: Standardize = Standardize.NONE
-    #: The similarity the encoder was trained for: ``cosine`` for sentence encoders whose
-    #: pipeline normalises (MiniLM), ``dot`` otherwise. MIPS and kNN use it unless
-    #: ``head.similarity`` says otherwise.
+    #: The similarity the encoder was trained for (cosine for MiniLM); MIPS and kNN's default.
     similarity: Similarity = Similarity.DOT
     max_length: int = 128
     #: Token limit of document texts (document heads, MIPS over a corpus); null: max_length.

@@ -14,25 +14,22 @@ from car_fl.settings.choices import (
     Mode,
     OptimizerKind,
     Similarity,
+    at_least,
     positive,
 )
 
 
 @dataclass
 class AdapterConfig:
-    """The soft-embedding adapter ADP between the token embeddings and the first block
-    (:mod:`car_fl.adapters`): its form, and how it is kept near its start. It trains in
-    ``mode=adapter`` (``approach=adapter_*``) only; its learning rate is ``train.adapter_lr``.
-    """
+    """The soft-embedding adapter between the token embeddings and the first block
+    (:mod:`car_fl.adapters`); it trains in ``mode=adapter`` only, at ``train.adapter_lr``."""
 
-    #: full: a d×d matrix (d² numbers travel); lowrank: the identity plus a rank-``rank``
-    #: residual U Vᵀ (2·d·rank); diagonal: a scale and a shift per dimension (2·d).
+    #: full (d×d), lowrank (identity + a rank-``rank`` residual), diagonal: :class:`AdapterKind`.
     kind: AdapterKind = AdapterKind.FULL
     #: lowrank: the rank r of the residual (1 ≤ r ≤ d; 4 to 64 is typical).
     rank: int = 16
-    #: λ of the identity anchor (L2-SP): λ·‖ADP − I‖²_F is added to the loss, a penalty of the
-    #: adapter's distance from where it started (0: none). It depends on the adapter alone, so
-    #: under dp=record its gradient joins the noised one untouched (post-processing).
+    #: λ of the identity anchor (L2-SP): λ·‖ADP − I‖²_F added to the loss (0: none); it depends
+    #: on the adapter alone, so under dp=record it is post-processing.
     anchor: float = 0.0
     #: Dropout on the soft embeddings (the adapter's output) while training (0: none).
     dropout: float = 0.0
@@ -52,26 +49,15 @@ class AdapterConfig:
 
 @dataclass
 class HeadConfig:
-    """How labels are scored (:class:`HeadKind`).
+    """How labels are scored (:class:`HeadKind`)."""
 
-    ``classifier`` (CaR): optional linear pre-classifier with dropout, then a linear layer.
-    ``mips``: query·document scores against each label's text, divided by ``temperature``
-    (trains the adapter alone in ``adapter+classifier`` mode, nothing in ``classifier`` mode).
-    ``knn``: votes of the ``knn_k`` most similar training examples (nothing is trained).
-    """
-
-    #: classifier: CaR (a trained classifier over the labels); mips: inner product of the query
-    #: with each label's document text (dataset.label_texts, or the label name), embedded by the
-    #: same encoder, trains the adapter only in mode=adapter; knn: votes of the head.knn_k most
-    #: similar training examples (mode=classifier only).
     kind: HeadKind = HeadKind.CLASSIFIER
     #: Classifier head. null: a single linear layer d -> labels; an int n: linear d -> n,
     #: dropout, linear n -> labels.
     pre_classifier_dim: int | None = None
     dropout: float = 0.0
-    #: mips / knn: dot (inner product) or cosine; null: the encoder's (``model.similarity``,
-    #: set by its preset: cosine for MiniLM), filled in when the configuration is composed
-    #: (:func:`car_fl.settings.compose.to_settings`); a head built without it scores with dot.
+    #: mips / knn: dot or cosine; null: ``model.similarity``, filled in when composed (a head
+    #: built without it scores with dot).
     similarity: Similarity | None = None
     #: MIPS training scores are divided by this.
     temperature: float = 1.0
@@ -83,20 +69,16 @@ class HeadConfig:
     #: document / moe: train a residual per document row (rows = document embedding + Δ, Δ = 0
     #: at start; learning rate train.rows_lr). false: rows stay the document embeddings.
     train_rows: bool = True
-    #: document / moe: shared maps learned across documents, identity at start: on the query
-    #: side (so a document with one or two queries still benefits) and on the document side.
+    #: document / moe: maps shared by all documents, identity at start, on each side.
     query_map: MapKind = MapKind.LINEAR
     document_map: MapKind = MapKind.NONE
     #: Rank of a lowrank map.
     map_rank: int = 64
-    #: bm25: a BM25 index over the documents' words beside the head, the two rankings fused by
-    #: reciprocal rank (approach=fusion); none: the head alone. Training is the head's alone.
+    #: bm25: a BM25 index beside the head, the rankings fused by reciprocal rank (approach=fusion).
     lexical: Lexical = Lexical.NONE
-    #: The reciprocal-rank fusion constant: fused = w / (fusion_k + head's rank) + 1 /
-    #: (fusion_k + BM25's rank).
+    #: fused = w / (fusion_k + head's rank) + 1 / (fusion_k + BM25's rank).
     fusion_k: int = 60
-    #: w above: the head's ranking's weight against BM25's (1: plain reciprocal-rank fusion;
-    #: 0: BM25 alone, its ties ordered by the head).
+    #: w above (1: plain reciprocal-rank fusion; 0: BM25 alone, its ties ordered by the head).
     fusion_weight: float = 1.0
 
     def __post_init__(self) -> None:
@@ -106,16 +88,13 @@ class HeadConfig:
         self.query_map = MapKind.parse("head.query_map", self.query_map)
         self.document_map = MapKind.parse("head.document_map", self.document_map)
         self.lexical = Lexical.parse("head.lexical", self.lexical)
-        if self.fusion_k < 1:
-            raise ValueError(f"head.fusion_k must be >= 1, got {self.fusion_k}")
+        at_least("head.fusion_k", self.fusion_k, 1)
         if not self.fusion_weight >= 0:
             raise ValueError(f"head.fusion_weight must be >= 0, got {self.fusion_weight}")
         positive("head.temperature", self.temperature)
         positive("head.scale", self.scale)
-        if self.map_rank < 1:
-            raise ValueError(f"head.map_rank must be >= 1, got {self.map_rank}")
-        if self.knn_k < 1:
-            raise ValueError(f"head.knn_k must be >= 1, got {self.knn_k}")
+        at_least("head.map_rank", self.map_rank, 1)
+        at_least("head.knn_k", self.knn_k, 1)
         if self.pre_classifier_dim is not None and self.pre_classifier_dim < 1:
             raise ValueError(
                 f"head.pre_classifier_dim must be a positive size or null, "
@@ -127,19 +106,13 @@ class HeadConfig:
 
 @dataclass
 class MoEConfig:
-    """The mixture of experts (``head.kind=moe``, :mod:`car_fl.heads.experts`).
-
-    The documents are clustered into ``experts`` balanced clusters (in ``groups`` balanced
-    groups first when a two-level gate is wanted); a query goes to its ``route`` best experts
-    (within its ``route_groups`` best groups), so a query costs about
-    (groups + route_groups·experts/groups + route·documents/experts)·d multiply-adds instead of
-    documents·d.
-    """
+    """The mixture of experts (``head.kind=moe``, :mod:`car_fl.heads.experts`): ``experts``
+    balanced clusters of documents (in ``groups`` first for a two-level gate); a query goes to
+    its ``route`` best experts (within its ``route_groups`` best groups)."""
 
     experts: int = 64
     route: int = 4
-    #: Experts a query reaches at evaluation and retrieval (null: ``route``): routing to more
-    #: experts than in training costs a few more documents scored and recovers recall.
+    #: Experts a query reaches at evaluation and retrieval (null: ``route``).
     eval_route: int | None = None
     #: Two levels: the experts in this many groups (null: one level, a gate over all experts).
     groups: int | None = None
@@ -153,8 +126,7 @@ class MoEConfig:
 
     def __post_init__(self) -> None:
         self.send = ExpertSending.parse("moe.send", self.send)
-        if self.experts < 1:
-            raise ValueError(f"moe.experts must be >= 1, got {self.experts}")
+        at_least("moe.experts", self.experts, 1)
         if not 1 <= self.route <= self.experts:
             raise ValueError(
                 f"moe.route must be in [1, moe.experts={self.experts}], got {self.route}"
@@ -185,8 +157,7 @@ class MoEConfig:
                 f"moe.schedule_blocks must be in [1, moe.experts={self.experts}], "
                 f"got {self.schedule_blocks}"
             )
-        if self.iterations < 0:
-            raise ValueError(f"moe.iterations must be >= 0, got {self.iterations}")
+        at_least("moe.iterations", self.iterations, 0)
 
 
 @dataclass
@@ -206,61 +177,43 @@ class TrainConfig:
     momentum: float = 0.0
     eval_batch_size: int = 64
     feature_batch_size: int = 32
-    #: Training stops once this many epochs (a centralised run) or rounds that trained (a
-    #: federated one; a skipped round does not count) have not improved the validation metric
-    #: that selects the best one (``train.epochs`` or ``fl.rounds`` is then a ceiling); null:
-    #: every epoch or round runs.
+    #: Training stops once this many epochs (or rounds that trained) have not improved on
+    #: validation; null: every epoch or round runs.
     patience: int | None = None
     #: adapter+classifier, centralised: first train the head alone for up to this many epochs
-    #: on the frozen features (cached, as CaR does), keep the probe epoch validation selects
-    #: (``train.patience`` ends the probe too), then train the adapter and that head together
-    #: (linear probing, then fine-tuning: Kumar et al., 2022). The probed head is the run's
-    #: starting point (epoch 0), so validation never selects worse than CaR's head; the probe's
-    #: curve is ``metrics.json``'s ``probe``. 0: none.
+    #: on cached features (keeping the epoch validation selects), then the adapter and that
+    #: head together (Kumar et al., 2022); the probed head is epoch 0. 0: none.
     probe_epochs: int = 0
 
     def __post_init__(self) -> None:
         self.mode = Mode.parse("train.mode", self.mode)
-        if self.probe_epochs < 0:
-            raise ValueError(f"train.probe_epochs must be >= 0, got {self.probe_epochs}")
+        at_least("train.probe_epochs", self.probe_epochs, 0)
         if self.patience is not None and self.patience < 1:
             raise ValueError(f"train.patience must be >= 1 or null, got {self.patience}")
         self.optimizer = OptimizerKind.parse("train.optimizer", self.optimizer)
         for key in ("epochs", "batch_size", "eval_batch_size", "feature_batch_size"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"train.{key} must be >= 1, got {getattr(self, key)}")
+            at_least(f"train.{key}", getattr(self, key), 1)
         positive("train.lr", self.lr)
         if self.adapter_lr is not None:
             positive("train.adapter_lr", self.adapter_lr)
         if self.rows_lr is not None:
             positive("train.rows_lr", self.rows_lr)
-        if self.weight_decay < 0:
-            raise ValueError(f"train.weight_decay must be >= 0, got {self.weight_decay}")
+        at_least("train.weight_decay", self.weight_decay, 0)
 
 
 @dataclass
 class EvalConfig:
-    """Which top-K accuracies are reported (the largest K is the retrieval K by default), and
-    what a federation's server evaluates when (docs/performance.md, "Evaluation in a
-    federation"). Selection is always on validation, on the server, never on test and never
-    on a client's report.
-    """
+    """Which top-K accuracies are reported, and what a federation's server evaluates when
+    (docs/performance.md, "Evaluation in a federation")."""
 
     top_k: list[int] = field(default_factory=lambda: [1, 3, 5, 10])
-    #: Federated runs: test metrics of every round's global state. null: yes in classifier
-    #: mode (cached features, evaluation is cheap), no in adapter mode (every test text goes
-    #: through the adapted encoder): the test set is then evaluated once, after the last round,
-    #: for the final state and for the state selected on validation.
+    #: Federated runs: test every round's global state (null: in classifier mode only; else
+    #: test once at the end, the final and the selected state).
     test_every_round: bool | None = None
-    #: Federated runs: the validation examples the server evaluates each round, a sample of
-    #: this many drawn with the run's seed (the same every round); 0: all of them (exact).
+    #: Federated runs: validate each round on a seeded sample of this many (0: all).
     val_sample: int = 0
-    #: Federated runs: evaluate round r's global state in a thread of the ServerApp while
-    #: round r + 1 trains, instead of between the rounds while the clients wait. null: yes in
-    #: adapter mode, no in classifier mode. The results are the same; only when they are
-    #: written changes (round r's row once its evaluation is done); a round whose validation
-    #: alone decides whether ``train.patience`` is spent is waited for, so patience ends the
-    #: run after the same round either way.
+    #: Federated runs: evaluate round r while round r + 1 trains (null: in adapter mode only);
+    #: the results, patience included, are the same.
     background: bool | None = None
 
     def __post_init__(self) -> None:

@@ -1,15 +1,10 @@
 """The configuration schema: :class:`Settings`, typed and validated, the single source of defaults.
 
-The sections live by what they configure: :mod:`car_fl.settings.inputs` (dataset, model),
-:mod:`car_fl.settings.retriever` (head, mixture of experts, training, evaluation),
-:mod:`car_fl.settings.federation` (FL, strategy, wire, DP), and every fixed set of values in
-:mod:`car_fl.settings.choices`; this module holds the whole and the checks that span sections,
-and names every part, so ``from car_fl.settings.schema import DPMode, Settings`` is the one
-import a caller needs. Each section's ``__post_init__`` rejects impossible values with a message
-naming the key and the fix. Hydra registers these dataclasses as the schema of ``conf/``
-(:mod:`car_fl.settings.compose`), so a group file there holds only what it changes. Checks that
-need the privacy accountant (a reachable target ε) are in :mod:`car_fl.settings.dp_plan`.
-Imports no Hydra, OmegaConf or torch.
+The sections are in :mod:`~car_fl.settings.inputs`, :mod:`~car_fl.settings.retriever`,
+:mod:`~car_fl.settings.federation` and :mod:`~car_fl.settings.choices`; this module holds the
+whole, the checks that span sections, and every part's name (the one import a caller needs).
+Checks that need the accountant are in :mod:`car_fl.settings.dp_plan`. Imports no Hydra,
+OmegaConf or torch.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Tiny models, tokenizers and data built offline: for tests, benchmarks and trying things.
 
-The models are real transformers classes (``LlamaModel``, ``BertModel``) with small configs,
-saved with ``save_pretrained`` and loaded back through car-fl's own loader, so the code path
-is the one real models take. Randomly initialised: they learn the synthetic task, nothing else.
+Real transformers classes with small configs, random weights, loaded back through car-fl's own
+loader, so the code path is the one real models take.
 
     python -m car_fl.testing.tiny /tmp/car-fl-tiny   # writes llama/, bert/ and synthetic.tsv there
 """
@@ -53,16 +52,9 @@ def build_llama(
     causal: bool = False,
     vocab_size: int | None = None,
 ) -> Path:
-    """A 2-layer Llama (hidden 64) and a word-level tokenizer that adds BOS but not EOS.
-
-    ``causal``: a ``LlamaForCausalLM`` (with its LM head: a generator) instead of the bare
-    ``LlamaModel`` (an encoder).
-
-    ``intermediate`` defaults to twice ``hidden``; a TinyLlama-shaped one (random weights):
-    ``hidden=2048, layers=22, intermediate=5632, heads=32, kv_heads=4, dtype="bfloat16"``,
-    ``vocab_size=32000`` (its embedding table as large as TinyLlama's; the tokenizer uses the
-    first rows only).
-    """
+    """A 2-layer Llama (hidden 64) and a word-level tokenizer that adds BOS but not EOS;
+    ``causal``: a ``LlamaForCausalLM`` (a generator). TinyLlama's shape: ``hidden=2048,
+    layers=22, intermediate=5632, heads=32, kv_heads=4, vocab_size=32000``."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel, PreTrainedTokenizerFast
@@ -129,11 +121,8 @@ def build_bert(folder: Path, *, hidden: int = 64, layers: int = 2, seed: int = 0
 def synthetic_examples(
     n: int, *, num_labels: int = 4, seed: int = 0, fillers: tuple[int, int] = (2, 9)
 ) -> list[tuple[str, str]]:
-    """A learnable task: each text holds the keyword ``k<label>`` among random filler words.
-
-    Between ``fillers[0]`` and ``fillers[1]`` filler words per text. The label ``topic<i>``'s
-    natural document text is ``k<i>`` (what a MIPS head compares queries with).
-    """
+    """A learnable task: each text holds the keyword ``k<label>`` among ``fillers[0]`` to
+    ``fillers[1]`` random words; label ``topic<i>``'s document text is ``k<i>``."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
@@ -154,11 +143,8 @@ def write_tsv(path: Path, examples: list[tuple[str, str]]) -> Path:
 def write_corpus(
     folder: Path, *, documents: int = 12, queries: int = 8, seed: int = 0
 ) -> tuple[Path, Path]:
-    """A learnable retrieval corpus: ``documents.jsonl`` and ``queries.jsonl`` in ``folder``.
-
-    Document ``d<i>`` is ``k<i mod 8> w<i> w<i+20>`` (topic ``t<i mod 3>``); each of its
-    ``queries`` queries holds ``w<i>`` or ``w<i+20>`` among random filler words.
-    """
+    """A learnable retrieval corpus in ``folder``: document ``d<i>`` is ``k<i mod 8> w<i>
+    w<i+20>`` (topic ``t<i mod 3>``), each of its queries ``w<i>`` or ``w<i+20>`` among fillers."""
     import json
 
     rng = random.Random(seed)
@@ -180,14 +166,9 @@ def write_corpus(
 
 
 def build_gguf(path: Path, *, hidden: int = 64, layers: int = 2, seed: int = 0) -> Path:
-    """A tiny Llama causal LM written as a GGUF file, the way llama.cpp's converter writes one.
-
-    float32 tensors under llama.cpp's names (``blk.N.attn_q.weight``, ...), Q and K permuted to
-    llama.cpp's rotary layout, and a byte-level BPE vocabulary (``tokenizer.ggml.model`` =
-    ``gpt2``: the 256 byte symbols, a few merges, ``<s>`` and ``</s>``). Loading it back through
-    transformers must give exactly the weights of the model it was written from, which
-    :func:`gguf_source` returns saved as an ordinary folder beside it.
-    """
+    """A tiny Llama causal LM written as a GGUF file, the way llama.cpp's converter writes one
+    (llama.cpp's names and rotary layout, a byte-level BPE vocabulary); loaded back, it must
+    equal the model :func:`gguf_source` saves beside it."""
     import gguf
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM

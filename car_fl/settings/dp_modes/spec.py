@@ -84,8 +84,7 @@ def local_steps(settings: Settings, examples: int) -> int:
 
 def accounted_examples(settings: Settings, examples: int) -> int:
     """The n a per-step round is trained and accounted for: ``fl.max_examples_per_client``
-    when set (a node trains on at most that many and accounts for exactly that many, so the
-    number of releases is public), else the node's own n."""
+    when set (so the number of releases is public), else the node's own n."""
     return settings.fl.max_examples_per_client or examples
 
 
