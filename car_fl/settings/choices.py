@@ -415,5 +415,6 @@ def positive(key: str, value: float) -> None:
 
 
 def at_least(key: str, value: float, low: int) -> None:
-    if value < low:
+    """Refuse ``value`` below ``low``, and NaN (which no comparison lets through)."""
+    if not value >= low:
         raise ValueError(f"{key} must be >= {low}, got {value}")

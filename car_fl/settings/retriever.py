@@ -199,6 +199,8 @@ class TrainConfig:
         if self.rows_lr is not None:
             positive("train.rows_lr", self.rows_lr)
         at_least("train.weight_decay", self.weight_decay, 0)
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"train.momentum must be in [0, 1), got {self.momentum}")
 
 
 @dataclass

@@ -84,6 +84,31 @@ def test_fl_timeouts_and_dirichlet_alpha_are_validated(override: str, message: s
         FLConfig(**{key: float(value)})  # type: ignore[arg-type]
 
 
+def float_keys(settings: object, prefix: str = "") -> list[str]:
+    """Every float setting's dotted key (the schema's dataclasses, walked)."""
+    import dataclasses
+
+    keys = []
+    for field in dataclasses.fields(settings):  # type: ignore[arg-type]
+        value = getattr(settings, field.name)
+        if dataclasses.is_dataclass(value):
+            keys += float_keys(value, f"{prefix}{field.name}.")
+        elif isinstance(value, float):
+            keys.append(prefix + field.name)
+    return keys
+
+
+def test_nan_is_refused_for_every_float_setting() -> None:
+    """A NaN passes every ``x < low`` check; each float key must refuse it by name (a run
+    config is the server's to choose). dp.sample_rate is read, and checked, by dp=record."""
+    keys = float_keys(load_settings([]))
+    assert len(keys) > 30 and "dp.noise_multiplier" in keys
+    for key in keys:
+        record = ["dp=record"] if key == "dp.sample_rate" else []
+        with pytest.raises(ValueError, match=rf"{key.split('.')[-1]}.*nan"):
+            load_settings([*record, f"{key}=nan"])
+
+
 def test_fl_edge_values_that_are_valid() -> None:
     fl = FLConfig(alpha=1e-3, round_timeout=1.0, wait_for_nodes=0.0)
     assert fl.sample_size(4) == 4
