@@ -164,13 +164,10 @@ def _check_delta(delta: float) -> None:
 
 
 def gaussian_epsilon(mu: float, delta: float) -> float:
-    """Exact ε at δ of one Gaussian release of multiplier μ (sensitivity 1, std μ), by the
-    analytic Gaussian mechanism (Balle & Wang, 2018, Thm. 8):
-    δ(ε) = Φ(1/(2μ) − εμ) − e^ε·Φ(−1/(2μ) − εμ), solved for ε.
+    """Exact ε at δ of one Gaussian release of multiplier μ, by the analytic Gaussian mechanism
+    (Balle & Wang, 2018, Thm. 8): δ(ε) = Φ(1/(2μ) − εμ) − e^ε·Φ(−1/(2μ) − εμ), solved for ε.
 
-    Written here (scipy's ``log_ndtr`` and ``brentq``) because dp-accounting's PLD of a
-    Gaussian with little noise needs a grid of privacy-loss values that grows as 1/μ² (tens of
-    GiB at μ = 0.005); this is exact and needs none. k releases of μ are one of μ/√k.
+    Not dp-accounting's PLD: its grid grows as 1/μ² (tens of GiB at μ = 0.005).
     """
     from scipy.optimize import brentq
     from scipy.special import log_ndtr, ndtr
@@ -197,13 +194,11 @@ def gaussian_epsilon(mu: float, delta: float) -> float:
 #: Below this multiplier :func:`gaussian_epsilon` reports ε = ∞ (the true ε, ~1/(2μ²), is
 #: beyond 10¹¹ and beyond what its floating-point evaluation resolves).
 TINY_MULTIPLIER = 1e-6
-#: Below this combined multiplier a Gaussian part is not put in a PLD (see
-#: :func:`gaussian_epsilon`); with DP-SGD steps beside it, the two are then composed basically
-#: at δ/2 each, a valid and pessimistic bound (ε that large means little anyway).
+#: Below this combined multiplier a Gaussian part is not put in a PLD; beside DP-SGD steps the
+#: two are composed basically at δ/2 each (a valid, pessimistic bound).
 PLD_GAUSSIAN_FLOOR = 0.05
-#: Below this σ DP-SGD steps are not put in a PLD either (its grid grows as 1/σ²: 1.3 GB and
-#: 32 s for one step at σ = 0.02, and a server chooses σ): k steps are accounted as the one
-#: Gaussian of multiplier σ/(2√k) they are at most without sampling, a valid upper bound.
+#: Below this σ DP-SGD steps are accounted as the Gaussian of multiplier σ/(2√k) that bounds
+#: them without sampling (the PLD grid grows as 1/σ²: 1.3 GB at σ = 0.02).
 PLD_DPSGD_FLOOR = 0.1
 
 
@@ -245,22 +240,14 @@ def _epsilon(private: tuple[Release, ...], delta: float) -> float:
 
 
 def private_epsilon(releases: Iterable[Release], delta: float) -> float:
-    """ε at δ of the *private* releases together; 0 with none. Non-private releases are left
-    out (a ledger reports how many there were beside this figure, :func:`non_private_count`).
-
-    Gaussian releases alone: exact (:func:`gaussian_epsilon`); with DP-SGD steps: one PLD.
-    """
+    """ε at δ of the *private* releases together (non-private ones left out); 0 with none."""
     _check_delta(delta)
     private = tuple(r for r in grouped(releases) if r.private)
     return _epsilon(private, float(delta)) if private else 0.0
 
 
 class Accountant:
-    """The releases one party has seen of one data owner, and the ε they spend.
-
-    ``step`` adds releases, ``get_epsilon(δ)`` composes them all (∞ once any is non-private),
-    ``state_dict``/``load_state_dict`` save and restore them with :data:`MECHANISM` checked.
-    """
+    """The releases one party has seen of one data owner, and the ε they spend."""
 
     mechanism = MECHANISM
 
@@ -275,10 +262,8 @@ class Accountant:
         sample_rate: float = 1.0,
         count: int = 1,
     ) -> None:
-        """Account for ``count`` releases of ``kind``: ``gaussian`` (client-level multiplier μ
-        = std / (2C)), ``dpsgd`` (steps of noise multiplier σ at sampling rate q) or
-        ``non-private``. The kind is required: read as a Gaussian release's μ, a DP-SGD step's
-        σ at q = 1 would be credited twice its noise."""
+        """Account for ``count`` releases of ``kind``. The kind is required: read as a Gaussian
+        release's μ, a DP-SGD step's σ at q = 1 would be credited twice its noise."""
         kind = ReleaseKind(kind)
         mu = noise_multiplier if kind is not ReleaseKind.NON_PRIVATE else 0.0
         self.add(Release(kind, count, noise_multiplier=mu, sample_rate=sample_rate))
@@ -294,8 +279,7 @@ class Accountant:
         return private_epsilon(self.history, delta)
 
     def private_epsilon(self, delta: float) -> float:
-        """ε at δ of the *private* releases alone (a ledger reports the non-private ones
-        beside it, :func:`non_private_count`); 0 with none."""
+        """ε at δ of the *private* releases alone; 0 with none."""
         return private_epsilon(self.history, delta)
 
     def would_spend(self, delta: float, *releases: Release) -> float:
@@ -326,13 +310,8 @@ class Accountant:
 
 
 def epsilon(releases: Mapping[float, int], delta: float) -> float:
-    """ε at δ of Gaussian local-DP releases (multiplier μ → count); ∞ if one had μ = 0: the
-    :class:`Accountant` fed from a table, for tests and scripts that write one (every party of
-    a run holds an :class:`Accountant` and steps it per release).
-
-    A multiplier of 0 also stands for a release that is not private at all (the linear
-    adaptive rule, the ``bound`` noise rule), so any such release makes ε infinite.
-    """
+    """ε at δ of Gaussian local-DP releases (multiplier μ → count), for tests and scripts; a
+    multiplier of 0 is a non-private release and makes ε infinite."""
     accountant = Accountant()
     for mu, count in releases.items():
         if count > 0:

@@ -45,11 +45,8 @@ Tensors = dict[str, torch.Tensor]
 def poisson_sample(
     n: int, rate: float, *, generator: torch.Generator | None = None
 ) -> torch.Tensor:
-    """Indices ``(k,)`` of the examples in one Poisson-sampled batch: each with probability q.
-
-    The batch may be empty. Without ``generator`` the draw uses a fresh OS-entropy generator:
-    the server must not be able to tell which examples a step used.
-    """
+    """Indices ``(k,)`` of one Poisson-sampled batch (maybe empty), from OS entropy unless
+    ``generator`` is given: the server must not tell which examples a step used."""
     if not 0 < rate <= 1:
         raise ValueError(f"dp.sample_rate (q) must be in (0, 1], got {rate}")
     gen = generator if generator is not None else secure_generator("cpu")
@@ -67,10 +64,8 @@ def per_example_gradients(
 ) -> tuple[Tensors, torch.Tensor, torch.Tensor]:
     """∇θ ℓ for every example: ``{name: (batch, *shape)}``, plus each loss and each argmax.
 
-    ``model(features=…, labels=…)`` or ``model(ids, mask, labels=…)`` must return
-    ``(logits, loss)`` (:class:`car_fl.model.retriever.CaRRetriever`); ``params`` are the trainable
-    tensors by name (the others stay as they are in ``model``). Give ``features`` ``(batch, d)``
-    or one token-id tensor per example in ``input_ids``.
+    ``model`` returns ``(logits, loss)``; give ``features`` ``(batch, d)`` or one token-id
+    tensor per example in ``input_ids``.
     """
 
     def loss_of(
@@ -145,14 +140,10 @@ def clipped_gradient_sum(
     input_ids: Sequence[torch.Tensor] | None = None,
     chunk_elements: int = CHUNK_ELEMENTS,
 ) -> tuple[Tensors, torch.Tensor, torch.Tensor]:
-    """Σᵢ gᵢ · min(1, C/‖gᵢ‖) over the batch, plus each loss and each argmax (with
-    ``adapter_clip``, each part of gᵢ clipped to its own bound:
-    :func:`~car_fl.privacy.mechanism.clip_per_example`).
+    """Σᵢ gᵢ · min(1, C/‖gᵢ‖) over the batch, plus each loss and each argmax.
 
-    Never holds more than ``chunk_elements`` per-example gradient values: ``vmap`` over chunks
-    of examples; for token ids, batched passes and ghost norms (:mod:`car_fl.privacy.ghost`)
-    where the model fits, else (and for models whose ``per_example_loop`` is true: routing
-    that ``vmap`` cannot trace) one example at a time, each clipped and added as it comes.
+    Holds at most ``chunk_elements`` per-example gradient values: ``vmap`` over chunks, ghost
+    norms for token ids where the model fits, else one example at a time.
     """
     if not clip > 0:
         raise ValueError(f"dp.clip (the per-example bound C) must be > 0, got {clip}")
@@ -230,13 +221,10 @@ def dpsgd_step(
     generator: torch.Generator | None = None,
     penalty: Callable[[], torch.Tensor | None] | None = None,
 ) -> StepResult:
-    """One DP-SGD step on a sampled batch: set each parameter's ``.grad`` and step.
+    """One DP-SGD step on a sampled batch: noise std σ·C, set each ``.grad`` and step.
 
-    ``optimizer`` is a ``torch.optim.Optimizer`` (or anything with ``step``) over
-    ``params``. ``noise_multiplier`` σ gives noise std σ·C, with or without ``adapter_clip``
-    (each example's clipped gradient has norm ≤ C either way). ``penalty`` (the adapter's
-    identity anchor) is a function of the parameters alone: its gradient is added to the
-    noised one unclipped, post-processing of the release that costs no ε.
+    ``penalty`` depends on the parameters alone: its gradient is added unclipped to the noised
+    one (post-processing, no ε).
     """
     detached = {k: p.detach() for k, p in params.items()}
     summed, losses, predicted = clipped_gradient_sum(

@@ -34,12 +34,8 @@ def gaussian_like(
     std: float,
     generator: torch.Generator | None = None,
 ) -> dict[str, torch.Tensor]:
-    """N(0, std²·I) with the shapes, dtypes and device of ``like``.
-
-    Drawn in float32 on the tensors' device (float64 where the tensor is float64), then cast
-    to each tensor's dtype. Without ``generator`` a fresh :func:`secure_generator` is used
-    per device.
-    """
+    """N(0, std²·I) like ``like``: drawn in float32 (float64 for float64 tensors) on each
+    tensor's device, then cast; a fresh :func:`secure_generator` per device unless given."""
     if not std >= 0:
         raise ValueError(f"noise standard deviation must be >= 0, got {std}")
     generators: dict[torch.device, torch.Generator] = {}
@@ -48,10 +44,10 @@ def gaussian_like(
         device = tensor.device
         if generator is not None:
             gen = generator
-        else:
-            if device not in generators:
-                generators[device] = secure_generator(device)
+        elif device in generators:
             gen = generators[device]
+        else:
+            gen = generators[device] = secure_generator(device)
         draw_dtype = torch.float64 if tensor.dtype == torch.float64 else torch.float32
         noise = torch.randn(tensor.shape, generator=gen, dtype=draw_dtype, device=device)
         out[name] = (noise * std).to(tensor.dtype)
