@@ -56,12 +56,8 @@ class BudgetExhausted(Refusal):
 
 
 def known() -> tuple[tuple[type[BaseException], Failure], ...]:
-    """Errors of other modules whose meaning is a fixed reply of its own (a :class:`Refusal`
-    carries its own); anything else: ROUND_FAILED.
-
-    Imported here, not at the top: the ClientApp of a node with a worker imports this module
-    and must stay free of torch and Hydra.
-    """
+    """Errors of other modules whose meaning is a fixed reply of its own; anything else:
+    ROUND_FAILED. Imported here: a worker's ClientApp must stay free of torch and Hydra."""
     from car_fl.blocks.errors import BlocksUnavailable
     from car_fl.client.policy import PolicyError
     from car_fl.settings.flower import FingerprintMismatch, NodeConfigError
@@ -85,11 +81,8 @@ def failure_of(err: BaseException) -> Failure:
 
 
 def data_free(handler: Handler) -> Handler:
-    """``handler``, except that it never raises: an exception becomes a fixed reply.
-
-    The exception and its traceback are logged on the node (``car_fl.client.failures``); the
-    server receives only the failure's code and fixed text.
-    """
+    """``handler``, except that it never raises: an exception becomes a fixed reply (its
+    traceback goes to the node's log)."""
 
     @functools.wraps(handler)
     def handle(msg: Message, context: Context) -> Message:

@@ -77,10 +77,8 @@ def _key(canonical: str) -> str:
 def record_keys(path: str | Path) -> frozenset[str]:
     """The keys of the records in the node's data file: hashes of their normalised contents.
 
-    A record is a non-empty line (TSV, CSV, JSON lines: all its fields, the label included,
-    normalised; a JSON object's keys in sorted order), or a row of a Parquet file. Nothing
-    here depends on the run's settings (which column is the text is the server's choice, and
-    must not change which record is which). Identical records are one record.
+    A record is a non-empty line (a JSON object's keys sorted) or a Parquet row, whatever the
+    run's settings say. Identical records are one record.
     """
     target = Path(path).expanduser()
     if target.suffix.lower() == ".parquet":
@@ -270,11 +268,8 @@ class Ledger:
         check: Callable[[list[Entry]], None] | None = None,
     ) -> Entry:
         """Record ``release`` of ``records`` unless it would take the lifetime ε of any of them
-        past ``cap``; the new entry.
-
-        Under the lock: ``check(entries)`` may refuse first (by raising), then the cap is
-        checked and the entry written. Raises :class:`BudgetExhausted` (nothing written).
-        """
+        past ``cap`` (:class:`BudgetExhausted`); under the lock, ``check(entries)`` may refuse
+        first."""
         with self.locked():
             contents = self.contents()
             if check is not None:

@@ -65,11 +65,8 @@ def base_dir(cache_dir: str | os.PathLike[str] | None) -> Path:
 
 
 def node_dir(cache_dir: str | os.PathLike[str] | None) -> Path:
-    """:func:`base_dir`, created readable by the node's owner only (0700, also if it was not).
-
-    Everything the node writes (settings, its shard's texts, their features) lies under it,
-    so nobody else on the machine can read it whatever the files' own modes.
-    """
+    """:func:`base_dir`, created readable by the node's owner only (0700, also if it was not),
+    so nobody else can read what the node writes under it."""
     folder = base_dir(cache_dir)
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     if folder.stat().st_mode & 0o077:
@@ -124,12 +121,8 @@ def save_settings_entry(path: Path, settings: Settings, fingerprint: str) -> Non
 
 
 def settings_from_dict(values: Mapping[str, Any]) -> Settings:
-    """:class:`Settings` from ``dataclasses.asdict`` output; every section validates itself.
-
-    Plain dataclass construction instead of OmegaConf's structured merge, which costs a
-    noticeable part of a second per call on a busy core, several times per round, in every new
-    ClientApp process. Unknown keys raise ``TypeError``, missing ones ``KeyError``.
-    """
+    """:class:`Settings` from ``dataclasses.asdict`` output, without OmegaConf (slow); every
+    section validates itself. Unknown keys raise ``TypeError``, missing ones ``KeyError``."""
     hints = get_type_hints(Settings)
     kwargs: dict[str, Any] = {}
     for item in fields(Settings):

@@ -150,12 +150,8 @@ class NodeReading:
     ) -> Settings:
         """``settings`` with this reading; a run's value that differs is logged and ignored.
 
-        ``paths``: the node's own ``dataset.test_path``, ``dataset.documents_path`` and
-        ``dataset.generated_queries_path`` (from its node config, ``None`` when it names
-        none): a run config's would let the server cancel the owner's test split, drop the
-        records that match a file of its choice, make a corpus read fail exactly when the node
-        holds a query of a missing document, or add queries of its choice to the node's
-        training set."""
+        ``paths``: the node's own test, documents and generated-queries files (``None`` when
+        its node config names none); the run's are never used."""
         ignored = self.differences(settings)
         if ignored:
             log.warning(
@@ -173,8 +169,7 @@ class NodeReading:
                     getattr(settings.dataset, key),
                 )
         own: dict[str, Any] = {key: value or None for key, value in (paths or {}).items()}
-        mine = _reading_fields(self)
-        dataset = dataclasses.replace(settings.dataset, **mine, **own)
+        dataset = dataclasses.replace(settings.dataset, **_reading_fields(self), **own)
         return dataclasses.replace(settings, dataset=dataset, seed=self.seed)
 
     def differences(
@@ -184,11 +179,9 @@ class NodeReading:
         paths: Mapping[str, str | None] | None = None,
         run_paths: Mapping[str, str | None] | None = None,
     ) -> list[str]:
-        """The run's reading keys that differ from this one, as ``key=run's value`` (keys that
-        change what neither reader reads left out). With ``paths`` (the node's own, as in
-        :meth:`apply`), also a file the run names where the node names none, or the reverse:
-        the two would split the records otherwise. The run's files are ``settings``' unless
-        ``run_paths`` gives them (``settings`` that already carry the node's own)."""
+        """The run's reading keys that differ from this one, as ``key=run's value``; with
+        ``paths``, also a file one side names and the other does not (the run's files are
+        ``settings``' unless ``run_paths`` gives them)."""
         readers = {self.reader, settings.dataset.reader}
         found = [
             f"{KEYS[key.replace('_', '-')]}={getattr(settings.dataset, key)!r}"
@@ -212,8 +205,7 @@ class NodeReading:
         source: object = "the privacy policy",
     ) -> str | None:
         """Why a node on a shared file refuses a run that reads it otherwise
-        (``READING_DIFFERS``, before any record is read; :meth:`differences`' arguments), or
-        ``None`` when the run reads it as this reading does."""
+        (``READING_DIFFERS``), or ``None``."""
         differs = self.differences(settings, paths=paths, run_paths=run_paths)
         if not differs:
             return None
@@ -226,9 +218,7 @@ class NodeReading:
 
 
 def _matters(key: str, readers: set[Reader]) -> bool:
-    """Whether a differing ``key`` (a dataset field or path) changes what either reader reads:
-    the columns name only a table's fields, the corpus keys only a corpus's, and a corpus reads
-    none of the others (it is split per document). The rest are not worth a log line."""
+    """Whether a differing ``key`` (a dataset field or path) changes what either reader reads."""
     if key in _TABLE_KEYS:
         return Reader.TABLE in readers
     if key in _CORPUS_KEYS:

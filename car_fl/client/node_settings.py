@@ -78,15 +78,8 @@ def node_settings(
     *,
     memory: SettingsMemory | None = None,
 ) -> Settings:
-    """This node's settings (the run's plus its local paths), checked against the server's.
-
-    Composed (Hydra), given the node's paths and fingerprinted (OmegaConf) in the node's first
-    round; later rounds, each a new process in deployment, read the result back from the
-    node's disk cache. A node that serves several rounds (a worker, a simulated client)
-    keeps it in its ``memory``, keyed by a digest of the run config and the node config. A run
-    config that carries a whole ``settings`` YAML (in-process simulations) is kept in memory
-    only.
-    """
+    """This node's settings (the run's plus its local paths), checked against the server's:
+    from ``memory``, the disk cache, or composed (a whole ``settings`` YAML: memory only)."""
     memory = {} if memory is None else memory
     node_config = with_environment(node_config)
     text, overrides = run_inputs(run_config)

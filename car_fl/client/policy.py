@@ -59,7 +59,7 @@ class PolicyError(ValueError):
 
 @dataclass(frozen=True)
 class NodePolicy:
-    """What a node's owner accepts (see the module docstring for the file format)."""
+    """What a node's owner accepts."""
 
     modes: frozenset[DPMode]
     min_noise_multiplier: float = 0.0
@@ -69,12 +69,10 @@ class NodePolicy:
     lifetime_epsilon: float | None = None
     #: Refuse runs whose reply would carry or follow the node's example count n.
     public_example_count: bool = True
-    #: The most DP steps one round may plan (DP-SGD's fl.local_epochs × ⌈1/q⌉, or per-step
-    #: local DP's steps): a server's dp.sample_rate=1e-7 would plan 10⁷ per-example steps.
+    #: The most DP steps one round may plan (bounds the work a server can ask).
     max_steps_per_round: int = 100_000
-    #: ``records``: any accepted mode; ``mix``: client-level DP only (dp=fixed or adaptive),
-    #: whose unit is the node's whole update, so what its shard holds as a whole (its label
-    #: mix) is protected too; record-level DP-SGD protects single records, not the mix.
+    #: ``records``: any accepted mode; ``mix``: client-level DP only, which also hides the
+    #: shard's label mix.
     protect: str = "records"
     ledger: Path = Path(DEFAULT_LEDGER)
     #: How the node reads its data file (the ``[data]`` table): the run config cannot change it.
@@ -142,9 +140,7 @@ class NodePolicy:
 
     def violations(self, settings: Settings, *, shared_file: bool = True) -> list[str]:
         """Every way the run's DP settings are weaker than this policy (empty: accepted).
-
-        ``shared_file``: the node takes its split and partition of its file (not
-        ``data-is-shard``); ``settings``: with this policy's ``[data]`` reading applied."""
+        ``shared_file``: the node is not ``data-is-shard``."""
         dp = settings.dp
         found: list[str] = []
         placed_by_others = (
@@ -235,8 +231,7 @@ class NodePolicy:
 
 
 def planned_steps(settings: Settings) -> int | None:
-    """The DP steps one round plans, from the settings alone (no accountant); ``None`` when
-    it is not a function of the settings (:meth:`DPModeSpec.planned_steps`)."""
+    """The DP steps one round plans, from the settings alone; ``None`` when they are not."""
     return MODES[settings.dp.mode].planned_steps(settings)
 
 

@@ -95,22 +95,14 @@ def check_budget(plan: RecordPlan, state: RecordState, *, who: str) -> float:
 
 
 class RecordDPRound:
-    """A round's DP-SGD epochs, for :meth:`~car_fl.client.node.Node.train` (``dp=record``).
-
-    The plan (σ, q, C, steps) is fixed from the configuration; :meth:`check` verifies the
-    budget before any training. n is the whole shard, examples the server's label map lacks
-    included; at most :func:`~car_fl.privacy.record_accounting.trained_cap` of them are trained
-    on (a fresh OS-random subset each round), and an empty shard takes noise-only steps. The
-    model after DP-SGD is the release as it is.
-    """
+    """A round's DP-SGD epochs (``dp=record``); the model after DP-SGD is the release."""
 
     private = True
 
     def __init__(
         self, settings: Settings, node: NodeInfo, node_state: RecordDict, **_: object
     ) -> None:
-        """A round's DP-SGD (``server_round``, ``global_state``, ``max_clip``: the round's
-        context every mode's round is given, unused: its plan is fixed for the run)."""
+        """The other modes' round context (``server_round``, ...) is unused here."""
         self.settings = settings
         self.who = f"client {node.partition_id}"
         self.plan = record_plan(settings)
@@ -128,13 +120,9 @@ class RecordDPRound:
     def round_data(self, data: LocalData) -> tuple[LocalData, int]:
         """What this round trains on, and the n its steps divide by (q·n is the expected batch).
 
-        It trains on all of ``data`` or, when n is above a public cap (⌈1/δ⌉ − 1, so that
-        δ < 1/n holds for what it trains on, and ``fl.max_examples_per_client`` when set), on
-        the examples among a uniformly random cap of the n (OS entropy, drawn once per round;
-        n counts the examples the server's label map lacks). It divides by
-        ``fl.max_examples_per_client`` when the run sets one: a public value, so the update's
-        scale says nothing about n (a policy with ``public-example-count`` demands it), else by
-        the n it trains on (an empty shard: 1, its steps release noise only).
+        Above a public cap (:func:`trained_cap`, and ``fl.max_examples_per_client``) an
+        OS-random subset of the cap; it divides by ``fl.max_examples_per_client`` when set (so
+        the update's scale says nothing about n), else by the n trained on (at least 1).
         """
         if self.trained is None:
             bound = self.settings.fl.max_examples_per_client

@@ -39,10 +39,8 @@ MAX_RUN_ID = 2**64 - 1
 
 
 def run_key(run: str | int) -> str:
-    """A run id as its one spelling: Flower's run ids are unsigned 64-bit integers, written
-    in ASCII digits ("07" is run 7). Anything else is refused with a ``ValueError``: a sign
-    ("-7"), an underscore ("7_0"), other scripts' digits ("٧", which ``int`` reads as 7), a
-    path."""
+    """A run id as its one spelling (an unsigned 64-bit integer in ASCII digits: "07" is run 7);
+    ``ValueError`` for anything else (a sign, "7_0", "٧", a path)."""
     text = str(run) if not isinstance(run, bool) else ""
     if not (text.isascii() and text.isdigit()) or int(text) > MAX_RUN_ID:
         raise ValueError(f"run id {run!r} is not an unsigned 64-bit integer in ASCII digits")
@@ -63,10 +61,8 @@ class RunStore(Protocol):
 
 
 class ContextState:
-    """Each run's state in Flower's ``context.state`` (a node without a worker), under its
-    run id's key prefix (``run-<id>/``): Flower 1.39 keeps ``context.state`` per run series,
-    not per run, so a new run of a series must not inherit the last one's accountant (nor be
-    refused for its mechanism). A ClientApp process lives for one message."""
+    """Each run's state in Flower's ``context.state``, under ``run-<id>/``: Flower keeps it per
+    run series, and a new run must not inherit the last one's accountant."""
 
     def __init__(self, state: RecordDict) -> None:
         self.state = state

@@ -80,14 +80,9 @@ def shard_data(
     *,
     memory: dict[str, Shard] | None = None,
 ) -> Shard:
-    """This node's training shard as features (classifier) or token ids (adapter).
-
-    ``labels`` is the server's global label map; examples with a label outside it are left out
-    of training (and counted, in this node's log only). A node whose file is its own shard
-    (``data-is-shard``) trains on all of it; otherwise it takes its partition of the training
-    split of the full dataset. ``memory``: the shards this node already read (its
-    :class:`~car_fl.client.node.Node`'s), by a digest of everything that decides one.
-    """
+    """This node's training shard as features (classifier) or token ids (adapter), with the
+    server's label map ``labels``: all of a ``data-is-shard`` file, else its partition of the
+    training split. ``memory``: the shards already read, by a digest of what decides one."""
     memory = {} if memory is None else memory
     # The data files' identity is in the disk key: a process that lives across runs (the
     # node's worker) sees an edited data file as another shard
@@ -139,11 +134,8 @@ def empty_shard(settings: Settings, node: NodeInfo, labels: Sequence[str] | None
 def encode_for(
     label_map: LabelMap, own_map: LabelMap, own_ids: Sequence[int], *, who: str
 ) -> tuple[list[int], list[int]]:
-    """The examples ``label_map`` can encode (their positions) and their ids in it.
-
-    ``own_ids`` index ``own_map`` (the node's own labels). The others are counted in the
-    node's log, never raised: an error naming them would reach the server.
-    """
+    """The examples ``label_map`` can encode (their positions) and their ids in it; the others
+    are counted in the node's log, never raised (an error would reach the server)."""
     kept, ids = [], []
     missing: Counter[str] = Counter()
     known = set(label_map.names)
@@ -197,11 +189,7 @@ def local_retriever(
     label_map: LabelMap,
     layout: ExpertLayout | None = None,
 ) -> CaRRetriever:
-    """A retriever to train locally; without the encoder when features are all cached.
-
-    A document head's rows come from the corpus's documents (their embeddings cached like the
-    queries'); a mixture of experts uses the server's ``layout``.
-    """
+    """A retriever to train locally; without the encoder when features are all cached."""
     documents = document_texts(settings, label_map.names)
     features = None
     standardize = settings.model.standardize is Standardize.DOCUMENTS

@@ -59,10 +59,7 @@ class WorkerUnavailable(RuntimeError):
 
 
 class WorkerFailed(Refusal):
-    """The worker ran the round and it failed there (the worker's log has the traceback).
-
-    ``failure`` is the fixed reply the worker chose for it; the ClientApp sends that code only.
-    """
+    """The worker ran the round and it failed there; ``failure`` is the fixed code it chose."""
 
 
 def worker_folder(node_config: Mapping[str, Any]) -> Path | None:
@@ -238,13 +235,8 @@ def hand_over(
     content: RecordDict,
     policy: object = None,
 ) -> RecordDict:
-    """Have the node's worker answer a train message; the reply's content.
-
-    ``run_config`` is the run's (the server's) configuration; the worker adds its own node
-    configuration. ``run_id`` keeps each run's state apart in the worker. ``policy``: the
-    privacy policy in the SuperNode's node config, which the worker's own must name too (an
-    owner who set it on the SuperNode only would otherwise train without it).
-    """
+    """Have the node's worker answer a train message; the reply's content. ``policy``: the
+    SuperNode's privacy policy, which the worker's own node config must name too."""
     header = {"kind": "train", "run-id": int(run_id), "run-config": dict(run_config)}
     if policy:
         header["policy"] = str(policy)
