@@ -1,34 +1,11 @@
 """Privacy spent, one way for every party: dp-accounting's PLD accountant under replace-one.
 
-One interface (:class:`Accountant`, Opacus's shape: :meth:`~Accountant.step` with a release's
-mechanism parameters, :meth:`~Accountant.get_epsilon` for a δ, a :meth:`~Accountant.state_dict`
-that names its mechanism and is checked on load) composes every release: a client's report of
-its run, the server's own figure for each node (:mod:`car_fl.server.privacy_check`) and the
-node's lifetime ledger (:mod:`car_fl.client.ledger`). The same releases give the same ε
-everywhere.
-
-Neighbouring datasets differ by one record **replaced**: that is what holds while a node's
-example count n is a public value or travels un-noised (the add-or-remove relation changes n),
-and it is the only relation under which dp-accounting's PLD handles Poisson-sampled DP-SGD
-steps and plain Gaussian releases alike (its RDP accountant has no replace-one sampling). The
-releases:
-
-- ``gaussian``: one client-level local-DP release (``dp=fixed|adaptive``, or one step of
-  ``dp.granularity=step``) of multiplier μ = noise std / (2C), the sensitivity 2C being that of
-  replacing the client's *whole* data, so also of replacing one record. Under replace-one
-  dp-accounting reads ``GaussianDpEvent(s)`` with sensitivity 2, so the release is
-  ``GaussianDpEvent(2μ)`` there. The private adaptive rule's update and clipped-indicator
-  (sensitivity 1, multiplier σ_b) compose exactly into one Gaussian of multiplier
-  (μ₁⁻² + μ₂⁻²)^(−1/2) (:func:`combined_multiplier`).
-- ``dpsgd``: record-level DP-SGD steps, ``PoissonSampledDpEvent(q, GaussianDpEvent(σ))``.
-- ``non-private``: a release with no noise (``dp=none``, a warm-up round, the non-private
-  adaptive rules). Its ε is infinite: a run's figure becomes ∞, and a ledger counts them apart.
-
-Gaussian releases compose exactly into one (k of multiplier μ are one of μ/√k), whose ε is
-the analytic Gaussian mechanism's (exact; PLD is a discretised upper bound of it, < 0.1 %
-above). DP-SGD steps, and mixtures, go through the PLD. ε is cached per (releases, δ), so a
-ledger of thousands of entries composes in milliseconds. Before this one accountant, local-DP
-runs were accounted with Rényi DP, which reports a 3-7 % larger ε for the same releases.
+:class:`Accountant` composes every release (a client's report, the server's figure per node,
+the node's lifetime ledger), so the same releases give the same ε everywhere. Replace-one
+holds while n is public or un-noised. Releases: ``gaussian`` (client-level, μ = std / (2C),
+``GaussianDpEvent(2μ)`` under replace-one), ``dpsgd`` (``PoissonSampledDpEvent(q, σ)``),
+``non-private`` (ε = ∞). Gaussian releases compose exactly into one (analytic Gaussian
+mechanism); DP-SGD steps and mixtures go through the PLD. See docs/privacy.md, 'Privacy spent'.
 """
 
 from __future__ import annotations
@@ -36,16 +13,14 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from enum import StrEnum
 from functools import lru_cache
 from typing import Any
 
-#: The accounting every figure uses; a saved accountant state names it and is refused under
-#: another one (its ε would not be comparable).
+#: The accounting every figure uses; a saved state under another one is refused.
 MECHANISM = "pld-replace-one"
-#: The PLD accountant's discretisation of privacy-loss values: 10× its default, 10× faster,
-#: and still a pessimistic (valid) upper bound; ε differs from the default's by < 0.1 %.
+#: The PLD's discretisation: 10× its default, 10× faster, still an upper bound (< 0.1 % off).
 VALUE_DISCRETIZATION = 1e-3
 #: Sensitivity of the clipped-indicator bᵢ ∈ {0, 1} when one client's data is replaced.
 INDICATOR_SENSITIVITY = 1.0
@@ -124,12 +99,7 @@ class Release:
         return dp_accounting.SelfComposedDpEvent(one, self.count)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind.value,
-            "count": self.count,
-            "noise_multiplier": self.noise_multiplier,
-            "sample_rate": self.sample_rate,
-        }
+        return {**asdict(self), "kind": self.kind.value}
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> Release:
@@ -191,8 +161,7 @@ def gaussian_epsilon(mu: float, delta: float) -> float:
     return float(brentq(excess, high / 2 if high > 1 else 0.0, high, xtol=1e-12, rtol=1e-12))
 
 
-#: Below this multiplier :func:`gaussian_epsilon` reports ε = ∞ (the true ε, ~1/(2μ²), is
-#: beyond 10¹¹ and beyond what its floating-point evaluation resolves).
+#: Below this multiplier :func:`gaussian_epsilon` reports ε = ∞ (beyond 10¹¹ and floats).
 TINY_MULTIPLIER = 1e-6
 #: Below this combined multiplier a Gaussian part is not put in a PLD; beside DP-SGD steps the
 #: two are composed basically at δ/2 each (a valid, pessimistic bound).

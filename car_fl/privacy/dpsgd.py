@@ -7,22 +7,11 @@ One step (Abadi et al. 2016, with Poisson sampling as accounted in
     gᵢ = ∇θ ℓ(θ; xᵢ, yᵢ)                                          (per-example gradients)
     g  = (Σᵢ∈B gᵢ · min(1, C/‖gᵢ‖) + N(0, σ²C²·I)) / (q·n)        (clip, sum, noise, normalise)
 
-then the optimiser steps with g as the gradient. ‖gᵢ‖ is the norm over all trainable tensors
-together; with ``dp.adapter_clip`` = C_a (adapter+classifier mode) the adapter's part of gᵢ is
-clipped to C_a and the head's to √(C² − C_a²) instead, so ‖clipped gᵢ‖ ≤ C still and the noise
-and ε are unchanged (:func:`~car_fl.privacy.mechanism.record_part_bounds`). Dividing by
-the expected batch size q·n (not |B|, which is data-dependent) keeps the step a
-post-processing of the Gaussian mechanism.
-
-Per-example gradients come from ``torch.func``: ``vmap(grad(...))`` over cached features
-(classifier mode). Through the frozen encoder (adapter + classifier mode) the clipped sum comes
-from batched passes and the adapter's ghost norms (:mod:`car_fl.privacy.ghost`); a model it does
-not fit (:func:`~car_fl.privacy.ghost.supports_ghost` says which) takes autograd of one
-unpadded example at a time (``functional_call``
-+ ``torch.autograd.grad``): Hugging Face's attention-mask code branches on tensor values, which
-``vmap`` cannot trace, and ``torch.func.grad`` in a loop measured 4.5× slower than autograd.
-Sampling and noise come from OS entropy (:mod:`car_fl.privacy.noise`), the noise on the
-parameters' device.
+then the optimiser steps with g. ‖gᵢ‖ is over all trainable tensors, or per part with
+``dp.adapter_clip`` (still ≤ C). Dividing by q·n, not the data-dependent |B|, keeps the step a
+post-processing of the Gaussian mechanism. Per-example gradients: ``vmap(grad(...))`` over
+cached features; through the frozen encoder, ghost norms (:mod:`car_fl.privacy.ghost`), else
+autograd of one unpadded example at a time (Hugging Face's mask code defeats ``vmap``).
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """DP-SGD through the frozen encoder from batched passes: per-example clipping by ghost norms.
 
-Ours rather than Opacus's ``GradSampleModule``: the only trainable module before the pooled
-features is the adapter, applied token by token (``a = ADP(x)``), so one batched backward
-gives every example's gradient at the adapter's output, ``gₜ = ∂ℓᵢ/∂aₜ`` (examples never mix
-in an attention model that takes position ids and the mask: :func:`supports_ghost` says
-which). From ``x`` and ``g`` each adapter kind gives its per-example norms and clipped sum
-(:mod:`car_fl.adapters`): the full d×d one without building any d×d per-example matrix,
-
-    ‖Gᵢ‖² = Σₜ,ₛ (gₜ·gₛ)(xₜ·xₛ)                       (ghost clipping, Li et al. 2022)
-
-and ``Σᵢ cᵢ Gᵢ = Σᵢ,ₜ cᵢ gₜ xₜᵀ``, one contraction; a low-rank or diagonal one from its small
-per-example gradients. The head's per-example gradients come from ``torch.func`` over the
-pooled features, as in classifier mode. One step costs a batched forward and backward
-through the frozen LM instead of one per example (:func:`car_fl.privacy.dpsgd.clipped_gradient_sum`
-uses this whenever the model allows it); the result is the per-example loop's, which
-``tests/privacy/test_ghost.py`` checks on a real Llama class with padding on either side.
+The adapter is the only trainable module before pooling and acts token by token, so one
+batched backward gives each example's ``gₜ = ∂ℓᵢ/∂aₜ``; each adapter kind turns ``x`` and ``g``
+into per-example norms and a clipped sum (the full one by ghost clipping, Li et al. 2022:
+‖Gᵢ‖² = Σₜ,ₛ (gₜ·gₛ)(xₜ·xₛ)). The result equals the per-example loop's.
 """
 
 from __future__ import annotations

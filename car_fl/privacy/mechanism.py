@@ -1,10 +1,7 @@
 """The local DP mechanism as pure functions of tensors: norms, clipping, the noised release.
 
-Send θ + min(1, C/‖Δ‖)·Δ + N(0, s²·I), with Δ = θᵢ − θ over all sent tensors together, or
-part by part (:func:`privatize_parts`: each part with its own bound and noise, e.g. the
-adapter and the head). The noise comes from :mod:`car_fl.privacy.noise` (OS entropy, on the
-tensors' device and dtype). The adaptive rules for C live in :mod:`car_fl.privacy.adaptive`.
-DP-SGD's per-example clipping (joint, or the adapter and the head apart) lives here too.
+Send θ + min(1, C/‖Δ‖)·Δ + N(0, s²·I), Δ = θᵢ − θ over all sent tensors together or part by
+part (:func:`privatize_parts`); also DP-SGD's per-example clipping (joint or per part).
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
-"""Record-level DP accounting: the Poisson-sampled Gaussian of DP-SGD, composed over steps.
+"""Record-level DP accounting: DP-SGD's plan, its ε, and σ calibrated for a target ε.
 
-Neighbouring datasets differ by one example **replaced** (in one client's data): a reply
-carries the client's example count n un-noised, so the add-or-remove relation (which changes n)
-is not the one that holds; replace-one is (dp-accounting's ``NeighboringRelation.REPLACE_ONE``,
-up to twice the add-or-remove ε for the same run). Each DP-SGD step samples every example
-independently with probability q, sums the per-example gradients clipped to C and adds
-N(0, σ²C²·I): one ``PoissonSampledDpEvent`` of a ``GaussianDpEvent(σ)``. A client composes it
-over every step of every round it takes part in; ε at δ comes from the one accountant of
-every party (:class:`car_fl.privacy.accountant.Accountant`: dp-accounting's privacy-loss
-distribution, tighter than RDP), and σ is calibrated for the same relation.
-
-σ calibration for a target ε (:func:`calibrate_noise_multiplier`) is written here, as a
-bisection over σ like Opacus's ``get_noise_multiplier``, because Opacus is not a dependency
-(it wraps ``torch.optim``, whose import costs seconds in every client process).
+Each step is one ``PoissonSampledDpEvent(q, GaussianDpEvent(σ))`` under replace-one (a reply
+carries n un-noised), composed by :class:`car_fl.privacy.accountant.Accountant`. σ is found by
+bisection, like Opacus's ``get_noise_multiplier`` (Opacus is not a dependency).
 """
 
 from __future__ import annotations
