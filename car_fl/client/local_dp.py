@@ -1,12 +1,8 @@
 """One client's local DP (``dp=fixed|adaptive``, or none): its state, each release, its ε.
 
-The state (clipping bound Cᵢ, the EMA of update norms for the linear rule, the releases made
-so far) lives in Flower's persistent per-node ``context.state`` as a ``MetricRecord``, so it
-survives rounds in simulation and in deployment. Nothing un-noised leaves the client once DP
-is active: :meth:`ClientPrivacy.metrics` holds only ε and the public count of releases, and
-all noise comes from OS entropy. Whether a round fails must not depend on the data: under DP a
-round whose training diverges stops there and releases what it has, clipped and noised, and an
-update with NaN or inf is released as a zero update (noise only); the node's log says so.
+The state (Cᵢ, the EMA, the releases) survives rounds in the run's state. Once DP is active
+nothing un-noised leaves; whether a round fails must not depend on the data, so an update with
+NaN or inf is released as a zero update (noise only).
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
 """A round under local DP (``dp=fixed|adaptive``, or none): its epochs and its one release.
 
-The round side of :mod:`car_fl.client.local_dp` (which holds the mechanism, its state and its
-ε), as :mod:`car_fl.client.record_dp` is DP-SGD's: :class:`LocalDPRound` is what
-:func:`car_fl.client.round.round_privacy` returns for local DP.
+The round side of :mod:`car_fl.client.local_dp` (the mechanism, its state and its ε).
 """
 
 from __future__ import annotations
@@ -57,8 +55,7 @@ class LocalDPRound:
         self.diverged = False
 
     def refuse_past_target(self, examples: int) -> None:
-        """The run's target ε for this round's releases, before any training (per step, n is
-        the accounted n: :func:`accounted_examples`)."""
+        """The run's target ε for this round's releases, before any training."""
         self.examples = accounted_examples(self.settings, examples) if self.per_step else examples
         if self.private:
             self.privacy.check_target(self.planned_releases)

@@ -1,17 +1,9 @@
 """The data owner's side of car-fl: one :class:`Node`, built from the node's own configuration.
 
-A Node owns everything a node decides or remembers: its node configuration (never a value the
-server sent), the owner's privacy policy and lifetime ledger, the settings it composed for each
-run, the shards it read, every run's DP state (:class:`car_fl.client.run_states.RunStates`),
-and the mapping from every refusal to its fixed failure code. Its one method,
-:meth:`Node.answer`, turns a train message into a reply. The node's worker
-(:mod:`car_fl.client.worker`) keeps one Node for its whole life; without a worker the
-ClientApp keeps one per node for the life of its process.
-
-Every check a node makes before anything leaves it, in the order a train message meets them,
-is the code of :meth:`Node.respond` and :meth:`Node.train`; the list, each step with where its
-rule lives, and why no failure the records could cause is an answer a server can read:
-docs/privacy.md, "Every check a node makes".
+A Node owns everything a node decides or remembers (its config, policy and ledger, settings,
+shards, every run's DP state); :meth:`Node.answer` turns a train message into a reply. Its
+checks, in order, are the code of :meth:`Node.respond` and :meth:`Node.train`; the list and
+why no failure the records could cause is an answer: docs/privacy.md, "Every check a node makes".
 """
 
 from __future__ import annotations
@@ -52,8 +44,7 @@ class Node:
 
     #: The node's own configuration (``--node-config``, or the worker's): never the server's.
     config: Mapping[str, Any]
-    #: The owner's policy and ledger (``None``: no policy; the node trusts the run's settings),
-    #: opened by the first answer and again whenever the policy or data file changes.
+    #: The owner's policy and ledger (``None``: no policy; the node trusts the run's settings).
     privacy: NodePrivacy | None = None
     #: The settings composed for each run (by the run's inputs and this node's config).
     settings_memory: SettingsMemory = field(default_factory=dict, repr=False)
@@ -62,8 +53,7 @@ class Node:
     #: Every run's state when this node keeps them itself (a worker's, on disk); else the
     #: ClientApp hands :meth:`answer` Flower's ``context.state`` as ``store``.
     states: RunStates = field(default_factory=RunStates, repr=False)
-    #: The policy and data files' identity when :attr:`privacy` was opened (an edited file is
-    #: read again).
+    #: The policy and data files' identity when :attr:`privacy` was opened (edited: reopened).
     _opened: tuple[object, ...] = field(default=(), repr=False)
 
     # --------------------------------------------------------------------------------- answer
@@ -140,8 +130,7 @@ class Node:
         """3-8: the policy, the ledger before any record, the shard, the budget, the release.
         Returns what the node sends and the reply's metrics. ``run_files``: the run's own files
         where ``settings`` carry the node's."""
-        # the server's adapter is the run's kind, rank and finite: before anything is charged
-        # or read, with a policy or without
+        # the server's adapter is the run's kind, rank and finite: before anything else
         why = state_refusal(settings.adapter, global_state)
         if why is not None:
             raise ValueError(f"client {node_info.partition_id}: {why}")

@@ -1,19 +1,9 @@
 """A node's own privacy in its round: the owner's policy and the lifetime ledger, together.
 
-:meth:`car_fl.client.node.Node.train` calls :meth:`NodePrivacy.admit` before it reads any
-data and :meth:`NodePrivacy.spend` before it trains: a run weaker than the policy, a round the
-run cannot have planned, or a release past the lifetime cap is refused with a fixed
-:class:`~car_fl.protocol.failures.Failure` (no update leaves), and every release is in the
-ledger before it is made. Everything here comes from the node: the policy file and the data
-file are named in its ``--node-config`` (:meth:`NodePrivacy.from_node_config`), never in the
-run config, and nothing depends on Flower's per-run ``context.state``.
-
-A :class:`car_fl.client.node.Node` opens one from its own node configuration
-(:meth:`NodePrivacy.from_node_config`), again whenever the policy or the data file changes,
-and passes it to the round.
-
-Every check a node makes before anything leaves it, in order, is listed in
-:mod:`car_fl.client.node` (the one file an auditor reads), with where each rule lives.
+:meth:`NodePrivacy.admit` refuses a run weaker than the policy before any data is read;
+:meth:`NodePrivacy.spend` records every release in the ledger before it is made, or refuses
+it. The policy and data file come from the node's ``--node-config``, never the run config.
+The checks in order: :mod:`car_fl.client.node`.
 """
 
 from __future__ import annotations

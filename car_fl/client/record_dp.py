@@ -1,20 +1,9 @@
 """One client's record-level DP (``dp=record``): DP-SGD epochs, its state, the ε spent.
 
-Before any training the client fixes its plan (σ calibrated for the target ε over the planned
-steps, see :func:`~car_fl.settings.dp_plan.record_plan`) and refuses a round whose steps would
-take its ε past ``dp.target_epsilon``: a function of the configuration and of the rounds
-trained only. Nothing about its data decides whether a round succeeds: a node with at least
-1/δ examples (or more than ``fl.max_examples_per_client``) trains the round on an OS-random
-subset of ⌈1/δ⌉ − 1 (or that many) of them (so δ < 1/n holds for what it trains on,
-:func:`~car_fl.privacy.record_accounting.trained_cap`), and a node with none takes the same
-steps with nothing sampled (noise only). With ``fl.max_examples_per_client`` every step
-divides by that public value, so not even the update's scale follows n
-(:meth:`RecordDPRound.round_data`). The
-steps taken so far live in Flower's persistent node state, so a client's ε composes over every
-step of every round it takes part in. The reply carries the DP-SGD parameters, num-examples
-and the privacy figures, which are all functions of the public configuration and of how many
-rounds the client trained: ε, steps, σ, q (and its partition id). The train loss and
-accuracy stay in the client's log.
+The plan is fixed from the configuration before any training, and a round past the target ε is
+refused then; nothing about the data decides whether a round succeeds (see
+:meth:`RecordDPRound.round_data`). The steps taken persist in the run's state; the reply
+carries only functions of the configuration and the rounds trained.
 """
 
 from __future__ import annotations

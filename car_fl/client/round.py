@@ -1,14 +1,8 @@
 """One round on a data owner's machine: policy → shard → ledger → local epochs → DP → reply.
 
-:meth:`car_fl.client.node.Node.train` is the round's skeleton (the Node's steps 3 to 8),
-the same for every privacy mode; what differs is a
-:class:`RoundPrivacy`: :class:`~car_fl.client.local_dp_round.LocalDPRound` (local DP, or none) or
-:class:`~car_fl.client.record_dp.RecordDPRound` (record-level DP-SGD). Each checks what it must
-before any training, runs the epochs, and decides what is released. A node whose owner set a
-privacy policy passes its :class:`~car_fl.client.node_privacy.NodePrivacy`: the run is checked
-against the policy before any data is read, and the round's release is in the node's ledger
-before any training. :func:`train_shard` is the same round on a shard already in memory (the
-DP-SGD tuning script runs it in process).
+The skeleton is the same for every privacy mode; what differs is a :class:`RoundPrivacy`
+(:class:`~car_fl.client.local_dp_round.LocalDPRound` or
+:class:`~car_fl.client.record_dp.RecordDPRound`): its checks, its epochs, what is released.
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """Every run's state on a node (its DP state), in one store the node's :class:`Node` owns.
 
-A run's state is what a node remembers between the rounds of one run: local DP's clipping
-bound and releases, DP-SGD's steps and σ (:mod:`car_fl.client.local_dp`,
-:mod:`car_fl.client.record_dp`). A round works on a copy (:meth:`RunStates.get`) and the store
-keeps it only once the round succeeded (:meth:`RunStates.keep`), so a refused or failed round
-changes nothing. Where it lies:
-
-- a node with a worker (:mod:`car_fl.client.worker`): in memory and in
-  ``<worker folder>/runs/<run id>.state`` (0600, written atomically), so a restarted worker
-  goes on where it was;
-- a node without one: in Flower's ``context.state`` of the message, which the SuperNode keeps
-  per run and node (a ClientApp process lives for one message); the ClientApp hands it to
-  :meth:`car_fl.client.node.Node.answer` as a :class:`ContextState`.
-
-Either way :meth:`car_fl.client.node.Node.answer` is the one copy-and-keep path: it gets a copy
-from the store (:class:`RunStore`), and the store keeps it only when the round succeeded.
-
-What the state holds is never trusted for privacy beyond the run: the node's lifetime ledger
-(:mod:`car_fl.client.ledger`) is what caps a record's spend across runs.
+A round works on a copy (:meth:`RunStates.get`), kept only once it succeeded
+(:meth:`RunStates.keep`). A worker keeps them in memory and in ``runs/<run id>.state`` (0600,
+atomic); without one they live in Flower's ``context.state`` (:class:`ContextState`). Across
+runs, only the ledger caps a record's spend.
 """
 
 from __future__ import annotations

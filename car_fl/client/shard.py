@@ -1,18 +1,8 @@
 """This node's training shard, ready to train on: its examples, features and retriever.
 
-The encoder is loaded at most once per process and shared by the nodes it serves
-(:func:`car_fl.model.encoder.shared_encoder`: public weights, no data); the shards a node
-read are kept by its :class:`car_fl.client.node.Node`. In ``classifier`` mode the shard's
-features come from the memory or disk cache, so a round that only needs cached features never
-loads the encoder.
-
-The node reads, deduplicates and splits its data with its own label map (the server's map
-does not decide which examples land in which split), then encodes the labels with the
-server's global map. Examples whose label that map lacks are left out of training and counted
-in the node's own log; the shard still reports all n of them (:attr:`Shard.examples`), and
-record-level DP-SGD divides by that n as if they had been sampled with a zero gradient. So
-neither whether a round fails nor anything a reply carries depends on which labels the
-node's examples have: a crafted label map learns nothing from the reply.
+The node splits its data with its own label map, then encodes the labels with the server's;
+examples whose label that map lacks are left out and counted, but n (:attr:`Shard.examples`)
+counts them, so nothing a reply carries depends on which labels the node holds.
 """
 
 from __future__ import annotations
@@ -55,8 +45,7 @@ def cached_encoder(settings: Settings) -> Encoder:
 
 
 def query_encoder(settings: Settings, num_labels: int) -> CaRRetriever:
-    """A retriever on the shared encoder that encodes a shard's queries: any head will do, a
-    classifier's."""
+    """A retriever on the shared encoder that encodes a shard's queries (any head will do)."""
     head = dataclasses.replace(settings.head, kind=HeadKind.CLASSIFIER)
     return CaRRetriever(
         cached_encoder(settings),
@@ -84,8 +73,7 @@ def shard_data(
     server's label map ``labels``: all of a ``data-is-shard`` file, else its partition of the
     training split. ``memory``: the shards already read, by a digest of what decides one."""
     memory = {} if memory is None else memory
-    # The data files' identity is in the disk key: a process that lives across runs (the
-    # node's worker) sees an edited data file as another shard
+    # the data files' identity is in the key: a worker sees an edited file as another shard
     disk_key = node_cache.shard_key(
         settings,
         partition_id=node.partition_id,
@@ -118,8 +106,7 @@ def shard_data(
 
 
 def empty_shard(settings: Settings, node: NodeInfo, labels: Sequence[str] | None) -> Shard:
-    """A shard of no example (nothing read from the data file) with the server's label map:
-    what a round releases as noise alone."""
+    """A shard of no example, with the server's label map: a round releasing noise alone."""
     label_map = LabelMap(tuple(labels or ()))
     data = prepare_for(
         settings,

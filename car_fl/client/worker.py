@@ -1,22 +1,10 @@
 """The node's worker: a process beside the SuperNode that holds the encoder across rounds, runs.
 
-Own code because Flower 1.39 starts a new ClientApp process for every message (in both
-isolation modes), so nothing a ClientApp loads survives to the next round: each round would
-import torch and load the encoder again (a 2.2 GB TinyLlama, a 6.4 GB Llama-3.2-3B). The
-node's owner starts this worker next to the SuperNode (``car-fl worker``); car-fl's ClientApp
-hands it each round over a local socket (:mod:`car_fl.client.worker_link`) and returns its
-reply. The worker is the node's own code, run with the node's own configuration (data paths,
-partition, cache, device, privacy), never with node-level values from the ClientApp: it
-keeps one :class:`car_fl.client.node.Node` for its whole life and answers with
-:meth:`~car_fl.client.node.Node.answer`, what a simulated client runs.
-
-- One round at a time, whatever the run (one worker per device); each run's state (the DP
-  state Flower keeps in ``context.state`` without a worker) is the Node's
-  (:class:`car_fl.client.run_states.RunStates`), in memory and in ``runs/<id>.state`` in the
-  worker's folder, so a restarted worker goes on where it was.
-- One worker per folder (a file lock); a dead worker's socket is replaced at the next start.
-- :func:`supervise` starts the worker again when it dies (``car-fl worker`` does by default);
-  a round whose worker is gone fails with a message that says how to start it.
+Flower starts a new ClientApp process per message, so without it every round would load the
+encoder again. The ClientApp hands each round over a local socket
+(:mod:`car_fl.client.worker_link`); the worker keeps one :class:`car_fl.client.node.Node`,
+built from its own node config, and answers one round at a time. Run states persist in
+``runs/<id>.state``; one worker per folder (a file lock); :func:`supervise` restarts it.
 """
 
 from __future__ import annotations
