@@ -1,8 +1,5 @@
 """The server's bound on a reply's update norm ‖θᵢ − θ‖: replies above it are rejected or clipped.
 
-Written here rather than taken from Flower: Flower's server-side DP strategies clip *and* add
-noise; car-fl's clients already add their own (local DP), so the server needs only the bound.
-
 Modes (``fl.norm_bound``): ``fixed`` (``fl.max_update_norm``), ``adaptive``
 (``fl.norm_bound_factor`` × the round's median update norm), ``dp`` (under fixed DP per round:
 C plus a high quantile of the noise norm, no user input), ``off``; ``auto`` picks ``dp`` under
