@@ -1,8 +1,6 @@
 """A whole message's bytes: a ``RecordDict`` in Flower's own protobuf serialisation.
 
-What the ClientApp hands the node's worker over its socket, the worker's reply, and a run's
-state on the worker's disk. Imports Flower's serialisation only (no torch, no NumPy): a
-ClientApp that hands its round to a worker stays light.
+For the worker's socket and its run states; imports no torch or NumPy.
 """
 
 from __future__ import annotations
