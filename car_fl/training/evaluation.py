@@ -64,8 +64,7 @@ class HeldOut:
         get_model: Callable[[], CaRRetriever],
         desc: str = "",
     ) -> HeldOut:
-        """Features (or token ids) of the test and validation splits; ``desc`` prefixes the
-        progress bars (e.g. ``"server "``)."""
+        """Features (or token ids) of the test and validation splits; ``desc`` prefixes the bars."""
         test = prepare_for(
             settings,
             splits.test["text"],
