@@ -54,11 +54,9 @@ def _key(canonical: str) -> str:
 
 
 def record_keys(path: str | Path) -> frozenset[str]:
-    """The keys of the records in the node's data file: hashes of their normalised contents.
-
-    A record is a non-empty line (a JSON object's keys sorted) or a Parquet row, whatever the
-    run's settings say. Identical records are one record.
-    """
+    """The keys of the records in the node's data file: hashes of their normalised contents. A
+    record is a non-empty line (a JSON object's keys sorted) or a Parquet row, whatever the run's
+    settings say. Identical records are one record."""
     target = Path(path).expanduser()
     if target.suffix.lower() == ".parquet":
         import pyarrow.parquet as pq

@@ -100,9 +100,7 @@ class DPState:
 
 class ClientPrivacy:
     """Clips and noises one client's releases, adapts its bound, and accounts for them.
-
-    ``generator`` is for tests only; ``max_clip`` is the owner's ceiling on the bound.
-    """
+    ``generator`` is for tests only; ``max_clip`` is the owner's ceiling on the bound."""
 
     def __init__(
         self,

@@ -27,13 +27,11 @@ log = logging.getLogger(__name__)
 
 
 class LocalDPRound:
-    """A round's epochs and release under local DP (or none).
-
-    Per step (``dp.granularity=step``) each optimizer step is privatised in place, else the
-    update is noised once at the end. Under DP a diverging round releases what it has. Per
-    step, every accounted release is made (steps not taken as zero updates with their noise),
-    so the update carries nothing about how many steps ran.
-    """
+    """A round's epochs and release under local DP (or none). Per step (``dp.granularity=step``)
+    each optimizer step is privatised in place, else the update is noised once at the end. Under
+    DP a diverging round releases what it has. Per step, every accounted release is made (steps
+    not taken as zero updates with their noise), so the update carries nothing about how many
+    steps ran."""
 
     def __init__(
         self,

@@ -108,11 +108,9 @@ class RecordDPRound:
 
     def round_data(self, data: LocalData) -> tuple[LocalData, int]:
         """What this round trains on, and the n its steps divide by (q·n is the expected batch).
-
-        Above a public cap (:func:`trained_cap`, and ``fl.max_examples_per_client``) an
-        OS-random subset of the cap; it divides by ``fl.max_examples_per_client`` when set (so
-        the update's scale says nothing about n), else by the n trained on (at least 1).
-        """
+        Above a public cap (:func:`trained_cap`, and ``fl.max_examples_per_client``) an OS-random
+        subset of the cap; it divides by ``fl.max_examples_per_client`` when set (so the update's
+        scale says nothing about n), else by the n trained on (at least 1)."""
         if self.trained is None:
             bound = self.settings.fl.max_examples_per_client
             cap = trained_cap(self.plan.delta)

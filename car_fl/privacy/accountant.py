@@ -56,10 +56,8 @@ class ReleaseKind(StrEnum):
 @dataclass(frozen=True)
 class Release:
     """``count`` identical releases (``gaussian``, ``non-private``) or DP-SGD steps (``dpsgd``).
-
-    ``noise_multiplier``: μ = std / (2C) for ``gaussian``, σ for ``dpsgd``. ``sample_rate``: q
-    for ``dpsgd`` (1 otherwise).
-    """
+    ``noise_multiplier``: μ = std / (2C) for ``gaussian``, σ for ``dpsgd``. ``sample_rate``: q for
+    ``dpsgd`` (1 otherwise)."""
 
     kind: ReleaseKind
     count: int
@@ -135,10 +133,8 @@ def _check_delta(delta: float) -> None:
 
 def gaussian_epsilon(mu: float, delta: float) -> float:
     """Exact ε at δ of one Gaussian release of multiplier μ, by the analytic Gaussian mechanism
-    (Balle & Wang, 2018, Thm. 8): δ(ε) = Φ(1/(2μ) − εμ) − e^ε·Φ(−1/(2μ) − εμ), solved for ε.
-
-    Not dp-accounting's PLD: its grid grows as 1/μ² (tens of GiB at μ = 0.005).
-    """
+    (Balle & Wang, 2018, Thm. 8): δ(ε) = Φ(1/(2μ) − εμ) − e^ε·Φ(−1/(2μ) − εμ), solved for ε. Not
+    dp-accounting's PLD: its grid grows as 1/μ² (tens of GiB at μ = 0.005)."""
     from scipy.optimize import brentq
     from scipy.special import log_ndtr, ndtr
 

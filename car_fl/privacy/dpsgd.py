@@ -52,10 +52,8 @@ def per_example_gradients(
     input_ids: Sequence[torch.Tensor] | None = None,
 ) -> tuple[Tensors, torch.Tensor, torch.Tensor]:
     """∇θ ℓ for every example: ``{name: (batch, *shape)}``, plus each loss and each argmax.
-
-    ``model`` returns ``(logits, loss)``; give ``features`` ``(batch, d)`` or one token-id
-    tensor per example in ``input_ids``.
-    """
+    ``model`` returns ``(logits, loss)``; give ``features`` ``(batch, d)`` or one token-id tensor
+    per example in ``input_ids``."""
 
     def loss_of(
         p: Mapping[str, torch.Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -129,11 +127,9 @@ def clipped_gradient_sum(
     input_ids: Sequence[torch.Tensor] | None = None,
     chunk_elements: int = CHUNK_ELEMENTS,
 ) -> tuple[Tensors, torch.Tensor, torch.Tensor]:
-    """Σᵢ gᵢ · min(1, C/‖gᵢ‖) over the batch, plus each loss and each argmax.
-
-    Holds at most ``chunk_elements`` per-example gradient values: ``vmap`` over chunks, ghost
-    norms for token ids where the model fits, else one example at a time.
-    """
+    """Σᵢ gᵢ · min(1, C/‖gᵢ‖) over the batch, plus each loss and each argmax. Holds at most
+    ``chunk_elements`` per-example gradient values: ``vmap`` over chunks, ghost norms for token ids
+    where the model fits, else one example at a time."""
     if not clip > 0:
         raise ValueError(f"dp.clip (the per-example bound C) must be > 0, got {clip}")
     device = next(iter(params.values())).device
@@ -210,11 +206,9 @@ def dpsgd_step(
     generator: torch.Generator | None = None,
     penalty: Callable[[], torch.Tensor | None] | None = None,
 ) -> StepResult:
-    """One DP-SGD step on a sampled batch: noise std σ·C, set each ``.grad`` and step.
-
-    ``penalty`` depends on the parameters alone: its gradient is added unclipped to the noised
-    one (post-processing, no ε).
-    """
+    """One DP-SGD step on a sampled batch: noise std σ·C, set each ``.grad`` and step. ``penalty``
+    depends on the parameters alone: its gradient is added unclipped to the noised one
+    (post-processing, no ε)."""
     detached = {k: p.detach() for k, p in params.items()}
     summed, losses, predicted = clipped_gradient_sum(
         model,

@@ -65,9 +65,7 @@ def ghost_clipped_sum(
     chunk: int = CHUNK,
 ) -> tuple[Tensors, torch.Tensor, torch.Tensor]:
     """Σᵢ gᵢ · min(1, C/‖gᵢ‖) over the batch, each loss and each argmax, in the input order.
-
-    ``params`` must hold the model's current values. A non-finite example contributes zero.
-    """
+    ``params`` must hold the model's current values. A non-finite example contributes zero."""
     if not clip > 0:
         raise ValueError(f"dp.clip (the per-example bound C) must be > 0, got {clip}")
     device = next(iter(params.values())).device

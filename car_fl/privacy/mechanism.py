@@ -170,9 +170,7 @@ def privatize(
     delta: State | None = None,
 ) -> tuple[dict[str, torch.Tensor], float]:
     """θ + clip(θᵢ − θ, C) + N(0, std²·I); returns the release and ‖Δ‖ before clipping.
-
-    ``generator`` is for tests only. Without clipping or noise θᵢ comes back exactly.
-    """
+    ``generator`` is for tests only. Without clipping or noise θᵢ comes back exactly."""
     if not std >= 0:
         raise ValueError(f"noise standard deviation must be >= 0, got {std}")
     delta = delta if delta is not None else difference(after, before)

@@ -20,12 +20,9 @@ def validate_reply(
     max_examples: int | None = None,
     optional: frozenset[str] | set[str] = frozenset(),
 ) -> str | None:
-    """``None`` if a train reply may be aggregated, else the reason it may not.
-
-    Exactly the tensors of ``spec`` (those in ``optional`` may be left out), checked on the
-    decoded values, in car-fl's wire format only (a ``.npy`` payload can disagree with its
-    metadata).
-    """
+    """``None`` if a train reply may be aggregated, else the reason it may not. Exactly the tensors
+    of ``spec`` (those in ``optional`` may be left out), checked on the decoded values, in car-fl's
+    wire format only (a ``.npy`` payload can disagree with its metadata)."""
     arrays = content.array_records
     metrics = content.metric_records
     if len(arrays) != 1 or len(metrics) != 1:

@@ -88,12 +88,10 @@ class GuardedStrategy(Strategy):
         public_examples: int | None = None,
         private_from: int = 1,
     ) -> None:
-        """``inner`` is the Flower strategy that combines the valid replies.
-
-        From round ``private_from`` on, with ``public_examples`` set, every valid reply weighs
+        """``inner`` is the Flower strategy that combines the valid replies. From round
+        ``private_from`` on, with ``public_examples`` set, every valid reply weighs
         ``public_examples`` whatever count it claims. A round needs at least max(``min_valid``,
-        ⌈``min_valid_fraction`` · clients asked⌉) valid replies, else the model stays as it was.
-        """
+        ⌈``min_valid_fraction`` · clients asked⌉) valid replies, else the model stays as it was."""
         self.inner = inner
         # The wrapped strategy sees only the sampled nodes and asks every one of them.
         inner.fraction_train, inner.min_train_nodes, inner.min_available_nodes = 1.0, 1, 1

@@ -68,11 +68,9 @@ def run_simulation(
     server_main: Callable[[Grid, Context], None] | None = None,
     client_train: Callable[[Message, Context], Message] | None = None,
 ) -> dict[str, Any]:
-    """Run a whole federated simulation and return its ``metrics.json`` content.
-
-    ``conf/`` with ``overrides``, or ``settings`` (then no overrides). ``RuntimeError`` when
-    the run did not complete (the ServerApp's error is in the log).
-    """
+    """Run a whole federated simulation and return its ``metrics.json`` content. ``conf/`` with
+    ``overrides``, or ``settings`` (then no overrides). ``RuntimeError`` when the run did not
+    complete (the ServerApp's error is in the log)."""
     from flwr.simulation import run_simulation as flower_run_simulation
 
     items = parse_overrides(overrides)

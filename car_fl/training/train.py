@@ -99,11 +99,9 @@ def train_epoch(
     prox_mu: float = 0.0,
     anchor: Mapping[str, torch.Tensor] | None = None,
 ) -> EpochResult:
-    """One pass over ``data`` in the order of ``epoch_order(seed, epoch)``.
-
-    ``after_step`` runs after every optimizer step. ``prox_mu`` > 0 adds FedProx's
-    μ/2·‖θ − ``anchor``‖² to the minimised loss (the reported loss stays the task loss).
-    """
+    """One pass over ``data`` in the order of ``epoch_order(seed, epoch)``. ``after_step`` runs
+    after every optimizer step. ``prox_mu`` > 0 adds FedProx's μ/2·‖θ − ``anchor``‖² to the
+    minimised loss (the reported loss stays the task loss)."""
     proximal = ProximalTerm(model, anchor, prox_mu) if prox_mu > 0 else None
     if len(data) == 0:
         raise ValueError("cannot train on an empty dataset")
