@@ -73,7 +73,6 @@ def write_request(
 
 
 def write_reply(name: str, tensor: torch.Tensor) -> bytes:
-    """A reply body holding one tensor (``states`` or ``grad``)."""
     return bytes(save({name: tensor.detach().contiguous().cpu()}))
 
 

@@ -83,7 +83,6 @@ class RunStates:
         self._states: dict[str, RecordDict] = {}
 
     def runs(self) -> list[str]:
-        """The runs whose state this store holds in memory."""
         return sorted(self._states, key=lambda run: (len(run), run))
 
     def _file(self, run: str) -> Path | None:

@@ -122,7 +122,6 @@ def grouped(releases: Iterable[Release]) -> list[Release]:
 
 
 def non_private_count(releases: Iterable[Release]) -> int:
-    """How many of the releases carried no noise at all."""
     return sum(r.count for r in releases if not r.private)
 
 

@@ -66,7 +66,6 @@ def check_finite(tensors: State, *, who: str) -> None:
 
 
 def difference(after: State, before: State) -> dict[str, torch.Tensor]:
-    """Δ = after − before, tensor by tensor."""
     return {k: after[k] - before[k] for k in before}
 
 

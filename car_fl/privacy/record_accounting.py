@@ -107,7 +107,6 @@ class RecordPlan:
         return self.rounds * self.steps_per_round
 
     def epsilon(self, steps: int) -> float:
-        """ε at δ after ``steps`` steps of this plan."""
         return epsilon(
             sample_rate=self.sample_rate,
             noise_multiplier=self.noise_multiplier,

@@ -11,10 +11,8 @@ from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict  # pylint: d
 
 
 def encode_content(content: RecordDict) -> bytes:
-    """``content`` in Flower's protobuf serialisation."""
     return bytes(recorddict_to_proto(content).SerializeToString())
 
 
 def decode_content(data: bytes) -> RecordDict:
-    """The ``RecordDict`` of :func:`encode_content`'s bytes."""
     return recorddict_from_proto(ProtoRecordDict.FromString(data))
