@@ -1,16 +1,9 @@
 """The node's client of a blocks service: HTTP(S) with a token, bounded retries, clear causes.
 
-Ours on the standard library (``http.client``) rather than an HTTP package: a node must not
-need Ray or a web stack to use a service, and one kept-alive connection is all it takes.
-
-A service that is down, slow or restarting is retried ``retries`` times with a growing pause
-(connection refused or reset, a timeout, a 502/503/504), then :class:`BlocksUnavailable` says
-what happened and which address; a 4xx answer is the node's own mistake and is never retried
-(:class:`BlocksRefused`, with the service's message). Requests are cut to the service's limits
-(rows, tokens per request) and to what it computes in a quarter of ``timeout_s`` at the speed
-its ``/health`` reports; each request's deadline is ``timeout_s`` plus four times its
-expected compute, and its attempts share one ``Idempotency-Key``, so a retry joins the run the
-service may still be computing instead of starting another (docs/blocks.md, "Deadlines").
+On ``http.client``: a node needs no Ray or web stack. A service that is down, slow or
+restarting is retried with a growing pause, then :class:`BlocksUnavailable`; a 4xx is never
+retried (:class:`BlocksRefused`). Requests are cut to the service's limits and measured speed,
+and a request's attempts share one ``Idempotency-Key`` (docs/blocks.md, "Deadlines").
 """
 
 from __future__ import annotations
@@ -41,8 +34,7 @@ log = logging.getLogger(__name__)
 #: ``(path, body, headers) → Answer``: how a request reaches a service (HTTP, or in process).
 Transport = Callable[[str, bytes, dict[str, str]], Answer]
 RETRY_STATUSES = (502, 503, 504)
-#: Services in this process, by ``inprocess://<name>`` address (tests, benchmarks of the
-#: arithmetic): the node's code path is the HTTP one's, minus the socket.
+#: Services in this process, by ``inprocess://<name>`` address (tests, benchmarks).
 IN_PROCESS: dict[str, Transport] = {}
 
 
@@ -73,13 +65,9 @@ SLACK = 4.0
 
 
 class HttpTransport:
-    """One kept-alive HTTP(S) connection to a service's address.
-
-    ``timeout_s`` bounds a whole request, sending, headers and body (a watchdog shuts the
-    socket at it, so a server that drips its reply is cut); a reply above
-    :attr:`max_reply_bytes` is refused without being read (:class:`BlocksClient` sets both per
-    request: 1 MiB for health, the states of the rows sent for a forward or backward; the
-    deadline from the request's size)."""
+    """One kept-alive HTTP(S) connection to a service's address. ``timeout_s`` bounds a whole
+    request (a watchdog shuts the socket); a reply above :attr:`max_reply_bytes` is refused
+    unread (:class:`BlocksClient` sets both per request)."""
 
     def __init__(
         self, url: str, *, timeout_s: float, ca_file: str | None = None, route: str = ""
@@ -125,8 +113,7 @@ class HttpTransport:
         except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
             if not reused:
                 raise
-        # the server closed the kept-alive connection while it was idle (its keep-alive
-        # timeout): every operation is stateless, so it is sent again at once on a new one
+        # the server closed the idle kept-alive connection: stateless, so send again at once
         return self._send(path, body, headers)
 
     def _send(self, path: str, body: bytes, headers: dict[str, str]) -> Answer:
@@ -316,8 +303,7 @@ class BlocksClient:
         return int(info["max_rows"]), int(info["max_tokens"])
 
     def _chunks(self, mask: torch.Tensor, path: str) -> list[slice]:
-        """Rows per request: within the service's limits, and its expected compute within
-        ``timeout_s / SLACK`` at the speed the service reports."""
+        """Rows per request: within the service's limits and its measured speed."""
         max_rows, max_tokens = self._limits()
         rows, seq = int(mask.shape[0]), int(mask.shape[1])
         speed = self.seconds_per_ktoken(path)

@@ -1,14 +1,9 @@
 """The blocks service's arithmetic and its request handling, without any serving engine.
 
-:class:`BlocksRunner` holds a model stripped by :func:`car_fl.blocks.parts.strip_for_service`
-and runs many requests as one padded batch: **forward** gives the blocks' output states,
-**backward** recomputes the forward and returns the vector-Jacobian product with the states'
-gradient (the gradient of the soft embeddings), keeping nothing between calls (as Petals does).
-Rows never mix: position ids come from each row's mask and attention is masked, so a row's
-result does not depend on what else shares its batch (docs/blocks.md argues it; the tests
-check it within float tolerance). :class:`BlocksHandler` turns HTTP-shaped requests (a path, a
-body, headers) into checked :class:`~car_fl.blocks.wire.Request` objects or a 4xx answer, so the
-Ray Serve deployment and the fast tests run the same code.
+:class:`BlocksRunner` runs many requests as one padded batch: forward (the blocks' states) and
+backward (recompute, then the VJP), stateless; rows never mix (docs/blocks.md).
+:class:`BlocksHandler` turns HTTP-shaped requests into checked requests or a 4xx answer, so
+the Ray Serve deployment and the fast tests run the same code.
 """
 
 from __future__ import annotations
@@ -69,8 +64,7 @@ class Identity:
     norm_on_node: bool
     limits: Limits = field(default_factory=Limits)
     replicas: int = 1
-    #: Measured seconds per 1,000 padded tokens, by operation (:class:`Speed`): how long a
-    #: node should wait for a request of its size.
+    #: Measured seconds per 1,000 padded tokens, by operation (:class:`Speed`).
     speed: Speed = field(default_factory=lambda: Speed())
 
     def as_dict(self) -> dict[str, Any]:
@@ -123,9 +117,8 @@ def split(batch: torch.Tensor, requests: Sequence[Request]) -> list[torch.Tensor
 
 
 def batches(requests: Sequence[Request], max_tokens: int) -> list[list[int]]:
-    """``requests``' indices in groups whose merged batch (rows × the widest row, as
-    :func:`merge` pads) holds at most ``max_tokens``: narrow requests together, a wide one
-    never inflating many narrow ones. Each request fits alone (the wire's limits)."""
+    """``requests``' indices in groups whose merged, padded batch holds at most
+    ``max_tokens``: a wide request never inflates many narrow ones."""
     order = sorted(range(len(requests)), key=lambda i: int(requests[i].mask.shape[1]))
     groups: list[list[int]] = []
     rows = 0
@@ -284,8 +277,7 @@ class BlocksHandler:
 
     def warm_up(self, tokens: int = 64) -> None:
         """Run each operation twice on one row of ``tokens``, so that :class:`Speed` reports
-        a measured speed before the first node asks (the first run, its one-off costs, is not
-        counted)."""
+        a measured speed (the first run not counted) before the first node asks."""
         identity = self.runner.identity
         width = max(1, min(tokens, identity.limits.max_tokens, identity.limits.max_seq))
         row = Request(

@@ -1,12 +1,8 @@
 """One computation per request however often a node sends it: the service side of retries.
 
-A node that gave up waiting sends the same request again with the same ``Idempotency-Key``.
-:class:`Deduplicator` answers it from the first run: while that run computes, the retry waits
-for it (the first run goes on even when its own client left: it is shielded from that
-cancellation); once it is done, its answer is kept for the next few retries. A key counts only
-with the same body (its SHA-256), so a key reused or guessed for another body computes that
-body, never returns someone else's answer. Replicas do not share keys: a retry that lands on
-another replica computes again (docs/blocks.md, "Deadlines").
+A retry with the same ``Idempotency-Key`` and body (SHA-256) waits for the first run (shielded
+from its client's cancellation) or gets its kept answer; another body computes anew. Replicas
+do not share keys (docs/blocks.md, "Deadlines").
 """
 
 from __future__ import annotations

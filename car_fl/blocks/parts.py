@@ -1,15 +1,8 @@
 """Which parts of a model a node keeps when its blocks are remote, and the model's fingerprint.
 
-The node keeps the token embeddings and the final norm (the model loaded with zero blocks:
-``num_hidden_layers=0``, so transformers reads those tensors from the checkpoint and skips the
-blocks'); the service keeps everything between them: the blocks, and whatever the model does
-to ``inputs_embeds`` before them (BERT's position embeddings and LayerNorm). Both sides find
-the final norm with the same :func:`final_norm_name`, so exactly one of them applies it.
-
-:func:`identity_fingerprint` hashes what both sides read from the same files (the config and
-the embedding and norm tensors as stored), so a node can refuse a service that holds another
-model; the service also reports :func:`weights_digest` of all its files, which the node's
-feature cache names (the node cannot check the blocks it does not hold).
+The node keeps the token embeddings and the final norm (loaded with ``num_hidden_layers=0``);
+the service keeps everything between them. :func:`identity_fingerprint` hashes what both sides
+read from the same files, so a node can refuse a service holding another model.
 """
 
 from __future__ import annotations
@@ -126,9 +119,7 @@ _CHUNK = 8 << 20
 
 
 def _spans(folder: Path, suffixes: list[str]) -> dict[str, tuple[Path, str, int, int]]:
-    """Where the checkpoint stores the tensors whose names end in ``suffixes`` (the shortest
-    match of each): file, dtype, and the byte span of its data, read from the safetensors
-    header alone."""
+    """Where the checkpoint stores tensors ending in ``suffixes``, from the header alone."""
     found: dict[str, tuple[str, Path, str, int, int]] = {}
     for path in _weight_files(folder):
         with path.open("rb") as handle:
@@ -147,8 +138,7 @@ def _spans(folder: Path, suffixes: list[str]) -> dict[str, tuple[Path, str, int,
 
 def identity_fingerprint(folder: Path, node_tensors: list[str]) -> str:
     """A hash of the config and the node's tensors (``embed_tokens.weight``, ``norm.weight``)
-    as stored: what both sides read from the same checkpoint, whatever dtype they load in.
-    The bytes are hashed straight from the file in chunks, never loaded as a tensor."""
+    as stored, whatever dtype they load in (hashed from the file, never loaded)."""
     digest = hashlib.sha256(_config_text(folder).encode())
     spans = _spans(folder, node_tensors)
     for name in node_tensors:

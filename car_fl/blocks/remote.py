@@ -1,10 +1,7 @@
 """The remote blocks as one autograd module: a forward over the wire, and its backward too.
 
-``RemoteBlocks(embeds, mask)`` returns the blocks' output states like the local blocks; when
-``embeds`` requires a gradient (the adapter trains), autograd's backward sends the states'
-gradient and gets the soft embeddings' gradient back, one row per example: per-example
-clipping (:mod:`car_fl.privacy.ghost`) and the per-example loop use it unchanged, because a
-row's gradient depends on that row only (:mod:`car_fl.blocks.compute`).
+The backward sends the states' gradient and gets the soft embeddings' back, row by row, so
+per-example clipping uses it unchanged.
 """
 
 from __future__ import annotations

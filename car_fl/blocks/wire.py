@@ -1,15 +1,9 @@
 """What travels between a node and the blocks service: safetensors bytes, checked before use.
 
-A request is one safetensors buffer: ``embeds`` ``(rows, seq, hidden)`` in a float dtype, ``mask``
-``(rows, seq)`` of 0/1, and for a backward ``grad`` (the gradient of the returned states, the
-shape of ``embeds``); its metadata names the model ``fingerprint`` the node expects. A reply is
-one buffer holding ``states`` (forward) or ``grad`` (backward). Dtype and shape travel with every
-tensor; nothing is ever a JSON list.
-
-:func:`read_request` checks the header (keys, dtypes, shapes, the :class:`Limits`) before it
-decodes a byte of tensor data, then the values (a 0/1 mask with a real token in every row,
-finite floats), so a malformed or oversized request costs the service almost nothing and is
-answered with a :class:`WireError` that names what was wrong.
+A request holds ``embeds`` ``(rows, seq, hidden)``, a 0/1 ``mask`` and for a backward ``grad``,
+with the model ``fingerprint`` in its metadata; a reply holds ``states`` or ``grad``.
+:func:`read_request` checks the header against the :class:`Limits` before decoding any data,
+then the values, and names what was wrong (:class:`WireError`).
 """
 
 from __future__ import annotations
@@ -79,7 +73,6 @@ def write_request(
 
 
 def write_reply(name: str, tensor: torch.Tensor) -> bytes:
-    """A reply body holding one tensor (``states`` or ``grad``)."""
     return bytes(save({name: tensor.detach().contiguous().cpu()}))
 
 
@@ -164,8 +157,7 @@ MAX_DIMS = 8
 
 
 def _load(body: bytes) -> dict[str, torch.Tensor]:
-    """The tensors of a body whose header :func:`_header` passed; safetensors' own checks
-    (offsets, lengths) refuse the rest."""
+    """The tensors of a body whose header :func:`_header` passed (safetensors checks the rest)."""
     try:
         return load(body)
     except Exception:  # SafetensorError, and whatever a forged buffer provokes
@@ -178,8 +170,7 @@ def _is_int(value: Any) -> bool:
 
 def _header(body: bytes) -> dict[str, Any]:
     """The safetensors header of ``body`` (tensor name → dtype, shape, offsets), checked to be
-    exactly safetensors' form (a dtype string, a shape of at most :data:`MAX_DIMS`
-    non-negative ints, two offsets, string metadata), so no later step meets another type."""
+    exactly safetensors' form, so no later step meets another type."""
 
     def refuse(what: str) -> WireError:
         return WireError(f"the body is not safetensors: {what}")

@@ -1,11 +1,7 @@
 """What a node sends of a mixture of experts: under DP, never a choice that depends on its data.
 
-The node trains the experts it was sent (:meth:`~car_fl.heads.experts.MixtureHead.set_available`).
-Under any DP mode, and with ``moe.send=all`` or ``schedule``, it sends back every tensor it was
-sent, trained or not (under DP each one noised by the release), so the set of tensors is a
-function of the server's message alone. Only ``moe.send=routed`` without DP leaves out the
-experts its queries never reached. The settings refuse ``routed`` under DP; this module checks
-again on the node, whatever configuration the server ships.
+Every tensor it was sent goes back, trained or not; only ``moe.send=routed`` without DP leaves
+out the experts its queries never reached (checked again here, whatever the server ships).
 """
 
 from __future__ import annotations

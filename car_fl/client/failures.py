@@ -1,10 +1,8 @@
 """A node's refusals and errors, turned into data-free replies; the details stay in its log.
 
-Flower 1.39 sends ``str(type(ex)) + ":<'" + str(ex) + "'>"`` to the server when a ClientApp
-handler raises (see :mod:`car_fl.protocol.failures`), so car-fl's train handler is wrapped in
-:func:`data_free`: whatever it raises becomes one of the fixed
-:class:`~car_fl.protocol.failures.Failure` replies, and the exception with its traceback goes to
-the node's own log. :class:`Refusal` is how node code says which fixed reply to give.
+Flower sends a raised exception's text to the server, so :func:`data_free` turns whatever the
+handler raises into a fixed :class:`~car_fl.protocol.failures.Failure`; :class:`Refusal` says
+which.
 """
 
 from __future__ import annotations
@@ -48,20 +46,15 @@ class LedgerError(Refusal):
 
 
 class BudgetExhausted(Refusal):
-    """The next release would take a record's lifetime ε past the node policy's cap; nothing
-    is recorded (``BUDGET_EXHAUSTED``)."""
+    """The next release would take a record's lifetime ε past the cap (``BUDGET_EXHAUSTED``)."""
 
     def __init__(self, detail: str) -> None:
         super().__init__(Failure.BUDGET_EXHAUSTED, detail)
 
 
 def known() -> tuple[tuple[type[BaseException], Failure], ...]:
-    """Errors of other modules whose meaning is a fixed reply of its own (a :class:`Refusal`
-    carries its own); anything else: ROUND_FAILED.
-
-    Imported here, not at the top: the ClientApp of a node with a worker imports this module
-    and must stay free of torch and Hydra.
-    """
+    """Errors of other modules whose meaning is a fixed reply of its own; anything else:
+    ROUND_FAILED. Imported here: a worker's ClientApp must stay free of torch and Hydra."""
     from car_fl.blocks.errors import BlocksUnavailable
     from car_fl.client.policy import PolicyError
     from car_fl.settings.flower import FingerprintMismatch, NodeConfigError
@@ -85,11 +78,7 @@ def failure_of(err: BaseException) -> Failure:
 
 
 def data_free(handler: Handler) -> Handler:
-    """``handler``, except that it never raises: an exception becomes a fixed reply.
-
-    The exception and its traceback are logged on the node (``car_fl.client.failures``); the
-    server receives only the failure's code and fixed text.
-    """
+    """``handler``, except that it never raises: an exception becomes a fixed reply."""
 
     @functools.wraps(handler)
     def handle(msg: Message, context: Context) -> Message:

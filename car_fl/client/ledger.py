@@ -1,34 +1,13 @@
 """A node's privacy ledger: every release ever made, accounted per record, on the node's disk.
 
-Written here because Flower keeps nothing security-relevant on the node across runs: its
-``context.state`` is per-run memory, and the server chooses the run. The ledger is not keyed
-by the run nor by the data file: each release lists the **records** it was made from (hashes
-of their normalised contents, :func:`record_keys`), and a record's lifetime ε composes every
-release that listed it (individual privacy accounting;
-:class:`car_fl.privacy.accountant.Accountant`, replace-one, PLD: the same accounting as the
-run's own report and the server's figure). A data file that grows by a
-row, shrinks or is re-ordered keeps each old record's spend, and the lifetime cap holds for
-every record: the one that has spent most decides.
-
-- **Recorded before it leaves**: :meth:`Ledger.spend` writes the release before the round
-  trains, let alone replies; a crash after it only over-counts, it never loses a spend.
-- **No double spending**: the check of the lifetime cap and the write happen under an
-  exclusive ``fcntl.flock`` on ``ledger.lock``, so two runs (or two processes) at once cannot
-  both spend the same budget.
-- **Atomic, owner only**: the file is replaced whole (:func:`car_fl.common.io.atomic_write_json`,
-  mode 0600, folder 0700); a reader never sees half of it. An unreadable ledger refuses every
-  release (it is never reset).
-- **Earlier ledgers** (``car-fl-ledger-v1``: ``<sha256 of the data file>.json``, one per data
-  file): :meth:`Ledger.migrate` imports the one whose data file the node still holds unchanged
-  (its records are then known) and renames it ``*.json.migrated``; any other v1 file refuses
-  every release with a message saying what to do, because its releases cannot be tied to
-  records.
+Each release lists the records it was made from (:func:`record_keys`); a record's lifetime ε
+composes every release that listed it, and the cap holds for the most-spent record. A release
+is written before the round trains, under an exclusive ``fcntl.flock``, atomically (0600);
+an unreadable ledger refuses every release. v1 ledgers (one per data file) are migrated or
+refuse. See docs/privacy.md, 'What a node's owner controls'.
 
 File: ``<folder>/ledger.json`` = ``{"format", "records": {set id: [record key, ...]},
-"entries": [{run, round, mode, release, records, delta, epsilon, time}, ...]}``, where
-``records`` names the set of records a release was made from and ``epsilon`` is the lifetime
-ε of the most-spent of them (at the δ then in force) right after that release.
-``car-fl ledger`` prints it.
+"entries": [{run, round, mode, release, records, delta, epsilon, time}, ...]}``.
 """
 
 from __future__ import annotations
@@ -41,7 +20,7 @@ import time
 import unicodedata
 from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -75,13 +54,9 @@ def _key(canonical: str) -> str:
 
 
 def record_keys(path: str | Path) -> frozenset[str]:
-    """The keys of the records in the node's data file: hashes of their normalised contents.
-
-    A record is a non-empty line (TSV, CSV, JSON lines: all its fields, the label included,
-    normalised; a JSON object's keys in sorted order), or a row of a Parquet file. Nothing
-    here depends on the run's settings (which column is the text is the server's choice, and
-    must not change which record is which). Identical records are one record.
-    """
+    """The keys of the records in the node's data file: hashes of their normalised contents. A
+    record is a non-empty line (a JSON object's keys sorted) or a Parquet row, whatever the run's
+    settings say. Identical records are one record."""
     target = Path(path).expanduser()
     if target.suffix.lower() == ".parquet":
         import pyarrow.parquet as pq
@@ -123,16 +98,7 @@ class Entry:
     time: str
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "run": self.run,
-            "round": self.round,
-            "mode": self.mode,
-            "release": self.release.to_dict(),
-            "records": self.records,
-            "delta": self.delta,
-            "epsilon": self.epsilon,
-            "time": self.time,
-        }
+        return {**asdict(self), "release": self.release.to_dict()}
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Entry:
@@ -169,8 +135,7 @@ class Contents:
     def epsilon(
         self, delta: float, records: Iterable[str] | None = None, extra: Release | None = None
     ) -> float:
-        """The largest lifetime ε at δ of ``records`` (default: every record ever released),
-        with ``extra`` released from all of them too."""
+        """The largest lifetime ε at δ of ``records`` (default: all), ``extra`` released too."""
         chosen = set().union(*self.records.values()) if records is None else set(records)
         groups = self.releases_of(chosen) if chosen else [[]]
         more = [extra] if extra is not None else []
@@ -270,11 +235,8 @@ class Ledger:
         check: Callable[[list[Entry]], None] | None = None,
     ) -> Entry:
         """Record ``release`` of ``records`` unless it would take the lifetime ε of any of them
-        past ``cap``; the new entry.
-
-        Under the lock: ``check(entries)`` may refuse first (by raising), then the cap is
-        checked and the entry written. Raises :class:`BudgetExhausted` (nothing written).
-        """
+        past ``cap`` (:class:`BudgetExhausted`); under the lock, ``check(entries)`` may refuse
+        first."""
         with self.locked():
             contents = self.contents()
             if check is not None:

@@ -1,15 +1,8 @@
 """Which ledger covers which records, for every policy of one node owner: one ledger per data.
 
-Written here because a ledger's folder comes from the policy file (``ledger = ...``): two
-policy files naming the same data file (or a copy of it) kept two ledgers, each with the whole
-lifetime budget (issue 41: a per-record ε of 46.2 against a cap of 30). The registry is the
-owner's, not a policy's: ``$CAR_FL_STATE``, else ``$XDG_STATE_HOME/car-fl``, else
-``~/.local/state/car-fl`` (state, not cache: deleting a cache must not reset a budget), file
-``ledgers.json`` (0600, folder 0700), changed under an exclusive ``fcntl.flock``.
-
-:func:`claim` is called when a node opens its policy: the ledger folder the policy names takes
-the data's records, unless another ledger already covers any of them; then the policy is
-refused, naming that ledger, so that every record has one ledger whatever policy file names it.
+Two policies naming the same data must not keep two ledgers, each with the whole budget. The
+owner's registry (``$CAR_FL_STATE``, else ``$XDG_STATE_HOME/car-fl``, else
+``~/.local/state/car-fl``; state, not cache) is ``ledgers.json`` (0600, under ``fcntl.flock``).
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """One client's local DP (``dp=fixed|adaptive``, or none): its state, each release, its ε.
 
-The state (clipping bound Cᵢ, the EMA of update norms for the linear rule, the releases made
-so far) lives in Flower's persistent per-node ``context.state`` as a ``MetricRecord``, so it
-survives rounds in simulation and in deployment. Nothing un-noised leaves the client once DP
-is active: :meth:`ClientPrivacy.metrics` holds only ε and the public count of releases, and
-all noise comes from OS entropy. Whether a round fails must not depend on the data: under DP a
-round whose training diverges stops there and releases what it has, clipped and noised, and an
-update with NaN or inf is released as a zero update (noise only); the node's log says so.
+The state (Cᵢ, the EMA, the releases) survives rounds in the run's state. Once DP is active
+nothing un-noised leaves; whether a round fails must not depend on the data, so an update with
+NaN or inf is released as a zero update (noise only).
 """
 
 from __future__ import annotations
@@ -60,8 +56,7 @@ STATE_KEY = "dp-state"
 
 @dataclass
 class DPState:
-    """What a client must remember between rounds: its bound, its EMA, and its accountant,
-    stepped once per release (stored as the multiplier → count table of its history)."""
+    """What a client must remember between rounds: its bound, its EMA, and its accountant."""
 
     clip: float
     ema: float | None = None
@@ -105,12 +100,7 @@ class DPState:
 
 class ClientPrivacy:
     """Clips and noises one client's releases, adapts its bound, and accounts for them.
-
-    ``generator`` is test-only: a ``torch.Generator`` that replaces the OS-entropy noise so a
-    test can know exact values. Runs never pass one, and nothing in the run configuration
-    can set it. ``max_clip`` is the node owner's ceiling on the clipping bound (its privacy
-    policy): the adaptive bound never moves above it.
-    """
+    ``generator`` is for tests only; ``max_clip`` is the owner's ceiling on the bound."""
 
     def __init__(
         self,
@@ -126,8 +116,7 @@ class ClientPrivacy:
         self.num_clients = num_clients
         self.mode = cfg.mode
         self.client = client
-        # A stored bound is re-validated against this run and the policy before any use: a
-        # state file is the node's, but a bound above max-clip must not make one release
+        # a stored bound is re-validated against this run and the policy before any use
         if not state.clip > 0:  # NaN, zero or negative: start from the run's bound
             state.clip = cfg.clip
         state.clip = min(state.clip, max_clip)
@@ -141,8 +130,7 @@ class ClientPrivacy:
         self.moves_clip = isinstance(spec, ClientLevel) and spec.moves_clip
         self.fixed_clip = isinstance(spec, ClientLevel) and not spec.moves_clip
         self.z_delta = update_multiplier(cfg, num_clients) if self.moves_clip else None
-        #: One release as every party accounts it (the server steps its own accountant with
-        #: the same :func:`~car_fl.settings.dp_plan.local_release`).
+        #: One release as every party accounts it.
         self.unit = local_release(cfg, num_clients)
         #: μ of every release (0: not private, ε = ∞).
         self.release_multiplier = self.unit.noise_multiplier
@@ -198,13 +186,8 @@ class ClientPrivacy:
     def release(
         self, before: State, after: State, *, server_round: int, step: int = 0
     ) -> dict[str, torch.Tensor]:
-        """Clip θᵢ − θ to the current bound, add noise, account, then adapt the bound. With
-        ``dp.adapter_clip`` the adapter and the head are clipped and noised as two parts
-        (:meth:`parts`); the adaptive bound follows the head's norm.
-
-        An update with NaN or inf is released as a zero update (θ plus noise): failing the
-        round instead would tell the server something about the data.
-        """
+        """Clip θᵢ − θ to the current bound (per part with ``dp.adapter_clip``), add noise,
+        account, then adapt the bound. A non-finite update is released as a zero update."""
         who = f"client {self.client}"
         delta = difference(after, before)
         try:
@@ -213,8 +196,7 @@ class ClientPrivacy:
             log.warning("%s; releasing a zero update (noise only) instead", err)
             after = before
             delta = {k: torch.zeros_like(v) for k, v in before.items()}
-        # fixed: this run's dp.clip, never a bound kept from an earlier configuration (the noise
-        # is σ·dp.clip); adaptive: the bound the private rule has reached
+        # fixed: this run's dp.clip (the noise is σ·dp.clip); adaptive: the rule's bound
         bound = self.cfg.clip if self.fixed_clip else self.state.clip
         parts = self.parts(delta, bound)
         head = parts[-1].names if parts else tuple(delta)
@@ -254,10 +236,8 @@ class ClientPrivacy:
         return [Part(adapter, self.cfg.adapter_clip, 0.0), *head]
 
     def scaled(self, parts: list[Part], head_std: float) -> list[Part]:
-        """Each part's noise: the update's multiplier z over the square root of its share of
-        the budget (all of it for an adapter sent alone), times its bound (the head's std
-        from :meth:`noise_std`, which the adaptive noise rules set), so that Σ z_g⁻² = z⁻²:
-        the ε of one joint release."""
+        """Each part's noise: z / √share times its bound (the head's std from
+        :meth:`noise_std`), so that Σ z_g⁻² = z⁻², the ε of one joint release."""
         z = update_multiplier(self.cfg, self.num_clients)
         adapter, *head = parts
         if not head:

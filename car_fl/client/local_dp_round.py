@@ -1,8 +1,6 @@
 """A round under local DP (``dp=fixed|adaptive``, or none): its epochs and its one release.
 
-The round side of :mod:`car_fl.client.local_dp` (which holds the mechanism, its state and its
-ε), as :mod:`car_fl.client.record_dp` is DP-SGD's: :class:`LocalDPRound` is what
-:func:`car_fl.client.round.round_privacy` returns for local DP.
+The round side of :mod:`car_fl.client.local_dp` (the mechanism, its state and its ε).
 """
 
 from __future__ import annotations
@@ -15,22 +13,12 @@ from typing import Any
 import torch
 from flwr.app import RecordDict
 
-from car_fl.client.local_dp import (
-    STATE_KEY,
-    StepPrivatizer,
-    load_privacy,
-)
+from car_fl.client.local_dp import STATE_KEY, StepPrivatizer, load_privacy
 from car_fl.model import encoder as encoder_module
 from car_fl.model.retriever import CaRRetriever
-from car_fl.privacy.mechanism import (
-    check_finite,
-    difference,
-)
+from car_fl.privacy.mechanism import check_finite, difference
 from car_fl.privacy.noise import secure_generator
-from car_fl.settings.dp_plan import (
-    accounted_examples,
-    local_steps,
-)
+from car_fl.settings.dp_plan import accounted_examples, local_steps
 from car_fl.settings.flower import NodeInfo
 from car_fl.settings.schema import Granularity, Settings
 from car_fl.training.train import EpochResult, train_epoch
@@ -39,18 +27,11 @@ log = logging.getLogger(__name__)
 
 
 class LocalDPRound:
-    """A round's epochs and release under local DP (or none).
-
-    Plain epochs (FedProx's term included); under ``dp.granularity=step`` each optimizer step is
-    privatised in place, else the round's update is clipped and noised once at the end. Before
-    ``dp.warmup_rounds`` have passed, or with ``dp=none``, nothing is privatised. Under DP a
-    round whose training diverges (a non-finite loss) stops there and releases what it has:
-    whether a round fails must not depend on the data. Per step, the round accounts for
-    ``fl.local_epochs`` × ⌈n/B⌉ releases with n the public ``fl.max_examples_per_client`` (or
-    the whole shard without it), and makes every one of them: the steps a smaller shard (or a
-    diverged round) did not take are released as zero updates with their noise, so the
-    update's size carries nothing about how many steps ran.
-    """
+    """A round's epochs and release under local DP (or none). Per step (``dp.granularity=step``)
+    each optimizer step is privatised in place, else the update is noised once at the end. Under
+    DP a diverging round releases what it has. Per step, every accounted release is made (steps
+    not taken as zero updates with their noise), so the update carries nothing about how many
+    steps ran."""
 
     def __init__(
         self,
@@ -72,12 +53,7 @@ class LocalDPRound:
         self.diverged = False
 
     def refuse_past_target(self, examples: int) -> None:
-        """The run's target ε for this round's releases, before any training.
-
-        Per step with ``fl.max_examples_per_client`` set, the round trains on at most that
-        many examples and accounts for exactly that many (:func:`accounted_examples`): the
-        number of releases, and so ε, is public.
-        """
+        """The run's target ε for this round's releases, before any training."""
         self.examples = accounted_examples(self.settings, examples) if self.per_step else examples
         if self.private:
             self.privacy.check_target(self.planned_releases)
@@ -136,8 +112,7 @@ class LocalDPRound:
                     current, current, server_round=self.server_round, step=step
                 )
             return current
-        # the server's tensors this release covers: all of them, but for a probe round
-        # (fl.probe_rounds), whose adapter is not the node's to release
+        # the server's tensors this release covers (a probe round's adapter is not released)
         before = {k: v for k, v in self.global_state.items() if k in state}
         if self.private:
             return self.privacy.release(before, state, server_round=self.server_round)
@@ -151,9 +126,8 @@ class LocalDPRound:
         return f"train loss {result.loss:.4f} acc {result.accuracy:.4f}"
 
     def reply_metrics(self) -> dict[str, int | float]:
-        """The process's facts and the privacy figures: nothing data-dependent. Under DP no
-        ``encoder-loads``: it is 0 when every text of the shard was in the node's feature cache,
-        which tells a server that runs twice whether the node's records changed between runs."""
+        """The process's facts and the privacy figures: nothing data-dependent (under DP no
+        ``encoder-loads``: it would tell whether the records were in the feature cache)."""
         loads = {} if self.private else {"encoder-loads": encoder_module.LOAD_COUNT}
         return {
             **loads,

@@ -1,17 +1,9 @@
 """The data owner's side of car-fl: one :class:`Node`, built from the node's own configuration.
 
-A Node owns everything a node decides or remembers: its node configuration (never a value the
-server sent), the owner's privacy policy and lifetime ledger, the settings it composed for each
-run, the shards it read, every run's DP state (:class:`car_fl.client.run_states.RunStates`),
-and the mapping from every refusal to its fixed failure code. Its one method,
-:meth:`Node.answer`, turns a train message into a reply. The node's worker
-(:mod:`car_fl.client.worker`) keeps one Node for its whole life; without a worker the
-ClientApp keeps one per node for the life of its process.
-
-Every check a node makes before anything leaves it, in the order a train message meets them,
-is the code of :meth:`Node.respond` and :meth:`Node.train`; the list, each step with where its
-rule lives, and why no failure the records could cause is an answer a server can read:
-docs/privacy.md, "Every check a node makes".
+A Node owns everything a node decides or remembers (its config, policy and ledger, settings,
+shards, every run's DP state); :meth:`Node.answer` turns a train message into a reply. Its
+checks, in order, are the code of :meth:`Node.respond` and :meth:`Node.train`; the list and
+why no failure the records could cause is an answer: docs/privacy.md, "Every check a node makes".
 """
 
 from __future__ import annotations
@@ -52,19 +44,16 @@ class Node:
 
     #: The node's own configuration (``--node-config``, or the worker's): never the server's.
     config: Mapping[str, Any]
-    #: The owner's policy and ledger (``None``: no policy; the node trusts the run's settings),
-    #: opened by the first answer and again whenever the policy or data file changes.
+    #: The owner's policy and ledger (``None``: no policy; the node trusts the run's settings).
     privacy: NodePrivacy | None = None
     #: The settings composed for each run (by the run's inputs and this node's config).
     settings_memory: SettingsMemory = field(default_factory=dict, repr=False)
     #: The shards read (by settings, the server's label map and the node's place).
     shards: dict[str, Shard] = field(default_factory=dict, repr=False)
-    #: Every run's state (its DP state) when this node keeps them itself: a worker's, on disk.
-    #: Without a worker the run's state is Flower's ``context.state``, the ``store`` that the
-    #: ClientApp hands to :meth:`answer`.
+    #: Every run's state when this node keeps them itself (a worker's, on disk); else the
+    #: ClientApp hands :meth:`answer` Flower's ``context.state`` as ``store``.
     states: RunStates = field(default_factory=RunStates, repr=False)
-    #: The policy and data files' identity when :attr:`privacy` was opened: an edited file is
-    #: read again, so a grown data file's new records are charged from their first release.
+    #: The policy and data files' identity when :attr:`privacy` was opened (edited: reopened).
     _opened: tuple[object, ...] = field(default=(), repr=False)
 
     # --------------------------------------------------------------------------------- answer
@@ -77,14 +66,8 @@ class Node:
         store: RunStore | None = None,
     ) -> RecordDict:
         """The reply's content to a train message's ``content`` (raises a refusal or error:
-        :meth:`failure` says which fixed code the server gets).
-
-        ``run_config`` is the run's configuration (the server's), ``run`` Flower's run id (the
-        ledger keys its releases by it). The run's state (its DP state) comes from ``store``
-        (default :attr:`states`; without a worker, Flower's ``context.state`` through
-        :class:`~car_fl.client.run_states.ContextState`): the round works on a copy, kept only
-        when it succeeds, so a refused or failed round changes nothing.
-        """
+        :meth:`failure` gives its fixed code). The run's state comes from ``store`` (default
+        :attr:`states`) and is kept only when the round succeeds."""
         store = self.states if store is None else store
         state = store.get(run)
         reply = self.respond(content, run_config=run_config, node_state=state, run=run)
@@ -144,14 +127,10 @@ class Node:
         layout: str | None = None,
         run_files: Mapping[str, str | None] | None = None,
     ) -> tuple[dict[str, torch.Tensor], dict[str, int | float]]:
-        """3-8: the policy, the ledger before any record, the shard, the budget, the release,
-        with this node's :attr:`privacy` (``None``: it trusts the run's settings) and
-        :attr:`shards`. Returns what the node sends (never an un-noised update once DP is
-        active) and the reply's metrics (under DP nothing data-dependent besides
-        ``num-examples`` and the privacy figures). ``run_files``: the run's own files where
-        ``settings`` carry the node's (:func:`~car_fl.client.node_settings.run_files`)."""
-        # the server's adapter is the run's kind, rank and finite: before anything is charged
-        # or read, with a policy or without
+        """3-8: the policy, the ledger before any record, the shard, the budget, the release.
+        Returns what the node sends and the reply's metrics. ``run_files``: the run's own files
+        where ``settings`` carry the node's."""
+        # the server's adapter is the run's kind, rank and finite: before anything else
         why = state_refusal(settings.adapter, global_state)
         if why is not None:
             raise ValueError(f"client {node_info.partition_id}: {why}")

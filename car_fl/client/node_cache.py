@@ -1,22 +1,10 @@
 """What a node keeps on disk between ClientApp processes: resolved settings and its shard.
 
-Own code because Flower keeps nothing of a ClientApp between messages in deployment (a new
-process per message) and offers no node-local disk cache. With these two files, a round whose
-features are cached composes no Hydra configuration and reads, splits and partitions no dataset,
-so the ClientApp process never imports ``hydra``, ``datasets`` or ``flwr_datasets``, and spends
-no time in OmegaConf.
-
-- **Settings**: the configuration composed from ``conf/`` and the run's overrides with the
-  node's local paths applied, and its fingerprint, as JSON, keyed by the overrides, the node
-  config, every file under ``conf/`` and the source of the schema and its composition
-  (:data:`SETTINGS_SOURCES`; so a changed default or config file is never answered from a
-  stale entry). :func:`car_fl.client.node_settings.node_settings` decides when to read and write it.
-- **Shard**: this node's training texts, label ids and its own label map (the server's map is
-  applied after reading, :mod:`car_fl.client.shard`), keyed by the dataset settings, the data
-  files' identity (path, size, modification time), the partitioning, the node's place in the
-  federation and the source of :mod:`car_fl.data`.
-  Only local data files are cached (a hub dataset has its own cache). The file stays on the
-  node: it holds the node's own examples, which already lie on its disk.
+Flower starts a new ClientApp process per message, so a round whose features are cached reads
+these instead of composing Hydra settings or reading the dataset. Settings are keyed by the
+overrides, the node config and :data:`SETTINGS_SOURCES`; a shard (texts, label ids, the node's
+own label map) by the dataset settings, the data files' identity, the partition and the source
+of :mod:`car_fl.data`. Only local data files are cached, in the node's own folder.
 """
 
 from __future__ import annotations
@@ -41,8 +29,7 @@ log = logging.getLogger(__name__)
 CACHE_FORMAT = "car-fl-node-v2"
 #: The ``car_fl`` package folder.
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
-#: The code that turns overrides and a node config into settings: the schema (its defaults),
-#: the composition, the DP plan's check and the node config's application.
+#: The code that turns overrides and a node config into settings (part of the cache key).
 SETTINGS_SOURCES = (
     "settings/schema.py",
     "settings/compose.py",
@@ -65,11 +52,8 @@ def base_dir(cache_dir: str | os.PathLike[str] | None) -> Path:
 
 
 def node_dir(cache_dir: str | os.PathLike[str] | None) -> Path:
-    """:func:`base_dir`, created readable by the node's owner only (0700, also if it was not).
-
-    Everything the node writes (settings, its shard's texts, their features) lies under it,
-    so nobody else on the machine can read it whatever the files' own modes.
-    """
+    """:func:`base_dir`, created readable by the node's owner only (0700, also if it was not),
+    so nobody else can read what the node writes under it."""
     folder = base_dir(cache_dir)
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     if folder.stat().st_mode & 0o077:
@@ -124,12 +108,8 @@ def save_settings_entry(path: Path, settings: Settings, fingerprint: str) -> Non
 
 
 def settings_from_dict(values: Mapping[str, Any]) -> Settings:
-    """:class:`Settings` from ``dataclasses.asdict`` output; every section validates itself.
-
-    Plain dataclass construction instead of OmegaConf's structured merge, which costs a
-    noticeable part of a second per call on a busy core, several times per round, in every new
-    ClientApp process. Unknown keys raise ``TypeError``, missing ones ``KeyError``.
-    """
+    """:class:`Settings` from ``dataclasses.asdict`` output, without OmegaConf (slow); every
+    section validates itself. Unknown keys raise ``TypeError``, missing ones ``KeyError``."""
     hints = get_type_hints(Settings)
     kwargs: dict[str, Any] = {}
     for item in fields(Settings):

@@ -1,19 +1,9 @@
 """A node's own privacy in its round: the owner's policy and the lifetime ledger, together.
 
-:meth:`car_fl.client.node.Node.train` calls :meth:`NodePrivacy.admit` before it reads any
-data and :meth:`NodePrivacy.spend` before it trains: a run weaker than the policy, a round the
-run cannot have planned, or a release past the lifetime cap is refused with a fixed
-:class:`~car_fl.protocol.failures.Failure` (no update leaves), and every release is in the
-ledger before it is made. Everything here comes from the node: the policy file and the data
-file are named in its ``--node-config`` (:meth:`NodePrivacy.from_node_config`), never in the
-run config, and nothing depends on Flower's per-run ``context.state``.
-
-A :class:`car_fl.client.node.Node` opens one from its own node configuration
-(:meth:`NodePrivacy.from_node_config`), again whenever the policy or the data file changes,
-and passes it to the round.
-
-Every check a node makes before anything leaves it, in order, is listed in
-:mod:`car_fl.client.node` (the one file an auditor reads), with where each rule lives.
+:meth:`NodePrivacy.admit` refuses a run weaker than the policy before any data is read;
+:meth:`NodePrivacy.spend` records every release in the ledger before it is made, or refuses
+it. The policy and data file come from the node's ``--node-config``, never the run config.
+The checks in order: :mod:`car_fl.client.node`.
 """
 
 from __future__ import annotations
@@ -42,21 +32,14 @@ class NodePrivacy:
 
     policy: NodePolicy
     ledger: Ledger
-    #: The keys of the data file's records (:func:`car_fl.client.ledger.record_keys`): every
-    #: release is charged to all of them (the partition a run trains on is the server's
-    #: choice, and with a label-dependent partitioning every record shapes it).
+    #: The keys of the data file's records: every release is charged to all of them (the
+    #: partition a run trains on is the server's choice).
     records: frozenset[str] = field(default=frozenset(), repr=False)
 
     @classmethod
     def open(cls, policy: str | Path, data: str | Path) -> NodePrivacy:
-        """The policy file ``policy``, its ledger and the records of the data file ``data``.
-
-        Refused (``NodeConfigError``) when another ledger of this node's owner already covers
-        any of the records (:func:`car_fl.client.ledger_registry.claim`).
-
-        A per-file ledger of an earlier car-fl for this very data file is migrated
-        (:meth:`~car_fl.client.ledger.Ledger.migrate`).
-        """
+        """The policy file ``policy``, its ledger and the records of the data file ``data``;
+        ``NodeConfigError`` when another ledger of the owner covers any of the records."""
         loaded = NodePolicy.load(policy)
         if not Path(data).expanduser().is_file():
             raise NodeConfigError(f"data file {data} (the ledger's records) is not a file")
@@ -70,11 +53,7 @@ class NodePrivacy:
     @classmethod
     def from_node_config(cls, node_config: Mapping[str, Any]) -> NodePrivacy | None:
         """From ``--node-config privacy-policy=... data-path=...``; ``None`` without a policy.
-
-        A node with a policy must name its data file itself: the ledger is keyed by that
-        file's content, and a path taken from the run config would let the server point the
-        node at another copy of the same records.
-        """
+        The data file must be the node's own: the server must not choose what is charged."""
         policy = node_config.get(PRIVACY_POLICY)
         if policy in (None, ""):
             return None
@@ -88,9 +67,7 @@ class NodePrivacy:
         return cls.open(str(policy), str(data))
 
     def admit(self, settings: Settings, *, shared_file: bool = True) -> None:
-        """Refuse a run whose DP settings are weaker than the policy (before any data is read;
-        ``settings`` with the policy's ``[data]`` reading applied, ``shared_file``: the node
-        is not ``data-is-shard``)."""
+        """Refuse a run whose DP settings are weaker than the policy (before any data is read)."""
         found = self.policy.violations(settings, shared_file=shared_file)
         if found:
             raise Refusal(
@@ -99,23 +76,17 @@ class NodePrivacy:
             )
 
     def spend_before_reading(self, settings: Settings, *, run: str, server_round: int) -> bool:
-        """:meth:`spend` before any record is read, when what the round releases does not
-        follow the node's n (not per-step DP, or per-step under a public
-        ``fl.max_examples_per_client``): so BUDGET_EXHAUSTED and a refused round are decided on
-        the ledger alone, and any failure that reading the records could cause comes after the
-        charge. Returns whether it spent (False: the release follows n, spend after reading)."""
+        """:meth:`spend` before any record is read, when the release does not follow n: then
+        any failure that reading the records could cause comes after the charge. Returns
+        whether it spent (False: spend after reading)."""
         if per_step(settings) and settings.fl.max_examples_per_client is None:
             return False
         self.spend(settings, run=run, server_round=server_round, examples=0)
         return True
 
     def spend(self, settings: Settings, *, run: str, server_round: int, examples: int) -> Entry:
-        """Record this round's release in the ledger, or refuse it; before any training.
-
-        Refused (nothing recorded): a round outside ``1..fl.rounds``, a round of this run that
-        is not after every round it already released (a round is released once, in order),
-        and a release that would take the lifetime ε past ``lifetime-epsilon``.
-        """
+        """Record this round's release in the ledger, or refuse it (a round outside
+        ``1..fl.rounds`` or not after this run's last, or one past ``lifetime-epsilon``)."""
         release = round_release(settings, server_round=server_round, examples=examples)
 
         def check(entries: list[Entry]) -> None:

@@ -1,34 +1,10 @@
 """How a node whose owner set a privacy policy reads its data file: its own way, never the run's.
 
-Everything that decides how the node's file becomes examples (the reader, the columns, the
-duplicate removal, label filters such as ``min_examples_per_label``, the subsample, the split
-fractions and the split seed) is a function of the records: a run config that chose it could
-make one line decide how the others parse (``dataset.reader=table`` with
-``text_column=label_column=<guess>`` reads the first record as a header, so the round trains
-only when the first record's label is the guess) or make a whole label appear or vanish with
-one record (``dataset.min_examples_per_label=M``: a binary search recovered a label's count in
-9 runs). Under record-level DP that breaks the unit the guarantee is about. So on a node with a
-policy these keys come from the policy's ``[data]`` table, or car-fl's own default for a key the
-table leaves out (:class:`car_fl.settings.schema.DatasetConfig`'s), and a run config's values
-are ignored, with a line in the node's log::
-
-    [data]                        # how this node reads its data file
-    reader = "sms_spam"           # sms_spam, ag_news, arxiv, table, corpus
-    text-column = "text"          # reader = "table": the columns
-    label-column = "label"
-    dedupe = true
-    split = "hash"                # seeded or hash (dp=record on a shared file needs hash)
-    min-examples-per-label = 1
-    seed = 42                     # the split (and partition) seed
-
-The run still sets everything else (the model, the head, training, DP within the policy,
-rounds, the partitioning of a shared file). A node without a policy trusts the run and reads as
-it says. On a shared file (not ``data-is-shard``) a node whose reading differs from the run's
-refuses the round before reading a record (``READING_DIFFERS``, the keys in its log): its split
-would not be the one the server evaluates on and sizes its partitions by, so its training
-records could sit in the server's test split. The run then sets the node's reading, or the node
-holds its own shard. Written here because Flower has no node-side notion of how a node reads
-its data.
+How a file becomes examples (reader, columns, dedupe, label filters, subsample, split and its
+seed) is a function of the records, so a run choosing it could make one record decide the
+others' fate. On a node with a policy these keys come from the policy's ``[data]`` table (or
+car-fl's defaults); on a shared file a run that reads otherwise is refused (``READING_DIFFERS``).
+See docs/privacy.md, 'What a server's run config may set'.
 """
 
 from __future__ import annotations
@@ -150,12 +126,8 @@ class NodeReading:
     ) -> Settings:
         """``settings`` with this reading; a run's value that differs is logged and ignored.
 
-        ``paths``: the node's own ``dataset.test_path``, ``dataset.documents_path`` and
-        ``dataset.generated_queries_path`` (from its node config, ``None`` when it names
-        none): a run config's would let the server cancel the owner's test split, drop the
-        records that match a file of its choice, make a corpus read fail exactly when the node
-        holds a query of a missing document, or add queries of its choice to the node's
-        training set."""
+        ``paths``: the node's own test, documents and generated-queries files (``None`` when
+        its node config names none); the run's are never used."""
         ignored = self.differences(settings)
         if ignored:
             log.warning(
@@ -173,8 +145,7 @@ class NodeReading:
                     getattr(settings.dataset, key),
                 )
         own: dict[str, Any] = {key: value or None for key, value in (paths or {}).items()}
-        mine = _reading_fields(self)
-        dataset = dataclasses.replace(settings.dataset, **mine, **own)
+        dataset = dataclasses.replace(settings.dataset, **_reading_fields(self), **own)
         return dataclasses.replace(settings, dataset=dataset, seed=self.seed)
 
     def differences(
@@ -184,11 +155,9 @@ class NodeReading:
         paths: Mapping[str, str | None] | None = None,
         run_paths: Mapping[str, str | None] | None = None,
     ) -> list[str]:
-        """The run's reading keys that differ from this one, as ``key=run's value`` (keys that
-        change what neither reader reads left out). With ``paths`` (the node's own, as in
-        :meth:`apply`), also a file the run names where the node names none, or the reverse:
-        the two would split the records otherwise. The run's files are ``settings``' unless
-        ``run_paths`` gives them (``settings`` that already carry the node's own)."""
+        """The run's reading keys that differ from this one, as ``key=run's value``; with
+        ``paths``, also a file one side names and the other does not (the run's files are
+        ``settings``' unless ``run_paths`` gives them)."""
         readers = {self.reader, settings.dataset.reader}
         found = [
             f"{KEYS[key.replace('_', '-')]}={getattr(settings.dataset, key)!r}"
@@ -211,9 +180,7 @@ class NodeReading:
         run_paths: Mapping[str, str | None] | None = None,
         source: object = "the privacy policy",
     ) -> str | None:
-        """Why a node on a shared file refuses a run that reads it otherwise
-        (``READING_DIFFERS``, before any record is read; :meth:`differences`' arguments), or
-        ``None`` when the run reads it as this reading does."""
+        """Why a node on a shared file refuses a run that reads it otherwise, or ``None``."""
         differs = self.differences(settings, paths=paths, run_paths=run_paths)
         if not differs:
             return None
@@ -226,9 +193,7 @@ class NodeReading:
 
 
 def _matters(key: str, readers: set[Reader]) -> bool:
-    """Whether a differing ``key`` (a dataset field or path) changes what either reader reads:
-    the columns name only a table's fields, the corpus keys only a corpus's, and a corpus reads
-    none of the others (it is split per document). The rest are not worth a log line."""
+    """Whether a differing ``key`` (a dataset field or path) changes what either reader reads."""
     if key in _TABLE_KEYS:
         return Reader.TABLE in readers
     if key in _CORPUS_KEYS:

@@ -1,10 +1,7 @@
 """This node's settings: the run's, with the node's own paths, checked against the server's.
 
-Composed (Hydra) in the node's first round and cached on its disk (:mod:`car_fl.client.node_cache`),
-so that later rounds, each a new ClientApp process in deployment, compose no Hydra configuration.
-The node alone decides where it writes: ``cache_dir`` is its node config's ``cache-dir`` or the
-default under its owner's home (:func:`car_fl.client.node_cache.node_dir`, 0700); a run
-config's ``cache_dir`` is ignored on a node, and the node's log says so.
+Cached on the node's disk (:mod:`car_fl.client.node_cache`). The node alone decides where it
+writes: a run config's ``cache_dir`` is ignored, and the node's log says so.
 """
 
 from __future__ import annotations
@@ -38,16 +35,13 @@ from car_fl.settings.schema import Settings
 
 log = logging.getLogger(__name__)
 
-#: Where a node without ``--node-config blocks-service`` finds its blocks service (simulated
-#: nodes: Flower's simulation takes no per-node config; the environment is its owner's).
+#: Where a node without ``--node-config blocks-service`` finds its blocks service (simulated).
 BLOCKS_SERVICE_ENV = "CAR_FL_BLOCKS_SERVICE"
 
-#: Settings a node composed, with their fingerprint, by a digest of the run's inputs and the
-#: node config (a :class:`car_fl.client.node.Node` keeps one for its life).
+#: Settings a node composed, with their fingerprint, by a digest of the run's inputs.
 SettingsMemory = dict[str, tuple[Settings, str]]
 
-#: The node's own files (node config key → dataset setting): on a node with a policy only its
-#: node config names them, never the run (:meth:`car_fl.client.node_reading.NodeReading.apply`).
+#: The node's own files (node config key → dataset setting): with a policy, never the run's.
 OWN_FILES: Mapping[str, str] = MappingProxyType(
     {
         key: str(NODE_CONFIG[key].setting).removeprefix("dataset.")
@@ -78,15 +72,8 @@ def node_settings(
     *,
     memory: SettingsMemory | None = None,
 ) -> Settings:
-    """This node's settings (the run's plus its local paths), checked against the server's.
-
-    Composed (Hydra), given the node's paths and fingerprinted (OmegaConf) in the node's first
-    round; later rounds, each a new process in deployment, read the result back from the
-    node's disk cache. A node that serves several rounds (a worker, a simulated client)
-    keeps it in its ``memory``, keyed by a digest of the run config and the node config. A run
-    config that carries a whole ``settings`` YAML (in-process simulations) is kept in memory
-    only.
-    """
+    """This node's settings (the run's plus its local paths), checked against the server's:
+    from ``memory``, the disk cache, or composed (a whole ``settings`` YAML: memory only)."""
     memory = {} if memory is None else memory
     node_config = with_environment(node_config)
     text, overrides = run_inputs(run_config)

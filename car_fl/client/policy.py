@@ -1,33 +1,9 @@
 """A node's privacy policy: what its owner accepts, set on the node and never by the server.
 
-Written here because Flower has no notion of a node-side privacy floor: everything about DP
-comes from the run config, which the party running ``flwr run`` chooses. The owner writes a
-TOML file and names it in the SuperNode's ``--node-config privacy-policy=/path/policy.toml``
-(node-local: it never enters the configuration fingerprint)::
-
-    modes = ["record", "fixed"]   # accepted DP modes (none, fixed, adaptive, record)
-    min-noise-multiplier = 1.0    # floor on σ₀ (fixed), z (adaptive), calibrated σ (record)
-    max-clip = 1.0                # ceiling on C (the adaptive Cᵢ never moves above it)
-    max-delta = 1e-5              # the largest δ accepted; the ledger's ε is at this δ
-    allow-warmup = false          # accept dp.warmup_rounds > 0 (un-noised rounds)?
-    lifetime-epsilon = 30         # cap on the ledger's ε of every record of this data
-    public-example-count = true   # refuse a run whose reply would depend on n (default true)
-    protect = "records"           # "records" (default) or "mix": "mix" accepts client-level
-                                  # DP only (fixed, adaptive), which hides a shard's label mix
-    max-steps-per-round = 100000  # the most DP steps (DP-SGD, or per-step local DP) a round may
-                                  # plan (default 100,000): bounds the work a server can ask
-    ledger = "ledger"             # the ledger's folder (relative to this file)
-    blocks-services = ["http://127.0.0.1:8200/blocks"]  # blocks services this node's texts
-                                  # may go to (model.blocks=remote; default: none, so never)
-
-    [data]                        # how this node reads its data file: the run cannot change it
-    reader = "sms_spam"           # (car_fl.client.node_reading: every key, and why)
-
-Before any training :meth:`NodePolicy.violations` compares the run's settings with the policy
-(:mod:`car_fl.client.node_privacy` refuses the round when it finds any). A run the policy
-accepts can still be refused by the lifetime cap, which the ledger
-(:mod:`car_fl.client.ledger`) enforces. Keys are validated with errors naming the file, line
-and key; unknown keys are errors (a misspelt ``max-clip`` must not silently mean "no ceiling").
+A TOML file named in the node's ``--node-config privacy-policy=...`` (its keys: :data:`KEYS`,
+documented in docs/privacy.md, 'What a node's owner controls'). :meth:`NodePolicy.violations`
+lists every way a run is weaker. Errors name the file, line and key; unknown keys are errors
+(a misspelt ``max-clip`` must not silently mean "no ceiling").
 """
 
 from __future__ import annotations
@@ -59,7 +35,7 @@ class PolicyError(ValueError):
 
 @dataclass(frozen=True)
 class NodePolicy:
-    """What a node's owner accepts (see the module docstring for the file format)."""
+    """What a node's owner accepts."""
 
     modes: frozenset[DPMode]
     min_noise_multiplier: float = 0.0
@@ -69,12 +45,10 @@ class NodePolicy:
     lifetime_epsilon: float | None = None
     #: Refuse runs whose reply would carry or follow the node's example count n.
     public_example_count: bool = True
-    #: The most DP steps one round may plan (DP-SGD's fl.local_epochs × ⌈1/q⌉, or per-step
-    #: local DP's steps): a server's dp.sample_rate=1e-7 would plan 10⁷ per-example steps.
+    #: The most DP steps one round may plan (bounds the work a server can ask).
     max_steps_per_round: int = 100_000
-    #: ``records``: any accepted mode; ``mix``: client-level DP only (dp=fixed or adaptive),
-    #: whose unit is the node's whole update, so what its shard holds as a whole (its label
-    #: mix) is protected too; record-level DP-SGD protects single records, not the mix.
+    #: ``records``: any accepted mode; ``mix``: client-level DP only, which also hides the
+    #: shard's label mix.
     protect: str = "records"
     ledger: Path = Path(DEFAULT_LEDGER)
     #: How the node reads its data file (the ``[data]`` table): the run config cannot change it.
@@ -141,10 +115,7 @@ class NodePolicy:
         return DPMode.NONE in self.modes
 
     def violations(self, settings: Settings, *, shared_file: bool = True) -> list[str]:
-        """Every way the run's DP settings are weaker than this policy (empty: accepted).
-
-        ``shared_file``: the node takes its split and partition of its file (not
-        ``data-is-shard``); ``settings``: with this policy's ``[data]`` reading applied."""
+        """Every way the run's DP settings are weaker than this policy (empty: accepted)."""
         dp = settings.dp
         found: list[str] = []
         placed_by_others = (
@@ -235,8 +206,7 @@ class NodePolicy:
 
 
 def planned_steps(settings: Settings) -> int | None:
-    """The DP steps one round plans, from the settings alone (no accountant); ``None`` when
-    it is not a function of the settings (:meth:`DPModeSpec.planned_steps`)."""
+    """The DP steps one round plans, from the settings alone; ``None`` when they are not."""
     return MODES[settings.dp.mode].planned_steps(settings)
 
 

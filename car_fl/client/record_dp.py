@@ -1,20 +1,9 @@
 """One client's record-level DP (``dp=record``): DP-SGD epochs, its state, the ε spent.
 
-Before any training the client fixes its plan (σ calibrated for the target ε over the planned
-steps, see :func:`~car_fl.settings.dp_plan.record_plan`) and refuses a round whose steps would
-take its ε past ``dp.target_epsilon``: a function of the configuration and of the rounds
-trained only. Nothing about its data decides whether a round succeeds: a node with at least
-1/δ examples (or more than ``fl.max_examples_per_client``) trains the round on an OS-random
-subset of ⌈1/δ⌉ − 1 (or that many) of them (so δ < 1/n holds for what it trains on,
-:func:`~car_fl.privacy.record_accounting.trained_cap`), and a node with none takes the same
-steps with nothing sampled (noise only). With ``fl.max_examples_per_client`` every step
-divides by that public value, so not even the update's scale follows n
-(:meth:`RecordDPRound.round_data`). The
-steps taken so far live in Flower's persistent node state, so a client's ε composes over every
-step of every round it takes part in. The reply carries the DP-SGD parameters, num-examples
-and the privacy figures, which are all functions of the public configuration and of how many
-rounds the client trained: ε, steps, σ, q (and its partition id). The train loss and
-accuracy stay in the client's log.
+The plan is fixed from the configuration before any training, and a round past the target ε is
+refused then; nothing about the data decides whether a round succeeds (see
+:meth:`RecordDPRound.round_data`). The steps taken persist in the run's state; the reply
+carries only functions of the configuration and the rounds trained.
 """
 
 from __future__ import annotations
@@ -95,22 +84,14 @@ def check_budget(plan: RecordPlan, state: RecordState, *, who: str) -> float:
 
 
 class RecordDPRound:
-    """A round's DP-SGD epochs, for :meth:`~car_fl.client.node.Node.train` (``dp=record``).
-
-    The plan (σ, q, C, steps) is fixed from the configuration; :meth:`check` verifies the
-    budget before any training. n is the whole shard, examples the server's label map lacks
-    included; at most :func:`~car_fl.privacy.record_accounting.trained_cap` of them are trained
-    on (a fresh OS-random subset each round), and an empty shard takes noise-only steps. The
-    model after DP-SGD is the release as it is.
-    """
+    """A round's DP-SGD epochs (``dp=record``); the model after DP-SGD is the release."""
 
     private = True
 
     def __init__(
         self, settings: Settings, node: NodeInfo, node_state: RecordDict, **_: object
     ) -> None:
-        """A round's DP-SGD (``server_round``, ``global_state``, ``max_clip``: the round's
-        context every mode's round is given, unused: its plan is fixed for the run)."""
+        """The other modes' round context (``server_round``, ...) is unused here."""
         self.settings = settings
         self.who = f"client {node.partition_id}"
         self.plan = record_plan(settings)
@@ -127,15 +108,9 @@ class RecordDPRound:
 
     def round_data(self, data: LocalData) -> tuple[LocalData, int]:
         """What this round trains on, and the n its steps divide by (q·n is the expected batch).
-
-        It trains on all of ``data`` or, when n is above a public cap (⌈1/δ⌉ − 1, so that
-        δ < 1/n holds for what it trains on, and ``fl.max_examples_per_client`` when set), on
-        the examples among a uniformly random cap of the n (OS entropy, drawn once per round;
-        n counts the examples the server's label map lacks). It divides by
-        ``fl.max_examples_per_client`` when the run sets one: a public value, so the update's
-        scale says nothing about n (a policy with ``public-example-count`` demands it), else by
-        the n it trains on (an empty shard: 1, its steps release noise only).
-        """
+        Above a public cap (:func:`trained_cap`, and ``fl.max_examples_per_client``) an OS-random
+        subset of the cap; it divides by ``fl.max_examples_per_client`` when set (so the update's
+        scale says nothing about n), else by the n trained on (at least 1)."""
         if self.trained is None:
             bound = self.settings.fl.max_examples_per_client
             cap = trained_cap(self.plan.delta)

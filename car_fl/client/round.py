@@ -1,14 +1,8 @@
 """One round on a data owner's machine: policy → shard → ledger → local epochs → DP → reply.
 
-:meth:`car_fl.client.node.Node.train` is the round's skeleton (the Node's steps 3 to 8),
-the same for every privacy mode; what differs is a
-:class:`RoundPrivacy`: :class:`~car_fl.client.local_dp_round.LocalDPRound` (local DP, or none) or
-:class:`~car_fl.client.record_dp.RecordDPRound` (record-level DP-SGD). Each checks what it must
-before any training, runs the epochs, and decides what is released. A node whose owner set a
-privacy policy passes its :class:`~car_fl.client.node_privacy.NodePrivacy`: the run is checked
-against the policy before any data is read, and the round's release is in the node's ledger
-before any training. :func:`train_shard` is the same round on a shard already in memory (the
-DP-SGD tuning script runs it in process).
+The skeleton is the same for every privacy mode; what differs is a :class:`RoundPrivacy`
+(:class:`~car_fl.client.local_dp_round.LocalDPRound` or
+:class:`~car_fl.client.record_dp.RecordDPRound`): its checks, its epochs, what is released.
 """
 
 from __future__ import annotations
@@ -82,11 +76,9 @@ def round_privacy(
     global_state: dict[str, torch.Tensor],
     max_clip: float = math.inf,
 ) -> RoundPrivacy:
-    """The privacy of this round, by ``dp.mode``, with its state from earlier rounds.
-
-    ``max_clip``: the node owner's ceiling on the clipping bound (the adaptive bound stays
-    below it).
-    """
+    """The privacy of this round, by ``dp.mode``, with its state from earlier rounds (one DP
+    mechanism per run: :func:`keep_one_mechanism`). ``max_clip``: the owner's ceiling on C."""
+    keep_one_mechanism(settings, node_state, who=f"client {node.partition_id}")
     module, _, name = MODES[settings.dp.mode].node_round.partition(":")
     round_class = getattr(importlib.import_module(module), name)
     round_privacy: RoundPrivacy = round_class(
@@ -108,10 +100,9 @@ def node_shard(
     memory: dict[str, Shard] | None = None,
     noise_only: bool = False,
 ) -> Shard:
-    """The node's shard (:func:`shard_data`). With ``noise_only`` (a round already in the
-    ledger, under DP), whatever reading the records raises gives an empty shard instead: the
-    round then releases noise alone, with the same public figures as any other, so whether
-    the records parse, or pass a label filter, is no answer a server can read."""
+    """The node's shard (:func:`shard_data`). With ``noise_only`` (a round already charged,
+    under DP) a failed read gives an empty shard: the round releases noise alone, so whether
+    the records parse is no answer a server can read."""
     if not noise_only:
         return shard_data(settings, node, labels, memory=memory)
     try:
@@ -132,11 +123,8 @@ MECHANISM_KEY = "dp-mechanism"
 
 
 def keep_one_mechanism(settings: Settings, node_state: RecordDict, *, who: str) -> None:
-    """Refuse a round whose DP mode differs from the one this run's earlier rounds used.
-
-    A run reports the ε of its own mechanism's releases; rounds of one run id under two
-    mechanisms (a shipped app can send each message its own settings) would report an ε
-    that leaves the other's releases out (the ledger counts both). So a run keeps one."""
+    """Refuse a round whose DP mode differs from this run's earlier rounds': the run's ε
+    would leave the other mechanism's releases out."""
     mode = settings.dp.mode.value
     record = node_state.config_records.get(MECHANISM_KEY)
     used = str(record["mode"]) if record is not None and "mode" in record else None
@@ -157,13 +145,9 @@ def refuse_before_the_ledger(
     global_state: dict[str, torch.Tensor],
     max_clip: float,
 ) -> RoundPrivacy:
-    """The run's own refusals that read no record, before the owner's ledger is charged: one
-    DP mechanism for the run's life, DP-SGD's fixed (σ, q, δ), and the run's target ε for a
-    release whose size does not follow n. A round they refuse then costs the owner's lifetime
-    budget nothing (they used to come after the charge). :func:`train_shard` checks them again
-    with the shard's n (``0`` here: nothing that follows n is decided before the read).
-    Returns the round's privacy, which :func:`train_shard` then uses."""
-    keep_one_mechanism(settings, node_state, who=f"client {node.partition_id}")
+    """The run's own refusals that read no record (one mechanism, DP-SGD's fixed (σ, q, δ),
+    the target ε at n = 0), before the ledger is charged, so they cost the owner nothing.
+    Returns the round's privacy for :func:`train_shard`, which checks again with the real n."""
     privacy = round_privacy(
         settings,
         node,
@@ -190,15 +174,11 @@ def train_shard(
     spent: bool = False,
     privacy: RoundPrivacy | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, int | float]]:
-    """:meth:`~car_fl.client.node.Node.train` on a shard already read (privacy checks,
-    ledger, epochs, release). ``spent``: the round is already in the ledger
-    (:meth:`NodePrivacy.spend_before_reading`); ``privacy``: the round's, built by
-    :func:`refuse_before_the_ledger` (None: built here)."""
+    """:meth:`~car_fl.client.node.Node.train` on a shard already read. ``spent``: the round is
+    already in the ledger; ``privacy``: from :func:`refuse_before_the_ledger` (None: built here)."""
     tick = time.perf_counter()
     who = f"client {node.partition_id}"
-    data = shard.data
     if privacy is None:
-        keep_one_mechanism(settings, node_state, who=who)
         privacy = round_privacy(
             settings,
             node,
@@ -213,7 +193,7 @@ def train_shard(
     experts = ExpertLayout.from_text(layout) if layout is not None else None
     probing = probe_round(settings, server_round)  # the head alone; the adapter as it came
     trained = round_settings(settings, server_round)
-    model = local_retriever(trained, data, shard.label_map, experts)
+    model = local_retriever(trained, shard.data, shard.label_map, experts)
     model.load_trainable_state_dict(global_state)  # a mixture of experts: those sent
     optimizer = make_optimizer(model, trained.train)
     seed = client_seed(settings.seed, node.partition_id)
@@ -221,7 +201,7 @@ def train_shard(
     for local in range(epochs):
         result = privacy.epoch(
             model,
-            data,
+            shard.data,
             optimizer,
             seed=seed,
             epoch=(server_round - 1) * epochs + local,

@@ -1,23 +1,9 @@
 """Every run's state on a node (its DP state), in one store the node's :class:`Node` owns.
 
-A run's state is what a node remembers between the rounds of one run: local DP's clipping
-bound and releases, DP-SGD's steps and σ (:mod:`car_fl.client.local_dp`,
-:mod:`car_fl.client.record_dp`). A round works on a copy (:meth:`RunStates.get`) and the store
-keeps it only once the round succeeded (:meth:`RunStates.keep`), so a refused or failed round
-changes nothing. Where it lies:
-
-- a node with a worker (:mod:`car_fl.client.worker`): in memory and in
-  ``<worker folder>/runs/<run id>.state`` (0600, written atomically), so a restarted worker
-  goes on where it was;
-- a node without one: in Flower's ``context.state`` of the message, which the SuperNode keeps
-  per run and node (a ClientApp process lives for one message); the ClientApp hands it to
-  :meth:`car_fl.client.node.Node.answer` as a :class:`ContextState`.
-
-Either way :meth:`car_fl.client.node.Node.answer` is the one copy-and-keep path: it gets a copy
-from the store (:class:`RunStore`), and the store keeps it only when the round succeeded.
-
-What the state holds is never trusted for privacy beyond the run: the node's lifetime ledger
-(:mod:`car_fl.client.ledger`) is what caps a record's spend across runs.
+A round works on a copy (:meth:`RunStates.get`), kept only once it succeeded
+(:meth:`RunStates.keep`). A worker keeps them in memory and in ``runs/<run id>.state`` (0600,
+atomic); without one they live in Flower's ``context.state`` (:class:`ContextState`). Across
+runs, only the ledger caps a record's spend.
 """
 
 from __future__ import annotations
@@ -39,10 +25,8 @@ MAX_RUN_ID = 2**64 - 1
 
 
 def run_key(run: str | int) -> str:
-    """A run id as its one spelling: Flower's run ids are unsigned 64-bit integers, written
-    in ASCII digits ("07" is run 7). Anything else is refused with a ``ValueError``: a sign
-    ("-7"), an underscore ("7_0"), other scripts' digits ("٧", which ``int`` reads as 7), a
-    path."""
+    """A run id as its one spelling (an unsigned 64-bit integer in ASCII digits: "07" is run 7);
+    ``ValueError`` for anything else (a sign, "7_0", "٧", a path)."""
     text = str(run) if not isinstance(run, bool) else ""
     if not (text.isascii() and text.isdigit()) or int(text) > MAX_RUN_ID:
         raise ValueError(f"run id {run!r} is not an unsigned 64-bit integer in ASCII digits")
@@ -63,10 +47,8 @@ class RunStore(Protocol):
 
 
 class ContextState:
-    """Each run's state in Flower's ``context.state`` (a node without a worker), under its
-    run id's key prefix (``run-<id>/``): Flower 1.39 keeps ``context.state`` per run series,
-    not per run, so a new run of a series must not inherit the last one's accountant (nor be
-    refused for its mechanism). A ClientApp process lives for one message."""
+    """Each run's state in Flower's ``context.state``, under ``run-<id>/``: Flower keeps it per
+    run series, and a new run must not inherit the last one's accountant."""
 
     def __init__(self, state: RecordDict) -> None:
         self.state = state
@@ -101,7 +83,6 @@ class RunStates:
         self._states: dict[str, RecordDict] = {}
 
     def runs(self) -> list[str]:
-        """The runs whose state this store holds in memory."""
         return sorted(self._states, key=lambda run: (len(run), run))
 
     def _file(self, run: str) -> Path | None:

@@ -1,18 +1,8 @@
 """This node's training shard, ready to train on: its examples, features and retriever.
 
-The encoder is loaded at most once per process and shared by the nodes it serves
-(:func:`car_fl.model.encoder.shared_encoder`: public weights, no data); the shards a node
-read are kept by its :class:`car_fl.client.node.Node`. In ``classifier`` mode the shard's
-features come from the memory or disk cache, so a round that only needs cached features never
-loads the encoder.
-
-The node reads, deduplicates and splits its data with its own label map (the server's map
-does not decide which examples land in which split), then encodes the labels with the
-server's global map. Examples whose label that map lacks are left out of training and counted
-in the node's own log; the shard still reports all n of them (:attr:`Shard.examples`), and
-record-level DP-SGD divides by that n as if they had been sampled with a zero gradient. So
-neither whether a round fails nor anything a reply carries depends on which labels the
-node's examples have: a crafted label map learns nothing from the reply.
+The node splits its data with its own label map, then encodes the labels with the server's;
+examples whose label that map lacks are left out and counted, but n (:attr:`Shard.examples`)
+counts them, so nothing a reply carries depends on which labels the node holds.
 """
 
 from __future__ import annotations
@@ -55,8 +45,7 @@ def cached_encoder(settings: Settings) -> Encoder:
 
 
 def query_encoder(settings: Settings, num_labels: int) -> CaRRetriever:
-    """A retriever on the shared encoder that encodes a shard's queries: any head will do, a
-    classifier's."""
+    """A retriever on the shared encoder that encodes a shard's queries (any head will do)."""
     head = dataclasses.replace(settings.head, kind=HeadKind.CLASSIFIER)
     return CaRRetriever(
         cached_encoder(settings),
@@ -80,17 +69,11 @@ def shard_data(
     *,
     memory: dict[str, Shard] | None = None,
 ) -> Shard:
-    """This node's training shard as features (classifier) or token ids (adapter).
-
-    ``labels`` is the server's global label map; examples with a label outside it are left out
-    of training (and counted, in this node's log only). A node whose file is its own shard
-    (``data-is-shard``) trains on all of it; otherwise it takes its partition of the training
-    split of the full dataset. ``memory``: the shards this node already read (its
-    :class:`~car_fl.client.node.Node`'s), by a digest of everything that decides one.
-    """
+    """This node's training shard as features (classifier) or token ids (adapter), with the
+    server's label map ``labels``: all of a ``data-is-shard`` file, else its partition of the
+    training split. ``memory``: the shards already read, by a digest of what decides one."""
     memory = {} if memory is None else memory
-    # The data files' identity is in the disk key: a process that lives across runs (the
-    # node's worker) sees an edited data file as another shard
+    # the data files' identity is in the key: a worker sees an edited file as another shard
     disk_key = node_cache.shard_key(
         settings,
         partition_id=node.partition_id,
@@ -123,8 +106,7 @@ def shard_data(
 
 
 def empty_shard(settings: Settings, node: NodeInfo, labels: Sequence[str] | None) -> Shard:
-    """A shard of no example (nothing read from the data file) with the server's label map:
-    what a round releases as noise alone."""
+    """A shard of no example, with the server's label map: a round releasing noise alone."""
     label_map = LabelMap(tuple(labels or ()))
     data = prepare_for(
         settings,
@@ -139,11 +121,8 @@ def empty_shard(settings: Settings, node: NodeInfo, labels: Sequence[str] | None
 def encode_for(
     label_map: LabelMap, own_map: LabelMap, own_ids: Sequence[int], *, who: str
 ) -> tuple[list[int], list[int]]:
-    """The examples ``label_map`` can encode (their positions) and their ids in it.
-
-    ``own_ids`` index ``own_map`` (the node's own labels). The others are counted in the
-    node's log, never raised: an error naming them would reach the server.
-    """
+    """The examples ``label_map`` can encode (their positions) and their ids in it; the others
+    are counted in the node's log, never raised (an error would reach the server)."""
     kept, ids = [], []
     missing: Counter[str] = Counter()
     known = set(label_map.names)
@@ -197,11 +176,7 @@ def local_retriever(
     label_map: LabelMap,
     layout: ExpertLayout | None = None,
 ) -> CaRRetriever:
-    """A retriever to train locally; without the encoder when features are all cached.
-
-    A document head's rows come from the corpus's documents (their embeddings cached like the
-    queries'); a mixture of experts uses the server's ``layout``.
-    """
+    """A retriever to train locally; without the encoder when features are all cached."""
     documents = document_texts(settings, label_map.names)
     features = None
     standardize = settings.model.standardize is Standardize.DOCUMENTS

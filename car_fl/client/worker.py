@@ -1,22 +1,10 @@
 """The node's worker: a process beside the SuperNode that holds the encoder across rounds, runs.
 
-Own code because Flower 1.39 starts a new ClientApp process for every message (in both
-isolation modes), so nothing a ClientApp loads survives to the next round: each round would
-import torch and load the encoder again (a 2.2 GB TinyLlama, a 6.4 GB Llama-3.2-3B). The
-node's owner starts this worker next to the SuperNode (``car-fl worker``); car-fl's ClientApp
-hands it each round over a local socket (:mod:`car_fl.client.worker_link`) and returns its
-reply. The worker is the node's own code, run with the node's own configuration (data paths,
-partition, cache, device, privacy), never with node-level values from the ClientApp: it
-keeps one :class:`car_fl.client.node.Node` for its whole life and answers with
-:meth:`~car_fl.client.node.Node.answer`, what a simulated client runs.
-
-- One round at a time, whatever the run (one worker per device); each run's state (the DP
-  state Flower keeps in ``context.state`` without a worker) is the Node's
-  (:class:`car_fl.client.run_states.RunStates`), in memory and in ``runs/<id>.state`` in the
-  worker's folder, so a restarted worker goes on where it was.
-- One worker per folder (a file lock); a dead worker's socket is replaced at the next start.
-- :func:`supervise` starts the worker again when it dies (``car-fl worker`` does by default);
-  a round whose worker is gone fails with a message that says how to start it.
+Flower starts a new ClientApp process per message, so without it every round would load the
+encoder again. The ClientApp hands each round over a local socket
+(:mod:`car_fl.client.worker_link`); the worker keeps one :class:`car_fl.client.node.Node`,
+built from its own node config, and answers one round at a time. Run states persist in
+``runs/<id>.state``; one worker per folder (a file lock); :func:`supervise` restarts it.
 """
 
 from __future__ import annotations
@@ -121,12 +109,8 @@ def new_secret(folder: Path) -> bytes:
 
 @contextlib.contextmanager
 def listening(folder: Path) -> Iterator[tuple[socket.socket, bytes]]:
-    """The folder's lock, a fresh secret and the listening socket, removed again at the end.
-
-    Raises :class:`WorkerBusy` when another worker holds the folder. A dead worker's socket is
-    replaced. The socket outlives a worker process that :func:`supervise` restarts: a
-    ClientApp that connects meanwhile waits in its backlog for the next worker.
-    """
+    """The folder's lock, a fresh secret and the listening socket, removed again at the end;
+    :class:`WorkerBusy` when another worker holds the folder."""
     path = socket_path(folder)
     with hold_folder(folder), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         path.unlink(missing_ok=True)  # a dead worker's: we hold the folder's lock
@@ -240,9 +224,7 @@ class NodeWorker:
             log.info("run %d: a round starts", run_id)
             try:  # the run's state: a copy, kept only if the round succeeds (Node.answer)
                 reply = self.node.answer(
-                    decode_content(body),
-                    run_config=run_config,
-                    run=str(run_id),
+                    decode_content(body), run_config=run_config, run=str(run_id)
                 )
                 payload = encode_content(reply)
             except Exception as err:
@@ -259,8 +241,7 @@ class NodeWorker:
 
     def _policy_mismatch(self, named: object) -> str | None:
         """Why a round must be refused: the SuperNode names a privacy policy that this worker's
-        own node config does not (the worker trains with its own; a policy set on the
-        SuperNode only would silently not hold). ``None``: nothing to refuse."""
+        node config does not (it would silently not hold); ``None``: nothing to refuse."""
         if not named:
             return None
         mine = self.node_config.get(POLICY_KEY)
@@ -279,10 +260,7 @@ class NodeWorker:
 
 def serve(folder: Path, node_config: Mapping[str, Any], *, listen_fd: int | None = None) -> int:
     """Run a worker in this process until SIGTERM or SIGINT; the process's exit code.
-
-    ``listen_fd``: a listening socket inherited from :func:`supervise` (which holds the
-    folder); else this process takes the folder and listens itself.
-    """
+    ``listen_fd``: a listening socket inherited from :func:`supervise`."""
     try:
         worker = NodeWorker(folder, node_config)
     except ValueError as err:
@@ -307,14 +285,9 @@ def serve(folder: Path, node_config: Mapping[str, Any], *, listen_fd: int | None
 def supervise(
     folder: Path, command: Sequence[str], *, quick: float = 10.0, max_wait: float = 60.0
 ) -> int:
-    """Hold the worker's folder and socket; run ``command`` (a worker serving the socket, given
-    as ``--listen-fd N``) and start it again whenever it dies, until SIGTERM or SIGINT.
-
-    A worker that ends by itself with 0 or :data:`EXIT_CONFIG` is not restarted (its exit code
-    is returned). The wait before a restart doubles, up to ``max_wait`` seconds, while the
-    worker keeps dying within ``quick`` seconds of its start. ClientApps that connect while
-    it restarts wait in the socket's backlog.
-    """
+    """Hold the worker's folder and socket; run ``command`` (given ``--listen-fd N``) and start
+    it again whenever it dies, until SIGTERM or SIGINT, except after exit 0 or
+    :data:`EXIT_CONFIG`. The wait doubles, up to ``max_wait``, while it dies within ``quick``."""
     stopping = threading.Event()
     child: list[subprocess.Popen[bytes]] = []
 

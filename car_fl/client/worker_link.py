@@ -1,16 +1,8 @@
 """The ClientApp's side of the node's worker: hand it a round over a local socket, return its reply.
 
-Own framing and handshake (HMAC-SHA256 both ways, length-prefixed frames, timeouts) over a Unix
-socket, in the standard library: ``multiprocessing.connection`` does the same with HMAC-MD5 on
-Python 3.11 and has no timeouts. Imports only the standard library and Flower, so the ClientApp
-process Flower starts for every message imports neither torch nor transformers when its node
-has a worker (``tests/client/test_worker.py`` checks it in a fresh process).
-
-A worker lives in a folder of its node's owner (the node config's ``worker`` value): its socket
-``worker.sock`` and its secret ``secret``, both readable by that user only. Only a process of
-that user on the same machine can reach it, and only with the secret. What crosses: a JSON
-header and the message's ``RecordDict`` in Flower's own serialisation, each in one frame. The
-worker trains with its own node configuration; the shim sends the run's, never the node's.
+HMAC-SHA256 handshake both ways, length-prefixed frames (a JSON header, then the RecordDict)
+and timeouts over a Unix socket whose folder and secret only the node's owner can read. Imports
+only the standard library and Flower, so the ClientApp process imports no torch.
 """
 
 from __future__ import annotations
@@ -32,8 +24,7 @@ from car_fl.client.failures import Refusal
 from car_fl.protocol.failures import Failure
 from car_fl.protocol.wire import decode_content, encode_content
 
-#: The node-config key that names the worker's folder (``car_fl.settings.flower.WORKER``; not
-#: imported from there: it would import OmegaConf).
+#: The node-config key of the worker's folder (not imported: settings would load OmegaConf).
 WORKER_KEY = "worker"
 #: The node-config key of the node owner's privacy policy (``car_fl.settings.flower``'s).
 POLICY_KEY = "privacy-policy"
@@ -59,10 +50,7 @@ class WorkerUnavailable(RuntimeError):
 
 
 class WorkerFailed(Refusal):
-    """The worker ran the round and it failed there (the worker's log has the traceback).
-
-    ``failure`` is the fixed reply the worker chose for it; the ClientApp sends that code only.
-    """
+    """The worker ran the round and it failed there; ``failure`` is the fixed code it chose."""
 
 
 def worker_folder(node_config: Mapping[str, Any]) -> Path | None:
@@ -238,13 +226,8 @@ def hand_over(
     content: RecordDict,
     policy: object = None,
 ) -> RecordDict:
-    """Have the node's worker answer a train message; the reply's content.
-
-    ``run_config`` is the run's (the server's) configuration; the worker adds its own node
-    configuration. ``run_id`` keeps each run's state apart in the worker. ``policy``: the
-    privacy policy in the SuperNode's node config, which the worker's own must name too (an
-    owner who set it on the SuperNode only would otherwise train without it).
-    """
+    """Have the node's worker answer a train message; the reply's content. ``policy``: the
+    SuperNode's privacy policy, which the worker's own node config must name too."""
     header = {"kind": "train", "run-id": int(run_id), "run-config": dict(run_config)}
     if policy:
         header["policy"] = str(policy)

@@ -1,10 +1,7 @@
 """The Hugging Face Hub out of reach, found in seconds: the Hub's loaders then read the cache only.
 
-Own code because ``huggingface_hub`` retries an unreachable Hub five times with back-off
-(about 25 s per file, each retry logged twice) before a loader gives up, and it cannot be told
-to try once. :func:`offline_unless_reachable` asks the Hub once, with a short timeout; when no
-answer comes it turns on the Hub's own offline mode (``HF_HUB_OFFLINE``) for this process, so
-that a cached model loads at once and one that is not cached fails at once, in one error.
+``huggingface_hub`` retries an unreachable Hub for ~25 s per file; :func:`offline_unless_reachable`
+asks once, with a short timeout, and otherwise sets ``HF_HUB_OFFLINE`` for this process.
 """
 
 from __future__ import annotations
@@ -34,11 +31,8 @@ def offline_set() -> bool:
 
 
 def unreachable(timeout: float = PROBE_SECONDS) -> str | None:
-    """Why the Hub cannot be reached (no answer within ``timeout`` seconds), or ``None``.
-
-    Any HTTP answer, an error status included, means the Hub is there. The request runs in a
-    daemon thread, so a name lookup that never returns cannot hold the caller.
-    """
+    """Why the Hub cannot be reached (no answer within ``timeout`` seconds), or ``None``; any
+    HTTP answer means it is there. Asked in a daemon thread (a lookup may never return)."""
     url = endpoint()
     why = [f"the Hub at {url} did not answer within {timeout:g} s"]
 

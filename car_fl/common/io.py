@@ -1,9 +1,7 @@
 """Atomic file writes: a temporary file in the same folder, fsync'd, then renamed over the target.
 
-A crash mid-write leaves the previous file intact; readers never see a partial file. The
-temporary file is created with mode 0666 less the process's umask, as ``open()`` would
-create the target (``tempfile.mkstemp`` makes it 0600: a colleague could not read results),
-and keeps that mode whatever the writer does (safetensors recreates its file 0600).
+Readers never see a partial file. The file gets mode 0666 less the umask, as ``open()`` would
+(not ``mkstemp``'s 0600), whatever the writer does.
 """
 
 from __future__ import annotations
@@ -19,11 +17,8 @@ from typing import Any
 def atomic_write(
     path: str | Path, write: Callable[[Path], None], *, mode: int | None = None
 ) -> Path:
-    """Call ``write(tmp_path)`` and rename the result to ``path``.
-
-    The file is 0666 less the umask, or exactly ``mode`` (e.g. 0o600 for a secret) from the
-    moment it is created; a writer that recreates the file does not change that.
-    """
+    """Call ``write(tmp_path)`` and rename the result to ``path``; the file is 0666 less the
+    umask, or exactly ``mode``, from the moment it is created."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = _new_file(target.parent, prefix=f".{target.name}.", suffix=".tmp", mode=mode)
@@ -42,8 +37,7 @@ def atomic_write(
 
 
 def _new_file(folder: Path, *, prefix: str, suffix: str, mode: int | None = None) -> Path:
-    """Create an empty file with a fresh random name in ``folder``: 0666 less the umask, or
-    exactly ``mode``."""
+    """Create an empty file with a fresh random name in ``folder`` (mode as atomic_write)."""
     create = 0o666 if mode is None else mode
     while True:
         path = folder / f"{prefix}{secrets.token_hex(6)}{suffix}"

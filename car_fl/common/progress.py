@@ -1,11 +1,7 @@
 """Progress bars that draw on a terminal only: a log file of a long run stays readable.
 
-tqdm with ``disable=None`` turns itself off when its stream is not a terminal; the per-round
-and per-epoch log lines say where a run is instead, and a loop without its bar that runs long
-(an adapter epoch through a real LM: many minutes; a split's feature extraction) logs where it
-is after 10 s, then at doubling gaps up to :data:`HEARTBEAT_SECONDS`, and that it is done
-(:func:`heartbeat`), so a headless run is never silent for long. Hugging Face's own bars
-(loading weights, writing shards) follow the same rule through :func:`quiet_hub_bars`.
+Without a terminal a long loop logs where it is instead (:func:`heartbeat`, at doubling gaps);
+Hugging Face's bars follow the same rule (:func:`quiet_hub_bars`).
 """
 
 from __future__ import annotations
@@ -35,8 +31,7 @@ def on_terminal() -> bool:
 
 
 def bar(iterable: Iterable[T], *, desc: str, unit: str, enabled: bool = True) -> Iterable[T]:
-    """``iterable`` with a progress bar when ``enabled`` and stderr is a terminal; otherwise
-    with a :func:`heartbeat` in the log."""
+    """``iterable`` with a bar when ``enabled`` and stderr is a terminal, else a heartbeat."""
     if enabled and on_terminal():
         return tqdm(iterable, desc=desc, unit=unit, leave=False)
     return heartbeat(iterable, desc=desc, unit=unit)
@@ -50,10 +45,8 @@ def heartbeat(
     every: float = HEARTBEAT_SECONDS,
     first: float = FIRST_HEARTBEAT_SECONDS,
 ) -> Iterator[T]:
-    """``iterable``, logging where it is ("epoch 1: step 120 of 233 in 241 s, about 230 s
-    left") ``first`` seconds after the start, then at twice the last gap, at most ``every``
-    seconds apart; and, for a loop that took :data:`DONE_SECONDS` or more, that it is done.
-    A short loop logs nothing."""
+    """``iterable``, logging where it is ``first`` seconds after the start, then at twice the
+    last gap (at most ``every``), and that it is done after :data:`DONE_SECONDS` or more."""
     total = len(iterable) if isinstance(iterable, Sized) else None
     start = last = time.monotonic()
     gap = min(first, every)

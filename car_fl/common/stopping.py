@@ -25,8 +25,7 @@ def running(proc: psutil.Process) -> bool:
 
 
 def end_processes(procs: Iterable[psutil.Process], *, grace: float = GRACE) -> list[int]:
-    """End ``procs`` (SIGTERM, then SIGKILL after ``grace`` seconds); the PIDs of those that
-    were still running."""
+    """End ``procs`` (SIGTERM, SIGKILL after ``grace`` s); the PIDs of those still running."""
     alive = [p for p in procs if running(p)]
     for proc in alive:
         with contextlib.suppress(psutil.Error):
@@ -40,8 +39,7 @@ def end_processes(procs: Iterable[psutil.Process], *, grace: float = GRACE) -> l
 
 
 def carrying(variable: str, value: str) -> list[psutil.Process]:
-    """This user's running processes whose environment holds ``variable=value`` (not this
-    process itself)."""
+    """This user's running processes whose environment holds ``variable=value`` (not this)."""
     found = []
     for proc in psutil.process_iter():
         if proc.pid == psutil.Process().pid:

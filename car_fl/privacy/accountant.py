@@ -1,34 +1,11 @@
 """Privacy spent, one way for every party: dp-accounting's PLD accountant under replace-one.
 
-One interface (:class:`Accountant`, Opacus's shape: :meth:`~Accountant.step` with a release's
-mechanism parameters, :meth:`~Accountant.get_epsilon` for a δ, a :meth:`~Accountant.state_dict`
-that names its mechanism and is checked on load) composes every release: a client's report of
-its run, the server's own figure for each node (:mod:`car_fl.server.privacy_check`) and the
-node's lifetime ledger (:mod:`car_fl.client.ledger`). The same releases give the same ε
-everywhere.
-
-Neighbouring datasets differ by one record **replaced**: that is what holds while a node's
-example count n is a public value or travels un-noised (the add-or-remove relation changes n),
-and it is the only relation under which dp-accounting's PLD handles Poisson-sampled DP-SGD
-steps and plain Gaussian releases alike (its RDP accountant has no replace-one sampling). The
-releases:
-
-- ``gaussian``: one client-level local-DP release (``dp=fixed|adaptive``, or one step of
-  ``dp.granularity=step``) of multiplier μ = noise std / (2C), the sensitivity 2C being that of
-  replacing the client's *whole* data, so also of replacing one record. Under replace-one
-  dp-accounting reads ``GaussianDpEvent(s)`` with sensitivity 2, so the release is
-  ``GaussianDpEvent(2μ)`` there. The private adaptive rule's update and clipped-indicator
-  (sensitivity 1, multiplier σ_b) compose exactly into one Gaussian of multiplier
-  (μ₁⁻² + μ₂⁻²)^(−1/2) (:func:`combined_multiplier`).
-- ``dpsgd``: record-level DP-SGD steps, ``PoissonSampledDpEvent(q, GaussianDpEvent(σ))``.
-- ``non-private``: a release with no noise (``dp=none``, a warm-up round, the non-private
-  adaptive rules). Its ε is infinite: a run's figure becomes ∞, and a ledger counts them apart.
-
-Gaussian releases compose exactly into one (k of multiplier μ are one of μ/√k), whose ε is
-the analytic Gaussian mechanism's (exact; PLD is a discretised upper bound of it, < 0.1 %
-above). DP-SGD steps, and mixtures, go through the PLD. ε is cached per (releases, δ), so a
-ledger of thousands of entries composes in milliseconds. Before this one accountant, local-DP
-runs were accounted with Rényi DP, which reports a 3-7 % larger ε for the same releases.
+:class:`Accountant` composes every release (a client's report, the server's figure per node,
+the node's lifetime ledger), so the same releases give the same ε everywhere. Replace-one
+holds while n is public or un-noised. Releases: ``gaussian`` (client-level, μ = std / (2C),
+``GaussianDpEvent(2μ)`` under replace-one), ``dpsgd`` (``PoissonSampledDpEvent(q, σ)``),
+``non-private`` (ε = ∞). Gaussian releases compose exactly into one (analytic Gaussian
+mechanism); DP-SGD steps and mixtures go through the PLD. See docs/privacy.md, 'Privacy spent'.
 """
 
 from __future__ import annotations
@@ -36,16 +13,14 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from enum import StrEnum
 from functools import lru_cache
 from typing import Any
 
-#: The accounting every figure uses; a saved accountant state names it and is refused under
-#: another one (its ε would not be comparable).
+#: The accounting every figure uses; a saved state under another one is refused.
 MECHANISM = "pld-replace-one"
-#: The PLD accountant's discretisation of privacy-loss values: 10× its default, 10× faster,
-#: and still a pessimistic (valid) upper bound; ε differs from the default's by < 0.1 %.
+#: The PLD's discretisation: 10× its default, 10× faster, still an upper bound (< 0.1 % off).
 VALUE_DISCRETIZATION = 1e-3
 #: Sensitivity of the clipped-indicator bᵢ ∈ {0, 1} when one client's data is replaced.
 INDICATOR_SENSITIVITY = 1.0
@@ -81,10 +56,8 @@ class ReleaseKind(StrEnum):
 @dataclass(frozen=True)
 class Release:
     """``count`` identical releases (``gaussian``, ``non-private``) or DP-SGD steps (``dpsgd``).
-
-    ``noise_multiplier``: μ = std / (2C) for ``gaussian``, σ for ``dpsgd``. ``sample_rate``: q
-    for ``dpsgd`` (1 otherwise).
-    """
+    ``noise_multiplier``: μ = std / (2C) for ``gaussian``, σ for ``dpsgd``. ``sample_rate``: q for
+    ``dpsgd`` (1 otherwise)."""
 
     kind: ReleaseKind
     count: int
@@ -124,12 +97,7 @@ class Release:
         return dp_accounting.SelfComposedDpEvent(one, self.count)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind.value,
-            "count": self.count,
-            "noise_multiplier": self.noise_multiplier,
-            "sample_rate": self.sample_rate,
-        }
+        return {**asdict(self), "kind": self.kind.value}
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> Release:
@@ -154,7 +122,6 @@ def grouped(releases: Iterable[Release]) -> list[Release]:
 
 
 def non_private_count(releases: Iterable[Release]) -> int:
-    """How many of the releases carried no noise at all."""
     return sum(r.count for r in releases if not r.private)
 
 
@@ -164,14 +131,9 @@ def _check_delta(delta: float) -> None:
 
 
 def gaussian_epsilon(mu: float, delta: float) -> float:
-    """Exact ε at δ of one Gaussian release of multiplier μ (sensitivity 1, std μ), by the
-    analytic Gaussian mechanism (Balle & Wang, 2018, Thm. 8):
-    δ(ε) = Φ(1/(2μ) − εμ) − e^ε·Φ(−1/(2μ) − εμ), solved for ε.
-
-    Written here (scipy's ``log_ndtr`` and ``brentq``) because dp-accounting's PLD of a
-    Gaussian with little noise needs a grid of privacy-loss values that grows as 1/μ² (tens of
-    GiB at μ = 0.005); this is exact and needs none. k releases of μ are one of μ/√k.
-    """
+    """Exact ε at δ of one Gaussian release of multiplier μ, by the analytic Gaussian mechanism
+    (Balle & Wang, 2018, Thm. 8): δ(ε) = Φ(1/(2μ) − εμ) − e^ε·Φ(−1/(2μ) − εμ), solved for ε. Not
+    dp-accounting's PLD: its grid grows as 1/μ² (tens of GiB at μ = 0.005)."""
     from scipy.optimize import brentq
     from scipy.special import log_ndtr, ndtr
 
@@ -194,16 +156,13 @@ def gaussian_epsilon(mu: float, delta: float) -> float:
     return float(brentq(excess, high / 2 if high > 1 else 0.0, high, xtol=1e-12, rtol=1e-12))
 
 
-#: Below this multiplier :func:`gaussian_epsilon` reports ε = ∞ (the true ε, ~1/(2μ²), is
-#: beyond 10¹¹ and beyond what its floating-point evaluation resolves).
+#: Below this multiplier :func:`gaussian_epsilon` reports ε = ∞ (beyond 10¹¹ and floats).
 TINY_MULTIPLIER = 1e-6
-#: Below this combined multiplier a Gaussian part is not put in a PLD (see
-#: :func:`gaussian_epsilon`); with DP-SGD steps beside it, the two are then composed basically
-#: at δ/2 each, a valid and pessimistic bound (ε that large means little anyway).
+#: Below this combined multiplier a Gaussian part is not put in a PLD; beside DP-SGD steps the
+#: two are composed basically at δ/2 each (a valid, pessimistic bound).
 PLD_GAUSSIAN_FLOOR = 0.05
-#: Below this σ DP-SGD steps are not put in a PLD either (its grid grows as 1/σ²: 1.3 GB and
-#: 32 s for one step at σ = 0.02, and a server chooses σ): k steps are accounted as the one
-#: Gaussian of multiplier σ/(2√k) they are at most without sampling, a valid upper bound.
+#: Below this σ DP-SGD steps are accounted as the Gaussian of multiplier σ/(2√k) that bounds
+#: them without sampling (the PLD grid grows as 1/σ²: 1.3 GB at σ = 0.02).
 PLD_DPSGD_FLOOR = 0.1
 
 
@@ -245,22 +204,14 @@ def _epsilon(private: tuple[Release, ...], delta: float) -> float:
 
 
 def private_epsilon(releases: Iterable[Release], delta: float) -> float:
-    """ε at δ of the *private* releases together; 0 with none. Non-private releases are left
-    out (a ledger reports how many there were beside this figure, :func:`non_private_count`).
-
-    Gaussian releases alone: exact (:func:`gaussian_epsilon`); with DP-SGD steps: one PLD.
-    """
+    """ε at δ of the *private* releases together (non-private ones left out); 0 with none."""
     _check_delta(delta)
     private = tuple(r for r in grouped(releases) if r.private)
     return _epsilon(private, float(delta)) if private else 0.0
 
 
 class Accountant:
-    """The releases one party has seen of one data owner, and the ε they spend.
-
-    ``step`` adds releases, ``get_epsilon(δ)`` composes them all (∞ once any is non-private),
-    ``state_dict``/``load_state_dict`` save and restore them with :data:`MECHANISM` checked.
-    """
+    """The releases one party has seen of one data owner, and the ε they spend."""
 
     mechanism = MECHANISM
 
@@ -275,10 +226,8 @@ class Accountant:
         sample_rate: float = 1.0,
         count: int = 1,
     ) -> None:
-        """Account for ``count`` releases of ``kind``: ``gaussian`` (client-level multiplier μ
-        = std / (2C)), ``dpsgd`` (steps of noise multiplier σ at sampling rate q) or
-        ``non-private``. The kind is required: read as a Gaussian release's μ, a DP-SGD step's
-        σ at q = 1 would be credited twice its noise."""
+        """Account for ``count`` releases of ``kind``. The kind is required: read as a Gaussian
+        release's μ, a DP-SGD step's σ at q = 1 would be credited twice its noise."""
         kind = ReleaseKind(kind)
         mu = noise_multiplier if kind is not ReleaseKind.NON_PRIVATE else 0.0
         self.add(Release(kind, count, noise_multiplier=mu, sample_rate=sample_rate))
@@ -294,8 +243,7 @@ class Accountant:
         return private_epsilon(self.history, delta)
 
     def private_epsilon(self, delta: float) -> float:
-        """ε at δ of the *private* releases alone (a ledger reports the non-private ones
-        beside it, :func:`non_private_count`); 0 with none."""
+        """ε at δ of the *private* releases alone; 0 with none."""
         return private_epsilon(self.history, delta)
 
     def would_spend(self, delta: float, *releases: Release) -> float:
@@ -326,13 +274,8 @@ class Accountant:
 
 
 def epsilon(releases: Mapping[float, int], delta: float) -> float:
-    """ε at δ of Gaussian local-DP releases (multiplier μ → count); ∞ if one had μ = 0: the
-    :class:`Accountant` fed from a table, for tests and scripts that write one (every party of
-    a run holds an :class:`Accountant` and steps it per release).
-
-    A multiplier of 0 also stands for a release that is not private at all (the linear
-    adaptive rule, the ``bound`` noise rule), so any such release makes ε infinite.
-    """
+    """ε at δ of Gaussian local-DP releases (multiplier μ → count), for tests and scripts; a
+    multiplier of 0 is a non-private release and makes ε infinite."""
     accountant = Accountant()
     for mu, count in releases.items():
         if count > 0:

@@ -1,9 +1,6 @@
 """Adaptive clipping on one client, as pure functions: the private geometric rule and the paper's.
 
-Own code: Flower's adaptive clipping adds central noise on the server and Opacus has no
-client-level adaptive rule, so the local variant of Andrew et al. (2021) is written here.
-
-Private (``dp.adaptive_rule=geometric``, Andrew et al. 2021, one client's own bound):
+Private (``dp.adaptive_rule=geometric``, the local variant of Andrew et al. 2021):
     bᵢ = 1[‖Δ‖ ≤ Cᵢ],  b̃ᵢ = bᵢ + N(0, σ_b²),  Cᵢ ← Cᵢ·exp(−η_C·(b̃ᵢ − γ))
     The update is sent with noise z_Δ·Cᵢ, z_Δ = (z⁻² − (2σ_b)⁻²)^(−1/2), so update and
     indicator together cost exactly one Gaussian release of noise multiplier z (see
@@ -63,8 +60,7 @@ def linear_clip(clip_bound: float, norm: float, *, rate: float, target: float) -
 def bound_noise_std(
     z_delta: float, clip_bound: float, norm: float, *, rate: float, target: float
 ) -> float:
-    """Algorithm 1's variance bound as a standard deviation (not private: uses the raw norm):
-    sqrt(2·z_Δ²·((1 − β)²·Cᵢ² + β²·γ²·‖Δ‖²))."""
+    """Algorithm 1's variance bound as a std (not private: uses the raw norm ‖Δ‖)."""
     return math.sqrt(
         2.0 * z_delta**2 * ((1 - rate) ** 2 * clip_bound**2 + rate**2 * target**2 * norm**2)
     )

@@ -7,22 +7,11 @@ One step (Abadi et al. 2016, with Poisson sampling as accounted in
     gᵢ = ∇θ ℓ(θ; xᵢ, yᵢ)                                          (per-example gradients)
     g  = (Σᵢ∈B gᵢ · min(1, C/‖gᵢ‖) + N(0, σ²C²·I)) / (q·n)        (clip, sum, noise, normalise)
 
-then the optimiser steps with g as the gradient. ‖gᵢ‖ is the norm over all trainable tensors
-together; with ``dp.adapter_clip`` = C_a (adapter+classifier mode) the adapter's part of gᵢ is
-clipped to C_a and the head's to √(C² − C_a²) instead, so ‖clipped gᵢ‖ ≤ C still and the noise
-and ε are unchanged (:func:`~car_fl.privacy.mechanism.record_part_bounds`). Dividing by
-the expected batch size q·n (not |B|, which is data-dependent) keeps the step a
-post-processing of the Gaussian mechanism.
-
-Per-example gradients come from ``torch.func``: ``vmap(grad(...))`` over cached features
-(classifier mode). Through the frozen encoder (adapter + classifier mode) the clipped sum comes
-from batched passes and the adapter's ghost norms (:mod:`car_fl.privacy.ghost`); a model it does
-not fit (:func:`~car_fl.privacy.ghost.supports_ghost` says which) takes autograd of one
-unpadded example at a time (``functional_call``
-+ ``torch.autograd.grad``): Hugging Face's attention-mask code branches on tensor values, which
-``vmap`` cannot trace, and ``torch.func.grad`` in a loop measured 4.5× slower than autograd.
-Sampling and noise come from OS entropy (:mod:`car_fl.privacy.noise`), the noise on the
-parameters' device.
+then the optimiser steps with g. ‖gᵢ‖ is over all trainable tensors, or per part with
+``dp.adapter_clip`` (still ≤ C). Dividing by q·n, not the data-dependent |B|, keeps the step a
+post-processing of the Gaussian mechanism. Per-example gradients: ``vmap(grad(...))`` over
+cached features; through the frozen encoder, ghost norms (:mod:`car_fl.privacy.ghost`), else
+autograd of one unpadded example at a time (Hugging Face's mask code defeats ``vmap``).
 """
 
 from __future__ import annotations
@@ -45,11 +34,8 @@ Tensors = dict[str, torch.Tensor]
 def poisson_sample(
     n: int, rate: float, *, generator: torch.Generator | None = None
 ) -> torch.Tensor:
-    """Indices ``(k,)`` of the examples in one Poisson-sampled batch: each with probability q.
-
-    The batch may be empty. Without ``generator`` the draw uses a fresh OS-entropy generator:
-    the server must not be able to tell which examples a step used.
-    """
+    """Indices ``(k,)`` of one Poisson-sampled batch (maybe empty), from OS entropy unless
+    ``generator`` is given: the server must not tell which examples a step used."""
     if not 0 < rate <= 1:
         raise ValueError(f"dp.sample_rate (q) must be in (0, 1], got {rate}")
     gen = generator if generator is not None else secure_generator("cpu")
@@ -66,12 +52,8 @@ def per_example_gradients(
     input_ids: Sequence[torch.Tensor] | None = None,
 ) -> tuple[Tensors, torch.Tensor, torch.Tensor]:
     """∇θ ℓ for every example: ``{name: (batch, *shape)}``, plus each loss and each argmax.
-
-    ``model(features=…, labels=…)`` or ``model(ids, mask, labels=…)`` must return
-    ``(logits, loss)`` (:class:`car_fl.model.retriever.CaRRetriever`); ``params`` are the trainable
-    tensors by name (the others stay as they are in ``model``). Give ``features`` ``(batch, d)``
-    or one token-id tensor per example in ``input_ids``.
-    """
+    ``model`` returns ``(logits, loss)``; give ``features`` ``(batch, d)`` or one token-id tensor
+    per example in ``input_ids``."""
 
     def loss_of(
         p: Mapping[str, torch.Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -145,15 +127,9 @@ def clipped_gradient_sum(
     input_ids: Sequence[torch.Tensor] | None = None,
     chunk_elements: int = CHUNK_ELEMENTS,
 ) -> tuple[Tensors, torch.Tensor, torch.Tensor]:
-    """Σᵢ gᵢ · min(1, C/‖gᵢ‖) over the batch, plus each loss and each argmax (with
-    ``adapter_clip``, each part of gᵢ clipped to its own bound:
-    :func:`~car_fl.privacy.mechanism.clip_per_example`).
-
-    Never holds more than ``chunk_elements`` per-example gradient values: ``vmap`` over chunks
-    of examples; for token ids, batched passes and ghost norms (:mod:`car_fl.privacy.ghost`)
-    where the model fits, else (and for models whose ``per_example_loop`` is true: routing
-    that ``vmap`` cannot trace) one example at a time, each clipped and added as it comes.
-    """
+    """Σᵢ gᵢ · min(1, C/‖gᵢ‖) over the batch, plus each loss and each argmax. Holds at most
+    ``chunk_elements`` per-example gradient values: ``vmap`` over chunks, ghost norms for token ids
+    where the model fits, else one example at a time."""
     if not clip > 0:
         raise ValueError(f"dp.clip (the per-example bound C) must be > 0, got {clip}")
     device = next(iter(params.values())).device
@@ -230,14 +206,9 @@ def dpsgd_step(
     generator: torch.Generator | None = None,
     penalty: Callable[[], torch.Tensor | None] | None = None,
 ) -> StepResult:
-    """One DP-SGD step on a sampled batch: set each parameter's ``.grad`` and step.
-
-    ``optimizer`` is a ``torch.optim.Optimizer`` (or anything with ``step``) over
-    ``params``. ``noise_multiplier`` σ gives noise std σ·C, with or without ``adapter_clip``
-    (each example's clipped gradient has norm ≤ C either way). ``penalty`` (the adapter's
-    identity anchor) is a function of the parameters alone: its gradient is added to the
-    noised one unclipped, post-processing of the release that costs no ε.
-    """
+    """One DP-SGD step on a sampled batch: noise std σ·C, set each ``.grad`` and step. ``penalty``
+    depends on the parameters alone: its gradient is added unclipped to the noised one
+    (post-processing, no ε)."""
     detached = {k: p.detach() for k, p in params.items()}
     summed, losses, predicted = clipped_gradient_sum(
         model,

@@ -1,20 +1,9 @@
 """DP-SGD through the frozen encoder from batched passes: per-example clipping by ghost norms.
 
-Ours rather than Opacus's ``GradSampleModule``: the only trainable module before the pooled
-features is the adapter, applied token by token (``a = ADP(x)``), so one batched backward
-gives every example's gradient at the adapter's output, ``gₜ = ∂ℓᵢ/∂aₜ`` (examples never mix
-in an attention model that takes position ids and the mask: :func:`supports_ghost` says
-which). From ``x`` and ``g`` each adapter kind gives its per-example norms and clipped sum
-(:mod:`car_fl.adapters`): the full d×d one without building any d×d per-example matrix,
-
-    ‖Gᵢ‖² = Σₜ,ₛ (gₜ·gₛ)(xₜ·xₛ)                       (ghost clipping, Li et al. 2022)
-
-and ``Σᵢ cᵢ Gᵢ = Σᵢ,ₜ cᵢ gₜ xₜᵀ``, one contraction; a low-rank or diagonal one from its small
-per-example gradients. The head's per-example gradients come from ``torch.func`` over the
-pooled features, as in classifier mode. One step costs a batched forward and backward
-through the frozen LM instead of one per example (:func:`car_fl.privacy.dpsgd.clipped_gradient_sum`
-uses this whenever the model allows it); the result is the per-example loop's, which
-``tests/privacy/test_ghost.py`` checks on a real Llama class with padding on either side.
+The adapter is the only trainable module before pooling and acts token by token, so one
+batched backward gives each example's ``gₜ = ∂ℓᵢ/∂aₜ``; each adapter kind turns ``x`` and ``g``
+into per-example norms and a clipped sum (the full one by ghost clipping, Li et al. 2022:
+‖Gᵢ‖² = Σₜ,ₛ (gₜ·gₛ)(xₜ·xₛ)). The result equals the per-example loop's.
 """
 
 from __future__ import annotations
@@ -41,15 +30,9 @@ CHUNK = 32
 
 
 def supports_ghost(model: nn.Module, params: Mapping[str, torch.Tensor]) -> bool:
-    """Whether ``model`` fits: a retriever with an encoder whose trainable tensors are the
-    adapter and tensors that act on pooled features only (no routing head that needs one
-    example at a time, no head that re-encodes its documents through the adapter), and whose
-    examples cannot interact in a padded batch. That last is DP's sensitivity argument (one
-    record changes its own share of the sum only), so it is granted only to models that take
-    position ids and the mask (attention, where a pad changes nothing for the real tokens) and
-    run no code of their own: a recurrent model that ignores the mask (RWKV under left
-    padding) makes a record's gradient depend on how long the other records of its batch are.
-    Everything else takes the per-example loop."""
+    """Whether ``model`` fits: its trainable tensors are the adapter and tensors on pooled
+    features only, and its examples cannot interact in a padded batch (DP's sensitivity
+    argument), so only models taking position ids and the mask, with no remote code."""
     if not getattr(model, "has_encoder", False) or getattr(model, "per_example_loop", True):
         return False
     adapter = adapter_names(model)
@@ -82,16 +65,7 @@ def ghost_clipped_sum(
     chunk: int = CHUNK,
 ) -> tuple[Tensors, torch.Tensor, torch.Tensor]:
     """Σᵢ gᵢ · min(1, C/‖gᵢ‖) over the batch, each loss and each argmax, in the input order.
-
-    The adapter is applied with the model's own parameters: ``params`` names which tensors are
-    summed and must hold the model's current values (as :func:`car_fl.privacy.dpsgd.dpsgd_step`
-    passes them), not other values to take gradients at.
-
-    ‖gᵢ‖ is the norm over the adapter and the head together, or with ``adapter_clip`` each
-    part is clipped to its own bound (:func:`car_fl.privacy.mechanism.record_clip_factors`).
-    An example whose gradient is not finite contributes zero (as
-    :func:`car_fl.privacy.mechanism.clip_per_example`).
-    """
+    ``params`` must hold the model's current values. A non-finite example contributes zero."""
     if not clip > 0:
         raise ValueError(f"dp.clip (the per-example bound C) must be > 0, got {clip}")
     device = next(iter(params.values())).device

@@ -1,10 +1,7 @@
 """The local DP mechanism as pure functions of tensors: norms, clipping, the noised release.
 
-Send θ + min(1, C/‖Δ‖)·Δ + N(0, s²·I), with Δ = θᵢ − θ over all sent tensors together, or
-part by part (:func:`privatize_parts`: each part with its own bound and noise, e.g. the
-adapter and the head). The noise comes from :mod:`car_fl.privacy.noise` (OS entropy, on the
-tensors' device and dtype). The adaptive rules for C live in :mod:`car_fl.privacy.adaptive`.
-DP-SGD's per-example clipping (joint, or the adapter and the head apart) lives here too.
+Send θ + min(1, C/‖Δ‖)·Δ + N(0, s²·I), Δ = θᵢ − θ over all sent tensors together or part by
+part (:func:`privatize_parts`); also DP-SGD's per-example clipping (joint or per part).
 """
 
 from __future__ import annotations
@@ -69,7 +66,6 @@ def check_finite(tensors: State, *, who: str) -> None:
 
 
 def difference(after: State, before: State) -> dict[str, torch.Tensor]:
-    """Δ = after − before, tensor by tensor."""
     return {k: after[k] - before[k] for k in before}
 
 
@@ -82,18 +78,15 @@ def clip_factor(norm: float, bound: float) -> float:
 
 def clip_factors(norms: torch.Tensor, bound: float) -> torch.Tensor:
     """Per example, min(1, C/‖gᵢ‖) (times :data:`SHRINK` where it clips), and 0 where ‖gᵢ‖
-    is not finite: such an example (its loss overflowed) adds nothing, which is within the
-    bound, and neither poisons the step nor fails the round (either would tell the server
-    about it)."""
+    is not finite: such an example adds nothing, so it can neither poison the step nor fail
+    the round (either would tell the server about it)."""
     factors = torch.where(norms > bound, bound * SHRINK / norms, torch.ones_like(norms))
     return torch.where(torch.isfinite(norms), factors, torch.zeros_like(factors))
 
 
 def record_part_bounds(clip: float, adapter_clip: float) -> tuple[float, float]:
-    """DP-SGD's bounds per part: the adapter's per-example gradient to C_a = ``dp.adapter_clip``,
-    the head's to √(C² − C_a²), so that the whole gradient's norm is still at most C: the
-    sensitivity that the noise σ·C and every party's ε are computed for stays C (per-layer
-    clipping, McMahan et al. 2018). Needs 0 < C_a < C."""
+    """DP-SGD's bounds per part: the adapter's to C_a = ``dp.adapter_clip``, the head's to
+    √(C² − C_a²), so the whole gradient's norm, the sensitivity, is still at most C."""
     if not 0 < adapter_clip < clip:  # the settings check it first, naming the keys
         raise ValueError(f"the adapter's bound {adapter_clip:g} is not in (0, C={clip:g})")
     return adapter_clip, clip * math.sqrt(1.0 - (adapter_clip / clip) ** 2)  # no C² overflow
@@ -105,9 +98,8 @@ def record_clip_factors(
     clip: float,
     adapter_clip: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per example, the factors for its adapter's and its head's gradient, from their squared
-    norms: both min(1, C/‖gᵢ‖) over the two together, or (``adapter_clip`` set) each part to
-    its bound from :func:`record_part_bounds`. Both 0 where either norm is not finite."""
+    """Per example, the factors for its adapter's and its head's gradient: joint, or (with
+    ``adapter_clip``) each part to its bound. Both 0 where either norm is not finite."""
     if adapter_clip is None:
         joint = clip_factors((adapter_squares + rest_squares).clamp(min=0).sqrt(), clip)
         return joint, joint
@@ -120,10 +112,8 @@ def record_clip_factors(
 
 
 def scale_per_example(grads: State, factors: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Each example's row of every tensor times its factor, in float32 at least (a bf16
-    product's rounding, 2⁻⁹, could carry a clipped row ~0.5 % above its bound); exactly 0
-    where the factor is (``0 · NaN`` would be NaN). The factors may be on another device (the
-    CPU, from :func:`in_float64`'s sums); the rows stay on theirs."""
+    """Each example's row of every tensor times its factor, in float32 at least (bf16's
+    rounding could carry a clipped row above its bound); exactly 0 where the factor is."""
     scaled = {}
     for k, g in grads.items():
         wide = g.to(torch.promote_types(g.dtype, torch.float32))
@@ -136,8 +126,7 @@ def scale_per_example(grads: State, factors: torch.Tensor) -> dict[str, torch.Te
 def per_example_squares(
     grads: Mapping[str, torch.Tensor], names: Sequence[str] | None = None
 ) -> torch.Tensor:
-    """Σ ‖gᵢ‖² over the tensors ``names`` (default: all): ``(batch,)``, in float64 (on the CPU
-    for MPS tensors: :func:`in_float64`)."""
+    """Σ ‖gᵢ‖² over the tensors ``names`` (default: all): ``(batch,)``, in float64."""
     names = list(grads) if names is None else list(names)
     first = next(iter(grads.values()))
     device = float64_device(first.device)
@@ -155,15 +144,8 @@ def per_example_norms(grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
 def clip_per_example(
     grads: Mapping[str, torch.Tensor], bound: float, adapter_bound: float | None = None
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """gᵢ · min(1, C/‖gᵢ‖) for every example; also returns the norms before clipping.
-
-    With ``adapter_bound`` (and adapter tensors among ``grads``) the adapter's and the head's
-    parts are clipped apart (:func:`record_clip_factors`). With
-    C = ∞ every factor is exactly 1 and the gradients come back unchanged. A gradient with NaN
-    or inf (an example whose loss overflowed) becomes zero, which is within the bound: one
-    such example must neither poison the step nor make the round fail, since either would tell
-    the server about that example.
-    """
+    """gᵢ · min(1, C/‖gᵢ‖) for every example (parts apart with ``adapter_bound``), and the
+    norms before clipping. A non-finite gradient becomes zero (:func:`clip_factors`)."""
     if not bound > 0:
         raise ValueError(f"dp.clip (the per-example bound C) must be > 0, got {bound}")
     adapter, rest = split_adapter(grads)
@@ -187,13 +169,7 @@ def privatize(
     delta: State | None = None,
 ) -> tuple[dict[str, torch.Tensor], float]:
     """θ + clip(θᵢ − θ, C) + N(0, std²·I); returns the release and ‖Δ‖ before clipping.
-
-    The noise is drawn from OS entropy on each tensor's device, in its dtype;
-    ``generator`` is for tests that need exact values, never for runs. When no clipping is
-    needed the update is not recomputed (θ + (θᵢ − θ) may differ from θᵢ in the last bit), so
-    a huge C with zero noise gives back θᵢ exactly. ``delta`` may be passed when the caller
-    already computed θᵢ − θ.
-    """
+    ``generator`` is for tests only. Without clipping or noise θᵢ comes back exactly."""
     if not std >= 0:
         raise ValueError(f"noise standard deviation must be >= 0, got {std}")
     delta = delta if delta is not None else difference(after, before)
@@ -226,11 +202,8 @@ def privatize_parts(
     generator: torch.Generator | None = None,
     delta: State | None = None,
 ) -> dict[str, torch.Tensor]:
-    """:func:`privatize` of each part on its own: its Δ clipped to its bound, its noise.
-
-    The parts must cover every tensor exactly once. Releasing parts with multipliers z_g
-    (std z_g·C_g, sensitivity 2C_g each) is one Gaussian release of multiplier z with
-    z⁻² = Σ z_g⁻² (:func:`car_fl.privacy.accountant.combined_multiplier`).
+    """:func:`privatize` of each part on its own (the parts cover every tensor once); together
+    one Gaussian release of z⁻² = Σ z_g⁻² (:func:`~car_fl.privacy.accountant.combined_multiplier`).
     """
     delta = delta if delta is not None else difference(after, before)
     named = [name for part in parts for name in part.names]
@@ -238,9 +211,8 @@ def privatize_parts(
         raise ValueError(f"parts {named} do not cover the tensors {sorted(before)} once each")
     released: dict[str, torch.Tensor] = {}
     for part in parts:
-        subset = {k: before[k] for k in part.names}
         out, _ = privatize(
-            subset,
+            {k: before[k] for k in part.names},
             {k: after[k] for k in part.names},
             bound=part.bound,
             std=part.std,

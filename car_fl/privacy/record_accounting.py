@@ -1,18 +1,8 @@
-"""Record-level DP accounting: the Poisson-sampled Gaussian of DP-SGD, composed over steps.
+"""Record-level DP accounting: DP-SGD's plan, its ε, and σ calibrated for a target ε.
 
-Neighbouring datasets differ by one example **replaced** (in one client's data): a reply
-carries the client's example count n un-noised, so the add-or-remove relation (which changes n)
-is not the one that holds; replace-one is (dp-accounting's ``NeighboringRelation.REPLACE_ONE``,
-up to twice the add-or-remove ε for the same run). Each DP-SGD step samples every example
-independently with probability q, sums the per-example gradients clipped to C and adds
-N(0, σ²C²·I): one ``PoissonSampledDpEvent`` of a ``GaussianDpEvent(σ)``. A client composes it
-over every step of every round it takes part in; ε at δ comes from the one accountant of
-every party (:class:`car_fl.privacy.accountant.Accountant`: dp-accounting's privacy-loss
-distribution, tighter than RDP), and σ is calibrated for the same relation.
-
-σ calibration for a target ε (:func:`calibrate_noise_multiplier`) is written here, as a
-bisection over σ like Opacus's ``get_noise_multiplier``, because Opacus is not a dependency
-(it wraps ``torch.optim``, whose import costs seconds in every client process).
+Each step is one ``PoissonSampledDpEvent(q, GaussianDpEvent(σ))`` under replace-one (a reply
+carries n un-noised), composed by :class:`car_fl.privacy.accountant.Accountant`. σ is found by
+bisection, like Opacus's ``get_noise_multiplier`` (Opacus is not a dependency).
 """
 
 from __future__ import annotations
@@ -41,8 +31,7 @@ def _check(*, sample_rate: float, noise_multiplier: float, steps: int, delta: fl
 
 
 def epsilon(*, sample_rate: float, noise_multiplier: float, steps: int, delta: float) -> float:
-    """ε at δ after ``steps`` Poisson-sampled Gaussian steps (:mod:`car_fl.privacy.accountant`:
-    PLD, replace-one; cached there)."""
+    """ε at δ after ``steps`` Poisson-sampled Gaussian steps."""
     _check(sample_rate=sample_rate, noise_multiplier=noise_multiplier, steps=steps, delta=delta)
     if steps == 0:
         return 0.0
@@ -56,11 +45,8 @@ def epsilon(*, sample_rate: float, noise_multiplier: float, steps: int, delta: f
 def calibrate_noise_multiplier(
     *, target_epsilon: float, sample_rate: float, steps: int, delta: float
 ) -> float:
-    """The smallest σ (to within :data:`CALIBRATION_TOLERANCE` in ε) whose ε ≤ the target.
-
-    Raises ``ValueError`` when even σ = :data:`MAX_NOISE_MULTIPLIER` overspends, naming the
-    smallest ε that can be reached in these steps.
-    """
+    """The smallest σ (to within :data:`CALIBRATION_TOLERANCE` in ε) whose ε ≤ the target;
+    ``ValueError`` naming the smallest reachable ε when even :data:`MAX_NOISE_MULTIPLIER` fails."""
     if not target_epsilon > 0:
         raise ValueError(f"dp.target_epsilon must be > 0, got {target_epsilon}")
     if steps < 1:
@@ -121,7 +107,6 @@ class RecordPlan:
         return self.rounds * self.steps_per_round
 
     def epsilon(self, steps: int) -> float:
-        """ε at δ after ``steps`` steps of this plan."""
         return epsilon(
             sample_rate=self.sample_rate,
             noise_multiplier=self.noise_multiplier,
@@ -130,9 +115,7 @@ class RecordPlan:
         )
 
 
-#: The most DP-SGD steps one run may plan: each is a per-example-gradient step, and the
-#: accountant composes 10⁷ steps in about 13 s on this project's 2-core machine (10¹² took
-#: minutes), so a server's dp.sample_rate=1e-7 is refused here, before any work.
+#: The most DP-SGD steps one run may plan (the accountant takes ~13 s for 10⁷ steps).
 MAX_PLANNED_STEPS = 1_000_000
 
 
@@ -146,12 +129,8 @@ def record_plan(
     rounds: int,
     local_epochs: int,
 ) -> RecordPlan:
-    """σ, q and the planned steps (rounds × local_epochs × ⌈1/q⌉) of record-level DP-SGD.
-
-    With ``target_epsilon`` σ is calibrated so that the planned steps spend at most that ε
-    (``noise_multiplier`` is then not used); without it ``noise_multiplier`` is σ. Raises
-    ``ValueError`` naming the ``dp.*`` key for a target that cannot be reached.
-    """
+    """σ, q and the planned steps (rounds × local_epochs × ⌈1/q⌉) of record-level DP-SGD; with
+    ``target_epsilon`` σ is calibrated to spend at most it (``noise_multiplier`` unused)."""
     per_round = local_epochs * steps_per_epoch(sample_rate)
     if rounds * per_round > MAX_PLANNED_STEPS:  # before any accounting: it would take minutes
         raise ValueError(
@@ -181,10 +160,8 @@ def record_plan(
 
 
 def trained_cap(delta: float) -> int:
-    """The most examples one DP-SGD round trains on: ⌈1/δ⌉ − 1, so that δ < 1/n holds for the
-    n it trains on (δ ≥ 1/n would allow releasing one example outright). A public function of
-    the configuration: a node with more examples trains on a random subset of that many
-    instead of failing, so whether a round succeeds never tells the server anything about n."""
+    """The most examples one DP-SGD round trains on: ⌈1/δ⌉ − 1, so δ < 1/n holds. A node with
+    more trains on a random subset instead of failing, which would tell the server about n."""
     if not 0 < delta < 1:
         raise ValueError(f"dp.delta must be in (0, 1), got {delta}")
     return max(1, math.ceil(1 / delta - 1e-9) - 1)

@@ -1,14 +1,7 @@
 """What a node tells the server when it does not send an update: a fixed code, fixed text.
 
-A failure is a release too. When a Flower ClientApp handler raises, Flower 1.39 itself builds
-the error reply from the exception: ``str(type(ex)) + ":<'" + str(ex) + "'>"`` (deployment:
-``flwr/supernode/runtime/run_clientapp.py``, the ``except`` of ``run_clientapp``; simulation:
-``flwr/server/superlink/fleet/vce/vce_api.py``, ``worker``, around a
-``ClientAppException(str(ex))`` raised in ``flwr/simulation/ray_transport/ray_actor.py``), so
-any detail in an exception (a file path, a label, a count) reaches the server. car-fl's
-handler never raises: it returns one of these replies itself, and the details stay in the
-node's own log (``car_fl.client.failures``). Only a process that dies outright gets Flower's
-own fixed ``CLIENT_APP_CRASHED`` reply ("ClientApp stopped responding.").
+A failure is a release too: Flower sends a raised exception's text to the server, so car-fl's
+handler never raises but returns one of these (docs/privacy.md, "Failures carry no data").
 """
 
 from __future__ import annotations
@@ -107,8 +100,7 @@ def failure_reply(msg: Message, failure: Failure) -> Message:
 
 
 def read_failure(code: int, reason: str | None) -> Failure | None:
-    """The car-fl failure an error reply carries, or ``None`` if it is not exactly one of ours
-    (Flower's own errors, or a node sending something else)."""
+    """The car-fl failure an error reply carries, or ``None`` if it is not exactly one of ours."""
     try:
         failure = Failure(code)
     except ValueError:

@@ -22,9 +22,8 @@ NUM_EXAMPLES = "num-examples"
 LAYOUT_KEY = "moe-layout"
 
 
-#: ``Array.stype`` of car-fl's tensors: the raw little-endian C-order bytes, with dtype and
-#: shape in the ``Array`` 's own fields. Unlike NumPy's ``.npy`` format (Flower's default) it
-#: carries no 128-byte header per tensor, so the payload is exactly the parameters' bytes.
+#: ``Array.stype`` of car-fl's tensors: raw little-endian C-order bytes, dtype and shape in the
+#: ``Array``'s fields (no ``.npy`` header: the payload is exactly the parameters' bytes).
 RAW_STYPE = "car_fl.raw"
 #: The torch dtype of each ``comm.dtype`` (:data:`car_fl.settings.schema.WIRE_DTYPES`).
 WIRE_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in config.WIRE_DTYPES}
@@ -41,10 +40,7 @@ def encode(values: np.ndarray[Any, Any], *, stype: str = RAW_STYPE) -> Array:
 
 
 def decode(array: Array) -> np.ndarray[Any, Any]:
-    """A Flower ``Array`` (raw or ``.npy``) as a read-only NumPy array.
-
-    Raises ``ValueError`` when a raw array's bytes do not match its dtype and shape.
-    """
+    """A Flower ``Array`` (raw or ``.npy``) as a read-only array; ``ValueError`` if malformed."""
     if array.stype != RAW_STYPE:
         return array.numpy()
     try:

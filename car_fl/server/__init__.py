@@ -1,18 +1,16 @@
 """The aggregator's side: code that runs in the ServerApp.
 
 - :mod:`~car_fl.server.federation`: ``run_federation``: nodes, initial model, rounds, results.
-- :mod:`~car_fl.server.strategy`: ``GuardedStrategy``: any Flower strategy behind car-fl's
-  sampling and checks; :mod:`~car_fl.server.aggregation`: the strategy registry.
-- :mod:`~car_fl.server.replies`, :mod:`~car_fl.server.shard_claims`,
-  :mod:`~car_fl.server.update_norm`: reply validation, partitions pinned per node, the
-  update-norm bound.
-- :mod:`~car_fl.server.round_stats`, :mod:`~car_fl.server.round_recorder`: what a round saw,
-  and its ``Run`` fed as Flower's ``evaluate_fn`` (now or in a thread);
-  :mod:`~car_fl.server.evaluation`: ``ServerEvaluator`` (held-out splits).
-- :mod:`~car_fl.server.privacy_check`: each client's ε as the server computes it, whether
-  its claim agrees, the flags and DP rows it keeps, and the client rows of a round.
+- :mod:`~car_fl.server.strategy`: ``GuardedStrategy``: any Flower strategy behind car-fl's checks.
+- :mod:`~car_fl.server.aggregation`: the strategy registry.
+- :mod:`~car_fl.server.replies`: what a valid reply is.
+- :mod:`~car_fl.server.shard_claims`: partitions pinned per node.
+- :mod:`~car_fl.server.update_norm`: the update-norm bound.
+- :mod:`~car_fl.server.round_stats`: what a round saw.
+- :mod:`~car_fl.server.round_recorder`: the run's ``evaluate_fn`` (now or in a thread).
+- :mod:`~car_fl.server.evaluation`: ``ServerEvaluator`` (held-out splits).
+- :mod:`~car_fl.server.privacy_check`: each client's ε as the server computes it, and its claim.
 - :mod:`~car_fl.server.expert_plan`: which experts each client is sent and may send back.
 - :mod:`~car_fl.server.failure_summary`: why a run got no valid update, counted per code.
-- :mod:`~car_fl.server.simulation_exit`: a stopped simulation ends the Ray processes it
-  started.
+- :mod:`~car_fl.server.simulation_exit`: a stopped simulation ends the Ray processes it started.
 """

@@ -63,11 +63,7 @@ def build_strategy(
     shard_sizes: Mapping[int, int] | None = None,
     layout: str | None = None,
 ) -> GuardedStrategy:
-    """The run's strategy: Flower's chosen one, guarded by car-fl's sampling and checks.
-
-    A mixture of experts (``layout``: its expert layout as text) sends and receives experts
-    by :class:`~car_fl.server.expert_plan.ExpertPlan`.
-    """
+    """The run's strategy: Flower's chosen one, guarded by car-fl's sampling and checks."""
     fl = settings.fl
     dim = sum(math.prod(shape) for shape, _ in spec.values())
     return GuardedStrategy(

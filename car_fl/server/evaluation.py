@@ -1,10 +1,7 @@
 """The server's evaluation of the global model, which holds validation and test.
 
-Clients train on shards of the training split only; the server prepares the held-out splits
-once (:class:`~car_fl.training.evaluation.HeldOut`) and evaluates every round's global model on
-validation (selection), and on test every round or once at the end (:class:`EvalPlan`).
-Clients never evaluate: selection rests on the server's own figures, never on a client's
-report, and under DP no client sends an un-noised data-dependent value for it.
+Every round's global model on validation (selection), and on test every round or once at the
+end (:class:`EvalPlan`). Clients never evaluate: selection rests on the server's own figures.
 """
 
 from __future__ import annotations
@@ -30,8 +27,7 @@ from car_fl.training.evaluation import HeldOut, LazyRetriever
 
 @dataclass(frozen=True)
 class EvalPlan:
-    """What the server evaluates when, from ``eval.*`` (null: by mode, see
-    :class:`~car_fl.settings.schema.EvalConfig`)."""
+    """What the server evaluates when, from ``eval.*`` (null: by mode)."""
 
     #: Test metrics every round; else once at the end, for the final and the selected state.
     test_every_round: bool
@@ -120,8 +116,7 @@ class ServerEvaluator:
 
     @property
     def tests_every_round(self) -> bool:
-        """Whether each round has test metrics (always without a validation split: there
-        would be nothing else to report, and nothing to select on)."""
+        """Whether each round has test metrics (always without a validation split)."""
         return self.plan.test_every_round or self.held_out.validation is None
 
     @property

@@ -1,16 +1,9 @@
 """Which experts of a mixture of experts each client is sent, and which it may send back.
 
-The server decides, from public values only (the round, the client's place among the nodes
-asked, the layout), never from data:
-
-- ``moe.send=all``: every tensor both ways; a reply must hold all of them.
-- ``moe.send=schedule``: the shared tensors (gate, maps, scale) and one block of experts, the
-  ``(round + place) mod moe.schedule_blocks``-th, experts interleaved into blocks
-  (``expert mod blocks``); a reply must hold exactly what was sent. So each expert is trained
-  by one client in most rounds, and bytes fall by about the number of blocks both ways.
-- ``moe.send=routed``: every tensor down; a reply holds the shared tensors and any of the
-  experts (those its queries reached). Refused under DP (:class:`~car_fl.settings.schema.Settings`),
-  since that choice depends on the client's data.
+Decided from public values only (the round, the client's place, the layout): ``all`` (every
+tensor both ways), ``schedule`` (the shared tensors and the ``(round + place) mod
+moe.schedule_blocks``-th block of experts, interleaved), ``routed`` (every tensor down; any
+experts back; refused under DP).
 """
 
 from __future__ import annotations

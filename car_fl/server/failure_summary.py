@@ -1,9 +1,4 @@
-"""Why a run got no valid update: the nodes counted per failure code, in one line for its end.
-
-A node's failure reply carries a fixed code and text and nothing else
-(:mod:`car_fl.protocol.failures`), so the count of nodes per code tells the operator what went
-wrong, and what to do, without leaking anything of any node's data.
-"""
+"""Why a run got no valid update: the nodes counted per failure code, in one line for its end."""
 
 from __future__ import annotations
 
@@ -19,8 +14,7 @@ REJECTED = "sent replies the server rejected (the reasons are in the server's lo
 
 
 def flower_meaning(code: int) -> str:
-    """Flower's own error code, by name (e.g. a ClientApp process that crashed), or a code that
-    neither Flower nor car-fl gives."""
+    """Flower's own error code, by name, or a code that neither Flower nor car-fl gives."""
     names = {v: k for k, v in vars(ErrorCode).items() if isinstance(v, int) and k.isupper()}
     if code not in names:
         return f"sent an error that is neither Flower's nor car-fl's (code {code})"

@@ -1,12 +1,8 @@
 """Server-side orchestration of a federated run: nodes, initial model, rounds, results.
 
-The ServerApp calls :func:`run_federation`. It checks that the number of connected nodes
-matches ``fl.clients``, builds the initial trainable state (same seed and initialisation as a
-centralised run), runs the configured strategy
-(:func:`~car_fl.server.aggregation.build_strategy`) for ``fl.rounds`` rounds (fewer when
-``train.patience`` rounds pass without a better one on validation) and, after every round,
-evaluates the global model on the held-out split; its :class:`~car_fl.results.run.Run` logs
-one line and writes the metrics files, the plot and a checkpoint.
+:func:`run_federation` checks the node count, builds the initial state (as a centralised run),
+runs the strategy for ``fl.rounds`` rounds (fewer with ``train.patience``) and evaluates and
+records every round.
 """
 
 from __future__ import annotations
@@ -55,11 +51,7 @@ def wait_for_nodes(
     poll: float = 0.5,
     simulation: bool = False,
 ) -> list[int]:
-    """Wait until ``expected`` nodes are connected; fail clearly on too many or too few.
-
-    A simulation registers all its SuperNodes at once, so a count that differs from
-    ``expected`` (once two polls agree) fails at once, with the simulation's fix.
-    """
+    """Wait until ``expected`` nodes are connected; fail clearly on too many or too few."""
     deadline = time.monotonic() + timeout
     seen = -1
     while True:
@@ -141,18 +133,15 @@ def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
 
 
 def check_federable(settings: Settings) -> None:
-    """Refuse, before any work, a run with nothing to train (MIPS on the frozen encoder, kNN)
-    or with settings only a centralised run reads (:func:`federation_refusal`)."""
+    """Refuse, before any work, a run a federation cannot train (:func:`federation_refusal`)."""
     reason = federation_refusal(settings)
     if reason:
         raise ValueError(reason)
 
 
 def check_noise_kept(run_dir: Path, settings: Settings) -> None:
-    """Refuse a new ``fl.rounds`` that would change DP-SGD's σ: with ``dp.target_epsilon`` σ
-    is calibrated to the run's planned rounds, and the rounds already run used the old one
-    (the server would count them with the new σ: a run from 3 to 30 rounds reported ε 0.88
-    where 3.21 had been spent)."""
+    """Refuse a new ``fl.rounds`` that would change DP-SGD's σ (calibrated to the planned
+    rounds): the rounds already run would be counted with the new σ."""
     config, mode = run_dir / "config.yaml", MODES[settings.dp.mode]
     if not mode.calibrated_to_rounds(settings) or not config.is_file():
         return  # σ does not follow fl.rounds, or not a run (refused next, by the resume)
@@ -199,8 +188,7 @@ def round_recorder(
 def train_config(
     settings: Settings, evaluator: ServerEvaluator, layout: str | None
 ) -> ConfigRecord:
-    """What every train message carries: the configuration's fingerprint (a node checks it),
-    the global label map (a node encodes its labels with it), a mixture of experts' layout."""
+    """What every train message carries: the fingerprint, the label map, an MoE layout."""
     return ConfigRecord(
         {
             "fingerprint": fingerprint(settings),
@@ -213,8 +201,7 @@ def train_config(
 def check_outcome(
     summary: RunSummary, strategy: GuardedStrategy, output_dir: Path, *, rounds: int
 ) -> None:
-    """Fail a run in which every one of the ``rounds`` it ran (``fl.rounds``, or fewer when
-    its patience ended it) failed, naming why per failure code."""
+    """Fail a run in which every round it ran failed, naming why per failure code."""
     if len(summary.skipped_rounds or []) == rounds:
         raise RuntimeError(
             f"every round failed: no client sent a valid update in {rounds} rounds: "

@@ -1,26 +1,10 @@
 """Each client's ε as the server computes it, and whether the client's own claim agrees.
 
-A reply's ``dp-epsilon``, ``dp-active`` and ``num-examples`` are claims: a hostile client can
-claim ε 0.5 without any DP, ε = ∞ or NaN, or n = 10⁶. The server needs none of them: every
-client runs the settings the server sent (the fingerprint checks it), so the server knows
-what each reply it received released (:func:`~car_fl.settings.dp_plan.round_release`) and
-steps that node's own :class:`~car_fl.privacy.accountant.Accountant` with it, the class the
-client's run and the node's ledger step too (PLD under replace-one). Warm-up
-rounds release before DP starts and, as on the client, are not in the figure.
-
-Only ``dp.granularity=step`` needs a node's n (one release per optimizer step). The only
-bound the server can stand on is ``fl.max_examples_per_client``: a node trains and accounts for
-exactly that many (:func:`~car_fl.settings.dp_plan.accounted_examples`), whatever it holds.
-Without it a node takes ⌈n/B⌉ steps over the records *it* reads, which the server cannot
-bound: the partition size the server has on record is not one (a node started with
-``data-is-shard``, or whose owner's policy sets its ``[data]``, reads more; the server's
-figure used to understate such a node's ε), and the claim is not one either. The server then
-reports ε = ∞ and says why (:attr:`Verdict.basis`), and judges no ε claim.
-
-:class:`PrivacyCheck` keeps each node's releases (by Flower node id, never the claimed
-partition id) and gives a :class:`Verdict` per reply: the server's ε, which the report uses,
-and why the claim differs from it, if it does. A claim above the server's figure is flagged
-too: it counts releases the server never received (a lost reply) or is wrong.
+A reply's ``dp-epsilon``, ``dp-active`` and ``num-examples`` are claims. The server knows what
+each reply released from the settings it sent (:func:`~car_fl.settings.dp_plan.round_release`)
+and steps that node's own :class:`~car_fl.privacy.accountant.Accountant` (by Flower node id).
+Per-step DP needs n: without ``fl.max_examples_per_client`` the server reports ε = ∞ and says
+why. A claim that differs from the server's figure, either way, is flagged.
 """
 
 from __future__ import annotations
@@ -98,16 +82,9 @@ class PrivacyCheck:
     dp_owner: dict[int, int] = field(default_factory=dict)
 
     def round(self, stats: RoundStats) -> float:
-        """Account for a round's replies; the max over nodes of the server's ε (nodes that did
-        not reply keep theirs).
-
-        Every reply that arrived counts, also one the strategy refused (a partition another
-        node claimed first, a failed reply check, the update-norm bound): the server saw what
-        the node sent (a refusal must not leave an honest client flagged later for claiming the
-        release it made, nor uncounted). Each reply's claim is checked against the server's figure
-        (:attr:`verdicts`); a node whose claim differs is flagged and logged, and its claim is
-        used nowhere.
-        """
+        """Account for a round's replies; the max over nodes of the server's ε. Every reply
+        that arrived counts, also one the strategy refused (the server saw what it sent);
+        each claim is checked (:attr:`verdicts`) and used nowhere."""
         self.verdicts = {}
         for node, metrics in sorted(stats.released.items()):  # rejected replies too: seen
             verdict = self.receive(stats.round, node, metrics)
@@ -128,9 +105,8 @@ class PrivacyCheck:
         return self.last_epsilon
 
     def keep(self, node: int, verdict: Verdict, *, place: int) -> None:
-        """``node``'s ε after a reply and, under ``dp=record``, its row (by the partition id
-        it claims, unless another node claimed it first: then by its node id, so a node
-        cannot overwrite another's row by claiming its partition)."""
+        """``node``'s ε after a reply and, under ``dp=record``, its row (by its claimed
+        partition id, or its node id when another node claimed that first)."""
         self.client_epsilon[node] = verdict.epsilon
         if not MODES[self.settings.dp.mode].record_level:
             return
@@ -175,8 +151,7 @@ class PrivacyCheck:
             log.warning("%s", why)
 
     def receive(self, server_round: int, node: int, metrics: Mapping[str, float]) -> Verdict:
-        """Account for ``node``'s valid reply in ``server_round``, and judge its claim
-        (``metrics`` passed the strategy's reply checks)."""
+        """Account for ``node``'s valid reply in ``server_round``, and judge its claim."""
         active = dp_active(self.settings, server_round)
         examples, basis = self.examples()
         if active:
@@ -190,8 +165,7 @@ class PrivacyCheck:
         unbounded = examples is None and node in self.accountants
         server = math.inf if unbounded else self.epsilon(node)
         claimed = metrics.get(CLAIMED_EPSILON)
-        # without a figure of its own the server judges dp-active and that an ε is claimed,
-        # not its value
+        # without a figure of its own the server judges only dp-active and that ε is claimed
         judged = claimed if not unbounded or claimed is None else server
         why = disagreement(
             server, judged, active=active, claimed_active=metrics.get(CLAIMED_ACTIVE)
@@ -200,8 +174,7 @@ class PrivacyCheck:
 
     def examples(self) -> tuple[int | None, str]:
         """The n the server accounts a per-step reply for, and what it rests on; ``None``
-        (ε = ∞) without ``fl.max_examples_per_client``, the only bound the server has (see
-        the module). Other modes do not depend on n."""
+        (ε = ∞) without ``fl.max_examples_per_client``."""
         if not per_step(self.settings):
             return 1, ""
         cap = self.settings.fl.max_examples_per_client

@@ -1,9 +1,4 @@
-"""What a valid train reply is, and the conversions the guarded strategy makes of replies.
-
-Replies are checked on their *decoded* values, in car-fl's own wire format only; the
-strategy (:class:`~car_fl.server.strategy.GuardedStrategy`) rejects any reply for which
-:func:`validate_reply` gives a reason.
-"""
+"""What a valid train reply is, and the conversions the guarded strategy makes of replies."""
 
 from __future__ import annotations
 
@@ -25,15 +20,9 @@ def validate_reply(
     max_examples: int | None = None,
     optional: frozenset[str] | set[str] = frozenset(),
 ) -> str | None:
-    """``None`` if a train reply may be aggregated, else the reason it may not.
-
-    The reply holds exactly the tensors of ``spec``, except that those named in ``optional``
-    (experts a client did not train, ``moe.send=routed``) may be left out.
-
-    Shapes and dtypes are checked on the decoded values, and only car-fl's own wire format
-    (``RAW_STYPE``: raw bytes whose length must match dtype and shape) is accepted: a NumPy
-    ``.npy`` payload can disagree with the array's metadata.
-    """
+    """``None`` if a train reply may be aggregated, else the reason it may not. Exactly the tensors
+    of ``spec`` (those in ``optional`` may be left out), checked on the decoded values, in car-fl's
+    wire format only (a ``.npy`` payload can disagree with its metadata)."""
     arrays = content.array_records
     metrics = content.metric_records
     if len(arrays) != 1 or len(metrics) != 1:

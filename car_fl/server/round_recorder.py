@@ -1,19 +1,9 @@
 """The federation's ``evaluate_fn``: each round's statistics and evaluation, given to its Run.
 
-The strategy hands :class:`RoundRecorder` each round's
-:class:`~car_fl.server.round_stats.RoundStats` (:meth:`RoundRecorder.receive`); it turns them,
-with the server's evaluation, into the round's row, client rows and ε, and gives them to the
-run's :class:`~car_fl.results.run.Run` (selection, patience, checkpoints, files). The ε it
-reports is the server's own figure (:class:`~car_fl.server.privacy_check.PrivacyCheck`), never
-a client's claim; a client whose claim differs is flagged in the round's row, its
-``clients.csv`` row, the summary and the log.
-
-With ``background`` a round's evaluation and its recording run in a thread while the next
-round trains (:class:`EvaluationScheduler`: written here because Flower's ``evaluate_fn`` runs
-in the round's own thread; the next call, or the end, waits for them and raises their
-error); when a round's validation alone decides whether the patience is spent, the server
-waits for it before starting the next round (rather than train a round the run would then
-drop). A run the patience ends raises :class:`PatienceSpent` out of ``Strategy.start``.
+The ε reported is the server's own (:class:`~car_fl.server.privacy_check.PrivacyCheck`), never
+a client's claim. With ``background`` a round's evaluation runs in a thread while the next
+round trains (:class:`EvaluationScheduler`), except when it alone decides the patience. A run
+the patience ends raises :class:`PatienceSpent` out of ``Strategy.start``.
 """
 
 from __future__ import annotations
@@ -72,8 +62,7 @@ class EvaluationScheduler:
         self.running = job
 
     def flush(self) -> None:
-        """Wait for the evaluation running in the background, and its recording, if any (an
-        error in either is raised here)."""
+        """Wait for the background evaluation and its recording, if any (raising their error)."""
         job, self.running = self.running, None
         if job is not None:
             assert job.future is not None
@@ -98,12 +87,7 @@ class PatienceSpent(Exception):
 
 @dataclass
 class RoundRecorder:
-    """``evaluate_fn`` for ``Strategy.start``: after each round, evaluate, record, write files.
-
-    Three owners, one each: the :class:`~car_fl.results.run.Run` (rows, best, patience,
-    checkpoints, the end), the server's :class:`~car_fl.server.privacy_check.PrivacyCheck`
-    (ε, verdicts, flags, DP rows) and the :class:`EvaluationScheduler` (now or in a thread).
-    """
+    """``evaluate_fn`` for ``Strategy.start``: after each round, evaluate, record, write files."""
 
     run: Run
     #: The server's evaluation of a global model: ``val_*`` and ``test_*`` metrics.
@@ -112,8 +96,7 @@ class RoundRecorder:
     round_offset: int = 0
     #: The strategy's statistics of the round that just ended (see :meth:`receive`).
     pending: RoundStats | None = None
-    #: Test metrics of a trainable state, evaluated at the end for the selected and the
-    #: final state; None: every round's ``evaluate`` already has them.
+    #: Test metrics of a state, evaluated at the end (None: every round already has them).
     test: Callable[[dict[str, torch.Tensor]], dict[str, float]] | None = None
     #: Evaluate round r in a thread while round r + 1 trains.
     background: bool = False
@@ -178,8 +161,7 @@ class RoundRecorder:
         return self.run.stalled(ahead=1) is not None
 
     def stop_if_stalled(self, job: Evaluation) -> None:
-        """End the run after ``job``'s round (:class:`PatienceSpent`) when its patience is
-        spent (:meth:`Run.stop_if_stalled`)."""
+        """End the run after ``job``'s round (:class:`PatienceSpent`) when its patience is spent."""
         if self.run.stop_if_stalled(job.round):
             raise PatienceSpent(job.round, job.arrays)
 
@@ -209,8 +191,7 @@ class RoundRecorder:
     def row(
         self, stats: RoundStats, metrics: dict[str, float], *, seconds: float | None = None
     ) -> RoundRow:
-        """The round's row from the strategy's statistics and the server's evaluation;
-        ``seconds``: the round's wall time (default: until now)."""
+        """The round's row from the strategy's statistics and the server's evaluation."""
         settings = self.run.settings
         replies = stats.client_metrics.values()
         epsilon = self.privacy.round(stats)  # the server's figure, and this round's verdicts

@@ -20,9 +20,8 @@ class RoundStats:
     bytes_received: dict[int, int] = field(default_factory=dict)
     #: Each valid reply's metrics, under their wire (kebab-case) keys.
     client_metrics: dict[int, dict[str, float]] = field(default_factory=dict)
-    #: The metrics of every reply that arrived, also those refused (a partition claim, the
-    #: reply checks, the update-norm bound): the server saw what each node sent, so its ε
-    #: counts them (client_metrics keeps only the valid ones).
+    #: The metrics of every reply that arrived, also those refused: the server's ε counts
+    #: them (client_metrics keeps only the valid ones).
     released: dict[int, dict[str, float]] = field(default_factory=dict)
     rejected: dict[int, str] = field(default_factory=dict)
     failed: dict[int, str] = field(default_factory=dict)
@@ -35,12 +34,8 @@ class RoundStats:
     aggregated: bool = False
 
     def attribute_lost_replies(self) -> None:
-        """Name the nodes that never answered.
-
-        Flower's error reply for a lost node does not name it (its source is not the node the
-        message went to): pair such anonymous errors with the silent nodes when that is
-        unambiguous, and mark any other silent node as lost.
-        """
+        """Name the nodes that never answered: Flower's error reply for a lost node does not
+        name it, so pair anonymous errors with silent nodes when unambiguous."""
         answered = {*self.client_metrics, *self.rejected, *self.failed}
         silent = sorted(set(self.bytes_sent) - answered)
         anonymous = [n for n in self.failed if n not in self.bytes_sent]

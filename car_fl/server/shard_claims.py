@@ -1,10 +1,7 @@
 """The server's own record of which node holds which partition, and the example cap it implies.
 
-A node is pinned to the first partition id it claims in a valid reply; a later claim of another
-partition by that node, or a claim of a partition another node holds, is refused. The cap on a
-reply's example count is then the size of the partition the server has on record for that node,
-never one the client picks per reply. Nodes started with ``data-is-shard`` hold data the server
-cannot size: ``fl.max_examples_per_client`` caps every node instead (no pinning).
+A node is pinned to the first partition it claims; any other claim is refused, and its count
+is capped by that partition's size (or by ``fl.max_examples_per_client``, without pinning).
 """
 
 from __future__ import annotations

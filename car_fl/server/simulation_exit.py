@@ -1,13 +1,8 @@
 """A stopped simulation ends the Ray processes it started: none outlive it.
 
-Own code because Flower 1.39's ``flwr-simulation`` exits a stopped run from its signal
-handler with a forced ``os._exit`` 5 s later, so Ray's own shutdown may never finish: its
-raylet dies, and the raylet's agents (``ray::DashboardAgent``, ``ray::RuntimeEnvAgent``, which
-ignore SIGTERM) live on, orphaned, for minutes. :func:`end_ray_on_exit` registers one of
-Flower's exit handlers that run before that timer starts: it notes this process's
-descendants (Ray's processes among them, while they are still its descendants), turns off
-Ray's auto-init (Flower's threads still call Ray while the process exits, and Ray would start
-a new cluster for them), shuts Ray down and ends by PID whatever of them is left.
+Flower's ``flwr-simulation`` forces ``os._exit`` 5 s after a stop signal, so Ray's agents can
+outlive it, orphaned. :func:`end_ray_on_exit` registers an exit handler that notes this
+process's descendants, turns off Ray's auto-init, shuts Ray down and ends what is left by PID.
 """
 
 from __future__ import annotations
@@ -48,9 +43,7 @@ _registered = False
 
 def end_ray_on_exit(argv0: str | None = None) -> bool:
     """In Flower's ``flwr-simulation`` process, register :func:`shut_down_ray` with Flower's
-    exit handlers (those run on SIGINT and SIGTERM, before the forced exit's timer starts);
-    anywhere else (a test's in-process simulation, a deployment) do nothing. Whether it is
-    registered."""
+    exit handlers; anywhere else do nothing. Whether it is registered."""
     global _registered
     from flwr.supercore.exit import add_exit_handler
 

@@ -1,25 +1,10 @@
 """Server-side aggregation: any Flower Message-API strategy, guarded by car-fl's checks.
 
-(Over 300 lines: one Flower Strategy subclass, whose checks read best in order in one class.)
-
-:class:`GuardedStrategy` wraps one of Flower's strategies (FedAvg, FedMedian, Krum, FedAdam …;
-see :mod:`car_fl.server.aggregation`) and adds, once for all of them:
-
-- client sampling: each round asks ``fl.sample_size`` of the connected nodes, drawn from the
-  run's seed and the round (a resumed run asks the same nodes);
-- reply validation on the *decoded* values: car-fl's own wire format only (``RAW_STYPE``), the
-  global model's tensor names, shapes and dtypes, finite values, a positive integer example
-  count capped by the server's own record of which node holds which partition
-  (:class:`~car_fl.server.shard_claims.ShardClaims`);
-- an update-norm bound (:class:`~car_fl.server.update_norm.NormBound`): replies with
-  ‖θᵢ − θ‖ above it are rejected or clipped;
-- a minimum of valid replies, below which the global model stays exactly as it was;
-- per-round records (:class:`~car_fl.server.round_stats.RoundStats`), handed to the round recorder
-  (``on_round``) after every round, aggregated or not, and the round offset of a resumed run.
-
-Only replies that passed every check reach the wrapped strategy, rebuilt with float64 NumPy
-arrays and their example count alone, in node order (so arrival order cannot matter); its result
-is cast back to the global model's dtypes and encoded in car-fl's wire format.
+:class:`GuardedStrategy` wraps one of Flower's strategies and adds, once for all of them:
+seeded client sampling, reply validation on decoded values (:mod:`car_fl.server.replies`,
+:class:`~car_fl.server.shard_claims.ShardClaims`), an update-norm bound, a minimum of valid
+replies and per-round records. Valid replies reach the wrapped strategy as float64 arrays in
+node order; its result is cast back to the global model's dtypes.
 """
 
 from __future__ import annotations
@@ -103,20 +88,10 @@ class GuardedStrategy(Strategy):
         public_examples: int | None = None,
         private_from: int = 1,
     ) -> None:
-        """``inner`` is the Flower strategy that combines the valid replies.
-
-        From round ``private_from`` on, with ``public_examples`` set (the run's DP is active),
-        every valid reply weighs ``public_examples`` whatever count it claims: under DP a
-        node's count is not released, and a claim (n = 10⁶) must not buy a node the model.
-
-        ``sample_size(connected)`` is how many nodes a round asks (default: all).
-        ``shard_sizes`` (partition id → examples) caps each node's example count by the
-        partition it holds; ``max_examples`` caps everybody instead. A round needs at least
-        max(``min_valid``, ⌈``min_valid_fraction`` · clients asked⌉) valid replies, else the
-        global model stays exactly as it was. ``experts`` (a mixture of experts) says which
-        tensors each client is sent and must return; a tensor is then aggregated over the
-        replies that hold it, and one that nobody sent keeps its value.
-        """
+        """``inner`` is the Flower strategy that combines the valid replies. From round
+        ``private_from`` on, with ``public_examples`` set, every valid reply weighs
+        ``public_examples`` whatever count it claims. A round needs at least max(``min_valid``,
+        ⌈``min_valid_fraction`` · clients asked⌉) valid replies, else the model stays as it was."""
         self.inner = inner
         # The wrapped strategy sees only the sampled nodes and asks every one of them.
         inner.fraction_train, inner.min_train_nodes, inner.min_available_nodes = 1.0, 1, 1
@@ -139,8 +114,7 @@ class GuardedStrategy(Strategy):
         self.on_round: Callable[[RoundStats], None] | None = None
         #: The global model sent this round (float64), the reference of every update norm.
         self.reference: dict[str, np.ndarray[Any, Any]] | None = None
-        #: Rounds already done before this ``start`` (a resumed run): Flower counts from 1,
-        #: clients and results see the run's true round numbers.
+        #: Rounds already done before this ``start`` (a resumed run; Flower counts from 1).
         self.round_offset = 0
 
     spec_of = staticmethod(spec_of)
@@ -207,8 +181,7 @@ class GuardedStrategy(Strategy):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """The aggregate of the valid replies (``None`` keeps the model); the round's statistics
-        go to ``on_round`` once it is done."""
+        """The aggregate of the valid replies (``None`` keeps the model); then ``on_round``."""
         server_round += self.round_offset
         stats = self.current or RoundStats(round=server_round, started=time.perf_counter())
         self.current = None
@@ -275,15 +248,10 @@ class GuardedStrategy(Strategy):
     def _check(
         self, node: int, content: RecordDict, stats: RoundStats, server_round: int
     ) -> tuple[dict[str, np.ndarray[Any, Any]], int] | None:
-        """The decoded arrays and the weight of a valid reply; ``None`` (recorded) if not.
-
-        The weight is the claimed count within the server's cap, or under DP the public
-        count.
-        """
+        """The decoded arrays and the weight of a valid reply; ``None`` (recorded) if not."""
         metrics = next(iter(content.metric_records.values()), None)
-        # Numbers only, and never NaN (no honest client sends one; ε = inf is honest). Every
-        # reply that arrived is a release the server's ε counts, also one refused below (a
-        # node whose partition another node claimed first used to be counted nowhere).
+        # Numbers only, and never NaN (ε = inf is honest). Every reply that arrived is a
+        # release the server's ε counts, also one refused below.
         numbers = {
             k: float(v)
             for k, v in (metrics or {}).items()
@@ -360,12 +328,8 @@ class GuardedStrategy(Strategy):
         valid: dict[int, tuple[dict[str, np.ndarray[Any, Any]], int]],
         originals: Mapping[int, Message],
     ) -> ArrayRecord | None:
-        """The wrapped strategy's aggregate of the valid replies, in the global model's dtypes.
-
-        Each tensor is aggregated over the replies that hold it (replies that hold the same
-        tensors go to the wrapped strategy together); a tensor nobody sent keeps its value, it
-        is never averaged with zeros or with the old value.
-        """
+        """The wrapped strategy's aggregate of the valid replies, in the global model's dtypes;
+        each tensor over the replies that hold it (one nobody sent keeps its value)."""
         senders: dict[tuple[int, ...], list[str]] = {}
         for name in self.spec:
             holders = tuple(node for node in sorted(valid) if name in valid[node][0])

@@ -1,8 +1,5 @@
 """The server's bound on a reply's update norm ‖θᵢ − θ‖: replies above it are rejected or clipped.
 
-Written here rather than taken from Flower: Flower's server-side DP strategies clip *and* add
-noise; car-fl's clients already add their own (local DP), so the server needs only the bound.
-
 Modes (``fl.norm_bound``): ``fixed`` (``fl.max_update_norm``), ``adaptive``
 (``fl.norm_bound_factor`` × the round's median update norm), ``dp`` (under fixed DP per round:
 C plus a high quantile of the noise norm, no user input), ``off``; ``auto`` picks ``dp`` under
@@ -52,11 +49,9 @@ def clip_update(reply: Arrays, reference: Arrays, *, bound: float, norm: float) 
 
 
 def gaussian_norm_quantile(*, std: float, dim: int, tail: float) -> float:
-    """An upper bound on the 1 − ``tail`` quantile of ‖N(0, std²·I_dim)‖.
-
-    The norm is std-Lipschitz in the noise and E‖X‖ ≤ std·√dim, so by Gaussian concentration
-    P(‖X‖ ≥ std·(√dim + t)) ≤ exp(−t²/2); t = √(2 ln(1/tail)).
-    """
+    """An upper bound on the 1 − ``tail`` quantile of ‖N(0, std²·I_dim)‖. The norm is std-Lipschitz
+    in the noise and E‖X‖ ≤ std·√dim, so by Gaussian concentration P(‖X‖ ≥ std·(√dim + t)) ≤
+    exp(−t²/2); t = √(2 ln(1/tail))."""
     if std < 0 or dim < 1 or not 0 < tail < 1:
         raise ValueError(f"need std >= 0, dim >= 1, 0 < tail < 1; got {std}, {dim}, {tail}")
     return std * (math.sqrt(dim) + math.sqrt(2.0 * math.log(1.0 / tail)))

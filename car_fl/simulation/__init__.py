@@ -1,12 +1,9 @@
 """Both parties in one process: simulations of a federation.
 
 - :mod:`~car_fl.simulation.flower`: ``run_simulation``: one complete Flower simulation (Ray).
-- :mod:`~car_fl.simulation.in_process`: ``run_local``: a federation without Ray, every node's
-  ClientApp handler called in turn (tests, attack experiments).
+- :mod:`~car_fl.simulation.in_process`: ``run_local``: a federation without Ray.
 - :mod:`~car_fl.simulation.hostile`: hostile clients (``hostile_client``, ``poison``).
-- :mod:`~car_fl.simulation.label_mix`: a curious server's shadow-model attack on a shard's
-  label mix, through the node's real release.
-- :mod:`~car_fl.simulation.centralized_dp`: record-level DP-SGD on one machine, as a
-  one-node federation.
+- :mod:`~car_fl.simulation.label_mix`: a curious server's attack on a shard's label mix.
+- :mod:`~car_fl.simulation.centralized_dp`: record-level DP-SGD as a one-node federation.
 - :mod:`~car_fl.simulation.apps`: the project's ``server_app`` / ``client_app`` modules.
 """

@@ -1,14 +1,8 @@
 """Centralised training that honours ``dp``: ``dp=none`` trains as before, ``dp=record`` runs
 DP-SGD, and the local-DP modes are refused before any work.
 
-``dp=record`` trains the whole training split as the one node of an in-process federation, one
-round per epoch. Written as a federation of one so that DP-SGD's sampling, clipping, noise
-calibration and accounting (:mod:`car_fl.client.record_dp`, :mod:`car_fl.settings.dp_plan`)
-and the server's own ε figure (:mod:`car_fl.server.privacy_check`) are the code a federation
-runs, not a copy; ``metrics.json`` has the run's ε beside its metrics. ``dp=fixed`` and
-``dp=adaptive`` protect an update from the server that aggregates it: one machine has no such
-server, so they have nothing to protect and are refused (see
-:func:`car_fl.standalone.centralized.check_no_dp`).
+``dp=record`` trains as the one node of an in-process federation, one round per epoch, so its
+DP-SGD and ε are the federation's code, not a copy. Local DP has no server to protect from.
 """
 
 from __future__ import annotations
@@ -32,8 +26,7 @@ def train_centrally(settings: Settings, output_dir: str | Path) -> dict[str, Any
 
 
 def one_node(settings: Settings, output_dir: str | Path) -> Settings:
-    """``settings`` as a federation of one node holding the whole training split, one local
-    epoch per round and ``train.epochs`` rounds."""
+    """``settings`` as one node holding the training split, one epoch per round."""
     fl = dataclasses.replace(
         settings.fl,
         clients=1,

@@ -1,9 +1,7 @@
 """Run one complete Flower simulation in this process, for a given set of Hydra overrides.
 
-Flower's ``run_simulation`` hands the apps an empty run config, so the project's own ServerApp
-and ClientApp handlers (``server_app.main``, ``client_app.train``) are wrapped: each call gets a
-``Context`` whose run config carries the overrides, and everything else (node config, state)
-is Flower's. The result is read back from the run's ``metrics.json``.
+Flower's ``run_simulation`` hands the apps an empty run config, so the project's handlers are
+wrapped to get one carrying the overrides; the result is read from ``metrics.json``.
 """
 
 from __future__ import annotations
@@ -42,10 +40,8 @@ def wrapped_apps(
     server_main: Callable[[Grid, Context], None] | None = None,
     client_train: Callable[[Message, Context], Message] | None = None,
 ) -> tuple[ServerApp, ClientApp]:
-    """A ServerApp and a ClientApp that run the project's handlers with these overrides.
-
-    A non-empty ``settings_yaml`` (a whole resolved configuration) takes precedence over them.
-    """
+    """A ServerApp and a ClientApp that run the project's handlers with these overrides (or a
+    non-empty ``settings_yaml``, which takes precedence)."""
     server_main = server_main or import_app("server_app").main
     client_train = client_train or import_app("client_app").train
     server, client = ServerApp(), ClientApp()
@@ -72,13 +68,9 @@ def run_simulation(
     server_main: Callable[[Grid, Context], None] | None = None,
     client_train: Callable[[Message, Context], Message] | None = None,
 ) -> dict[str, Any]:
-    """Run a whole federated simulation and return its ``metrics.json`` content.
-
-    The configuration is ``conf/`` with ``overrides``, or ``settings`` composed elsewhere
-    (then ``overrides`` must be empty). ``num_supernodes`` defaults to ``fl.clients``; each
-    client gets an equal share of this machine's CPUs unless ``cpus_per_client`` is given.
-    Raises ``RuntimeError`` when the run did not complete (the ServerApp's error is in the log).
-    """
+    """Run a whole federated simulation and return its ``metrics.json`` content. ``conf/`` with
+    ``overrides``, or ``settings`` (then no overrides). ``RuntimeError`` when the run did not
+    complete (the ServerApp's error is in the log)."""
     from flwr.simulation import run_simulation as flower_run_simulation
 
     items = parse_overrides(overrides)

@@ -1,8 +1,6 @@
 """Hostile clients: what a poisoning node may send instead of its honest reply.
 
-Each attack rewrites the honest reply of one partition (``hostile``) in a ClientApp handler, so
-the attacks exercise exactly what the server receives. Used by ``scripts/attacks.py`` and the
-robustness tests.
+Each attack rewrites the honest reply of one partition in a ClientApp handler.
 
 - ``huge``: every value 3e30 (finite, so only shape/dtype/finite checks cannot catch it);
 - ``scale50``: the update scaled ×50, θ + 50·(θᵢ − θ);
@@ -84,8 +82,7 @@ def poison(reply: Message, instruction: Message, attack: str) -> Message:
 def hostile_client(
     honest: Callable[[Message, Context], Message], *, attack: str, partition: int = 1
 ) -> Callable[[Message, Context], Message]:
-    """A ClientApp train handler that runs ``honest`` and poisons partition ``partition`` 's
-    reply with ``attack`` in every round."""
+    """A ClientApp train handler that runs ``honest`` and poisons ``partition``'s reply."""
 
     def train(msg: Message, context: Context) -> Message:
         reply = honest(msg, context)

@@ -1,10 +1,7 @@
 """A federation in one process, without Ray: every node's ClientApp handler called in turn.
 
-Written here because Flower's simulation engine starts Ray and worker processes for every run
-(seconds each); attack experiments and tests run dozens of short federations, and calling the
-real server (:func:`~car_fl.server.federation.run_federation`) and the real ClientApp handler in
-process exercises the same code, deterministically. Flower's own simulation remains what
-``flwr run`` and :func:`car_fl.simulation.flower.run_simulation` use.
+The real server and ClientApp handler, deterministically and in seconds less than Flower's
+Ray-based simulation, for tests and attack experiments.
 """
 
 from __future__ import annotations
@@ -31,10 +28,7 @@ ClientTrain = Callable[[Message, Context], Message]
 
 class LocalGrid(Grid):
     """Nodes ``first_node_id + i`` holding partition ``i``; messages handled synchronously.
-
-    Every node gets ``node_config``; ``node_configs[i]`` (if given) is added to node ``i``'s
-    own, as each owner's ``--node-config`` would be (its policy, its data file).
-    """
+    Every node gets ``node_config``, plus ``node_configs[i]`` if given."""
 
     def __init__(
         self,
@@ -117,11 +111,7 @@ def run_local(
     node_configs: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
     """Run a whole federation in this process and return its ``metrics.json`` content.
-
-    ``client_train`` replaces the project's ClientApp handler (e.g. to play a hostile
-    client); it receives the same message and context. ``node_config`` is every node's,
-    ``node_configs[i]`` node ``i``'s own on top of it. ``settings.output_dir`` must be set.
-    """
+    ``client_train`` replaces the ClientApp handler; ``settings.output_dir`` must be set."""
     if settings.output_dir is None:
         raise ValueError("run_local needs settings.output_dir (where the run's results go)")
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1

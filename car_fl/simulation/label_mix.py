@@ -1,15 +1,9 @@
 """A curious server's shadow-model attack on a shard's label mix, through the node's real release.
 
-The server sees one reply per node and may hold public data of the same kind. It trains
-*shadow* nodes itself, on shards whose label mix it chose, each through the node's own round
-(:func:`car_fl.client.round.train_shard`: its DP mode, clipping and noise), fits a ridge map
-(scikit-learn) from a reply's update to the shard's label shares, and reads the *target*
-nodes' replies with it. Two questions per target: which label is the shard's majority, and
-which labels are present (at least ``presence`` of the shard). Each is scored against the best
-guess without any reply (the shadows' most frequent answer): a DP mode protects the mix when
-the attack is no better than that baseline. Record-level DP protects one record, not the
-mix; client-level DP (the whole update clipped and noised: ``dp=fixed``) protects the mix.
-Written here because no library runs a property-inference attack through Flower replies.
+The server trains *shadow* nodes on label mixes it chose, through the node's own round
+(:func:`car_fl.client.round.train_shard`), fits a ridge map from update to label shares, and
+reads the targets' replies: their majority label and present labels, each scored against the
+best guess without any reply (docs/privacy.md, "What each DP mode protects").
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Centralised training: the whole training split on one machine, one row of metrics per epoch.
 
-What ``car-fl train`` and ``python -m car_fl.centralized`` run: the federation's reference.
-The epochs drive a :class:`~car_fl.results.run.Run` (folder, rows, selection from the
-untrained starting point on, patience, checkpoints with the optimiser's state, resume, end),
-also for a run that trains nothing (MIPS, kNN: its one row is the starting point).
+What ``car-fl train`` runs, the federation's reference; the epochs drive a
+:class:`~car_fl.results.run.Run` (also a run that trains nothing: MIPS, kNN).
 """
 
 from __future__ import annotations
@@ -40,12 +38,8 @@ log = logging.getLogger(__name__)
 
 
 def run_centralized(settings: Settings, output_dir: str | Path | None = None) -> dict[str, Any]:
-    """Train for ``train.epochs`` epochs, evaluating after each; returns the summary.
-
-    Centralised training does not implement differential privacy: any ``dp`` mode other than
-    ``none`` is refused here, before any work, rather than trained without it. With
-    ``settings.resume`` (a run's folder) the run goes on there after its last epoch.
-    """
+    """Train for ``train.epochs`` epochs, evaluating after each; returns the summary. DP is
+    refused (:func:`check_no_dp`); ``settings.resume`` goes on after a run's last epoch."""
     check_no_dp(settings)
     if settings.resume and nothing_to_train(settings):
         raise ValueError(
@@ -128,10 +122,8 @@ def prepare(settings: Settings, *, probe: bool = True) -> Prepared:
 def train(
     settings: Settings, prepared: Prepared, run: Run, *, point: ResumePoint | None = None
 ) -> None:
-    """The starting point (evaluated first, a candidate for best: selection never keeps a
-    trained head worse on validation than the one it started from), then the epochs, until
-    ``train.patience`` epochs pass without a better one; none for MIPS on the frozen encoder
-    and kNN (one evaluation). ``point``: go on after a stopped run's last epoch."""
+    """The starting point (evaluated first, a candidate for best), then the epochs until
+    ``train.patience`` epochs pass without a better one. ``point``: resume after it."""
     model, held_out = prepared.model, prepared.held_out
     epochs = 0 if nothing_to_train(settings) else settings.train.epochs
     if point is not None:
@@ -197,10 +189,7 @@ def describe(settings: Settings, prepared: Prepared) -> RunSummary:
 
 def check_no_dp(settings: Settings) -> None:
     """Refuse DP settings this loop would silently ignore (``ValueError``), before any work:
-    every mode whose :attr:`~car_fl.settings.dp_modes.DPModeSpec.one_machine` is not the
-    epoch loop (``dp=record`` trains as a one-node federation,
-    :mod:`car_fl.simulation.centralized_dp`; local DP protects an update from a server that
-    one machine does not have)."""
+    every mode whose ``one_machine`` is not the epoch loop."""
     mode = MODES[settings.dp.mode]
     if mode.one_machine != "epochs":
         fix = (

@@ -1,8 +1,7 @@
 """How a retriever learns and is measured, the same in every run (one machine or a node).
 
 - :mod:`~car_fl.training.train`: epochs (DP-SGD included) and their torch.optim optimisers.
-- :mod:`~car_fl.training.probe`: linear probing, the head alone on frozen features, before
-  adapter + classifier trains.
-- :mod:`~car_fl.training.evaluation`: ``HeldOut`` (validation selects, test is reported);
-  :mod:`~car_fl.training.metrics`: top-K, MRR, nDCG, F1 from ranks.
+- :mod:`~car_fl.training.probe`: linear probing, the head alone before adapter + classifier.
+- :mod:`~car_fl.training.evaluation`: ``HeldOut`` (validation selects, test is reported).
+- :mod:`~car_fl.training.metrics`: top-K, MRR, nDCG, F1 from ranks.
 """

@@ -38,11 +38,9 @@ class LazyRetriever:
 
 @dataclass
 class HeldOut:
-    """Validation (``None`` without one: ``dataset.val_fraction=0``) and test examples.
-
-    A corpus with new documents also reports ``new_*`` and ``old_*`` metrics: on the queries
-    of documents that had no training query, and on the others.
-    """
+    """Validation (``None`` without one: ``dataset.val_fraction=0``) and test examples. A corpus
+    with new documents also reports ``new_*`` and ``old_*`` metrics: on the queries of documents
+    that had no training query, and on the others."""
 
     test: LocalData
     validation: LocalData | None
@@ -64,8 +62,7 @@ class HeldOut:
         get_model: Callable[[], CaRRetriever],
         desc: str = "",
     ) -> HeldOut:
-        """Features (or token ids) of the test and validation splits; ``desc`` prefixes the
-        progress bars (e.g. ``"server "``)."""
+        """Features (or token ids) of the test and validation splits; ``desc`` prefixes the bars."""
         test = prepare_for(
             settings,
             splits.test["text"],

@@ -1,10 +1,8 @@
 """Retrieval metrics: top-K accuracy, Recall@K, MRR, nDCG@10, macro-F1.
 
 Every metric is a function of the true label's rank per query (:func:`ranks`), so an
-evaluation keeps one rank and one prediction per query, never a queries × labels matrix beyond
-one batch (:func:`rank_metrics`). With one relevant document per query, Recall@K is the
-share of queries whose document is among the K best (= top-K accuracy) and nDCG@10 is
-1/log2(1 + rank) when the rank is at most 10, else 0.
+evaluation keeps one rank and one prediction per query. With one relevant document per query
+Recall@K is top-K accuracy and nDCG@10 is 1/log2(1 + rank) for a rank of at most 10, else 0.
 """
 
 from __future__ import annotations
@@ -13,10 +11,7 @@ import torch
 
 
 def ranks(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """1-based rank of the true label among each row's logits ``(batch,)``.
-
-    Ties count against the model: a label tied with others is ranked after them.
-    """
+    """1-based rank of the true label among each row's logits; ties count against the model."""
     true = logits.gather(1, labels.view(-1, 1))  # (batch, 1)
     return (logits >= true).sum(dim=1)
 
@@ -50,8 +45,7 @@ def rank_metrics(
     num_labels: int | None = None,
     loss: float | None = None,
 ) -> dict[str, float]:
-    """Metrics of 1-based ranks ``(n,)``: ``loss`` (if given), ``top{k}``, ``recall@{k}``,
-    ``mrr``, ``ndcg@10`` and, with predictions and labels, ``macro_f1``."""
+    """Metrics of 1-based ranks: ``loss``, ``top{k}``, ``recall@{k}``, ``mrr``, ``ndcg@10``, F1."""
     out: dict[str, float] = {}
     if loss is not None:
         out["loss"] = loss

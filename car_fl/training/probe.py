@@ -1,14 +1,9 @@
 """Linear probing before fine-tuning (Kumar et al., 2022): the head alone on frozen features,
 the epoch validation selects kept, before adapter + classifier trains both through the LM.
 
-``train.probe_epochs`` in a centralised run (:mod:`car_fl.standalone.centralized`);
-``fl.probe_rounds`` in a federated one: the node trains a probe round as CaR does (the head
-alone, on its cached features) and sends the adapter back exactly as the server sent it
-(:func:`probe_round`, :func:`round_settings`, :func:`keep_adapter`): the reply has every
-round's tensors, and its DP release (the same mechanism and ε) covers the head alone, the only
-tensor a record touched. The adapter is added after the release, never noised: noise on it
-would have to match every planned step's, or its spread would tell the server how many steps
-the node took (its n).
+``train.probe_epochs`` centrally; ``fl.probe_rounds`` in a federation, where a probe round's
+DP release covers the head alone and the server's adapter is added back after it, un-noised
+(noise on it would tell the server how many steps the node took).
 """
 
 from __future__ import annotations
@@ -35,14 +30,9 @@ log = logging.getLogger(__name__)
 
 
 def probe_head(settings: Settings, model: CaRRetriever, splits: DataSplits) -> dict[str, Any]:
-    """Linear probing before fine-tuning: up to ``train.probe_epochs`` epochs of the head alone
-    on the frozen features of the training texts (the identity adapter changes nothing; the
-    features come from the cache CaR runs fill), with an optimiser of its own. Each epoch is
-    scored on validation's cached features (epoch 0 too: the untrained head, as CaR's run
-    scores it) and the head of the best one (a :class:`~car_fl.results.run.Run` in memory
-    selects and stops) is kept, so the adapter starts from the head CaR's own run would select;
-    ``train.patience`` ends the probe as it ends training. Without a validation split
-    the last epoch's head is kept. Returns ``history`` and ``selected``."""
+    """Up to ``train.probe_epochs`` epochs of the head alone on cached frozen features, each
+    scored on validation (epoch 0 too); the best head is kept (the last without validation),
+    ``train.patience`` applies. Returns ``history`` and ``selected``."""
 
     def features(split: str) -> LocalData:
         return prepare_data(
@@ -100,16 +90,13 @@ def probe_head(settings: Settings, model: CaRRetriever, splits: DataSplits) -> d
 
 
 def probe_round(settings: Settings, server_round: int) -> bool:
-    """Whether federated round ``server_round`` (from 1) of adapter + CaR is a probe round:
-    one of the first ``fl.probe_rounds``."""
+    """Whether federated round ``server_round`` is a probe round (the first ``fl.probe_rounds``)."""
     adapter = settings.train.mode is Mode.ADAPTER_CLASSIFIER
     return adapter and server_round <= settings.fl.probe_rounds
 
 
 def round_settings(settings: Settings, server_round: int) -> Settings:
-    """What a node trains round ``server_round`` with: in a probe round the classifier mode
-    (the head alone on cached features: the encoder is not even loaded when they are all
-    cached); otherwise ``settings`` as they are."""
+    """Classifier mode in a probe round (the head alone), else ``settings`` as they are."""
     if not probe_round(settings, server_round):
         return settings
     return replace(settings, train=replace(settings.train, mode=Mode.CLASSIFIER))
@@ -118,9 +105,7 @@ def round_settings(settings: Settings, server_round: int) -> Settings:
 def keep_adapter(
     state: dict[str, torch.Tensor], global_state: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    """A probe round's trained state with the server's adapter added back, untouched: the
-    reply has the tensors of every other round of the run, and its adapter depends on no
-    record."""
+    """A probe round's trained state with the server's adapter added back, untouched."""
     adapter, _ = split_adapter(global_state)
     if not adapter:
         raise ValueError(

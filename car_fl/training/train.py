@@ -34,12 +34,8 @@ ROW_PREFIXES = ("head.rows", "head.experts.")
 
 
 def make_optimizer(model: CaRRetriever, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """``torch.optim``'s SGD, Adam or AdamW over the trainable parameters only (no state for
-    frozen weights): the head, the document rows and the adapter each with its learning rate.
-
-    The first step in a process imports ``torch._dynamo`` (seconds); a node's worker
-    (``car-fl worker``) pays it once, not every round (docs/performance.md).
-    """
+    """``torch.optim``'s SGD, Adam or AdamW over the trainable parameters only: the head, the
+    document rows and the adapter each with its learning rate."""
     params = model.trainable_parameters()
     rows = [p for name, p in params.items() if name.startswith(ROW_PREFIXES)]
     head = [
@@ -103,13 +99,9 @@ def train_epoch(
     prox_mu: float = 0.0,
     anchor: Mapping[str, torch.Tensor] | None = None,
 ) -> EpochResult:
-    """One pass over ``data`` in the order of ``epoch_order(seed, epoch)``.
-
-    ``after_step`` runs after every optimizer step (per-step DP uses it). ``prox_mu`` > 0 adds
-    FedProx's proximal term μ/2·‖θ − ``anchor``‖² (``anchor``: the global trainable state) to
-    the loss that is minimised, as the adapter's identity anchor (``adapter.anchor``) is; the
-    reported loss stays the task loss.
-    """
+    """One pass over ``data`` in the order of ``epoch_order(seed, epoch)``. ``after_step`` runs
+    after every optimizer step. ``prox_mu`` > 0 adds FedProx's μ/2·‖θ − ``anchor``‖² to the
+    minimised loss (the reported loss stays the task loss)."""
     proximal = ProximalTerm(model, anchor, prox_mu) if prox_mu > 0 else None
     if len(data) == 0:
         raise ValueError("cannot train on an empty dataset")
@@ -169,17 +161,10 @@ def train_epoch_dpsgd(
     population: int | None = None,
     adapter_clip: float | None = None,
 ) -> EpochResult:
-    """One epoch of record-level DP-SGD: ``steps`` Poisson-sampled steps at rate q.
-
-    Each step is :func:`car_fl.privacy.dpsgd.dpsgd_step` (per-example clipping at C, or the
-    adapter's part at ``adapter_clip`` and the head's at the rest of C; noise σ·C, division by
-    q·n). Batches are drawn from OS entropy, unless ``batches`` (index
-    tensors, one per step) are given (tests: the same batches as :func:`train_epoch`);
-    ``generator`` makes the noise reproducible in tests. Loss and accuracy are over the
-    sampled examples, for the client's own log. ``population`` (default ``len(data)``) is the
-    n the expected batch q·n stands for: a client that left out examples it cannot train on
-    (labels the server's map lacks) still divides by its whole n, as if they had been sampled
-    with a zero gradient, so nothing it sends depends on how many it left out.
+    """One epoch of record-level DP-SGD: ``steps`` Poisson-sampled steps at rate q
+    (:func:`car_fl.privacy.dpsgd.dpsgd_step`), from OS entropy unless ``batches`` and
+    ``generator`` (tests) are given. ``population`` (default ``len(data)``) is the n of q·n:
+    examples left out still count, so nothing sent depends on how many were.
     """
     from car_fl.privacy.dpsgd import dpsgd_step, poisson_sample
     from car_fl.privacy.noise import seed_from_entropy
@@ -190,8 +175,7 @@ def train_epoch_dpsgd(
     if population < len(data):
         raise ValueError(f"cannot train {len(data)} examples standing for only {population}")
     model.train()
-    # dropout (the head's, the soft embeddings'): masks from OS entropy, never from a seed the
-    # server knows (tests/privacy/test_ghost.py tests it)
+    # dropout masks from OS entropy, never from a seed the server knows
     seed_from_entropy()
     device = model.device
     params = model.trainable_parameters()
@@ -274,8 +258,7 @@ def one_epoch(
     *,
     desc: str,
 ) -> EpochResult:
-    """One epoch of ``data`` with the run's batch size, seed and progress bar (the probe's
-    and the main loop's)."""
+    """One epoch of ``data`` with the run's batch size, seed and progress bar."""
     return train_epoch(
         model,
         data,
@@ -315,12 +298,8 @@ def evaluate(
     progress: bool = False,
     subsets: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, float]:
-    """Loss, top-K accuracy, Recall@K, MRR, nDCG@10 and macro-F1 on ``data``.
-
-    Scores are computed one batch at a time and only each query's rank and best label are
-    kept, so no queries × labels matrix exists beyond one batch. ``subsets`` (name → boolean
-    mask over ``data``) add the same metrics on those queries alone, as ``{name}_{metric}``.
-    """
+    """Loss, top-K accuracy, Recall@K, MRR, nDCG@10 and macro-F1 on ``data``, one batch at a
+    time. ``subsets`` (name → boolean mask) add the same metrics as ``{name}_{metric}``."""
     model.eval()
     features = query_features(model, data, batch_size=batch_size, progress=progress)
     ranks, predictions = [], []
