@@ -255,3 +255,34 @@ def test_the_architecture_names_every_module() -> None:
             f"{package}.{m}" for m in modules if f"`{m}`" not in row and f"`{m}." not in row
         ]
     assert missing == [], "name each in its package's row of docs/architecture.md"
+
+
+DOC_REFERENCE = re.compile(
+    r"docs/(\w+)\.md(?:#([\w-]+)|,\s+(?:\"([^\"]+)\"|'((?:[^']|'(?=s\b))+)'))?"
+)
+
+
+def _slug(heading: str) -> str:
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_doc_section_the_code_points_to_exists() -> None:
+    """A docstring that says "see docs/x.md, 'Section'" (or ``docs/x.md#anchor``) in place of
+    an argument names a file, and a heading or bold lead-in in it, that exist."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for name, anchor, double, single in DOC_REFERENCE.findall(path.read_text("utf-8")):
+            section = double or single
+            doc = ROOT / "docs" / f"{name}.md"
+            assert doc.is_file(), f"{path.relative_to(ROOT)} points to {doc.name}, missing"
+            text = doc.read_text(encoding="utf-8")
+            headings = [line.lstrip("#").strip() for line in text.splitlines() if line[:1] == "#"]
+            if anchor:
+                assert anchor in {_slug(h) for h in headings}, (path.name, name, anchor)
+            if section:
+                lead = section.rstrip(".")
+                bold = re.search(rf"\*\*[^*]{{0,8}}{re.escape(lead)}", text)
+                named = any(lead in h for h in headings) or bold is not None
+                assert named, f"{path.relative_to(ROOT)}: no '{section}' in docs/{name}.md"
+            found.append((name, anchor or section))
+    assert len(found) > 10  # the references exist: the pattern still matches them
