@@ -1,7 +1,8 @@
 """Threads where they pay: a loop of small tensor steps runs on one thread.
 
 For a small head the intra-op hand-off costs more than the arithmetic
-(docs/performance.md#threads-one-for-small-steps): :func:`threads_for` uses one thread below :data:`SMALL_STEP`.
+(docs/performance.md#threads-one-for-small-steps): :func:`threads_for` uses one thread
+below :data:`SMALL_STEP`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Iterator
 
 import torch
 
-#: Multiply-adds per step below which one thread was faster (docs/performance.md#threads-one-for-small-steps).
+#: Multiply-adds per step below which one thread was faster (docs/performance.md, "Threads").
 SMALL_STEP = 2_000_000
 
 

@@ -2,8 +2,9 @@
 
 The centralised epochs, the federation's rounds and the linear probe (a run in memory) each
 drive a :class:`Run`; nothing else selects, counts patience, checkpoints or resumes
-(docs/architecture.md, "One run"). Each step's checkpoint (with its optimiser's state) is
-written before its row, so a stopped run resumes and ends where an uninterrupted one would.
+(docs/architecture.md, "What every run shares"). Each step's checkpoint (with its
+optimiser's state) is written before its row, so a stopped run resumes and ends where an
+uninterrupted one would.
 """
 
 from __future__ import annotations
