@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 A_LONG_TEST = """
@@ -33,6 +35,7 @@ def test_waits(started_child):
 """
 
 
+@pytest.mark.slow  # a child pytest imports the suite's conftest: about 7 s
 def test_sigterm_to_pytest_tears_the_running_tests_fixtures_down(tmp_path: Path) -> None:
     (tmp_path / "test_long.py").write_text(A_LONG_TEST, encoding="utf-8")
     env = {
