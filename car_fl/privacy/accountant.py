@@ -75,8 +75,7 @@ class Release:
             )
         if not math.isfinite(self.noise_multiplier):
             raise ValueError(f"a noise multiplier must be finite, got {self.noise_multiplier}")
-        if not 0 < self.sample_rate <= 1:
-            raise ValueError(f"a sampling rate must be in (0, 1], got {self.sample_rate}")
+        check_sample_rate(self.sample_rate)
 
     @property
     def private(self) -> bool:
@@ -125,9 +124,19 @@ def non_private_count(releases: Iterable[Release]) -> int:
     return sum(r.count for r in releases if not r.private)
 
 
-def _check_delta(delta: float) -> None:
+def check_delta(delta: float) -> None:
+    """Refuse a δ outside (0, 1), NaN included: every party's one wording."""
     if not 0 < delta < 1:
-        raise ValueError(f"δ (dp.delta) must be in (0, 1), got {delta}")
+        raise ValueError(f"dp.delta must be in (0, 1), got {delta}; e.g. dp.delta=1e-5")
+
+
+def check_sample_rate(rate: float) -> None:
+    """Refuse a Poisson sampling rate outside (0, 1], NaN included: every party's one wording."""
+    if not 0 < rate <= 1:
+        raise ValueError(
+            f"dp.sample_rate (q, DP-SGD's Poisson sampling rate) must be in (0, 1], got {rate}; "
+            "e.g. dp.sample_rate=0.05"
+        )
 
 
 def gaussian_epsilon(mu: float, delta: float) -> float:
@@ -137,7 +146,7 @@ def gaussian_epsilon(mu: float, delta: float) -> float:
     from scipy.optimize import brentq
     from scipy.special import log_ndtr, ndtr
 
-    _check_delta(delta)
+    check_delta(delta)
     if not mu > TINY_MULTIPLIER:  # ε beyond 10¹¹: no guarantee at all (and beyond floats)
         return math.inf
     if math.isinf(mu):
@@ -205,7 +214,7 @@ def _epsilon(private: tuple[Release, ...], delta: float) -> float:
 
 def private_epsilon(releases: Iterable[Release], delta: float) -> float:
     """ε at δ of the *private* releases together (non-private ones left out); 0 with none."""
-    _check_delta(delta)
+    check_delta(delta)
     private = tuple(r for r in grouped(releases) if r.private)
     return _epsilon(private, float(delta)) if private else 0.0
 
@@ -237,7 +246,7 @@ class Accountant:
 
     def get_epsilon(self, delta: float) -> float:
         """ε at δ of everything accounted; ∞ if a release was not private; 0 with none."""
-        _check_delta(delta)
+        check_delta(delta)
         if non_private_count(self.history):
             return math.inf
         return private_epsilon(self.history, delta)

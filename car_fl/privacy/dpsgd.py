@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+from car_fl.privacy.accountant import check_sample_rate
 from car_fl.privacy.ghost import ghost_clipped_sum, supports_ghost
 from car_fl.privacy.mechanism import clip_per_example
 from car_fl.privacy.noise import gaussian_like, secure_generator
@@ -36,8 +37,7 @@ def poisson_sample(
 ) -> torch.Tensor:
     """Indices ``(k,)`` of one Poisson-sampled batch (maybe empty), from OS entropy unless
     ``generator`` is given: the server must not tell which examples a step used."""
-    if not 0 < rate <= 1:
-        raise ValueError(f"dp.sample_rate (q) must be in (0, 1], got {rate}")
+    check_sample_rate(rate)
     gen = generator if generator is not None else secure_generator("cpu")
     draws = torch.rand(n, generator=gen, device=gen.device)
     return torch.nonzero(draws < rate).flatten().cpu()

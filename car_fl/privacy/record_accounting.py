@@ -11,7 +11,13 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from car_fl.privacy.accountant import Accountant, Release, ReleaseKind
+from car_fl.privacy.accountant import (
+    Accountant,
+    Release,
+    ReleaseKind,
+    check_delta,
+    check_sample_rate,
+)
 
 #: Beyond this noise multiplier a target ε is treated as unreachable (the model learns nothing).
 MAX_NOISE_MULTIPLIER = 100.0
@@ -20,14 +26,12 @@ CALIBRATION_TOLERANCE = 0.005
 
 
 def _check(*, sample_rate: float, noise_multiplier: float, steps: int, delta: float) -> None:
-    if not 0 < sample_rate <= 1:
-        raise ValueError(f"dp.sample_rate (q) must be in (0, 1], got {sample_rate}")
+    check_sample_rate(sample_rate)
     if not noise_multiplier > 0:
         raise ValueError(f"dp.noise_multiplier (σ) must be > 0, got {noise_multiplier}")
     if steps < 0:
         raise ValueError(f"the number of DP-SGD steps must be >= 0, got {steps}")
-    if not 0 < delta < 1:
-        raise ValueError(f"dp.delta must be in (0, 1), got {delta}")
+    check_delta(delta)
 
 
 def epsilon(*, sample_rate: float, noise_multiplier: float, steps: int, delta: float) -> float:
@@ -85,8 +89,7 @@ def _round_up(value: float) -> str:
 
 def steps_per_epoch(sample_rate: float) -> int:
     """Poisson-sampled steps that make one expected pass over the data: ⌈1/q⌉."""
-    if not 0 < sample_rate <= 1:
-        raise ValueError(f"dp.sample_rate (q) must be in (0, 1], got {sample_rate}")
+    check_sample_rate(sample_rate)
     return math.ceil(1 / sample_rate - 1e-9)
 
 
@@ -162,6 +165,5 @@ def record_plan(
 def trained_cap(delta: float) -> int:
     """The most examples one DP-SGD round trains on: ⌈1/δ⌉ − 1, so δ < 1/n holds. A node with
     more trains on a random subset instead of failing, which would tell the server about n."""
-    if not 0 < delta < 1:
-        raise ValueError(f"dp.delta must be in (0, 1), got {delta}")
+    check_delta(delta)
     return max(1, math.ceil(1 / delta - 1e-9) - 1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from car_fl.privacy.accountant import check_delta, check_sample_rate
 from car_fl.settings.choices import (
     WIRE_DTYPES,
     AdaptiveRule,
@@ -266,8 +267,8 @@ class DPConfig:
             raise ValueError(f"dp.update_rate (β) must be in [0, 1), got {self.update_rate}")
         if not self.target_quantile > 0:
             raise ValueError(f"dp.target_quantile (γ) must be > 0, got {self.target_quantile}")
-        if not 0 < self.delta < 1:
-            raise ValueError(f"dp.delta must be in (0, 1), got {self.delta}")
+        check_delta(self.delta)
+        check_sample_rate(self.sample_rate)
         if not 0 <= self.ema_decay < 1:
             raise ValueError(f"dp.ema_decay must be in [0, 1), got {self.ema_decay}")
         at_least("dp.warmup_rounds", self.warmup_rounds, 0)

@@ -40,13 +40,8 @@ class Record(DPModeSpec):
     one_machine = "one node"
 
     def check(self, dp: DPConfig) -> None:
-        """dp=record: q in (0, 1], σ > 0 unless a target ε calibrates it, no warm-up, an
-        adapter bound below C, local DP's noise split left alone."""
-        if not 0 < dp.sample_rate <= 1:
-            raise ValueError(
-                f"dp.sample_rate (q, the Poisson sampling rate of DP-SGD) must be in (0, 1], "
-                f"got {dp.sample_rate}; e.g. dp.sample_rate=0.05"
-            )
+        """dp=record: σ > 0 unless a target ε calibrates it, no warm-up, an adapter bound below
+        C, local DP's noise split left alone (q and δ are checked in every mode)."""
         if dp.target_epsilon is None and not dp.noise_multiplier > 0:
             raise ValueError(
                 f"dp=record needs dp.noise_multiplier (σ) > 0, got {dp.noise_multiplier}; "
