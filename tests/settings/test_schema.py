@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -87,14 +88,24 @@ def test_fl_timeouts_and_dirichlet_alpha_are_validated(override: str, message: s
 def test_nan_is_refused_for_every_float_setting() -> None:
     """A NaN passes every ``x < low`` check; each float key must refuse it by name (a run
     config is the server's to choose), in every DP mode: a key another mode reads is checked
-    too."""
+    too. One key through Hydra's override parser, each of them through the validation."""
+    from car_fl.settings.compose import settings_values, to_settings
     from car_fl.settings.flat import flat_settings
 
-    keys = [k for k, v in flat_settings(load_settings([])).items() if isinstance(v, float)]
-    assert len(keys) > 30 and "dp.noise_multiplier" in keys
+    with pytest.raises(ValueError, match=r"noise_multiplier.*nan"):
+        load_settings(["dp.noise_multiplier=nan"])
+    defaults = load_settings([])
+    keys = [k for k, v in flat_settings(defaults).items() if isinstance(v, float)]
+    assert len(keys) > 30 and "dp.sample_rate" in keys
     for key in keys:
-        with pytest.raises(ValueError, match=rf"{key.split('.')[-1]}.*nan"):
-            load_settings([f"{key}=nan"])
+        *groups, name = key.split(".")
+        values = settings_values(defaults)
+        node = values
+        for group in groups:
+            node = node[group]
+        node[name] = math.nan
+        with pytest.raises(ValueError, match=rf"{name}.*nan"):
+            to_settings(values)
 
 
 def test_fl_edge_values_that_are_valid() -> None:

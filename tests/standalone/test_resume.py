@@ -49,6 +49,7 @@ def test_a_run_stopped_in_an_epoch_resumes_and_ends_where_an_uninterrupted_one_d
     overrides = [
         "mode=adapter",
         "dataset.max_examples=40",
+        "train.batch_size=16",
         "train.epochs=3",
         "train.lr=0.01",
         f"train.optimizer={optimizer}",
