@@ -16,11 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from car_fl.client.node_reading import NodeReading, ReadingError
+from car_fl.privacy.accountant import Accountant
 from car_fl.settings.dp_modes.registry import MODES
 from car_fl.settings.dp_plan import (
     noise_floor_multiplier,
     non_private_reason,
     per_step,
+    round_release,
 )
 from car_fl.settings.schema import DPMode, Partitioning, Settings, Split
 
@@ -182,7 +184,7 @@ class NodePolicy:
                 "noised sum by q·n, so the update's scale would follow the example count, and "
                 "public-example-count is true"
             )
-        reason = non_private_reason(dp)
+        reason = non_private_reason(dp) or infinite_epsilon(settings)
         if reason is not None and not self.accepts_non_private:
             found.append(f"{reason}: not private, and 'none' is not an accepted mode")
         sigma = noise_floor_multiplier(settings)
@@ -202,7 +204,26 @@ class NodePolicy:
                 f"dp.warmup_rounds={dp.warmup_rounds} sends un-noised updates and "
                 "allow-warmup is false"
             )
+        elif dp.warmup_rounds and self.public_example_count:
+            found.append(
+                f"dp.warmup_rounds={dp.warmup_rounds} sends the example count un-noised (as "
+                "dp=none does) and public-example-count is true"
+            )
         return found
+
+
+def infinite_epsilon(settings: Settings) -> str | None:
+    """Why a private round of this run releases with ε = ∞ (a noise multiplier too small for
+    any guarantee, e.g. σ = 1e-100 or a calibration to ε = ∞), or None."""
+    dp = settings.dp
+    examples = settings.fl.max_examples_per_client or 1
+    release = round_release(settings, server_round=dp.warmup_rounds + 1, examples=examples)
+    if release.private and math.isfinite(Accountant([release]).get_epsilon(dp.delta)):
+        return None
+    return (
+        f"dp={dp.mode} with noise multiplier {noise_floor_multiplier(settings):.3g} releases "
+        "with ε = ∞ in each round"
+    )
 
 
 def planned_steps(settings: Settings) -> int | None:

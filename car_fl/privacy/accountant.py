@@ -194,6 +194,8 @@ def _epsilon(private: tuple[Release, ...], delta: float) -> float:
     private = _without_small_sigma(private)
     gaussian = [r for r in private if r.kind is ReleaseKind.GAUSSIAN]
     steps = [r for r in private if r.kind is ReleaseKind.DPSGD]
+    if any(not r.noise_multiplier > TINY_MULTIPLIER for r in gaussian):
+        return math.inf  # one such release has ε = ∞ (and its μ⁻² may overflow a float)
     precision = sum(r.count * r.noise_multiplier**-2 for r in gaussian)
     mu = precision**-0.5 if precision > 0 else math.inf  # no Gaussian part: no loss from it
     if not steps:

@@ -14,7 +14,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from car_fl.privacy.accountant import Accountant
+from car_fl.privacy.accountant import Accountant, Release
 from car_fl.results.rows import ClientDP, ClientRow, RunSummary, wire_key
 from car_fl.server.round_stats import RoundStats
 from car_fl.settings.dp_modes.registry import MODES
@@ -80,6 +80,10 @@ class PrivacyCheck:
     #: server computes them; and which node's row each partition id's key holds (the first).
     client_dp: dict[int, ClientDP] = field(default_factory=dict)
     dp_owner: dict[int, int] = field(default_factory=dict)
+    #: After a resume: the releases of the node that had spent the most before it. A node id
+    #: first seen after a resume starts from them (the server cannot link ids across a
+    #: restart, and Flower's simulation gives new ones): an upper bound, never an under-count.
+    prior: tuple[Release, ...] = ()
 
     def round(self, stats: RoundStats) -> float:
         """Account for a round's replies; the max over nodes of the server's ε. Every reply
@@ -132,6 +136,9 @@ class PrivacyCheck:
             verdict = self.receive(row.round, row.node, seen)
             place = row.partition_id if row.partition_id is not None else row.node
             self.keep(row.node, verdict, place=int(place))
+        delta = self.settings.dp.delta
+        most = max(self.accountants.values(), key=lambda a: a.get_epsilon(delta), default=None)
+        self.prior = tuple(most.history) if most is not None else ()
         self.last_epsilon = epsilon
 
     def summarise(self, summary: RunSummary) -> None:
@@ -158,7 +165,7 @@ class PrivacyCheck:
             release = round_release(
                 self.settings, server_round=server_round, examples=examples or 1
             )
-            self.accountants.setdefault(node, Accountant()).add(release)
+            self.accountants.setdefault(node, Accountant(self.prior)).add(release)
         else:
             basis = ""
         # a node with a DP release the server cannot bound (per step, no cap): ε = ∞

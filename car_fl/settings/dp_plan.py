@@ -22,6 +22,12 @@ def check_mode(settings: Settings) -> None:
     mode = MODES[settings.dp.mode]
     mode.check(settings.dp)
     mode.check_settings(settings)
+    dp, rounds = settings.dp, settings.fl.rounds
+    if dp.enabled and dp.warmup_rounds >= rounds:
+        raise ValueError(
+            f"dp.warmup_rounds={dp.warmup_rounds} covers all fl.rounds={rounds}: no round would "
+            f"be private under dp={dp.mode}; set dp.warmup_rounds below fl.rounds (or dp=none)"
+        )
     if settings.fl.norm_bound is NormBoundMode.DP and not mode.bounds_replies(settings.dp):
         raise ValueError(
             "fl.norm_bound=dp derives the bound from fixed DP clipped once per round; it "

@@ -272,5 +272,7 @@ class DPConfig:
         if not 0 <= self.ema_decay < 1:
             raise ValueError(f"dp.ema_decay must be in [0, 1), got {self.ema_decay}")
         at_least("dp.warmup_rounds", self.warmup_rounds, 0)
-        if self.target_epsilon is not None and not self.target_epsilon > 0:
-            raise ValueError(f"dp.target_epsilon must be > 0 or null, got {self.target_epsilon}")
+        if self.target_epsilon is not None and not 0 < self.target_epsilon < math.inf:
+            raise ValueError(
+                f"dp.target_epsilon must be > 0 and finite, or null, got {self.target_epsilon}"
+            )

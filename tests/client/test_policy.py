@@ -88,7 +88,7 @@ POLICY = NodePolicy(
         ("dp=fixed dp.noise_multiplier=1e-8", "below min-noise-multiplier 1"),
         ("dp=fixed dp.noise_multiplier=2 dp.clip=1e6", "dp.clip=1e+06 is above max-clip 1"),
         ("dp=fixed dp.noise_multiplier=2 dp.delta=1e-3", "dp.delta=0.001 is above max-delta"),
-        ("dp=fixed dp.noise_multiplier=2 dp.warmup_rounds=1000", "allow-warmup is false"),
+        ("dp=fixed dp.noise_multiplier=2 dp.warmup_rounds=1", "allow-warmup is false"),
         # a raised target: σ calibrated for ε = 1000 is far below the floor
         pytest.param(  # calibrating σ for ε = 1000 takes tens of seconds
             "dp=record dp.target_epsilon=1000",

@@ -260,7 +260,13 @@ def test_a_reply_the_norm_bound_rejects_still_counts_in_the_servers_epsilon(
     assert rows[(2, 10)].claim_mismatch == "" and rounds.privacy.flagged == set()
 
 
-def test_after_a_resume_the_servers_epsilon_counts_the_releases_before_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("node_after", [10, 77], ids=["same-node-id", "new-node-id"])
+def test_after_a_resume_the_servers_epsilon_counts_the_releases_before_it(
+    tmp_path: Path, node_after: int
+) -> None:
+    """A resumed simulation's nodes have new ids (Flower gives new ones at each start), which
+    the server cannot link to the old: a new id starts from the releases of the node that had
+    spent the most, so the run's ε is never the ε of the rounds after the resume alone."""
     settings = load_settings("fl.rounds=3 dp=fixed dp.noise_multiplier=1.0")
     honest = honest_claims(settings, 3)
     strategy, rounds = recorder_of(settings, tmp_path)
@@ -275,7 +281,7 @@ def test_after_a_resume_the_servers_epsilon_counts_the_releases_before_it(tmp_pa
     resumed.run.begin(point, data={})
     resumed.resume(point)
     strategy.round_offset = 2  # as run_federation sets it: Flower counts from 1 again
-    play_round(strategy, resumed, 1, {10: honest[2]})
+    play_round(strategy, resumed, 1, {node_after: honest[2]})
     row = resumed.run.history[-1]
     assert row.epsilon == pytest.approx(rdp_epsilon({0.5: 3}, settings.dp.delta))
     assert row.claims_flagged == 0  # the honest client's claim (3 releases) agrees
