@@ -6,6 +6,7 @@ fixed here from the whole dataset, the same on every client.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import Counter
 from collections.abc import Sequence
@@ -146,6 +147,17 @@ def _subsample(examples: list[Example], limit: int | None, seed: int) -> list[Ex
     return [examples[i] for i in keep]
 
 
+def splits_digest(splits: dict[str, Sequence[tuple[str, str]]]) -> int:
+    """48 bits of a SHA-256 of every split's (label, text) pairs in order: the same file in
+    another order splits otherwise, with the same sizes (a resume compares it)."""
+    digest = hashlib.sha256()
+    for name in sorted(splits):
+        digest.update(f"\x1e{name}\x1e".encode())
+        for label, text in splits[name]:
+            digest.update(f"{label}\x1f{text}\x1d".encode())
+    return int(digest.hexdigest()[:12], 16)  # an exact integer in JSON
+
+
 def load_examples(cfg: DatasetConfig, label_map: LabelMap) -> Dataset:
     """Every example of the local file ``cfg.path`` (a client's own shard), unsplit."""
     if cfg.path is None:
@@ -245,6 +257,12 @@ def load_splits(cfg: DatasetConfig, *, seed: int, label_map: LabelMap | None = N
         "validation_examples": len(validation),
         "test_examples": len(test),
         **removed.as_dict(),
+        "splits_digest": splits_digest(
+            {
+                name: [(e.label, e.text) for e in examples]
+                for name, examples in (("train", train), ("validation", validation), ("test", test))
+            }
+        ),
     }
     log.info(
         "dataset %s: %d train, %d validation, %d test examples, %d labels; duplicates removed: "
@@ -332,6 +350,12 @@ def load_corpus_splits(
             "validation_examples": len(split.texts["validation"]),
             "test_examples": len(split.texts["test"]),
             **split.stats,
+            "splits_digest": splits_digest(
+                {
+                    name: list(zip(map(str, split.documents[name]), split.texts[name], strict=True))
+                    for name in ("train", "validation", "test")
+                }
+            ),
         },
         documents=tuple(documents),
         new_documents=split.new_documents,

@@ -151,9 +151,20 @@ def check_run_dir(run_dir: Path, kind: Kind) -> None:
                 f"resume={run_dir}: {name} is missing; resume= takes the folder of "
                 f"{kind.described} that has run at least one step"
             )
-    saved = json.loads((run_dir / METRICS_JSON).read_text(encoding="utf-8")).get("kind")
+    try:
+        saved = json.loads((run_dir / METRICS_JSON).read_text(encoding="utf-8")).get("kind")
+    except (ValueError, AttributeError) as err:  # not JSON, or not a run's object
+        raise ValueError(
+            f"resume={run_dir}: {METRICS_JSON} is not a car-fl run's ({err}); resume= takes "
+            f"the folder of {kind.described}"
+        ) from None
+    if saved not in KINDS:
+        raise ValueError(
+            f"resume={run_dir}: its {METRICS_JSON} names no kind of car-fl run (kind: "
+            f"{saved!r}); resume= takes the folder of {kind.described}"
+        )
     if saved != kind.name:
-        other = KINDS[saved].described if saved in KINDS else repr(saved)
+        other = KINDS[saved].described
         raise ValueError(
             f"resume={run_dir}: that is {other}, and this is {kind.described}; resume it the "
             "way it was started"
@@ -172,6 +183,11 @@ def open_run_dir(
     out = out.resolve()
     log.debug("resolved configuration:\n%s", settings_to_yaml(settings))
     if point is None:
+        if (out / METRICS_JSON).is_file():
+            raise FileExistsError(
+                f"{out} holds a run already ({METRICS_JSON}); continue it with resume={out}, "
+                "or give the new run another output_dir"
+            )
         write_config(settings, out)
     log.info("results: %s", out)
     return out, point
@@ -190,7 +206,13 @@ def load_resume_point(run_dir: Path, settings: Settings, kind: Kind) -> ResumePo
     """The newest step of the ``kind`` run in ``run_dir`` whose checkpoint loads, to go on
     with ``settings``; refused, saying what to do, when it cannot go on."""
     check_run_dir(run_dir, kind)
-    saved = kind.comparable(settings_from_yaml((run_dir / "config.yaml").read_text("utf-8")))
+    try:
+        saved = kind.comparable(settings_from_yaml((run_dir / "config.yaml").read_text("utf-8")))
+    except ValueError as err:
+        raise ValueError(
+            f"resume={run_dir}: its config.yaml does not read as car-fl settings ({err}); it "
+            "was changed by hand or cut short: start a new run"
+        ) from None
     fix = f"resume it with the same overrides (only {kind.steps_key} may change)"
     refuse_other_settings(run_dir, saved, settings, may_change=kind.may_change, fix=fix)
     metrics = MetricsFile.read(run_dir)
@@ -202,6 +224,9 @@ def load_resume_point(run_dir: Path, settings: Settings, kind: Kind) -> ResumePo
             "it finished, it was not interrupted; to train longer start a new run (a larger "
             "train.patience)"
         )
+    # only the newest step keeps its optimiser: an older one resumes with a fresh optimiser
+    keeps_optimizer = any((run_dir / "checkpoints").glob(f"round-*/{OPTIMIZER}"))
+    skipped: list[str] = []
     for row in reversed(metrics.history):
         folder = run_dir / "checkpoints" / f"round-{row.round:03d}"
         try:
@@ -209,7 +234,14 @@ def load_resume_point(run_dir: Path, settings: Settings, kind: Kind) -> ResumePo
             optimizer = load_optimizer(folder, checkpoint.round)
         except (OSError, ValueError, SafetensorError) as err:
             log.warning("resume: skipping %s (%s)", folder.name, err)
+            skipped.append(f"{folder.name} ({err})")
             continue
+        if optimizer is None and keeps_optimizer:
+            raise ValueError(
+                f"resume={run_dir}: {'; '.join(skipped)} does not load, and {folder.name} "
+                "before it keeps no optimiser state (only the newest step does): going on "
+                "from it would not be the same run; start it again"
+            )
         done = checkpoint.round
         history = [row for row in metrics.history if row.round <= done]
         if [row.round for row in history] != list(range(1, done + 1)):
@@ -217,7 +249,12 @@ def load_resume_point(run_dir: Path, settings: Settings, kind: Kind) -> ResumePo
                 f"resume={run_dir}: metrics.json does not hold {unit}s 1 to {done} of "
                 f"{folder.name}; it was changed by hand, or is another run's; start a new run"
             )
-        if done >= steps and (summary.complete or kind is FEDERATED):
+        if done > steps:
+            raise ValueError(
+                f"resume={run_dir}: the run already has {done} {unit}s, more than "
+                f"{kind.steps_key}={steps}; resume it with {kind.steps_key} of {done} or more"
+            )
+        if done == steps and (summary.complete or kind is FEDERATED):
             raise ValueError(
                 f"resume={run_dir}: the run already has {done} {unit}s; raise "
                 f"{kind.steps_key} above it"
@@ -336,15 +373,18 @@ class Run:
         if point is None:
             return
         assert self.output_dir is not None
+        if "splits_digest" not in point.summary.data:  # a run saved before the digest
+            data = {k: v for k, v in data.items() if k != "splits_digest"}
         for what, before, now in (
-            ("the data splits", point.summary.data, data),
             ("the labels", point.checkpoint.label_map.to_list(), self.label_map.to_list()),
+            ("the data splits", point.summary.data, data),
             ("the documents or experts", point.checkpoint.extra, self.extra),
         ):
             if json.dumps(before, sort_keys=True) != json.dumps(now, sort_keys=True):
                 raise ValueError(
                     f"resume={self.output_dir}: {what} differ from that run's; point "
-                    "dataset.path (and dataset.documents_path) at the files it was trained on"
+                    "dataset.path (and dataset.documents_path) at the files it was trained on "
+                    "(the same lines in another order split otherwise)"
                 )
         write_config(self.settings, self.output_dir)
         self.history = point.history
