@@ -37,7 +37,7 @@ from car_fl.results.rows import (
 )
 from car_fl.results.selection import is_better, patience_spent, select_best
 from car_fl.settings.compose import settings_from_yaml, settings_to_yaml
-from car_fl.settings.flat import refuse_other_settings
+from car_fl.settings.flat import changed_keys, refuse_other_settings
 from car_fl.settings.flower import NODE_LOCAL_KEYS, fingerprint
 from car_fl.settings.schema import Settings, federated_part
 
@@ -183,14 +183,28 @@ def open_run_dir(
     out = out.resolve()
     log.debug("resolved configuration:\n%s", settings_to_yaml(settings))
     if point is None:
-        if (out / METRICS_JSON).is_file():
-            raise FileExistsError(
-                f"{out} holds a run already ({METRICS_JSON}); continue it with resume={out}, "
-                "or give the new run another output_dir"
-            )
+        refuse_another_run(out, settings)
         write_config(settings, out)
     log.info("results: %s", out)
     return out, point
+
+
+def refuse_another_run(out: Path, settings: Settings) -> None:
+    """Refuse a new run into a folder that holds a run of other settings: it would replace
+    that run's results and leave its checkpoints beside its own. The same settings run again."""
+    if not (out / METRICS_JSON).is_file():
+        return
+    try:
+        saved = settings_from_yaml((out / "config.yaml").read_text("utf-8"))
+        changed = changed_keys(saved, settings, ignore=("progress",))
+    except (OSError, ValueError) as err:
+        changed = [f"its config.yaml does not read: {err}"]
+    if changed:
+        raise FileExistsError(
+            f"{out} holds a run of other settings ({', '.join(changed[:4])}); continue that "
+            f"run with resume={out}, or give this one another output_dir"
+        )
+    log.warning("%s holds a run of the same settings: it runs again from the start", out)
 
 
 def write_config(settings: Settings, out: Path) -> None:
