@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from car_fl.protocol.messages import NUM_EXAMPLES
@@ -48,8 +49,14 @@ class RoundStats:
             self.failed[node] = "no reply (the node was lost or the round timed out)"
 
     def weighted(self, key: str) -> float:
-        """The example-weighted mean of a client metric (wire key); NaN if nobody sent it."""
-        rows = [m for m in self.client_metrics.values() if key in m]
+        """The example-weighted mean of a client metric (wire key) over the replies that sent
+        a finite value with a finite, positive count; NaN if none did (a hostile client's −∞
+        or NaN would be the round's figure)."""
+        rows = [
+            m
+            for m in self.client_metrics.values()
+            if math.isfinite(m.get(key, math.nan)) and 0 < m.get(NUM_EXAMPLES, 0) < math.inf
+        ]
         total = sum(m[NUM_EXAMPLES] for m in rows)
         if not rows or total <= 0:
             return float("nan")

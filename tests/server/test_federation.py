@@ -168,3 +168,22 @@ def test_a_federated_run_refuses_the_linear_probe_before_touching_the_grid(make_
     with pytest.raises(ValueError, match=r"train.probe_epochs=2 only steer a centralised run"):
         run_federation(None, settings)  # type: ignore[arg-type]
     assert settings.output_dir is None or not list(Path(settings.output_dir).glob("*"))
+
+
+def test_a_hostile_clients_train_metrics_do_not_become_the_rounds() -> None:
+    """A reply's train-loss, train-accuracy and count are claims: a non-finite one (or a count
+    that is not positive) is left out of the round's example-weighted figures."""
+    from car_fl.protocol.messages import NUM_EXAMPLES
+    from car_fl.server.round_stats import RoundStats
+
+    stats = RoundStats(round=1, started=time.perf_counter())
+    stats.client_metrics = {
+        1: {NUM_EXAMPLES: 10.0, "train-loss": 0.5},
+        2: {NUM_EXAMPLES: 30.0, "train-loss": 1.0},
+        3: {NUM_EXAMPLES: 10.0, "train-loss": float("-inf")},
+        4: {NUM_EXAMPLES: float("nan"), "train-loss": 9.0},
+        5: {NUM_EXAMPLES: -5.0, "train-loss": 9.0},
+        6: {NUM_EXAMPLES: 10.0, "train-loss": float("nan")},
+    }
+    assert stats.weighted("train-loss") == pytest.approx((0.5 * 10 + 1.0 * 30) / 40)
+    assert np.isnan(stats.weighted("train-accuracy"))  # nobody sent it
