@@ -268,7 +268,7 @@ def load_resume_point(run_dir: Path, settings: Settings, kind: Kind) -> ResumePo
                 f"resume={run_dir}: the run already has {done} {unit}s, more than "
                 f"{kind.steps_key}={steps}; resume it with {kind.steps_key} of {done} or more"
             )
-        if done == steps and (summary.complete or kind is FEDERATED):
+        if done == steps and summary.complete:
             raise ValueError(
                 f"resume={run_dir}: the run already has {done} {unit}s; raise "
                 f"{kind.steps_key} above it"

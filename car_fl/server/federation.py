@@ -114,18 +114,21 @@ def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
         initial = to_record(point.checkpoint.state, dtype=settings.comm.dtype)
         recorder.resume(point)
         strategy.round_offset = done
-    try:
-        result = strategy.start(
-            grid=grid,
-            initial_arrays=initial,
-            num_rounds=settings.fl.rounds - done,
-            timeout=settings.fl.round_timeout,
-            train_config=train_config(settings, evaluator, layout),
-            evaluate_fn=recorder,
-        )
-        final, last = result.arrays or initial, settings.fl.rounds
-    except PatienceSpent as stop:
-        final, last = stop.arrays, stop.round
+    if point is not None and (point.finished or recorder.run.stop_if_stalled(done)):
+        final, last = initial, done  # every round ran (or the patience ran out): the end only
+    else:
+        try:
+            result = strategy.start(
+                grid=grid,
+                initial_arrays=initial,
+                num_rounds=settings.fl.rounds - done,
+                timeout=settings.fl.round_timeout,
+                train_config=train_config(settings, evaluator, layout),
+                evaluate_fn=recorder,
+            )
+            final, last = result.arrays or initial, settings.fl.rounds
+        except PatienceSpent as stop:
+            final, last = stop.arrays, stop.round
     # what is still evaluated, the test split for the selected and final state, the files
     summary = recorder.close(from_record(final), round=last)
     check_outcome(summary, strategy, output_dir, rounds=last)

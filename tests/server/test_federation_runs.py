@@ -135,6 +135,32 @@ def test_a_resumed_run_matches_an_uninterrupted_one(
         assert resumed["summary"]["epsilon"] > 0
 
 
+def test_a_federation_stopped_in_its_end_is_ended_by_a_resume(
+    base: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every round's row and checkpoint written, the end (the test split of the selected and
+    final state, checkpoints/final) not: a resume trains nothing and writes the end."""
+    from car_fl.results.run import Run
+
+    common = [*base, "fl.rounds=2", "fl.local_epochs=1"]
+    run = tmp_path / "run"
+    with monkeypatch.context() as patch:
+
+        def stopped(*args: Any, **kwargs: Any) -> None:
+            raise KeyboardInterrupt
+
+        patch.setattr(Run, "end", stopped)
+        with pytest.raises(KeyboardInterrupt):
+            federate([*common, f"output_dir={run}"])
+    left = json.loads((run / "metrics.json").read_text())
+    assert [row["round"] for row in left["history"]] == [1, 2] and not left["summary"]["complete"]
+    ended = federate([*common, f"resume={run}"])
+    assert ended["summary"]["complete"] and ended["history"] == left["history"]
+    last = load_checkpoint(run / "checkpoints" / "round-002").state
+    final = final_state(run)
+    assert all(torch.equal(final[name], last[name]) for name in last)
+
+
 def test_resume_refuses_another_configuration(base: list[str], tmp_path: Path) -> None:
     part = tmp_path / "part"
     federate([*base, "fl.rounds=1", "fl.local_epochs=1", f"output_dir={part}"])
