@@ -82,7 +82,8 @@ FEDERATED = Kind(
     "round",
     "fl.rounds",
     "a federation (car-fl run / flwr run ., or car-fl train dp=record)",
-    (*NODE_LOCAL_KEYS, "fl.rounds", "train.epochs"),
+    # each node's own paths and devices, but not the server's encoder: the rows so far are its
+    (*(k for k in NODE_LOCAL_KEYS if k != "model.name_or_path"), "fl.rounds", "train.epochs"),
 )
 KINDS = {kind.name: kind for kind in (CENTRALIZED, FEDERATED)}
 

@@ -55,3 +55,19 @@ def test_a_foreign_or_damaged_run_folder_is_refused_naming_the_file(
     with pytest.raises((ValueError, FileNotFoundError)) as err:
         load_resume_point(tmp_path, settings, CENTRALIZED)
     assert name in str(err.value)
+
+
+def test_a_federation_is_not_resumed_on_another_encoder(settings: Settings, tmp_path: Path) -> None:
+    """Each node's own paths may differ after a resume (they are the node's), but the server's
+    encoder is what its rows so far were measured with: another one is refused, as a
+    centralised run refuses it."""
+    from car_fl.results.run import FEDERATED
+
+    write_run(tmp_path, settings, kind="federated", rounds=2)
+    moved = load_settings(["fl.rounds=3", "train.epochs=3", "train.patience=2", "device=cpu"])
+    assert load_resume_point(tmp_path, moved, FEDERATED).done == 2  # a node-local key
+    other = load_settings(
+        ["fl.rounds=3", "train.epochs=3", "train.patience=2", "model.name_or_path=/other/llama"]
+    )
+    with pytest.raises(ValueError, match=r"other settings \(.*model\.name_or_path="):
+        load_resume_point(tmp_path, other, FEDERATED)
