@@ -118,6 +118,22 @@ def test_the_report_has_one_row_per_run_with_speed_up_and_epsilon(
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in report.plots)
 
 
+def test_centralised_runs_of_two_approaches_get_the_retrieval_table(
+    make_settings, tmp_path: Path
+) -> None:
+    """Beside the results table, the centralised runs of more than one approach are compared
+    in the retrieval table (one approach: no table to compare)."""
+    root = tmp_path / "runs"
+    write_run(root / "0", make_settings("mode=classifier"), clients=1, top1=[0.8], seconds=4.0)
+    write_run(root / "1", make_settings("mode=adapter"), clients=1, top1=[0.9], seconds=9.0)
+    report = write_report([root], tmp_path / "out")
+    assert [r["job"] for r in _rows(report.retrieval_csv)] == ["0", "1"]
+    lines = report.markdown.read_text().splitlines()
+    assert any(line.startswith("| model | approach | final top-1 (%) |") for line in lines)
+    table = [line for line in lines if line.startswith("| local |")]
+    assert len(table) == 2 + 2  # the results table, then the retrieval table
+
+
 def test_the_report_shows_the_model_validation_selected_beside_the_final_one(
     make_settings, tmp_path: Path
 ) -> None:
