@@ -92,3 +92,14 @@ def load_script(name: str) -> Any:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def stop_in_the_end(monkeypatch: Any) -> None:
+    """The run is killed while it writes its end (every step's row and checkpoint written):
+    :meth:`~car_fl.results.run.Run.end` raises KeyboardInterrupt."""
+    from car_fl.results.run import Run
+
+    def stopped(*args: Any, **kwargs: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Run, "end", stopped)

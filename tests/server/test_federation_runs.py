@@ -20,6 +20,7 @@ from car_fl.results.checkpoint import load_checkpoint
 from car_fl.settings.compose import load_settings, settings_to_yaml
 from car_fl.simulation.in_process import run_local
 from car_fl.testing.tiny import tiny_overrides
+from tests.helpers import stop_in_the_end
 
 pytestmark = pytest.mark.slow
 
@@ -140,16 +141,10 @@ def test_a_federation_stopped_in_its_end_is_ended_by_a_resume(
 ) -> None:
     """Every round's row and checkpoint written, the end (the test split of the selected and
     final state, checkpoints/final) not: a resume trains nothing and writes the end."""
-    from car_fl.results.run import Run
-
     common = [*base, "fl.rounds=2", "fl.local_epochs=1"]
     run = tmp_path / "run"
     with monkeypatch.context() as patch:
-
-        def stopped(*args: Any, **kwargs: Any) -> None:
-            raise KeyboardInterrupt
-
-        patch.setattr(Run, "end", stopped)
+        stop_in_the_end(patch)
         with pytest.raises(KeyboardInterrupt):
             federate([*common, f"output_dir={run}"])
     left = json.loads((run / "metrics.json").read_text())

@@ -15,6 +15,7 @@ from car_fl.results.run import OPTIMIZER, Run, load_optimizer_tensors, optimizer
 from car_fl.simulation.centralized_dp import train_centrally
 from car_fl.standalone import centralized
 from car_fl.standalone.centralized import run_centralized
+from tests.helpers import stop_in_the_end
 
 
 def rows(out: Path) -> list[dict[str, float]]:
@@ -216,11 +217,7 @@ def test_a_run_stopped_after_its_last_epoch_is_finished_by_a_resume_without_more
     overrides = ["train.epochs=2", "train.lr=0.01"]
     run = tmp_path / "run"
     with monkeypatch.context() as patch:
-
-        def stop(*args, **kwargs):
-            raise KeyboardInterrupt
-
-        patch.setattr(Run, "end", stop)
+        stop_in_the_end(patch)
         with pytest.raises(KeyboardInterrupt):
             run_centralized(make_settings(*overrides), run)
     assert json.loads((run / "metrics.json").read_text())["summary"]["complete"] is False

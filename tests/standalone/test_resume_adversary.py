@@ -11,27 +11,11 @@ from pathlib import Path
 import pytest
 
 from car_fl.results.run import OPTIMIZER
-from car_fl.standalone import centralized
 from car_fl.standalone.centralized import run_centralized
+from tests.helpers import stop_in_the_end
+from tests.standalone.test_resume import rows, stop_in_epoch, timeless
 
 ADAMW = ["train.epochs=3", "train.lr=0.01", "train.weight_decay=0.01"]
-
-
-def rows(out: Path) -> list[dict[str, float]]:
-    history = json.loads((out / "metrics.json").read_text())["history"]
-    return [{k: v for k, v in row.items() if k != "seconds"} for row in history]
-
-
-def stop_in_epoch(monkeypatch: pytest.MonkeyPatch, stopped: int) -> None:
-    """The run is killed in epoch ``stopped`` (1-based)."""
-    real = centralized.one_epoch
-
-    def one_epoch(settings, model, data, optimizer, epoch, **kwargs):
-        if epoch + 1 == stopped:
-            raise KeyboardInterrupt
-        return real(settings, model, data, optimizer, epoch, **kwargs)
-
-    monkeypatch.setattr(centralized, "one_epoch", one_epoch)
 
 
 def stopped_run(make_settings, run: Path, monkeypatch, *overrides: str, in_epoch: int) -> None:
@@ -109,8 +93,7 @@ def test_a_new_run_into_the_folder_of_a_finished_run_does_not_overwrite_it(
     # the same settings again (a README command run twice) run again from the start
     again = run_centralized(make_settings("train.epochs=2", "train.lr=0.01"), run)
     assert again["complete"] and rows(run) == [
-        {k: v for k, v in row.items() if k != "seconds"}
-        for row in json.loads(before["metrics.json"])["history"]
+        timeless(row) for row in json.loads(before["metrics.json"])["history"]
     ]
 
 
@@ -120,19 +103,13 @@ def test_a_run_killed_after_its_patience_ran_out_resumes_to_the_same_early_stop(
     """Killed after the row that spends the patience, before the end is written (so
     metrics.json says neither stopped_early nor complete): the resume must stop there too,
     with the same rows, the same selected epoch and stopped_early, not train on."""
-    from car_fl.results.run import Run
-
     wrecking = ["approach=document", "train.lr=500", "train.rows_lr=500", "train.patience=2"]
     settings = [*wrecking, "train.epochs=6"]
     whole = run_centralized(make_corpus_settings(*settings), tmp_path / "whole")
     assert whole["stopped_early"] == 2
     run = tmp_path / "run"
     with monkeypatch.context() as patch:
-
-        def killed(*args, **kwargs):
-            raise KeyboardInterrupt
-
-        patch.setattr(Run, "end", killed)
+        stop_in_the_end(patch)
         with pytest.raises(KeyboardInterrupt):
             run_centralized(make_corpus_settings(*settings), run)
     left = json.loads((run / "metrics.json").read_text())["summary"]
