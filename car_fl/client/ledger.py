@@ -141,6 +141,10 @@ class Contents:
         more = [extra] if extra is not None else []
         return max(Accountant([*group, *more]).private_epsilon(delta) for group in groups)
 
+    def unnoised(self, records: Iterable[str]) -> int:
+        """The most non-private releases (un-noised rounds) any of ``records`` was part of."""
+        return max((non_private_count(g) for g in self.releases_of(set(records))), default=0)
+
 
 class Ledger:
     """The node's releases in ``folder``, accounted per record; safe across processes."""
@@ -232,15 +236,23 @@ class Ledger:
         mode: str,
         delta: float,
         cap: float | None,
+        unnoised_cap: int | None = None,
         check: Callable[[list[Entry]], None] | None = None,
     ) -> Entry:
         """Record ``release`` of ``records`` unless it would take the lifetime ε of any of them
-        past ``cap`` (:class:`BudgetExhausted`); under the lock, ``check(entries)`` may refuse
-        first."""
+        past ``cap``, or their un-noised rounds past ``unnoised_cap`` (:class:`BudgetExhausted`);
+        under the lock, ``check(entries)`` may refuse first."""
         with self.locked():
             contents = self.contents()
             if check is not None:
                 check(contents.entries)
+            if not release.private and unnoised_cap is not None:
+                unnoised = contents.unnoised(records) + release.count
+                if unnoised > unnoised_cap:
+                    raise BudgetExhausted(
+                        f"this release would be a record's un-noised round number {unnoised} > "
+                        f"lifetime-unnoised-rounds {unnoised_cap} ({self.path})"
+                    )
             after = contents.epsilon(delta, records, extra=release)
             if cap is not None and after > cap:
                 raise BudgetExhausted(

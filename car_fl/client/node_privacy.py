@@ -86,7 +86,8 @@ class NodePrivacy:
 
     def spend(self, settings: Settings, *, run: str, server_round: int, examples: int) -> Entry:
         """Record this round's release in the ledger, or refuse it (a round outside
-        ``1..fl.rounds`` or not after this run's last, or one past ``lifetime-epsilon``)."""
+        ``1..fl.rounds`` or not after this run's last, or one past ``lifetime-epsilon`` or
+        ``lifetime-unnoised-rounds``)."""
         release = round_release(settings, server_round=server_round, examples=examples)
 
         def check(entries: list[Entry]) -> None:
@@ -112,6 +113,7 @@ class NodePrivacy:
             mode=settings.dp.mode.value,
             delta=self.policy.max_delta,
             cap=self.policy.lifetime_epsilon,
+            unnoised_cap=self.policy.lifetime_unnoised_rounds,
             check=check,
         )
         log.info(

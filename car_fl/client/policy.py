@@ -45,6 +45,9 @@ class NodePolicy:
     max_delta: float = DEFAULT_DELTA
     allow_warmup: bool = False
     lifetime_epsilon: float | None = None
+    #: The most un-noised rounds (warm-up or dp=none) any record is ever released in, all
+    #: runs together; ``None``: no bound (each run's own plan only).
+    lifetime_unnoised_rounds: int | None = None
     #: Refuse runs whose reply would carry or follow the node's example count n.
     public_example_count: bool = True
     #: The most DP steps one round may plan (bounds the work a server can ask).
@@ -102,6 +105,7 @@ class NodePolicy:
             ),
             allow_warmup=reader.flag("allow-warmup", False),
             lifetime_epsilon=reader.optional_number("lifetime-epsilon"),
+            lifetime_unnoised_rounds=reader.optional_count("lifetime-unnoised-rounds"),
             public_example_count=reader.flag("public-example-count", True),
             max_steps_per_round=int(reader.number("max-steps-per-round", 100_000, low=1.0)),
             protect=reader.choice("protect", "records", PROTECT),
@@ -157,6 +161,12 @@ class NodePolicy:
                 "asks client-level DP (dp=fixed or dp=adaptive)"
             )
             return found
+        unnoised = dp.warmup_rounds if dp.enabled else settings.fl.rounds
+        cap = self.lifetime_unnoised_rounds
+        if unnoised and cap is not None and unnoised > cap:
+            found.append(
+                f"this run plans {unnoised} un-noised rounds, above lifetime-unnoised-rounds {cap}"
+            )
         if not dp.enabled:
             if self.public_example_count:
                 found.append(
@@ -239,6 +249,7 @@ KEYS = (
     "max-delta",
     "allow-warmup",
     "lifetime-epsilon",
+    "lifetime-unnoised-rounds",
     "public-example-count",
     "max-steps-per-round",
     "protect",
@@ -326,6 +337,12 @@ class _Reader:
         if key not in self.values:
             return None
         return self.number(key, math.inf, low=0.0, open_low=True)
+
+    def optional_count(self, key: str) -> int | None:
+        value = self.values.get(key)
+        if value is not None and (type(value) is not int or value < 0):
+            raise PolicyError(self.where(key) + f"must be a whole number >= 0, got {value!r}")
+        return value
 
     def flag(self, key: str, default: bool) -> bool:
         value = self.values.get(key, default)

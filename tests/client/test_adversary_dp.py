@@ -111,6 +111,35 @@ def test_a_warmup_round_is_refused_under_public_example_count(
     assert metrics["num-examples"] > 1  # the node's own n, as its owner accepted
 
 
+@pytest.mark.parametrize("mode", ["fixed", "none"])
+def test_un_noised_rounds_are_bounded_over_the_nodes_lifetime_not_per_run(
+    tmp_path: Path, make_settings, synthetic_tsv: Path, mode: str
+) -> None:
+    """``allow-warmup`` (or ``none`` among the modes) lets each run send un-noised rounds; a
+    server starting run after run would get as many as it likes. ``lifetime-unnoised-rounds``
+    bounds them over all runs, in the ledger: here 3, at one un-noised round per run (a
+    warm-up round, or a dp=none round). A run planning more than the bound is refused first."""
+    policy = (
+        f'modes = ["{mode}"]\nallow-warmup = true\npublic-example-count = false\n'
+        "lifetime-unnoised-rounds = 3\n"
+    )
+    node_privacy = open_policy(tmp_path, synthetic_tsv, policy)
+    dp = ("dp=fixed", "dp.noise_multiplier=2", "dp.warmup_rounds=1") if mode == "fixed" else ()
+    settings = make_settings(*dp, *BASE)
+    for run in ("1", "2", "3"):
+        round_of(settings, node_privacy, 1, run=run)
+    with pytest.raises(Refusal) as exhausted:
+        round_of(settings, node_privacy, 1, run="4")
+    assert exhausted.value.failure is Failure.BUDGET_EXHAUSTED, exhausted.value
+    assert "lifetime-unnoised-rounds 3" in str(exhausted.value)
+    assert len(node_privacy.ledger.entries()) == 3  # the refused round was not recorded
+    planned = 4 if dp else 5  # dp=none: every round
+    longer = make_settings(*dp, *BASE, "fl.rounds=5", f"dp.warmup_rounds={4 if dp else 0}")
+    refusal = refused(longer, node_privacy)  # from the settings alone, whatever the ledger holds
+    assert refusal.failure is Failure.POLICY_REFUSED, refusal
+    assert f"plans {planned} un-noised rounds, above lifetime-unnoised-rounds 3" in str(refusal)
+
+
 @pytest.mark.parametrize(
     ("overrides", "mode"),
     [

@@ -56,6 +56,9 @@ def test_defaults_are_the_strict_ones(tmp_path: Path) -> None:
         ("modes = []\n", r"line 1, 'modes': must be a non-empty list"),
         ('modes = ["fixed"]\nallow-warmup = 1\n', r"line 2, 'allow-warmup': must be true or"),
         ('modes = ["fixed"]\nlifetime-epsilon = -3\n', r"'lifetime-epsilon': must be in \(0"),
+        ('modes = ["fixed"]\nlifetime-unnoised-rounds = 1.5\n', r"must be a whole number >= 0"),
+        ('modes = ["fixed"]\nlifetime-unnoised-rounds = true\n', r"must be a whole number >= 0"),
+        ('modes = ["fixed"]\nlifetime-unnoised-rounds = -1\n', r"line 2, 'lifetime-unnoised"),
         ('modes = ["fixed"\n', r"not valid TOML"),
     ],
 )
