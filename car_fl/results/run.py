@@ -403,7 +403,12 @@ class Run:
                 )
         write_config(self.settings, self.output_dir)
         self.history = point.history
-        self.initial = RoundRow(round=0, epochs=0, metrics=point.initial, seconds=0.0)
+        saved = point.summary.best
+        self.initial = (  # the saved row when the start was selected: its seconds too
+            saved
+            if saved is not None and saved.round == 0
+            else RoundRow(round=0, epochs=0, metrics=point.initial, seconds=0.0)
+        )
         self.best = select_best(
             [self.initial, *self.history] if point.initial else self.history,
             scores=lambda row: row.metrics,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -16,7 +17,15 @@ from car_fl.privacy.accountant import epsilon as rdp_epsilon
 from car_fl.protocol.messages import from_record, to_record
 from car_fl.results.checkpoint import load_checkpoint
 from car_fl.results.rows import CLIENTS_CSV, ClientRow, MetricsFile, RoundRow, RunSummary
-from car_fl.results.run import CENTRALIZED, FEDERATED, Kind, Run, load_resume_point, round_line
+from car_fl.results.run import (
+    CENTRALIZED,
+    FEDERATED,
+    Kind,
+    Run,
+    load_resume_point,
+    round_line,
+    write_config,
+)
 from car_fl.server.round_recorder import RoundRecorder
 from car_fl.settings.compose import settings_to_yaml
 from car_fl.settings.schema import Mode, Settings
@@ -49,7 +58,7 @@ def make_run(settings: Settings, out: Path, kind: Kind = FEDERATED) -> Run:
         output_dir=out,
         label_map=LABELS,
         title="test",
-        describe=federated_summary,
+        describe=federated_summary if kind is FEDERATED else centralised_summary,
     )
 
 
@@ -81,8 +90,10 @@ def test_best_follows_validation_and_its_checkpoint_is_that_rounds_model(
 def test_the_starting_point_is_selected_when_every_trained_epoch_is_worse_on_validation(
     make_settings, tmp_path: Path
 ) -> None:
-    rec = make_run(make_settings(), tmp_path, CENTRALIZED)
-    start = RoundRow(round=0, epochs=0, metrics=scores(0.6, 1.0, 0.6), seconds=0.0)
+    settings = make_settings()
+    rec = make_run(settings, tmp_path, CENTRALIZED)
+    write_config(settings, tmp_path)
+    start = RoundRow(round=0, epochs=0, metrics=scores(0.6, 1.0, 0.6), seconds=2.5)
     rec.start(start, {"w": torch.zeros(3)})
     for epoch, val in enumerate([0.5, 0.6]):  # worse, then equal top-1 at a higher loss
         row = RoundRow(
@@ -90,6 +101,9 @@ def test_the_starting_point_is_selected_when_every_trained_epoch_is_worse_on_val
         )
         rec.record(row, {"w": torch.ones(3)})
     assert rec.best is start and rec.initial is start
+    resumed = make_run(settings, tmp_path, CENTRALIZED)  # the start row survives a resume
+    resumed.begin(load_resume_point(tmp_path, settings, CENTRALIZED), data={})
+    assert resumed.best == start and resumed.initial == start
     assert [row.round for row in rec.history] == [1, 2]  # the start is no row of the history
     best = load_checkpoint(tmp_path / "checkpoints" / "best")
     assert best.round == 0 and torch.equal(best.state["w"], torch.zeros(3))
@@ -147,6 +161,10 @@ def federated_summary() -> RunSummary:
         dp="fixed",
         delta=1e-5,
     )
+
+
+def centralised_summary() -> RunSummary:
+    return dataclasses.replace(federated_summary(), kind="centralized", clients=1, dp="none")
 
 
 def round_of(
