@@ -14,7 +14,6 @@ Rules, in order (:func:`split_corpus`):
 
 from __future__ import annotations
 
-import unicodedata
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,12 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from car_fl.data.corpus import SPLITS, CorpusQuery, Document
+from car_fl.data.dedupe import duplicate_key
 from car_fl.data.pseudo_queries import DEFAULT_WORDS, extractive_queries
-
-
-def query_key(text: str) -> str:
-    """A query's text for comparisons: NFKC, whitespace collapsed, case folded."""
-    return " ".join(unicodedata.normalize("NFKC", text).split()).casefold()
 
 
 def new_document_indices(count: int, *, new_fraction: float, seed: int) -> frozenset[int]:
@@ -76,7 +71,7 @@ def split_corpus(
     splits = assign_splits(queries)
     groups: dict[str, list[tuple[str, int, str]]] = defaultdict(list)
     for q, split in zip(queries, splits, strict=True):
-        groups[query_key(q.text)].append((q.text, index[q.document_id], split))
+        groups[duplicate_key(q.text)].append((q.text, index[q.document_id], split))
     stats: Counter[str] = Counter()
     kept: list[tuple[str, int, str]] = []
     for occurrences in groups.values():
@@ -85,17 +80,17 @@ def split_corpus(
             continue
         stats["duplicates_removed"] += len(occurrences) - 1
         kept.append(occurrences[0])
-    doc_keys = [query_key(d.text) for d in documents]
-    inside = [(t, d, s) for t, d, s in kept if s != "train" and query_key(t) in doc_keys[d]]
+    doc_keys = [duplicate_key(d.text) for d in documents]
+    inside = [(t, d, s) for t, d, s in kept if s != "train" and duplicate_key(t) in doc_keys[d]]
     stats["heldout_in_document_removed"] = len(inside)
-    kept = [q for q in kept if not (q[2] != "train" and query_key(q[0]) in doc_keys[q[1]])]
+    kept = [q for q in kept if not (q[2] != "train" and duplicate_key(q[0]) in doc_keys[q[1]])]
 
     new = new_document_indices(len(documents), new_fraction=new_fraction, seed=seed)
     stats["new_document_train_queries_removed"] = sum(
         1 for _, d, s in kept if s == "train" and d in new
     )
     kept = [q for q in kept if not (q[2] == "train" and q[1] in new)]  # file order
-    taken = {query_key(t) for t, _, _ in kept}
+    taken = {duplicate_key(t) for t, _, _ in kept}
     pseudo = extractive_queries(
         [d.text for d in documents],
         per_document=pseudo_queries,
@@ -109,9 +104,9 @@ def split_corpus(
     kind: dict[str, str] = {}
     for origin, extra in (("pseudo_queries", pseudo), ("generated_queries", written)):
         for text, doc in extra:
-            owners[query_key(text)].add(doc)
-            first.setdefault(query_key(text), (text, doc, "train"))
-            kind.setdefault(query_key(text), origin)
+            owners[duplicate_key(text)].add(doc)
+            first.setdefault(duplicate_key(text), (text, doc, "train"))
+            kind.setdefault(duplicate_key(text), origin)
     # once each; a text two documents share has no right answer (rule 2): dropped
     fresh = [key for key in first if key not in taken and len(owners[key]) == 1]
     stats["pseudo_queries"] = sum(kind[key] == "pseudo_queries" for key in fresh)

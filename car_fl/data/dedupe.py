@@ -1,9 +1,10 @@
-"""Exact duplicates over normalised text (NFKC, whitespace), so that no text lands in two splits.
+"""Duplicates over normalised text (NFKC, whitespace, case), so that no text lands in two splits.
 
 Copies with one label collapse to the first; copies with conflicting labels are all dropped.
 ``canonical`` (``dataset.split=hash``) keeps each (normalised text, label) once as its
 normalised text and conflicting copies too, so one record changes the result by at most itself
-(record-level DP's unit).
+(record-level DP's unit); copies that differ in case then stay apart but share a split, since
+the hash placement reads :func:`duplicate_key`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,12 @@ from car_fl.data.readers import Example
 def normalize_text(text: str) -> str:
     """NFKC-normalised text with every run of whitespace replaced by one space, stripped."""
     return " ".join(unicodedata.normalize("NFKC", text).split())
+
+
+def duplicate_key(text: str) -> str:
+    """What copies share: :func:`normalize_text`, case folded ("call later In meeting." is a
+    copy of "call later in meeting.")."""
+    return normalize_text(text).casefold()
 
 
 @dataclass
@@ -55,12 +62,12 @@ def dedupe(
         return list(unique.values()), stats
     labels: dict[str, set[str]] = {}
     for example in examples:
-        labels.setdefault(normalize_text(example.text), set()).add(example.label)
+        labels.setdefault(duplicate_key(example.text), set()).add(example.label)
     kept: list[Example] = []
     seen: set[str] = set()
     stats = DedupeStats()
     for example in examples:
-        key = normalize_text(example.text)
+        key = duplicate_key(example.text)
         if len(labels[key]) > 1:
             stats.conflicting_removed += 1
         elif key in seen:
@@ -74,7 +81,8 @@ def dedupe(
 def drop_texts_in(
     examples: Sequence[Example], others: Iterable[Example]
 ) -> tuple[list[Example], int]:
-    """``examples`` without those whose normalised text occurs in ``others``; and how many."""
-    taken = {normalize_text(e.text) for e in others}
-    kept = [e for e in examples if normalize_text(e.text) not in taken]
+    """``examples`` without those whose text (:func:`duplicate_key`) occurs in ``others``; and
+    how many."""
+    taken = {duplicate_key(e.text) for e in others}
+    kept = [e for e in examples if duplicate_key(e.text) not in taken]
     return kept, len(examples) - len(kept)

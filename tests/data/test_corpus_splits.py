@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from car_fl.data.corpus import CorpusQuery, Document
-from car_fl.data.corpus_splits import assign_splits, query_key, split_corpus
+from car_fl.data.corpus_splits import assign_splits, split_corpus
+from car_fl.data.dedupe import duplicate_key
 from car_fl.data.partition import partition
 from car_fl.data.splits import load_splits
 from car_fl.settings.schema import DatasetConfig, Partitioning
@@ -63,7 +64,7 @@ def test_no_query_text_is_in_two_splits_and_new_documents_have_no_train_query(
     docs = [Document(f"d{i}", f"document number {i}") for i in range(4)]
     queries = [CorpusQuery(t, f"d{d}", s) for t, d, s in rows]
     split = split_corpus(docs, queries, new_fraction=new_fraction, seed=3)
-    seen = {s: {query_key(t) for t in split.texts[s]} for s in split.texts}
+    seen = {s: {duplicate_key(t) for t in split.texts[s]} for s in split.texts}
     assert not seen["train"] & seen["validation"]
     assert not seen["train"] & seen["test"]
     assert not seen["validation"] & seen["test"]
@@ -71,7 +72,7 @@ def test_no_query_text_is_in_two_splits_and_new_documents_have_no_train_query(
     assert len(split.new_documents) == round(new_fraction * 4)
     for s in ("validation", "test"):
         for t, d in zip(split.texts[s], split.documents[s], strict=True):
-            assert query_key(t) not in query_key(docs[d].text)
+            assert duplicate_key(t) not in duplicate_key(docs[d].text)
 
 
 def write_corpus(folder: Path, *, docs: int = 30, per_doc: int = 5) -> DatasetConfig:

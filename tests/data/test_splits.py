@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from car_fl.data.dedupe import dedupe, normalize_text
+from car_fl.data.dedupe import dedupe, duplicate_key, normalize_text
 from car_fl.data.partition import iid_indices, partition
 from car_fl.data.readers import Example
 from car_fl.data.splits import load_splits
@@ -30,10 +30,11 @@ def test_dedupe_collapses_copies_and_drops_conflicting_labels() -> None:
         Example("ok", "ham"),
         Example("ok", "spam"),  # conflicting: both copies go
         Example("hello", "ham"),
+        Example("Hello", "ham"),  # a copy in another case (SMS has one) is a copy too
     ]
     kept, stats = dedupe(examples)
     assert kept == [Example("win a prize", "spam"), Example("hello", "ham")]
-    assert stats.duplicates_removed == 2 and stats.conflicting_removed == 2
+    assert stats.duplicates_removed == 3 and stats.conflicting_removed == 2
 
 
 def _table(path: Path, rows: list[tuple[str, str]]) -> Path:
@@ -45,7 +46,7 @@ def test_texts_of_a_given_test_file_are_removed_from_train(tmp_path: Path) -> No
         tmp_path / "train.tsv",
         [(f"text {i}", f"l{i % 2}") for i in range(20)] + [("shared text", "l0")] * 2,
     )
-    test = _table(tmp_path / "test.tsv", [("shared  text", "l0"), ("other", "l1")])
+    test = _table(tmp_path / "test.tsv", [("Shared  Text", "l0"), ("other", "l1")])
     cfg = DatasetConfig(name="t", hub_id=None, path=str(train), test_path=str(test))
     splits = load_splits(cfg, seed=0)
     in_train = {normalize_text(t) for t in [*splits.train["text"], *splits.validation["text"]]}
@@ -145,11 +146,13 @@ def test_one_record_added_moves_no_other_record_only_under_the_hash_placement(
 
 def test_the_hash_split_keeps_its_fractions_and_no_text_in_two_splits(tmp_path: Path) -> None:
     rows = synthetic_examples(4000, num_labels=3, seed=5)
-    path = _table(tmp_path / "d.tsv", rows)
+    cased = [(f"Call Me Later {i}", "label0") for i in range(30)]  # copies in another case
+    path = _table(tmp_path / "d.tsv", [*rows, *cased, *((t.lower(), y) for t, y in cased)])
     cfg = DatasetConfig(name="t", hub_id=None, path=str(path), split=Split.HASH)
     splits = load_splits(cfg, seed=0)
     texts = [set(part["text"]) for part in (splits.train, splits.validation, splits.test)]
-    assert not (texts[0] & texts[1] or texts[0] & texts[2] or texts[1] & texts[2])
+    keys = [{duplicate_key(t) for t in part} for part in texts]
+    assert not (keys[0] & keys[1] or keys[0] & keys[2] or keys[1] & keys[2])
     n = sum(len(t) for t in texts)
     assert abs(len(texts[2]) / n - cfg.test_fraction) < 0.03
     assert abs(len(texts[1]) / (n - len(texts[2])) - cfg.val_fraction) < 0.03
