@@ -103,14 +103,14 @@ class PrivacyCheck:
                     verdict.mismatch,
                     verdict.epsilon,
                 )
-            claimed = metrics.get(wire_key("partition_id"), float(node))
-            self.keep(node, verdict, place=int(claimed) if math.isfinite(claimed) else node)
+            claimed = metrics.get(wire_key("partition_id"))
+            self.keep(node, verdict, place=place_of(node, claimed, node in stats.client_metrics))
         self.last_epsilon = max(self.client_epsilon.values(), default=0.0)
         return self.last_epsilon
 
     def keep(self, node: int, verdict: Verdict, *, place: int) -> None:
-        """``node``'s ε after a reply and, under ``dp=record``, its row (by its claimed
-        partition id, or its node id when another node claimed that first)."""
+        """``node``'s ε after a reply and, under ``dp=record``, its row at ``place``
+        (:func:`place_of`), or at its node id when another node's row holds ``place``."""
         self.client_epsilon[node] = verdict.epsilon
         if not MODES[self.settings.dp.mode].record_level:
             return
@@ -134,8 +134,8 @@ class PrivacyCheck:
             # a per-step run resumes with fl.max_examples_per_client as the bound, or ε = ∞
             seen = {wire_key("num_examples"): float(row.num_examples)}
             verdict = self.receive(row.round, row.node, seen)
-            place = row.partition_id if row.partition_id is not None else row.node
-            self.keep(row.node, verdict, place=int(place))
+            place = place_of(row.node, row.partition_id, row.status == "ok")
+            self.keep(row.node, verdict, place=place)
         delta = self.settings.dp.delta
         most = max(self.accountants.values(), key=lambda a: a.get_epsilon(delta), default=None)
         self.prior = tuple(most.history) if most is not None else ()
@@ -193,6 +193,14 @@ class PrivacyCheck:
             "partition sizes are not a bound: a node's owner may set its data), so the "
             "server reports ε = ∞; set fl.max_examples_per_client for a figure"
         )
+
+
+def place_of(node: int, claimed: float | None, valid: bool) -> int:
+    """Where a reply's ε row goes: the partition a *valid* reply claims, else the node's id
+    (a rejected reply, or a claim that is no partition id, takes no partition's row)."""
+    if valid and claimed is not None and math.isfinite(claimed) and claimed == int(claimed):
+        return int(claimed)
+    return node
 
 
 def client_rows_of(

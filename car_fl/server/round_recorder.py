@@ -215,9 +215,9 @@ class RoundRecorder:
             dp_active=int(bool(replies) and private),
             epsilon=epsilon,
             claims_flagged=sum(1 for v in self.privacy.verdicts.values() if v.mismatch),
-            max_client_train_seconds=max(
-                (m.get(wire_key("train_seconds"), 0.0) for m in replies), default=0.0
-            ),
+            max_client_train_seconds=0.0
+            if private
+            else max((m.get(wire_key("train_seconds"), 0.0) for m in replies), default=0.0),
         )
 
     def resume(self, point: ResumePoint) -> None:

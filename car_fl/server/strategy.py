@@ -38,6 +38,9 @@ from car_fl.settings.schema import NormBoundAction
 
 log = logging.getLogger(__name__)
 
+#: What an honest client sends only outside DP (car_fl.client.round: timing is a side channel).
+TRAIN_METRICS = frozenset({"train-loss", "train-accuracy", "train-seconds"})
+
 
 class SampledGrid(Grid):
     """The grid as the wrapped strategy sees it: only this round's sampled nodes."""
@@ -210,7 +213,7 @@ class GuardedStrategy(Strategy):
                 checked_reply = None
             if checked_reply is not None:
                 checked[node], originals[node] = checked_reply, message
-        valid = self._bound_norms(server_round, checked, stats)
+        valid = self._pin(self._bound_norms(server_round, checked, stats), originals, stats)
         for node in valid:
             record = next(iter(originals[node].content.array_records.values()))
             stats.bytes_received[node] = payload_bytes(record)
@@ -236,14 +239,36 @@ class GuardedStrategy(Strategy):
         if arrays is None:
             return None, None
         stats.aggregated = True
-        summary = MetricRecord(
-            {
-                NUM_EXAMPLES: sum(n for _, n in valid.values()),
-                "train-loss": _finite(stats.weighted("train-loss")),
-                "train-accuracy": _finite(stats.weighted("train-accuracy")),
-            }
-        )
+        summary = MetricRecord({NUM_EXAMPLES: sum(n for _, n in valid.values())})
+        if not self._private(server_round):
+            for key in ("train-loss", "train-accuracy"):
+                summary[key] = _finite(stats.weighted(key))
         return arrays, summary
+
+    def _private(self, server_round: int) -> bool:
+        """Whether DP is on in ``server_round`` (honest replies then carry no train metric)."""
+        return self.public_examples is not None and server_round >= self.private_from
+
+    def _pin(
+        self,
+        valid: dict[int, tuple[dict[str, np.ndarray[Any, Any]], int]],
+        originals: Mapping[int, Message],
+        stats: RoundStats,
+    ) -> dict[int, tuple[dict[str, np.ndarray[Any, Any]], int]]:
+        """Pin each reply that passed every check, the norm bound too, to the partition it
+        claims, in node order; a later claim of a partition pinned in this round is refused."""
+        kept = {}
+        for node, reply in sorted(valid.items()):
+            metrics = next(iter(originals[node].content.metric_records.values()))
+            claimed = metrics.get("partition-id")
+            _, reason = self.claims.cap_for(node, claimed)
+            if reason is not None:
+                stats.rejected[node] = reason
+                del stats.client_metrics[node]
+                continue
+            self.claims.pin(node, claimed)
+            kept[node] = reply
+        return kept
 
     def _check(
         self, node: int, content: RecordDict, stats: RoundStats, server_round: int
@@ -257,6 +282,8 @@ class GuardedStrategy(Strategy):
             for k, v in (metrics or {}).items()
             if isinstance(v, int | float) and not math.isnan(v)
         }
+        if self._private(server_round):  # one a hostile node sends anyway reaches no file
+            numbers = {k: v for k, v in numbers.items() if k not in TRAIN_METRICS}
         stats.released[node] = numbers
         claimed = metrics.get("partition-id") if metrics is not None else None
         cap, reason = self.claims.cap_for(node, claimed)
@@ -268,7 +295,6 @@ class GuardedStrategy(Strategy):
             stats.rejected[node] = reason
             return None
         assert metrics is not None
-        self.claims.pin(node, claimed)
         record = next(iter(content.array_records.values()))
         arrays = {name: decode(record[name]) for name in spec if name in record}
         stats.client_metrics[node] = numbers

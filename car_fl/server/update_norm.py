@@ -1,9 +1,10 @@
 """The server's bound on a reply's update norm ‖θᵢ − θ‖: replies above it are rejected or clipped.
 
 Modes (``fl.norm_bound``): ``fixed`` (``fl.max_update_norm``), ``adaptive``
-(``fl.norm_bound_factor`` × the round's median update norm), ``dp`` (under fixed DP per round:
-C plus a high quantile of the noise norm, no user input), ``off``; ``auto`` picks ``dp`` under
-fixed DP per round, else ``fixed`` when ``fl.max_update_norm`` is set, else ``off``.
+(``fl.norm_bound_factor`` × the round's lower median update norm: of two replies the smaller,
+so a scaled update cannot raise its own bound), ``dp`` (under fixed DP per round: C plus a high
+quantile of the noise norm, no user input), ``off``; ``auto`` picks ``dp`` under fixed DP per
+round, else ``fixed`` when ``fl.max_update_norm`` is set, else ``off``.
 """
 
 from __future__ import annotations
@@ -108,8 +109,8 @@ class NormBound:
         if self.mode is NormBoundMode.OFF or server_round < self.from_round:
             return None
         if self.mode is NormBoundMode.ADAPTIVE:
-            finite = [n for n in norms if math.isfinite(n)]
-            return self.factor * statistics.median(finite) if finite else None
+            finite = [n for n in norms if math.isfinite(n)]  # the lower median: of two
+            return self.factor * statistics.median_low(finite) if finite else None  # the less
         assert self.value is not None
         if (
             self.mode is NormBoundMode.DP
