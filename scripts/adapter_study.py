@@ -291,6 +291,11 @@ def spread(values: list[float]) -> tuple[float, float]:
     return mean, statistics.stdev(values) if len(values) > 1 else 0.0
 
 
+def _ok(result: dict[str, Any]) -> bool:
+    """A run that ended cleanly with a selected state (a cut run keeps its selection)."""
+    return result.get("exit") == 0 and bool(result.get("best"))
+
+
 def report(out: Path) -> str:
     """Every study.json under ``out`` as one table per (model, task, plan): the rows ranked by
     mean validation score, each seed's test score, the spread, times and bytes."""
@@ -312,7 +317,7 @@ def report(out: Path) -> str:
         metric = "recall@10" if "documents" in study else "top1"
         reference = rows.get("car") or rows.get("fl-car") or rows.get("dpsgd-car")
         ref_test = spread(
-            [r["best"].get(f"test_{metric}", math.nan) for r in reference or [] if r.get("best")]
+            [r["best"].get(f"test_{metric}", math.nan) for r in reference or [] if _ok(r)]
         )
         lines += [f"### {study}, plan {plan_name} (metric: {metric}, ×100)", ""]
         columns = [
@@ -332,13 +337,11 @@ def report(out: Path) -> str:
         ranked = sorted(
             rows.items(),
             key=lambda item: (
-                -spread(
-                    [r["best"].get(f"val_{metric}", math.nan) for r in item[1] if r.get("best")]
-                )[0]
+                -spread([r["best"].get(f"val_{metric}", math.nan) for r in item[1] if _ok(r)])[0]
             ),
         )
         for name, results in ranked:
-            ok = [r for r in results if r.get("exit") == 0 and r.get("best")]
+            ok = [r for r in results if _ok(r)]  # the rows' figures, rank and Δ: these alone
             early = sum(bool(r.get("cut")) and not r.get("best") for r in results)
             failed = len(results) - len(ok) - early
             cut = sum(bool(r.get("cut")) for r in ok)
