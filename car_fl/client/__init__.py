@@ -18,4 +18,5 @@
 - :mod:`~car_fl.client.run_states`: every run's state on a node, in one store.
 - :mod:`~car_fl.client.worker`: the node's worker process.
 - :mod:`~car_fl.client.worker_link`: the ClientApp's side of the worker's local socket.
+- :mod:`~car_fl.client.confinement`: a SuperNode under its own account reaches the worker only.
 """

@@ -23,7 +23,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from car_fl.client.confinement import FOLDER_MODE, SECRET_MODE, SOCKET_MODE, exposed, share
 from car_fl.client.node import Node
+from car_fl.client.policy import NodePolicy
 from car_fl.client.run_states import RUNS_DIR, RunStates, run_key
 from car_fl.client.worker_link import (
     HANDSHAKE_TIMEOUT,
@@ -41,7 +43,13 @@ from car_fl.common.io import atomic_write
 from car_fl.model import encoder as encoder_module
 from car_fl.protocol.failures import Failure
 from car_fl.protocol.wire import decode_content, encode_content
-from car_fl.settings.flower import CACHE_DIR, NUM_PARTITIONS, PARTITION_ID
+from car_fl.settings.flower import (
+    CACHE_DIR,
+    DATA_PATH,
+    NUM_PARTITIONS,
+    PARTITION_ID,
+    TEST_DATA_PATH,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +57,12 @@ log = logging.getLogger(__name__)
 EXIT_CONFIG = 2  # its node configuration is wrong (as argparse's usage errors)
 EXIT_BUSY = 3  # another worker serves the folder
 LOCK_NAME = "worker.lock"
+#: What a confined SuperNode's group must not read, by node-config key.
+WATCHED = (
+    ("the data file", DATA_PATH),
+    ("the test data file", TEST_DATA_PATH),
+    ("the feature cache", CACHE_DIR),
+)
 
 
 class WorkerBusy(RuntimeError):
@@ -72,8 +86,9 @@ def own_node_config(folder: Path, node_config: Mapping[str, Any]) -> dict[str, A
 
 
 @contextlib.contextmanager
-def hold_folder(folder: Path) -> Iterator[IO[str]]:
-    """An exclusive lock on the worker's folder for as long as this process serves it."""
+def hold_folder(folder: Path, group: int | None = None) -> Iterator[IO[str]]:
+    """An exclusive lock on the worker's folder for as long as this process serves it; the
+    folder is the owner's alone, or enterable by name by the SuperNode's ``group``."""
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     handle = (folder / LOCK_NAME).open("a+")
     try:
@@ -86,6 +101,10 @@ def hold_folder(folder: Path) -> Iterator[IO[str]]:
             f"another car-fl worker (PID {other}) serves {folder}; stop it first, or give "
             "this one another --dir (one worker per device)"
         ) from None
+    if group is None:  # once held: never under a worker that serves the folder
+        folder.chmod(0o700)
+    else:
+        share(folder, group, FOLDER_MODE)
     handle.seek(0)
     handle.truncate()
     handle.write(str(os.getpid()))
@@ -96,30 +115,35 @@ def hold_folder(folder: Path) -> Iterator[IO[str]]:
         handle.close()
 
 
-def new_secret(folder: Path) -> bytes:
-    """A fresh secret for this start, readable by the node's owner only."""
+def new_secret(folder: Path, group: int | None = None) -> bytes:
+    """A fresh secret for this start, readable by the node's owner (and ``group``) only."""
     secret = secrets.token_hex(32).encode()
 
     def write(tmp: Path) -> None:
+        if group is not None:  # before it holds the secret or has its name
+            share(tmp, group, SECRET_MODE)
         tmp.write_bytes(secret)
 
-    atomic_write(folder / SECRET_NAME, write, mode=0o600)
+    atomic_write(folder / SECRET_NAME, write, mode=0o600 if group is None else SECRET_MODE)
     return secret
 
 
 @contextlib.contextmanager
-def listening(folder: Path) -> Iterator[tuple[socket.socket, bytes]]:
+def listening(folder: Path, group: int | None = None) -> Iterator[tuple[socket.socket, bytes]]:
     """The folder's lock, a fresh secret and the listening socket, removed again at the end;
-    :class:`WorkerBusy` when another worker holds the folder."""
+    :class:`WorkerBusy` when another worker holds the folder. ``group``: the SuperNode's
+    (:mod:`car_fl.client.confinement`), which may then read the secret and use the socket."""
     path = socket_path(folder)
-    with hold_folder(folder), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+    with hold_folder(folder, group), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         path.unlink(missing_ok=True)  # a dead worker's: we hold the folder's lock
-        secret = new_secret(folder)
+        secret = new_secret(folder, group)
         umask = os.umask(0o177)  # the socket is the owner's only from the start
         try:
             sock.bind(str(path))
         finally:
             os.umask(umask)
+        if group is not None:
+            share(path, group, SOCKET_MODE)
         sock.listen(64)
         try:
             yield sock, secret
@@ -130,17 +154,34 @@ def listening(folder: Path) -> Iterator[tuple[socket.socket, bytes]]:
 class NodeWorker:
     """Serves rounds over ``<folder>/worker.sock`` with the node's own configuration."""
 
-    def __init__(self, folder: Path, node_config: Mapping[str, Any]) -> None:
+    def __init__(
+        self, folder: Path, node_config: Mapping[str, Any], *, group: int | None = None
+    ) -> None:
         self.folder = Path(folder).expanduser().resolve()
         self.node_config = own_node_config(self.folder, node_config)
         #: The node this worker keeps alive: its policy, ledger, settings and shards.
         self.node = Node(self.node_config, states=RunStates(self.folder / RUNS_DIR))
+        #: The SuperNode's own group (None: it runs as the owner): see ``confinement``.
+        self.group = group
+        if group is not None:
+            self.refuse_exposed(group)
         self.rounds = 0
         self.failed = 0
         self.busy_run: int | None = None
         self._round = threading.Lock()
         self._stop = threading.Event()
         self.ready = threading.Event()
+
+    def refuse_exposed(self, group: int) -> None:
+        """``ValueError`` while the SuperNode's ``group`` could read what the node keeps."""
+        config = self.node_config
+        paths = [("the run states", self.folder / RUNS_DIR)]
+        paths += [(what, Path(str(config[key]))) for what, key in WATCHED if config.get(key)]
+        if config.get(POLICY_KEY):
+            paths.append(("the privacy ledger", NodePolicy.load(config[POLICY_KEY]).ledger))
+        found = exposed(paths, group)
+        if found:
+            raise ValueError("; ".join(found))
 
     def stop(self) -> None:
         """End :meth:`serve` (within half a second); a round in progress is abandoned."""
@@ -232,6 +273,8 @@ class NodeWorker:
                 log.exception("run %d: the round failed", run_id)
                 failure = Node.failure(err)  # the fixed reply the ClientApp gives the server
                 error = f"{type(err).__name__}: {err}"
+                if self.group is not None:  # a ClientApp of another account reads no text
+                    error = f"{failure.name} (the worker's log says why)"
                 return {"ok": False, "failure": int(failure), "error": error}, b""
             finally:
                 self.busy_run = None
@@ -258,11 +301,17 @@ class NodeWorker:
         )
 
 
-def serve(folder: Path, node_config: Mapping[str, Any], *, listen_fd: int | None = None) -> int:
+def serve(
+    folder: Path,
+    node_config: Mapping[str, Any],
+    *,
+    listen_fd: int | None = None,
+    group: int | None = None,
+) -> int:
     """Run a worker in this process until SIGTERM or SIGINT; the process's exit code.
     ``listen_fd``: a listening socket inherited from :func:`supervise`."""
     try:
-        worker = NodeWorker(folder, node_config)
+        worker = NodeWorker(folder, node_config, group=group)
     except ValueError as err:
         log.error("%s", err)
         return EXIT_CONFIG
@@ -273,7 +322,7 @@ def serve(folder: Path, node_config: Mapping[str, Any], *, listen_fd: int | None
             worker.serve(sock, read_secret(worker.folder))
     else:
         try:
-            with listening(worker.folder) as (sock, secret):
+            with listening(worker.folder, group) as (sock, secret):
                 worker.serve(sock, secret)
         except WorkerBusy as err:
             log.error("%s", err)
@@ -283,7 +332,12 @@ def serve(folder: Path, node_config: Mapping[str, Any], *, listen_fd: int | None
 
 
 def supervise(
-    folder: Path, command: Sequence[str], *, quick: float = 10.0, max_wait: float = 60.0
+    folder: Path,
+    command: Sequence[str],
+    *,
+    quick: float = 10.0,
+    max_wait: float = 60.0,
+    group: int | None = None,
 ) -> int:
     """Hold the worker's folder and socket; run ``command`` (given ``--listen-fd N``) and start
     it again whenever it dies, until SIGTERM or SIGINT, except after exit 0 or
@@ -300,7 +354,7 @@ def supervise(
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, on_signal)
     try:
-        with listening(Path(folder)) as (sock, _):
+        with listening(Path(folder), group) as (sock, _):
             fd = sock.fileno()
             log.info("car-fl worker supervisor PID %d holds %s", os.getpid(), folder)
             wait = 1.0

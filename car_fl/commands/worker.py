@@ -38,6 +38,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve in this process only; by default a supervisor holds the socket and "
         "starts the worker again when it dies",
     )
+    parser.add_argument(
+        "--supernode-group",
+        default=None,
+        help="the group of the SuperNode's own account, when it is not yours: it may then use "
+        "the worker's socket and secret and nothing else of this node's; the worker refuses "
+        "to start while that group could read the data, cache or ledger "
+        "(docs/deployment.md, 'A SuperNode that cannot read the data')",
+    )
     # the supervisor's listening socket, inherited by the worker it starts
     parser.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
 
@@ -46,11 +54,13 @@ def run(args: argparse.Namespace) -> int:
     """Serve rounds until stopped (a supervisor restarts the worker unless --no-restart)."""
     from flwr.common.config import parse_config_args
 
+    from car_fl.client.confinement import group_id
     from car_fl.client.worker import hold_folder, own_node_config, serve, supervise
     from car_fl.common.logs import setup_logging
 
     setup_logging()
     folder = args.dir.expanduser().resolve()
+    group = group_id(args.supernode_group) if args.supernode_group else None
     try:  # a wrong node config fails here, before anything starts
         own_node_config(folder, parse_config_args([args.node_config]))
     except (ValueError, OSError) as err:
@@ -60,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
             pass
     if args.no_restart or args.listen_fd is not None:
         node_config = parse_config_args([args.node_config])
-        return serve(folder, node_config, listen_fd=args.listen_fd)
+        return serve(folder, node_config, listen_fd=args.listen_fd, group=group)
     child = [sys.executable, "-m", "car_fl.cli", NAME, "--dir", str(folder)]
-    return supervise(folder, [*child, "--node-config", args.node_config])
+    if args.supernode_group:
+        child += ["--supernode-group", args.supernode_group]
+    return supervise(folder, [*child, "--node-config", args.node_config], group=group)

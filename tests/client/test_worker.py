@@ -10,10 +10,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -84,12 +86,12 @@ class Recorder:
 
 @contextlib.contextmanager
 def serving(
-    folder: Path, answer: Any, node_config: Mapping[str, Any] = NODE
+    folder: Path, answer: Any, node_config: Mapping[str, Any] = NODE, group: int | None = None
 ) -> Iterator[NodeWorker]:
-    """A worker for ``folder`` in a thread of this process."""
-    worker = NodeWorker(folder, node_config)
+    """A worker for ``folder`` in a thread of this process (``group``: the SuperNode's)."""
+    worker = NodeWorker(folder, node_config, group=group)
     worker.node.respond = answer  # type: ignore[method-assign]  # the protocol, not the method
-    with listening(worker.folder) as (sock, secret):
+    with listening(worker.folder, group) as (sock, secret):
         thread = threading.Thread(target=worker.serve, args=(sock, secret), daemon=True)
         thread.start()
         assert worker.ready.wait(10)
@@ -227,6 +229,96 @@ def test_the_worker_needs_its_place_in_the_federation(tmp_path: Path) -> None:
         own_node_config(tmp_path, {"partition-id": 0, "num-partitions": "2"})
     mine = own_node_config(tmp_path, {**NODE, "worker": "/elsewhere", "cache-dir": "/c"})
     assert mine == {**NODE, "cache-dir": "/c"}
+
+
+# ------------------------------------------------------------- a SuperNode of another account
+#: The account a confined SuperNode runs as in the test below (Debian's and most systems').
+NOBODY, NOGROUP = 65534, 65534
+
+
+def as_supernode(folder: Path, data: Path) -> str:
+    """In a child process of ``nobody`` in ``nogroup`` (as the FAB's code would run): whether
+    it reaches the worker, and whether it can read the data file. Forked, so that it needs
+    none of this Python's files (they may be in the owner's home)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: drop to the account, answer in one line, never return
+        try:
+            os.close(read)
+            os.setgroups([])
+            os.setgid(NOGROUP)
+            os.setuid(NOBODY)
+            said = [f"worker {worker_link.status(folder)['ok']}"]
+            try:
+                data.read_bytes()
+                said.append("read the data")
+            except PermissionError:
+                said.append("no data")
+            os.write(write, ", ".join(said).encode())
+        except BaseException as err:
+            os.write(write, f"{type(err).__name__}: {err}".encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as answer:
+        text = answer.read().decode()
+    os.waitpid(pid, 0)
+    return text
+
+
+def test_a_confined_worker_shares_only_its_socket_and_secret_and_no_error_text(
+    short_dir: Path,
+) -> None:
+    group = os.getgid()
+    with serving(short_dir, Recorder(fail_first=True), group=group):
+        modes = {n: (short_dir / n).stat() for n in ("", "secret", "worker.sock")}
+        assert {n: m.st_mode & 0o777 for n, m in modes.items()} == {
+            "": 0o710,  # entered by name, never listed
+            "secret": 0o640,
+            "worker.sock": 0o660,
+        }
+        assert {m.st_gid for m in modes.values()} == {group}
+        with pytest.raises(WorkerFailed) as err:  # a ClientApp of another account reads no
+            train(short_dir, 1)  # exception text: it could carry a record
+        assert "label outside" not in str(err.value) and "ROUND_FAILED" in str(err.value)
+        assert train(short_dir, 1) == 1
+        assert (short_dir / "runs").stat().st_mode & 0o077 == 0  # run states: the owner's
+    with serving(short_dir, Recorder()):  # the same folder, unconfined: the owner's again
+        assert short_dir.stat().st_mode & 0o777 == 0o700
+        assert (short_dir / "secret").stat().st_mode & 0o777 == 0o600
+
+
+def test_a_confined_worker_refuses_to_start_while_its_data_is_readable(short_dir: Path) -> None:
+    shared = Path(tempfile.mkdtemp(prefix="cf-data-", dir="/tmp"))
+    try:
+        shared.chmod(0o755)
+        data = shared / "data.tsv"
+        data.write_text("ham\thello\n")
+        data.chmod(0o644)
+        node = {**NODE, "data-path": str(data), "cache-dir": str(shared)}
+        with pytest.raises(ValueError) as err:
+            NodeWorker(short_dir, node, group=os.getgid())
+        assert f"the data file {data} can be read" in str(err.value)
+        assert f"the feature cache {shared} can be read" in str(err.value)
+        data.chmod(0o600)
+        shared.chmod(0o700)
+        assert NodeWorker(short_dir, node, group=os.getgid()).group == os.getgid()
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs a process as another account (root only)")
+def test_a_supernode_of_another_account_reaches_the_worker_but_not_the_data(
+    short_dir: Path, tmp_path: Path
+) -> None:
+    """The SuperNode's account (nobody, in nogroup): the worker answers it, and the owner's
+    data file stays out of its reach; without the group, the worker is out of reach too."""
+    data = tmp_path / "data.tsv"  # in pytest's folder: the owner's alone
+    data.write_text("ham\thello\n")
+    with serving(short_dir, Recorder(), {**NODE, "data-path": str(data)}, group=NOGROUP):
+        assert as_supernode(short_dir, data) == "worker True, no data"
+    with serving(short_dir, Recorder(), {**NODE, "data-path": str(data)}):
+        assert as_supernode(short_dir, data).startswith("WorkerUnavailable: this process may not")
 
 
 # ----------------------------------------------------------------------- worker processes

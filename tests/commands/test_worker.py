@@ -24,6 +24,18 @@ def test_a_node_config_without_the_nodes_place_is_refused_before_anything_starts
     assert not folder.exists()
 
 
+def test_an_unknown_supernode_group_is_refused_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "w"
+    node = "partition-id=0 num-partitions=1"
+    args = ["--supernode-group", "car-fl-no-such-group", "--node-config", node]
+    assert cli_main(["worker", "--dir", str(folder), *args]) == 1
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("car-fl worker: --supernode-group 'car-fl-no-such-group': no such")
+    assert not folder.exists()
+
+
 @pytest.mark.slow
 def test_a_second_worker_for_the_same_folder_exits_in_one_line_saying_which_holds_it(
     short_dir: Path,

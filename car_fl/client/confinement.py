@@ -1,0 +1,77 @@
+"""A SuperNode under an account of its own: it may reach the worker's socket and secret, nothing
+else of the node's.
+
+A server ships the ClientApp's code (the FAB), and the SuperNode runs it as its own user. Run as
+the worker's owner, that code can read the data, the cache and the ledger (docs/privacy.md,
+'What a server that controls the code can still do'). ``car-fl worker --supernode-group G``
+lets a SuperNode whose account is in group G (and not the owner) hand rounds to the worker: the
+worker's folder is 0710 and its secret 0640 and socket 0660 in group G, and the worker refuses to
+start while that group or any other account could read the data file, the cache, the run states
+or the ledger (:func:`exposed`). What such a ClientApp gets is then what the worker releases.
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import stat
+from collections.abc import Iterable
+from pathlib import Path
+
+#: The modes of what the SuperNode's group may use: the folder by name only, no listing.
+FOLDER_MODE, SECRET_MODE, SOCKET_MODE = 0o710, 0o640, 0o660
+
+
+def group_id(name: str) -> int:
+    """The id of the group ``name``; ``ValueError`` naming how to make one."""
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise ValueError(
+            f"--supernode-group {name!r}: no such group on this machine; create it and put the "
+            f"SuperNode's account in it (e.g. `sudo groupadd {name}; sudo useradd -g {name} "
+            "flwr-node`, docs/deployment.md 'A SuperNode that cannot read the data')"
+        ) from None
+
+
+def share(path: Path, gid: int, mode: int) -> None:
+    """Give ``path`` to group ``gid`` with ``mode``; ``ValueError`` saying why not."""
+    try:
+        os.chown(path, -1, gid)
+    except PermissionError:
+        raise ValueError(
+            f"cannot give {path} to group {gid}: the worker's owner must be a member of the "
+            "SuperNode's group (e.g. `sudo usermod -aG <group> $USER`, then log in again)"
+        ) from None
+    os.chmod(path, mode)
+
+
+def readable(path: Path, gid: int) -> bool:
+    """Whether an account that is neither the owner of ``path`` nor of its folders, nor root,
+    whose one group is ``gid``, could read ``path`` (every folder above it searchable). As the
+    kernel does, a file of group ``gid`` answers with its group bits, any other with its others'."""
+
+    def allows(info: os.stat_result, other: int, group: int) -> bool:
+        return bool(info.st_mode & (group if info.st_gid == gid else other))
+
+    path = path.expanduser().resolve()
+    for folder in reversed(path.parents):
+        if not allows(folder.stat(), stat.S_IXOTH, stat.S_IXGRP):
+            return False
+    if path.is_dir():  # listed, or entered by the names of what it holds
+        return allows(path.stat(), stat.S_IROTH | stat.S_IXOTH, stat.S_IRGRP | stat.S_IXGRP)
+    return allows(path.stat(), stat.S_IROTH, stat.S_IRGRP)
+
+
+def exposed(paths: Iterable[tuple[str, Path]], gid: int) -> list[str]:
+    """What the SuperNode's group (or any other account) could read among ``paths`` (what each
+    is, its path), each with the ``chmod`` that closes it."""
+    found = []
+    for what, path in paths:
+        if path.exists() and readable(path, gid):
+            found.append(
+                f"{what} {path} can be read by the SuperNode's group or by every account "
+                f"(mode {stat.filemode(path.stat().st_mode)}); `chmod go-rwx {path}` or keep it "
+                "in a folder only you can enter"
+            )
+    return found
