@@ -239,7 +239,7 @@ def load_resume_point(run_dir: Path, settings: Settings, kind: Kind) -> ResumePo
             "it finished, it was not interrupted; to train longer start a new run (a larger "
             "train.patience)"
         )
-    # only the newest step keeps its optimiser: an older one resumes with a fresh optimiser
+    # only the two newest steps keep their optimiser: an older one would resume with a fresh one
     keeps_optimizer = any((run_dir / "checkpoints").glob(f"round-*/{OPTIMIZER}"))
     skipped: list[str] = []
     for row in reversed(metrics.history):
@@ -254,7 +254,7 @@ def load_resume_point(run_dir: Path, settings: Settings, kind: Kind) -> ResumePo
         if optimizer is None and keeps_optimizer:
             raise ValueError(
                 f"resume={run_dir}: {'; '.join(skipped)} does not load, and {folder.name} "
-                "before it keeps no optimiser state (only the newest step does): going on "
+                "before it keeps no optimiser state (only the two newest steps do): going on "
                 "from it would not be the same run; start it again"
             )
         done = checkpoint.round
@@ -454,9 +454,9 @@ class Run:
         save_checkpoint(folder, self.checkpoint(state, row, epsilon=epsilon))
         self._consider(row, state, epsilon=epsilon)
         self.write(complete=False)
-        for old in self.checkpoints.glob(f"round-*/{OPTIMIZER}"):  # once the row is written
-            if old.parent != folder:
-                old.unlink(missing_ok=True)
+        for old in self.checkpoints.glob(f"round-*/{OPTIMIZER}"):  # once the row is written:
+            if int(old.parent.name.removeprefix("round-")) < row.round - 1:  # the two newest
+                old.unlink(missing_ok=True)  # stay, should the newest weights not load
 
     def _consider(
         self, row: RoundRow, state: dict[str, torch.Tensor], *, epsilon: float | None = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -25,22 +26,30 @@ def stopped_run(make_settings, run: Path, monkeypatch, *overrides: str, in_epoch
             run_centralized(make_settings(*overrides), run)
 
 
-def test_a_damaged_newest_checkpoint_does_not_resume_with_a_fresh_optimiser(
+def test_a_damaged_newest_checkpoint_resumes_from_the_one_before_with_its_optimiser(
     make_settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Epoch 2's weights are damaged (a full disk, a bad copy) and epoch 1's optimiser state
-    was removed once epoch 2's row was written: going on from epoch 1 with AdamW's moments at
-    zero would differ from the uninterrupted run, so the resume is refused, naming the
-    optimiser, and the old results are kept."""
-    run = tmp_path / "run"
-    stopped_run(make_settings, run, monkeypatch, *ADAMW, in_epoch=3)
-    assert not (run / "checkpoints" / "round-001" / OPTIMIZER).exists()
-    weights = run / "checkpoints" / "round-002" / "weights.safetensors"
-    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-    before = (run / "metrics.json").read_text()
-    with pytest.raises(ValueError, match="optimiser"):
-        run_centralized(make_settings(*ADAMW, f"resume={run}"), run)
-    assert (run / "metrics.json").read_text() == before
+    """Epoch 2's weights are damaged (a full disk, a bad copy): the two newest steps keep their
+    optimiser, so the resume goes on from epoch 1 with AdamW's moments as they were and ends
+    as the uninterrupted run does. With epoch 1's optimiser gone too, going on with the
+    moments at zero would differ: refused, naming the optimiser, the old results kept."""
+    whole = run_centralized(make_settings(*ADAMW), tmp_path / "whole")
+    run, weights = tmp_path / "run", Path("checkpoints") / "round-002" / "weights.safetensors"
+    for gone in (False, True):
+        shutil.rmtree(run, ignore_errors=True)
+        stopped_run(make_settings, run, monkeypatch, *ADAMW, in_epoch=3)
+        assert (run / "checkpoints" / "round-001" / OPTIMIZER).exists()
+        (run / weights).write_bytes((run / weights).read_bytes()[:100])
+        if gone:
+            (run / "checkpoints" / "round-001" / OPTIMIZER).unlink()
+            before = (run / "metrics.json").read_text()
+            with pytest.raises(ValueError, match="optimiser"):
+                run_centralized(make_settings(*ADAMW, f"resume={run}"), run)
+            assert (run / "metrics.json").read_text() == before
+        else:
+            resumed = run_centralized(make_settings(*ADAMW, f"resume={run}"), run)
+            assert rows(run) == rows(tmp_path / "whole")
+            assert timeless(resumed["best"]) == timeless(whole["best"])
 
 
 def test_a_stopped_run_resumed_with_fewer_epochs_than_it_ran_is_refused(
