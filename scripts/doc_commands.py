@@ -160,6 +160,11 @@ def problem(words: list[str], root: Path) -> str | None:
     program = words[0]
     if program in (".", "source", "cd", "export", "git", "echo"):
         return None
+    if program == "sudo":  # what it runs must exist (sudo itself is the reader's)
+        rest = words[1:]
+        while rest and rest[0].startswith("-"):
+            rest = rest[2:] if rest[0] in ("-u", "-g") else rest[1:]
+        return problem(rest, root) if rest else "sudo without a command"
     if program == "car-fl":
         names = {command.NAME for command in COMMANDS}
         given = next((w for w in words[1:] if not w.startswith("-")), None)

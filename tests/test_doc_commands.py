@@ -68,7 +68,8 @@ def test_a_gone_program_or_an_unknown_mark_is_named(tmp_path: Path) -> None:
         "```bash\npython scripts/gone.py\npython -m car_fl.nope\ncar-fl fly\n"
         "no-such-program-here --x && python scripts/here.py\n"
         "car-fl retrieve --checkpoint runs/<date>/best hi\n"
-        "python -m car_fl.sweep -m model=minilm\ncar-fl train dataset.path=../shared/d.tsv\n```\n"
+        "python -m car_fl.sweep -m model=minilm\ncar-fl train dataset.path=../shared/d.tsv\n"
+        "sudo -u flwr-node car-fl fly\n```\n"
     )
     found = docs.commands_of(page(tmp_path, text), tmp_path)
     assert docs.check(found, tmp_path) == [
@@ -81,6 +82,7 @@ def test_a_gone_program_or_an_unknown_mark_is_named(tmp_path: Path) -> None:
         "block <!-- commands: long -->: python -m car_fl.sweep -m model=minilm",
         "docs/p.md:8: reads ../shared or starts a sweep (minutes), so it is not short: mark its "
         "block <!-- commands: long -->: car-fl train dataset.path=../shared/d.tsv",
+        "docs/p.md:9: car-fl has no subcommand 'fly': sudo -u flwr-node car-fl fly",
     ]
     with pytest.raises(ValueError, match=r"docs/p.md:\d+: unknown mark 'slowish'"):
         docs.commands_of(page(tmp_path, "<!-- commands: slowish -->\n```bash\nls\n```\n"), tmp_path)

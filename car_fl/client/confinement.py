@@ -15,6 +15,7 @@ from __future__ import annotations
 import grp
 import os
 import stat
+import struct
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -56,11 +57,28 @@ def readable(path: Path, gid: int) -> bool:
 
     path = path.expanduser().resolve()
     for folder in reversed(path.parents):
-        if not allows(folder.stat(), stat.S_IXOTH, stat.S_IXGRP):
+        if not allows(folder.stat(), stat.S_IXOTH, stat.S_IXGRP) and not acl_grants(folder, 1):
             return False
     if path.is_dir():  # listed, or entered by the names of what it holds
-        return allows(path.stat(), stat.S_IROTH | stat.S_IXOTH, stat.S_IRGRP | stat.S_IXGRP)
-    return allows(path.stat(), stat.S_IROTH, stat.S_IRGRP)
+        own = allows(path.stat(), stat.S_IROTH | stat.S_IXOTH, stat.S_IRGRP | stat.S_IXGRP)
+        return own or acl_grants(path, 4 | 1)
+    return allows(path.stat(), stat.S_IROTH, stat.S_IRGRP) or acl_grants(path, 4)
+
+
+#: A POSIX access ACL's named entries (``setfacl -m u:NAME:...`` or ``g:NAME:...``) and mask.
+ACL_XATTR, ACL_USER, ACL_GROUP, ACL_MASK = "system.posix_acl_access", 0x02, 0x08, 0x10
+
+
+def acl_grants(path: Path, bits: int) -> bool:
+    """Whether ``path``'s access ACL grants any of ``bits`` (4 read, 1 search) to a named user
+    or group, within its mask: to whom is not checked, so any such entry counts."""
+    try:
+        raw = os.getxattr(path, ACL_XATTR)
+    except (OSError, AttributeError):  # no ACL, no support for them, or not Linux
+        return False
+    entries = [struct.unpack_from("<HHI", raw, at) for at in range(4, len(raw) - 7, 8)]
+    mask = next((perm for tag, perm, _ in entries if tag == ACL_MASK), 7)
+    return any(tag in (ACL_USER, ACL_GROUP) and perm & mask & bits for tag, perm, _ in entries)
 
 
 def exposed(paths: Iterable[tuple[str, Path]], gid: int) -> list[str]:

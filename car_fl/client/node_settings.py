@@ -25,6 +25,7 @@ from car_fl.settings.flower import (
     GENERATED_QUERIES_PATH,
     NODE_CONFIG,
     TEST_DATA_PATH,
+    TRUST_REMOTE_CODE,
     apply_node_config,
     check_fingerprint,
     fingerprint,
@@ -108,6 +109,13 @@ def with_environment(node_config: Mapping[str, Any]) -> Mapping[str, Any]:
 def own_cache(settings: Settings, node_config: Mapping[str, Any]) -> Settings:
     """The run's ``settings`` with the node's paths (:func:`apply_node_config`), writing only
     where the node decides: never the run config's ``cache_dir``, logged when it named one."""
+    if settings.model.trust_remote_code and node_config.get(TRUST_REMOTE_CODE) is not True:
+        raise Refusal(  # the repository's code would run as this node's owner, beside its data
+            Failure.POLICY_REFUSED,
+            "the run sets model.trust_remote_code=true: this node runs a model repository's "
+            f"own code only when its owner says so (--node-config {TRUST_REMOTE_CODE}=true); "
+            "refused before the model was loaded",
+        )
     if settings.model.blocks_service is not None:  # the server would choose where texts go
         raise Refusal(
             Failure.POLICY_REFUSED,

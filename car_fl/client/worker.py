@@ -179,6 +179,7 @@ class NodeWorker:
         paths += [(what, Path(str(config[key]))) for what, key in WATCHED if config.get(key)]
         if config.get(POLICY_KEY):
             paths.append(("the privacy ledger", NodePolicy.load(config[POLICY_KEY]).ledger))
+            paths.append(("the privacy policy", Path(str(config[POLICY_KEY]))))
         found = exposed(paths, group)
         if found:
             raise ValueError("; ".join(found))
@@ -258,6 +259,8 @@ class NodeWorker:
         if refused:
             self.failed += 1
             log.error("run %d: round refused: %s", run_id, refused)
+            if self.group is not None:  # the text names the owner's files
+                refused = f"{Failure.NODE_CONFIG.name} (the worker's log says why)"
             return {"ok": False, "failure": int(Failure.NODE_CONFIG), "error": refused}, b""
         with self._round:  # one round at a time on this node's device, whatever the run
             self.busy_run = run_id

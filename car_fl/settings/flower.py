@@ -42,6 +42,7 @@ PRIVACY_POLICY = "privacy-policy"
 WORKER = "worker"
 BLOCKS = "blocks"
 BLOCKS_SERVICE = "blocks-service"
+TRUST_REMOTE_CODE = "trust-remote-code"
 
 
 class NodeKey(NamedTuple):
@@ -78,6 +79,11 @@ NODE_CONFIG: dict[str, NodeKey] = {
     ),
     WORKER: NodeKey(
         None, "this node's worker folder (car-fl worker): the ClientApp hands it rounds"
+    ),
+    TRUST_REMOTE_CODE: NodeKey(
+        None,
+        "true: this node runs the model repository's own code when a run asks for it "
+        "(model.trust_remote_code); otherwise such a run is refused",
     ),
 }
 
@@ -247,7 +253,8 @@ def run_inputs(run_config: Mapping[str, Any]) -> tuple[str, str]:
 
 
 def run_overrides(run_config: Mapping[str, Any]) -> list[str]:
-    """The Hydra overrides a run config stands for; ``ValueError`` naming a key car-fl lacks."""
+    """The Hydra overrides a run config stands for; ``ValueError`` naming a key car-fl lacks,
+    or one of Hydra's own (``hydra.searchpath`` would compose a node's files of its choice)."""
     for key in run_config:
         if key not in RUN_CONFIG_KEYS and key != SETTINGS_YAML:
             raise ValueError(unknown_run_key(key))
@@ -262,6 +269,12 @@ def run_overrides(run_config: Mapping[str, Any]) -> list[str]:
         if run_config.get(key, "") != ""
     ]
     extra = parse_overrides(overrides)
+    for item in extra:
+        if _override_key(item).split(".")[0] == "hydra":
+            raise ValueError(
+                f"a run config may not set Hydra's own options ({item}): they choose which "
+                "configuration files every node composes; set car-fl's settings only"
+            )
     given = {_override_key(item): item for item in items}
     for item in extra:
         if _override_key(item) in given:

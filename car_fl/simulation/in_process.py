@@ -19,7 +19,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from car_fl.results.rows import METRICS_JSON
 from car_fl.server.federation import run_federation
 from car_fl.settings.compose import settings_to_yaml
-from car_fl.settings.flower import NUM_PARTITIONS, PARTITION_ID
+from car_fl.settings.flower import NUM_PARTITIONS, PARTITION_ID, TRUST_REMOTE_CODE
 from car_fl.settings.schema import Settings
 from car_fl.simulation.apps import import_app
 
@@ -115,6 +115,8 @@ def run_local(
     if settings.output_dir is None:
         raise ValueError("run_local needs settings.output_dir (where the run's results go)")
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    if settings.model.trust_remote_code:  # every node is this machine's owner's, who asked
+        node_config = {TRUST_REMOTE_CODE: True, **(node_config or {})}
     grid = LocalGrid(
         client_train or import_app("client_app").train,
         num_nodes=num_nodes or settings.fl.clients,

@@ -7,8 +7,10 @@ from pathlib import Path
 import pytest
 
 from car_fl.client import node_settings as node_settings_module
+from car_fl.client.failures import Refusal
 from car_fl.client.node_settings import node_settings
 from car_fl.client.shard import shard_data
+from car_fl.protocol.failures import Failure
 from car_fl.settings.compose import load_settings, settings_to_yaml
 from car_fl.settings.flower import NodeInfo, fingerprint
 
@@ -77,3 +79,19 @@ def test_the_server_cannot_choose_where_a_node_writes(
     assert not server_folder.exists()
     written = [p for p in mine.rglob("*") if p.is_file()]
     assert written and all(p.stat().st_mode & 0o777 == 0o600 for p in written)
+
+
+def test_a_run_runs_a_model_repositorys_code_only_where_the_node_says_so(
+    make_settings, tmp_path: Path
+) -> None:
+    """model.trust_remote_code from the server would run code of its choice as the node's
+    owner (a worker's reviewed checkout included): refused unless the node's own config says
+    trust-remote-code=true, before any model is loaded."""
+    settings = make_settings("model.trust_remote_code=true")
+    run_config = {"settings": settings_to_yaml(settings)}
+    node = {"cache-dir": str(tmp_path / "cache")}
+    with pytest.raises(Refusal, match="trust-remote-code=true") as err:
+        node_settings(run_config, node, fingerprint(settings))
+    assert err.value.failure is Failure.POLICY_REFUSED
+    mine = node_settings(run_config, {**node, "trust-remote-code": True}, fingerprint(settings))
+    assert mine.model.trust_remote_code is True

@@ -146,6 +146,15 @@ def test_a_nodes_settings_cache_key_follows_the_run_config_keys() -> None:
 
 
 @pytest.mark.parametrize(
+    "overrides", ["hydra.searchpath=[file:///tmp/x] approach=mips", "+hydra.job.chdir=true"]
+)
+def test_a_run_config_may_not_set_hydras_own_options(overrides: str) -> None:
+    # hydra.searchpath would have every node compose configuration files of the server's
+    with pytest.raises(ValueError, match="may not set Hydra's own options"):
+        run_inputs({"overrides": overrides})
+
+
+@pytest.mark.parametrize(
     "run_config",
     [
         {"overrides": "dataset.path=${oc.env:HOME}/data.tsv"},

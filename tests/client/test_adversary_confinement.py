@@ -1,0 +1,310 @@
+"""``car-fl worker --supernode-group`` against a server that ships the ClientApp's code.
+
+Each test plays the FAB's code confined as the docs ask (an account of its own, here ``nobody``
+in ``nogroup``, holding the worker's secret) against a worker started by the node's owner, and
+fails while the confined code gets more than what the worker releases under the owner's
+policy, its fixed failure codes and timing (docs/privacy.md, "What a server that controls the
+code can still do"; docs/deployment.md, 5b'). Found by a review; each failed before its fix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import struct
+import tempfile
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from flwr.app import ConfigRecord, RecordDict
+from transformers import AutoTokenizer  # noqa: F401  # imported once here, not inside a test
+
+from car_fl.client import worker_link
+from car_fl.client.worker import NodeWorker, listening
+from car_fl.client.worker_link import WorkerFailed
+from car_fl.protocol.failures import Failure
+from car_fl.protocol.messages import to_record
+from car_fl.settings.compose import load_settings
+from car_fl.settings.flower import fingerprint
+from car_fl.testing.tiny import synthetic_examples, write_tsv
+
+#: The confined SuperNode's account (as tests/client/test_worker.py's).
+NOBODY, NOGROUP = 65534, 65534
+NODE = {"partition-id": 1, "num-partitions": 2, "device": "cpu"}
+LABELS = ["topic0", "topic1", "topic2", "topic3"]
+
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="runs code as another account")
+
+
+def as_nobody(action: Callable[[], str]) -> str:
+    """``action()`` in a forked child of ``nobody`` in ``nogroup`` (the FAB's code, confined);
+    what it returned, or its exception as text."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read)
+            os.setgroups([])
+            os.setgid(NOGROUP)
+            os.setuid(NOBODY)
+            os.write(write, action().encode())
+        except BaseException as err:
+            os.write(write, f"{type(err).__name__}: {err}".encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as answer:
+        text = answer.read().decode()
+    os.waitpid(pid, 0)
+    return text
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A folder every account may write (as /tmp): where the confined code leaves files."""
+    folder = Path(tempfile.mkdtemp(prefix="cf-rev-", dir="/tmp"))
+    folder.chmod(0o1777)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def private_data() -> Iterator[Path]:
+    """The owner's data file, 0600 in a folder of the owner's alone."""
+    folder = Path(tempfile.mkdtemp(prefix="cf-own-", dir="/tmp"))
+    folder.chmod(0o700)
+    try:
+        data = write_tsv(folder / "data.tsv", synthetic_examples(24))
+        data.chmod(0o600)
+        yield data
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def confined_worker(
+    folder: Path, node_config: Mapping[str, Any], respond: Any = None
+) -> Iterator[NodeWorker]:
+    """The owner's worker, confined for ``nogroup``, in a thread (``respond``: a stand-in for
+    the round; ``None``: the real :meth:`Node.respond`)."""
+    worker = NodeWorker(folder, node_config, group=NOGROUP)
+    if respond is not None:
+        worker.node.respond = respond  # type: ignore[method-assign]
+    with listening(worker.folder, NOGROUP) as (sock, secret):
+        thread = threading.Thread(target=worker.serve, args=(sock, secret), daemon=True)
+        thread.start()
+        assert worker.ready.wait(10)
+        try:
+            yield worker
+        finally:
+            worker.stop()
+            thread.join(10)
+
+
+def train_content(fingerprint_: str | None = None) -> RecordDict:
+    config: dict[str, Any] = {"server-round": 1, "labels": LABELS}
+    if fingerprint_ is not None:
+        config["fingerprint"] = fingerprint_
+    return RecordDict({"arrays": to_record({}), "config": ConfigRecord(config)})
+
+
+def failure_code(folder: Path, run_config: Mapping[str, Any], content: RecordDict) -> str:
+    """As the confined code: hand the worker a round; its fixed code (or 'released')."""
+
+    def hand() -> str:
+        try:
+            worker_link.hand_over(folder, run_id=7, run_config=run_config, content=content)
+        except WorkerFailed as err:
+            return err.failure.name
+        return "released"
+
+    return as_nobody(hand)
+
+
+# ---------------------------------------------------------------- 1. code that runs as the owner
+@root_only
+def test_a_confined_supernode_cannot_make_the_worker_run_a_model_folder_s_code(
+    short_dir: Path, open_dir: Path, private_data: Path
+) -> None:
+    """The worker of docs/deployment.md 5b' (no privacy policy) loads the encoder the run
+    config names, with the run config's ``model.trust_remote_code``: a model folder the confined
+    code wrote in /tmp then runs as the owner, beside the data. Here it copies the data file
+    where ``nobody`` reads it."""
+    model, loot = open_dir / "model", open_dir / "loot"
+    payload = (
+        "import gc, shutil, os\n"
+        "for o in gc.get_objects():\n"
+        "    if type(o).__name__ == 'NodeWorker':\n"
+        f"        shutil.copy(o.node_config['data-path'], {str(loot)!r})\n"
+        f"        os.chmod({str(loot)!r}, 0o644)\n"
+        "        break\n"
+        "raise RuntimeError('enough')\n"
+    )
+
+    def plant() -> str:  # what the FAB's code writes, as nobody, where it may
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps({"model_type": "x", "auto_map": {}}))
+        auto = {"auto_map": {"AutoTokenizer": ["loader.Tokenizer", None]}}
+        (model / "tokenizer_config.json").write_text(json.dumps(auto))
+        (model / "loader.py").write_text(payload)
+        return "planted"
+
+    assert as_nobody(plant) == "planted"
+    overrides = (
+        f"model=local model.name_or_path={model} model.trust_remote_code=true dataset=tsv "
+        "dataset.path=/nowhere.tsv fl.clients=2 mode=adapter progress=false"
+    )
+    with confined_worker(short_dir, {**NODE, "data-path": str(private_data)}):
+        code = failure_code(short_dir, {"overrides": overrides}, train_content())
+    stolen = as_nobody(lambda: loot.read_text())
+    assert code == "POLICY_REFUSED", code  # the node's config does not say trust-remote-code
+    assert private_data.read_text()[:20] not in stolen, (
+        f"the worker ran the confined account's code as the owner (answer {code}); that code "
+        f"handed nobody the data file: {stolen[:40]!r}"
+    )
+
+
+# --------------------------------------------------- 2. configuration files the run config names
+@root_only  # Hydra warns of the file's name; a worker outside pytest does not stop for it
+@pytest.mark.filterwarnings("ignore:(?s).*validated against ConfigStore schema:UserWarning")
+def test_a_run_config_cannot_make_the_worker_compose_yaml_of_the_supernode_s_account(
+    short_dir: Path, open_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``hydra.searchpath`` is accepted in a run config's overrides: the worker composes a
+    YAML the confined code wrote, whose ``${oc.env:...}`` (refused in a run config itself) then
+    reads the worker's environment. Whether a guess of a variable is right shows in the fixed
+    code (CONFIG_MISMATCH, or a round that went on): an oracle on the owner's secrets."""
+    monkeypatch.setenv("CAR_FL_REVIEW_TOKEN", "hf_owner_secret")
+    conf = open_dir / "conf"
+
+    def plant() -> str:
+        (conf / "approach").mkdir(parents=True)
+        lines = [  # approach=mips's own, and one line more
+            "# @package _global_",
+            "head: {kind: mips, lexical: none}",
+            "train: {mode: classifier}",
+            "dataset: {topic_key: '${oc.env:CAR_FL_REVIEW_TOKEN,unset}'}",
+        ]
+        (conf / "approach" / "mips.yaml").write_text("\n".join(lines) + "\n")
+        return "planted"
+
+    assert as_nobody(plant) == "planted"
+    common = "dataset=tsv dataset.path=/nowhere.tsv fl.clients=2 progress=false approach=mips"
+    run_config = {"overrides": f"hydra.searchpath=[file://{conf}] {common}"}
+
+    def fingerprint_of(guess: str) -> str:  # the server's: approach=mips, the guess as a value
+        plain = load_settings(common)
+        return fingerprint(replace(plain, dataset=replace(plain.dataset, topic_key=guess)))
+
+    codes = {}
+    with confined_worker(short_dir, NODE):
+        for guess in ("hf_wrong_guess", "hf_owner_secret"):
+            codes[guess] = failure_code(short_dir, run_config, train_content(fingerprint_of(guess)))
+    assert codes["hf_wrong_guess"] == codes["hf_owner_secret"], (
+        "the worker composed the confined account's YAML and resolved ${oc.env:...} in its own "
+        f"environment: a wrong guess gets {codes['hf_wrong_guess']}, the owner's secret "
+        f"{codes['hf_owner_secret']}"
+    )
+
+
+# ---------------------------------------------------------- 3. the exposure check and the kernel
+def posix_acl(owner: int, named_user: tuple[int, int], group: int, mask: int, other: int) -> bytes:
+    """An access ACL in the kernel's xattr form (what ``setfacl -m u:UID:PERM`` writes)."""
+    undefined = 0xFFFFFFFF
+    entries = [(0x01, owner, undefined), (0x02, named_user[1], named_user[0])]
+    entries += [(0x04, group, undefined), (0x10, mask, undefined), (0x20, other, undefined)]
+    return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries)
+
+
+@root_only
+def test_the_worker_refuses_to_start_while_an_acl_lets_the_supernode_read_its_data(
+    short_dir: Path, private_data: Path
+) -> None:
+    """``confinement.readable`` reads the mode bits only; an access ACL (say one that let the
+    SuperNode's account read the data before it was confined) keeps the file readable to it
+    while its mode says 0640 in another group."""
+    try:  # u:nobody:--x on the folder, u:nobody:r-- on the file (mode bits: owner only)
+        os.setxattr(
+            private_data.parent, "system.posix_acl_access", posix_acl(7, (NOBODY, 1), 0, 1, 0)
+        )
+        os.setxattr(private_data, "system.posix_acl_access", posix_acl(6, (NOBODY, 4), 0, 4, 0))
+    except OSError as err:
+        pytest.skip(f"no POSIX ACLs here: {err}")
+    read = as_nobody(lambda: private_data.read_text()[:10])
+    assert read == private_data.read_text()[:10]  # the kernel lets the SuperNode's account read
+    try:
+        worker = NodeWorker(short_dir, {**NODE, "data-path": str(private_data)}, group=NOGROUP)
+    except ValueError as err:
+        assert "the data file" in str(err)
+    else:
+        pytest.fail(
+            f"a confined worker (group {worker.group}) started while nobody reads its data "
+            f"file through an ACL ({read!r}); modes {oct(private_data.stat().st_mode)}"
+        )
+
+
+@root_only
+def test_the_worker_refuses_to_start_while_the_supernode_can_read_its_policy(
+    short_dir: Path, open_dir: Path, private_data: Path
+) -> None:
+    """The policy is the owner's (docs/privacy.md: without an account of its own the
+    ClientApp 'can read the data file, the feature cache, the policy and the ledger'), but the
+    exposure check leaves it out: a 0644 policy in an open folder starts a confined worker."""
+    folder = open_dir / "etc"
+    folder.mkdir(mode=0o755)
+    policy = folder / "policy.toml"
+    ledger = private_data.parent / "ledger"  # the owner's
+    policy.write_text(
+        'modes = ["fixed"]\nmin-noise-multiplier = 1.3\nlifetime-epsilon = 4\n'
+        f'ledger = "{ledger}"\n'
+    )
+    policy.chmod(0o644)
+    node = {**NODE, "data-path": str(private_data), "privacy-policy": str(policy)}
+    read = as_nobody(lambda: policy.read_text())
+    assert "lifetime-epsilon = 4" in read  # the confined account reads the owner's policy
+    try:
+        NodeWorker(short_dir, node, group=NOGROUP)
+    except ValueError as err:
+        assert "policy" in str(err)
+    else:
+        pytest.fail("a confined worker started while nobody reads its privacy policy")
+
+
+# ----------------------------------------------------------------- 4. text beyond the fixed codes
+@root_only
+def test_a_confined_supernode_gets_no_text_of_the_worker_s_node_config(
+    short_dir: Path, private_data: Path
+) -> None:
+    """A round whose header names another policy is refused with text that names the worker's
+    own ``privacy-policy`` path, also to a ClientApp of another account."""
+    folder = Path(tempfile.mkdtemp(prefix="cf-alice-private-", dir="/tmp"))
+    try:
+        folder.chmod(0o700)
+        policy = folder / "policy.toml"
+        policy.write_text('modes = ["fixed"]\n')
+        policy.chmod(0o600)
+        node = {**NODE, "data-path": str(private_data), "privacy-policy": str(policy)}
+
+        def hand() -> str:
+            try:
+                worker_link.hand_over(
+                    short_dir, run_id=1, run_config={}, content=train_content(), policy="/x.toml"
+                )
+            except WorkerFailed as err:
+                return f"{err.failure.name}: {err}"
+            return "released"
+
+        with confined_worker(short_dir, node, respond=lambda *a, **k: RecordDict()):
+            said = as_nobody(hand)
+        assert said.startswith(Failure.NODE_CONFIG.name)
+        assert str(folder) not in said, f"the confined ClientApp read: {said}"
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
