@@ -180,6 +180,22 @@ def short_dir() -> Iterator[Path]:
 
 
 @pytest.fixture
+def owner_policy() -> Iterator[Path]:
+    """A node owner's privacy policy that admits every mode, in a folder of the owner's alone
+    (a worker confined for another account's SuperNode needs one)."""
+    folder = Path(tempfile.mkdtemp(prefix="cf-policy-", dir="/tmp"))
+    try:
+        policy = folder / "policy.toml"
+        policy.write_text(
+            'modes = ["none", "fixed", "adaptive", "record"]\npublic-example-count = false\n'
+        )
+        policy.chmod(0o600)
+        yield policy
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
 def make_settings(tmp_path: Path, tiny_llama: Path, synthetic_tsv: Path):
     """Settings for the tiny Llama and the synthetic data, plus any overrides."""
 

@@ -47,6 +47,24 @@ def share(path: Path, gid: int, mode: int) -> None:
     os.chmod(path, mode)
 
 
+def replaceable(path: Path, gid: int) -> str | None:
+    """Why an account other than this process's, in group ``gid``, could put another file at
+    ``path`` (it, or a folder above it, is that account's, or a folder it may write without
+    the sticky bit), as written and as resolved; ``None`` when it could not."""
+    me = os.getuid()
+    given = Path(os.path.abspath(path.expanduser()))
+    real = given.resolve()
+    for place in dict.fromkeys([*given.parents, given, *real.parents, real]):
+        info = place.lstat()
+        if info.st_uid not in (me, 0):
+            return f"{place} belongs to another account (uid {info.st_uid})"
+        if stat.S_ISDIR(info.st_mode) and not info.st_mode & stat.S_ISVTX:
+            bit = stat.S_IWGRP if info.st_gid == gid else stat.S_IWOTH
+            if info.st_mode & bit or acl_grants(place, 2):
+                return f"the folder {place} can be written by others"
+    return None
+
+
 def readable(path: Path, gid: int) -> bool:
     """Whether an account that is neither the owner of ``path`` nor of its folders, nor root,
     whose one group is ``gid``, could read ``path`` (every folder above it searchable). As the
@@ -86,10 +104,17 @@ def exposed(paths: Iterable[tuple[str, Path]], gid: int) -> list[str]:
     is, its path), each with the ``chmod`` that closes it."""
     found = []
     for what, path in paths:
-        if path.exists() and readable(path, gid):
+        if not path.exists():
+            continue
+        if readable(path, gid):
             found.append(
                 f"{what} {path} can be read by the SuperNode's group or by every account "
                 f"(mode {stat.filemode(path.stat().st_mode)}); `chmod go-rwx {path}` or keep it "
                 "in a folder only you can enter"
+            )
+        elif why := replaceable(path, gid):
+            found.append(
+                f"{what} {path} could be replaced by another account ({why}); keep it, and "
+                "every folder above it, yours (or root's) and writable by you alone"
             )
     return found

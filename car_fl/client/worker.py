@@ -173,8 +173,15 @@ class NodeWorker:
         self.ready = threading.Event()
 
     def refuse_exposed(self, group: int) -> None:
-        """``ValueError`` while the SuperNode's ``group`` could read what the node keeps."""
+        """``ValueError`` without a privacy policy (the run would choose what is released and
+        read), or while the SuperNode's ``group`` could read or replace what the node keeps."""
         config = self.node_config
+        if not config.get(POLICY_KEY):
+            raise ValueError(
+                f"--supernode-group needs a privacy policy in the worker's --node-config "
+                f"({POLICY_KEY}=/path/policy.toml, docs/privacy.md): without one the run "
+                "chooses what this node releases (dp=none too) and which of its files it reads"
+            )
         paths = [("the run states", self.folder / RUNS_DIR)]
         paths += [(what, Path(str(config[key]))) for what, key in WATCHED if config.get(key)]
         if config.get(POLICY_KEY):

@@ -7,15 +7,17 @@ The ServerApp calls :func:`settings_from_run_config`; a node adds its ``--node-c
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import hashlib
 import re
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import yaml
 from omegaconf import OmegaConf
 
 from car_fl.settings.compose import (
@@ -243,13 +245,38 @@ def run_inputs(run_config: Mapping[str, Any]) -> tuple[str, str]:
     if text and not isinstance(text, str):
         raise ValueError(f"run config 'settings' must be YAML text, got {type(text).__name__}")
     overrides = run_overrides(run_config)
-    if any(INTERPOLATION in item for item in [str(text or ""), *overrides]):
-        # values only: an interpolation would be resolved on each node (its env, its modules)
+    if any(
+        INTERPOLATION in item for item in [str(text or ""), *overrides, *parsed(text, overrides)]
+    ):
+        # values only: an interpolation would be resolved on each node (its env, its modules);
+        # also one written with escapes (Hydra's $\{...\}, YAML's \u0024{...}), parsed
         raise ValueError(
             f"a run config may not hold an interpolation ({INTERPOLATION}...}}): write the value "
             "itself; interpolations are resolved on every node"
         )
     return str(text or ""), shlex.join(overrides)
+
+
+def parsed(text: str, overrides: list[str]) -> Iterator[str]:
+    """Every string of the settings YAML ``text`` and of the ``overrides``' values as Hydra and
+    YAML read them (escapes undone); what does not parse is refused later, by the compose."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    values: list[Any] = []
+    with contextlib.suppress(Exception):
+        values.append(yaml.safe_load(text) if text else None)
+    parser = OverridesParser.create()
+    for item in overrides:
+        with contextlib.suppress(Exception):
+            values.append(parser.parse_override(item).value())
+    while values:
+        value = values.pop()
+        if isinstance(value, dict):
+            values += [*value.keys(), *value.values()]
+        elif isinstance(value, list | tuple):
+            values += value
+        elif value is not None:
+            yield str(value)
 
 
 def run_overrides(run_config: Mapping[str, Any]) -> list[str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import struct
 import tempfile
@@ -28,9 +29,10 @@ from transformers import AutoTokenizer  # noqa: F401  # imported once here, not 
 from car_fl.client import worker_link
 from car_fl.client.worker import NodeWorker, listening
 from car_fl.client.worker_link import WorkerFailed
+from car_fl.model.build import build_retriever
 from car_fl.protocol.failures import Failure
 from car_fl.protocol.messages import to_record
-from car_fl.settings.compose import load_settings
+from car_fl.settings.compose import load_settings, settings_from_yaml
 from car_fl.settings.flower import fingerprint
 from car_fl.testing.tiny import synthetic_examples, write_tsv
 
@@ -132,7 +134,7 @@ def failure_code(folder: Path, run_config: Mapping[str, Any], content: RecordDic
 # ---------------------------------------------------------------- 1. code that runs as the owner
 @root_only
 def test_a_confined_supernode_cannot_make_the_worker_run_a_model_folder_s_code(
-    short_dir: Path, open_dir: Path, private_data: Path
+    short_dir: Path, open_dir: Path, private_data: Path, owner_policy: Path
 ) -> None:
     """The worker of docs/deployment.md 5b' (no privacy policy) loads the encoder the run
     config names, with the run config's ``model.trust_remote_code``: a model folder the confined
@@ -162,7 +164,8 @@ def test_a_confined_supernode_cannot_make_the_worker_run_a_model_folder_s_code(
         f"model=local model.name_or_path={model} model.trust_remote_code=true dataset=tsv "
         "dataset.path=/nowhere.tsv fl.clients=2 mode=adapter progress=false"
     )
-    with confined_worker(short_dir, {**NODE, "data-path": str(private_data)}):
+    node = {**NODE, "data-path": str(private_data), "privacy-policy": str(owner_policy)}
+    with confined_worker(short_dir, node):
         code = failure_code(short_dir, {"overrides": overrides}, train_content())
     stolen = as_nobody(lambda: loot.read_text())
     assert code == "POLICY_REFUSED", code  # the node's config does not say trust-remote-code
@@ -176,7 +179,7 @@ def test_a_confined_supernode_cannot_make_the_worker_run_a_model_folder_s_code(
 @root_only  # Hydra warns of the file's name; a worker outside pytest does not stop for it
 @pytest.mark.filterwarnings("ignore:(?s).*validated against ConfigStore schema:UserWarning")
 def test_a_run_config_cannot_make_the_worker_compose_yaml_of_the_supernode_s_account(
-    short_dir: Path, open_dir: Path, monkeypatch: pytest.MonkeyPatch
+    short_dir: Path, open_dir: Path, monkeypatch: pytest.MonkeyPatch, owner_policy: Path
 ) -> None:
     """``hydra.searchpath`` is accepted in a run config's overrides: the worker composes a
     YAML the confined code wrote, whose ``${oc.env:...}`` (refused in a run config itself) then
@@ -205,7 +208,7 @@ def test_a_run_config_cannot_make_the_worker_compose_yaml_of_the_supernode_s_acc
         return fingerprint(replace(plain, dataset=replace(plain.dataset, topic_key=guess)))
 
     codes = {}
-    with confined_worker(short_dir, NODE):
+    with confined_worker(short_dir, {**NODE, "privacy-policy": str(owner_policy)}):
         for guess in ("hf_wrong_guess", "hf_owner_secret"):
             codes[guess] = failure_code(short_dir, run_config, train_content(fingerprint_of(guess)))
     assert codes["hf_wrong_guess"] == codes["hf_owner_secret"], (
@@ -226,7 +229,7 @@ def posix_acl(owner: int, named_user: tuple[int, int], group: int, mask: int, ot
 
 @root_only
 def test_the_worker_refuses_to_start_while_an_acl_lets_the_supernode_read_its_data(
-    short_dir: Path, private_data: Path
+    short_dir: Path, private_data: Path, owner_policy: Path
 ) -> None:
     """``confinement.readable`` reads the mode bits only; an access ACL (say one that let the
     SuperNode's account read the data before it was confined) keeps the file readable to it
@@ -241,7 +244,8 @@ def test_the_worker_refuses_to_start_while_an_acl_lets_the_supernode_read_its_da
     read = as_nobody(lambda: private_data.read_text()[:10])
     assert read == private_data.read_text()[:10]  # the kernel lets the SuperNode's account read
     try:
-        worker = NodeWorker(short_dir, {**NODE, "data-path": str(private_data)}, group=NOGROUP)
+        node = {**NODE, "data-path": str(private_data), "privacy-policy": str(owner_policy)}
+        worker = NodeWorker(short_dir, node, group=NOGROUP)
     except ValueError as err:
         assert "the data file" in str(err)
     else:
@@ -308,3 +312,206 @@ def test_a_confined_supernode_gets_no_text_of_the_worker_s_node_config(
         assert str(folder) not in said, f"the confined ClientApp read: {said}"
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ a second review
+COMMON = "dataset=tsv dataset.path=/nowhere.tsv fl.clients=2 progress=false"
+SECRET_VAR, SECRET = "CAR_FL_REVIEW2_TOKEN", "hf_owner_secret"
+
+
+def node_of(data: Path) -> dict[str, object]:
+    return {**NODE, "data-path": str(data)}
+
+
+def guess_fingerprint(guess: str) -> str:
+    """The server's fingerprint of COMMON with ``dataset.topic_key`` set to ``guess``."""
+    plain = load_settings(COMMON)
+    return fingerprint(replace(plain, dataset=replace(plain.dataset, topic_key=guess)))
+
+
+def oracle(folder: Path, run_config: dict[str, str]) -> dict[str, str]:
+    """The confined code's answer for a wrong guess and for the owner's secret."""
+    return {
+        guess: failure_code(folder, run_config, train_content(guess_fingerprint(guess)))
+        for guess in ("hf_wrong_guess", SECRET)
+    }
+
+
+# ------------------------------------------- 1. interpolations that the run-config check misses
+@root_only
+def test_a_run_config_cannot_smuggle_an_interpolation_past_the_check_with_hydra_escapes(
+    short_dir: Path, monkeypatch: pytest.MonkeyPatch, owner_policy: Path
+) -> None:
+    """``run_inputs`` refuses ``${`` in an override, but Hydra's grammar unescapes ``$\\{...\\}``
+    into ``${...}`` after that check: the worker resolves ``${oc.env:...}`` in its own
+    environment, and the fixed code answers whether a guess of the owner's variable is right."""
+    monkeypatch.setenv(SECRET_VAR, SECRET)
+    smuggled = f"dataset.topic_key=$\\{{oc.env:{SECRET_VAR}\\}}"
+    run_config = {"overrides": f"{COMMON} {shlex.quote(smuggled)}"}
+    with confined_worker(short_dir, {**NODE, "privacy-policy": str(owner_policy)}):
+        codes = oracle(short_dir, run_config)
+    assert codes["hf_wrong_guess"] == codes[SECRET], (
+        "the worker resolved ${oc.env:...} from a run config's override written $\\{...\\}: a "
+        f"wrong guess of the owner's {SECRET_VAR} gets {codes['hf_wrong_guess']}, the right one "
+        f"{codes[SECRET]}"
+    )
+
+
+@root_only
+def test_a_run_config_s_settings_yaml_cannot_smuggle_an_interpolation_with_yaml_escapes(
+    short_dir: Path, monkeypatch: pytest.MonkeyPatch, owner_policy: Path
+) -> None:
+    """The run config's ``settings`` YAML is checked for ``${`` as text, before YAML reads
+    ``"\\u0024{...}"`` as ``${...}``: the same oracle on the worker's environment."""
+    monkeypatch.setenv(SECRET_VAR, SECRET)
+    yaml = "\n".join(
+        [
+            "dataset: {name: tsv, reader: table, hub_id: null, path: /nowhere.tsv,",
+            f'  topic_key: "\\u0024{{oc.env:{SECRET_VAR},unset}}"}}',
+            "fl: {clients: 2}",
+            "progress: false",
+        ]
+    )
+    assert "${" not in yaml
+    run_config = {"settings": yaml}
+    plain = load_settings(COMMON)
+
+    def fingerprint_of(guess: str) -> str:  # the server's, of the YAML with the guess as text
+        mine = settings_from_yaml(yaml.replace(f"\\u0024{{oc.env:{SECRET_VAR},unset}}", guess))
+        return fingerprint(replace(mine, dataset=replace(mine.dataset, path=plain.dataset.path)))
+
+    with confined_worker(short_dir, {**NODE, "privacy-policy": str(owner_policy)}):
+        codes = {
+            guess: failure_code(short_dir, run_config, train_content(fingerprint_of(guess)))
+            for guess in ("hf_wrong_guess", SECRET)
+        }
+    assert codes["hf_wrong_guess"] == codes[SECRET], (
+        "the worker resolved ${oc.env:...} written \\u0024{...} in a run config's settings YAML: "
+        f"a wrong guess gets {codes['hf_wrong_guess']}, the owner's secret {codes[SECRET]}"
+    )
+
+
+# -------------------------------------------- 2. files of the owner's that the run config names
+@root_only
+def test_a_confined_worker_reads_no_owner_file_that_the_run_config_names(
+    short_dir: Path, private_data: Path, tiny_llama: Path, owner_policy: Path
+) -> None:
+    """A worker without a policy took the run's ``dataset.test_path``: it read, as its owner,
+    a file the confined account cannot even stat, and dropped the training texts it holds
+    (``drop_texts_in``), so the released ``num-examples`` counted how many of the node's
+    records that file holds. A confined worker now needs a policy, which ignores a run's
+    test file: whatever that file holds, the confined code gets the same answer."""
+    with pytest.raises(ValueError, match="needs a privacy policy"):
+        NodeWorker(short_dir, {**NODE, "data-path": str(private_data)}, group=NOGROUP)
+    secret_dir = Path(tempfile.mkdtemp(prefix="cf-owner-only-", dir="/tmp"))
+    secret_dir.chmod(0o700)
+    other = secret_dir / "other.tsv"  # another file of the owner's: the worker never names it
+    records = private_data.read_text().splitlines(keepends=True)
+    overrides = (
+        f"model=local model.name_or_path={tiny_llama} dataset=tsv dataset.path=/nowhere.tsv "
+        f"dataset.test_path={other} fl.clients=2 mode=classifier dp=none progress=false"
+    )
+
+    settings = load_settings(overrides)
+    initial = build_retriever(settings, len(LABELS)).trainable_state_dict()
+    config = ConfigRecord({"server-round": 1, "labels": LABELS})
+    content = RecordDict({"arrays": to_record(initial), "config": config})
+
+    def released() -> str:
+        def hand() -> str:
+            try:
+                reply = worker_link.hand_over(
+                    short_dir, run_id=7, run_config={"overrides": overrides}, content=content
+                )
+            except WorkerFailed as err:
+                return err.failure.name
+            return str(reply.metric_records["metrics"]["num-examples"])
+
+        return as_nobody(hand)
+
+    try:
+        answers = {}
+        node = {**NODE, "data-path": str(private_data), "privacy-policy": str(owner_policy)}
+        with confined_worker(short_dir, node):
+            assert as_nobody(lambda: str(other.exists())).startswith("PermissionError")
+            answers["absent"] = released()
+            other.write_text("".join(records[:2]))
+            answers["2 of the node's records"] = released()
+            other.write_text("".join(records[:8]))
+            answers["8 of the node's records"] = released()
+    finally:
+        shutil.rmtree(secret_dir, ignore_errors=True)
+    # the policy's reading: a test file the run names and the node does not is refused
+    assert set(answers.values()) == {"READING_DIFFERS"}, answers
+    assert len(set(answers.values())) == 1, (
+        "a run config made the confined worker read a file of the owner's that only the owner "
+        f"can reach (dataset.test_path); what the confined code got: {answers}"
+    )
+
+
+# ------------------------------------------- 3. the exposure check: owners and writable folders
+@root_only
+def test_the_worker_refuses_to_start_while_the_supernode_s_account_owns_its_data(
+    short_dir: Path, open_dir: Path, owner_policy: Path
+) -> None:
+    """``confinement.readable`` reads the group's and others' bits only: a data file owned by
+    the SuperNode's account (say it fetched the data before it was confined), mode 0600, in a
+    folder it may enter, passes the check; the kernel lets its owner read it."""
+    folder = open_dir / "data"
+    folder.mkdir(mode=0o711)
+    folder.chmod(0o711)
+    data = write_tsv(folder / "data.tsv", synthetic_examples(24))
+    os.chown(data, NOBODY, NOGROUP)
+    data.chmod(0o600)
+    read = as_nobody(lambda: data.read_text()[:10])
+    assert read == data.read_text()[:10]  # the SuperNode's account reads the data
+    try:
+        NodeWorker(short_dir, {**node_of(data), "privacy-policy": str(owner_policy)}, group=NOGROUP)
+    except ValueError as err:
+        assert "the data file" in str(err)
+    else:
+        pytest.fail(f"a confined worker started while nobody owns and reads its data ({read!r})")
+
+
+@root_only
+def test_the_worker_refuses_to_start_while_the_supernode_s_group_can_replace_its_data(
+    short_dir: Path, open_dir: Path, owner_policy: Path
+) -> None:
+    """A data file 0600 in a folder the SuperNode's group may write (0730, no listing) passes
+    the check, which asks only who may read. That account then swaps the data file for a
+    symbolic link to any file of the owner's (here one it cannot read), and the worker, which
+    reopens an edited data file, trains on and releases that file as its data."""
+    folder = open_dir / "data"
+    folder.mkdir()
+    os.chown(folder, 0, NOGROUP)
+    folder.chmod(0o730)
+    data = write_tsv(folder / "data.tsv", synthetic_examples(24))
+    data.chmod(0o600)
+    secret_dir = Path(tempfile.mkdtemp(prefix="cf-owner-only-", dir="/tmp"))
+    try:
+        secret_dir.chmod(0o700)
+        secret = write_tsv(secret_dir / "private.tsv", synthetic_examples(30, seed=9))
+        secret.chmod(0o600)
+
+        def swap() -> str:
+            os.rename(data, folder / ".old")
+            os.symlink(secret, data)
+            return "swapped"
+
+        try:
+            NodeWorker(
+                short_dir, {**node_of(data), "privacy-policy": str(owner_policy)}, group=NOGROUP
+            )
+        except ValueError as err:
+            assert "the data file" in str(err)
+            return
+        swapped = as_nobody(swap)
+        assert swapped == "swapped", swapped
+        assert data.read_text() == secret.read_text()  # what the owner's worker now reads
+        pytest.fail(
+            "a confined worker started while the SuperNode's group may replace its data file: "
+            "it swapped in a link to a file of the owner's it cannot read, the worker's next "
+            "round reads that file as the node's data"
+        )
+    finally:
+        shutil.rmtree(secret_dir, ignore_errors=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from car_fl.client.confinement import exposed, group_id, readable
+from car_fl.client.confinement import exposed, group_id, readable, replaceable
 
 #: A group id no file here has: only the "other" bits matter for it.
 STRANGER = 2**31 - 7
@@ -72,3 +72,18 @@ def test_what_is_exposed_is_named_with_its_fix(open_dir: Path) -> None:
 def test_an_unknown_group_is_named_with_how_to_create_it() -> None:
     with pytest.raises(ValueError, match=r"no such group.*groupadd car-fl-no-such-group"):
         group_id("car-fl-no-such-group")
+
+
+def test_a_file_another_account_owns_or_may_replace_is_named(open_dir: Path) -> None:
+    folder = open_dir / "data"
+    folder.mkdir(mode=0o700)
+    data = folder / "data.tsv"
+    data.write_text("x\n")
+    assert replaceable(data, STRANGER) is None  # /tmp's sticky bit keeps others' files theirs
+    folder.chmod(0o707)  # others may rename the file and put a link in its place
+    assert replaceable(data, STRANGER) == f"the folder {folder} can be written by others"
+    folder.chmod(0o1707)  # with the sticky bit they may not
+    assert replaceable(data, STRANGER) is None
+    if os.geteuid() == 0:
+        os.chown(data, 65534, -1)
+        assert replaceable(data, STRANGER) == f"{data} belongs to another account (uid 65534)"

@@ -267,10 +267,10 @@ def as_supernode(folder: Path, data: Path) -> str:
 
 
 def test_a_confined_worker_shares_only_its_socket_and_secret_and_no_error_text(
-    short_dir: Path,
+    short_dir: Path, owner_policy: Path
 ) -> None:
-    group = os.getgid()
-    with serving(short_dir, Recorder(fail_first=True), group=group):
+    group, node = os.getgid(), {**NODE, "privacy-policy": str(owner_policy)}
+    with serving(short_dir, Recorder(fail_first=True), node, group=group):
         modes = {n: (short_dir / n).stat() for n in ("", "secret", "worker.sock")}
         assert {n: m.st_mode & 0o777 for n, m in modes.items()} == {
             "": 0o710,  # entered by name, never listed
@@ -288,7 +288,11 @@ def test_a_confined_worker_shares_only_its_socket_and_secret_and_no_error_text(
         assert (short_dir / "secret").stat().st_mode & 0o777 == 0o600
 
 
-def test_a_confined_worker_refuses_to_start_while_its_data_is_readable(short_dir: Path) -> None:
+def test_a_confined_worker_refuses_to_start_while_its_data_is_readable(
+    short_dir: Path, owner_policy: Path
+) -> None:
+    with pytest.raises(ValueError, match="--supernode-group needs a privacy policy"):
+        NodeWorker(short_dir, NODE, group=os.getgid())  # the run would choose what is read
     shared = Path(tempfile.mkdtemp(prefix="cf-data-", dir="/tmp"))
     try:
         shared.chmod(0o755)
@@ -296,6 +300,7 @@ def test_a_confined_worker_refuses_to_start_while_its_data_is_readable(short_dir
         data.write_text("ham\thello\n")
         data.chmod(0o644)
         node = {**NODE, "data-path": str(data), "cache-dir": str(shared)}
+        node["privacy-policy"] = str(owner_policy)
         with pytest.raises(ValueError) as err:
             NodeWorker(short_dir, node, group=os.getgid())
         assert f"the data file {data} can be read" in str(err.value)
@@ -309,15 +314,16 @@ def test_a_confined_worker_refuses_to_start_while_its_data_is_readable(short_dir
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="runs a process as another account (root only)")
 def test_a_supernode_of_another_account_reaches_the_worker_but_not_the_data(
-    short_dir: Path, tmp_path: Path
+    short_dir: Path, tmp_path: Path, owner_policy: Path
 ) -> None:
     """The SuperNode's account (nobody, in nogroup): the worker answers it, and the owner's
     data file stays out of its reach; without the group, the worker is out of reach too."""
     data = tmp_path / "data.tsv"  # in pytest's folder: the owner's alone
     data.write_text("ham\thello\n")
-    with serving(short_dir, Recorder(), {**NODE, "data-path": str(data)}, group=NOGROUP):
+    node = {**NODE, "data-path": str(data), "privacy-policy": str(owner_policy)}
+    with serving(short_dir, Recorder(), node, group=NOGROUP):
         assert as_supernode(short_dir, data) == "worker True, no data"
-    with serving(short_dir, Recorder(), {**NODE, "data-path": str(data)}):
+    with serving(short_dir, Recorder(), node):
         assert as_supernode(short_dir, data).startswith("WorkerUnavailable: this process may not")
 
 
