@@ -260,15 +260,17 @@ def run_inputs(run_config: Mapping[str, Any]) -> tuple[str, str]:
 def parsed(text: str, overrides: list[str]) -> Iterator[str]:
     """Every string of the settings YAML ``text`` and of the ``overrides``' values as Hydra and
     YAML read them (escapes undone); what does not parse is refused later, by the compose."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     values: list[Any] = []
     with contextlib.suppress(Exception):
-        values.append(yaml.safe_load(text) if text else None)
-    parser = OverridesParser.create()
-    for item in overrides:
-        with contextlib.suppress(Exception):
-            values.append(parser.parse_override(item).value())
+        values.append(yaml.safe_load(text) if "\\" in text else None)  # only escapes hide one
+    dollars = [item for item in overrides if "$" in item]  # Hydra's parser only where one hides
+    if dollars:
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        parser = OverridesParser.create()
+        for item in dollars:
+            with contextlib.suppress(Exception):
+                values.append(parser.parse_override(item).value())
     while values:
         value = values.pop()
         if isinstance(value, dict):
