@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -103,3 +103,31 @@ def stop_in_the_end(monkeypatch: Any) -> None:
         raise KeyboardInterrupt
 
     monkeypatch.setattr(Run, "end", stopped)
+
+
+#: The account a confined SuperNode runs as in the tests (Debian's and most systems').
+NOBODY, NOGROUP = 65534, 65534
+
+
+def as_nobody(action: Callable[[], str]) -> str:
+    """``action()`` in a forked child of ``nobody`` in ``nogroup`` (the FAB's code, confined);
+    what it returned, or its exception as text. Forked, so that it needs none of this
+    Python's files (they may be in the owner's home). Root only."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read)
+            os.setgroups([])
+            os.setgid(NOGROUP)
+            os.setuid(NOBODY)
+            os.write(write, action().encode())
+        except BaseException as err:
+            os.write(write, f"{type(err).__name__}: {err}".encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as answer:
+        text = answer.read().decode()
+    os.waitpid(pid, 0)
+    return text

@@ -17,7 +17,7 @@ import shutil
 import struct
 import tempfile
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -35,36 +35,13 @@ from car_fl.protocol.messages import to_record
 from car_fl.settings.compose import load_settings, settings_from_yaml
 from car_fl.settings.flower import fingerprint
 from car_fl.testing.tiny import synthetic_examples, write_tsv
+from tests.helpers import NOBODY, NOGROUP, as_nobody
 
 #: The confined SuperNode's account (as tests/client/test_worker.py's).
-NOBODY, NOGROUP = 65534, 65534
 NODE = {"partition-id": 1, "num-partitions": 2, "device": "cpu"}
 LABELS = ["topic0", "topic1", "topic2", "topic3"]
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="runs code as another account")
-
-
-def as_nobody(action: Callable[[], str]) -> str:
-    """``action()`` in a forked child of ``nobody`` in ``nogroup`` (the FAB's code, confined);
-    what it returned, or its exception as text."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(read)
-            os.setgroups([])
-            os.setgid(NOGROUP)
-            os.setuid(NOBODY)
-            os.write(write, action().encode())
-        except BaseException as err:
-            os.write(write, f"{type(err).__name__}: {err}".encode())
-        finally:
-            os._exit(0)
-    os.close(write)
-    with os.fdopen(read, "rb") as answer:
-        text = answer.read().decode()
-    os.waitpid(pid, 0)
-    return text
 
 
 @pytest.fixture

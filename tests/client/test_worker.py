@@ -44,7 +44,7 @@ from car_fl.protocol.messages import from_record, to_record
 from car_fl.settings.compose import load_settings
 from car_fl.settings.flower import fingerprint
 from car_fl.testing.tiny import tiny_overrides
-from tests.helpers import gone
+from tests.helpers import NOGROUP, as_nobody, gone
 
 PROJECT = Path(__file__).resolve().parents[2]
 NODE = {"partition-id": 1, "num-partitions": 2, "device": "cpu"}
@@ -232,38 +232,20 @@ def test_the_worker_needs_its_place_in_the_federation(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------- a SuperNode of another account
-#: The account a confined SuperNode runs as in the test below (Debian's and most systems').
-NOBODY, NOGROUP = 65534, 65534
-
-
 def as_supernode(folder: Path, data: Path) -> str:
-    """In a child process of ``nobody`` in ``nogroup`` (as the FAB's code would run): whether
-    it reaches the worker, and whether it can read the data file. Forked, so that it needs
-    none of this Python's files (they may be in the owner's home)."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: drop to the account, answer in one line, never return
+    """As ``nobody`` in ``nogroup`` (as the FAB's code would run): whether it reaches the
+    worker, and whether it can read the data file."""
+
+    def probe() -> str:
+        said = [f"worker {worker_link.status(folder)['ok']}"]
         try:
-            os.close(read)
-            os.setgroups([])
-            os.setgid(NOGROUP)
-            os.setuid(NOBODY)
-            said = [f"worker {worker_link.status(folder)['ok']}"]
-            try:
-                data.read_bytes()
-                said.append("read the data")
-            except PermissionError:
-                said.append("no data")
-            os.write(write, ", ".join(said).encode())
-        except BaseException as err:
-            os.write(write, f"{type(err).__name__}: {err}".encode())
-        finally:
-            os._exit(0)
-    os.close(write)
-    with os.fdopen(read, "rb") as answer:
-        text = answer.read().decode()
-    os.waitpid(pid, 0)
-    return text
+            data.read_bytes()
+            said.append("read the data")
+        except PermissionError:
+            said.append("no data")
+        return ", ".join(said)
+
+    return as_nobody(probe)
 
 
 def test_a_confined_worker_shares_only_its_socket_and_secret_and_no_error_text(
