@@ -16,7 +16,6 @@ import shlex
 import shutil
 import struct
 import tempfile
-import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -27,7 +26,7 @@ from flwr.app import ConfigRecord, RecordDict
 from transformers import AutoTokenizer  # noqa: F401  # imported once here, not inside a test
 
 from car_fl.client import worker_link
-from car_fl.client.worker import NodeWorker, listening
+from car_fl.client.worker import NodeWorker
 from car_fl.client.worker_link import WorkerFailed
 from car_fl.model.build import build_retriever
 from car_fl.protocol.failures import Failure
@@ -35,6 +34,7 @@ from car_fl.protocol.messages import to_record
 from car_fl.settings.compose import load_settings, settings_from_yaml
 from car_fl.settings.flower import fingerprint
 from car_fl.testing.tiny import synthetic_examples, write_tsv
+from tests.client.test_worker import serving
 from tests.helpers import NOBODY, NOGROUP, as_nobody
 
 #: The confined SuperNode's account (as tests/client/test_worker.py's).
@@ -74,18 +74,8 @@ def confined_worker(
 ) -> Iterator[NodeWorker]:
     """The owner's worker, confined for ``nogroup``, in a thread (``respond``: a stand-in for
     the round; ``None``: the real :meth:`Node.respond`)."""
-    worker = NodeWorker(folder, node_config, group=NOGROUP)
-    if respond is not None:
-        worker.node.respond = respond  # type: ignore[method-assign]
-    with listening(worker.folder, NOGROUP) as (sock, secret):
-        thread = threading.Thread(target=worker.serve, args=(sock, secret), daemon=True)
-        thread.start()
-        assert worker.ready.wait(10)
-        try:
-            yield worker
-        finally:
-            worker.stop()
-            thread.join(10)
+    with serving(folder, respond, node_config, group=NOGROUP) as worker:
+        yield worker
 
 
 def train_content(fingerprint_: str | None = None) -> RecordDict:

@@ -88,9 +88,11 @@ class Recorder:
 def serving(
     folder: Path, answer: Any, node_config: Mapping[str, Any] = NODE, group: int | None = None
 ) -> Iterator[NodeWorker]:
-    """A worker for ``folder`` in a thread of this process (``group``: the SuperNode's)."""
+    """A worker for ``folder`` in a thread of this process (``group``: the SuperNode's;
+    ``answer``: a stand-in for the round, ``None`` for the real :meth:`Node.respond`)."""
     worker = NodeWorker(folder, node_config, group=group)
-    worker.node.respond = answer  # type: ignore[method-assign]  # the protocol, not the method
+    if answer is not None:
+        worker.node.respond = answer  # type: ignore[method-assign]  # the protocol, not the method
     with listening(worker.folder, group) as (sock, secret):
         thread = threading.Thread(target=worker.serve, args=(sock, secret), daemon=True)
         thread.start()
