@@ -193,10 +193,10 @@ def test_tls_and_node_authentication_refuse_every_node_they_should_and_the_run_c
 def test_a_killed_supernode_and_a_killed_worker_fail_their_rounds_and_the_run_goes_on(
     make_deployment: MakeDeployment,
 ) -> None:
-    """Three nodes, node 0 with its worker. Round 1: node 2's SuperNode is SIGKILLed (and its
-    ClientApp); Flower notices after its heartbeat times out (~60 s) and the round completes
-    with the others. Round 2: node 0's worker (not its supervisor) is SIGKILLed; that round
-    fails for node 0 alone, with the fixed failure text. Round 3: the restarted worker is whole."""
+    """Three nodes, node 0 with its worker. In round 1, node 2's SuperNode is SIGKILLed (and its
+    ClientApp): Flower notices after its heartbeat times out (~60 s); and node 0's worker (not
+    its supervisor) is SIGKILLed: node 0 fails the round with the fixed failure text. The
+    round completes with node 1. Round 2: the restarted worker is whole."""
     deployment = make_deployment(env={"OMP_NUM_THREADS": "1"})
     cluster = deployment.cluster
     cluster.start_superlink()
@@ -205,18 +205,13 @@ def test_a_killed_supernode_and_a_killed_worker_fail_their_rounds_and_the_run_go
     names += [deployment.start_node(i, 3) for i in (1, 2)]
     run_id = cluster.submit(
         PROJECT,
-        deployment.overrides("mode=adapter fl.clients=3 fl.rounds=3 fl.local_epochs=4"),
+        deployment.overrides("mode=adapter fl.clients=3 fl.rounds=2 fl.local_epochs=4"),
     )
-
-    def wait_rounds_started(count: int) -> None:
-        deadline = time.monotonic() + 300
-        while cluster.processes.log("worker-0").count("a round starts") < count:
-            assert time.monotonic() < deadline, cluster.processes.log("worker-0")[-3000:]
-            time.sleep(0.05)
-
-    wait_rounds_started(1)  # round 1 has reached the nodes
+    deadline = time.monotonic() + 300
+    while "a round starts" not in cluster.processes.log("worker-0"):  # round 1 reached it
+        assert time.monotonic() < deadline, cluster.processes.log("worker-0")[-3000:]
+        time.sleep(0.05)
     cluster.kill(names[2], signal.SIGKILL)
-    wait_rounds_started(2)
     killed = int(worker_link.status(worker)["pid"])
     os.kill(killed, signal.SIGKILL)
     status = cluster.wait(run_id, timeout=600)
@@ -230,19 +225,19 @@ def test_a_killed_supernode_and_a_killed_worker_fail_their_rounds_and_the_run_go
     # the lost node: its rows failed, named, with the reason (also logged)
     lost = [r for r in rows if r["node"] not in (node0, node1)]
     assert lost and {r["status"] for r in lost} == {"failed"}, rows
-    # the killed worker: that round failed for node 0 with the fixed, data-free failure text;
+    # the killed worker: round 1 failed for node 0 with the fixed, data-free failure text;
     # the clear message is in the node's own log; node 1's reply made the round
-    assert outcome[("2", node0)]["status"] == "failed", rows
-    assert outcome[("2", node0)]["reason"] == Failure.ROUND_FAILED.text
+    assert outcome[("1", node0)]["status"] == "failed", rows
+    assert outcome[("1", node0)]["reason"] == Failure.ROUND_FAILED.text
     assert "worker stopped before it answered" in cluster.processes.log("supernode-0")
-    for round_ in ("1", "2", "3"):
+    for round_ in ("1", "2"):
         assert outcome[(round_, node1)]["status"] == "ok"
-    # the supervisor started the worker again: round 3 is whole
-    assert outcome[("1", node0)]["status"] == outcome[("3", node0)]["status"] == "ok"
+    # the supervisor started the worker again: round 2 is whole
+    assert outcome[("2", node0)]["status"] == "ok"
     restarted = worker_link.status(worker)
     assert restarted["pid"] != killed and restarted["rounds"] == 1
     history = json.loads((deployment.out / "metrics.json").read_text())["history"]
-    assert history[0]["clients_failed"] >= 1 and history[1]["clients_failed"] >= 1
+    assert history[0]["clients_failed"] == 2 and history[1]["clients_failed"] == 0
     assert all(row["skipped"] == 0 for row in history)
     weights = load_file(str(deployment.out / "checkpoints" / "final" / "weights.safetensors"))
     assert all(math.isfinite(float(v.abs().sum())) for v in weights.values())
