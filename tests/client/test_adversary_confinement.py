@@ -37,7 +37,6 @@ from car_fl.testing.tiny import synthetic_examples, write_tsv
 from tests.client.test_worker import serving
 from tests.helpers import NOBODY, NOGROUP, as_nobody
 
-#: The confined SuperNode's account (as tests/client/test_worker.py's).
 NODE = {"partition-id": 1, "num-partitions": 2, "device": "cpu"}
 LABELS = ["topic0", "topic1", "topic2", "topic3"]
 
