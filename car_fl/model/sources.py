@@ -1,12 +1,15 @@
-"""Where a run's encoder and data come from, checked in seconds before any work starts.
+"""Where a run's encoder and data come from, checked in seconds before any work starts, and
+which encoder it is.
 
 Offline, ``datasets`` retries the Hub for a minute before the loaders fail; :func:`check_sources`
 asks once (local paths exist; Hub repos cached or the Hub answers within
-:data:`PROBE_SECONDS`), in one message naming every fix.
+:data:`PROBE_SECONDS`), in one message naming every fix. :func:`encoder_digest` names the
+encoder's files by their content, wherever they lie.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -16,7 +19,7 @@ import urllib.request
 from pathlib import Path
 
 from car_fl.model.gguf import SCHEME, GgufError, available, install_hint, is_gguf, preset
-from car_fl.settings.schema import Settings
+from car_fl.settings.schema import ModelConfig, Settings
 
 log = logging.getLogger(__name__)
 
@@ -203,3 +206,46 @@ def check_sources(settings: Settings, *, where: str = "here") -> None:
         f"{what} must come from the Hugging Face Hub and {'are' if len(problems) > 1 else 'is'} "
         f"not in the local cache ({hub_cache()}), but {why}; offline, use {fixes}"
     )
+
+
+#: A file above this size is hashed by its size and :data:`SAMPLES` evenly spaced samples.
+WHOLE_BYTES = 64 << 20
+SAMPLES, SAMPLE_BYTES = 64, 64 << 10
+
+
+def _file_digest(path: Path) -> bytes:
+    # sampled, not whole: a whole 3B model is 6 GB, six seconds at every run's start
+    size = path.stat().st_size
+    digest = hashlib.sha256(f"{path.name}\0{size}\0".encode())
+    with path.open("rb") as handle:
+        if size <= WHOLE_BYTES:
+            digest.update(handle.read())
+        else:
+            for i in range(SAMPLES):
+                handle.seek((size - SAMPLE_BYTES) * i // (SAMPLES - 1))
+                digest.update(handle.read(SAMPLE_BYTES))
+    return digest.digest()
+
+
+def encoder_digest(cfg: ModelConfig) -> str | None:
+    """The encoder by its content, wherever it lies: a GGUF preset's sha256, a Hub model's
+    cached commit (None when it is not cached), a file's or a folder's bytes (its files but
+    ``.*`` and ``*.md``; a large file's by :data:`SAMPLES` samples: another model or dtype
+    differs in them, an edit of a few weights would not)."""
+    name = cfg.name_or_path
+    if name.startswith(SCHEME):
+        return preset(name).sha256[:16]
+    path = Path(name).expanduser()
+    if not path.exists() and not model_is_local(name):
+        from huggingface_hub import try_to_load_from_cache
+
+        config = try_to_load_from_cache(
+            name, "config.json", cache_dir=hub_cache(), revision=cfg.revision
+        )
+        return Path(config).parent.name if isinstance(config, str) else None
+    files = [path]
+    if path.is_dir():
+        files = sorted(
+            p for p in path.iterdir() if p.is_file() and p.name[0] != "." and p.suffix != ".md"
+        )
+    return hashlib.sha256(b"".join(_file_digest(file) for file in files)).hexdigest()[:16]

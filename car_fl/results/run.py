@@ -393,7 +393,6 @@ class Run:
         for what, before, now in (
             ("the labels", point.checkpoint.label_map.to_list(), self.label_map.to_list()),
             ("the data splits", point.summary.data, data),
-            ("the documents or experts", point.checkpoint.extra, self.extra),
         ):
             if json.dumps(before, sort_keys=True) != json.dumps(now, sort_keys=True):
                 raise ValueError(
@@ -401,6 +400,18 @@ class Run:
                     "dataset.path (and dataset.documents_path) at the files it was trained on "
                     "(the same lines in another order split otherwise)"
                 )
+        then = point.checkpoint.extra  # a key on one side only was not recorded on the other
+        changed = [k for k in sorted(then.keys() & self.extra.keys()) if then[k] != self.extra[k]]
+        if changed:
+            values = "; ".join(
+                f"{then[k][:20]!r} then, {self.extra[k][:20]!r} now" for k in changed
+            )
+            raise ValueError(
+                f"resume={self.output_dir}: its {', '.join(changed)} differ from that run's "
+                f"({values}): the documents, experts or encoder files it was trained with "
+                "changed; point dataset.documents_path and model.name_or_path at those, or "
+                "start a new run"
+            )
         write_config(self.settings, self.output_dir)
         self.history = point.history
         saved = point.summary.best

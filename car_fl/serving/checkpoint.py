@@ -5,6 +5,7 @@ rebuilds its memory from the training split its settings name (:func:`training_f
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,11 @@ from car_fl.model.documents import document_texts, documents_identity
 from car_fl.model.encoder import Encoder
 from car_fl.model.features import LocalData, QueryEncoder, prepare_for
 from car_fl.model.retriever import CaRRetriever
+from car_fl.model.sources import encoder_digest
 from car_fl.results.checkpoint import load_checkpoint
 from car_fl.settings.schema import Settings
+
+log = logging.getLogger(__name__)
 
 
 def load_retriever(
@@ -49,6 +53,16 @@ def load_retriever(
         settings.dataset.documents_path = str(documents_path)
     names = ckpt.label_map.names
     check_documents(settings, names, ckpt.extra, path)
+    trained_with, now = ckpt.extra.get(ENCODER_EXTRA), encoder_digest(settings.model)
+    if encoder is None and trained_with is not None and now is not None and now != trained_with:
+        log.warning(
+            "%s was trained with another encoder than %s holds here (digest %s, here %s): its "
+            "adapter and head expect that one's features, and may retrieve worse",
+            path,
+            settings.model.name_or_path,
+            trained_with,
+            now,
+        )
     documents = document_texts(settings, names)
     layout = ckpt.extra.get(LAYOUT_EXTRA)
     retriever = build_retriever(
@@ -89,16 +103,21 @@ def training_features(
     )
 
 
-#: Checkpoint ``extra`` keys: the corpus's digest and a mixture of experts' layout.
+#: Checkpoint ``extra`` keys: the corpus's digest, a mixture of experts' layout, the encoder's.
 DIGEST_EXTRA = "documents_digest"
 LAYOUT_EXTRA = "moe_layout"
+ENCODER_EXTRA = "encoder_digest"
 
 
 def checkpoint_extra(
     settings: Settings, names: Sequence[str], model: CaRRetriever
 ) -> dict[str, str]:
-    """What a run's checkpoints record beside the weights so that they can serve documents."""
+    """What a run's checkpoints record beside the weights so that they can serve documents,
+    and the encoder they were trained with (a resume refuses another)."""
     extra = dict(documents_identity(settings, names))
+    encoder = encoder_digest(settings.model)
+    if encoder is not None:
+        extra[ENCODER_EXTRA] = encoder
     if isinstance(model.head, MixtureHead):
         extra[LAYOUT_EXTRA] = model.head.layout.to_text()
     return extra

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import socket
 import threading
 import time
@@ -11,8 +12,18 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
-from car_fl.model.sources import DATASET_FIX, MODEL_FIX, SourceError, check_sources
+from car_fl.model import sources
+from car_fl.model.gguf import PRESETS
+from car_fl.model.sources import (
+    DATASET_FIX,
+    MODEL_FIX,
+    SourceError,
+    check_sources,
+    encoder_digest,
+)
 from car_fl.settings.compose import load_settings
 
 
@@ -121,3 +132,54 @@ def test_a_missing_data_file_names_the_near_names_in_its_folder(
     elsewhere = make_settings(f"dataset.path={tmp_path / 'other.csv'}")
     with pytest.raises(SourceError, match=r"holds: SMSSpamCollection.tsv\)"):
         check_sources(elsewhere)
+
+
+def test_the_encoder_digest_reads_content_not_paths_or_times(
+    make_settings, tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy elsewhere (new times) is the same encoder, and so is a folder with a README
+    added; one weight changed is another. A large file is sampled: a change at a sample is
+    seen, one between samples is not (the limit the docstring states)."""
+    copy = Path(shutil.copytree(tiny_llama, tmp_path / "copy"))
+    digest = encoder_digest(make_settings().model)
+    assert digest is not None and digest == encoder_digest(make_settings(model_dir=copy).model)
+    (copy / "README.md").write_text("notes\n")
+    assert encoder_digest(make_settings(model_dir=copy).model) == digest
+    weights = load_file(copy / "model.safetensors")
+    name = next(iter(weights))
+    weights[name] = weights[name].clone()
+    weights[name].view(-1)[0] += 1.0
+    save_file(weights, copy / "model.safetensors", metadata={"format": "pt"})
+    assert encoder_digest(make_settings(model_dir=copy).model) != digest
+
+    monkeypatch.setattr(sources, "WHOLE_BYTES", 1 << 16)
+    big = tmp_path / "big.gguf"
+    data = bytearray(torch.arange(1 << 22, dtype=torch.int32).numpy().tobytes())  # 16 MiB
+    stride = (len(data) - sources.SAMPLE_BYTES) // (sources.SAMPLES - 1)
+    big.write_bytes(data)
+    cfg = make_settings().model
+    cfg.name_or_path = str(big)
+    before = encoder_digest(cfg)
+    data[(stride + sources.SAMPLE_BYTES) // 2] ^= 1  # between the first two samples
+    big.write_bytes(data)
+    assert encoder_digest(cfg) == before
+    data[0] ^= 1  # in the first sample
+    big.write_bytes(data)
+    assert encoder_digest(cfg) != before
+
+
+def test_a_hub_model_is_its_cached_commit_and_a_preset_its_sha256(
+    make_settings, empty_cache: Path
+) -> None:
+    cfg = make_settings().model
+    cfg.name_or_path, cfg.revision = "org/model", "main"
+    assert encoder_digest(cfg) is None  # not cached: nothing to name it by yet
+    repo = empty_cache / "hub" / "models--org--model"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "snapshots" / commit / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    assert encoder_digest(cfg) == commit
+    cfg.name_or_path = "gguf:smollm2"
+    assert encoder_digest(cfg) == PRESETS["smollm2"].sha256[:16]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from car_fl.data.labels import LabelMap
 from car_fl.data.splits import load_splits
@@ -14,7 +16,7 @@ from car_fl.heads.retrieval import KNNScorer, MIPSScorer
 from car_fl.model.build import build_retriever
 from car_fl.model.retriever import CaRRetriever
 from car_fl.results.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
-from car_fl.serving.checkpoint import load_retriever
+from car_fl.serving.checkpoint import checkpoint_extra, load_retriever
 from car_fl.settings.schema import HeadKind, Settings
 
 LABELS = LabelMap(("topic0", "topic1", "topic2", "topic3"))
@@ -181,3 +183,28 @@ def test_a_checkpoint_of_another_adapter_kind_loads_and_retrieves_as_trained(
     results = retriever.retrieve(QUERIES, 3)
     assert [list(r.labels) for r in results] == labels
     torch.testing.assert_close(torch.tensor([r.scores for r in results]), scores)
+
+
+def test_a_checkpoint_served_with_other_encoder_weights_says_so(
+    make_settings, tmp_path: Path, tiny_llama: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The model folder a checkpoint names now holds other weights: it still loads (model=
+    may name another encoder on purpose), but the log says the features are not the ones it
+    was trained on."""
+    model_dir = Path(shutil.copytree(tiny_llama, tmp_path / "model"))
+    settings = make_settings(model_dir=model_dir)
+    model = build_retriever(settings, len(LABELS))
+    ckpt = Checkpoint(
+        state=model.trainable_state_dict(),
+        label_map=LABELS,
+        settings=settings,
+        round=1,
+        extra=checkpoint_extra(settings, LABELS.names, model),
+    )
+    folder = save_checkpoint(tmp_path / "ckpt", ckpt)
+    load_retriever(folder, device="cpu")
+    assert "another encoder" not in caplog.text
+    weights = load_file(model_dir / "model.safetensors")
+    save_file({k: v * 1.01 for k, v in weights.items()}, model_dir / "model.safetensors")
+    load_retriever(folder, device="cpu")
+    assert f"was trained with another encoder than {model_dir} holds here" in caplog.text

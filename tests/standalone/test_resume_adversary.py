@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file, save_file
 
 from car_fl.results.run import OPTIMIZER
 from car_fl.standalone.centralized import run_centralized
@@ -84,6 +85,25 @@ def test_a_resume_on_the_same_data_file_reordered_is_refused(
     resume = make_settings("train.epochs=2", f"dataset.path={data}", f"resume={run}")
     with pytest.raises(ValueError, match="differ from that run's"):
         run_centralized(resume, run)
+    assert (run / "metrics.json").read_text() == before
+
+
+def test_a_resume_with_other_encoder_weights_at_the_same_path_is_refused(
+    make_settings, tmp_path: Path, tiny_llama: Path
+) -> None:
+    """The model folder the run named is replaced by another model (a re-download, a re-made
+    conversion): the settings are the same, the encoder is not. Its checkpoints record the
+    encoder's digest, so the resume is refused before an epoch, the run's files kept."""
+    model = Path(shutil.copytree(tiny_llama, tmp_path / "model"))
+    run = tmp_path / "run"
+    run_centralized(make_settings("train.epochs=1", model_dir=model), run)
+    weights = load_file(model / "model.safetensors")
+    for tensor in weights.values():
+        tensor.mul_(1.01)
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    before = (run / "metrics.json").read_text()
+    with pytest.raises(ValueError, match=r"encoder_digest differ from that run's.*name_or_path"):
+        run_centralized(make_settings("train.epochs=2", f"resume={run}", model_dir=model), run)
     assert (run / "metrics.json").read_text() == before
 
 
