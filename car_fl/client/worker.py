@@ -221,6 +221,10 @@ class NodeWorker:
             self.ready.clear()
 
     def status(self) -> dict[str, Any]:
+        """What the worker has done; under a SuperNode group only its PID: the server's code
+        may ask, and the encoder's loads say whether the node's records changed between runs."""
+        if self.group is not None:
+            return {"pid": os.getpid()}
         return {
             "pid": os.getpid(),
             "rounds": self.rounds,

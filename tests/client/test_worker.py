@@ -267,6 +267,8 @@ def test_a_confined_worker_shares_only_its_socket_and_secret_and_no_error_text(
         assert "label outside" not in str(err.value) and "ROUND_FAILED" in str(err.value)
         assert train(short_dir, 1) == 1
         assert (short_dir / "runs").stat().st_mode & 0o077 == 0  # run states: the owner's
+        # what the worker has done (rounds, runs, encoder loads) is not the server code's
+        assert worker_link.status(short_dir) == {"ok": True, "pid": os.getpid()}
     with serving(short_dir, Recorder()):  # the same folder, unconfined: the owner's again
         assert short_dir.stat().st_mode & 0o777 == 0o700
         assert (short_dir / "secret").stat().st_mode & 0o777 == 0o600
