@@ -22,6 +22,7 @@ from flwr.serverapp.strategy import (
     MultiKrum,
 )
 
+from car_fl.privacy.mechanism import split_adapter
 from car_fl.server.expert_plan import ExpertPlan
 from car_fl.server.strategy import GuardedStrategy, Spec
 from car_fl.server.update_norm import NormBound
@@ -66,6 +67,7 @@ def build_strategy(
     """The run's strategy: Flower's chosen one, guarded by car-fl's sampling and checks."""
     fl = settings.fl
     dim = sum(math.prod(shape) for shape, _ in spec.values())
+    adapter_dim = sum(math.prod(spec[name][0]) for name in split_adapter(spec)[0])
     return GuardedStrategy(
         flower_strategy(settings.strategy),
         spec=spec,
@@ -74,7 +76,7 @@ def build_strategy(
         seed=settings.seed,
         max_examples=fl.max_examples_per_client,
         shard_sizes=shard_sizes,
-        norm_bound=NormBound.from_settings(settings, dim=dim),
+        norm_bound=NormBound.from_settings(settings, dim=dim, adapter_dim=adapter_dim),
         min_valid=fl.min_valid_replies,
         min_valid_fraction=fl.min_valid_fraction,
         experts=ExpertPlan.from_settings(settings, spec, layout) if layout is not None else None,

@@ -2,9 +2,10 @@
 
 Modes (``fl.norm_bound``): ``fixed`` (``fl.max_update_norm``), ``adaptive``
 (``fl.norm_bound_factor`` × the round's lower median update norm: of two replies the smaller,
-so a scaled update cannot raise its own bound), ``dp`` (under fixed DP per round: C plus a high
-quantile of the noise norm, no user input), ``off``; ``auto`` picks ``dp`` under fixed DP per
-round, else ``fixed`` when ``fl.max_update_norm`` is set, else ``off``.
+so a scaled update cannot raise its own bound), ``dp`` (under fixed DP per round: the clipped
+update's bound plus a high quantile of the noise norm, each part's with ``dp.adapter_clip``; no
+user input), ``off``; ``auto`` picks ``dp`` under fixed DP per round, else ``fixed`` when
+``fl.max_update_norm`` is set, else ``off``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 from car_fl.settings.dp_modes.registry import MODES
 from car_fl.settings.dp_plan import fixed_noise_std
 from car_fl.settings.schema import (
+    DPConfig,
     NormBoundAction,
     NormBoundMode,
     Settings,
@@ -49,13 +51,32 @@ def clip_update(reply: Arrays, reference: Arrays, *, bound: float, norm: float) 
     }
 
 
-def gaussian_norm_quantile(*, std: float, dim: int, tail: float) -> float:
-    """An upper bound on the 1 − ``tail`` quantile of ‖N(0, std²·I_dim)‖. The norm is std-Lipschitz
-    in the noise and E‖X‖ ≤ std·√dim, so by Gaussian concentration P(‖X‖ ≥ std·(√dim + t)) ≤
-    exp(−t²/2); t = √(2 ln(1/tail))."""
-    if std < 0 or dim < 1 or not 0 < tail < 1:
-        raise ValueError(f"need std >= 0, dim >= 1, 0 < tail < 1; got {std}, {dim}, {tail}")
-    return std * (math.sqrt(dim) + math.sqrt(2.0 * math.log(1.0 / tail)))
+def gaussian_norm_quantile(*, parts: Sequence[tuple[float, int]], tail: float) -> float:
+    """An upper bound on the 1 − ``tail`` quantile of ‖X‖, X Gaussian with independent parts of
+    ``(std, dim)`` each. The norm is max(std)-Lipschitz in standard noise and
+    E‖X‖ ≤ √(Σ dim·std²), so by Gaussian concentration P(‖X‖ ≥ √(Σ dim·std²) + max(std)·t)
+    ≤ exp(−t²/2); t = √(2 ln(1/tail))."""
+    if not parts or any(std < 0 or dim < 1 for std, dim in parts) or not 0 < tail < 1:
+        raise ValueError(f"need parts of std >= 0, dim >= 1, and 0 < tail < 1; got {parts}, {tail}")
+    mean = math.sqrt(sum(dim * std**2 for std, dim in parts))
+    return mean + max(std for std, _ in parts) * math.sqrt(2.0 * math.log(1.0 / tail))
+
+
+def released_parts(dp: DPConfig, *, dim: int, adapter_dim: int) -> list[tuple[float, float, int]]:
+    """``(clip, noise std, dim)`` of each part a ``dp=fixed`` reply is released in, as the
+    client clips and noises them (:meth:`car_fl.client.local_dp.ClientPrivacy.scaled`): one,
+    or with ``dp.adapter_clip`` the adapter at its bound and the head at ``dp.clip``, each
+    with its share of the noise."""
+    std, clip_a = fixed_noise_std(dp), dp.adapter_clip
+    if clip_a is None or adapter_dim == 0:
+        return [(dp.clip, std, dim)]
+    if adapter_dim == dim:  # the adapter alone (MIPS): its own bound, all of the noise
+        return [(clip_a, dp.noise_multiplier * clip_a, dim)]
+    share = dp.adapter_share
+    return [
+        (clip_a, dp.noise_multiplier * clip_a / math.sqrt(share), adapter_dim),
+        (dp.clip, std / math.sqrt(1.0 - share), dim - adapter_dim),
+    ]
 
 
 def resolve_mode(settings: Settings) -> NormBoundMode:
@@ -83,16 +104,17 @@ class NormBound:
     wire_eps: float = 0.0
 
     @classmethod
-    def from_settings(cls, settings: Settings, *, dim: int) -> NormBound:
-        """The bound for a run whose replies have ``dim`` parameters in all."""
+    def from_settings(cls, settings: Settings, *, dim: int, adapter_dim: int = 0) -> NormBound:
+        """The bound for a run whose replies have ``dim`` parameters in all, ``adapter_dim``
+        of them the adapter's."""
         fl, dp = settings.fl, settings.dp
         mode = resolve_mode(settings)
         value, from_round = fl.max_update_norm, 1
-        if mode is NormBoundMode.DP:
-            noise = gaussian_norm_quantile(
-                std=fixed_noise_std(dp), dim=dim, tail=fl.norm_bound_tail
-            )
-            value, from_round = dp.clip + noise, dp.warmup_rounds + 1
+        if mode is NormBoundMode.DP:  # the clipped update, plus the noise's quantile
+            parts = released_parts(dp, dim=dim, adapter_dim=adapter_dim)
+            noise = gaussian_norm_quantile(parts=[p[1:] for p in parts], tail=fl.norm_bound_tail)
+            value = math.sqrt(sum(clip**2 for clip, _, _ in parts)) + noise
+            from_round = dp.warmup_rounds + 1
         return cls(
             mode=mode,
             value=value,

@@ -25,6 +25,7 @@ from flwr.serverapp.strategy import (
     MultiKrum,
 )
 
+from car_fl.client.local_dp import ClientPrivacy
 from car_fl.model.build import build_retriever
 from car_fl.privacy.mechanism import privatize
 from car_fl.protocol.messages import decode, to_record
@@ -212,9 +213,50 @@ def test_gaussian_norm_quantile_bounds_the_empirical_quantile(dim: int, std: flo
     tail = 1e-2
     rng = np.random.default_rng(dim)
     norms = np.linalg.norm(rng.normal(scale=std, size=(5_000, dim)), axis=1)
-    bound = gaussian_norm_quantile(std=std, dim=dim, tail=tail)
+    bound = gaussian_norm_quantile(parts=[(std, dim)], tail=tail)
     empirical = float(np.quantile(norms, 1 - tail))
     assert empirical <= bound <= empirical + 4 * std  # an upper bound, and not a loose one
+
+
+def test_the_quantile_of_parts_with_other_stds_bounds_the_empirical_quantile() -> None:
+    tail, parts = 1e-2, [(0.5, 30), (0.05, 300)]
+    rng = np.random.default_rng(0)
+    noise = np.concatenate([rng.normal(scale=s, size=(5_000, d)) for s, d in parts], axis=1)
+    empirical = float(np.quantile(np.linalg.norm(noise, axis=1), 1 - tail))
+    assert empirical <= gaussian_norm_quantile(parts=parts, tail=tail) <= empirical + 2 * 0.5
+
+
+@pytest.mark.parametrize(
+    ("extra", "shapes"),
+    [
+        ((), {"adapter.weight": (64, 8), "head.weight": (400, 64)}),
+        (("dp.adapter_clip=0.01",), {"adapter.weight": (64, 8), "head.weight": (400, 64)}),
+        (("dp.adapter_clip=0.01",), {"adapter.weight": (64, 64), "head.weight": (2, 64)}),
+        (("dp.adapter_clip=0.01", "head.kind=mips"), {"adapter.weight": (64, 64)}),
+    ],
+)
+def test_honest_fixed_dp_releases_pass_the_auto_bound_with_or_without_an_adapter_clip(
+    extra: tuple[str, ...], shapes: dict[str, tuple[int, int]]
+) -> None:
+    """The node's own release (ClientPrivacy), trained far past its bounds, against the
+    server's automatic bound: with dp.adapter_clip the head's noise is larger than σ₀·C and
+    the clipped update reaches √(C² + C_a²); no honest reply may be rejected for it."""
+    settings = load_settings(["dp=fixed", "mode=adapter", "dp.noise_multiplier=0.5", *extra])
+    record = to_record({name: torch.zeros(shape) for name, shape in shapes.items()})
+    bound = build_strategy(settings, spec=spec_of(record)).norm_bound  # as the server builds it
+    assert bound.mode == "dp"
+    state = ClientPrivacy.initial_state(settings.dp)
+    client = ClientPrivacy(settings.dp, num_clients=settings.fl.clients, client=0, state=state)
+    before = {name: torch.zeros(shape) for name, shape in shapes.items()}
+    norms = []
+    for seed in range(100):
+        gen = torch.Generator().manual_seed(seed)
+        after = {k: v + torch.randn(v.shape, generator=gen) for k, v in before.items()}
+        released = client.release(before, after, server_round=1)
+        as_np = {k: v.double().numpy() for k, v in released.items()}
+        norms.append(update_norm(as_np, {k: v.double().numpy() for k, v in before.items()}))
+    limit = bound.bound(1, norms)
+    assert limit is not None and max(norms) <= limit <= 2 * max(norms)  # not a vacuous bound
 
 
 def test_under_fixed_dp_the_bound_is_c_plus_the_noise_quantile_without_user_input() -> None:
