@@ -35,8 +35,10 @@ from car_fl.client.worker_link import (
     check_client,
     greet,
     read_secret,
-    recv_message,
+    recv_body,
+    recv_header,
     send_message,
+    skip_body,
     socket_path,
 )
 from car_fl.common.io import atomic_write
@@ -57,6 +59,9 @@ log = logging.getLogger(__name__)
 EXIT_CONFIG = 2  # its node configuration is wrong (as argparse's usage errors)
 EXIT_BUSY = 3  # another worker serves the folder
 LOCK_NAME = "worker.lock"
+#: Connections served at once; one more is closed unanswered (each holds a thread, and a
+#: header's buffer before its round).
+MAX_CONNECTIONS = 8
 #: What a confined SuperNode's group must not read, by node-config key.
 WATCHED = (
     ("the data file", DATA_PATH),
@@ -169,6 +174,8 @@ class NodeWorker:
         self.failed = 0
         self.busy_run: int | None = None
         self._round = threading.Lock()
+        #: Connections served at once (a status beside a round, a round's waiting rivals).
+        self._connections = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._stop = threading.Event()
         self.ready = threading.Event()
 
@@ -214,6 +221,10 @@ class NodeWorker:
                     conn, _ = listener.accept()
                 except TimeoutError:
                     continue
+                if not self._connections.acquire(blocking=False):
+                    log.warning("%d connections at once: one more was closed", MAX_CONNECTIONS)
+                    conn.close()
+                    continue
                 threading.Thread(
                     target=self._serve_connection, args=(conn, secret), daemon=True
                 ).start()
@@ -236,44 +247,57 @@ class NodeWorker:
 
     # ------------------------------------------------------------------------------- requests
     def _serve_connection(self, conn: socket.socket, secret: bytes) -> None:
-        with conn:
-            conn.settimeout(HANDSHAKE_TIMEOUT)
-            try:
-                check_client(conn, secret, greet(conn))
-                header, body = recv_message(conn)
-            except PermissionError as err:
-                log.warning("%s", err)
-                return
-            except (OSError, ConnectionError, ValueError) as err:
-                log.warning("a connection ended before its request: %s", err)
-                return
-            conn.settimeout(None)
-            kind = header.get("kind")
-            if kind == "status":
-                answer: tuple[dict[str, Any], bytes] = ({"ok": True, **self.status()}, b"")
-            elif kind == "train":
-                answer = self._train(header, body)
-            else:
-                answer = ({"ok": False, "error": f"unknown request {kind!r}"}, b"")
-            try:
-                send_message(conn, *answer)
-            except OSError as err:
-                log.warning("the ClientApp left before the answer: %s", err)
+        try:
+            with conn:
+                self._answer(conn, secret)
+        finally:
+            self._connections.release()
 
-    def _train(self, header: Mapping[str, Any], body: bytes) -> tuple[dict[str, Any], bytes]:
+    def _answer(self, conn: socket.socket, secret: bytes) -> None:
+        conn.settimeout(HANDSHAKE_TIMEOUT)  # also between the chunks of a body
+        try:
+            check_client(conn, secret, greet(conn))
+            header = recv_header(conn)
+            kind = header.get("kind")
+            if kind == "train":  # its body is read once the round is its own: one at a time
+                answer = self._train(header, conn)
+            else:
+                skip_body(conn)
+                answer = {"ok": False, "error": f"unknown request {kind!r}"}, b""
+                if kind == "status":
+                    answer = {"ok": True, **self.status()}, b""
+        except PermissionError as err:
+            log.warning("%s", err)
+            return
+        except (OSError, ConnectionError, ValueError) as err:
+            log.warning("a connection ended before its request: %s", err)
+            return
+        try:
+            send_message(conn, *answer)
+        except OSError as err:
+            log.warning("the ClientApp left before the answer: %s", err)
+
+    def _train(
+        self, header: Mapping[str, Any], conn: socket.socket
+    ) -> tuple[dict[str, Any], bytes]:
+        """The answer to a train request whose body ``conn`` carries next."""
         try:
             run_id = int(run_key(header["run-id"]))
             run_config = dict(header["run-config"])
         except (KeyError, TypeError, ValueError):
+            skip_body(conn)
             return {"ok": False, "error": "a train request needs 'run-id' and 'run-config'"}, b""
         refused = self._policy_mismatch(header.get("policy"))
         if refused:
+            skip_body(conn)
             self.failed += 1
             log.error("run %d: round refused: %s", run_id, refused)
             if self.group is not None:  # the text names the owner's files
                 refused = f"{Failure.NODE_CONFIG.name} (the worker's log says why)"
             return {"ok": False, "failure": int(Failure.NODE_CONFIG), "error": refused}, b""
         with self._round:  # one round at a time on this node's device, whatever the run
+            body = recv_body(conn)  # one body in memory at a time, whatever the connections
+            conn.settimeout(None)  # the round takes as long as it takes
             self.busy_run = run_id
             tick = time.perf_counter()
             log.info("run %d: a round starts", run_id)

@@ -32,7 +32,9 @@ SOCKET_NAME = "worker.sock"
 SECRET_NAME = "secret"
 PROTOCOL = b"car-fl-worker/1"
 NONCE_BYTES = 32
-#: Longest frame either side accepts (a header or a serialised RecordDict).
+#: Longest frame of the handshake or a JSON header either side accepts.
+MAX_HEADER = 2**20
+#: Longest body (a serialised RecordDict) either side accepts.
 MAX_FRAME = 4 * 2**30
 #: Seconds for connecting and the handshake; a round itself may take as long as it takes.
 HANDSHAKE_TIMEOUT = 30.0
@@ -71,25 +73,42 @@ def socket_path(folder: Path) -> Path:
 
 # ------------------------------------------------------------------------------------ frames
 def send_frame(sock: socket.socket, payload: bytes) -> None:
-    sock.sendall(struct.pack(">Q", len(payload)) + payload)
+    sock.sendall(struct.pack(">Q", len(payload)))
+    sock.sendall(payload)
 
 
-def _read_exactly(sock: socket.socket, size: int) -> bytes:
-    chunks, left = [], size
+def _read_exactly(sock: socket.socket, size: int) -> bytearray:
+    """``size`` bytes, received into one buffer (never held twice)."""
+    buffer = bytearray(size)
+    view, got = memoryview(buffer), 0
+    while got < size:
+        received = sock.recv_into(view[got:], min(size - got, 2**20))
+        if not received:
+            raise ConnectionError("the other side closed the connection")
+        got += received
+    return buffer
+
+
+def _frame_size(sock: socket.socket, limit: int) -> int:
+    (size,) = struct.unpack(">Q", _read_exactly(sock, 8))
+    if size > limit:
+        raise ConnectionError(f"a frame of {size} bytes is larger than {limit}")
+    return int(size)
+
+
+def recv_frame(sock: socket.socket, limit: int = MAX_HEADER) -> bytearray:
+    """One frame of at most ``limit`` bytes (a header's or the handshake's by default)."""
+    return _read_exactly(sock, _frame_size(sock, limit))
+
+
+def skip_body(sock: socket.socket) -> None:
+    """Read a body and keep none of it (a request answered without it)."""
+    left = _frame_size(sock, MAX_FRAME)
     while left:
         chunk = sock.recv(min(left, 2**20))
         if not chunk:
             raise ConnectionError("the other side closed the connection")
-        chunks.append(chunk)
         left -= len(chunk)
-    return b"".join(chunks)
-
-
-def recv_frame(sock: socket.socket) -> bytes:
-    (size,) = struct.unpack(">Q", _read_exactly(sock, 8))
-    if size > MAX_FRAME:
-        raise ConnectionError(f"a frame of {size} bytes is larger than {MAX_FRAME}")
-    return _read_exactly(sock, size)
 
 
 def send_message(sock: socket.socket, header: Mapping[str, Any], body: bytes = b"") -> None:
@@ -98,15 +117,24 @@ def send_message(sock: socket.socket, header: Mapping[str, Any], body: bytes = b
     send_frame(sock, body)
 
 
-def recv_message(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
+def recv_header(sock: socket.socket) -> dict[str, Any]:
+    """A message's JSON header (its body follows: :func:`recv_body`)."""
     header = json.loads(recv_frame(sock))
     if not isinstance(header, dict):
         raise ConnectionError("the header is not a JSON object")
-    return header, recv_frame(sock)
+    return header
+
+
+def recv_body(sock: socket.socket) -> bytearray:
+    return recv_frame(sock, MAX_FRAME)
+
+
+def recv_message(sock: socket.socket) -> tuple[dict[str, Any], bytearray]:
+    return recv_header(sock), recv_body(sock)
 
 
 # --------------------------------------------------------------------------------- handshake
-def _mac(secret: bytes, role: bytes, *nonces: bytes) -> bytes:
+def _mac(secret: bytes, role: bytes, *nonces: bytes | bytearray) -> bytes:
     return hmac.new(secret, PROTOCOL + role + b"".join(nonces), hashlib.sha256).digest()
 
 
@@ -196,7 +224,7 @@ def connect(folder: Path) -> socket.socket:
 
 def request(
     folder: Path, header: Mapping[str, Any], body: bytes = b"", *, timeout: float | None = None
-) -> tuple[dict[str, Any], bytes]:
+) -> tuple[dict[str, Any], bytearray]:
     """Send one request to the worker, wait for its answer (``timeout``: ``None`` = no limit)."""
     with connect(folder) as sock:
         sock.settimeout(timeout)

@@ -14,5 +14,5 @@ def encode_content(content: RecordDict) -> bytes:
     return bytes(recorddict_to_proto(content).SerializeToString())
 
 
-def decode_content(data: bytes) -> RecordDict:
+def decode_content(data: bytes | bytearray) -> RecordDict:
     return recorddict_from_proto(ProtoRecordDict.FromString(data))

@@ -30,6 +30,7 @@ from car_fl.client import worker_link
 from car_fl.client.failures import Refusal, failure_of
 from car_fl.client.node import Node
 from car_fl.client.worker import (
+    MAX_CONNECTIONS,
     NodeWorker,
     WorkerBusy,
     listening,
@@ -196,6 +197,34 @@ def test_rounds_of_several_runs_are_served_one_at_a_time(short_dir: Path) -> Non
     assert answer.most_inside == 1
     assert busy["busy-run"] in (1, 2)
     assert sorted(counts[1]) == sorted(counts[2]) == [1, 2]
+
+
+def test_a_body_is_read_when_its_round_starts_and_connections_are_capped(short_dir: Path) -> None:
+    """The server's ClientApp holds the secret under a SuperNode group: it must not make the
+    worker hold many bodies (up to MAX_FRAME each) or threads at once. A train request's body
+    is read only once its round has the worker; beyond MAX_CONNECTIONS a connection is closed
+    unanswered, and the worker serves again when they end."""
+    with serving(short_dir, Recorder()) as worker:
+        with worker._round, worker_link.connect(short_dir) as sock:  # a round in progress
+            header = {"kind": "train", "run-id": 1, "run-config": {}}
+            worker_link.send_frame(sock, json.dumps(header).encode())
+            sock.settimeout(1.0)
+            with pytest.raises(TimeoutError):  # the socket's buffer fills: nothing reads it
+                worker_link.send_frame(sock, bytes(16 << 20))
+        assert train(short_dir, 1) == 1
+        idle = [socket.socket(socket.AF_UNIX) for _ in range(MAX_CONNECTIONS)]
+        try:
+            for conn in idle:  # connected, never answering the greeting
+                conn.connect(str(short_dir / "worker.sock"))
+            with pytest.raises(WorkerUnavailable, match="did not complete the handshake"):
+                worker_link.status(short_dir)
+        finally:
+            for conn in idle:
+                conn.close()
+        deadline = time.monotonic() + 10
+        while worker._connections._value < MAX_CONNECTIONS and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert train(short_dir, 1) == 2
 
 
 def test_one_worker_per_folder_and_a_dead_workers_socket_is_replaced(short_dir: Path) -> None:

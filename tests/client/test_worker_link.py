@@ -38,11 +38,19 @@ def test_headers_and_record_dicts_cross_the_socket_unchanged() -> None:
 
 
 def test_a_frame_over_the_limit_or_cut_short_is_refused() -> None:
-    left, right = socket.socketpair()
-    with left, right:
-        left.sendall(struct.pack(">Q", worker_link.MAX_FRAME + 1))
-        with pytest.raises(ConnectionError, match="larger than"):
-            worker_link.recv_frame(right)
+    """A header or handshake frame (read before the secret is checked) is at most MAX_HEADER
+    bytes, a body MAX_FRAME: a size above is refused before anything is allocated."""
+    for limit, read in (
+        (worker_link.MAX_FRAME, worker_link.recv_body),
+        (worker_link.MAX_FRAME, worker_link.skip_body),
+        (worker_link.MAX_HEADER, worker_link.recv_header),
+        (worker_link.MAX_HEADER, worker_link.recv_frame),
+    ):
+        left, right = socket.socketpair()
+        with left, right:
+            left.sendall(struct.pack(">Q", limit + 1))
+            with pytest.raises(ConnectionError, match="larger than"):
+                read(right)
     left, right = socket.socketpair()
     with right:
         left.sendall(struct.pack(">Q", 10) + b"abc")
