@@ -72,9 +72,19 @@ def socket_path(folder: Path) -> Path:
 
 
 # ------------------------------------------------------------------------------------ frames
+#: A payload up to this size goes out with its length in one send; a larger one is not copied.
+SMALL_FRAME = 2**16
+
+
 def send_frame(sock: socket.socket, payload: bytes) -> None:
-    sock.sendall(struct.pack(">Q", len(payload)))
-    sock.sendall(payload)
+    """One frame; once its last byte is sent nothing more is (the peer may have read it and
+    closed: a second, empty send would then fail with a broken pipe)."""
+    size = struct.pack(">Q", len(payload))
+    if len(payload) <= SMALL_FRAME:
+        sock.sendall(size + payload)
+    else:
+        sock.sendall(size)
+        sock.sendall(payload)
 
 
 def _read_exactly(sock: socket.socket, size: int) -> bytearray:

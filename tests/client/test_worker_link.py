@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
@@ -35,6 +36,39 @@ def test_headers_and_record_dicts_cross_the_socket_unchanged() -> None:
     assert np.array_equal(back.array_records["arrays"]["head.weight"].numpy(), weights)
     assert dict(back.config_records["config"]) == {"server-round": 3, "labels": ["ham", "spam"]}
     assert dict(back.metric_records["metrics"]) == {"num-examples": 7, "loss": 0.25}
+
+
+class HastyPeer:
+    """The sending side of a socket pair whose reader takes what arrived after every send and
+    closes as soon as it holds a whole message (a header frame and a body frame)."""
+
+    def __init__(self) -> None:
+        self.left, self.right = socket.socketpair()
+        self.right.setblocking(False)
+        self.got = b""
+
+    def sendall(self, data: bytes) -> None:
+        self.left.sendall(data)
+        if self.right.fileno() < 0:
+            return
+        with contextlib.suppress(BlockingIOError):
+            while chunk := self.right.recv(2**20):
+                self.got += chunk
+        frames, rest = 0, self.got
+        while len(rest) >= 8 and len(rest) >= 8 + struct.unpack(">Q", rest[:8])[0]:
+            rest, frames = rest[8 + struct.unpack(">Q", rest[:8])[0] :], frames + 1
+        if frames == 2:
+            self.right.close()
+
+
+@pytest.mark.parametrize("body", [b"", b"x" * 100_000])
+def test_a_message_is_sent_whole_before_a_hasty_peer_closes(body: bytes) -> None:
+    """Once a message's last byte is out nothing more is sent: a worker answering a status at
+    once and closing broke a ClientApp's empty-body request (Broken pipe)."""
+    peer = HastyPeer()
+    with peer.left:
+        worker_link.send_message(peer, {"kind": "status"}, body)  # type: ignore[arg-type]
+    assert peer.right.fileno() < 0 and peer.got.endswith(body)
 
 
 def test_a_frame_over_the_limit_or_cut_short_is_refused() -> None:
