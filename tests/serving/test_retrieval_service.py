@@ -80,7 +80,7 @@ def other_client(running: ServingProcess) -> httpx.AsyncClient:
 
 
 @pytest.fixture(scope="module")
-def running(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServingProcess]:
+def service(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServingProcess]:
     command = ["serve", "--checkpoint", str(checkpoint), "--device", "cpu"]
     command += [
         "--body-timeout-s",
@@ -94,10 +94,20 @@ def running(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     service.end()
 
 
+@pytest.fixture
+def running(service: ServingProcess) -> ServingProcess:
+    """The module's service, started again if a test stopped it: pytest-xdist's worksteal may
+    run the SIGTERM test before others of this module."""
+    assert service.proc is not None
+    if service.proc.poll() is not None:
+        service.start()
+    return service
+
+
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def client(running: ServingProcess) -> Iterator[httpx.Client]:
     headers = {"Authorization": f"Bearer {TOKEN}"}
     with httpx.Client(base_url=running.url, headers=headers, timeout=60) as http:
