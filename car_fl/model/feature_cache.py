@@ -23,6 +23,7 @@ from car_fl.common.io import atomic_write_bytes
 from car_fl.model.blockless import service_identity
 from car_fl.model.encoder import pick_device, pick_dtype
 from car_fl.model.loading import attention_choice
+from car_fl.model.sources import hub_commit, is_hub_id
 from car_fl.settings.schema import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -31,8 +32,12 @@ CACHE_FORMAT = "car-fl-features-v2"
 
 
 def _model_fingerprint(cfg: ModelConfig) -> dict[str, object]:
-    """What identifies the encoder's weights without loading them."""
+    """What identifies the encoder's weights without loading them: a Hub model's cached commit
+    too (a branch that moved is another space; features computed while it was not yet cached
+    are computed once more, under its commit)."""
     info: dict[str, object] = {"name_or_path": cfg.name_or_path, "revision": cfg.revision}
+    if is_hub_id(cfg.name_or_path):
+        info["commit"] = hub_commit(cfg)
     folder = Path(cfg.name_or_path).expanduser()
     if folder.is_file():  # a GGUF file: its size and time stand for its bytes
         stat = folder.stat()

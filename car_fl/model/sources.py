@@ -116,6 +116,22 @@ def model_is_local(name_or_path: str) -> bool:
     )
 
 
+def is_hub_id(name_or_path: str) -> bool:
+    """Names a Hub repository: no local model, file or folder of that name."""
+    return not model_is_local(name_or_path) and not Path(name_or_path).expanduser().exists()
+
+
+def hub_commit(cfg: ModelConfig) -> str | None:
+    """The commit of the Hub model's snapshot that ``cfg.revision`` resolves to in the local
+    cache, read offline; ``None`` when it is not cached."""
+    from huggingface_hub import try_to_load_from_cache
+
+    config = try_to_load_from_cache(
+        cfg.name_or_path, "config.json", cache_dir=hub_cache(), revision=cfg.revision
+    )
+    return Path(config).parent.name if isinstance(config, str) else None
+
+
 def gguf_problem(name_or_path: str, where: str) -> str | None:
     """What stops this machine from loading a GGUF preset or file, if anything (a preset not
     installed is fetched by the loader; its install command is logged)."""
@@ -236,13 +252,8 @@ def encoder_digest(cfg: ModelConfig) -> str | None:
     if name.startswith(SCHEME):
         return preset(name).sha256[:16]
     path = Path(name).expanduser()
-    if not path.exists() and not model_is_local(name):
-        from huggingface_hub import try_to_load_from_cache
-
-        config = try_to_load_from_cache(
-            name, "config.json", cache_dir=hub_cache(), revision=cfg.revision
-        )
-        return Path(config).parent.name if isinstance(config, str) else None
+    if is_hub_id(name):
+        return hub_commit(cfg)
     files = [path]
     if path.is_dir():
         files = sorted(

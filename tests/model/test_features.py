@@ -175,3 +175,22 @@ def test_the_attention_kernels_are_part_of_the_space(monkeypatch: pytest.MonkeyP
     eager = feature_cache.space_key(cfg, device="cpu")
     monkeypatch.setattr(feature_cache, "attention_choice", lambda *_: "sdpa")
     assert feature_cache.space_key(cfg, device="cpu") != eager
+
+
+def test_a_hub_models_space_follows_the_commit_its_revision_names_in_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``main`` moved to another commit: the features of the old weights are not reused."""
+    from car_fl.model.feature_cache import space_key
+    from car_fl.settings.schema import ModelConfig
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    cfg = ModelConfig(name="hub", name_or_path="org/model", revision="main", dtype="float32")
+    repo, keys = tmp_path / "models--org--model", [space_key(cfg, device="cpu")]  # not cached
+    (repo / "refs").mkdir(parents=True)
+    for commit in ("1" * 40, "2" * 40):
+        (repo / "snapshots" / commit).mkdir(parents=True)
+        (repo / "snapshots" / commit / "config.json").write_text("{}")
+        (repo / "refs" / "main").write_text(commit)
+        keys += [space_key(cfg, device="cpu"), space_key(cfg, device="cpu")]
+    assert len(set(keys)) == 3 and keys[1] == keys[2] and keys[3] == keys[4]
