@@ -12,6 +12,7 @@ a SIGTERM that answers the requests in flight, then stops leaving no process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -128,9 +129,20 @@ def test_it_answers_what_load_retriever_retrieves_and_names_what_it_serves(
 
 def test_its_replicas_and_proxy_run_at_the_commands_priority(running: ServingProcess) -> None:
     assert running.proc is not None
-    tree = psutil.Process(running.proc.pid).children(recursive=True)
-    serving = [p for p in tree if "ServeReplica" in p.name() or "ProxyActor" in p.name()]
-    assert len(serving) >= 2 and {p.nice() for p in serving} == {os.nice(0)}  # Ray's is 15
+    deadline = time.monotonic() + 60  # twice under CI's load its tree showed neither (cause
+    while True:  # unknown): look again for a while, then say what it showed
+        tree = psutil.Process(running.proc.pid).children(recursive=True)
+        names = {}
+        for p in tree:
+            with contextlib.suppress(psutil.Error):  # gone since: not a replica
+                names[p.pid] = " ".join(p.cmdline()[:1]) or p.name()
+        pattern = re.compile(r"ray::(ServeReplica|ProxyActor)")
+        serving = [p for p in tree if pattern.match(names.get(p.pid, ""))]
+        if len(serving) >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert len(serving) >= 2, names
+    assert {p.nice() for p in serving} == {os.nice(0)}  # Ray's is 15
 
 
 def test_many_clients_at_once_each_get_their_own_answer(
