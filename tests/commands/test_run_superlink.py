@@ -32,6 +32,7 @@ from car_fl.deploy.runs import COMPLETED
 PROJECT = Path(__file__).resolve().parents[2]
 MARK = "CAR_FL_TEST_MARK"
 APP_FILES = ("pyproject.toml", "server_app.py", "client_app.py")
+APP_FOLDERS = ("car_fl", "conf")  # what the FAB ships beside the apps (pyproject.toml)
 
 pytestmark = [
     pytest.mark.slow,
@@ -40,10 +41,12 @@ pytestmark = [
 
 
 def clone(folder: Path) -> Path:
-    """Another checkout of the app: its own folder, the same Flower app files."""
+    """Another checkout of the app: its own folder, the same Flower app and package files."""
     folder.mkdir(parents=True)
     for name in APP_FILES:
         shutil.copy(PROJECT / name, folder / name)
+    for name in APP_FOLDERS:
+        shutil.copytree(PROJECT / name, folder / name, ignore=shutil.ignore_patterns("__pycache__"))
     return folder
 
 
