@@ -123,12 +123,15 @@ def is_hub_id(name_or_path: str) -> bool:
 
 def hub_commit(cfg: ModelConfig) -> str | None:
     """The commit of the Hub model's snapshot that ``cfg.revision`` resolves to in the local
-    cache, read offline; ``None`` when it is not cached."""
+    cache, read offline; ``None`` when it is not cached or is no repo id (the loader says so)."""
     from huggingface_hub import try_to_load_from_cache
 
-    config = try_to_load_from_cache(
-        cfg.name_or_path, "config.json", cache_dir=hub_cache(), revision=cfg.revision
-    )
+    try:
+        config = try_to_load_from_cache(
+            cfg.name_or_path, "config.json", cache_dir=hub_cache(), revision=cfg.revision
+        )
+    except ValueError:  # huggingface_hub's HFValidationError: not a repo id
+        return None
     return Path(config).parent.name if isinstance(config, str) else None
 
 
