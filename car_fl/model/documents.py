@@ -7,6 +7,7 @@ embeddings (frozen encoder, no adapter) are cached per text like query features.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -87,9 +88,8 @@ def document_features(
             progress=settings.progress,
         )
 
-    return cache.features(
-        space_key(model_cfg, device=settings.device), texts, compute, desc="documents"
-    )
+    space = functools.partial(space_key, model_cfg, device=settings.device)
+    return cache.features(space, texts, compute, desc="documents")
 
 
 def encode_documents(

@@ -188,15 +188,19 @@ class FeatureCache:
 
     def features(
         self,
-        space: str,
+        space: str | Callable[[], str],
         texts: Sequence[str],
         compute: Callable[[list[str]], torch.Tensor],
         *,
         desc: str = "features",
     ) -> torch.Tensor:
         """The features ``(n, d)`` of ``texts``: cached rows, and ``compute(texts)`` called
-        once on the distinct texts no chunk holds (not at all when every text is cached)."""
-        cached, missing = self.lookup(space, texts)
+        once on the distinct texts no chunk holds (not at all when every text is cached).
+        A callable ``space`` is asked again after ``compute``: loading the encoder may change it
+        (a Hub branch moved, a model cached for the first time), and then no row of the space
+        it named before is mixed with those computed."""
+        key = space() if callable(space) else space
+        cached, missing = self.lookup(key, texts)
         self.hits += len(texts) - len(missing)
         if not missing:
             assert cached is not None
@@ -212,7 +216,11 @@ class FeatureCache:
         )
         computed = compute(todo)  # (len(todo), d)
         self.misses += len(todo)
-        self.put(space, todo, computed)
+        now = space() if callable(space) else space
+        self.put(now, todo, computed)
+        if now != key:
+            log.info("%s: the encoder loaded is another space than the one looked up", desc)
+            return self.features(lambda: now, texts, compute, desc=desc)
         row_of = {text: row for row, text in enumerate(todo)}
         rows = torch.tensor([row_of[texts[i]] for i in missing])
         if cached is None:

@@ -7,6 +7,7 @@ into :class:`LocalData`: features (classifier mode) or token ids (adapter mode).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -145,7 +146,8 @@ def prepare_data(
 
     if cache is None:
         return LocalData(labels=label_tensor, features=compute(list(texts)))
-    features = cache.features(space_key(model_cfg, device=device), texts, compute, desc=desc)
+    space = functools.partial(space_key, model_cfg, device=device)  # asked again once loaded
+    features = cache.features(space, texts, compute, desc=desc)
     return LocalData(labels=label_tensor, features=features)
 
 

@@ -123,14 +123,20 @@ def is_hub_id(name_or_path: str) -> bool:
 
 def hub_commit(cfg: ModelConfig) -> str | None:
     """The commit of the Hub model's snapshot that ``cfg.revision`` resolves to in the local
-    cache, read offline; ``None`` when it is not cached or is no repo id (the loader says so)."""
+    cache, read offline; ``None`` when it is not cached, or for a name that is no repo id or
+    a revision that is no ref name (it would name a file outside the cache: the loader says so)."""
     from huggingface_hub import try_to_load_from_cache
 
+    revision = cfg.revision
+    if revision is not None and (
+        revision.startswith("/") or "\0" in revision or ".." in revision.split("/")
+    ):
+        return None
     try:
         config = try_to_load_from_cache(
-            cfg.name_or_path, "config.json", cache_dir=hub_cache(), revision=cfg.revision
+            cfg.name_or_path, "config.json", cache_dir=hub_cache(), revision=revision
         )
-    except ValueError:  # huggingface_hub's HFValidationError: not a repo id
+    except (ValueError, OSError):  # not a repo id (HFValidationError); an unreadable ref
         return None
     return Path(config).parent.name if isinstance(config, str) else None
 

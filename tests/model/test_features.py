@@ -118,6 +118,25 @@ def test_only_texts_no_chunk_holds_are_encoded_once_each(tmp_path: Path) -> None
     assert again.features("s", ["a", "ccc"], compute).shape == (2, 2) and len(encoded) == 3
 
 
+def test_rows_of_a_space_the_encoder_left_on_loading_are_not_mixed_with_its_own(
+    tmp_path: Path,
+) -> None:
+    """Loading the encoder moved its space (a Hub branch moved on download): the rows cached
+    under the old space are computed again, and the new rows are kept under the new one."""
+    cache = FeatureCache(tmp_path)
+    cache.put("old", ["a"], torch.zeros(1, 2))
+    spaces, calls = ["old"], []
+
+    def compute(texts: list[str]) -> torch.Tensor:
+        calls.append(texts)
+        spaces[0] = "new"  # what loading the encoder did
+        return torch.ones(len(texts), 2)
+
+    got = cache.features(lambda: spaces[0], ["a", "b"], compute)
+    assert calls == [["b"], ["a"]] and torch.equal(got, torch.ones(2, 2))
+    assert cache.lookup("new", ["a", "b"])[1] == []  # both kept under the new space
+
+
 def test_an_unreadable_cache_file_is_a_miss_not_an_error(tmp_path: Path) -> None:
     folder = tmp_path / "features" / "space"
     folder.mkdir(parents=True)

@@ -181,6 +181,9 @@ def test_a_hub_model_is_its_cached_commit_and_a_preset_its_sha256(
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(commit)
     assert encoder_digest(cfg) == commit
+    for revision in ("/proc/self/mem", "../../../../etc/hostname", "main/../../x"):
+        cfg.revision = revision  # no ref name: a file outside the cache is never read
+        assert encoder_digest(cfg) is None
     cfg.name_or_path = "org/../../elsewhere"  # no repo id, no folder: the loader's to refuse
     assert encoder_digest(cfg) is None
     cfg.name_or_path = "gguf:smollm2"
