@@ -44,6 +44,8 @@ class HastyPeer:
 
     def __init__(self) -> None:
         self.left, self.right = socket.socketpair()
+        for side, option in ((self.left, socket.SO_SNDBUF), (self.right, socket.SO_RCVBUF)):
+            side.setsockopt(socket.SOL_SOCKET, option, 2**18)  # a large frame fits unread
         self.right.setblocking(False)
         self.got = b""
 
@@ -61,7 +63,7 @@ class HastyPeer:
             self.right.close()
 
 
-@pytest.mark.parametrize("body", [b"", b"x" * 100_000])
+@pytest.mark.parametrize("body", [b"", b"x" * (worker_link.SMALL_FRAME + 1)])
 def test_a_message_is_sent_whole_before_a_hasty_peer_closes(body: bytes) -> None:
     """Once a message's last byte is out nothing more is sent: a worker answering a status at
     once and closing broke a ClientApp's empty-body request (Broken pipe)."""

@@ -97,10 +97,12 @@ def service(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 @pytest.fixture
 def running(service: ServingProcess) -> ServingProcess:
-    """The module's service, started again if a test stopped it: pytest-xdist's worksteal may
-    run the SIGTERM test before others of this module."""
+    """The module's service, started again if a test stopped it cleanly: pytest-xdist's
+    worksteal may run the SIGTERM test before others of this module. A crash fails here."""
     assert service.proc is not None
     if service.proc.poll() is not None:
+        log = (service.tmp / "service.log").read_text(errors="replace")[-3000:]
+        assert service.proc.returncode == 0, f"the service ended by itself: {log}"
         service.start()
     return service
 
