@@ -41,12 +41,19 @@ class SourceError(FileNotFoundError):
 
 
 def hub_cache() -> Path:
-    """The Hugging Face Hub cache folder, from the environment as ``huggingface_hub`` reads it."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    """The Hugging Face Hub cache folder, from the environment as ``huggingface_hub`` reads it
+    (``HF_HUB_CACHE``, its legacy name ``HUGGINGFACE_HUB_CACHE``, ``HF_HOME``, ``~`` and
+    ``$VARS`` expanded), read at each call rather than once at import as huggingface_hub does."""
+
+    def expand(path: str) -> Path:
+        return Path(os.path.expandvars(os.path.expanduser(path)))
+
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(name):
+            return expand(os.environ[name])
     cache_home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     home = os.environ.get("HF_HOME") or os.path.join(cache_home, "huggingface")
-    return Path(home).expanduser() / "hub"
+    return expand(home) / "hub"
 
 
 def datasets_cache() -> Path:

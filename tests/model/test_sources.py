@@ -59,6 +59,51 @@ def test_the_offline_default_names_both_fixes_at_once(empty_cache: Path) -> None
         check_sources(load_settings("model=minilm"))
 
 
+HUB_CACHE_OF = """
+import importlib, json, os, sys
+import huggingface_hub.constants as constants
+found = []
+for env in json.loads(sys.argv[1]):
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME", "CF_VAR"):
+        os.environ.pop(name, None)
+    os.environ.update(env)
+    found.append(importlib.reload(constants).HF_HUB_CACHE)
+print(json.dumps(found))
+"""
+
+
+def test_the_hub_cache_is_where_huggingface_hub_looks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every variable huggingface_hub reads, legacy ones too, gives the folder it uses (else a
+    cached model would look uncached and its feature space would lose its commit)."""
+    import json
+    import subprocess
+    import sys
+
+    cases = [
+        {"HF_HUB_CACHE": "~/hub-a", "HUGGINGFACE_HUB_CACHE": str(tmp_path / "b")},
+        {"HUGGINGFACE_HUB_CACHE": str(tmp_path / "legacy")},
+        {"CF_VAR": str(tmp_path), "HF_HOME": "$CF_VAR/home"},
+        {"XDG_CACHE_HOME": str(tmp_path / "xdg")},
+    ]
+    theirs = subprocess.run(
+        [sys.executable, "-c", HUB_CACHE_OF, json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME", "CF_VAR"):
+        monkeypatch.delenv(name, raising=False)
+    ours = []
+    for env in cases:
+        with monkeypatch.context() as patched:
+            for name, value in env.items():
+                patched.setenv(name, value)
+            ours.append(str(sources.hub_cache()))
+    assert ours == json.loads(theirs)
+
+
 def test_what_the_hub_cache_holds_needs_no_hub(empty_cache: Path) -> None:
     model = empty_cache / "hub" / "models--TinyLlama--TinyLlama-1.1B-Chat-v1.0" / "snapshots" / "a"
     model.mkdir(parents=True)
