@@ -33,8 +33,8 @@ CACHE_FORMAT = "car-fl-features-v2"
 
 def _model_fingerprint(cfg: ModelConfig) -> dict[str, object]:
     """What identifies the encoder's weights without loading them: a Hub model's cached commit
-    too (a branch that moved is another space; features computed while it was not yet cached
-    are computed once more, under its commit)."""
+    too (a branch that moved is another space; :meth:`FeatureCache.features` asks again once
+    the encoder has loaded)."""
     info: dict[str, object] = {"name_or_path": cfg.name_or_path, "revision": cfg.revision}
     if is_hub_id(cfg.name_or_path):
         info["commit"] = hub_commit(cfg)
@@ -199,7 +199,8 @@ class FeatureCache:
         A callable ``space`` is asked again after ``compute``: loading the encoder may change it
         (a Hub branch moved, a model cached for the first time), and then no row of the space
         it named before is mixed with those computed."""
-        key = space() if callable(space) else space
+        ask = space if callable(space) else lambda: space
+        key = ask()
         cached, missing = self.lookup(key, texts)
         self.hits += len(texts) - len(missing)
         if not missing:
@@ -216,11 +217,11 @@ class FeatureCache:
         )
         computed = compute(todo)  # (len(todo), d)
         self.misses += len(todo)
-        now = space() if callable(space) else space
+        now = ask()
         self.put(now, todo, computed)
         if now != key:
             log.info("%s: the encoder loaded is another space than the one looked up", desc)
-            return self.features(lambda: now, texts, compute, desc=desc)
+            return self.features(now, texts, compute, desc=desc)
         row_of = {text: row for row, text in enumerate(todo)}
         rows = torch.tensor([row_of[texts[i]] for i in missing])
         if cached is None:
