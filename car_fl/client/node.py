@@ -20,7 +20,13 @@ from flwr.app import RecordDict
 from car_fl.adapters.registry import state_refusal
 from car_fl.client.failures import Refusal, failure_of
 from car_fl.client.node_privacy import NodePrivacy
-from car_fl.client.node_settings import SettingsMemory, node_settings, own_files, run_files
+from car_fl.client.node_settings import (
+    SettingsMemory,
+    check_encoder,
+    node_settings,
+    own_files,
+    run_files,
+)
 from car_fl.client.round import node_shard, refuse_before_the_ledger, train_shard
 from car_fl.client.run_states import RunStates, RunStore
 from car_fl.client.shard import Shard
@@ -95,6 +101,7 @@ class Node:
         settings = node_settings(
             run_config, self.config, instruction.fingerprint, memory=self.settings_memory
         )
+        check_encoder(settings, self.config, instruction.encoder)
         node_info = NodeInfo.from_node_config(self.config, settings)
         self._open_privacy()
         state, metrics = self.train(

@@ -1,4 +1,5 @@
-"""This node's settings: the run's, with the node's own paths, checked against the server's.
+"""This node's settings: the run's, with the node's own paths, checked against the server's
+(the fingerprint, and the encoder's digest where the node loads the server's source).
 
 Cached on the node's disk (:mod:`car_fl.client.node_cache`). The node alone decides where it
 writes: a run config's ``cache_dir`` is ignored, and the node's log says so.
@@ -17,12 +18,14 @@ from typing import Any
 
 from car_fl.client import node_cache
 from car_fl.client.failures import Refusal
+from car_fl.model.sources import encoder_digest
 from car_fl.protocol.failures import Failure
 from car_fl.settings.flower import (
     BLOCKS_SERVICE,
     CACHE_DIR,
     DOCUMENTS_PATH,
     GENERATED_QUERIES_PATH,
+    MODEL_PATH,
     NODE_CONFIG,
     TEST_DATA_PATH,
     TRUST_REMOTE_CODE,
@@ -95,6 +98,23 @@ def node_settings(
     settings, mine = memory[memo]
     check_fingerprint(mine, server_fingerprint)
     return copy.deepcopy(settings)
+
+
+def check_encoder(settings: Settings, node_config: Mapping[str, Any], server: str | None) -> None:
+    """Refuse (``ENCODER_DIFFERS``) an encoder whose digest is not the ``server``'s one, where
+    both name it by one source: not on a node whose config names its own copy (``model-path``:
+    another folder, named by other files), and not before a Hub model is in the node's cache."""
+    if server is None or node_config.get(MODEL_PATH):
+        return
+    mine = encoder_digest(settings.model)
+    if mine is not None and mine != server:
+        raise Refusal(
+            Failure.ENCODER_DIFFERS,
+            f"this node's copy of model.name_or_path={settings.model.name_or_path} "
+            f"(revision {settings.model.revision}) has digest {mine}, the server's {server}: its "
+            "features would not be the server's; refused before any data was read. Fetch the "
+            "server's commit (or copy its files), or pin model.revision to one commit",
+        )
 
 
 def with_environment(node_config: Mapping[str, Any]) -> Mapping[str, Any]:

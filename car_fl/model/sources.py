@@ -263,13 +263,16 @@ def encoder_digest(cfg: ModelConfig) -> str | None:
     """The encoder by its content, wherever it lies: a GGUF preset's sha256, a Hub model's
     cached commit (None when it is not cached), a file's or a folder's bytes (its files but
     ``.*`` and ``*.md``; a large file's by :data:`SAMPLES` samples: another model or dtype
-    differs in them, an edit of a few weights would not)."""
+    differs in them, an edit of a few weights would not); None for a path that is not there
+    (the loader says so)."""
     name = cfg.name_or_path
     if name.startswith(SCHEME):
         return preset(name).sha256[:16]
     path = Path(name).expanduser()
     if is_hub_id(name):
         return hub_commit(cfg)
+    if not path.exists():
+        return None
     files = [path]
     if path.is_dir():
         files = sorted(

@@ -16,8 +16,8 @@ from typing import Any
 from flwr.app import ConfigRecord
 from flwr.serverapp import Grid
 
-from car_fl.model.sources import check_sources
-from car_fl.protocol.messages import LAYOUT_KEY, from_record, to_record
+from car_fl.model.sources import check_sources, encoder_digest
+from car_fl.protocol.messages import ENCODER_KEY, LAYOUT_KEY, from_record, to_record
 from car_fl.results.plots import data_label, model_label
 from car_fl.results.rows import RunSummary
 from car_fl.results.run import FEDERATED, Run, open_run_dir
@@ -191,12 +191,15 @@ def round_recorder(
 def train_config(
     settings: Settings, evaluator: ServerEvaluator, layout: str | None
 ) -> ConfigRecord:
-    """What every train message carries: the fingerprint, the label map, an MoE layout."""
+    """What every train message carries: the fingerprint, the label map, an MoE layout, and
+    the encoder's digest (read after the evaluator loaded it: a Hub model is cached by then)."""
+    encoder = encoder_digest(settings.model)
     return ConfigRecord(
         {
             "fingerprint": fingerprint(settings),
             "labels": evaluator.label_map.to_list(),
             **({LAYOUT_KEY: layout} if layout is not None else {}),
+            **({ENCODER_KEY: encoder} if encoder is not None else {}),
         }
     )
 

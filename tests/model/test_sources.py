@@ -196,6 +196,9 @@ def test_the_encoder_digest_reads_content_not_paths_or_times(
     weights[name].view(-1)[0] += 1.0
     save_file(weights, copy / "model.safetensors", metadata={"format": "pt"})
     assert encoder_digest(make_settings(model_dir=copy).model) != digest
+    gone = make_settings().model
+    gone.name_or_path = str(tmp_path / "not-here")  # on a node without it: the loader's to say
+    assert encoder_digest(gone) is None
 
     monkeypatch.setattr(sources, "WHOLE_BYTES", 1 << 16)
     big = tmp_path / "big.gguf"

@@ -16,7 +16,9 @@ import torch
 from flwr.app import Context, Message
 
 from car_fl.client.ledger import Ledger
+from car_fl.model.sources import encoder_digest
 from car_fl.protocol.failures import Failure
+from car_fl.protocol.messages import CONFIG_KEY, ENCODER_KEY
 from car_fl.settings.flower import DATA_PATH, PRIVACY_POLICY
 from car_fl.simulation.apps import import_app
 from car_fl.simulation.in_process import LocalGrid, run_local
@@ -135,3 +137,32 @@ def test_record_level_dp_on_a_shared_file_trains_with_the_hash_placement(
     assert replies[OWNER].has_content() and replies[TRUSTING].has_content()
     assert metrics["history"][0]["clients_ok"] == 2
     assert [e.mode for e in ledger_of(owner).entries()] == ["record"]
+
+
+def test_a_node_whose_encoder_is_not_the_servers_refuses_before_reading_its_data(
+    tmp_path: Path, make_settings
+) -> None:
+    """The server sends its encoder's digest with every train message; node 1001's copy is
+    made another (its message names other files), and its data file does not exist: the node
+    refuses with ENCODER_DIFFERS, before it reads anything, and node 1002 trains the round."""
+    settings = make_settings(*ROUND, f"output_dir={tmp_path / 'run'}")
+    real = import_app("client_app").train
+    sent: dict[int, object] = {}
+    replies: dict[int, Message] = {}
+
+    def train(msg: Message, context: Context) -> Message:
+        config = msg.content.config_records[CONFIG_KEY]
+        sent[context.node_id] = config.get(ENCODER_KEY)
+        if context.node_id == OWNER:
+            config[ENCODER_KEY] = "0" * 16
+        replies[context.node_id] = reply = real(msg, context)
+        return reply
+
+    missing = {DATA_PATH: str(tmp_path / "not-there.tsv")}
+    metrics = run_local(settings, client_train=train, node_configs=[missing])
+    assert sent == {OWNER: encoder_digest(settings.model), TRUSTING: sent[OWNER]}
+    assert sent[OWNER] is not None
+    assert replies[OWNER].error.code == Failure.ENCODER_DIFFERS
+    assert replies[OWNER].error.reason == Failure.ENCODER_DIFFERS.text
+    assert replies[TRUSTING].has_content()
+    assert metrics["history"][0]["clients_ok"] == 1
