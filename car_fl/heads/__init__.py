@@ -1,7 +1,9 @@
 """The heads: what turns a pooled feature into a score per document, one module per head.
 
+- :mod:`~car_fl.heads.config`: each ``head.kind``'s one registration (its traits, its scorer,
+  the approaches it forms) and the ``head`` and ``moe`` settings sections; no torch.
 - :mod:`~car_fl.heads.scorer`: the interface every head implements (``Scorer``).
-- :mod:`~car_fl.heads.registry`: each ``head.kind`` and its scorer, ``build_scorer``.
+- :mod:`~car_fl.heads.registry`: a head built from its kind's scorer, ``build_scorer``.
 - :mod:`~car_fl.heads.head`: CaR's classifier head and top-K.
 - :mod:`~car_fl.heads.document_head`: the head whose rows start as the documents' embeddings.
 - :mod:`~car_fl.heads.experts`, :mod:`~car_fl.heads.clustering`: the mixture of experts and its

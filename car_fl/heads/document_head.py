@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from car_fl.heads.config import HeadConfig, HeadKind, MapKind
 from car_fl.heads.scorer import Scorer, ScorerSpec
-from car_fl.settings.schema import HeadConfig, HeadKind, MapKind
 
 
 class ResidualMap(nn.Module):

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from car_fl.heads.clustering import ExpertLayout
+from car_fl.heads.config import HeadConfig, HeadKind, MoEConfig
 from car_fl.heads.document_head import DocumentHead
 from car_fl.heads.scorer import Scorer, ScorerSpec
-from car_fl.settings.schema import HeadConfig, HeadKind, MoEConfig
 
 #: Name prefix of the expert tensors in the trainable state (``head.experts.<c>``).
 EXPERT_PREFIX = "head.experts."

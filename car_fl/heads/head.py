@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from car_fl.heads.config import HeadKind
 from car_fl.heads.scorer import Scorer, ScorerSpec
-from car_fl.settings.schema import HeadKind
 
 
 class ClassifierHead(nn.Module):

@@ -1,26 +1,25 @@
-"""The heads by ``head.kind``: the one place a new head is registered.
-
-What is asked of a kind without building it is its :class:`~car_fl.settings.choices.HeadTraits`;
-docs/architecture.md ("Adding a head") works one example through.
-"""
+"""A head built from its ``head.kind``: the scorer its registration names
+(:data:`car_fl.heads.config.HEADS`), imported only now."""
 
 from __future__ import annotations
+
+import importlib
 
 import torch
 
 from car_fl.heads.clustering import ExpertLayout
-from car_fl.heads.document_head import DocumentScorer
-from car_fl.heads.experts import MixtureScorer
-from car_fl.heads.head import ClassifierScorer
-from car_fl.heads.retrieval import KNNScorer, MIPSScorer
+from car_fl.heads.config import HeadConfig, HeadKind, MoEConfig
 from car_fl.heads.scorer import Scorer, ScorerSpec
-from car_fl.settings.schema import HeadConfig, HeadKind, MoEConfig
 
-#: ``head.kind`` → its scorer.
-SCORERS: dict[HeadKind, type[Scorer]] = {
-    scorer.kind: scorer
-    for scorer in (ClassifierScorer, MIPSScorer, KNNScorer, DocumentScorer, MixtureScorer)
-}
+
+def scorer_class(kind: HeadKind) -> type[Scorer]:
+    """The scorer class ``kind``'s registration names (``module:Class``), checked to be a
+    :class:`~car_fl.heads.scorer.Scorer` of that kind."""
+    module, _, name = kind.spec.scorer.partition(":")
+    scorer = getattr(importlib.import_module(module), name)
+    if not (isinstance(scorer, type) and issubclass(scorer, Scorer) and scorer.kind is kind):
+        raise TypeError(f"head.kind={kind}: {kind.spec.scorer} is no Scorer of kind {kind}")
+    return scorer
 
 
 def build_scorer(
@@ -35,7 +34,7 @@ def build_scorer(
     """The scorer of ``head.kind`` (:meth:`~car_fl.heads.scorer.Scorer.build`); ``TypeError``
     for a head with a 0-d parameter, which no message could carry."""
     spec = ScorerSpec(head, dim, num_labels, device=device, moe=moe, layout=layout)
-    scorer = SCORERS[head.kind].build(spec)
+    scorer = scorer_class(head.kind).build(spec)
     for name, parameter in scorer.named_parameters():
         if parameter.dim() == 0:
             raise TypeError(

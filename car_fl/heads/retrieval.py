@@ -12,8 +12,8 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from car_fl.heads.config import HeadKind, Similarity
 from car_fl.heads.scorer import EncodeIds, Scorer, ScorerSpec
-from car_fl.settings.schema import HeadKind, Similarity
 
 
 def label_documents(label_names: Sequence[str], label_texts: Mapping[str, str]) -> list[str]:

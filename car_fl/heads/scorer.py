@@ -1,7 +1,7 @@
 """The interface every head implements: pooled queries ``(batch, d)`` → a score per label.
 
 A head is one :class:`Scorer` subclass in its own module, built from the settings by
-:meth:`Scorer.build` and registered in :mod:`car_fl.heads.registry`; the retriever holds it as
+:meth:`Scorer.build` and registered in :data:`car_fl.heads.config.HEADS`; the retriever holds it as
 its ``head``. An *index* through the current adapter (MIPS's label documents) is built by
 :meth:`Scorer.index`, once for all batches of an evaluation.
 """
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from car_fl.settings.schema import HeadConfig, HeadKind, MoEConfig, Similarity
+from car_fl.heads.config import HeadConfig, HeadKind, MoEConfig, Similarity
 
 if TYPE_CHECKING:
     from car_fl.heads.clustering import ExpertLayout

@@ -23,7 +23,7 @@ from car_fl.results.report_markdown import markdown_report
 from car_fl.results.rows import METRICS_JSON, MetricsFile, RoundRow, RunSummary, write_csv
 from car_fl.settings.compose import settings_from_yaml
 from car_fl.settings.dp_modes.registry import MODES
-from car_fl.settings.schema import Approach, HeadKind, Settings
+from car_fl.settings.schema import APPROACHES, HeadKind, Settings
 
 log = logging.getLogger(__name__)
 
@@ -260,7 +260,7 @@ def _group(row: dict[str, Any]) -> tuple[Any, ...]:
 
 def _approach_rank(approach: str) -> tuple[int, str]:
     """The method's order: MIPS, adapter + MIPS, classifier, adapter + classifier, kNN."""
-    order = {approach.label: i for i, approach in enumerate(Approach)}
+    order = {spec.label: i for i, (_, spec) in enumerate(APPROACHES.values())}
     return order.get(approach.split(" (k=")[0], len(order)), approach
 
 

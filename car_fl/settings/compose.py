@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException, ValidationError
 
 from car_fl.settings import dp_plan
-from car_fl.settings.schema import APPROACHES, Choice, Settings
+from car_fl.settings.schema import APPROACHES, Choice, Mode, Settings
 
 #: The :class:`Settings` schema's name in the ConfigStore (first in conf/config.yaml's defaults).
 SCHEMA = "settings_schema"
@@ -72,14 +72,15 @@ def register_configs() -> None:
         return  # registered already in this process (storing again costs a tenth of a second)
     defaults = Settings()
     store.store(name=SCHEMA, node={f.name: getattr(defaults, f.name) for f in fields(Settings)})
-    for approach, spec in APPROACHES.items():
+    for name, (kind, spec) in APPROACHES.items():
+        mode = Mode.ADAPTER_CLASSIFIER if spec.adapter else Mode.CLASSIFIER
         store.store(
             group="approach",
-            name=approach.value,
+            name=name,
             package="_global_",
             node={
-                "head": {"kind": spec.head.value, "lexical": spec.lexical.value},
-                "train": {"mode": spec.mode.value},
+                "head": {"kind": kind.value, "lexical": spec.lexical.value},
+                "train": {"mode": mode.value},
             },
         )
 
@@ -192,7 +193,7 @@ def group_options() -> dict[str, list[str]]:
         for group in sorted(conf_dir().iterdir())
         if group.is_dir()
     }
-    options["approach"] = [approach.value for approach in APPROACHES]
+    options["approach"] = list(APPROACHES)
     return options
 
 

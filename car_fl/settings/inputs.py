@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from car_fl.heads.config import Similarity
 from car_fl.settings.choices import (
     BLOCKS,
     DTYPES,
@@ -11,7 +12,6 @@ from car_fl.settings.choices import (
     FeatureNorm,
     Pooling,
     Reader,
-    Similarity,
     Split,
     Standardize,
     one_of,

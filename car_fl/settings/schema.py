@@ -1,8 +1,9 @@
 """The configuration schema: :class:`Settings`, typed and validated, the single source of defaults.
 
 The sections are in :mod:`~car_fl.settings.inputs`, :mod:`~car_fl.settings.retriever`,
-:mod:`~car_fl.settings.federation` and :mod:`~car_fl.settings.choices`; this module holds the
-whole, the checks that span sections, and every part's name (the one import a caller needs).
+:mod:`~car_fl.settings.federation`, :mod:`~car_fl.settings.choices` and (the head's, with each
+head kind's registration) :mod:`car_fl.heads.config`; this module holds the whole, the checks
+that span sections, and every part's name (the one import a caller needs).
 Checks that need the accountant are in :mod:`car_fl.settings.dp_plan`. Imports no Hydra,
 OmegaConf or torch.
 """
@@ -11,24 +12,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from car_fl.settings.choices import (
+from car_fl.heads.config import (
     APPROACHES,
+    ApproachSpec,
+    ExpertSending,
+    HeadConfig,
+    HeadKind,
+    HeadTraits,
+    Lexical,
+    MapKind,
+    MoEConfig,
+    Similarity,
+    approach_of,
+)
+from car_fl.settings.choices import (
     DEVICES,
     DTYPES,
     PADDING_SIDES,
     WIRE_DTYPES,
     AdapterKind,
     AdaptiveRule,
-    Approach,
-    ApproachSpec,
     Choice,
     DPMode,
-    ExpertSending,
     FeatureNorm,
     Granularity,
-    HeadKind,
-    Lexical,
-    MapKind,
     Mode,
     NoiseRule,
     NormBoundAction,
@@ -37,7 +44,6 @@ from car_fl.settings.choices import (
     Partitioning,
     Pooling,
     Reader,
-    Similarity,
     Split,
     Standardize,
     StrategyName,
@@ -46,13 +52,7 @@ from car_fl.settings.choices import (
 )
 from car_fl.settings.federation import CommConfig, DPConfig, FLConfig, StrategyConfig
 from car_fl.settings.inputs import DatasetConfig, ModelConfig
-from car_fl.settings.retriever import (
-    AdapterConfig,
-    EvalConfig,
-    HeadConfig,
-    MoEConfig,
-    TrainConfig,
-)
+from car_fl.settings.retriever import AdapterConfig, EvalConfig, TrainConfig
 
 __all__ = [
     "APPROACHES",
@@ -63,7 +63,6 @@ __all__ = [
     "AdapterConfig",
     "AdapterKind",
     "AdaptiveRule",
-    "Approach",
     "ApproachSpec",
     "Choice",
     "CommConfig",
@@ -77,6 +76,7 @@ __all__ = [
     "Granularity",
     "HeadConfig",
     "HeadKind",
+    "HeadTraits",
     "Lexical",
     "MapKind",
     "MoEConfig",
@@ -96,6 +96,7 @@ __all__ = [
     "StrategyConfig",
     "StrategyName",
     "TrainConfig",
+    "approach_of",
     "nothing_to_train",
     "one_of",
     "positive",
@@ -196,17 +197,18 @@ class Settings:
             )
 
     @property
-    def approach(self) -> Approach:
-        """The retrieval approach these settings run (:data:`APPROACHES`)."""
-        return Approach.of(self.head.kind, self.train.mode, self.head.lexical)
+    def approach(self) -> str:
+        """The name of the retrieval approach these settings run (:data:`APPROACHES`)."""
+        adapter = self.train.mode is Mode.ADAPTER_CLASSIFIER
+        return approach_of(self.head.kind, adapter, self.head.lexical)
 
     @property
     def approach_label(self) -> str:
         """What reports call this run's approach: its :attr:`approach`'s label, or, for a head
-        and mode that no approach names (a new head's, or mixture of experts with the
-        adapter), the head kind and the mode."""
+        and mode that form no approach (mixture of experts with the adapter), the head kind
+        and the mode."""
         try:
-            return self.approach.label
+            return APPROACHES[self.approach][1].label
         except ValueError:
             return f"{self.head.kind} head, {self.train.mode}"
 

@@ -51,7 +51,7 @@ def test_fusion_needs_a_corpus_and_a_document_head(make_settings, make_corpus_se
         make_settings("head.lexical=bm25")
     with pytest.raises(ValueError, match="approach=fusion on a corpus"):
         make_corpus_settings("approach=mips", "head.lexical=bm25")
-    assert make_corpus_settings("approach=fusion").approach.value == "fusion"
+    assert make_corpus_settings("approach=fusion").approach == "fusion"
 
 
 def test_fusion_ranks_the_test_queries_by_the_head_and_bm25_and_serves_the_same(

@@ -7,13 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from car_fl.heads import registry
+from car_fl.heads.config import HEADS
 from car_fl.heads.document_head import DocumentHead
 from car_fl.heads.head import ClassifierHead, ClassifierScorer
-from car_fl.heads.registry import SCORERS, build_scorer
+from car_fl.heads.registry import build_scorer, scorer_class
 from car_fl.heads.retrieval import KNNScorer, MIPSScorer, knn_scores
 from car_fl.model.encoder import Encoder, load_encoder
 from car_fl.model.retriever import CaRRetriever
-from car_fl.settings.choices import HEAD_TRAITS
 from car_fl.settings.schema import HeadConfig, HeadKind, Mode, ModelConfig, Similarity
 
 
@@ -23,10 +24,12 @@ def encoder(tiny_llama: Path) -> Encoder:
 
 
 def test_every_head_kind_has_one_scorer_and_its_traits() -> None:
-    assert set(SCORERS) == set(HeadKind) == set(HEAD_TRAITS)
-    assert all(scorer.kind is kind for kind, scorer in SCORERS.items())
+    assert list(HEADS) and set(HEADS) == set(HeadKind)
+    scorers = {kind: scorer_class(kind) for kind in HeadKind}
+    assert all(scorer.kind is kind for kind, scorer in scorers.items())
+    assert len(set(scorers.values())) == len(scorers)
     # the traits agree with what the built scorers are: weights, documents
-    for kind, scorer in SCORERS.items():
+    for kind, scorer in scorers.items():
         assert kind.traits.from_documents == issubclass(scorer, DocumentHead), kind
         if kind is not HeadKind.MOE:  # a mixture needs its layout to be built
             built = build_scorer(HeadConfig(kind=kind), dim=4, num_labels=3)
@@ -39,9 +42,21 @@ def test_a_head_with_a_0_d_parameter_is_refused_when_built(monkeypatch: pytest.M
             super().__init__(dim, num_labels)
             self.scale = torch.nn.Parameter(torch.tensor(1.0))
 
-    monkeypatch.setitem(SCORERS, HeadKind.CLASSIFIER, Scalar)
+    monkeypatch.setattr(registry, "scorer_class", lambda kind: Scalar)
     with pytest.raises(TypeError, match=r"'scale' is 0-d.*give it shape \(1,\)"):
         build_scorer(HeadConfig(), dim=4, num_labels=3)
+
+
+def test_a_registration_that_names_no_scorer_of_its_kind_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A registration's ``module:Class`` is read only when a head is built: one that names
+    another kind's scorer, or no scorer at all, is refused there, naming it."""
+    for wrong in ("car_fl.heads.retrieval:MIPSScorer", "car_fl.heads.clustering:ExpertLayout"):
+        spec = HEADS[HeadKind.CLASSIFIER]._replace(scorer=wrong)
+        monkeypatch.setitem(HEADS, HeadKind.CLASSIFIER, spec)
+        with pytest.raises(TypeError, match=f"{wrong} is no Scorer of kind classifier"):
+            build_scorer(HeadConfig(), dim=4, num_labels=3)
 
 
 def test_each_head_kind_builds_its_own_scorer() -> None:

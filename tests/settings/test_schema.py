@@ -15,15 +15,14 @@ from car_fl.settings.schema import (
     DEVICES,
     DTYPES,
     WIRE_DTYPES,
-    Approach,
     CommConfig,
     FLConfig,
     HeadKind,
     Lexical,
-    Mode,
     OptimizerKind,
     Settings,
     TrainConfig,
+    approach_of,
     centralised_only,
     federated_part,
     federation_refusal,
@@ -145,20 +144,20 @@ def test_names_come_from_the_code_that_uses_them() -> None:
 
 
 def test_every_head_mode_and_lexical_index_is_one_approach() -> None:
-    pairs = [(spec.head, spec.mode, spec.lexical) for spec in APPROACHES.values()]
-    assert len(set(pairs)) == len(pairs) == len(Approach)
-    assert [a.label for a in Approach][:4] == [
+    pairs = [(kind, spec.adapter, spec.lexical) for kind, spec in APPROACHES.values()]
+    assert len(set(pairs)) == len(pairs) == 9
+    assert [spec.label for _, spec in APPROACHES.values()][:4] == [
         "MIPS",
         "adapter + MIPS",
         "classifier (CaR)",
         "adapter + classifier (CaR)",
     ]
-    assert Approach.of(HeadKind.KNN, Mode.CLASSIFIER) is Approach.KNN
-    assert Approach.of(HeadKind.DOCUMENT, Mode.CLASSIFIER) is Approach.DOCUMENT
-    assert Approach.of(HeadKind.DOCUMENT, Mode.CLASSIFIER, Lexical.BM25) is Approach.FUSION
+    assert approach_of(HeadKind.KNN, False) == "knn"
+    assert approach_of(HeadKind.DOCUMENT, False) == "document"
+    assert approach_of(HeadKind.DOCUMENT, False, Lexical.BM25) == "fusion"
     with pytest.raises(ValueError, match="no approach"):
-        Approach.of(HeadKind.KNN, Mode.ADAPTER_CLASSIFIER)
-    assert Settings().approach is Approach.CAR
+        approach_of(HeadKind.KNN, True)
+    assert Settings().approach == "car"
 
 
 def test_mips_and_knn_score_as_the_encoder_was_trained_unless_told_otherwise() -> None:
