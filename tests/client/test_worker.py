@@ -36,7 +36,7 @@ from car_fl.client.worker import (
     listening,
     own_node_config,
 )
-from car_fl.client.worker_link import WorkerFailed, WorkerUnavailable
+from car_fl.client.worker_link import MAX_FRAME, MAX_HEADER, WorkerFailed, WorkerUnavailable
 from car_fl.data.splits import load_splits
 from car_fl.model.build import build_retriever
 from car_fl.protocol import wire
@@ -496,3 +496,12 @@ def test_a_second_round_with_a_worker_loads_no_encoder_and_the_clientapp_imports
     for name in ours:
         assert torch.allclose(ours[name], theirs[name], atol=1e-5), name
         assert not torch.equal(theirs[name], initial[name]), f"{name} was not trained"
+
+
+def test_the_deployment_docs_state_the_workers_limits_as_the_code_sets_them() -> None:
+    """docs/deployment.md gives the worker's limits as numbers: a change to the constants
+    must change them there too."""
+    text = " ".join((PROJECT / "docs" / "deployment.md").read_text(encoding="utf-8").split())
+    assert f"at most {MAX_CONNECTIONS} connections at once" in text
+    assert f"headers up to {MAX_HEADER // 2**20} MiB" in text and MAX_HEADER % 2**20 == 0
+    assert f"messages up to {MAX_FRAME // 2**30} GiB" in text and MAX_FRAME % 2**30 == 0
