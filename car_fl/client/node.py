@@ -22,10 +22,10 @@ from car_fl.client.failures import Refusal, failure_of
 from car_fl.client.node_privacy import NodePrivacy
 from car_fl.client.node_settings import (
     SettingsMemory,
-    check_encoder,
     node_settings,
     own_files,
     run_files,
+    server_commit,
 )
 from car_fl.client.round import node_shard, refuse_before_the_ledger, train_shard
 from car_fl.client.run_states import RunStates, RunStore
@@ -101,7 +101,7 @@ class Node:
         settings = node_settings(
             run_config, self.config, instruction.fingerprint, memory=self.settings_memory
         )
-        check_encoder(settings, self.config, instruction.encoder)
+        settings = server_commit(settings, self.config, instruction.commit)
         node_info = NodeInfo.from_node_config(self.config, settings)
         self._open_privacy()
         state, metrics = self.train(

@@ -29,14 +29,9 @@ log = logging.getLogger(__name__)
 CACHE_FORMAT = "car-fl-node-v2"
 #: The ``car_fl`` package folder.
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
-#: The code that turns overrides and a node config into settings (part of the cache key).
-SETTINGS_SOURCES = (
-    "settings/schema.py",
-    "settings/compose.py",
-    "settings/dp_plan.py",
-    "settings/flower.py",
-    "client/node_settings.py",
-)
+#: The code that turns overrides and a node config into settings, its defaults included (part
+#: of the cache key): a folder stands for every module in it.
+SETTINGS_SOURCES = ("settings", "heads/config.py", "common/choice.py", "client/node_settings.py")
 
 
 def base_dir(cache_dir: str | os.PathLike[str] | None) -> Path:
@@ -74,10 +69,19 @@ def _source_files(folder: Path, pattern: str) -> dict[str, Path]:
     return {str(p.relative_to(folder)): p for p in folder.rglob(pattern) if p.is_file()}
 
 
+def settings_code() -> dict[str, Path]:
+    """The modules :data:`SETTINGS_SOURCES` names, by their path within the package."""
+    code: dict[str, Path] = {}
+    for name in SETTINGS_SOURCES:
+        path = PACKAGE_DIR / name
+        found = _source_files(path, "*.py") if path.is_dir() else {"": path}
+        code.update({f"car_fl/{Path(name, rel)}": file for rel, file in found.items()})
+    return code
+
+
 def settings_key(overrides: str, node_config: Mapping[str, Any]) -> str:
     """Cache key of a node's settings: overrides, node config, conf files and settings code."""
-    code = {f"car_fl/{name}": PACKAGE_DIR / name for name in SETTINGS_SOURCES}
-    files = {**_source_files(conf_dir(), "*.yaml"), **code}
+    files = {**_source_files(conf_dir(), "*.yaml"), **settings_code()}
     header = {
         "format": CACHE_FORMAT,
         "version": car_fl.__version__,

@@ -1,5 +1,5 @@
-"""This node's settings: the run's, with the node's own paths, checked against the server's
-(the fingerprint, and the encoder's digest where the node loads the server's source).
+"""This node's settings: the run's, with the node's own paths, checked against the server's, and
+the server's commit of a Hub model (:func:`server_commit`).
 
 Cached on the node's disk (:mod:`car_fl.client.node_cache`). The node alone decides where it
 writes: a run config's ``cache_dir`` is ignored, and the node's log says so.
@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import logging
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -18,7 +19,7 @@ from typing import Any
 
 from car_fl.client import node_cache
 from car_fl.client.failures import Refusal
-from car_fl.model.sources import encoder_digest
+from car_fl.model.sources import is_hub_id
 from car_fl.protocol.failures import Failure
 from car_fl.settings.flower import (
     BLOCKS_SERVICE,
@@ -100,21 +101,36 @@ def node_settings(
     return copy.deepcopy(settings)
 
 
-def check_encoder(settings: Settings, node_config: Mapping[str, Any], server: str | None) -> None:
-    """Refuse (``ENCODER_DIFFERS``) an encoder whose digest is not the ``server``'s one, where
-    both name it by one source: not on a node whose config names its own copy (``model-path``:
-    another folder, named by other files), and not before a Hub model is in the node's cache."""
-    if server is None or node_config.get(MODEL_PATH):
-        return
-    mine = encoder_digest(settings.model)
-    if mine is not None and mine != server:
+def server_commit(
+    settings: Settings, node_config: Mapping[str, Any], commit: str | None
+) -> Settings:
+    """``settings`` loading the Hub model at the ``commit`` the server's revision resolved to,
+    so that no node trains another commit of its branch (one its cache holds from before);
+    unchanged where the node's config names its own copy (``model-path``) or the model is no
+    Hub repository. A commit is 40 hex digits (``CONFIG_MISMATCH`` otherwise): a revision
+    the run config could set as ``model.revision`` anyway, never a path."""
+    if commit is None or node_config.get(MODEL_PATH):
+        return settings
+    if not COMMIT.fullmatch(commit):
         raise Refusal(
-            Failure.ENCODER_DIFFERS,
-            f"this node's copy of model.name_or_path={settings.model.name_or_path} "
-            f"(revision {settings.model.revision}) has digest {mine}, the server's {server}: its "
-            "features would not be the server's; refused before any data was read. Fetch the "
-            "server's commit (or copy its files), or pin model.revision to one commit",
+            Failure.CONFIG_MISMATCH,
+            f"the train message names model commit {commit[:60]!r}, which is no commit (40 hex "
+            "digits); refused before anything was read",
         )
+    if not is_hub_id(settings.model.name_or_path):
+        return settings
+    if settings.model.revision != commit:
+        log.info(
+            "model %s: loading the server's commit %s (revision %s here)",
+            settings.model.name_or_path,
+            commit,
+            settings.model.revision or "main",
+        )
+    return dataclasses.replace(settings, model=dataclasses.replace(settings.model, revision=commit))
+
+
+#: A Hub commit: what :func:`server_commit` accepts.
+COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
 def with_environment(node_config: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -31,8 +31,6 @@ class Failure(IntEnum):
     READING_DIFFERS = 1106
     #: The node's blocks service (``model.blocks=remote``) did not answer within its retries.
     BLOCKS_UNAVAILABLE = 1107
-    #: The node's copy of the encoder is not the server's (another Hub commit, other files).
-    ENCODER_DIFFERS = 1108
 
     @property
     def text(self) -> str:
@@ -54,7 +52,6 @@ FAILURE_TEXT: dict[Failure, str] = {
     Failure.NODE_CONFIG: "car-fl: this node's own configuration is incomplete or invalid",
     Failure.READING_DIFFERS: "car-fl: this node's owner reads the data file otherwise than the run",
     Failure.BLOCKS_UNAVAILABLE: "car-fl: this node's blocks service did not answer",
-    Failure.ENCODER_DIFFERS: "car-fl: this node's copy of the encoder is not the server's",
 }
 
 
@@ -93,11 +90,6 @@ FAILURE_MEANING: dict[Failure, tuple[str, str]] = {
     Failure.BLOCKS_UNAVAILABLE: (
         "failed the round: their blocks service (model.blocks=remote) was down or too slow",
         "start it again (car-fl serve-blocks); the next round works once it answers",
-    ),
-    Failure.ENCODER_DIFFERS: (
-        "refused: their copy of the encoder is another commit or other files than the server's",
-        "pin model.revision to one commit, or give every machine the server's files (each "
-        "node's log names both digests)",
     ),
 }
 

@@ -20,8 +20,8 @@ CONFIG_KEY = "config"
 NUM_EXAMPLES = "num-examples"
 #: Config key of a mixture of experts' layout (the server's clustering of the documents).
 LAYOUT_KEY = "moe-layout"
-#: Config key of the server's encoder digest: a node with the same source compares its own.
-ENCODER_KEY = "encoder"
+#: Config key of the commit the server's Hub model resolved to: the nodes load that one.
+COMMIT_KEY = "model-commit"
 
 
 #: ``Array.stype`` of car-fl's tensors: raw little-endian C-order bytes, dtype and shape in the
@@ -93,20 +93,20 @@ class TrainInstruction:
     labels: tuple[str, ...] | None = None
     #: A mixture of experts' layout as text (:class:`car_fl.heads.clustering.ExpertLayout`).
     layout: str | None = None
-    #: The server's encoder by its content (:func:`car_fl.model.sources.encoder_digest`).
-    encoder: str | None = None
+    #: The commit of the Hub model the server loaded (:func:`car_fl.model.sources.hub_commit`).
+    commit: str | None = None
 
 
 def read_train_message(content: RecordDict) -> TrainInstruction:
     """Global parameters, round number, configuration fingerprint, the global label map and
-    the server's encoder digest."""
+    the commit of the server's Hub model."""
     config = content.config_records[CONFIG_KEY]
     fingerprint = config.get("fingerprint")
     labels = config.get("labels")
     layout = config.get(LAYOUT_KEY)
-    encoder = config.get(ENCODER_KEY)
+    commit = config.get(COMMIT_KEY)
     return TrainInstruction(
-        encoder=str(encoder) if encoder is not None else None,
+        commit=str(commit) if commit is not None else None,
         layout=str(layout) if layout is not None else None,
         labels=tuple(str(x) for x in cast(list[str], labels)) if labels else None,
         global_state=from_record(content.array_records[ARRAYS_KEY]),

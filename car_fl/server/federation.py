@@ -16,8 +16,8 @@ from typing import Any
 from flwr.app import ConfigRecord
 from flwr.serverapp import Grid
 
-from car_fl.model.sources import check_sources, encoder_digest
-from car_fl.protocol.messages import ENCODER_KEY, LAYOUT_KEY, from_record, to_record
+from car_fl.model.sources import check_sources, hub_commit, is_hub_id
+from car_fl.protocol.messages import COMMIT_KEY, LAYOUT_KEY, from_record, to_record
 from car_fl.results.plots import data_label, model_label
 from car_fl.results.rows import RunSummary
 from car_fl.results.run import FEDERATED, Run, open_run_dir
@@ -192,14 +192,15 @@ def train_config(
     settings: Settings, evaluator: ServerEvaluator, layout: str | None
 ) -> ConfigRecord:
     """What every train message carries: the fingerprint, the label map, an MoE layout, and
-    the encoder's digest (read after the evaluator loaded it: a Hub model is cached by then)."""
-    encoder = encoder_digest(settings.model)
+    the commit a Hub model's revision resolved to here (read after the evaluator loaded it),
+    which the nodes load, whatever their own cache's branch says."""
+    commit = hub_commit(settings.model) if is_hub_id(settings.model.name_or_path) else None
     return ConfigRecord(
         {
             "fingerprint": fingerprint(settings),
             "labels": evaluator.label_map.to_list(),
             **({LAYOUT_KEY: layout} if layout is not None else {}),
-            **({ENCODER_KEY: encoder} if encoder is not None else {}),
+            **({COMMIT_KEY: commit} if commit is not None else {}),
         }
     )
 

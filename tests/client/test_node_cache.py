@@ -190,18 +190,22 @@ def test_settings_key_changes_with_any_config_file(
     assert node_cache.settings_key("mode=adapter", node) != before
 
 
-@pytest.mark.parametrize("source", node_cache.SETTINGS_SOURCES)
+@pytest.mark.parametrize("source", sorted(node_cache.settings_code()))
 def test_settings_key_changes_with_the_schema_and_composition_code(
     source: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert {"settings/schema.py", "settings/compose.py", "settings/flower.py"} <= set(
-        node_cache.SETTINGS_SOURCES
-    )
+    """Every module that composes settings or holds a default is in the key (a section's
+    defaults, the heads' registrations): one changed, the node composes again."""
+    code = node_cache.settings_code()
+    for name in ("schema", "compose", "flower", "retriever", "inputs", "federation", "choices"):
+        assert f"car_fl/settings/{name}.py" in code
+    assert {"car_fl/heads/config.py", "car_fl/common/choice.py"} <= set(code)
     package = tmp_path / "car_fl"
-    for name in node_cache.SETTINGS_SOURCES:
-        (package / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(node_cache.PACKAGE_DIR / name, package / name)
+    for name, path in code.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, tmp_path / name)
     monkeypatch.setattr(node_cache, "PACKAGE_DIR", package)
+    source = source.removeprefix("car_fl/")
     node = {"partition-id": 0}
     before = node_cache.settings_key("", node)
     with (package / source).open("a") as handle:

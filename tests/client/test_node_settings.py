@@ -8,9 +8,8 @@ import pytest
 
 from car_fl.client import node_settings as node_settings_module
 from car_fl.client.failures import Refusal
-from car_fl.client.node_settings import check_encoder, node_settings
+from car_fl.client.node_settings import node_settings, server_commit
 from car_fl.client.shard import shard_data
-from car_fl.model.sources import encoder_digest
 from car_fl.protocol.failures import Failure
 from car_fl.settings.compose import load_settings, settings_to_yaml
 from car_fl.settings.flower import NodeInfo, fingerprint
@@ -98,32 +97,24 @@ def test_a_run_runs_a_model_repositorys_code_only_where_the_node_says_so(
     assert mine.model.trust_remote_code is True
 
 
-def test_a_node_refuses_an_encoder_whose_copy_is_not_the_servers(
-    make_settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_node_loads_the_servers_commit_of_a_hub_model_and_nothing_of_the_servers_choosing(
+    make_settings, tmp_path: Path
 ) -> None:
-    """The server's ``main`` of a Hub model is one commit, the node's cache another (a branch
-    that moved between their downloads): its features would be another model's. Compared
-    where both load one source; a node's own copy (``model-path``) and a model not yet in the
-    node's cache are not compared (nothing names them alike)."""
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    """The server's ``main`` is one commit, a node's cache may hold another from before: the
+    node loads the server's. Only a commit is taken, and only for a Hub model the run names:
+    a node's own copy (``model-path``) and a local folder stay as they are; anything but 40
+    hex digits (a path, a branch) is refused before anything is read."""
     settings = make_settings()
-    settings.model.name_or_path, settings.model.revision = "org/model", "main"
-    repo = tmp_path / "hub" / "models--org--model"
-    check_encoder(settings, {}, "a" * 40)  # not cached on the node: it cannot tell yet
-    for commit in ("a" * 40, "b" * 40):
-        (repo / "snapshots" / commit).mkdir(parents=True)
-        (repo / "snapshots" / commit / "config.json").write_text("{}")
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text("b" * 40)
-    with pytest.raises(Refusal, match=f"digest {'b' * 40}, the server's {'a' * 40}") as err:
-        check_encoder(settings, {}, "a" * 40)
-    assert err.value.failure is Failure.ENCODER_DIFFERS
-    check_encoder(settings, {"model-path": str(tmp_path / "own-copy")}, "a" * 40)
-    check_encoder(settings, {}, None)  # a server that names none: nothing to compare
-    (repo / "refs" / "main").write_text("a" * 40)  # the node fetched the server's commit
-    check_encoder(settings, {}, "a" * 40)
-    local = make_settings()  # a folder on both machines: named by its files' bytes
-    check_encoder(local, {}, encoder_digest(local.model))
-    with pytest.raises(Refusal) as err:
-        check_encoder(local, {}, "0" * 16)
-    assert err.value.failure is Failure.ENCODER_DIFFERS
+    settings.model.name_or_path, settings.model.revision = "org/model", None
+    commit = "0123456789abcdef" * 2 + "01234567"
+    pinned = server_commit(settings, {}, commit)
+    assert pinned.model.revision == commit and settings.model.revision is None  # a copy
+    assert server_commit(settings, {}, None) is settings  # a server that names none
+    own = {"model-path": str(tmp_path / "own-copy")}
+    assert server_commit(settings, own, commit) is settings  # the owner's copy: the owner's
+    local = make_settings()  # a folder: no commit to load
+    assert server_commit(local, {}, commit).model == local.model
+    for bad in ("../../etc", "main", commit.upper(), commit[:-1], commit + "0", "/" + commit[1:]):
+        with pytest.raises(Refusal, match="is no commit") as err:
+            server_commit(settings, {}, bad)
+        assert err.value.failure is Failure.CONFIG_MISMATCH

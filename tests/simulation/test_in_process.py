@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 from flwr.app import Context, Message
+from huggingface_hub import constants
 
 from car_fl.client.ledger import Ledger
-from car_fl.model.sources import encoder_digest
 from car_fl.protocol.failures import Failure
-from car_fl.protocol.messages import CONFIG_KEY, ENCODER_KEY
+from car_fl.protocol.messages import COMMIT_KEY, CONFIG_KEY
 from car_fl.settings.flower import DATA_PATH, PRIVACY_POLICY
 from car_fl.simulation.apps import import_app
 from car_fl.simulation.in_process import LocalGrid, run_local
@@ -139,30 +139,41 @@ def test_record_level_dp_on_a_shared_file_trains_with_the_hash_placement(
     assert [e.mode for e in ledger_of(owner).entries()] == ["record"]
 
 
-def test_a_node_whose_encoder_is_not_the_servers_refuses_before_reading_its_data(
-    tmp_path: Path, make_settings
+@pytest.mark.slow
+def test_every_node_loads_the_commit_of_the_hub_model_the_server_loaded(
+    tmp_path: Path, make_settings, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The server sends its encoder's digest with every train message; node 1001's copy is
-    made another (its message names other files), and its data file does not exist: the node
-    refuses with ENCODER_DIFFERS, before it reads anything, and node 1002 trains the round."""
-    settings = make_settings(*ROUND, f"output_dir={tmp_path / 'run'}")
+    """A Hub model by its branch: the server sends the commit its ``main`` resolved to, and a
+    node loads that commit, not its own cache's ``main``. Node 1001's message is made to name
+    another commit of the repository (one without weights): that node's round fails, so it
+    loaded what the message named; node 1002 trains the round on the server's."""
+    hub = tmp_path / "hub"
+    repo = hub / "models--org--tiny"
+    good, empty = "a" * 40, "b" * 40
+    shutil.copytree(tiny_llama, repo / "snapshots" / good)
+    (repo / "snapshots" / empty).mkdir(parents=True)
+    shutil.copy(tiny_llama / "config.json", repo / "snapshots" / empty / "config.json")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(good)
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))  # car-fl's reading of the cache
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub))  # huggingface_hub's, read on import
+    settings = make_settings(
+        *ROUND, f"output_dir={tmp_path / 'run'}", "model.name_or_path=org/tiny"
+    )
     real = import_app("client_app").train
     sent: dict[int, object] = {}
     replies: dict[int, Message] = {}
 
     def train(msg: Message, context: Context) -> Message:
         config = msg.content.config_records[CONFIG_KEY]
-        sent[context.node_id] = config.get(ENCODER_KEY)
+        sent[context.node_id] = config.get(COMMIT_KEY)
         if context.node_id == OWNER:
-            config[ENCODER_KEY] = "0" * 16
+            config[COMMIT_KEY] = empty
         replies[context.node_id] = reply = real(msg, context)
         return reply
 
-    missing = {DATA_PATH: str(tmp_path / "not-there.tsv")}
-    metrics = run_local(settings, client_train=train, node_configs=[missing])
-    assert sent == {OWNER: encoder_digest(settings.model), TRUSTING: sent[OWNER]}
-    assert sent[OWNER] is not None
-    assert replies[OWNER].error.code == Failure.ENCODER_DIFFERS
-    assert replies[OWNER].error.reason == Failure.ENCODER_DIFFERS.text
+    metrics = run_local(settings, client_train=train)
+    assert sent == {OWNER: good, TRUSTING: good}
+    assert replies[OWNER].error.code == Failure.ROUND_FAILED
     assert replies[TRUSTING].has_content()
     assert metrics["history"][0]["clients_ok"] == 1
