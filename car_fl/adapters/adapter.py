@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from car_fl.settings.schema import AdapterConfig, AdapterKind
+from car_fl.adapters.config import AdapterConfig, AdapterKind
 
 Tensors = dict[str, torch.Tensor]
 

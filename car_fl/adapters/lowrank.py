@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from car_fl.adapters.adapter import Adapter, Tensors
-from car_fl.settings.schema import AdapterConfig, AdapterKind
+from car_fl.adapters.config import AdapterConfig, AdapterKind
 
 
 class LowRankAdapter(Adapter):

@@ -1,29 +1,34 @@
-"""The adapters by ``adapter.kind``: the one place a new adapter is registered."""
+"""An adapter built from its ``adapter.kind``: the class its registration names
+(:data:`car_fl.adapters.config.ADAPTERS`), imported only now; a server's adapter checked
+against the run's kind."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 
 import torch
 
 from car_fl.adapters.adapter import Adapter
-from car_fl.adapters.diagonal import DiagonalAdapter
-from car_fl.adapters.full import FullAdapter
-from car_fl.adapters.lowrank import LowRankAdapter
+from car_fl.adapters.config import AdapterConfig, AdapterKind
 from car_fl.privacy.mechanism import ADAPTER_PREFIX
-from car_fl.settings.schema import AdapterConfig, AdapterKind
 
-#: ``adapter.kind`` → its adapter.
-ADAPTERS: dict[AdapterKind, type[Adapter]] = {
-    adapter.kind: adapter for adapter in (FullAdapter, LowRankAdapter, DiagonalAdapter)
-}
+
+def adapter_class(kind: AdapterKind) -> type[Adapter]:
+    """The class ``kind``'s registration names (``module:Class``), checked to be an
+    :class:`~car_fl.adapters.adapter.Adapter` of that kind."""
+    module, _, name = kind.module_class.partition(":")
+    adapter = getattr(importlib.import_module(module), name)
+    if not (isinstance(adapter, type) and issubclass(adapter, Adapter) and adapter.kind is kind):
+        raise TypeError(f"adapter.kind={kind}: {kind.module_class} is no Adapter of kind {kind}")
+    return adapter
 
 
 def build_adapter(cfg: AdapterConfig, dim: int, *, seed: int) -> Adapter:
     """The identity adapter of ``adapter.kind`` and width ``dim``; its random parts (a low-rank
     V) depend on ``seed`` alone, so every party builds the same one from the settings."""
     generator = torch.Generator().manual_seed(seed)
-    return ADAPTERS[cfg.kind].build(dim, cfg, generator)
+    return adapter_class(cfg.kind).build(dim, cfg, generator)
 
 
 def state_refusal(cfg: AdapterConfig, state: Mapping[str, torch.Tensor]) -> str | None:
@@ -35,7 +40,7 @@ def state_refusal(cfg: AdapterConfig, state: Mapping[str, torch.Tensor]) -> str 
     }
     if not sent:
         return None
-    kind = ADAPTERS[cfg.kind]
+    kind = adapter_class(cfg.kind)
     first = next(iter(sent.values()))
     dim = int(first.shape[0]) if first.dim() else 0
     try:

@@ -31,7 +31,14 @@ CACHE_FORMAT = "car-fl-node-v2"
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
 #: The code that turns overrides and a node config into settings, its defaults included (part
 #: of the cache key): a folder stands for every module in it.
-SETTINGS_SOURCES = ("settings", "heads/config.py", "common/choice.py", "client/node_settings.py")
+SETTINGS_SOURCES = (
+    "settings",
+    "privacy",
+    "adapters/config.py",
+    "heads/config.py",
+    "common/choice.py",
+    "client/node_settings.py",
+)
 
 
 def base_dir(cache_dir: str | os.PathLike[str] | None) -> Path:

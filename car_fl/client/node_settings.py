@@ -19,7 +19,7 @@ from typing import Any
 
 from car_fl.client import node_cache
 from car_fl.client.failures import Refusal
-from car_fl.model.sources import is_hub_id
+from car_fl.model.sources import names_hub_repo
 from car_fl.protocol.failures import Failure
 from car_fl.settings.flower import (
     BLOCKS_SERVICE,
@@ -106,9 +106,10 @@ def server_commit(
 ) -> Settings:
     """``settings`` loading the Hub model at the ``commit`` the server's revision resolved to,
     so that no node trains another commit of its branch (one its cache holds from before);
-    unchanged where the node's config names its own copy (``model-path``) or the model is no
-    Hub repository. A commit is 40 hex digits (``CONFIG_MISMATCH`` otherwise): a revision
-    the run config could set as ``model.revision`` anyway, never a path."""
+    unchanged where the node's config names its own copy (``model-path``) or the name reads
+    as no Hub repository (by its text: nothing of the node's is looked at before its policy;
+    a local folder of that name ignores the revision). A commit is 40 hex digits
+    (``CONFIG_MISMATCH`` otherwise): a revision the run config could set anyway, never a path."""
     if commit is None or node_config.get(MODEL_PATH):
         return settings
     if not COMMIT.fullmatch(commit):
@@ -117,14 +118,18 @@ def server_commit(
             f"the train message names model commit {commit[:60]!r}, which is no commit (40 hex "
             "digits); refused before anything was read",
         )
-    if not is_hub_id(settings.model.name_or_path):
+    name = settings.model.name_or_path
+    if not names_hub_repo(name):
         return settings
     if settings.model.revision != commit:
         log.info(
-            "model %s: loading the server's commit %s (revision %s here)",
-            settings.model.name_or_path,
+            "model %s: loading the server's commit %s (revision %s here); offline, a node "
+            "needs it in its Hub cache: huggingface-cli download %s --revision %s",
+            name,
             commit,
             settings.model.revision or "main",
+            name,
+            commit,
         )
     return dataclasses.replace(settings, model=dataclasses.replace(settings.model, revision=commit))
 

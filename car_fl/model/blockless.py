@@ -95,7 +95,7 @@ def connect(
             hf_logging.set_verbosity(verbosity)
         mine = identity_fingerprint(model_folder(name, cfg.revision), node_tensor_names(model))
     except Exception as err:
-        raise load_error(name, "embeddings and final norm", err) from err
+        raise load_error(name, "embeddings and final norm", err, cfg.revision) from err
     model.to(device)
     client = _client(cfg.blocks_service)
     try:
@@ -105,8 +105,9 @@ def connect(
     if info.get("fingerprint") != mine:
         raise EncoderLoadError(
             f"the blocks service at {cfg.blocks_service} holds {info.get('model')!r} (fingerprint "
-            f"{info.get('fingerprint')}), not this node's {cfg.name_or_path} ({mine}); start the "
-            "service with the same model, or point model.blocks_service at one that holds it"
+            f"{info.get('fingerprint')}), not this node's {cfg.name_or_path} at revision "
+            f"{cfg.revision or 'main'} ({mine}); start the service with the same model and "
+            "revision, or point model.blocks_service at one that holds it"
         )
     if bool(info.get("norm_on_node")) != (final_norm_name(model) is not None):
         raise EncoderLoadError(

@@ -314,7 +314,7 @@ def load_weights(cfg: ModelConfig, name: str, *, dtype: torch.dtype, device: tor
             trust_remote_code=cfg.trust_remote_code,
         )
     except Exception as err:
-        raise load_error(name, "weights", err) from err
+        raise load_error(name, "weights", err, cfg.revision) from err
     return model
 
 
@@ -333,7 +333,7 @@ def load_encoder(cfg: ModelConfig, *, device: str = "auto") -> Encoder:
             name, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code
         )
     except Exception as err:
-        raise load_error(name, "tokenizer", err) from err
+        raise load_error(name, "tokenizer", err, cfg.revision) from err
     if cfg.blocks == "remote":
         model, blocks = connect(cfg, name, dtype=dtype, device=target)
         encoder = Encoder(model, tokenizer, cfg, blocks=blocks)

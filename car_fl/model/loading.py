@@ -36,7 +36,9 @@ def load_pretrained(
         return auto_class.from_pretrained(name, dtype=dtype, **kwargs)
 
 
-def load_error(name: str, what: str, err: Exception) -> EncoderLoadError:
+def load_error(
+    name: str, what: str, err: Exception, revision: str | None = None
+) -> EncoderLoadError:
     reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     text = str(err).lower()
     if Path(name).exists() or name.startswith(("/", ".", "~")):
@@ -50,4 +52,9 @@ def load_error(name: str, what: str, err: Exception) -> EncoderLoadError:
         from car_fl.model.sources import MODEL_FIX
 
         hint = f"check the hub id and your network; offline, use {MODEL_FIX}"
+        if revision is not None:
+            hint = (
+                f"revision {revision} must be in the Hub cache offline (huggingface-cli "
+                f"download {name} --revision {revision}); or {hint}"
+            )
     return EncoderLoadError(f"could not load the {what} of model {name!r}: {reason}. Fix: {hint}")

@@ -128,6 +128,21 @@ def is_hub_id(name_or_path: str) -> bool:
     return not model_is_local(name_or_path) and not Path(name_or_path).expanduser().exists()
 
 
+def names_hub_repo(name: str) -> bool:
+    """Whether ``name`` reads as a Hub repository id, by its text alone: no path prefix, no
+    GGUF file or preset, a valid ``org/name``. Touches no file (a name the server chose may
+    be checked before the owner's policy: the answer must not depend on the node's disk)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if name.startswith(PATH_PREFIXES) or is_gguf(name):
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
 def hub_commit(cfg: ModelConfig) -> str | None:
     """The commit of the Hub model's snapshot that ``cfg.revision`` resolves to in the local
     cache, read offline; ``None`` when it is not cached, or for a name that is no repo id or

@@ -63,18 +63,6 @@ class DPMode(Choice):
     RECORD = "record"
 
 
-class AdapterKind(Choice):
-    """The soft-embedding adapter's form (:mod:`car_fl.adapters`), each the identity at start.
-
-    ``full``: x Wᵀ with a d×d W; ``lowrank``: x (I + U Vᵀ)ᵀ, U and V d×``adapter.rank``, U zero
-    at start; ``diagonal``: x ⊙ s + b, a per-dimension scale and shift.
-    """
-
-    FULL = "full"
-    LOWRANK = "lowrank"
-    DIAGONAL = "diagonal"
-
-
 class Reader(Choice):
     """File formats understood by :mod:`car_fl.data.readers`."""
 

@@ -1,39 +1,11 @@
-"""The retriever and its training: the adapter, epochs, evaluation (the head's sections, and its
-mixture of experts', are :mod:`car_fl.heads.config`'s)."""
+"""The retriever's training: epochs, evaluation (the adapter's section is
+:mod:`car_fl.adapters.config`'s; the head's and its experts' :mod:`car_fl.heads.config`'s)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from car_fl.settings.choices import AdapterKind, Mode, OptimizerKind, at_least, positive
-
-
-@dataclass
-class AdapterConfig:
-    """The soft-embedding adapter between the token embeddings and the first block
-    (:mod:`car_fl.adapters`); it trains in ``mode=adapter`` only, at ``train.adapter_lr``."""
-
-    #: full (d×d), lowrank (identity + a rank-``rank`` residual), diagonal: :class:`AdapterKind`.
-    kind: AdapterKind = AdapterKind.FULL
-    #: lowrank: the rank r of the residual (1 ≤ r ≤ d; 4 to 64 is typical).
-    rank: int = 16
-    #: λ of the identity anchor (L2-SP): λ·‖ADP − I‖²_F added to the loss (0: none); it depends
-    #: on the adapter alone, so under dp=record it is post-processing.
-    anchor: float = 0.0
-    #: Dropout on the soft embeddings (the adapter's output) while training (0: none).
-    dropout: float = 0.0
-
-    def __post_init__(self) -> None:
-        self.kind = AdapterKind.parse("adapter.kind", self.kind)
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise ValueError(f"adapter.rank must be an integer >= 1, got {self.rank!r}")
-        if not (isinstance(self.anchor, int | float) and 0 <= self.anchor < float("inf")):
-            raise ValueError(
-                f"adapter.anchor (λ of the identity anchor) must be a finite number >= 0, got "
-                f"{self.anchor!r}; e.g. adapter.anchor=0.01"
-            )
-        if not (isinstance(self.dropout, int | float) and 0.0 <= self.dropout < 1.0):
-            raise ValueError(f"adapter.dropout must be in [0, 1), got {self.dropout!r}")
+from car_fl.settings.choices import Mode, OptimizerKind, at_least, positive
 
 
 @dataclass

@@ -1,17 +1,18 @@
 """The configuration schema: :class:`Settings`, typed and validated, the single source of defaults.
 
 The sections are in :mod:`~car_fl.settings.inputs`, :mod:`~car_fl.settings.retriever`,
-:mod:`~car_fl.settings.federation`, :mod:`~car_fl.settings.choices` and (the head's, with each
-head kind's registration) :mod:`car_fl.heads.config`; this module holds the whole, the checks
-that span sections, and every part's name (the one import a caller needs).
-Checks that need the accountant are in :mod:`car_fl.settings.dp_plan`. Imports no Hydra,
-OmegaConf or torch.
+:mod:`~car_fl.settings.federation`, :mod:`~car_fl.settings.choices` and, with each kind's
+registration, the adapter's and the head's: :mod:`car_fl.adapters.config`,
+:mod:`car_fl.heads.config`. This module holds the whole, the checks that span sections, and
+every part's name (the one import a caller needs). Checks that need the accountant are in
+:mod:`car_fl.settings.dp_plan`. Imports no Hydra, OmegaConf or torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from car_fl.adapters.config import AdapterConfig, AdapterKind
 from car_fl.heads.config import (
     APPROACHES,
     ApproachSpec,
@@ -30,7 +31,6 @@ from car_fl.settings.choices import (
     DTYPES,
     PADDING_SIDES,
     WIRE_DTYPES,
-    AdapterKind,
     AdaptiveRule,
     Choice,
     DPMode,
@@ -52,7 +52,7 @@ from car_fl.settings.choices import (
 )
 from car_fl.settings.federation import CommConfig, DPConfig, FLConfig, StrategyConfig
 from car_fl.settings.inputs import DatasetConfig, ModelConfig
-from car_fl.settings.retriever import AdapterConfig, EvalConfig, TrainConfig
+from car_fl.settings.retriever import EvalConfig, TrainConfig
 
 __all__ = [
     "APPROACHES",

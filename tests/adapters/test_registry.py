@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from car_fl.adapters.adapter import Adapter
-from car_fl.adapters.registry import ADAPTERS, build_adapter
+from car_fl.adapters.config import ADAPTERS
+from car_fl.adapters.registry import adapter_class, build_adapter
 from car_fl.settings.schema import AdapterConfig, AdapterKind
 
 KINDS = list(AdapterKind)
@@ -22,9 +23,21 @@ def moved(kind: AdapterKind, dim: int = 12, **settings: object) -> Adapter:
     return adapter
 
 
-def test_every_kind_is_registered() -> None:
+def test_every_kind_is_registered_once_with_a_class_of_its_kind() -> None:
     assert set(ADAPTERS) == set(AdapterKind)
-    assert all(cls.kind is kind for kind, cls in ADAPTERS.items())
+    classes = [adapter_class(kind) for kind in AdapterKind]
+    assert [cls.kind for cls in classes] == KINDS and len(set(classes)) == len(classes)
+
+
+def test_a_registration_that_names_no_adapter_of_its_kind_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A registration's ``module:Class`` is read when an adapter is built: one naming another
+    kind's class, or no adapter at all, is refused there, naming it."""
+    for wrong in ("car_fl.adapters.full:FullAdapter", "car_fl.adapters.config:AdapterConfig"):
+        monkeypatch.setitem(ADAPTERS, AdapterKind.LOWRANK, wrong)
+        with pytest.raises(TypeError, match=f"{wrong} is no Adapter of kind lowrank"):
+            build_adapter(AdapterConfig(kind=AdapterKind.LOWRANK), 8, seed=0)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -199,7 +199,11 @@ def test_settings_key_changes_with_the_schema_and_composition_code(
     code = node_cache.settings_code()
     for name in ("schema", "compose", "flower", "retriever", "inputs", "federation", "choices"):
         assert f"car_fl/settings/{name}.py" in code
-    assert {"car_fl/heads/config.py", "car_fl/common/choice.py"} <= set(code)
+    assert {
+        "car_fl/adapters/config.py",
+        "car_fl/heads/config.py",
+        "car_fl/common/choice.py",
+    } <= set(code)
     package = tmp_path / "car_fl"
     for name, path in code.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)

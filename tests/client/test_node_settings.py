@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -118,3 +120,38 @@ def test_a_node_loads_the_servers_commit_of_a_hub_model_and_nothing_of_the_serve
         with pytest.raises(Refusal, match="is no commit") as err:
             server_commit(settings, {}, bad)
         assert err.value.failure is Failure.CONFIG_MISMATCH
+
+
+def test_whether_a_name_is_a_hub_repository_is_read_from_its_text_never_the_nodes_disk(
+    make_settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The attack: a server names ``secret/../../etc/ssl`` or a name too long for the file
+    system; a stat of it raised (ENAMETOOLONG only when every parent exists) and made the
+    round's failure code an oracle on the node's folders, before its policy. No file is looked
+    at now: the outcome follows the name alone."""
+    commit = "f" * 40
+    base = make_settings()
+    names = {
+        "org/model": True,
+        "secret/../../etc/ssl": False,
+        "secret/" + "x" * 300: False,
+        "./org/model": False,
+        "gguf:smollm2": False,
+        "org/model.gguf": False,
+    }
+    runs = {
+        name: dataclasses.replace(base, model=dataclasses.replace(base.model, name_or_path=name))
+        for name in names
+    }
+
+    def no_disk(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the node's disk was looked at")
+
+    with monkeypatch.context() as patch:  # undone before pytest reports (it reads files)
+        patch.setattr(os, "stat", no_disk)
+        patch.setattr(os, "lstat", no_disk)
+        got = {
+            name: server_commit(run, {}, commit).model.revision == commit
+            for name, run in runs.items()
+        }
+    assert got == names

@@ -141,7 +141,11 @@ def test_record_level_dp_on_a_shared_file_trains_with_the_hash_placement(
 
 @pytest.mark.slow
 def test_every_node_loads_the_commit_of_the_hub_model_the_server_loaded(
-    tmp_path: Path, make_settings, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    make_settings,
+    tiny_llama: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A Hub model by its branch: the server sends the commit its ``main`` resolved to, and a
     node loads that commit, not its own cache's ``main``. Node 1001's message is made to name
@@ -172,8 +176,12 @@ def test_every_node_loads_the_commit_of_the_hub_model_the_server_loaded(
         replies[context.node_id] = reply = real(msg, context)
         return reply
 
-    metrics = run_local(settings, client_train=train)
+    with caplog.at_level("INFO"):
+        metrics = run_local(settings, client_train=train)
     assert sent == {OWNER: good, TRUSTING: good}
+    # the owner's log says what to fetch (the server sees only the fixed code)
+    assert f"revision {empty} must be in the Hub cache offline" in caplog.text
+    assert f"huggingface-cli download org/tiny --revision {empty}" in caplog.text
     assert replies[OWNER].error.code == Failure.ROUND_FAILED
     assert replies[TRUSTING].has_content()
     assert metrics["history"][0]["clients_ok"] == 1
