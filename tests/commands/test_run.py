@@ -19,7 +19,7 @@ from car_fl.commands.run import is_local_simulation, simulation_config
 from car_fl.deploy.commands import flwr_bin
 from car_fl.deploy.connection import write_connection
 from car_fl.deploy.processes import Processes
-from car_fl.deploy.runs import COMPLETED, NO_INSTALL
+from car_fl.deploy.runs import NO_INSTALL
 from tests.helpers import gone
 
 PROJECT = Path(__file__).resolve().parents[2]
@@ -206,56 +206,6 @@ def test_ctrl_c_stops_the_run_in_one_line_with_exit_130_and_no_traceback_of_flwr
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
     assert stderr.strip().splitlines()[-1] == "car-fl run: run 7 stopped", stderr
     assert (tmp_path / "stop").exists()  # flwr stop was called for the run
-
-
-@pytest.mark.slow
-def test_after_a_plain_flwr_run_car_fl_run_names_the_installing_superlink_then_completes(
-    tmp_path: Path, tiny_llama: Path, synthetic_tsv
-) -> None:
-    """``flwr run . local`` leaves a local SuperLink that installs dependencies in every run;
-    ``car-fl run --superlink flower`` refuses it in one line naming its PID, and completes
-    once it is stopped."""
-    import signal
-
-    from car_fl.deploy.local_superlink import NO_INSTALL_VARIABLE, listener_pid
-    from car_fl.deploy.ports import free_port
-
-    link_port, control_port = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if k != NO_INSTALL_VARIABLE}
-    env.update(
-        FLWR_HOME=str(tmp_path / "flwr"),
-        HF_HUB_OFFLINE="1",
-        FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(link_port),  # this test's own local SuperLink
-        FLWR_LOCAL_CONTROL_API_PORT=str(control_port),
-    )
-    tiny = f'model="local" dataset.path="{synthetic_tsv}"'
-    local = (
-        f"model.name_or_path={tiny_llama} progress=false device=cpu output_dir={tmp_path / 'ok'}"
-    )
-    config = f'fl.rounds=1 {tiny} overrides="{local}"'
-    try:
-        plain = [flwr_bin("flwr"), "run", str(PROJECT), "local", "--run-config", config]
-        plain += ["--federation-config", "num-supernodes=2 client-resources-num-cpus=1"]
-        subprocess.run(plain, env=env, capture_output=True, timeout=300, check=False)
-        pid = listener_pid(link_port)
-        assert pid is not None  # Flower's local SuperLink, started with installation on
-        refused = car_fl("run", "--superlink", "flower", "-c", config, env=env, timeout=120)
-        assert refused.returncode == 1
-        [line] = refused.stderr.strip().splitlines()
-        assert line.startswith("car-fl run: Flower's local SuperLink (PID ") and (
-            f"stop it with `kill {pid}`" in line
-        ), line
-        os.kill(pid, signal.SIGTERM)  # the recovery the line names
-        deadline = time.monotonic() + 60
-        while listener_pid(link_port) is not None and time.monotonic() < deadline:
-            time.sleep(0.5)
-        done = car_fl("run", "--superlink", "flower", "-c", config, env=env, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
-        assert done.stderr.strip().splitlines()[-1].endswith(COMPLETED)
-    finally:
-        pid = listener_pid(link_port)  # the local SuperLink car-fl run started
-        if pid is not None:
-            os.killpg(os.getpgid(pid), signal.SIGTERM)
 
 
 def test_car_fl_run_without_flower_beside_python_or_on_path_fails_in_one_line(

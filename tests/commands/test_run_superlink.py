@@ -1,5 +1,6 @@
 """``car-fl run``'s SuperLink: a run executes in the environment and folder it was started
-from, beside another checkout's local SuperLink, and a stopped run leaves no process behind.
+from, beside another checkout's local SuperLink; Flower's own local SuperLink is refused while
+it installs dependencies; a stopped run leaves no process behind.
 
 Every process a run starts inherits this test's marker in its environment; what still runs
 with it after ``car-fl run`` exits is what the run left behind.
@@ -198,26 +199,47 @@ def test_a_stopped_run_leaves_no_process_behind(
     assert seconds < 45, seconds  # 8 to 10 s on a quiet 2-core machine
 
 
-def test_flowers_local_superlink_keeps_no_ray_process_of_a_stopped_run(
+def test_flowers_local_superlink_is_refused_while_it_installs_and_keeps_no_ray_of_a_stopped_run(
     env: dict[str, str], ended: None, tiny_llama: Path, synthetic_tsv: Path
 ) -> None:
-    """The run's own exit handler (car_fl.server.simulation_exit) ends Ray in Flower's
-    simulation process: what `flwr run . local` users get too. The SuperLink stays, as Flower
-    keeps it; its unreaped simulation process is a zombie, not a running one."""
-    env = {**env, NO_INSTALL_VARIABLE: "1"}
+    """Any plain ``flwr`` command on the ``local`` connection (``flwr run . local`` as much as
+    the ``flwr ls local`` here: both go through Flower's ``ensure_local_superlink``) starts
+    Flower's local SuperLink with dependency installation on; ``car-fl run --superlink
+    flower`` refuses it in one line naming its PID. Once it is stopped (the recovery the line
+    names), car-fl starts it again without installation and runs there. Stopped, the run's
+    own exit handler (car_fl.server.simulation_exit) ends Ray in Flower's simulation process:
+    what ``flwr run . local`` users get too. The SuperLink stays, as Flower keeps it; its
+    unreaped simulation process is a zombie, not a running one."""
+    port = int(env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"])
+    env = {**env, "FLWR_LOCAL_CONTROL_API_PORT": str(free_port())}
     config = run_config(tiny_llama, synthetic_tsv, rounds=500, adapter=True)
-    proc = following(["--superlink", "flower", "-c", config], env)
     try:
+        plain = [flwr_bin("flwr"), "ls", "local", "--format", "json"]
+        subprocess.run(plain, env=env, capture_output=True, timeout=120, check=False)
+        pid = listener_pid(port)
+        assert pid is not None  # Flower's local SuperLink, started with installation on
+        refused = car_fl_run("--superlink", "flower", "-c", config, env=env, timeout=120)
+        assert refused.returncode == 1
+        [line] = refused.stderr.strip().splitlines()
+        assert line.startswith("car-fl run: Flower's local SuperLink (PID ") and (
+            f"stop it with `kill {pid}`" in line
+        ), line
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while listener_pid(port) is not None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        proc = following(["--superlink", "flower", "-c", config], env)
         wait_for_training(env, proc)
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=120)
         assert proc.returncode == 143, stderr[-3000:]
+        assert re.search(r"car-fl run: run \d+ stopped", stderr), stderr[-3000:]
         deadline = time.monotonic() + 30
         kept = ("flower-superlink", "flower-superexec")
         while [c for c in left_behind(env) if not any(k in c for k in kept)]:
             assert time.monotonic() < deadline, left_behind(env)
             time.sleep(0.5)
     finally:
-        pid = listener_pid(int(env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"]))
+        pid = listener_pid(port)
         if pid is not None:  # the local SuperLink this test's run started
             os.kill(pid, signal.SIGTERM)

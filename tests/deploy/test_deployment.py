@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -116,19 +117,43 @@ def write_trusted_entities(path: Path) -> Path:
     return path
 
 
-def test_three_supernodes_train_and_reuse_the_feature_cache_a_pinned_fourth_refuses_the_fab(
+def test_three_nodes_train_over_tls_and_reuse_their_cache_while_every_node_to_refuse_is_refused(
     make_deployment: MakeDeployment,
 ) -> None:
-    """Three SuperNodes train two rounds and reuse their feature cache. A fourth, started with
-    ``--trusted-entities``, refuses every FAB that ``flwr run .`` sends (Flower 1.39 signs FABs
-    only through Flower Hub, so it carries no signature) before any ClientApp runs; its rounds
-    fail with Flower's reason and the run completes with the others."""
+    """One TLS SuperLink with node authentication. It refuses an insecure node, a node that
+    trusts another CA and an unregistered key (the first two hold a registered key, so TLS
+    alone refuses them). A fourth registered node, started with ``--trusted-entities``,
+    refuses every FAB that ``flwr run .`` sends (Flower 1.39 signs FABs only through Flower
+    Hub, so it carries no signature) before any ClientApp runs; its rounds fail with Flower's
+    reason. The three others train two rounds, reuse their feature cache, and the run
+    completes."""
     deployment = make_deployment(env={"OMP_NUM_THREADS": "1"})
-    deployment.cluster.start_superlink()
+    folder = deployment.folder
+    tls = make_certificates(folder / "certs", ["127.0.0.1", "localhost"])
+    other_ca = make_certificates(folder / "other", ["127.0.0.1"]).ca_cert
+    deployment.cluster.start_superlink(tls=tls, node_auth=True)
+    keys = [make_node_key(folder / "certs" / f"node{i}.key") for i in range(5)]
+    for _, public in keys[:4]:  # the fifth stays unregistered
+        result = register_node(public, CONNECTION, env=deployment.cluster.env)
+        assert result.returncode == 0, result.stdout + result.stderr
+    refused_nodes = {
+        "insecure": deployment.start_node(0, 4, private_key=keys[0][0], retries=2),
+        "another CA": deployment.start_node(
+            1, 4, root_cert=other_ca, private_key=keys[1][0], retries=2
+        ),
+        "unregistered": deployment.start_node(
+            2, 4, root_cert=tls.ca_cert, private_key=keys[4][0], retries=2
+        ),
+    }
     for i in range(3):
-        deployment.start_node(i, 4)
-    trusted = write_trusted_entities(deployment.folder / "trusted-entities.yaml")
-    pinned = deployment.start_node(3, 4, trusted_entities=trusted)
+        deployment.start_node(i, 4, root_cert=tls.ca_cert, private_key=keys[i][0])
+    trusted = write_trusted_entities(folder / "trusted-entities.yaml")
+    pinned = deployment.start_node(
+        3, 4, root_cert=tls.ca_cert, private_key=keys[3][0], trusted_entities=trusted
+    )
+    for what, name in refused_nodes.items():
+        code = deployment.cluster.processes.exit_code(name, timeout=120)
+        assert code is not None and code != 0, f"the {what} SuperNode was let in"
     status, out = deployment.run("fl.clients=4", "fl.rounds=2", "train.lr=0.01")
     assert status["status"] == "finished:completed", status
     metrics = json.loads((out / "metrics.json").read_text())
@@ -144,50 +169,17 @@ def test_three_supernodes_train_and_reuse_the_feature_cache_a_pinned_fourth_refu
     assert "App verification is not supported by the connected SuperLink" in (
         deployment.cluster.processes.log(pinned)
     )
-    assert not (deployment.folder / "cache-3").exists()  # its ClientApp never ran
+    assert not (folder / "cache-3").exists()  # its ClientApp never ran
     # Every message runs in a new ClientApp process: round 1 computes the shard's features
     # (loading the encoder once), round 2 finds them on disk and never loads the encoder.
     assert {float(r["encoder_loads"]) for r in trained if r["round"] == "1"} == {1.0}
     assert {float(r["encoder_loads"]) for r in trained if r["round"] == "2"} == {0.0}
     for i in range(3):
-        cache = deployment.folder / f"cache-{i}"
+        cache = folder / f"cache-{i}"
         assert list((cache / "features").rglob("*.safetensors"))  # its per-text features
         # and the node kept its composed settings and its shard for later ClientApp processes
         assert len(list((cache / "settings").glob("*.json"))) == 1
         assert len(list((cache / "shards").glob("*.json"))) == 1
-
-
-def test_tls_and_node_authentication_refuse_every_node_they_should_and_the_run_completes(
-    deployment: Deployment,
-) -> None:
-    """One TLS SuperLink with node authentication refuses an insecure node, a node that
-    trusts another CA and an unregistered key (the first two hold a registered key, so TLS
-    alone refuses them); two registered nodes with the CA then run to the end."""
-    tls = make_certificates(deployment.folder / "certs", ["127.0.0.1", "localhost"])
-    other_ca = make_certificates(deployment.folder / "other", ["127.0.0.1"]).ca_cert
-    deployment.cluster.start_superlink(tls=tls, node_auth=True)
-    keys = [make_node_key(deployment.folder / "certs" / f"node{i}.key") for i in range(3)]
-    for _, public in keys[:2]:
-        result = register_node(public, CONNECTION, env=deployment.cluster.env)
-        assert result.returncode == 0, result.stdout + result.stderr
-    refused = {
-        "insecure": deployment.start_node(0, 2, private_key=keys[0][0], retries=2),
-        "another CA": deployment.start_node(
-            1, 2, root_cert=other_ca, private_key=keys[1][0], retries=2
-        ),
-        "unregistered": deployment.start_node(
-            0, 2, root_cert=tls.ca_cert, private_key=keys[2][0], retries=2
-        ),
-    }
-    for what, name in refused.items():
-        code = deployment.cluster.processes.exit_code(name, timeout=120)
-        assert code is not None and code != 0, f"the {what} SuperNode was let in"
-    for i in range(2):
-        deployment.start_node(i, 2, root_cert=tls.ca_cert, private_key=keys[i][0])
-    status, out = deployment.run("fl.rounds=1")
-    assert status["status"] == "finished:completed", status
-    rows = client_rows(out)
-    assert len(rows) == 2 and {r["status"] for r in rows} == {"ok"}
 
 
 def test_a_killed_supernode_and_a_killed_worker_fail_their_rounds_and_the_run_goes_on(
@@ -248,30 +240,6 @@ def test_a_killed_supernode_and_a_killed_worker_fail_their_rounds_and_the_run_go
     assert not (worker / "worker.sock").exists()
 
 
-def test_superlink_restarted_mid_run_resumes_from_its_database(deployment: Deployment) -> None:
-    # Process isolation with a separate SuperExec: the ServerApp outlives the SuperLink.
-    deployment.cluster.start_superlink(isolation="process")
-    deployment.cluster.start_superexec()
-    for i in range(2):
-        deployment.start_node(i, 2)
-    run_id = deployment.cluster.submit(PROJECT, deployment.overrides("fl.rounds=2"))
-    metrics = deployment.out / "metrics.json"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and not (
-        metrics.is_file() and json.loads(metrics.read_text())["history"]
-    ):
-        time.sleep(0.5)
-    # Round 1 is done: stop the SuperLink, start it again on the same database.
-    deployment.cluster.kill("superlink", signal.SIGTERM)
-    time.sleep(3)
-    deployment.cluster.start_superlink(isolation="process")
-    status = deployment.cluster.wait(run_id, timeout=900)
-    assert status["status"] == "finished:completed", status
-    history = json.loads(metrics.read_text())["history"]
-    assert [row["round"] for row in history] == [1, 2]
-    assert history[-1]["clients_ok"] == 2
-
-
 # ----------------------------------------------------------------------- separate network hosts
 
 
@@ -294,10 +262,14 @@ def _netns_unavailable() -> str | None:
 
 @pytest.fixture
 def hosts() -> Iterator[dict[str, str]]:
-    """Three network namespaces on a bridge: 'link' (10.213.0.1) and 'n0', 'n1' (.11, .12)."""
+    """Three network namespaces on a bridge: 'link' (10.213.0.1) and 'n0', 'n1' (.11, .12).
+    Where namespaces cannot be made, one host: the loopback address, no namespace (a warning
+    says why)."""
     reason = _netns_unavailable()
     if reason is not None:
-        pytest.skip(f"separate-host test skipped: {reason}")
+        warnings.warn(f"one host instead of three: {reason}", stacklevel=1)
+        yield {"link": "127.0.0.1", "link_ns": "", "n0_ns": "", "n1_ns": ""}
+        return
     tag = str(os.getpid() % 100000)
     bridge = f"cfbr{tag}"
     addresses = {"link": "10.213.0.1", "n0": "10.213.0.11", "n1": "10.213.0.12"}
@@ -323,22 +295,41 @@ def hosts() -> Iterator[dict[str, str]]:
         subprocess.run(["ip", "link", "del", bridge], capture_output=True)
 
 
-def test_superlink_and_supernodes_on_separate_network_hosts(
+def test_a_superlink_on_its_own_host_restarted_mid_run_resumes_from_its_database(
     hosts: dict[str, str], make_deployment: MakeDeployment
 ) -> None:
-    # The SuperLink's Fleet API on 10.213.0.1:9092 (Control API :9093), reached over the bridge
-    deployment = make_deployment(host=hosts["link"], ports=9092)
+    """The SuperLink's Fleet API on 10.213.0.1:9092 (Control API :9093) in a network namespace
+    of its own, each SuperNode in another, reached over a bridge. Process isolation with a
+    separate SuperExec: the ServerApp outlives the SuperLink, which is stopped once round 1 is
+    done and started again on the same database; the nodes reconnect and round 2 completes."""
+    separate = bool(hosts["link_ns"])
+    deployment = make_deployment(host=hosts["link"], ports=9092 if separate else None)
 
     def in_ns(role: str) -> list[str]:
-        return ["ip", "netns", "exec", hosts[f"{role}_ns"]]
+        return ["ip", "netns", "exec", hosts[f"{role}_ns"]] if separate else []
 
-    deployment.cluster.start_superlink(prefix=in_ns("link"))
+    deployment.cluster.start_superlink(isolation="process", prefix=in_ns("link"))
+    deployment.cluster.start_superexec()
     for i in range(2):
         deployment.start_node(i, 2, prefix=in_ns(f"n{i}"))
-    time.sleep(4)
-    status, out = deployment.run("fl.rounds=1")
+    overrides = deployment.overrides("fl.rounds=2", "fl.wait_for_nodes=120")
+    run_id = deployment.cluster.submit(PROJECT, overrides)
+    metrics = deployment.out / "metrics.json"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not (
+        metrics.is_file() and json.loads(metrics.read_text())["history"]
+    ):
+        time.sleep(0.5)
+    # Round 1 is done: stop the SuperLink, start it again on the same database.
+    deployment.cluster.kill("superlink", signal.SIGTERM)
+    time.sleep(3)
+    deployment.cluster.start_superlink(isolation="process", prefix=in_ns("link"))
+    status = deployment.cluster.wait(run_id, timeout=900)
     assert status["status"] == "finished:completed", status
-    assert {r["status"] for r in client_rows(out)} == {"ok"}
+    history = json.loads(metrics.read_text())["history"]
+    assert [row["round"] for row in history] == [1, 2]
+    assert history[-1]["clients_ok"] == 2
+    assert {r["status"] for r in client_rows(deployment.out)} == {"ok"}
 
 
 def test_the_local_cluster_script_starts_and_runs_from_a_venv_that_is_not_activated(
