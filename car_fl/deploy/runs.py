@@ -83,43 +83,51 @@ def submit(
         for item in federation_config:
             cmd += ["--federation-config", item]
         out = _flwr(cmd, env, cwd=cwd)
-    return run_id_from(out.stdout, out.stderr, out.returncode)
+    stdout, stderr = (text.replace(str(app), str(project)) for text in (out.stdout, out.stderr))
+    return run_id_from(stdout, stderr, out.returncode)
 
 
 @contextlib.contextmanager
 def fab_folder(project: Path) -> Iterator[Path]:
-    """A temporary folder holding the files of ``project`` that Flower's FAB takes, chosen by
-    Flower's own rules: ``flwr run`` reads every file under the folder it is given before it
-    filters, a checkout's ``.venv`` included (62,000 files: 4 s of CPU a run on a 2-core
-    machine). Skipped are only the top-level folders Flower's FAB never takes (``.venv/**``
-    ...); the FAB is the same bytes (``tests/deploy/test_runs.py``). Where Flower refuses the
-    app, the project itself, so that ``flwr run`` says why."""
-    from flwr.cli.build import get_filtered_fab_paths
+    """A temporary copy of the files of ``project`` that Flower's FAB build starts from (its
+    publish set: Flower's ``filter_paths_for_publish``), where Flower then makes every check
+    and choice of its own: ``flwr run`` reads every file under the folder it is given first, a
+    checkout's ``.venv`` included (62,000 files: 4.7 s of CPU a run on a 2-core machine). Not
+    read are only the folders that filter drops before any check (``.venv/``, ``.flwr/``,
+    ``__pycache__/``). The same FAB, or the same refusal (``tests/deploy/test_runs.py``). The
+    project itself where Flower would refuse it or migrates its legacy ``[tool.flwr
+    .federations]`` (which edits the project's pyproject.toml)."""
     from flwr.cli.utils import filter_paths_for_publish
-    from flwr.common.constant import FAB_CONFIG_FILE, FAB_EXCLUDE_PATTERNS
+    from flwr.supercore.constant import APP_PUBLISH_EXCLUDE_PATTERNS
 
-    top = re.compile(r"([^*/]+)/\*\*")  # a top-level folder the FAB never takes: ".venv/**"
-    skipped = {m[1] for m in map(top.fullmatch, FAB_EXCLUDE_PATTERNS) if m}
+    top = re.compile(r"([^*/]+)/\*\*")  # a top-level folder the publish set never takes
+    skipped = {m[1] for m in map(top.fullmatch, APP_PUBLISH_EXCLUDE_PATTERNS) if m}
     root = project.expanduser().resolve()
     files: dict[str, bytes | Path] = {}
     for folder, subfolders, names in os.walk(root):
-        if folder == str(root):
-            subfolders[:] = [name for name in subfolders if name not in skipped]
+        subfolders[:] = [
+            name
+            for name in subfolders
+            if name != "__pycache__" and not (folder == str(root) and name in skipped)
+        ]
         for name in names:
             path = Path(folder, name)
             if not path.is_symlink():  # as Flower: symbolic links are left out
                 files[path.relative_to(root).as_posix()] = path
+    publish: dict[str, bytes | Path] = {}
     try:
-        config = tomllib.loads((root / FAB_CONFIG_FILE).read_text(encoding="utf-8"))
         with warnings.catch_warnings():  # pathspec deprecates Flower's patterns; flwr shows none
             warnings.simplefilter("ignore", DeprecationWarning)
-            taken = get_filtered_fab_paths(filter_paths_for_publish(files), config)
-        chosen = [FAB_CONFIG_FILE, *taken]
-    except (OSError, ValueError):  # no pyproject.toml, a bad pattern, too deep a path
+            publish = filter_paths_for_publish(files)
+        config = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))
+        legacy = "federations" in config.get("tool", {}).get("flwr", {})
+    except Exception:  # a path too deep, no or a broken pyproject.toml: flwr run says what
+        legacy = True
+    if legacy or "pyproject.toml" not in publish:
         yield project
         return
     with tempfile.TemporaryDirectory(prefix="car-fl-fab-") as staged:
-        for name in chosen:
+        for name in publish:
             (Path(staged) / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(root / name, Path(staged) / name)
         yield Path(staged)

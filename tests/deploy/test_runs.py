@@ -3,13 +3,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from flwr.cli.build import build_fab_from_disk
 
+from car_fl.deploy import runs
 from car_fl.deploy.runs import fab_folder, json_reply, run_id_from, status_from
 
 PROJECT = Path(__file__).resolve().parents[2]
@@ -58,41 +64,107 @@ def test_status_from_flwr_ls() -> None:
     }
 
 
-@pytest.mark.filterwarnings("ignore::DeprecationWarning:pathspec")  # Flower's own build
-@pytest.mark.parametrize("own_include", [True, False], ids=["fab-include", "flowers-defaults"])
-def test_flwr_run_is_given_the_fab_files_alone_and_builds_the_same_fab(
-    tmp_path: Path, own_include: bool
-) -> None:
-    """The FAB from the staged folder is the very bytes Flower builds from the project, with
-    car-fl's ``fab-include`` and with Flower's defaults (which take every ``.py``, ``.md``,
-    ...): a nested ``.venv``, a symbolic link and a file ``.gitignore`` names are treated as
-    Flower treats them; the top-level ``.venv`` is never read."""
-    project = tmp_path / "app"
+def fab_or_refusal(folder: Path) -> bytes | str:
+    """The FAB ``flwr run`` would build from ``folder``, or Flower's reason for refusing it."""
+    try:
+        return build_fab_from_disk(folder)
+    except ValueError as err:  # Flower's refusals, as flwr run reports them
+        return f"{type(err).__name__}: {err}"
+
+
+def make_app(project: Path, pyproject: str, files: dict[str, str]) -> Path:
+    """An app folder: car-fl's two apps and configs, ``pyproject``, and ``files``."""
     project.mkdir()
     for name in ("server_app.py", "client_app.py"):
         shutil.copy(PROJECT / name, project / name)
     shutil.copytree(PROJECT / "conf", project / "conf")
-    (project / "car_fl" / "sub").mkdir(parents=True)
-    (project / "car_fl" / "__init__.py").write_text("x = 1\n")
-    (project / "car_fl" / "sub" / "mod.py").write_text("y = 2\n")
-    pyproject = (PROJECT / "pyproject.toml").read_text(encoding="utf-8")
-    if not own_include:
-        pyproject = "\n".join(x for x in pyproject.splitlines() if not x.startswith("fab-include"))
     (project / "pyproject.toml").write_text(pyproject, encoding="utf-8")
-    for name in (".venv/lib/site.py", "venv/a.py", "nested/.venv/b.py", "docs/notes.md"):
+    for name, text in {"car_fl/__init__.py": "x = 1\n", **files}.items():
         (project / name).parent.mkdir(parents=True, exist_ok=True)
-        (project / name).write_text("z = 3\n")
-    (project / "secret.json").write_text("{}")
-    (project / ".gitignore").write_text("secret.json\n")
+        (project / name).write_text(text, encoding="utf-8")
+    return project
+
+
+OURS = (PROJECT / "pyproject.toml").read_text(encoding="utf-8")
+DEFAULTS = "\n".join(x for x in OURS.splitlines() if not x.startswith("fab-include"))
+DEEP = "venv/lib/python3.11/site-packages/a/b/c/d/e/f/g/h.py"
+CASES = {  # name: (pyproject, extra files, whether flwr run gets a temporary folder)
+    "fab-include": (OURS, {}, True),
+    "flowers-defaults": (DEFAULTS, {"nested/.venv/b.py": "", "docs/notes.md": ""}, True),
+    "fab-exclude": (
+        OURS.replace("fab-include", 'fab-exclude = ["notes/**"]\nfab-include'),
+        {"notes/a.py": ""},
+        True,
+    ),
+    "include-that-flower-drops": (
+        OURS.replace('"conf/**/*.yaml"]', '"conf/**/*.yaml", "tests/**"]'),
+        {"tests/test_a.py": ""},
+        True,
+    ),
+    "too-deep": (DEFAULTS, {DEEP: ""}, False),
+    "ignored-pyproject": (OURS, {".gitignore": "pyproject.toml\n"}, False),
+    "legacy-federations": (OURS + '\n[tool.flwr.federations]\ndefault = "x"\n', {}, False),
+}
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning:pathspec")  # Flower's own build
+@pytest.mark.parametrize("case", CASES)
+def test_flwr_run_gets_a_folder_that_builds_the_same_fab_or_the_same_refusal(
+    tmp_path: Path, case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Flower's FAB, or its refusal, is the same from the temporary folder as from the project:
+    with car-fl's ``fab-include`` and with Flower's defaults (which take every ``.py``, ``.md``,
+    ...), a ``fab-exclude``, an include Flower's own rules then refuse, a path too deep, an
+    ignored pyproject.toml and a legacy federations table (Flower edits that project's file:
+    it gets the project). A symbolic link and an ignored file are treated as Flower treats
+    them; the top-level ``.venv`` is never read."""
+    pyproject, extra, staged_expected = CASES[case]
+    project = make_app(
+        tmp_path / "app",
+        pyproject,
+        {".venv/lib/site.py": "", "secret.json": "{}", "car_fl/sub/mod.py": "y = 2\n", **extra},
+    )
+    if ".gitignore" not in extra:
+        (project / ".gitignore").write_text("secret.json\n")
     (project / "car_fl" / "link.py").symlink_to(project / "car_fl" / "__init__.py")
-    with fab_folder(project) as staged:
-        assert staged != project and not (staged / ".venv").exists()
-        assert build_fab_from_disk(staged) == build_fab_from_disk(project)
-        taken = {p.relative_to(staged).as_posix() for p in staged.rglob("*") if p.is_file()}
-    assert not staged.exists()  # removed once flwr run has the FAB
-    assert ("nested/.venv/b.py" in taken) is (not own_include)  # Flower takes it by default
-    assert "car_fl/sub/mod.py" in taken and "secret.json" not in taken
-    assert "car_fl/link.py" not in taken
+    walked: list[str] = []
+    walk = os.walk
+
+    def recording_walk(top: str, **kw: Any) -> Iterator[tuple[str, list[str], list[str]]]:
+        for entry in walk(top, **kw):
+            walked.append(entry[0])
+            yield entry
+
+    with contextlib.ExitStack() as stack:
+        with monkeypatch.context() as patch:  # fab_folder's own reading, not Flower's below
+            patch.setattr(os, "walk", recording_walk)
+            folder = stack.enter_context(fab_folder(project))
+        assert (folder != project) is staged_expected
+        fab = fab_or_refusal(project)
+        assert fab_or_refusal(folder) == fab
+        assert isinstance(fab, bytes) is (case not in ("too-deep", "ignored-pyproject"))
+    assert not any(".venv" in Path(w).relative_to(project.resolve()).parts[:1] for w in walked)
+    if staged_expected:
+        assert not folder.exists()  # removed once flwr run has the FAB
+
+
+def test_submit_hands_flwr_run_the_temporary_folder_and_names_the_project_in_errors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    project = make_app(tmp_path / "app", OURS, {".venv/lib/site.py": ""})
+    seen: list[Path] = []
+
+    def fake_flwr(cmd: list[str], env: object, *, cwd: Path | None = None) -> object:
+        app = Path(cmd[2])
+        seen.append(app)
+        assert (app / "pyproject.toml").is_file() and not (app / ".venv").exists()
+        return subprocess.CompletedProcess(cmd, 1, f"bad app in {app}/pyproject.toml", "")
+
+    monkeypatch.setattr(runs, "_flwr", fake_flwr)
+    with pytest.raises(RuntimeError) as err:
+        runs.submit(project, "local", [])
+    assert seen and seen[0] != project and not seen[0].exists()
+    assert f"bad app in {project}/pyproject.toml" in str(err.value)
 
 
 def test_a_project_flower_would_refuse_is_given_to_flwr_run_as_it_is(tmp_path: Path) -> None:
