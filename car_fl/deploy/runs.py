@@ -75,7 +75,7 @@ def submit(
 ) -> str:
     """``flwr run`` with these ``--run-config`` and ``--federation-config`` strings, from
     ``cwd`` (where a local SuperLink it starts runs and writes its results); the run id. Flower
-    is given the app's FAB files alone (:func:`fab_folder`)."""
+    is given a copy of the app's files (:func:`fab_folder`)."""
     with fab_folder(Path(project)) as app:
         cmd = [flwr_bin("flwr"), "run", str(app), connection, "--format", "json"]
         for item in run_config:
@@ -89,41 +89,37 @@ def submit(
 
 @contextlib.contextmanager
 def fab_folder(project: Path) -> Iterator[Path]:
-    """A temporary copy of the files of ``project`` that Flower's FAB build starts from (its
-    publish set: Flower's ``filter_paths_for_publish``), where Flower then makes every check
-    and choice of its own: ``flwr run`` reads every file under the folder it is given first, a
-    checkout's ``.venv`` included (62,000 files: 4.7 s of CPU a run on a 2-core machine). Not
-    read are only the folders that filter drops before any check (``.venv/``, ``.flwr/``,
-    ``__pycache__/``). The same FAB, or the same refusal (``tests/deploy/test_runs.py``). The
-    project itself where Flower would refuse it or migrates its legacy ``[tool.flwr
-    .federations]`` (which edits the project's pyproject.toml)."""
+    """A temporary copy of Flower's publish set of ``project`` (``filter_paths_for_publish``:
+    what its FAB build starts from), where ``flwr run`` makes every check and choice itself
+    without reading the folders that filter drops first, a checkout's ``.venv`` (why:
+    docs/deployment.md, "Pinning the app a node runs"). The same FAB or the same refusal
+    (``tests/deploy/test_runs.py``); the project itself where Flower refuses it or would
+    migrate (edit) its legacy ``[tool.flwr.federations]``."""
     from flwr.cli.utils import filter_paths_for_publish
     from flwr.supercore.constant import APP_PUBLISH_EXCLUDE_PATTERNS
 
-    top = re.compile(r"([^*/]+)/\*\*")  # a top-level folder the publish set never takes
-    skipped = {m[1] for m in map(top.fullmatch, APP_PUBLISH_EXCLUDE_PATTERNS) if m}
+    def dropped(pattern: str) -> set[str]:  # folder names in patterns such as ".venv/**"
+        return {m[1] for m in map(re.compile(pattern).fullmatch, APP_PUBLISH_EXCLUDE_PATTERNS) if m}
+
+    top, anywhere = dropped(r"([^*/]+)/\*\*"), dropped(r"\*\*/([^*/]+)/\*\*")
     root = project.expanduser().resolve()
     files: dict[str, bytes | Path] = {}
     for folder, subfolders, names in os.walk(root):
-        subfolders[:] = [
-            name
-            for name in subfolders
-            if name != "__pycache__" and not (folder == str(root) and name in skipped)
-        ]
+        skip = anywhere | (top if folder == str(root) else set())
+        subfolders[:] = [name for name in subfolders if name not in skip]
         for name in names:
             path = Path(folder, name)
             if not path.is_symlink():  # as Flower: symbolic links are left out
                 files[path.relative_to(root).as_posix()] = path
-    publish: dict[str, bytes | Path] = {}
     try:
         with warnings.catch_warnings():  # pathspec deprecates Flower's patterns; flwr shows none
             warnings.simplefilter("ignore", DeprecationWarning)
             publish = filter_paths_for_publish(files)
         config = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))
-        legacy = "federations" in config.get("tool", {}).get("flwr", {})
+        as_is = "federations" in config.get("tool", {}).get("flwr", {})
     except Exception:  # a path too deep, no or a broken pyproject.toml: flwr run says what
-        legacy = True
-    if legacy or "pyproject.toml" not in publish:
+        publish, as_is = {}, True
+    if as_is or "pyproject.toml" not in publish:
         yield project
         return
     with tempfile.TemporaryDirectory(prefix="car-fl-fab-") as staged:
