@@ -11,8 +11,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from car_fl.privacy.mechanism import State, clip_factor, flat_norm
 from car_fl.protocol.messages import decode, encode
-from car_fl.server.replies import Spec
-from car_fl.server.strategy import GuardedStrategy
+from car_fl.server.strategy import GuardedStrategy, Spec
 
 
 def clip(delta: State, bound: float) -> tuple[dict[str, torch.Tensor], float]:

@@ -11,8 +11,7 @@ import torch
 from flwr.app import Context, Message, RecordDict
 
 from car_fl.protocol.messages import ARRAYS_KEY, METRICS_KEY, to_record
-from car_fl.server.shard_claims import ShardClaims
-from car_fl.server.strategy import spec_of, validate_reply
+from car_fl.server.strategy import ShardClaims, spec_of, validate_reply
 from tests.helpers import load_script, set_task_identity
 
 

@@ -1,12 +1,9 @@
 """The aggregator's side: code that runs in the ServerApp.
 
 - :mod:`~car_fl.server.federation`: ``run_federation``: nodes, initial model, rounds, results.
-- :mod:`~car_fl.server.strategy`: ``GuardedStrategy``: any Flower strategy behind car-fl's checks.
+- :mod:`~car_fl.server.strategy`: ``GuardedStrategy``: any Flower strategy behind car-fl's checks
+  (valid replies, partitions pinned per node, the update-norm bound, what a round saw).
 - :mod:`~car_fl.server.aggregation`: the strategy registry.
-- :mod:`~car_fl.server.replies`: what a valid reply is.
-- :mod:`~car_fl.server.shard_claims`: partitions pinned per node.
-- :mod:`~car_fl.server.update_norm`: the update-norm bound.
-- :mod:`~car_fl.server.round_stats`: what a round saw.
 - :mod:`~car_fl.server.round_recorder`: the run's ``evaluate_fn`` (now or in a thread).
 - :mod:`~car_fl.server.evaluation`: ``ServerEvaluator`` (held-out splits).
 - :mod:`~car_fl.server.privacy_check`: each client's ε as the server computes it, and its claim.

@@ -24,8 +24,7 @@ from flwr.serverapp.strategy import (
 
 from car_fl.privacy.mechanism import split_adapter
 from car_fl.server.expert_plan import ExpertPlan
-from car_fl.server.strategy import GuardedStrategy, Spec
-from car_fl.server.update_norm import NormBound
+from car_fl.server.strategy import GuardedStrategy, NormBound, Spec
 from car_fl.settings.dp_plan import public_examples
 from car_fl.settings.schema import Settings, StrategyConfig, StrategyName
 

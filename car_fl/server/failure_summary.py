@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from flwr.common.constant import ErrorCode
 
 from car_fl.protocol.failures import read_failure
-from car_fl.server.round_stats import RoundStats
+from car_fl.server.strategy import RoundStats
 
 LOST = "sent no reply (the node was lost, or the round passed fl.round_timeout)"
 REJECTED = "sent replies the server rejected (the reasons are in the server's log)"

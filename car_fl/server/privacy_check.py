@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from car_fl.privacy.accountant import Accountant, Release
 from car_fl.results.rows import ClientDP, ClientRow, RunSummary, wire_key
-from car_fl.server.round_stats import RoundStats
+from car_fl.server.strategy import RoundStats
 from car_fl.settings.dp_modes.registry import MODES
 from car_fl.settings.dp_plan import dp_active, per_step, record_plan, round_release
 from car_fl.settings.schema import Settings

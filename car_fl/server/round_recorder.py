@@ -22,7 +22,7 @@ from car_fl.protocol.messages import from_record
 from car_fl.results.rows import RoundRow, RunSummary, wire_key
 from car_fl.results.run import ResumePoint, Run, brief
 from car_fl.server.privacy_check import PrivacyCheck, client_rows_of
-from car_fl.server.round_stats import RoundStats
+from car_fl.server.strategy import RoundStats
 from car_fl.settings.dp_plan import dp_active
 from car_fl.training.probe import probe_round
 

@@ -1,10 +1,22 @@
 """Server-side aggregation: any Flower Message-API strategy, guarded by car-fl's checks.
 
 :class:`GuardedStrategy` wraps one of Flower's strategies and adds, once for all of them:
-seeded client sampling, reply validation on decoded values (:mod:`car_fl.server.replies`,
-:class:`~car_fl.server.shard_claims.ShardClaims`), an update-norm bound, a minimum of valid
-replies and per-round records. Valid replies reach the wrapped strategy as float64 arrays in
-node order; its result is cast back to the global model's dtypes.
+seeded client sampling; what a valid train reply is, checked on decoded values
+(:func:`validate_reply`); the server's own record of which node holds which partition
+(:class:`ShardClaims`: a node is pinned to the first partition it claims, any other claim is
+refused, and its count is capped by that partition's size or ``fl.max_examples_per_client``);
+the bound on a reply's update norm ‖θᵢ − θ‖ (:class:`NormBound`, ``fl.norm_bound``: replies
+above it are rejected or clipped); a minimum of valid replies; and what the round saw
+(:class:`RoundStats`), handed to the round recorder when it ends. Valid replies reach the
+wrapped strategy as float64 arrays in node order; its result is cast back to the global
+model's dtypes.
+
+Norm-bound modes: ``fixed`` (``fl.max_update_norm``), ``adaptive`` (``fl.norm_bound_factor``
+× the round's lower median update norm: of two replies the smaller, so a scaled update cannot
+raise its own bound), ``dp`` (under fixed DP per round: the clipped update's bound plus a high
+quantile of the noise norm, each part's with ``dp.adapter_clip``; no user input), ``off``;
+``auto`` picks ``dp`` under fixed DP per round, else ``fixed`` when ``fl.max_update_norm`` is
+set, else ``off``.
 """
 
 from __future__ import annotations
@@ -12,12 +24,14 @@ from __future__ import annotations
 import logging
 import math
 import random
+import statistics
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Strategy
 
@@ -25,18 +39,288 @@ from car_fl.protocol.messages import (
     ARRAYS_KEY,
     CONFIG_KEY,
     NUM_EXAMPLES,
+    RAW_STYPE,
     decode,
     encode,
     payload_bytes,
 )
 from car_fl.server.expert_plan import ExpertPlan
-from car_fl.server.replies import Spec, as_float64, spec_of, validate_reply
-from car_fl.server.round_stats import RoundStats
-from car_fl.server.shard_claims import ShardClaims
-from car_fl.server.update_norm import NormBound, clip_update, update_norm
-from car_fl.settings.schema import NormBoundAction
+from car_fl.settings.dp_modes.registry import MODES
+from car_fl.settings.dp_plan import fixed_noise_std
+from car_fl.settings.schema import DPConfig, NormBoundAction, NormBoundMode, Settings
+
+Spec = Mapping[str, tuple[tuple[int, ...], np.dtype[Any]]]
+
+
+def validate_reply(
+    content: Any,
+    spec: Spec,
+    *,
+    max_examples: int | None = None,
+    optional: frozenset[str] | set[str] = frozenset(),
+) -> str | None:
+    """``None`` if a train reply may be aggregated, else the reason it may not. Exactly the tensors
+    of ``spec`` (those in ``optional`` may be left out), checked on the decoded values, in car-fl's
+    wire format only (a ``.npy`` payload can disagree with its metadata)."""
+    arrays = content.array_records
+    metrics = content.metric_records
+    if len(arrays) != 1 or len(metrics) != 1:
+        return (
+            f"expected one ArrayRecord and one MetricRecord, got {len(arrays)} and {len(metrics)}"
+        )
+    record = next(iter(arrays.values()))
+    missing = sorted(set(spec) - set(record) - set(optional))
+    extra = sorted(set(record) - set(spec))
+    if missing or extra:
+        return f"tensor names differ from the global model: missing {missing}, extra {extra}"
+    for name, (shape, dtype) in spec.items():
+        if name not in record:  # an optional tensor left out
+            continue
+        array = record[name]
+        if array.stype != RAW_STYPE:
+            return f"tensor {name!r} is in format {array.stype!r}; only {RAW_STYPE!r} is accepted"
+        try:
+            values = decode(array)
+        except ValueError as err:
+            return f"tensor {name!r} cannot be read: {err}"
+        if values.shape != shape:
+            return f"tensor {name!r} has shape {values.shape}, expected {shape}"
+        if values.dtype != dtype:
+            return f"tensor {name!r} has dtype {values.dtype}, expected {dtype}"
+        if not np.isfinite(values).all():
+            return f"tensor {name!r} has non-finite values"
+    count = next(iter(metrics.values())).get(NUM_EXAMPLES)
+    if not isinstance(count, int) or isinstance(count, bool):
+        return f"'{NUM_EXAMPLES}' must be an integer, got {count!r}"
+    if count <= 0:
+        return f"'{NUM_EXAMPLES}' must be positive, got {count}"
+    if max_examples is not None and count > max_examples:
+        return f"'{NUM_EXAMPLES}' = {count} exceeds the cap of {max_examples}"
+    return None
+
+
+def spec_of(record: ArrayRecord) -> Spec:
+    """Expected name → (shape, dtype) of every reply, from the global model."""
+    return {k: (tuple(v.shape), decode(v).dtype) for k, v in record.items()}
+
+
+def as_float64(arrays: Mapping[str, np.ndarray[Any, Any]]) -> ArrayRecord:
+    """Arrays as Flower's own NumPy arrays in float64: what Flower's strategies compute on."""
+    return ArrayRecord({k: Array(np.asarray(v, dtype=np.float64)) for k, v in arrays.items()})
+
+
+@dataclass
+class RoundStats:
+    """What the strategy saw in one training round."""
+
+    round: int
+    started: float
+    #: The nodes asked to train this round (sampled from ``connected``).
+    asked: list[int] = field(default_factory=list)
+    connected: int = 0
+    bytes_sent: dict[int, int] = field(default_factory=dict)
+    bytes_received: dict[int, int] = field(default_factory=dict)
+    #: Each valid reply's metrics, under their wire (kebab-case) keys.
+    client_metrics: dict[int, dict[str, float]] = field(default_factory=dict)
+    #: The metrics of every reply that arrived, also those refused: the server's ε counts
+    #: them (client_metrics keeps only the valid ones).
+    released: dict[int, dict[str, float]] = field(default_factory=dict)
+    rejected: dict[int, str] = field(default_factory=dict)
+    failed: dict[int, str] = field(default_factory=dict)
+    #: The error code of each failed node's reply (a lost node, which sent none, has none).
+    failure_codes: dict[int, int] = field(default_factory=dict)
+    #: ‖θᵢ − θ‖ of every reply that passed validation, and this round's bound (if any).
+    update_norms: dict[int, float] = field(default_factory=dict)
+    norm_bound: float | None = None
+    clipped: list[int] = field(default_factory=list)
+    aggregated: bool = False
+
+    def attribute_lost_replies(self) -> None:
+        """Name the nodes that never answered: Flower's error reply for a lost node does not
+        name it, so pair anonymous errors with silent nodes when unambiguous."""
+        answered = {*self.client_metrics, *self.rejected, *self.failed}
+        silent = sorted(set(self.bytes_sent) - answered)
+        anonymous = [n for n in self.failed if n not in self.bytes_sent]
+        if len(silent) == 1 and len(anonymous) == 1:
+            self.failed[silent[0]] = self.failed.pop(anonymous[0])
+            if anonymous[0] in self.failure_codes:
+                self.failure_codes[silent[0]] = self.failure_codes.pop(anonymous[0])
+            return
+        for node in silent:
+            self.failed[node] = "no reply (the node was lost or the round timed out)"
+
+    def weighted(self, key: str) -> float:
+        """The example-weighted mean of a client metric (wire key) over the replies that sent
+        a finite value with a finite, positive count; NaN if none did (a hostile client's −∞
+        or NaN would be the round's figure)."""
+        rows = [
+            m
+            for m in self.client_metrics.values()
+            if math.isfinite(m.get(key, math.nan)) and 0 < m.get(NUM_EXAMPLES, 0) < math.inf
+        ]
+        total = sum(m[NUM_EXAMPLES] for m in rows)
+        if not rows or total <= 0:
+            return float("nan")
+        return sum(m[key] * m[NUM_EXAMPLES] for m in rows) / total
+
+
+class ShardClaims:
+    """Partition ids pinned to node ids, and each node's cap on ``num-examples``."""
+
+    def __init__(
+        self, shard_sizes: Mapping[int, int] | None = None, *, max_examples: int | None = None
+    ) -> None:
+        self.shard_sizes = dict(shard_sizes or {})
+        self.max_examples = max_examples
+        self.held: dict[int, int] = {}  # node id → partition id
+
+    def cap_for(self, node: int, claimed: Any) -> tuple[int | None, str | None]:
+        """(cap, None) if ``node`` may claim partition ``claimed``, else (None, reason)."""
+        if self.max_examples is not None or not self.shard_sizes:
+            return self.max_examples, None
+        if (
+            isinstance(claimed, bool)
+            or not isinstance(claimed, int | float)
+            or not math.isfinite(claimed)
+        ):
+            return None, f"'partition-id' must be an integer, got {claimed!r}"
+        if claimed != int(claimed) or int(claimed) not in self.shard_sizes:
+            valid = f"0..{max(self.shard_sizes)}"
+            return None, f"'partition-id' = {claimed!r} is not a partition of this run ({valid})"
+        pid = int(claimed)
+        pinned = self.held.get(node)
+        if pinned is not None and pinned != pid:
+            return None, f"node {node} holds partition {pinned}, now claims partition {pid}"
+        owner = next((n for n, p in self.held.items() if p == pid and n != node), None)
+        if owner is not None:
+            return None, (
+                f"partition {pid} is held by node {owner}; a node started with data-is-shard "
+                "needs fl.max_examples_per_client"
+            )
+        return self.shard_sizes[pid], None
+
+    def pin(self, node: int, claimed: Any) -> None:
+        """Record ``node`` as the holder of partition ``claimed`` (after a valid reply)."""
+        if self.max_examples is None and self.shard_sizes:
+            self.held.setdefault(node, int(claimed))
+
+
+Arrays = Mapping[str, np.ndarray[Any, Any]]
+
+
+def update_norm(reply: Arrays, reference: Arrays) -> float:
+    """‖θᵢ − θ‖ over all tensors together, in float64; ``inf`` when it is not finite."""
+    total = 0.0
+    with np.errstate(over="ignore", invalid="ignore"):
+        for name, values in reference.items():
+            diff = np.asarray(reply[name], dtype=np.float64) - values.astype(np.float64)
+            total += float(np.square(diff).sum())
+    return math.sqrt(total) if math.isfinite(total) else math.inf
+
+
+def clip_update(reply: Arrays, reference: Arrays, *, bound: float, norm: float) -> dict[str, Any]:
+    """θ + (θᵢ − θ) · bound/‖θᵢ − θ‖ in float64 (the reply itself when it is within the bound)."""
+    if norm <= bound:
+        return {k: np.asarray(v, dtype=np.float64) for k, v in reply.items()}
+    factor = bound / norm
+    return {
+        k: reference[k].astype(np.float64) + (reply[k].astype(np.float64) - reference[k]) * factor
+        for k in reference
+    }
+
+
+def gaussian_norm_quantile(*, parts: Sequence[tuple[float, int]], tail: float) -> float:
+    """An upper bound on the 1 − ``tail`` quantile of ‖X‖, X Gaussian with independent parts of
+    ``(std, dim)`` each. The norm is max(std)-Lipschitz in standard noise and
+    E‖X‖ ≤ √(Σ dim·std²), so by Gaussian concentration P(‖X‖ ≥ √(Σ dim·std²) + max(std)·t)
+    ≤ exp(−t²/2); t = √(2 ln(1/tail))."""
+    if not parts or any(std < 0 or dim < 1 for std, dim in parts) or not 0 < tail < 1:
+        raise ValueError(f"need parts of std >= 0, dim >= 1, and 0 < tail < 1; got {parts}, {tail}")
+    mean = math.sqrt(sum(dim * std**2 for std, dim in parts))
+    return mean + max(std for std, _ in parts) * math.sqrt(2.0 * math.log(1.0 / tail))
+
+
+def released_parts(dp: DPConfig, *, dim: int, adapter_dim: int) -> list[tuple[float, float, int]]:
+    """``(clip, noise std, dim)`` of each part a ``dp=fixed`` reply is released in, as the
+    client clips and noises them (:meth:`car_fl.client.local_dp.ClientPrivacy.scaled`): one,
+    or with ``dp.adapter_clip`` the adapter at its bound and the head at ``dp.clip``, each
+    with its share of the noise."""
+    std, clip_a = fixed_noise_std(dp), dp.adapter_clip
+    if clip_a is None or adapter_dim == 0:
+        return [(dp.clip, std, dim)]
+    if adapter_dim == dim:  # the adapter alone (MIPS): its own bound, all of the noise
+        return [(clip_a, dp.noise_multiplier * clip_a, dim)]
+    share = dp.adapter_share
+    return [
+        (clip_a, dp.noise_multiplier * clip_a / math.sqrt(share), adapter_dim),
+        (dp.clip, std / math.sqrt(1.0 - share), dim - adapter_dim),
+    ]
+
+
+def resolve_mode(settings: Settings) -> NormBoundMode:
+    """``fl.norm_bound`` with ``auto`` resolved (see the module docstring)."""
+    mode = settings.fl.norm_bound
+    if mode is not NormBoundMode.AUTO:
+        return mode
+    if MODES[settings.dp.mode].bounds_replies(settings.dp):
+        return NormBoundMode.DP
+    return NormBoundMode.FIXED if settings.fl.max_update_norm is not None else NormBoundMode.OFF
+
+
+@dataclass(frozen=True)
+class NormBound:
+    """How the server bounds ‖θᵢ − θ‖ in each round."""
+
+    mode: NormBoundMode = NormBoundMode.OFF
+    #: The bound itself (``fixed``, ``dp``); unused by ``adaptive``.
+    value: float | None = None
+    factor: float = 3.0
+    action: NormBoundAction = NormBoundAction.REJECT
+    #: Rounds without the bound (``dp``: the DP warm-up, when clients do not clip).
+    from_round: int = 1
+    #: Relative rounding of the wire dtype (``dp``: the bound allows for it).
+    wire_eps: float = 0.0
+
+    @classmethod
+    def from_settings(cls, settings: Settings, *, dim: int, adapter_dim: int = 0) -> NormBound:
+        """The bound for a run whose replies have ``dim`` parameters in all, ``adapter_dim``
+        of them the adapter's."""
+        fl, dp = settings.fl, settings.dp
+        mode = resolve_mode(settings)
+        value, from_round = fl.max_update_norm, 1
+        if mode is NormBoundMode.DP:  # the clipped update, plus the noise's quantile
+            parts = released_parts(dp, dim=dim, adapter_dim=adapter_dim)
+            noise = gaussian_norm_quantile(parts=[p[1:] for p in parts], tail=fl.norm_bound_tail)
+            value = math.sqrt(sum(clip**2 for clip, _, _ in parts)) + noise
+            from_round = dp.warmup_rounds + 1
+        return cls(
+            mode=mode,
+            value=value,
+            factor=fl.norm_bound_factor,
+            action=fl.norm_bound_action,
+            from_round=from_round,
+            wire_eps=float(np.finfo(np.dtype(settings.comm.dtype)).eps),
+        )
+
+    def bound(
+        self, server_round: int, norms: Sequence[float], *, reference_norm: float = 0.0
+    ) -> float | None:
+        """This round's bound given the update norms of its (otherwise valid) replies."""
+        if self.mode is NormBoundMode.OFF or server_round < self.from_round:
+            return None
+        if self.mode is NormBoundMode.ADAPTIVE:
+            finite = [n for n in norms if math.isfinite(n)]  # the lower median: of two
+            return self.factor * statistics.median_low(finite) if finite else None  # the less
+        assert self.value is not None
+        if (
+            self.mode is NormBoundMode.DP
+        ):  # the reply's rounding to the wire dtype may add up to ε·‖θᵢ‖
+            return self.value + self.wire_eps * (reference_norm + self.value)
+        return self.value
+
 
 log = logging.getLogger(__name__)
+
 
 #: What an honest client sends only outside DP (car_fl.client.round: timing is a side channel).
 TRAIN_METRICS = frozenset({"train-loss", "train-accuracy", "train-seconds"})

@@ -130,7 +130,7 @@ class Split(Choice):
 
 
 class NormBoundMode(Choice):
-    """The server's bound on a reply's update norm (:mod:`car_fl.server.update_norm`)."""
+    """The server's bound on a reply's update norm (:mod:`car_fl.server.strategy`)."""
 
     AUTO = "auto"
     OFF = "off"

@@ -46,7 +46,7 @@ def test_a_hostile_clients_reply_of_another_adapter_kind_or_rank_is_refused(make
     import numpy as np
 
     from car_fl.protocol.messages import to_record
-    from car_fl.server.replies import spec_of, validate_reply
+    from car_fl.server.strategy import spec_of, validate_reply
     from tests.helpers import reply
 
     settings = make_settings("approach=adapter_car", "adapter.kind=lowrank", "adapter.rank=4")

@@ -17,7 +17,7 @@ from car_fl.protocol.messages import (
     payload_bytes,
     to_record,
 )
-from car_fl.server.replies import validate_reply
+from car_fl.server.strategy import validate_reply
 from car_fl.settings.compose import load_settings
 from tests.reference import CaRFedAvg, weighted_average
 

@@ -22,7 +22,7 @@ from car_fl.results.rows import (
     wire_key,
 )
 from car_fl.server.privacy_check import client_rows_of
-from car_fl.server.round_stats import RoundStats
+from car_fl.server.strategy import RoundStats
 from car_fl.settings.schema import Mode
 
 #: Files written by car-fl before the typed rows (a 2-round federation with dp=record, a

@@ -16,8 +16,7 @@ from car_fl.protocol.messages import decode, to_record
 from car_fl.results.rows import CLIENTS_CSV, ClientRow
 from car_fl.results.run import ResumePoint
 from car_fl.server.aggregation import build_strategy
-from car_fl.server.shard_claims import ShardClaims
-from car_fl.server.update_norm import NormBound
+from car_fl.server.strategy import NormBound, ShardClaims
 from car_fl.settings.compose import load_settings
 from car_fl.settings.dp_plan import public_examples
 from car_fl.settings.schema import NormBoundMode

@@ -6,7 +6,7 @@ from flwr.app import Error, Message, RecordDict
 
 from car_fl.protocol.failures import Failure, failure_reply
 from car_fl.server.failure_summary import failure_summary
-from car_fl.server.round_stats import RoundStats
+from car_fl.server.strategy import RoundStats
 from tests.helpers import set_task_identity
 from tests.reference import CaRFedAvg
 from tests.server.test_replies import SPEC

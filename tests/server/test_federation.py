@@ -174,7 +174,7 @@ def test_a_hostile_clients_train_metrics_do_not_become_the_rounds() -> None:
     """A reply's train-loss, train-accuracy and count are claims: a non-finite one (or a count
     that is not positive) is left out of the round's example-weighted figures."""
     from car_fl.protocol.messages import NUM_EXAMPLES
-    from car_fl.server.round_stats import RoundStats
+    from car_fl.server.strategy import RoundStats
 
     stats = RoundStats(round=1, started=time.perf_counter())
     stats.client_metrics = {

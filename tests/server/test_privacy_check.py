@@ -28,7 +28,7 @@ from car_fl.results.run import FEDERATED, ResumePoint, Run
 from car_fl.server.aggregation import build_strategy
 from car_fl.server.privacy_check import PrivacyCheck, disagreement
 from car_fl.server.round_recorder import RoundRecorder
-from car_fl.server.shard_claims import ShardClaims
+from car_fl.server.strategy import ShardClaims
 from car_fl.settings.compose import load_settings
 from car_fl.settings.dp_plan import record_plan, round_release
 from car_fl.settings.flower import NodeInfo
@@ -236,7 +236,7 @@ def test_a_reply_the_norm_bound_rejects_still_counts_in_the_servers_epsilon(
 ) -> None:
     # The server saw the rejected update: its ε counts it, and the honest client that sent it
     # is not flagged in later rounds for claiming the release it made
-    from car_fl.server.update_norm import NormBound, NormBoundMode
+    from car_fl.server.strategy import NormBound, NormBoundMode
 
     settings = load_settings("fl.rounds=2 dp=fixed dp.noise_multiplier=1.0")
     strategy, rounds = recorder_of(settings, tmp_path)

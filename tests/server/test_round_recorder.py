@@ -14,7 +14,7 @@ from car_fl.privacy.mechanism import ADAPTER_WEIGHT
 from car_fl.results.checkpoint import load_checkpoint
 from car_fl.results.run import ResumePoint
 from car_fl.server.round_recorder import PatienceSpent, RoundRecorder
-from car_fl.server.round_stats import RoundStats
+from car_fl.server.strategy import RoundStats
 from car_fl.simulation.apps import import_app
 from car_fl.simulation.in_process import run_local
 from tests.results.test_run import federated_summary, global_model, make_run, scores

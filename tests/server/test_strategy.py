@@ -30,8 +30,13 @@ from car_fl.model.build import build_retriever
 from car_fl.privacy.mechanism import privatize
 from car_fl.protocol.messages import decode, to_record
 from car_fl.server.aggregation import REGISTRY, build_strategy, flower_strategy
-from car_fl.server.strategy import GuardedStrategy, spec_of
-from car_fl.server.update_norm import NormBound, gaussian_norm_quantile, update_norm
+from car_fl.server.strategy import (
+    GuardedStrategy,
+    NormBound,
+    gaussian_norm_quantile,
+    spec_of,
+    update_norm,
+)
 from car_fl.settings.compose import load_settings
 from car_fl.settings.schema import NormBoundAction, NormBoundMode, StrategyConfig, StrategyName
 from car_fl.simulation.in_process import run_local
