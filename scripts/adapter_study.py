@@ -266,7 +266,7 @@ def reply_bytes(checkpoint: Path) -> int | None:
     if not (checkpoint / "weights.safetensors").is_file():
         return None
     from car_fl.protocol.messages import payload_bytes, to_record
-    from car_fl.results.checkpoint import load_checkpoint
+    from car_fl.results.run import load_checkpoint
 
     return payload_bytes(to_record(load_checkpoint(checkpoint).state))
 

@@ -53,9 +53,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from car_fl.data.splits import load_splits  # noqa: E402
-from car_fl.model.build import build_retriever  # noqa: E402
 from car_fl.model.features import features_for  # noqa: E402
-from car_fl.model.retriever import CaRRetriever  # noqa: E402
+from car_fl.model.retriever import CaRRetriever, build_retriever  # noqa: E402
 from car_fl.protocol.messages import payload_bytes, to_record  # noqa: E402
 from car_fl.settings.compose import load_settings  # noqa: E402
 from car_fl.settings.schema import Mode, Settings  # noqa: E402
@@ -323,10 +322,9 @@ import torch, transformers, flwr  # the process's fixed cost, before any model
 from flwr.app import RecordDict
 from car_fl.client.node import Node
 from car_fl.settings.flower import NodeInfo
-from car_fl.client.shard import cached_encoder
+from car_fl.client.round import cached_encoder
 from car_fl.settings.compose import load_settings
-from car_fl.model.build import build_retriever
-from car_fl.model.retriever import CaRRetriever
+from car_fl.model.retriever import CaRRetriever, build_retriever
 from car_fl.settings.schema import Mode
 
 

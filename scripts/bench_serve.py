@@ -56,7 +56,7 @@ def checkpoint_for(model: str, data: Path, work: Path, *, epochs: int, smoke: bo
 def test_queries(checkpoint: Path) -> list[str]:
     """The test split's texts, as the checkpoint's settings split them."""
     from car_fl.data.splits import load_splits
-    from car_fl.results.checkpoint import load_checkpoint
+    from car_fl.results.run import load_checkpoint
 
     ckpt = load_checkpoint(checkpoint)
     splits = load_splits(ckpt.settings.dataset, seed=ckpt.settings.seed, label_map=ckpt.label_map)

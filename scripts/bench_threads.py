@@ -37,8 +37,8 @@ sys.path.insert(0, str(ROOT))
 
 from car_fl.common import threads as thread_rule  # noqa: E402
 from car_fl.common.threads import head_work  # noqa: E402
-from car_fl.model.build import build_retriever  # noqa: E402
 from car_fl.model.features import LocalData  # noqa: E402
+from car_fl.model.retriever import build_retriever  # noqa: E402
 from car_fl.settings.compose import load_settings  # noqa: E402
 from car_fl.training.train import make_optimizer, train_epoch  # noqa: E402
 

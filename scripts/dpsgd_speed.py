@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from car_fl.data.splits import load_splits  # noqa: E402
-from car_fl.model.build import build_retriever  # noqa: E402
+from car_fl.model.retriever import build_retriever  # noqa: E402
 from car_fl.privacy.dpsgd import per_example_gradients  # noqa: E402
 from car_fl.privacy.ghost import ghost_clipped_sum  # noqa: E402
 from car_fl.privacy.mechanism import clip_per_example  # noqa: E402

@@ -34,10 +34,9 @@ from tqdm import tqdm  # noqa: E402
 from car_fl.common.progress import on_terminal  # noqa: E402
 from car_fl.data.labels import LabelMap  # noqa: E402
 from car_fl.data.splits import load_splits  # noqa: E402
-from car_fl.model.build import build_retriever  # noqa: E402
 from car_fl.model.encoder import shared_encoder  # noqa: E402
 from car_fl.model.features import prepare_for  # noqa: E402
-from car_fl.model.retriever import CaRRetriever  # noqa: E402
+from car_fl.model.retriever import CaRRetriever, build_retriever  # noqa: E402
 from car_fl.settings.compose import load_settings  # noqa: E402
 from car_fl.simulation.label_mix import MixAttack, Pool, attack  # noqa: E402
 

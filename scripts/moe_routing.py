@@ -31,10 +31,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{args.corpus / name} not found; build it with scripts/arxiv_corpus.py")
 
     from car_fl.data.splits import load_splits
-    from car_fl.model.build import build_retriever
+    from car_fl.model.retriever import build_retriever
     from car_fl.settings.compose import load_settings
-    from car_fl.training.evaluation import HeldOut, LazyRetriever
-    from car_fl.training.train import evaluate
+    from car_fl.training.train import HeldOut, LazyRetriever, evaluate
 
     base = [
         "dataset=corpus",

@@ -75,8 +75,8 @@ def warm_feature_cache(args: argparse.Namespace) -> None:
     shard, whatever the client count, is then answered from it without the encoder.
     """
     from car_fl.data.splits import load_splits
-    from car_fl.model.build import build_retriever
     from car_fl.model.features import prepare_for
+    from car_fl.model.retriever import build_retriever
 
     base = ["+experiment=sms_privacy", f"dataset.path={args.data.resolve()}", "progress=false"]
     settings = load_settings([*base, *args.extra])

@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from car_fl.heads.head import Hit
     from car_fl.model.gguf import resolve
-    from car_fl.results.checkpoint import load_checkpoint
+    from car_fl.results.run import load_checkpoint
     from car_fl.serving.checkpoint import load_retriever
     from car_fl.serving.rag import PLAIN_INSTRUCTION, load_generator
 

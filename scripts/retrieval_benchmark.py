@@ -176,8 +176,8 @@ def head_cost(summary: dict[str, Any], settings: Any) -> dict[str, float]:
 def evaluate_untrained(settings: Any) -> dict[str, Any]:
     """The summary of a head evaluated as built (rows = the documents' embeddings)."""
     from car_fl.data.splits import load_splits
-    from car_fl.model.build import build_retriever
-    from car_fl.training.evaluation import HeldOut, LazyRetriever
+    from car_fl.model.retriever import build_retriever
+    from car_fl.training.train import HeldOut, LazyRetriever
 
     splits = load_splits(settings.dataset, seed=settings.seed)
     lazy = LazyRetriever(settings, splits)
@@ -199,13 +199,14 @@ def evaluate_untrained(settings: Any) -> dict[str, Any]:
 
 def evaluate_lexical(settings: Any) -> dict[str, Any]:
     """The summary of BM25 alone on the held-out queries (a tie with the true document counts
-    against it, as for every head: :func:`car_fl.training.metrics.ranks`)."""
+    against it, as for every head: :func:`car_fl.training.train.rank_of_true`)."""
     import torch
 
     from car_fl.data.splits import load_splits
     from car_fl.heads.lexical import LexicalIndex
-    from car_fl.results.selection import eval_row
-    from car_fl.training.metrics import rank_metrics, ranks
+    from car_fl.results.run import eval_row
+    from car_fl.training.train import rank_metrics
+    from car_fl.training.train import rank_of_true as ranks
 
     splits = load_splits(settings.dataset, seed=settings.seed)
     assert splits.documents is not None

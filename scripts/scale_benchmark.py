@@ -7,7 +7,7 @@ mixture of experts.
 No encoder: the documents' embeddings are synthetic, ``(documents, dim)`` unit vectors around
 ``topics`` Gaussian topic centres; a query is a noisy copy of its document seen through a fixed
 linear distortion (``QUERY_DISTORTION``), which a trained query map can learn to undo. Each
-variant is car-fl's own code on these features: :func:`car_fl.model.build.build_retriever`
+variant is car-fl's own code on these features: :func:`car_fl.model.retriever.build_retriever`
 (``approach=document`` or ``approach=moe``, its balanced clustering and gate included),
 :func:`car_fl.training.train.train_epoch` and :func:`car_fl.training.train.evaluate` (one batch
 of scores at a time). Measured per variant, each in its own process so that peak memory is
@@ -118,8 +118,8 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from car_fl.heads.experts import MixtureHead
-    from car_fl.model.build import build_retriever
     from car_fl.model.features import LocalData
+    from car_fl.model.retriever import build_retriever
     from car_fl.training.train import evaluate, make_optimizer, train_epoch
 
     torch.set_num_threads(args.threads)

@@ -28,14 +28,13 @@ from typing import Any
 import torch
 from flwr.app import RecordDict
 
-from car_fl.client.round import train_shard
-from car_fl.client.shard import Shard, local_retriever
+from car_fl.client.round import Shard, local_retriever, train_shard
 from car_fl.common.logs import setup_logging
 from car_fl.data.labels import LabelMap
 from car_fl.data.partition import partition
 from car_fl.data.splits import load_splits, stratified_split
-from car_fl.model.build import build_retriever
 from car_fl.model.features import LocalData, prepare_for
+from car_fl.model.retriever import build_retriever
 from car_fl.settings.compose import load_settings
 from car_fl.settings.dp_plan import record_plan
 from car_fl.settings.flower import NodeInfo

@@ -15,9 +15,9 @@ import torch
 from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
-from car_fl.client import shard as client_module
+from car_fl.client import round as client_module
 from car_fl.client.local_dp import ClientPrivacy
-from car_fl.model.build import build_retriever
+from car_fl.model.retriever import build_retriever
 from car_fl.protocol.messages import encode
 from car_fl.settings.schema import DPConfig, Mode, Settings
 

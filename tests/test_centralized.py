@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from car_fl.centralized import run_centralized
 from car_fl.model import encoder as encoder_module
 from car_fl.model.feature_cache import FeatureCache
-from car_fl.results.checkpoint import load_checkpoint
+from car_fl.results.run import load_checkpoint
 
 
 def loads_since(count: int) -> int:

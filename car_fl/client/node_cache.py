@@ -37,7 +37,7 @@ SETTINGS_SOURCES = (
     "adapters/config.py",
     "heads/config.py",
     "common/choice.py",
-    "client/node_settings.py",
+    "client/node.py",
 )
 
 

@@ -17,7 +17,7 @@ from flwr.app import MetricRecord, RecordDict
 from car_fl.client.failures import RunTargetReached
 from car_fl.model.features import LocalData
 from car_fl.model.retriever import CaRRetriever
-from car_fl.privacy.noise import secure_generator
+from car_fl.privacy.mechanism import secure_generator
 from car_fl.privacy.record_accounting import RecordPlan, trained_cap
 from car_fl.settings.dp_plan import record_plan
 from car_fl.settings.flower import NodeInfo

@@ -24,9 +24,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from car_fl.client.confinement import FOLDER_MODE, SECRET_MODE, SOCKET_MODE, exposed, share
-from car_fl.client.node import Node
+from car_fl.client.node import RUNS_DIR, Node, RunStates, run_key
 from car_fl.client.policy import NodePolicy
-from car_fl.client.run_states import RUNS_DIR, RunStates, run_key
 from car_fl.client.worker_link import (
     HANDSHAKE_TIMEOUT,
     POLICY_KEY,

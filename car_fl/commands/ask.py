@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     # the generator first: a wrong name fails before the retriever is loaded
     encoder = None
     if args.same_model:
-        from car_fl.results.checkpoint import load_checkpoint
+        from car_fl.results.run import load_checkpoint
 
         model = load_checkpoint(args.checkpoint).settings.model
         if args.model is not None:
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
 
 def check_corpus(checkpoint: str) -> None:
     """A checkpoint of labels has no documents to answer from: refused in one line."""
-    from car_fl.results.checkpoint import load_checkpoint
+    from car_fl.results.run import load_checkpoint
     from car_fl.settings.choices import Reader
 
     ckpt = load_checkpoint(checkpoint)
@@ -154,7 +154,7 @@ def document_titles(checkpoint: str, documents: str | None) -> dict[str, str]:
     """Each document's title (id → title) of a corpus checkpoint, from its documents file
     (``documents``, else the one its settings name); empty for a checkpoint of labels."""
     from car_fl.data.corpus import read_documents
-    from car_fl.results.checkpoint import load_checkpoint
+    from car_fl.results.run import load_checkpoint
 
     path = documents or load_checkpoint(checkpoint).settings.dataset.documents_path
     if not path:

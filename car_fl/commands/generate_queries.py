@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     offline_unless_reachable()
     from car_fl.common.progress import bar
     from car_fl.model.documents import corpus_documents
-    from car_fl.results.checkpoint import load_checkpoint
+    from car_fl.results.run import load_checkpoint
     from car_fl.serving.checkpoint import load_retriever
     from car_fl.serving.query_generation import generate_queries, round_trip
     from car_fl.serving.rag import load_generator

@@ -7,8 +7,8 @@
 - :mod:`~car_fl.model.gguf`: GGUF files dequantised once into a Hugging Face folder.
 - :mod:`~car_fl.model.features`: length-bucketed extraction (``prepare_for``, ``LocalData``).
 - :mod:`~car_fl.model.feature_cache`: the per-text feature cache (``FeatureCache``).
-- :mod:`~car_fl.model.standardize`: features scaled by the documents' statistics.
 - :mod:`~car_fl.model.documents`: the documents a run retrieves and their frozen embeddings.
-- :mod:`~car_fl.model.retriever`: ``CaRRetriever`` (encoder → adapter → pooling → scorer).
-- :mod:`~car_fl.model.build`: ``build_retriever``, from the settings and the corpus alone.
+- :mod:`~car_fl.model.retriever`: ``CaRRetriever`` (encoder → adapter → pooling → scorer),
+  features scaled by the documents' statistics, ``build_retriever`` from the settings and the
+  corpus alone.
 """

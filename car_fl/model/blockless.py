@@ -32,7 +32,7 @@ TOKEN_ENV = "CAR_FL_BLOCKS_TOKEN"
 #: A CA bundle that signs an https:// service's certificate.
 CA_ENV = "CAR_FL_BLOCKS_CA"
 #: The service of a party whose settings name none (the server of a simulation, whose nodes
-#: read it too: car_fl.client.node_settings): this machine's owner's environment.
+#: read it too: car_fl.client.node): this machine's owner's environment.
 SERVICE_ENV = "CAR_FL_BLOCKS_SERVICE"
 
 

@@ -2,6 +2,17 @@
 
 ``scores = HEAD(POOL(TRF(ADP(TKN(x)))))``. What requires a gradient is trained;
 :meth:`CaRRetriever.trainable_state_dict` is exactly what travels and what a checkpoint holds.
+
+:func:`build_retriever` makes a retriever whose start depends only on the settings and the
+public corpus (a head's documents, embeddings or expert layout, the standardisation, the
+lexical index).
+
+Per-dimension standardisation of pooled features (:class:`Standardizer`) with statistics of
+the document corpus: x ↦ (x − μ) / σ, μ and σ each dimension's mean and deviation over the
+documents' embeddings. A generative LM's few "rogue dimensions" (Timkey & van Schijndel, 2021)
+decide inner products alone; standardising gives each its share. The public documents alone
+give μ and σ, so every party computes the same; a module, so the adapter trains through it
+(docs/retrieval.md, "Features worth searching").
 """
 
 from __future__ import annotations
@@ -16,27 +27,164 @@ from car_fl.adapters.adapter import Adapter
 from car_fl.adapters.registry import build_adapter
 from car_fl.heads.clustering import ExpertLayout
 from car_fl.heads.document_head import DocumentHead
-from car_fl.heads.experts import MixtureHead, experts_in
+from car_fl.heads.experts import MixtureHead, build_layout, experts_in
 from car_fl.heads.fusion import reciprocal_rank_fusion
 from car_fl.heads.head import Retrieval, retrieve
 from car_fl.heads.lexical import LexicalIndex
 from car_fl.heads.registry import build_scorer
 from car_fl.heads.retrieval import KNNScorer, MIPSScorer
 from car_fl.heads.scorer import Scorer
-from car_fl.model.documents import encode_documents
-from car_fl.model.encoder import Encoder
+from car_fl.model.documents import document_features as embed_documents
+from car_fl.model.documents import encode_documents, trained_rows
+from car_fl.model.encoder import Encoder, load_encoder, pick_device
 from car_fl.model.features import extract_features
-from car_fl.model.standardize import Standardizer
 from car_fl.privacy.mechanism import ADAPTER_PREFIX
 from car_fl.settings.schema import (
     AdapterConfig,
     HeadConfig,
     HeadKind,
+    Lexical,
     Mode,
     MoEConfig,
     Settings,
+    Standardize,
     TrainConfig,
 )
+
+
+def build_retriever(
+    settings: Settings,
+    num_labels: int,
+    *,
+    encoder: Encoder | None = None,
+    hidden_size: int | None = None,
+    documents: Sequence[str] | None = None,
+    document_features: torch.Tensor | None = None,
+    layout: ExpertLayout | None = None,
+) -> CaRRetriever:
+    """A retriever whose head initialisation depends only on ``settings.seed``.
+
+    With ``hidden_size`` and no ``encoder`` in classifier mode the encoder is not loaded. A
+    document head starts from ``document_features`` or the ``documents``' cached embeddings; a
+    mixture of experts takes ``layout`` (the server's) or clusters the documents (seeded).
+    """
+    mode = settings.train.mode
+    if encoder is None and (hidden_size is None or mode is Mode.ADAPTER_CLASSIFIER):
+        encoder = load_encoder(settings.model, device=settings.device)
+    kind = settings.head.kind
+    loaded = encoder
+
+    def get_encoder() -> Encoder:
+        return loaded or load_encoder(settings.model, device=settings.device)
+
+    frozen_mips = kind is HeadKind.MIPS and mode is Mode.CLASSIFIER
+    standardize = settings.model.standardize is Standardize.DOCUMENTS
+    needs_documents = kind.traits.from_documents or standardize
+    if (needs_documents or frozen_mips) and document_features is None:
+        if documents is None and not frozen_mips:
+            why = f"head.kind={kind}" if not standardize else "model.standardize=documents"
+            raise ValueError(f"{why} needs the documents (texts or embeddings)")
+        if documents is not None:  # the frozen documents' embeddings, through the cache
+            document_features = embed_documents(settings, documents, get_encoder=get_encoder)
+    scaler = None
+    if standardize:  # the documents a run trains on: new ones arrive later, as added ones do
+        assert document_features is not None
+        scaler = Standardizer(int(document_features.shape[1]))
+        trained = trained_rows(settings, num_labels)
+        scaler.fit(document_features if trained is None else document_features[trained])
+    if kind is HeadKind.MOE and layout is None:  # clustered in the space the head scores in
+        assert document_features is not None
+        space = document_features if scaler is None else scaler(document_features)
+        layout = build_layout(space, settings.moe, seed=settings.seed)
+    torch.manual_seed(settings.seed)
+    model = CaRRetriever(
+        encoder,
+        num_labels,
+        head=settings.head,
+        mode=mode,
+        hidden_size=hidden_size,
+        device=pick_device(settings.device),
+        moe=settings.moe,
+        layout=layout,
+        adapter=settings.adapter,
+        seed=settings.seed,
+    )
+    if scaler is not None:
+        model.standardizer.load(scaler)
+    if isinstance(model.head, MIPSScorer) and document_features is not None and frozen_mips:
+        model.head.set_document_features(document_features)
+    elif isinstance(model.head, MIPSScorer) and documents is not None and model.has_encoder:
+        model.set_documents(documents)  # re-encoded through the adapter while it trains
+    if settings.head.lexical is Lexical.BM25:
+        if documents is None:
+            raise ValueError("head.lexical=bm25 needs the documents' texts")
+        model.lexical = LexicalIndex(documents)
+    if isinstance(model.head, DocumentHead):
+        assert document_features is not None
+        model.set_document_features(document_features)
+        trained = trained_rows(settings, num_labels)
+        if trained is not None:
+            model.head.set_trained_rows(trained.to(model.device))
+    return model
+
+
+#: The fewest documents whose deviation standardisation trusts (a handful of label texts is no
+#: sample of a space).
+MIN_DOCUMENTS = 8
+
+
+#: A deviation below this share of the median divides by that floor instead: a dimension
+#: constant across documents but not queries would otherwise decide every cosine.
+RELATIVE_FLOOR = 0.01
+
+
+class Standardizer(nn.Module):
+    """``(..., d)`` → ``(x − μ) / σ``; the identity until :meth:`fit` is called. μ and σ are
+    outside the state dict (never trained, sent or saved): every party computes them."""
+
+    mean: torch.Tensor
+    deviation: torch.Tensor
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(dim), persistent=False)
+        self.register_buffer("deviation", torch.ones(dim), persistent=False)
+        self.fitted = False
+
+    def fit(self, documents: torch.Tensor) -> None:
+        """μ and σ of the documents' embeddings ``(documents, d)``, in float32."""
+        if documents.ndim != 2 or documents.shape[1] != self.mean.shape[0]:
+            raise ValueError(
+                f"documents of shape {tuple(documents.shape)} for features of dimension "
+                f"{self.mean.shape[0]}"
+            )
+        if documents.shape[0] < MIN_DOCUMENTS:
+            raise ValueError(
+                f"model.standardize=documents needs at least {MIN_DOCUMENTS} documents to "
+                f"estimate each dimension's deviation, got {documents.shape[0]}; use a corpus "
+                "(dataset=corpus) or model.standardize=none"
+            )
+        x = documents.detach().float()
+        deviation = x.std(dim=0)
+        floor = float(RELATIVE_FLOOR * deviation.median())
+        deviation = deviation.clamp_min(floor) if floor > 0 else torch.ones_like(deviation)
+        with torch.no_grad():
+            self.mean.copy_(x.mean(dim=0))
+            self.deviation.copy_(deviation)
+        self.fitted = True
+
+    def load(self, other: Standardizer) -> None:
+        """The statistics ``other`` was fitted to."""
+        with torch.no_grad():
+            self.mean.copy_(other.mean)
+            self.deviation.copy_(other.deviation)
+        self.fitted = other.fitted
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.fitted:
+            return x
+        return (x.float() - self.mean) / self.deviation
+
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +225,7 @@ class CaRRetriever(nn.Module):
         self._device = torch.device(device)
         self.adapter: Adapter = build_adapter(adapter or AdapterConfig(), dim, seed=seed).to(device)
         #: Pooled features → the space every scorer works in (the identity unless fitted to the
-        #: corpus's documents by :func:`~car_fl.model.build.build_retriever`).
+        #: corpus's documents by :func:`~car_fl.model.retriever.build_retriever`).
         self.standardizer = Standardizer(dim).to(device)
         #: A lexical index whose ranking is fused with the head's (:meth:`fuse`), or None.
         self.lexical: LexicalIndex | None = None

@@ -26,8 +26,7 @@ from torch.func import functional_call, grad, vmap
 
 from car_fl.privacy.accountant import check_sample_rate
 from car_fl.privacy.ghost import ghost_clipped_sum, supports_ghost
-from car_fl.privacy.mechanism import clip_per_example
-from car_fl.privacy.noise import gaussian_like, secure_generator
+from car_fl.privacy.mechanism import clip_per_example, gaussian_like, secure_generator
 
 Tensors = dict[str, torch.Tensor]
 

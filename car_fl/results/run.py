@@ -5,6 +5,14 @@ drive a :class:`Run`; nothing else selects, counts patience, checkpoints or resu
 (docs/architecture.md, "What every run shares"). Each step's checkpoint (with its
 optimiser's state) is written before its row, so a stopped run resumes and ends where an
 uninterrupted one would.
+
+Checkpoints: adapter + head weights (safetensors), label map, resolved config, round, metrics.
+``weights.safetensors`` holds only trainable tensors (never the encoder), with all the metadata
+in its header, so one file explains the run; ``meta.json`` repeats the metadata for people.
+
+Model selection is on the validation split, never on test (:func:`is_better`): higher
+validation top-1 wins, then lower validation loss, then the earlier row. Without a validation
+split the latest model is "best" (it equals "final").
 """
 
 from __future__ import annotations
@@ -14,18 +22,17 @@ import logging
 import math
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save
 
-from car_fl.common.io import atomic_write_bytes, atomic_write_text
+from car_fl.common.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 from car_fl.data.labels import LabelMap
-from car_fl.results.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from car_fl.results.plots import plot_curves
 from car_fl.results.rows import (
     CLIENTS_CSV,
@@ -35,16 +42,130 @@ from car_fl.results.rows import (
     RoundRow,
     RunSummary,
 )
-from car_fl.results.selection import is_better, patience_spent, select_best
 from car_fl.settings.compose import settings_from_yaml, settings_to_yaml
 from car_fl.settings.flat import changed_keys, refuse_other_settings
 from car_fl.settings.flower import NODE_LOCAL_KEYS, fingerprint
 from car_fl.settings.schema import Settings, federated_part
 
+WEIGHTS = "weights.safetensors"
+
+
+META = "meta.json"
+
+
+FORMAT = "car-fl-checkpoint-v1"
+
+
+@dataclass
+class Checkpoint:
+    """What a checkpoint folder holds."""
+
+    state: dict[str, torch.Tensor]
+    label_map: LabelMap
+    settings: Settings
+    round: int
+    metrics: dict[str, Any] = field(default_factory=dict)
+    epsilon: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def save_checkpoint(folder: str | Path, ckpt: Checkpoint) -> Path:
+    """Write the checkpoint atomically (a crash leaves the previous one whole); the folder."""
+    folder = Path(folder)
+    state = {k: v.detach().cpu().contiguous() for k, v in ckpt.state.items()}
+    meta = {
+        "format": FORMAT,
+        "round": ckpt.round,
+        "mode": ckpt.settings.train.mode,
+        "labels": ckpt.label_map.to_list(),
+        "metrics": ckpt.metrics,
+        "epsilon": ckpt.epsilon,
+        "tensors": {k: list(v.shape) for k, v in state.items()},
+        "extra": ckpt.extra,
+        "config_yaml": settings_to_yaml(ckpt.settings),
+    }
+    header = {"format": FORMAT, "meta": json.dumps(meta)}
+    # bytes, not save_file: safetensors' own temporary file would outlive a killed writer
+    atomic_write_bytes(folder / WEIGHTS, save(state, metadata=header))
+    atomic_write_json(folder / META, meta)
+    return folder
+
+
+def load_checkpoint(folder: str | Path) -> Checkpoint:
+    """Read a checkpoint folder (``FileNotFoundError`` if missing, ``ValueError`` if foreign)."""
+    folder = Path(folder)
+    weights = folder / WEIGHTS
+    if not weights.is_file():
+        raise FileNotFoundError(
+            f"{folder} is not a car-fl checkpoint: {WEIGHTS} is missing (expected a folder "
+            "written by a car-fl run, e.g. <run dir>/checkpoints/final)"
+        )
+    try:
+        with safe_open(str(weights), framework="pt") as handle:
+            header = handle.metadata() or {}
+    except SafetensorError as err:  # cut short by a stop, or not safetensors at all
+        raise ValueError(f"{weights}: not a readable safetensors file ({err})") from err
+    if header.get("format") != FORMAT or "meta" not in header:
+        raise ValueError(f"{weights}: not a car-fl checkpoint (format {header.get('format')!r})")
+    meta = json.loads(header["meta"])
+    return Checkpoint(
+        state=load_file(str(weights)),
+        label_map=LabelMap(tuple(meta["labels"])),
+        settings=settings_from_yaml(meta["config_yaml"]),
+        round=int(meta["round"]),
+        metrics=meta.get("metrics", {}),
+        epsilon=meta.get("epsilon"),
+        extra=meta.get("extra", {}),
+    )
+
+
+Row = Mapping[str, Any]
+
+
+T = TypeVar("T")
+
+
+def _as_scores(row: Any) -> Row:
+    return row
+
+
+def eval_row(validation: Mapping[str, float] | None, test: Mapping[str, float]) -> dict[str, float]:
+    """Validation and test metrics side by side: ``val_top1``, ..., ``test_top1``, ..."""
+    row = {f"val_{k}": float(v) for k, v in (validation or {}).items()}
+    row.update({f"test_{k}": float(v) for k, v in test.items()})
+    return row
+
+
+def is_better(row: Row, best: Row | None) -> bool:
+    """Whether ``row`` should replace ``best`` as the selected model."""
+    if best is None or "val_top1" not in row or "val_top1" not in best:
+        return True
+    return (row["val_top1"], -row["val_loss"]) > (best["val_top1"], -best["val_loss"])
+
+
+def select_best(rows: Iterable[T], *, scores: Callable[[T], Row] = _as_scores) -> T | None:
+    """The row :func:`is_better` keeps when the rows arrive in order (``scores``: a row's
+    ``val_*`` metrics; default: the row is a mapping of them)."""
+    best: T | None = None
+    for row in rows:
+        if is_better(scores(row), scores(best) if best is not None else None):
+            best = row
+    return best
+
+
+def patience_spent(since_best: int, patience: int | None) -> bool:
+    """The one patience rule (``train.patience``; null: never): ``since_best`` epochs or rounds
+    that count were recorded after the one validation selects."""
+    return patience is not None and since_best >= patience
+
+
 log = logging.getLogger(__name__)
+
 
 #: Seconds between two drawings of a running run's ``curves.png`` (its end always draws it).
 PLOT_SECONDS = 30.0
+
+
 #: The optimiser's state beside a step's weights (a run whose steps keep one optimiser).
 OPTIMIZER = "optimizer.safetensors"
 
@@ -77,6 +198,8 @@ CENTRALIZED = Kind(
     "a centralised run (car-fl train)",
     ("output_dir", "cache_dir", "resume", "progress", "device", "train.epochs"),
 )
+
+
 FEDERATED = Kind(
     "federated",
     "round",
@@ -85,6 +208,8 @@ FEDERATED = Kind(
     # each node's own paths and devices, but not the server's encoder: the rows so far are its
     (*(k for k in NODE_LOCAL_KEYS if k != "model.name_or_path"), "fl.rounds", "train.epochs"),
 )
+
+
 KINDS = {kind.name: kind for kind in (CENTRALIZED, FEDERATED)}
 
 
@@ -487,7 +612,7 @@ class Run:
         return sum(1 for row in self.history if row.round > best and self.counts(row))
 
     def stalled(self, *, ahead: int = 0) -> int | None:
-        """The step validation selects, once :func:`~car_fl.results.selection.patience_spent`
+        """The step validation selects, once :func:`~car_fl.results.run.patience_spent`
         (with ``ahead`` more rows); None before."""
         since = self.since_best()
         if since is None or self.best is None or not patience_spent(since + ahead, self.patience):

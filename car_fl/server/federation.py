@@ -22,9 +22,8 @@ from car_fl.results.plots import data_label, model_label
 from car_fl.results.rows import RunSummary
 from car_fl.results.run import FEDERATED, Run, open_run_dir
 from car_fl.server.aggregation import build_strategy
-from car_fl.server.evaluation import ServerEvaluator
 from car_fl.server.failure_summary import failure_summary
-from car_fl.server.round_recorder import PatienceSpent, RoundRecorder
+from car_fl.server.round_recorder import PatienceSpent, RoundRecorder, ServerEvaluator
 from car_fl.server.simulation_exit import end_ray_on_exit
 from car_fl.server.strategy import GuardedStrategy, spec_of
 from car_fl.serving.checkpoint import checkpoint_extra

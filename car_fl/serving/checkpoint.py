@@ -14,13 +14,12 @@ from car_fl.data.labels import LabelMap
 from car_fl.heads.clustering import ExpertLayout
 from car_fl.heads.experts import MixtureHead
 from car_fl.heads.retrieval import KNNScorer
-from car_fl.model.build import build_retriever
 from car_fl.model.documents import document_texts, documents_identity
 from car_fl.model.encoder import Encoder
 from car_fl.model.features import LocalData, QueryEncoder, prepare_for
-from car_fl.model.retriever import CaRRetriever
+from car_fl.model.retriever import CaRRetriever, build_retriever
 from car_fl.model.sources import encoder_digest
-from car_fl.results.checkpoint import load_checkpoint
+from car_fl.results.run import load_checkpoint
 from car_fl.settings.schema import Settings
 
 log = logging.getLogger(__name__)

@@ -44,7 +44,7 @@ class Standardize(Choice):
 
     ``documents``: each dimension's mean and deviation over the document corpus's embeddings
     (public to the federation; never a client's queries), applied to queries and documents
-    alike (:mod:`car_fl.model.standardize`).
+    alike (:mod:`car_fl.model.retriever`).
     """
 
     NONE = "none"

@@ -19,8 +19,7 @@ from flwr.app import RecordDict
 from sklearn.linear_model import RidgeCV
 from sklearn.preprocessing import StandardScaler
 
-from car_fl.client.round import train_shard
-from car_fl.client.shard import Shard
+from car_fl.client.round import Shard, train_shard
 from car_fl.data.labels import LabelMap
 from car_fl.model.features import LocalData
 from car_fl.settings.flower import NodeInfo

@@ -14,9 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from car_fl.data.splits import DataSplits, load_splits
-from car_fl.model.build import build_retriever
 from car_fl.model.features import LocalData, prepare_for
-from car_fl.model.retriever import CaRRetriever
+from car_fl.model.retriever import CaRRetriever, build_retriever
 from car_fl.model.sources import check_sources
 from car_fl.results.plots import data_label, model_label
 from car_fl.results.rows import RoundRow, RunSummary
@@ -30,9 +29,8 @@ from car_fl.results.run import (
 from car_fl.serving.checkpoint import checkpoint_extra
 from car_fl.settings.dp_modes.registry import MODES
 from car_fl.settings.schema import HeadKind, Mode, Settings, nothing_to_train
-from car_fl.training.evaluation import HeldOut, LazyRetriever
 from car_fl.training.probe import probe_head
-from car_fl.training.train import make_optimizer, one_epoch
+from car_fl.training.train import HeldOut, LazyRetriever, make_optimizer, one_epoch
 
 log = logging.getLogger(__name__)
 

@@ -4,27 +4,207 @@
 ``adapter+classifier``: the adapter and the head train through the frozen encoder; each batch
 is padded to its own length. The order of examples in epoch ``e`` depends only on
 ``(seed, e)``, so a run split into rounds of local epochs sees the same order as one long run.
+
+Evaluation on the held-out splits: validation selects the model, test is reported.
+:class:`HeldOut` prepares both splits once and evaluates a model on them (the centralised run
+after each epoch; the server after each round, :mod:`car_fl.server.round_recorder`).
+
+Retrieval metrics: top-K accuracy, Recall@K, MRR, nDCG@10, macro-F1. Every metric is a function
+of the true label's rank per query (:func:`rank_of_true`), so an evaluation keeps one rank and
+one prediction per query. With one relevant document per query Recall@K is top-K accuracy and
+nDCG@10 is 1/log2(1 + rank) for a rank of at most 10, else 0.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from car_fl.common.progress import bar
 from car_fl.common.threads import head_work, threads_for
-from car_fl.model.features import LocalData, extract_features
-from car_fl.model.retriever import CaRRetriever
+from car_fl.model.documents import split_texts
+from car_fl.model.features import LocalData, extract_features, prepare_for
+from car_fl.model.retriever import CaRRetriever, build_retriever
 from car_fl.privacy.mechanism import ADAPTER_PREFIX
-from car_fl.settings.schema import OptimizerKind, Settings, TrainConfig
-from car_fl.training.metrics import rank_metrics
-from car_fl.training.metrics import ranks as rank_of_true
+from car_fl.results.run import eval_row
+from car_fl.settings.schema import Lexical, OptimizerKind, Settings, TrainConfig
+
+if TYPE_CHECKING:
+    from car_fl.data.splits import DataSplits
+
+
+def rank_of_true(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """1-based rank of the true label among each row's logits; ties count against the model."""
+    true = logits.gather(1, labels.view(-1, 1))  # (batch, 1)
+    return (logits >= true).sum(dim=1)
+
+
+def macro_f1(predictions: torch.Tensor, labels: torch.Tensor, num_labels: int) -> float:
+    """Unweighted mean of per-label F1 over the labels that occur in ``labels`` or predictions."""
+    predictions, labels = predictions.long().cpu(), labels.long().cpu()
+    predicted = torch.bincount(predictions, minlength=num_labels).double()
+    actual = torch.bincount(labels, minlength=num_labels).double()
+    tp = torch.bincount(labels[predictions == labels], minlength=num_labels).double()
+    present = (predicted > 0) | (actual > 0)
+    if not bool(present.any()):
+        return float("nan")
+    precision = tp / predicted.clamp_min(1.0)
+    recall = tp / actual.clamp_min(1.0)
+    f1 = torch.where(tp > 0, 2 * precision * recall / (precision + recall).clamp_min(1e-300), 0.0)
+    return float(f1[present].mean())
+
+
+#: Recall@K and nDCG@K reported beside the top-K accuracies.
+RECALL_K = (1, 5, 10)
+
+
+NDCG_K = 10
+
+
+def rank_metrics(
+    rank: torch.Tensor,
+    *,
+    top_k: list[int],
+    predictions: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    num_labels: int | None = None,
+    loss: float | None = None,
+) -> dict[str, float]:
+    """Metrics of 1-based ranks: ``loss``, ``top{k}``, ``recall@{k}``, ``mrr``, ``ndcg@10``, F1."""
+    out: dict[str, float] = {}
+    if loss is not None:
+        out["loss"] = loss
+    r = rank.double()
+    empty = len(r) == 0
+
+    def share(mask: torch.Tensor) -> float:
+        return float("nan") if empty else float(mask.double().mean())
+
+    for k in sorted({1, *top_k}):
+        out[f"top{k}"] = share(r <= k)
+    for k in RECALL_K:
+        out[f"recall@{k}"] = share(r <= k)
+    out["mrr"] = float("nan") if empty else float((1.0 / r).mean())
+    gain = torch.where(r <= NDCG_K, 1.0 / torch.log2(r + 1.0), torch.zeros_like(r))
+    out[f"ndcg@{NDCG_K}"] = float("nan") if empty else float(gain.mean())
+    if predictions is not None and labels is not None and num_labels is not None:
+        out["macro_f1"] = macro_f1(predictions, labels, num_labels)
+    return out
+
+
+class LazyRetriever:
+    """The run's retriever, built (encoder loaded) only when a feature is not cached."""
+
+    def __init__(self, settings: Settings, splits: DataSplits) -> None:
+        self.settings, self.names = settings, splits.label_map.names
+        self.documents = split_texts(settings, splits)
+        self.model: CaRRetriever | None = None
+
+    def __call__(self) -> CaRRetriever:
+        if self.model is None:
+            self.model = build_retriever(self.settings, len(self.names), documents=self.documents)
+        return self.model
+
+
+@dataclass
+class HeldOut:
+    """Validation (``None`` without one: ``dataset.val_fraction=0``) and test examples. A corpus
+    with new documents also reports ``new_*`` and ``old_*`` metrics: on the queries of documents
+    that had no training query, and on the others."""
+
+    test: LocalData
+    validation: LocalData | None
+    new_documents: frozenset[int] = frozenset()
+
+    def subsets(self, data: LocalData) -> dict[str, torch.Tensor]:
+        """``new`` and ``old`` query masks of ``data`` (none without new documents)."""
+        if not self.new_documents:
+            return {}
+        new = torch.isin(data.labels, torch.tensor(sorted(self.new_documents)))
+        return {"new": new, "old": ~new}
+
+    @classmethod
+    def prepare(
+        cls,
+        settings: Settings,
+        splits: DataSplits,
+        *,
+        get_model: Callable[[], CaRRetriever],
+        desc: str = "",
+    ) -> HeldOut:
+        """Features (or token ids) of the test and validation splits; ``desc`` prefixes the bars."""
+        test = prepare_for(
+            settings,
+            splits.test["text"],
+            splits.test["label"],
+            get_model=get_model,
+            desc=f"{desc}test features",
+        )
+        validation = (
+            prepare_for(
+                settings,
+                splits.validation["text"],
+                splits.validation["label"],
+                get_model=get_model,
+                desc=f"{desc}validation features",
+            )
+            if len(splits.validation)
+            else None
+        )
+        if settings.head.lexical is not Lexical.NONE:  # the fused ranking reads the texts
+            test = dataclasses.replace(test, texts=tuple(splits.test["text"]))
+            if validation is not None:
+                validation = dataclasses.replace(validation, texts=tuple(splits.validation["text"]))
+        return cls(test=test, validation=validation, new_documents=splits.new_documents)
+
+    @property
+    def selection(self) -> str:
+        """How the best model is chosen (the summary's ``selection``)."""
+        return "validation" if self.validation is not None else "final (no validation split)"
+
+    def evaluate(self, model: CaRRetriever, settings: Settings) -> dict[str, float]:
+        """``val_*`` and ``test_*`` metrics of ``model``."""
+        return eval_row(
+            self.metrics_on(self.validation, model, settings), self.on_test(model, settings)
+        )
+
+    def metrics_on(
+        self, data: LocalData | None, model: CaRRetriever, settings: Settings
+    ) -> dict[str, float] | None:
+        """The metrics of ``model`` on ``data`` (unprefixed), or None without data."""
+        if data is None:
+            return None
+        return evaluate(
+            model,
+            data,
+            batch_size=settings.train.eval_batch_size,
+            top_k=settings.eval.top_k,
+            subsets=self.subsets(data),
+        )
+
+    def on_test(self, model: CaRRetriever, settings: Settings) -> dict[str, float]:
+        """The metrics of ``model`` on the test split (unprefixed)."""
+        metrics = self.metrics_on(self.test, model, settings)
+        assert metrics is not None
+        return metrics
+
+    def sample_validation(self, size: int, *, seed: int) -> HeldOut:
+        """The same splits with validation cut to ``size`` examples drawn with ``seed`` (kept
+        in their order); as it is when ``size`` is 0 or not smaller than validation."""
+        if self.validation is None or size == 0 or size >= len(self.validation):
+            return self
+        generator = torch.Generator().manual_seed(seed)
+        chosen = torch.randperm(len(self.validation), generator=generator)[:size]
+        positions = sorted(int(i) for i in chosen)
+        return HeldOut(self.test, self.validation.select(positions), self.new_documents)
+
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +347,7 @@ def train_epoch_dpsgd(
     examples left out still count, so nothing sent depends on how many were.
     """
     from car_fl.privacy.dpsgd import dpsgd_step, poisson_sample
-    from car_fl.privacy.noise import seed_from_entropy
+    from car_fl.privacy.mechanism import seed_from_entropy
 
     population = len(data) if population is None else population
     if population == 0:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from car_fl.model.build import build_retriever
+from car_fl.model.retriever import build_retriever
 from car_fl.simulation.in_process import run_local
 
 

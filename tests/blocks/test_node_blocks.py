@@ -13,7 +13,7 @@ from car_fl.blocks import client
 from car_fl.blocks.client import IN_PROCESS
 from car_fl.blocks.compute import Answer, BlocksHandler
 from car_fl.client.failures import Refusal, failure_of
-from car_fl.client.node_settings import own_cache, with_environment
+from car_fl.client.node import own_cache, with_environment
 from car_fl.client.policy import NodePolicy
 from car_fl.model import encoder
 from car_fl.protocol.failures import Failure

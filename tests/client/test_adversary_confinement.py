@@ -28,7 +28,7 @@ from transformers import AutoTokenizer  # noqa: F401  # imported once here, not 
 from car_fl.client import worker_link
 from car_fl.client.worker import NodeWorker
 from car_fl.client.worker_link import WorkerFailed
-from car_fl.model.build import build_retriever
+from car_fl.model.retriever import build_retriever
 from car_fl.protocol.failures import Failure
 from car_fl.protocol.messages import to_record
 from car_fl.settings.compose import load_settings, settings_from_yaml

@@ -16,7 +16,7 @@ from flwr.app import RecordDict
 from car_fl.client.failures import Refusal
 from car_fl.client.node import Node
 from car_fl.client.node_privacy import NodePrivacy
-from car_fl.model.build import build_retriever
+from car_fl.model.retriever import build_retriever
 from car_fl.protocol.failures import Failure
 from car_fl.settings.flower import NodeInfo
 

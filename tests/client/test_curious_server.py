@@ -16,7 +16,7 @@ from flwr.app import RecordDict
 
 from car_fl.client.node import Node
 from car_fl.data.splits import load_splits
-from car_fl.model.build import build_retriever
+from car_fl.model.retriever import build_retriever
 from car_fl.privacy.mechanism import difference, flat_norm
 from car_fl.protocol.messages import train_reply
 from car_fl.settings.flower import NodeInfo

@@ -1,4 +1,4 @@
-"""car_fl.client.experts: the experts a node sends never depend on its data under DP.
+"""car_fl.client.round: the experts a node sends never depend on its data under DP.
 
 The adversary is a curious server: it sees which tensors each reply holds. Under DP that set
 must be a function of what the server sent alone, whatever the node's queries are.
@@ -10,12 +10,11 @@ import pytest
 import torch
 from flwr.app import RecordDict
 
-from car_fl.client.experts import tensors_to_send
 from car_fl.client.node import Node
+from car_fl.client.round import tensors_to_send
 from car_fl.data.splits import load_splits
 from car_fl.heads.experts import EXPERT_PREFIX, MixtureHead
-from car_fl.model.build import build_retriever
-from car_fl.model.retriever import CaRRetriever
+from car_fl.model.retriever import CaRRetriever, build_retriever
 from car_fl.serving.checkpoint import checkpoint_extra
 from car_fl.settings.flower import NodeInfo
 from car_fl.settings.schema import Settings

@@ -16,7 +16,7 @@ from car_fl.client.local_dp import (
 )
 from car_fl.client.node import Node
 from car_fl.data.splits import load_splits
-from car_fl.model.build import build_retriever
+from car_fl.model.retriever import build_retriever
 from car_fl.privacy.accountant import (
     Accountant,
     Release,
@@ -308,8 +308,7 @@ def test_per_step_dp_noises_every_accounted_step_so_the_update_size_does_not_tel
     the steps made were noised, so ‖Δ‖²/(σ²C²d) estimated n (5.4, 28.3, 71.5, 138.8 for 6, 29,
     73 and 144 examples). Now every accounted step adds its noise: shards of 0, 1, 50 and all
     of them send updates of one scale and the same metrics."""
-    from car_fl.client.round import shard_data, train_shard
-    from car_fl.client.shard import Shard
+    from car_fl.client.round import Shard, shard_data, train_shard
 
     s, node, initial = round_inputs(
         "dp=fixed",

@@ -21,11 +21,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from car_fl.client import node as node_settings_module
 from car_fl.client import node_cache
-from car_fl.client import node_settings as node_settings_module
 from car_fl.data.labels import LabelMap
 from car_fl.data.splits import load_splits
-from car_fl.model.build import build_retriever
+from car_fl.model.retriever import build_retriever
 from car_fl.settings.compose import conf_dir, load_settings
 from car_fl.settings.flower import apply_node_config, fingerprint
 from car_fl.testing.tiny import tiny_overrides

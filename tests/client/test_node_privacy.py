@@ -18,7 +18,7 @@ from flwr.app import ConfigRecord, RecordDict
 from car_fl.client.failures import Refusal
 from car_fl.client.node import Node
 from car_fl.client.node_privacy import NodePrivacy
-from car_fl.model.build import build_retriever
+from car_fl.model.retriever import build_retriever
 from car_fl.protocol.failures import Failure
 from car_fl.protocol.messages import to_record
 from car_fl.settings.compose import settings_to_yaml

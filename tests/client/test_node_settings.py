@@ -1,4 +1,4 @@
-"""car_fl.client.node_settings: the run's settings with the node's paths, checked and cached."""
+"""car_fl.client.node: the run's settings with the node's paths, checked and cached."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from car_fl.client import node_settings as node_settings_module
+from car_fl.client import node as node_settings_module
 from car_fl.client.failures import Refusal
-from car_fl.client.node_settings import node_settings, server_commit
-from car_fl.client.shard import shard_data
+from car_fl.client.node import node_settings, server_commit
+from car_fl.client.round import shard_data
 from car_fl.protocol.failures import Failure
 from car_fl.settings.compose import load_settings, settings_to_yaml
 from car_fl.settings.flower import NodeInfo, fingerprint
@@ -68,7 +68,7 @@ def test_the_server_cannot_choose_where_a_node_writes(
     settings = make_settings(f"cache_dir={server_folder}")
     run_config = {"settings": settings_to_yaml(settings)}
     mine = tmp_path / "node-own-cache"
-    with caplog.at_level("WARNING", logger="car_fl.client.node_settings"):
+    with caplog.at_level("WARNING", logger="car_fl.client.node"):
         local = node_settings(run_config, {"cache-dir": str(mine)}, fingerprint(settings))
     assert local.cache_dir == str(mine)
     assert "cache_dir" in caplog.text and "is ignored" in caplog.text

@@ -9,10 +9,9 @@ from flwr.app import RecordDict
 from car_fl.client.failures import RunTargetReached
 from car_fl.client.node import Node
 from car_fl.client.record_dp import RecordDPRound, load_record_state
-from car_fl.client.round import shard_data, train_shard
-from car_fl.client.shard import Shard
+from car_fl.client.round import Shard, shard_data, train_shard
 from car_fl.data.splits import load_splits
-from car_fl.model.build import build_retriever
+from car_fl.model.retriever import build_retriever
 from car_fl.privacy.record_accounting import trained_cap
 from car_fl.settings.dp_plan import public_examples, record_plan
 from car_fl.settings.flower import NodeInfo

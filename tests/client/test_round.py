@@ -8,8 +8,8 @@ from flwr.app import RecordDict
 
 from car_fl.client.node import Node
 from car_fl.model import encoder as encoder_module
-from car_fl.model.build import build_retriever
 from car_fl.model.feature_cache import FeatureCache
+from car_fl.model.retriever import build_retriever
 from car_fl.settings.flower import NodeInfo
 from tests.helpers import first_global_state
 
@@ -72,7 +72,7 @@ def test_a_federated_client_after_a_centralised_run_on_the_same_node_encodes_not
     make_settings, tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from car_fl.centralized import run_centralized
-    from car_fl.client.node_settings import own_cache
+    from car_fl.client.node import own_cache
 
     # the node owner's default cache ($CAR_FL_CACHE), for the centralised run and the node alike
     settings = make_settings("train.epochs=1", "cache_dir=null")

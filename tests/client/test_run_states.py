@@ -1,4 +1,4 @@
-"""car_fl.client.run_states: every run's state, kept only when its round succeeds."""
+"""car_fl.client.node: every run's state, kept only when its round succeeds."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 from flwr.app import MetricRecord, RecordDict
 
-from car_fl.client.node import Node
-from car_fl.client.run_states import ContextState, RunStates
+from car_fl.client.node import ContextState, Node, RunStates
 
 
 def steps(state: RecordDict) -> int:
@@ -105,7 +104,7 @@ def test_without_a_worker_each_run_of_a_series_keeps_its_own_state() -> None:
 @pytest.mark.parametrize("spelling", ["-7", "7_0", "\u0667", "7.0", " 7", "", str(2**64)])
 def test_a_run_id_is_ascii_digits_only(tmp_path: Path, spelling: str) -> None:
     """Issue 41: "-7", "7_0" and Arabic-Indic digits were accepted as integers by int()."""
-    from car_fl.client.run_states import run_key
+    from car_fl.client.node import run_key
 
     with pytest.raises(ValueError, match="ASCII digits"):
         run_key(spelling)

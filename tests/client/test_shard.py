@@ -1,4 +1,4 @@
-"""car_fl.client.shard: a node's shard, encoded with the server's label map."""
+"""car_fl.client.round: a node's shard, encoded with the server's label map."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from car_fl.client.shard import shard_data
+from car_fl.client.round import shard_data
 from car_fl.settings.flower import NodeInfo
 
 
@@ -29,7 +29,7 @@ def test_labels_the_servers_map_lacks_are_left_out_and_counted_only_in_the_nodes
     local = tmp_path / "local.tsv"
     local.write_text("topic0\tk0 w1\ntopic2\tk2 w2\nspam\tbuy now\n" * 2, encoding="utf-8")
     settings = make_settings(f"dataset.path={local}")
-    with caplog.at_level(logging.WARNING, logger="car_fl.client.shard"):
+    with caplog.at_level(logging.WARNING, logger="car_fl.client.round"):
         shard = shard_data(settings, NodeInfo(0, 2, data_is_shard=True), ["topic0", "topic2"])
     assert len(shard.data) == 4 and shard.examples - len(shard.data) == 2
     assert shard.examples == 6  # n counts every example: it must not depend on the labels
@@ -39,7 +39,7 @@ def test_labels_the_servers_map_lacks_are_left_out_and_counted_only_in_the_nodes
 def test_a_long_lived_process_sees_an_edited_data_file_as_another_shard(
     make_settings, tmp_path: Path
 ) -> None:
-    from car_fl.client.shard import shard_data
+    from car_fl.client.round import shard_data
 
     # The node's worker keeps shards in memory across runs; its owner edits the data between two
     local = tmp_path / "local.tsv"

@@ -38,7 +38,7 @@ from car_fl.client.worker import (
 )
 from car_fl.client.worker_link import MAX_FRAME, MAX_HEADER, WorkerFailed, WorkerUnavailable
 from car_fl.data.splits import load_splits
-from car_fl.model.build import build_retriever
+from car_fl.model.retriever import build_retriever
 from car_fl.protocol import wire
 from car_fl.protocol.failures import Failure
 from car_fl.protocol.messages import from_record, to_record

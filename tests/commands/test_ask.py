@@ -94,7 +94,7 @@ def test_same_model_answers_with_one_copy_of_the_weights_as_two_copies_do(
 
 
 def _model(checkpoint: str):  # the checkpoint's encoder settings
-    from car_fl.results.checkpoint import load_checkpoint
+    from car_fl.results.run import load_checkpoint
 
     return load_checkpoint(checkpoint).settings.model
 

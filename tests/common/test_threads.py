@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from car_fl.common.threads import SMALL_STEP, head_work, threads_for
-from car_fl.model.build import build_retriever
 from car_fl.model.features import LocalData
+from car_fl.model.retriever import build_retriever
 from car_fl.training.train import make_optimizer, step_multiply_adds, train_epoch
 
 

@@ -11,7 +11,7 @@ from car_fl.data.corpus import read_documents
 from car_fl.data.splits import load_splits
 from car_fl.heads.fusion import competition_ranks, reciprocal_rank_fusion
 from car_fl.heads.lexical import LexicalIndex
-from car_fl.model.build import build_retriever
+from car_fl.model.retriever import build_retriever
 from car_fl.serving.checkpoint import load_retriever
 from car_fl.standalone.centralized import run_centralized
 

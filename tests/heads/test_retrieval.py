@@ -14,7 +14,8 @@ from car_fl.heads.retrieval import knn_scores, label_documents, mips_scores, sim
 from car_fl.settings.compose import load_settings
 from car_fl.settings.schema import Similarity
 from car_fl.testing.tiny import synthetic_examples, write_tsv
-from car_fl.training.metrics import rank_metrics, ranks
+from car_fl.training.train import rank_metrics
+from car_fl.training.train import rank_of_true as ranks
 
 DOCS = [f"+dataset.label_texts.topic{i}=k{i}" for i in range(4)]
 

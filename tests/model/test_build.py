@@ -1,4 +1,4 @@
-"""car_fl.model.build: a retriever's start depends on the settings and the corpus only."""
+"""car_fl.model.retriever: a retriever's start depends on the settings and the corpus only."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from car_fl.data.corpus import read_documents
-from car_fl.model.build import build_retriever
+from car_fl.model.retriever import build_retriever
 
 
 def test_the_start_depends_on_the_seed_alone_and_cached_features_need_no_encoder(

@@ -10,7 +10,6 @@ import torch
 
 from car_fl.data.splits import load_splits
 from car_fl.model import encoder as encoder_module
-from car_fl.model.build import build_retriever
 from car_fl.model.features import (
     FeatureCache,
     LocalData,
@@ -18,6 +17,7 @@ from car_fl.model.features import (
     length_batches,
     prepare_data,
 )
+from car_fl.model.retriever import build_retriever
 from car_fl.serving.checkpoint import training_features
 from car_fl.settings.schema import Mode
 

@@ -1,4 +1,4 @@
-"""car_fl.model.standardize: per-dimension scaling with the documents' statistics only."""
+"""car_fl.model.retriever: per-dimension scaling with the documents' statistics only."""
 
 from __future__ import annotations
 
@@ -6,14 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from car_fl.client.shard import local_retriever
+from car_fl.client.round import local_retriever
 from car_fl.data.corpus import read_documents
 from car_fl.data.labels import LabelMap
-from car_fl.model.build import build_retriever
 from car_fl.model.documents import document_features, trained_rows
 from car_fl.model.encoder import load_encoder
 from car_fl.model.features import LocalData
-from car_fl.model.standardize import MIN_DOCUMENTS, RELATIVE_FLOOR, Standardizer
+from car_fl.model.retriever import MIN_DOCUMENTS, RELATIVE_FLOOR, Standardizer, build_retriever
 
 
 def test_fitted_documents_have_mean_zero_and_unit_deviation_and_a_constant_dimension_is_kept() -> (

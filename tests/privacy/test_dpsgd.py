@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from car_fl.data.splits import load_splits
-from car_fl.model.build import build_retriever
 from car_fl.model.features import LocalData
+from car_fl.model.retriever import build_retriever
 from car_fl.privacy.accountant import VALUE_DISCRETIZATION
 from car_fl.privacy.dpsgd import (
     clipped_gradient_sum,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from car_fl.data.splits import load_splits
-from car_fl.model.build import build_retriever
+from car_fl.model.retriever import build_retriever
 from car_fl.privacy.dpsgd import (
     clipped_gradient_sum,
     dpsgd_step,

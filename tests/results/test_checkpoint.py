@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from car_fl.data.labels import LabelMap
-from car_fl.results.checkpoint import META, WEIGHTS, Checkpoint, load_checkpoint, save_checkpoint
+from car_fl.results.run import META, WEIGHTS, Checkpoint, load_checkpoint, save_checkpoint
 from car_fl.settings.compose import load_settings
 
 
@@ -62,7 +62,7 @@ WRITER = textwrap.dedent(
     """
     import sys, torch
     from pathlib import Path
-    from car_fl.results.checkpoint import Checkpoint, save_checkpoint
+    from car_fl.results.run import Checkpoint, save_checkpoint
     from car_fl.settings.compose import load_settings
     from car_fl.data.labels import LabelMap
 

@@ -15,7 +15,7 @@ import pytest
 from car_fl.cli import main as cli_main
 from car_fl.results.report import JOB_JSON, collect_runs, write_report
 from car_fl.results.rows import MetricsFile, RoundRow, RunSummary
-from car_fl.results.selection import select_best
+from car_fl.results.run import select_best
 from car_fl.settings.compose import settings_to_yaml
 
 

@@ -15,13 +15,13 @@ from flwr.app import ArrayRecord
 from car_fl.data.labels import LabelMap
 from car_fl.privacy.accountant import epsilon as rdp_epsilon
 from car_fl.protocol.messages import from_record, to_record
-from car_fl.results.checkpoint import load_checkpoint
 from car_fl.results.rows import CLIENTS_CSV, ClientRow, MetricsFile, RoundRow, RunSummary
 from car_fl.results.run import (
     CENTRALIZED,
     FEDERATED,
     Kind,
     Run,
+    load_checkpoint,
     load_resume_point,
     round_line,
     write_config,

@@ -11,9 +11,15 @@ import pytest
 import torch
 
 from car_fl.data.labels import LabelMap
-from car_fl.results.checkpoint import Checkpoint, save_checkpoint
 from car_fl.results.rows import MetricsFile, RoundRow, RunSummary
-from car_fl.results.run import CENTRALIZED, FEDERATED, check_run_dir, load_resume_point
+from car_fl.results.run import (
+    CENTRALIZED,
+    FEDERATED,
+    Checkpoint,
+    check_run_dir,
+    load_resume_point,
+    save_checkpoint,
+)
 from car_fl.settings.compose import load_settings, settings_to_yaml
 from car_fl.settings.schema import Settings
 

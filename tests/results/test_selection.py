@@ -1,4 +1,4 @@
-"""car_fl.results.selection: the best model is chosen on validation, never on test."""
+"""car_fl.results.run: the best model is chosen on validation, never on test."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from car_fl.centralized import run_centralized
-from car_fl.results.checkpoint import load_checkpoint
-from car_fl.results.selection import eval_row, is_better, select_best
+from car_fl.results.run import eval_row, is_better, load_checkpoint, select_best
 from car_fl.testing.tiny import synthetic_examples, write_tsv
 
 

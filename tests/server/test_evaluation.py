@@ -1,4 +1,4 @@
-"""car_fl.server.evaluation: what the server evaluates when, and a federated adapter-mode run
+"""car_fl.server.round_recorder: what the server evaluates when, and a federated adapter-mode run
 whose test set waits for the end while each round's validation runs in the background."""
 
 from __future__ import annotations
@@ -10,11 +10,10 @@ import pytest
 import torch
 
 from car_fl.model.features import LocalData
-from car_fl.results.checkpoint import load_checkpoint
-from car_fl.results.selection import select_best
-from car_fl.server.evaluation import EvalPlan, ServerEvaluator
+from car_fl.results.run import load_checkpoint, select_best
+from car_fl.server.round_recorder import EvalPlan, ServerEvaluator
 from car_fl.simulation.in_process import run_local
-from car_fl.training.evaluation import HeldOut
+from car_fl.training.train import HeldOut
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from car_fl.model.build import build_retriever
+from car_fl.model.retriever import build_retriever
 from car_fl.protocol.messages import decode, from_record, payload_bytes, to_record
 from tests.helpers import reply
 from tests.reference import CaRFedAvg

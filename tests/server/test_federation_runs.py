@@ -16,7 +16,7 @@ import torch
 
 from car_fl.centralized import run_centralized
 from car_fl.privacy.accountant import epsilon
-from car_fl.results.checkpoint import load_checkpoint
+from car_fl.results.run import load_checkpoint
 from car_fl.settings.compose import load_settings, settings_to_yaml
 from car_fl.simulation.in_process import run_local
 from car_fl.testing.tiny import tiny_overrides

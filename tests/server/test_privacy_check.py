@@ -17,7 +17,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, RecordDict
 
-from car_fl.client.local_dp_round import LocalDPRound
+from car_fl.client.local_dp import LocalDPRound
 from car_fl.client.record_dp import RecordDPRound
 from car_fl.data.labels import LabelMap
 from car_fl.privacy.accountant import Accountant

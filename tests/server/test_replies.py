@@ -12,7 +12,7 @@ import pytest
 from flwr.app import Array
 
 from car_fl.protocol.messages import RAW_STYPE, decode, encode
-from car_fl.results.checkpoint import load_checkpoint
+from car_fl.results.run import load_checkpoint
 from car_fl.testing.tiny import tiny_overrides
 from tests.helpers import reply
 from tests.reference import CaRFedAvg

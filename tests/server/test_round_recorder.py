@@ -11,8 +11,7 @@ import torch
 from flwr.app import Context, Message
 
 from car_fl.privacy.mechanism import ADAPTER_WEIGHT
-from car_fl.results.checkpoint import load_checkpoint
-from car_fl.results.run import ResumePoint
+from car_fl.results.run import ResumePoint, load_checkpoint
 from car_fl.server.round_recorder import PatienceSpent, RoundRecorder
 from car_fl.server.strategy import RoundStats
 from car_fl.simulation.apps import import_app

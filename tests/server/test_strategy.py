@@ -26,7 +26,7 @@ from flwr.serverapp.strategy import (
 )
 
 from car_fl.client.local_dp import ClientPrivacy
-from car_fl.model.build import build_retriever
+from car_fl.model.retriever import build_retriever
 from car_fl.privacy.mechanism import privatize
 from car_fl.protocol.messages import decode, to_record
 from car_fl.server.aggregation import REGISTRY, build_strategy, flower_strategy

@@ -13,9 +13,8 @@ from car_fl.data.labels import LabelMap
 from car_fl.data.splits import load_splits
 from car_fl.heads.head import ClassifierScorer
 from car_fl.heads.retrieval import KNNScorer, MIPSScorer
-from car_fl.model.build import build_retriever
-from car_fl.model.retriever import CaRRetriever
-from car_fl.results.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from car_fl.model.retriever import CaRRetriever, build_retriever
+from car_fl.results.run import Checkpoint, load_checkpoint, save_checkpoint
 from car_fl.serving.checkpoint import checkpoint_extra, load_retriever
 from car_fl.settings.schema import HeadKind, Settings
 

@@ -18,8 +18,8 @@ from fastapi.testclient import TestClient
 from car_fl.cli import main as cli_main
 from car_fl.data.corpus import read_documents
 from car_fl.data.labels import LabelMap
-from car_fl.model.build import build_retriever
-from car_fl.results.checkpoint import Checkpoint, save_checkpoint
+from car_fl.model.retriever import build_retriever
+from car_fl.results.run import Checkpoint, save_checkpoint
 from car_fl.serving.checkpoint import checkpoint_extra, load_retriever
 from car_fl.serving.retrieval_api import (
     MAX_QUERY_CHARS,

@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from car_fl.results.checkpoint import load_checkpoint
-from car_fl.results.selection import select_best
+from car_fl.results.run import load_checkpoint, select_best
 from car_fl.simulation.flower import run_simulation
 from car_fl.testing.tiny import tiny_overrides
 

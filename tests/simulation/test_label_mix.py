@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from car_fl.data.labels import LabelMap
-from car_fl.model.build import build_retriever
+from car_fl.model.retriever import build_retriever
 from car_fl.simulation.label_mix import Pool, attack, draw, label_mixes
 
 LABELS = LabelMap(tuple(f"topic{i}" for i in range(4)))

@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from car_fl.training.metrics import macro_f1, rank_metrics, ranks
+from car_fl.training.train import macro_f1, rank_metrics
+from car_fl.training.train import rank_of_true as ranks
 
 
 def whole_matrix(logits: torch.Tensor, labels: torch.Tensor, top_k: list[int]) -> dict[str, float]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from car_fl.model.build import build_retriever
+from car_fl.model.retriever import build_retriever
 from car_fl.training.train import make_optimizer
 
 

@@ -9,8 +9,8 @@ import torch
 
 from car_fl.centralized import run_centralized
 from car_fl.data.splits import load_splits
-from car_fl.model.build import build_retriever
 from car_fl.model.features import prepare_data
+from car_fl.model.retriever import build_retriever
 from car_fl.settings.schema import Mode
 from car_fl.training.train import epoch_order, evaluate, make_optimizer, train_epoch
 

@@ -28,7 +28,7 @@ class DPModeSpec:
     #: and the server keeps each node's DP-SGD row.
     record_level: ClassVar[bool] = False
     #: The node's round that makes its releases (``module:Class``, imported on the node).
-    node_round: ClassVar[str] = "car_fl.client.local_dp_round:LocalDPRound"
+    node_round: ClassVar[str] = "car_fl.client.local_dp:LocalDPRound"
     #: How one machine trains under it: ``"epochs"`` (the centralised loop), ``"one node"``
     #: (a federation of one node), or what it is and the fix (``dp=<mode> is ...``).
     one_machine: ClassVar[str] = "epochs"

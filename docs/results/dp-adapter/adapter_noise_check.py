@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from car_fl.data.splits import load_splits
-from car_fl.model.build import build_retriever
+from car_fl.model.retriever import build_retriever
 from car_fl.model.features import extract_features
 from car_fl.settings.compose import load_settings
 
