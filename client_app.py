@@ -49,7 +49,7 @@ def train_here(content: RecordDict, context: Context) -> RecordDict:
     """The round in this process (imports torch and the model code: only here)."""
     from car_fl.client.node import Node
     from car_fl.client.node import ContextState
-    from car_fl.common.logs import setup_logging
+    from car_fl.common.progress import setup_logging
 
     setup_logging()
     key = repr(sorted((str(k), str(v)) for k, v in context.node_config.items()))

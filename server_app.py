@@ -7,7 +7,7 @@ import logging
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from car_fl.common.logs import setup_logging
+from car_fl.common.progress import setup_logging
 from car_fl.settings.flower import settings_from_run_config
 
 app = ServerApp()

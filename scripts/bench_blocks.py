@@ -121,7 +121,7 @@ def compare(model: str, url: str, texts: list[str], steps: int) -> dict[str, obj
     """Equality of states and gradients, adapter-step time, and token recovery, in process."""
     import torch
 
-    from car_fl.adapters.full import FullAdapter
+    from car_fl.adapters.adapter import FullAdapter
     from car_fl.model.encoder import load_encoder
     from car_fl.settings.schema import ModelConfig
 
@@ -195,7 +195,7 @@ def profile(model: str, url: str, texts: list[str], steps: int) -> dict[str, obj
     process (a stateless backward recomputes the forward; the wire format, no HTTP); over HTTP
     to the Serve app (adds HTTP, Serve's proxy and batching, the hop between processes)."""
 
-    from car_fl.adapters.full import FullAdapter
+    from car_fl.adapters.adapter import FullAdapter
     from car_fl.blocks import wire
     from car_fl.blocks.client import IN_PROCESS
     from car_fl.blocks.compute import BlocksHandler

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from car_fl.common.logs import setup_logging
+from car_fl.common.progress import setup_logging
 from car_fl.settings.compose import load_settings
 from car_fl.settings.schema import DPMode
 from car_fl.simulation.flower import run_simulation

@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         help="only the peak memory of each retriever's car-fl ask (memory.json), no answers",
     )
     args = parser.parse_args(argv)
-    from car_fl.heads.head import Hit
+    from car_fl.heads.scorer import Hit
     from car_fl.model.gguf import resolve
     from car_fl.results.run import load_checkpoint
     from car_fl.serving.checkpoint import load_retriever

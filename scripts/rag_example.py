@@ -76,7 +76,7 @@ def chain_for(retriever: Any, generator: Any, *, max_new_tokens: int) -> Any:
     """question → {documents, question} → the generator's answer with its sources."""
     from langchain_core.runnables import RunnableLambda, RunnableParallel, RunnablePassthrough
 
-    from car_fl.heads.head import Hit
+    from car_fl.heads.scorer import Hit
 
     def answer(found: dict[str, Any]) -> dict[str, Any]:
         hits = [
@@ -95,7 +95,7 @@ def query_engine_for(retriever: Any, generator: Any, *, max_new_tokens: int) -> 
     from llama_index.core.base.response.schema import Response
     from llama_index.core.query_engine import CustomQueryEngine
 
-    from car_fl.heads.head import Hit
+    from car_fl.heads.scorer import Hit
 
     class Engine(CustomQueryEngine):
         def custom_query(self, query_str: str) -> Response:

@@ -29,7 +29,7 @@ import torch
 from flwr.app import RecordDict
 
 from car_fl.client.round import Shard, local_retriever, train_shard
-from car_fl.common.logs import setup_logging
+from car_fl.common.progress import setup_logging
 from car_fl.data.labels import LabelMap
 from car_fl.data.partition import partition
 from car_fl.data.splits import load_splits, stratified_split

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from car_fl.server.round_recorder import RoundRecorder
+from car_fl.server.federation import RoundRecorder
 from car_fl.simulation.in_process import run_local
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,8 +5,7 @@ clipped sum from one batched backward (docs/architecture.md, "Adding an adapter 
 
 - :mod:`car_fl.adapters.config`: each ``adapter.kind``'s one registration and the ``adapter``
   settings section; no torch.
-- :mod:`car_fl.adapters.adapter`: the interface (``Adapter``).
-- :mod:`car_fl.adapters.full`: the d×d matrix; :mod:`car_fl.adapters.lowrank`: I + U Vᵀ;
-  :mod:`car_fl.adapters.diagonal`: x ⊙ s + b.
-- :mod:`car_fl.adapters.registry`: an adapter built from its kind's class (``build_adapter``).
+- :mod:`car_fl.adapters.adapter`: the interface (``Adapter``), the method's d×d matrix, an
+  adapter built from its kind's class (``build_adapter``).
+- :mod:`car_fl.adapters.lowrank`: I + U Vᵀ; :mod:`car_fl.adapters.diagonal`: x ⊙ s + b.
 """

@@ -1,7 +1,7 @@
 """What configures the soft-embedding adapter: each ``adapter.kind``'s one registration (its
 class as ``module:Class``) and the ``adapter`` settings section.
 
-Imports no torch: the settings compose this section; :func:`car_fl.adapters.registry.adapter_class`
+Imports no torch: the settings compose this section; :func:`car_fl.adapters.adapter.adapter_class`
 imports a kind's class when an adapter is built. docs/architecture.md ("Adding an adapter kind").
 """
 
@@ -31,7 +31,7 @@ class AdapterKind(Choice):
 
 #: Every adapter kind's class, imported when an adapter of that kind is built.
 ADAPTERS: dict[AdapterKind, str] = {
-    AdapterKind.FULL: "car_fl.adapters.full:FullAdapter",
+    AdapterKind.FULL: "car_fl.adapters.adapter:FullAdapter",
     AdapterKind.LOWRANK: "car_fl.adapters.lowrank:LowRankAdapter",
     AdapterKind.DIAGONAL: "car_fl.adapters.diagonal:DiagonalAdapter",
 }

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import torch
 from flwr.app import RecordDict
 
-from car_fl.adapters.registry import state_refusal
+from car_fl.adapters.adapter import state_refusal
 from car_fl.client import node_cache
 from car_fl.client.failures import Refusal, failure_of
 from car_fl.client.node_privacy import NodePrivacy
@@ -63,7 +63,7 @@ from car_fl.settings.flower import (
     settings_from_run_config,
 )
 from car_fl.settings.schema import Settings
-from car_fl.training.probe import round_settings
+from car_fl.training.train import round_settings
 
 log = logging.getLogger(__name__)
 

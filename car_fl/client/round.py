@@ -35,16 +35,20 @@ from car_fl.client.node_privacy import NodePrivacy
 from car_fl.data.labels import LabelMap
 from car_fl.heads.clustering import ExpertLayout
 from car_fl.heads.experts import EXPERT_PREFIX, MixtureHead
-from car_fl.model.documents import document_features, document_texts
 from car_fl.model.encoder import Encoder, shared_encoder
-from car_fl.model.features import LocalData, prepare_for
+from car_fl.model.features import LocalData, document_features, document_texts, prepare_for
 from car_fl.model.retriever import CaRRetriever, build_retriever
 from car_fl.settings.dp_modes.registry import MODES
 from car_fl.settings.dp_plan import public_examples
 from car_fl.settings.flower import NodeInfo
 from car_fl.settings.schema import ExpertSending, HeadKind, Settings, Standardize
-from car_fl.training.probe import keep_adapter, probe_round, round_settings
-from car_fl.training.train import EpochResult, make_optimizer
+from car_fl.training.train import (
+    EpochResult,
+    keep_adapter,
+    make_optimizer,
+    probe_round,
+    round_settings,
+)
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the command imports the model code only when it runs
-    from car_fl.heads.head import Hit
+    from car_fl.heads.scorer import Hit
 
 NAME = "ask"
 HELP = "answer a question with a causal LM from a corpus checkpoint's top-K documents (RAG)"

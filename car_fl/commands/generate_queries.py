@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--out {out}: write a .jsonl file (it is read as a queries file)")
     offline_unless_reachable()
     from car_fl.common.progress import bar
-    from car_fl.model.documents import corpus_documents
+    from car_fl.model.features import corpus_documents
     from car_fl.results.run import load_checkpoint
     from car_fl.serving.checkpoint import load_retriever
     from car_fl.serving.query_generation import generate_queries, round_trip

@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Compose the settings, check the encoder and data can be had, then train."""
-    from car_fl.common.logs import setup_logging
+    from car_fl.common.progress import setup_logging
     from car_fl.model.sources import check_sources
     from car_fl.settings.compose import load_settings
     from car_fl.settings.dp_modes.registry import MODES

@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
 
     from car_fl.client.confinement import group_id
     from car_fl.client.worker import hold_folder, own_node_config, serve, supervise
-    from car_fl.common.logs import setup_logging
+    from car_fl.common.progress import setup_logging
 
     setup_logging()
     folder = args.dir.expanduser().resolve()

@@ -2,6 +2,11 @@
 
 Without a terminal a long loop logs where it is instead (:func:`heartbeat`, at doubling gaps);
 Hugging Face's bars follow the same rule (:func:`quiet_hub_bars`).
+
+Logging for car-fl's own modules (:func:`setup_logging`): one handler on the ``car_fl``
+logger, INFO by default. Entry points call it; library code only uses
+``logging.getLogger(__name__)``; other libraries' loggers are left as their owners configured
+them.
 """
 
 from __future__ import annotations
@@ -14,14 +19,36 @@ from typing import TypeVar
 
 from tqdm.auto import tqdm
 
+FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    """Show car-fl's log lines once, whether or not the host process configured logging."""
+    logger = logging.getLogger("car_fl")
+    logger.setLevel(level)
+    if logging.getLogger().handlers:  # e.g. Hydra: the root logger already prints
+        return
+    if not any(getattr(h, "car_fl", False) for h in logger.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(FORMAT))
+        handler.car_fl = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+
+
 T = TypeVar("T")
 
+
 log = logging.getLogger(__name__)
+
 
 #: Seconds after which a loop that draws no bar says where it is, the most between two such
 #: lines (the gaps double from the first), and how long a loop takes to say it is done.
 FIRST_HEARTBEAT_SECONDS = 10.0
+
+
 HEARTBEAT_SECONDS = 120.0
+
+
 DONE_SECONDS = 5.0
 
 

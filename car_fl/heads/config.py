@@ -3,7 +3,7 @@
 settings sections with their choices.
 
 Imports no torch: the settings compose these sections and check a run against the traits
-before anything is built; a kind's scorer is imported by :func:`car_fl.heads.registry.scorer_class`
+before anything is built; a kind's scorer is imported by :func:`car_fl.heads.scorer.scorer_class`
 when a head is built. docs/architecture.md ("Adding a head") works one example through.
 """
 
@@ -134,7 +134,7 @@ HEADS: dict[HeadKind, HeadSpec] = {
     ),
     HeadKind.CLASSIFIER: HeadSpec(
         HeadTraits(weights=True, probe=True),
-        "car_fl.heads.head:ClassifierScorer",
+        "car_fl.heads.scorer:ClassifierScorer",
         {
             "car": ApproachSpec(
                 False,

@@ -23,21 +23,17 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from car_fl.adapters.adapter import Adapter
-from car_fl.adapters.registry import build_adapter
+from car_fl.adapters.adapter import Adapter, build_adapter
 from car_fl.heads.clustering import ExpertLayout
 from car_fl.heads.document_head import DocumentHead
 from car_fl.heads.experts import MixtureHead, build_layout, experts_in
 from car_fl.heads.fusion import reciprocal_rank_fusion
-from car_fl.heads.head import Retrieval, retrieve
 from car_fl.heads.lexical import LexicalIndex
-from car_fl.heads.registry import build_scorer
 from car_fl.heads.retrieval import KNNScorer, MIPSScorer
-from car_fl.heads.scorer import Scorer
-from car_fl.model.documents import document_features as embed_documents
-from car_fl.model.documents import encode_documents, trained_rows
+from car_fl.heads.scorer import Retrieval, Scorer, build_scorer, retrieve
 from car_fl.model.encoder import Encoder, load_encoder, pick_device
-from car_fl.model.features import extract_features
+from car_fl.model.features import document_features as embed_documents
+from car_fl.model.features import encode_documents, extract_features, trained_rows
 from car_fl.privacy.mechanism import ADAPTER_PREFIX
 from car_fl.settings.schema import (
     AdapterConfig,

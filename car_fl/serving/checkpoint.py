@@ -14,9 +14,14 @@ from car_fl.data.labels import LabelMap
 from car_fl.heads.clustering import ExpertLayout
 from car_fl.heads.experts import MixtureHead
 from car_fl.heads.retrieval import KNNScorer
-from car_fl.model.documents import document_texts, documents_identity
 from car_fl.model.encoder import Encoder
-from car_fl.model.features import LocalData, QueryEncoder, prepare_for
+from car_fl.model.features import (
+    LocalData,
+    QueryEncoder,
+    document_texts,
+    documents_identity,
+    prepare_for,
+)
 from car_fl.model.retriever import CaRRetriever, build_retriever
 from car_fl.model.sources import encoder_digest
 from car_fl.results.run import load_checkpoint

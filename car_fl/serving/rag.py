@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from car_fl.heads.head import Hit
+from car_fl.heads.scorer import Hit
 
 if TYPE_CHECKING:
     from car_fl.model.encoder import Encoder

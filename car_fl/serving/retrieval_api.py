@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
-from car_fl.heads.head import Retrieval
+from car_fl.heads.scorer import Retrieval
 
 if TYPE_CHECKING:
     from fastapi import FastAPI

@@ -29,8 +29,7 @@ from car_fl.results.run import (
 from car_fl.serving.checkpoint import checkpoint_extra
 from car_fl.settings.dp_modes.registry import MODES
 from car_fl.settings.schema import HeadKind, Mode, Settings, nothing_to_train
-from car_fl.training.probe import probe_head
-from car_fl.training.train import HeldOut, LazyRetriever, make_optimizer, one_epoch
+from car_fl.training.train import HeldOut, LazyRetriever, make_optimizer, one_epoch, probe_head
 
 log = logging.getLogger(__name__)
 

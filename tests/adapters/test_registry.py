@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from car_fl.adapters.adapter import Adapter
+from car_fl.adapters.adapter import Adapter, adapter_class, build_adapter
 from car_fl.adapters.config import ADAPTERS
-from car_fl.adapters.registry import adapter_class, build_adapter
 from car_fl.settings.schema import AdapterConfig, AdapterKind
 
 KINDS = list(AdapterKind)
@@ -34,7 +33,7 @@ def test_a_registration_that_names_no_adapter_of_its_kind_is_refused(
 ) -> None:
     """A registration's ``module:Class`` is read when an adapter is built: one naming another
     kind's class, or no adapter at all, is refused there, naming it."""
-    for wrong in ("car_fl.adapters.full:FullAdapter", "car_fl.adapters.config:AdapterConfig"):
+    for wrong in ("car_fl.adapters.adapter:FullAdapter", "car_fl.adapters.config:AdapterConfig"):
         monkeypatch.setitem(ADAPTERS, AdapterKind.LOWRANK, wrong)
         with pytest.raises(TypeError, match=f"{wrong} is no Adapter of kind lowrank"):
             build_adapter(AdapterConfig(kind=AdapterKind.LOWRANK), 8, seed=0)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from car_fl.adapters.registry import build_adapter
+from car_fl.adapters.adapter import build_adapter
 from car_fl.blocks.compute import BlocksHandler
 from car_fl.model.encoder import Encoder, EncoderLoadError, load_encoder
 from car_fl.settings.schema import AdapterConfig, AdapterKind

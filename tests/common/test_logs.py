@@ -1,4 +1,4 @@
-"""car_fl.common.logs: car-fl's lines are shown once, and a host's logging is respected."""
+"""car_fl.common.progress: car-fl's lines are shown once, and a host's logging is respected."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from car_fl.common.logs import setup_logging
+from car_fl.common.progress import setup_logging
 
 
 def car_fl_logger(

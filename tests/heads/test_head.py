@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from car_fl.heads.head import ClassifierHead, retrieve, top_k
+from car_fl.heads.scorer import ClassifierHead, retrieve, top_k
 
 
 def test_head_with_pre_classifier_shapes() -> None:

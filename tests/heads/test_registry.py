@@ -7,12 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from car_fl.heads import registry
+from car_fl.heads import scorer as registry
 from car_fl.heads.config import HEADS
 from car_fl.heads.document_head import DocumentHead
-from car_fl.heads.head import ClassifierHead, ClassifierScorer
-from car_fl.heads.registry import build_scorer, scorer_class
 from car_fl.heads.retrieval import KNNScorer, MIPSScorer, knn_scores
+from car_fl.heads.scorer import ClassifierHead, ClassifierScorer, build_scorer, scorer_class
 from car_fl.model.encoder import Encoder, load_encoder
 from car_fl.model.retriever import CaRRetriever
 from car_fl.settings.schema import HeadConfig, HeadKind, Mode, ModelConfig, Similarity

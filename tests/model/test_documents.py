@@ -1,4 +1,4 @@
-"""car_fl.model.documents: document texts in label order, their cached embeddings, new rows."""
+"""car_fl.model.features: document texts in label order, their cached embeddings, new rows."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import torch
 
 from car_fl.data.corpus import read_documents
 from car_fl.data.corpus_splits import new_document_indices
-from car_fl.model.documents import corpus_documents, document_features, trained_rows
 from car_fl.model.encoder import Encoder, load_encoder
 from car_fl.model.feature_cache import FeatureCache
+from car_fl.model.features import corpus_documents, document_features, trained_rows
 
 
 def test_document_embeddings_are_cached_so_a_second_party_never_loads_the_encoder(

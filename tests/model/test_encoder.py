@@ -341,7 +341,7 @@ def test_l2_normalised_features_have_unit_norm_whatever_the_model_scale(tiny_lla
 
 def test_the_adapters_identity_answer_follows_every_change_of_its_weight() -> None:
     """Asked at every scoring step, answered again only after the weight changed."""
-    from car_fl.adapters.full import FullAdapter
+    from car_fl.adapters.adapter import FullAdapter
 
     adapter = FullAdapter(6)
     assert adapter.is_identity() and adapter.is_identity()

@@ -42,7 +42,7 @@ def test_a_real_preset_encodes_through_the_same_path_as_any_model(name: str, hid
 
 def test_smollm2_answers_a_question_from_its_document_and_shares_its_weights() -> None:
     needs("smollm2")
-    from car_fl.heads.head import Hit
+    from car_fl.heads.scorer import Hit
 
     generator = load_generator("gguf:smollm2", device="cpu")
     hits = [Hit("d1", "The capital of France is Paris, on the Seine.", 1.0)]

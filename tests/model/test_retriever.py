@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from car_fl.heads.head import ClassifierScorer
+from car_fl.heads.scorer import ClassifierScorer
 from car_fl.model.encoder import load_encoder
 from car_fl.model.retriever import CaRRetriever
 from car_fl.privacy.mechanism import ADAPTER_WEIGHT, split_adapter

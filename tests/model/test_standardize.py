@@ -9,9 +9,8 @@ import torch.nn.functional as F
 from car_fl.client.round import local_retriever
 from car_fl.data.corpus import read_documents
 from car_fl.data.labels import LabelMap
-from car_fl.model.documents import document_features, trained_rows
 from car_fl.model.encoder import load_encoder
-from car_fl.model.features import LocalData
+from car_fl.model.features import LocalData, document_features, trained_rows
 from car_fl.model.retriever import MIN_DOCUMENTS, RELATIVE_FLOOR, Standardizer, build_retriever
 
 

@@ -26,7 +26,7 @@ from car_fl.results.run import (
     round_line,
     write_config,
 )
-from car_fl.server.round_recorder import RoundRecorder
+from car_fl.server.federation import RoundRecorder
 from car_fl.settings.compose import settings_to_yaml
 from car_fl.settings.schema import Mode, Settings
 from tests.helpers import reply

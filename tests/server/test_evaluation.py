@@ -1,4 +1,4 @@
-"""car_fl.server.round_recorder: what the server evaluates when, and a federated adapter-mode run
+"""car_fl.server.federation: what the server evaluates when, and a federated adapter-mode run
 whose test set waits for the end while each round's validation runs in the background."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from car_fl.model.features import LocalData
 from car_fl.results.run import load_checkpoint, select_best
-from car_fl.server.round_recorder import EvalPlan, ServerEvaluator
+from car_fl.server.federation import EvalPlan, ServerEvaluator
 from car_fl.simulation.in_process import run_local
 from car_fl.training.train import HeldOut
 

@@ -26,8 +26,8 @@ from car_fl.protocol.messages import decode, to_record
 from car_fl.results.rows import CLIENTS_CSV, ClientRow, RunSummary
 from car_fl.results.run import FEDERATED, ResumePoint, Run
 from car_fl.server.aggregation import build_strategy
+from car_fl.server.federation import RoundRecorder
 from car_fl.server.privacy_check import PrivacyCheck, disagreement
-from car_fl.server.round_recorder import RoundRecorder
 from car_fl.server.strategy import ShardClaims
 from car_fl.settings.compose import load_settings
 from car_fl.settings.dp_plan import record_plan, round_release

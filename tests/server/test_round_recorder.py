@@ -1,4 +1,4 @@
-"""car_fl.server.round_recorder: ``train.patience`` ends a federated run (the real server and
+"""car_fl.server.federation: ``train.patience`` ends a federated run (the real server and
 ClientApp handler in process, on the tiny Llama)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from flwr.app import Context, Message
 
 from car_fl.privacy.mechanism import ADAPTER_WEIGHT
 from car_fl.results.run import ResumePoint, load_checkpoint
-from car_fl.server.round_recorder import PatienceSpent, RoundRecorder
+from car_fl.server.federation import PatienceSpent, RoundRecorder
 from car_fl.server.strategy import RoundStats
 from car_fl.simulation.apps import import_app
 from car_fl.simulation.in_process import run_local

@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 
 from car_fl.data.labels import LabelMap
 from car_fl.data.splits import load_splits
-from car_fl.heads.head import ClassifierScorer
 from car_fl.heads.retrieval import KNNScorer, MIPSScorer
+from car_fl.heads.scorer import ClassifierScorer
 from car_fl.model.retriever import CaRRetriever, build_retriever
 from car_fl.results.run import Checkpoint, load_checkpoint, save_checkpoint
 from car_fl.serving.checkpoint import checkpoint_extra, load_retriever

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("langchain_core", reason='needs langchain-core: pip install -e ".[langchain]"')
 
-from car_fl.heads.head import Retrieval
+from car_fl.heads.scorer import Retrieval
 from car_fl.serving.checkpoint import load_retriever
 from car_fl.serving.langchain_retriever import CarFlRetriever
 from car_fl.serving.retrieval_client import source

@@ -16,7 +16,7 @@ pytest.importorskip(
     "llama_index.core", reason='needs llama-index-core: pip install -e ".[llamaindex]"'
 )
 
-from car_fl.heads.head import Retrieval
+from car_fl.heads.scorer import Retrieval
 from car_fl.serving.checkpoint import load_retriever
 from car_fl.serving.llamaindex_retriever import CarFlLlamaRetriever
 from tests.serving.test_retrieval_api import QUERIES

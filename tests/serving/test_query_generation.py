@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from car_fl.data.corpus import Document
-from car_fl.heads.head import Hit
+from car_fl.heads.scorer import Hit
 from car_fl.serving.query_generation import (
     GeneratedQuery,
     clean_query,

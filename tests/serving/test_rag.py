@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from car_fl.heads.head import Hit
+from car_fl.heads.scorer import Hit
 from car_fl.serving.rag import (
     INSTRUCTION,
     Generator,

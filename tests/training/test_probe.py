@@ -1,4 +1,4 @@
-"""Linear probing (car_fl.training.probe): the adapter starts from the head CaR selects, in a
+"""Linear probing (car_fl.training.train): the adapter starts from the head CaR selects, in a
 centralised run (``train.probe_epochs``) and a federated one (``fl.probe_rounds``)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from car_fl.privacy.mechanism import ADAPTER_WEIGHT
 from car_fl.settings.flower import NodeInfo
 from car_fl.settings.schema import Mode
 from car_fl.standalone.centralized import run_centralized
-from car_fl.training.probe import keep_adapter, probe_round, round_settings
+from car_fl.training.train import keep_adapter, probe_round, round_settings
 from tests.helpers import first_global_state
 
 
