@@ -47,8 +47,7 @@ def train(msg: Message, context: Context) -> Message:
 
 def train_here(content: RecordDict, context: Context) -> RecordDict:
     """The round in this process (imports torch and the model code: only here)."""
-    from car_fl.client.node import Node
-    from car_fl.client.node import ContextState
+    from car_fl.client.node import ContextState, Node
     from car_fl.common.progress import setup_logging
 
     setup_logging()
