@@ -9,7 +9,7 @@ mode, features cached) runs the same steps with ``torch.set_num_threads(1)`` and
 default, alternating, ``--repeats`` times each; the median seconds per step, the CPU seconds,
 and the 1-minute load average before and after are written beside each row. The shapes span
 the presets: MiniLM and SmolLM2 on SMS (2 labels), arXiv categories, and document heads of
-a few thousand rows at TinyLlama's width. ``car_fl.common.threads.SMALL_STEP`` is read off
+a few thousand rows at TinyLlama's width. ``car_fl.training.train.SMALL_STEP`` is read off
 these rows. With ``--train-data`` (the SMS Spam Collection) it also runs the README's
 ``car-fl train model=minilm`` (features cached first) with the product's rule and with the
 rule off, alternating, and writes each epoch's seconds (wall and CPU) beside the load.
@@ -35,12 +35,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from car_fl.common import threads as thread_rule  # noqa: E402
-from car_fl.common.threads import head_work  # noqa: E402
 from car_fl.model.features import LocalData  # noqa: E402
 from car_fl.model.retriever import build_retriever  # noqa: E402
 from car_fl.settings.compose import load_settings  # noqa: E402
-from car_fl.training.train import make_optimizer, train_epoch  # noqa: E402
+from car_fl.training import train as thread_rule  # noqa: E402
+from car_fl.training.train import (  # noqa: E402
+    head_work,
+    make_optimizer,
+    train_epoch,
+)
 
 #: (name, features d, labels L, batch B)
 SHAPES = [
@@ -89,7 +92,7 @@ def epoch_seconds(
 
 TRAIN_CODE = """
 import sys
-import car_fl.common.threads as rule
+import car_fl.training.train as rule
 if sys.argv[1] == "off":
     rule.SMALL_STEP = 0
 from car_fl.cli import main

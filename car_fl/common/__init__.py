@@ -6,5 +6,4 @@
 - :mod:`~car_fl.common.progress`: progress bars that draw on a terminal only; ``setup_logging``
   for the apps and entry points.
 - :mod:`~car_fl.common.stopping`: processes ended by PID (SIGTERM, a grace, SIGKILL).
-- :mod:`~car_fl.common.threads`: ``threads_for``: one torch thread for loops of small steps.
 """

@@ -2,5 +2,6 @@
 
 - :mod:`~car_fl.training.train`: epochs (DP-SGD included) and their torch.optim optimisers;
   ``HeldOut`` (validation selects, test is reported); top-K, MRR, nDCG, F1 from ranks;
-  linear probing, the head alone before adapter + classifier.
+  linear probing, the head alone before adapter + classifier; one torch thread for small
+  steps (``threads_for``).
 """

@@ -19,22 +19,26 @@ frozen features, the epoch validation selects kept, before adapter + classifier 
 through the LM. ``train.probe_epochs`` centrally; ``fl.probe_rounds`` in a federation, where
 a probe round's DP release covers the head alone and the server's adapter is added back after
 it, un-noised (noise on it would tell the server how many steps the node took).
+
+Threads where they pay: for a small head the intra-op hand-off costs more than the arithmetic
+(docs/performance.md#threads-one-for-small-steps), so :func:`threads_for` runs a loop on one
+thread below :data:`SMALL_STEP`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from car_fl.common.progress import bar
-from car_fl.common.threads import head_work, threads_for
 from car_fl.model.feature_cache import FeatureCache
 from car_fl.model.features import (
     LocalData,
@@ -54,6 +58,29 @@ if TYPE_CHECKING:
 
 
 log = logging.getLogger(__name__)
+
+#: Multiply-adds per step below which one thread was faster (docs/performance.md, "Threads").
+SMALL_STEP = 2_000_000
+
+
+def head_work(parameters: int, batch: int) -> int:
+    """Multiply-adds of one step of a head with ``parameters`` weights over ``batch`` rows."""
+    return parameters * batch
+
+
+@contextlib.contextmanager
+def threads_for(work: int) -> Iterator[int]:
+    """torch's intra-op threads set for steps of ``work`` multiply-adds inside the block (one
+    below :data:`SMALL_STEP`), restored after it; yields the number used."""
+    previous = torch.get_num_threads()
+    threads = 1 if work < SMALL_STEP else previous
+    if threads != previous:
+        torch.set_num_threads(threads)
+    try:
+        yield threads
+    finally:
+        if threads != previous:
+            torch.set_num_threads(previous)
 
 
 def probe_head(settings: Settings, model: CaRRetriever, splits: DataSplits) -> dict[str, Any]:
@@ -502,7 +529,7 @@ def train_epoch_dpsgd(
 
 def step_multiply_adds(model: CaRRetriever, features: torch.Tensor | None, batch: int) -> int:
     """Multiply-adds of one step on cached ``features`` (the head's, and scoring every
-    label); an encoder pass (no features) counts as large (:mod:`car_fl.common.threads`)."""
+    label); an encoder pass (no features) counts as large (:func:`threads_for`)."""
     if features is None:
         return sys.maxsize
     head = sum(p.numel() for p in model.head.parameters())
