@@ -67,14 +67,11 @@ from car_fl.training.train import round_settings
 
 log = logging.getLogger(__name__)
 
-
 #: Where a node without ``--node-config blocks-service`` finds its blocks service (simulated).
 BLOCKS_SERVICE_ENV = "CAR_FL_BLOCKS_SERVICE"
 
-
 #: Settings a node composed, with their fingerprint, by a digest of the run's inputs.
 SettingsMemory = dict[str, tuple[Settings, str]]
-
 
 #: The node's own files (node config key → dataset setting): with a policy, never the run's.
 OWN_FILES: Mapping[str, str] = MappingProxyType(

@@ -37,18 +37,12 @@ def setup_logging(level: int = logging.INFO) -> None:
 
 T = TypeVar("T")
 
-
 log = logging.getLogger(__name__)
-
 
 #: Seconds after which a loop that draws no bar says where it is, the most between two such
 #: lines (the gaps double from the first), and how long a loop takes to say it is done.
 FIRST_HEARTBEAT_SECONDS = 10.0
-
-
 HEARTBEAT_SECONDS = 120.0
-
-
 DONE_SECONDS = 5.0
 
 

@@ -1,4 +1,5 @@
-"""The heads: what turns a pooled feature into a score per document, one module per head.
+"""The heads: what turns a pooled feature into a score per document, one module per head
+(CaR's classifier beside the interface, in ``scorer``).
 
 - :mod:`~car_fl.heads.config`: each ``head.kind``'s one registration (its traits, its scorer,
   the approaches it forms) and the ``head`` and ``moe`` settings sections; no torch.

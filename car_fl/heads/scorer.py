@@ -1,6 +1,7 @@
 """The interface every head implements: pooled queries ``(batch, d)`` → a score per label.
 
-A head is one :class:`Scorer` subclass in its own module, built from the settings by
+A head is one :class:`Scorer` subclass in its own module (CaR's classifier, the default, is
+here, beside the interface), built from the settings by
 :meth:`Scorer.build` and registered in :data:`car_fl.heads.config.HEADS`; the retriever holds it as
 its ``head``. An *index* through the current adapter (MIPS's label documents) is built by
 :meth:`Scorer.index`, once for all batches of an evaluation.

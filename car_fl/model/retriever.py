@@ -127,8 +127,6 @@ def build_retriever(
 #: The fewest documents whose deviation standardisation trusts (a handful of label texts is no
 #: sample of a space).
 MIN_DOCUMENTS = 8
-
-
 #: A deviation below this share of the median divides by that floor instead: a dimension
 #: constant across documents but not queries would otherwise decide every cosine.
 RELATIVE_FLOOR = 0.01

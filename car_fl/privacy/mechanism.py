@@ -61,16 +61,12 @@ def gaussian_like(
 
 State = Mapping[str, torch.Tensor]
 
-
 #: A clipped tensor is scaled to C·(1 − 2⁻²²), not to C: the rounding of a float32 product
 #: (2⁻²⁴ per element, as much again in the factor) then cannot carry its norm above C.
 SHRINK = 1.0 - 2.0**-22
 
-
 #: The adapter's tensors: ``dp.adapter_clip`` clips them apart from the head's.
 ADAPTER_PREFIX = "adapter."
-
-
 #: The full adapter's one tensor (adapter.kind=full), as the retriever names it.
 ADAPTER_WEIGHT = f"{ADAPTER_PREFIX}weight"
 

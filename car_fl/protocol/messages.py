@@ -15,21 +15,11 @@ from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
 from car_fl.settings import schema as config
 
 ARRAYS_KEY = "arrays"
-
-
 METRICS_KEY = "metrics"
-
-
 CONFIG_KEY = "config"
-
-
 NUM_EXAMPLES = "num-examples"
-
-
 #: Config key of a mixture of experts' layout (the server's clustering of the documents).
 LAYOUT_KEY = "moe-layout"
-
-
 #: Config key of the commit the server's Hub model resolved to: the nodes load that one.
 COMMIT_KEY = "model-commit"
 
@@ -37,8 +27,6 @@ COMMIT_KEY = "model-commit"
 #: ``Array.stype`` of car-fl's tensors: raw little-endian C-order bytes, dtype and shape in the
 #: ``Array``'s fields (no ``.npy`` header: the payload is exactly the parameters' bytes).
 RAW_STYPE = "car_fl.raw"
-
-
 #: The torch dtype of each ``comm.dtype`` (:data:`car_fl.settings.schema.WIRE_DTYPES`).
 WIRE_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in config.WIRE_DTYPES}
 

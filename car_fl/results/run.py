@@ -48,11 +48,7 @@ from car_fl.settings.flower import NODE_LOCAL_KEYS, fingerprint
 from car_fl.settings.schema import Settings, federated_part
 
 WEIGHTS = "weights.safetensors"
-
-
 META = "meta.json"
-
-
 FORMAT = "car-fl-checkpoint-v1"
 
 
@@ -120,8 +116,6 @@ def load_checkpoint(folder: str | Path) -> Checkpoint:
 
 
 Row = Mapping[str, Any]
-
-
 T = TypeVar("T")
 
 
@@ -161,11 +155,8 @@ def patience_spent(since_best: int, patience: int | None) -> bool:
 
 log = logging.getLogger(__name__)
 
-
 #: Seconds between two drawings of a running run's ``curves.png`` (its end always draws it).
 PLOT_SECONDS = 30.0
-
-
 #: The optimiser's state beside a step's weights (a run whose steps keep one optimiser).
 OPTIMIZER = "optimizer.safetensors"
 
@@ -198,8 +189,6 @@ CENTRALIZED = Kind(
     "a centralised run (car-fl train)",
     ("output_dir", "cache_dir", "resume", "progress", "device", "train.epochs"),
 )
-
-
 FEDERATED = Kind(
     "federated",
     "round",
@@ -208,8 +197,6 @@ FEDERATED = Kind(
     # each node's own paths and devices, but not the server's encoder: the rows so far are its
     (*(k for k in NODE_LOCAL_KEYS if k != "model.name_or_path"), "fl.rounds", "train.epochs"),
 )
-
-
 KINDS = {kind.name: kind for kind in (CENTRALIZED, FEDERATED)}
 
 

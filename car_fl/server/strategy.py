@@ -321,7 +321,6 @@ class NormBound:
 
 log = logging.getLogger(__name__)
 
-
 #: What an honest client sends only outside DP (car_fl.client.round: timing is a side channel).
 TRAIN_METRICS = frozenset({"train-loss", "train-accuracy", "train-seconds"})
 

@@ -192,8 +192,6 @@ def macro_f1(predictions: torch.Tensor, labels: torch.Tensor, num_labels: int) -
 
 #: Recall@K and nDCG@K reported beside the top-K accuracies.
 RECALL_K = (1, 5, 10)
-
-
 NDCG_K = 10
 
 
