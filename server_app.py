@@ -8,7 +8,7 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from car_fl.common.progress import setup_logging
-from car_fl.settings.flower import settings_from_run_config
+from car_fl.settings.compose import settings_from_run_config
 
 app = ServerApp()
 log = logging.getLogger("car_fl.server_app")

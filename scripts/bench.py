@@ -321,7 +321,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import torch, transformers, flwr  # the process's fixed cost, before any model
 from flwr.app import RecordDict
 from car_fl.client.node import Node
-from car_fl.settings.flower import NodeInfo
+from car_fl.settings.compose import NodeInfo
 from car_fl.client.round import cached_encoder
 from car_fl.settings.compose import load_settings
 from car_fl.model.retriever import CaRRetriever, build_retriever

@@ -35,9 +35,8 @@ from car_fl.data.partition import partition
 from car_fl.data.splits import load_splits, stratified_split
 from car_fl.model.features import LocalData, prepare_for
 from car_fl.model.retriever import build_retriever
-from car_fl.settings.compose import load_settings
+from car_fl.settings.compose import NodeInfo, load_settings
 from car_fl.settings.dp_plan import record_plan
-from car_fl.settings.flower import NodeInfo
 from car_fl.settings.schema import DPMode, Settings
 from car_fl.training.train import evaluate
 

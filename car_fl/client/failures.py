@@ -57,7 +57,7 @@ def known() -> tuple[tuple[type[BaseException], Failure], ...]:
     ROUND_FAILED. Imported here: a worker's ClientApp must stay free of torch and Hydra."""
     from car_fl.blocks.errors import BlocksUnavailable
     from car_fl.client.policy import PolicyError
-    from car_fl.settings.flower import FingerprintMismatch, NodeConfigError
+    from car_fl.settings.compose import FingerprintMismatch, NodeConfigError
 
     return (
         (BlocksUnavailable, Failure.BLOCKS_UNAVAILABLE),

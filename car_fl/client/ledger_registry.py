@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from car_fl.common.io import atomic_write_json, state_dir
-from car_fl.settings.flower import NodeConfigError
+from car_fl.settings.compose import NodeConfigError
 
 REGISTRY_FORMAT = "car-fl-ledger-registry-v1"
 REGISTRY_FILE = "ledgers.json"

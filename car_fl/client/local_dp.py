@@ -22,13 +22,6 @@ from car_fl.client.failures import RunTargetReached
 from car_fl.model import encoder as encoder_module
 from car_fl.model.retriever import CaRRetriever
 from car_fl.privacy.accountant import Accountant, Release, ReleaseKind
-from car_fl.privacy.adaptive import (
-    bound_noise_std,
-    clipped_indicator,
-    geometric_clip,
-    linear_clip,
-    smoothed_norm,
-)
 from car_fl.privacy.mechanism import (
     Part,
     State,
@@ -40,6 +33,14 @@ from car_fl.privacy.mechanism import (
     privatize_parts,
     secure_generator,
     split_adapter,
+)
+from car_fl.settings.compose import NodeInfo
+from car_fl.settings.dp_modes.adaptive import (
+    bound_noise_std,
+    clipped_indicator,
+    geometric_clip,
+    linear_clip,
+    smoothed_norm,
 )
 from car_fl.settings.dp_modes.registry import MODES
 from car_fl.settings.dp_modes.spec import ClientLevel
@@ -53,7 +54,6 @@ from car_fl.settings.dp_plan import (
     sigma_b,
     update_multiplier,
 )
-from car_fl.settings.flower import NodeInfo
 from car_fl.settings.schema import AdaptiveRule, DPConfig, Granularity, NoiseRule, Settings
 from car_fl.training.train import EpochResult, train_epoch
 

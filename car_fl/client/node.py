@@ -43,8 +43,7 @@ from car_fl.model.sources import names_hub_repo
 from car_fl.protocol.failures import Failure
 from car_fl.protocol.messages import read_train_message, train_reply
 from car_fl.protocol.wire import decode_content, encode_content
-from car_fl.settings.dp_plan import dp_active
-from car_fl.settings.flower import (
+from car_fl.settings.compose import (
     BLOCKS_SERVICE,
     CACHE_DIR,
     DATA_PATH,
@@ -62,6 +61,7 @@ from car_fl.settings.flower import (
     run_inputs,
     settings_from_run_config,
 )
+from car_fl.settings.dp_plan import dp_active
 from car_fl.settings.schema import Settings
 from car_fl.training.train import round_settings
 

@@ -19,8 +19,8 @@ from car_fl.client.ledger import Entry, Ledger, data_key, record_keys
 from car_fl.client.ledger_registry import claim
 from car_fl.client.policy import NodePolicy
 from car_fl.protocol.failures import Failure
+from car_fl.settings.compose import DATA_PATH, PRIVACY_POLICY, NodeConfigError
 from car_fl.settings.dp_plan import per_step, round_release
-from car_fl.settings.flower import DATA_PATH, PRIVACY_POLICY, NodeConfigError
 from car_fl.settings.schema import Settings
 
 log = logging.getLogger(__name__)

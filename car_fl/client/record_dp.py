@@ -19,8 +19,8 @@ from car_fl.model.features import LocalData
 from car_fl.model.retriever import CaRRetriever
 from car_fl.privacy.mechanism import secure_generator
 from car_fl.privacy.record_accounting import RecordPlan, trained_cap
+from car_fl.settings.compose import NodeInfo
 from car_fl.settings.dp_plan import record_plan
-from car_fl.settings.flower import NodeInfo
 from car_fl.settings.schema import Mode, Settings
 from car_fl.training.train import EpochResult, train_epoch_dpsgd
 

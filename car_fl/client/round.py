@@ -38,9 +38,9 @@ from car_fl.heads.experts import EXPERT_PREFIX, MixtureHead
 from car_fl.model.encoder import Encoder, shared_encoder
 from car_fl.model.features import LocalData, document_features, document_texts, prepare_for
 from car_fl.model.retriever import CaRRetriever, build_retriever
+from car_fl.settings.compose import NodeInfo
 from car_fl.settings.dp_modes.registry import MODES
 from car_fl.settings.dp_plan import public_examples
-from car_fl.settings.flower import NodeInfo
 from car_fl.settings.schema import ExpertSending, HeadKind, Settings, Standardize
 from car_fl.training.train import (
     EpochResult,

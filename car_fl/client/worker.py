@@ -44,7 +44,7 @@ from car_fl.common.io import atomic_write
 from car_fl.model import encoder as encoder_module
 from car_fl.protocol.failures import Failure
 from car_fl.protocol.wire import decode_content, encode_content
-from car_fl.settings.flower import (
+from car_fl.settings.compose import (
     CACHE_DIR,
     DATA_PATH,
     NUM_PARTITIONS,

@@ -26,7 +26,7 @@ from car_fl.protocol.wire import decode_content, encode_content
 
 #: The node-config key of the worker's folder (not imported: settings would load OmegaConf).
 WORKER_KEY = "worker"
-#: The node-config key of the node owner's privacy policy (``car_fl.settings.flower``'s).
+#: The node-config key of the node owner's privacy policy (``car_fl.settings.compose``'s).
 POLICY_KEY = "privacy-policy"
 SOCKET_NAME = "worker.sock"
 SECRET_NAME = "secret"

@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     """Check, submit, follow; 0 only for a run that finished ``completed``."""
     from car_fl.deploy.runs import COMPLETED, NO_INSTALL, follow_run, submit
     from car_fl.model.sources import check_sources
-    from car_fl.settings.flower import run_config_from_args, settings_from_run_config
+    from car_fl.settings.compose import run_config_from_args, settings_from_run_config
     from car_fl.settings.schema import federation_refusal
 
     app = Path(args.app).resolve()

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from car_fl.deploy.certs import TLSFiles
-from car_fl.settings.flower import (
+from car_fl.settings.compose import (
     DATA_IS_SHARD,
     DEVICE,
     NODE_CONFIG,

@@ -7,18 +7,11 @@ are computed exactly as for the classifier.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-
 import torch
 import torch.nn.functional as F
 
 from car_fl.heads.config import HeadKind, Similarity
 from car_fl.heads.scorer import EncodeIds, Scorer, ScorerSpec
-
-
-def label_documents(label_names: Sequence[str], label_texts: Mapping[str, str]) -> list[str]:
-    """The document text of each label, in label order: its ``label_texts`` entry or its name."""
-    return [label_texts.get(name) or name for name in label_names]
 
 
 def similarity(queries: torch.Tensor, keys: torch.Tensor, kind: Similarity) -> torch.Tensor:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -23,7 +23,6 @@ import torch
 from car_fl.common.progress import bar
 from car_fl.data.corpus import Document, documents_digest, read_documents
 from car_fl.data.corpus_splits import new_document_indices
-from car_fl.heads.retrieval import label_documents
 from car_fl.model.encoder import Encoder
 from car_fl.model.feature_cache import FeatureCache, space_key
 from car_fl.settings.schema import Mode, ModelConfig, Reader, Settings
@@ -47,6 +46,11 @@ def corpus_documents(settings: Settings, names: Sequence[str]) -> list[Document]
             "this model was trained on; point dataset.documents_path at the same file"
         )
     return documents
+
+
+def label_documents(label_names: Sequence[str], label_texts: Mapping[str, str]) -> list[str]:
+    """The document text of each label, in label order: its ``label_texts`` entry or its name."""
+    return [label_texts.get(name) or name for name in label_names]
 
 
 def document_texts(settings: Settings, names: Sequence[str]) -> list[str]:

@@ -3,7 +3,6 @@
 - :mod:`~car_fl.privacy.mechanism`: Gaussian noise from OS entropy on the tensors' device;
   norms, clipping (per release and per example, joint or adapter and head apart), the noised
   release (``privatize``).
-- :mod:`~car_fl.privacy.adaptive`: the private geometric clipping rule (and the paper's), no torch.
 - :mod:`~car_fl.privacy.accountant`: the one accountant (PLD, replace-one) every party uses.
 - :mod:`~car_fl.privacy.dpsgd`: a DP-SGD step (Poisson sampling, per-example gradients, noise).
 - :mod:`~car_fl.privacy.ghost`: DP-SGD's clipped sum through the adapter from batched passes.

@@ -42,9 +42,13 @@ from car_fl.results.rows import (
     RoundRow,
     RunSummary,
 )
-from car_fl.settings.compose import settings_from_yaml, settings_to_yaml
+from car_fl.settings.compose import (
+    NODE_LOCAL_KEYS,
+    fingerprint,
+    settings_from_yaml,
+    settings_to_yaml,
+)
 from car_fl.settings.flat import changed_keys, refuse_other_settings
-from car_fl.settings.flower import NODE_LOCAL_KEYS, fingerprint
 from car_fl.settings.schema import Settings, federated_part
 
 WEIGHTS = "weights.safetensors"

@@ -43,16 +43,14 @@ from car_fl.protocol.messages import COMMIT_KEY, LAYOUT_KEY, from_record, to_rec
 from car_fl.results.plots import data_label, model_label
 from car_fl.results.rows import RoundRow, RunSummary, wire_key
 from car_fl.results.run import FEDERATED, ResumePoint, Run, brief, eval_row, open_run_dir
-from car_fl.server.aggregation import build_strategy
 from car_fl.server.failure_summary import failure_summary
 from car_fl.server.privacy_check import PrivacyCheck, client_rows_of
 from car_fl.server.simulation_exit import end_ray_on_exit
 from car_fl.server.strategy import GuardedStrategy, RoundStats, spec_of
 from car_fl.serving.checkpoint import checkpoint_extra
-from car_fl.settings.compose import settings_from_yaml
+from car_fl.settings.compose import fingerprint, settings_from_yaml
 from car_fl.settings.dp_modes.registry import MODES
 from car_fl.settings.dp_plan import dp_active
-from car_fl.settings.flower import fingerprint
 from car_fl.settings.schema import Mode, Settings, federation_refusal
 from car_fl.training.train import HeldOut, LazyRetriever, probe_round
 
@@ -447,7 +445,7 @@ def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
     evaluator = ServerEvaluator.build(settings)
     initial = to_record(evaluator.model.trainable_state_dict(), dtype=settings.comm.dtype)
     layout = evaluator.layout.to_text() if evaluator.layout is not None else None
-    strategy = build_strategy(
+    strategy = GuardedStrategy.for_run(
         settings, spec=spec_of(initial), shard_sizes=evaluator.shard_sizes, layout=layout
     )
     recorder = round_recorder(settings, evaluator, output_dir)

@@ -35,6 +35,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, Strategy
 
+from car_fl.privacy.mechanism import split_adapter
 from car_fl.protocol.messages import (
     ARRAYS_KEY,
     CONFIG_KEY,
@@ -44,9 +45,10 @@ from car_fl.protocol.messages import (
     encode,
     payload_bytes,
 )
+from car_fl.server.aggregation import flower_strategy
 from car_fl.server.expert_plan import ExpertPlan
 from car_fl.settings.dp_modes.registry import MODES
-from car_fl.settings.dp_plan import fixed_noise_std
+from car_fl.settings.dp_plan import fixed_noise_std, public_examples
 from car_fl.settings.schema import DPConfig, NormBoundAction, NormBoundMode, Settings
 
 Spec = Mapping[str, tuple[tuple[int, ...], np.dtype[Any]]]
@@ -402,6 +404,35 @@ class GuardedStrategy(Strategy):
         self.reference: dict[str, np.ndarray[Any, Any]] | None = None
         #: Rounds already done before this ``start`` (a resumed run; Flower counts from 1).
         self.round_offset = 0
+
+    @classmethod
+    def for_run(
+        cls,
+        settings: Settings,
+        *,
+        spec: Spec,
+        shard_sizes: Mapping[int, int] | None = None,
+        layout: str | None = None,
+    ) -> GuardedStrategy:
+        """The run's strategy: Flower's ``strategy.name``, guarded as ``settings`` say."""
+        fl = settings.fl
+        dim = sum(math.prod(shape) for shape, _ in spec.values())
+        adapter_dim = sum(math.prod(spec[name][0]) for name in split_adapter(spec)[0])
+        return cls(
+            flower_strategy(settings.strategy),
+            spec=spec,
+            min_clients=fl.min_clients,
+            sample_size=fl.sample_size,
+            seed=settings.seed,
+            max_examples=fl.max_examples_per_client,
+            shard_sizes=shard_sizes,
+            norm_bound=NormBound.from_settings(settings, dim=dim, adapter_dim=adapter_dim),
+            min_valid=fl.min_valid_replies,
+            min_valid_fraction=fl.min_valid_fraction,
+            experts=None if layout is None else ExpertPlan.from_settings(settings, spec, layout),
+            public_examples=public_examples(settings) if settings.dp.enabled else None,
+            private_from=settings.dp.warmup_rounds + 1,
+        )
 
     spec_of = staticmethod(spec_of)
 

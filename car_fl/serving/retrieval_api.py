@@ -177,7 +177,7 @@ class RetrievalService:
         token: str | None = None,
         encode_batch: int | None = None,
     ) -> None:
-        from car_fl.settings.flower import fingerprint
+        from car_fl.settings.compose import fingerprint
 
         if retriever.label_names is None or retriever.settings is None:
             raise ValueError("the retriever has no labels: load it with load_retriever")

@@ -6,8 +6,8 @@
   and the experts' are :mod:`car_fl.heads.config`'s, with each head kind and its approaches).
 - :mod:`~car_fl.settings.federation`: its FL, strategy, wire and DP sections.
 - :mod:`~car_fl.settings.choices`: the :class:`Choice` enums no head owns.
-- :mod:`~car_fl.settings.compose`: Hydra composition (``load_settings``, ``to_settings``).
+- :mod:`~car_fl.settings.compose`: Hydra composition (``load_settings``, ``to_settings``), and
+  Flower's run config and node config, and the fingerprint.
 - :mod:`~car_fl.settings.flat`: settings as dotted keys, and the keys two runs differ in.
 - :mod:`~car_fl.settings.dp_plan`: what a run releases under each DP mode, and its check.
-- :mod:`~car_fl.settings.flower`: Flower's run config and node config, and the fingerprint.
 """

@@ -97,7 +97,7 @@ class NoiseRule(Choice):
 
 
 class AdaptiveRule(Choice):
-    """How an adaptive clipping bound moves (:mod:`car_fl.privacy.adaptive`).
+    """How an adaptive clipping bound moves (:mod:`car_fl.settings.dp_modes.adaptive`).
 
     ``geometric``: Andrew et al. (2021), from a noised clipped indicator: private.
     ``linear``: the CaR paper's C ← (1 − β)·C + β·γ·‖Δ‖ on the raw norm: not private.

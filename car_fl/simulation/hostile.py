@@ -20,7 +20,7 @@ import numpy as np
 from flwr.app import Array, Context, Message
 
 from car_fl.protocol.messages import ARRAYS_KEY, METRICS_KEY, NUM_EXAMPLES, decode, encode
-from car_fl.settings.flower import PARTITION_ID
+from car_fl.settings.compose import PARTITION_ID
 
 Arrays = dict[str, np.ndarray[Any, Any]]
 

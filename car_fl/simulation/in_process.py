@@ -18,8 +18,12 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from car_fl.results.rows import METRICS_JSON
 from car_fl.server.federation import run_federation
-from car_fl.settings.compose import settings_to_yaml
-from car_fl.settings.flower import NUM_PARTITIONS, PARTITION_ID, TRUST_REMOTE_CODE
+from car_fl.settings.compose import (
+    NUM_PARTITIONS,
+    PARTITION_ID,
+    TRUST_REMOTE_CODE,
+    settings_to_yaml,
+)
 from car_fl.settings.schema import Settings
 from car_fl.simulation.apps import import_app
 

@@ -22,7 +22,7 @@ from sklearn.preprocessing import StandardScaler
 from car_fl.client.round import Shard, train_shard
 from car_fl.data.labels import LabelMap
 from car_fl.model.features import LocalData
-from car_fl.settings.flower import NodeInfo
+from car_fl.settings.compose import NodeInfo
 from car_fl.settings.schema import Settings
 
 

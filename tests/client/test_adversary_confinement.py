@@ -31,8 +31,7 @@ from car_fl.client.worker_link import WorkerFailed
 from car_fl.model.retriever import build_retriever
 from car_fl.protocol.failures import Failure
 from car_fl.protocol.messages import to_record
-from car_fl.settings.compose import load_settings, settings_from_yaml
-from car_fl.settings.flower import fingerprint
+from car_fl.settings.compose import fingerprint, load_settings, settings_from_yaml
 from car_fl.testing.tiny import synthetic_examples, write_tsv
 from tests.client.test_worker import serving
 from tests.helpers import NOBODY, NOGROUP, as_nobody

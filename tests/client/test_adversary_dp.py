@@ -18,7 +18,7 @@ from car_fl.client.node import Node
 from car_fl.client.node_privacy import NodePrivacy
 from car_fl.model.retriever import build_retriever
 from car_fl.protocol.failures import Failure
-from car_fl.settings.flower import NodeInfo
+from car_fl.settings.compose import NodeInfo
 
 NODE = NodeInfo(partition_id=0, num_partitions=2)
 LABELS = [f"topic{i}" for i in range(4)]

@@ -19,7 +19,7 @@ from car_fl.data.splits import load_splits
 from car_fl.model.retriever import build_retriever
 from car_fl.privacy.mechanism import difference, flat_norm
 from car_fl.protocol.messages import train_reply
-from car_fl.settings.flower import NodeInfo
+from car_fl.settings.compose import NodeInfo
 from car_fl.settings.schema import Settings
 from car_fl.testing.tiny import build_llama, synthetic_examples, write_tsv
 from tests.reference import clip

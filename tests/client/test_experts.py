@@ -16,7 +16,7 @@ from car_fl.data.splits import load_splits
 from car_fl.heads.experts import EXPERT_PREFIX, MixtureHead
 from car_fl.model.retriever import CaRRetriever, build_retriever
 from car_fl.serving.checkpoint import checkpoint_extra
-from car_fl.settings.flower import NodeInfo
+from car_fl.settings.compose import NodeInfo
 from car_fl.settings.schema import Settings
 
 MOE = ("approach=moe", "moe.experts=4", "moe.route=1", "moe.iterations=2", "fl.local_epochs=1")

@@ -9,7 +9,7 @@ import pytest
 
 from car_fl.client.ledger_registry import REGISTRY_FILE, claim
 from car_fl.common.io import state_dir
-from car_fl.settings.flower import NodeConfigError
+from car_fl.settings.compose import NodeConfigError
 
 
 def test_a_second_ledger_over_any_of_the_same_records_is_refused(tmp_path: Path) -> None:

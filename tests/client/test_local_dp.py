@@ -25,8 +25,7 @@ from car_fl.privacy.accountant import (
     epsilon,
 )
 from car_fl.privacy.mechanism import flat_norm, privatize
-from car_fl.settings.compose import load_settings
-from car_fl.settings.flower import NodeInfo
+from car_fl.settings.compose import NodeInfo, load_settings
 from car_fl.settings.schema import Settings
 from tests.helpers import client_privacy
 

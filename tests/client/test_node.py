@@ -13,7 +13,7 @@ from car_fl.client.failures import BudgetExhausted, Refusal, RunTargetReached
 from car_fl.client.node import Node
 from car_fl.protocol.failures import Failure
 from car_fl.protocol.messages import to_record
-from car_fl.settings.flower import DATA_PATH, PRIVACY_POLICY
+from car_fl.settings.compose import DATA_PATH, PRIVACY_POLICY
 
 CLIENT = Path(__file__).resolve().parents[2] / "car_fl" / "client"
 POLICY = 'modes = ["fixed"]\nmin-noise-multiplier = 1.0\nlifetime-epsilon = 100\n'

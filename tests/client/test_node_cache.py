@@ -26,8 +26,7 @@ from car_fl.client import node_cache
 from car_fl.data.labels import LabelMap
 from car_fl.data.splits import load_splits
 from car_fl.model.retriever import build_retriever
-from car_fl.settings.compose import conf_dir, load_settings
-from car_fl.settings.flower import apply_node_config, fingerprint
+from car_fl.settings.compose import apply_node_config, conf_dir, fingerprint, load_settings
 from car_fl.testing.tiny import tiny_overrides
 
 PROJECT = Path(__file__).resolve().parents[2]
@@ -197,7 +196,7 @@ def test_settings_key_changes_with_the_schema_and_composition_code(
     """Every module that composes settings or holds a default is in the key (a section's
     defaults, the heads' registrations): one changed, the node composes again."""
     code = node_cache.settings_code()
-    for name in ("schema", "compose", "flower", "retriever", "inputs", "federation", "choices"):
+    for name in ("schema", "compose", "retriever", "inputs", "federation", "choices"):
         assert f"car_fl/settings/{name}.py" in code
     assert {
         "car_fl/adapters/config.py",

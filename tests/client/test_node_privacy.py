@@ -21,14 +21,14 @@ from car_fl.client.node_privacy import NodePrivacy
 from car_fl.model.retriever import build_retriever
 from car_fl.protocol.failures import Failure
 from car_fl.protocol.messages import to_record
-from car_fl.settings.compose import settings_to_yaml
-from car_fl.settings.flower import (
+from car_fl.settings.compose import (
     DATA_PATH,
     PRIVACY_POLICY,
     TEST_DATA_PATH,
     NodeConfigError,
     NodeInfo,
     fingerprint,
+    settings_to_yaml,
 )
 
 POLICY = """\

@@ -13,8 +13,7 @@ from car_fl.client.failures import Refusal
 from car_fl.client.node import node_settings, server_commit
 from car_fl.client.round import shard_data
 from car_fl.protocol.failures import Failure
-from car_fl.settings.compose import load_settings, settings_to_yaml
-from car_fl.settings.flower import NodeInfo, fingerprint
+from car_fl.settings.compose import NodeInfo, fingerprint, load_settings, settings_to_yaml
 
 
 @pytest.mark.slow

@@ -13,8 +13,8 @@ from car_fl.client.round import Shard, shard_data, train_shard
 from car_fl.data.splits import load_splits
 from car_fl.model.retriever import build_retriever
 from car_fl.privacy.record_accounting import trained_cap
+from car_fl.settings.compose import NodeInfo
 from car_fl.settings.dp_plan import public_examples, record_plan
-from car_fl.settings.flower import NodeInfo
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from car_fl.client.node import Node
 from car_fl.model import encoder as encoder_module
 from car_fl.model.feature_cache import FeatureCache
 from car_fl.model.retriever import build_retriever
-from car_fl.settings.flower import NodeInfo
+from car_fl.settings.compose import NodeInfo
 from tests.helpers import first_global_state
 
 STATE = {"head.classifier.weight": torch.randn(3, 8), "head.classifier.bias": torch.randn(3)}

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from car_fl.client.round import shard_data
-from car_fl.settings.flower import NodeInfo
+from car_fl.settings.compose import NodeInfo
 
 
 def test_clients_encode_labels_with_the_servers_map(make_settings, tmp_path: Path) -> None:

@@ -42,8 +42,7 @@ from car_fl.model.retriever import build_retriever
 from car_fl.protocol import wire
 from car_fl.protocol.failures import Failure
 from car_fl.protocol.messages import from_record, to_record
-from car_fl.settings.compose import load_settings
-from car_fl.settings.flower import fingerprint
+from car_fl.settings.compose import fingerprint, load_settings
 from car_fl.testing.tiny import tiny_overrides
 from tests.helpers import NOGROUP, as_nobody, gone
 

@@ -16,7 +16,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 from car_fl.client import worker_link
 from car_fl.client.worker_link import WorkerUnavailable
 from car_fl.protocol import wire
-from car_fl.settings.flower import NODE_CONFIG, WORKER
+from car_fl.settings.compose import NODE_CONFIG, WORKER
 
 
 def test_headers_and_record_dicts_cross_the_socket_unchanged() -> None:

@@ -30,8 +30,7 @@ from car_fl.deploy.commands import (
     supernode_command,
     worker_command,
 )
-from car_fl.settings.compose import load_settings
-from car_fl.settings.flower import NODE_CONFIG, NodeInfo, apply_node_config
+from car_fl.settings.compose import NODE_CONFIG, NodeInfo, apply_node_config, load_settings
 
 #: The node-config keys that set a value on the node (paths, device, cache).
 NODE_CONFIG_KEYS = [key for key, spec in NODE_CONFIG.items() if spec.setting is not None]

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from car_fl.centralized import run_centralized
-from car_fl.heads.retrieval import knn_scores, label_documents, mips_scores, similarity
+from car_fl.heads.retrieval import knn_scores, mips_scores, similarity
+from car_fl.model.features import label_documents
 from car_fl.settings.compose import load_settings
 from car_fl.settings.schema import Similarity
 from car_fl.testing.tiny import synthetic_examples, write_tsv

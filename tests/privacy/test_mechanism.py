@@ -21,13 +21,6 @@ from car_fl.privacy.accountant import (
     indicator_multiplier,
     release_multiplier,
 )
-from car_fl.privacy.adaptive import (
-    bound_noise_std,
-    geometric_clip,
-    linear_clip,
-    smoothed_norm,
-    update_noise_multiplier,
-)
 from car_fl.privacy.mechanism import (
     clip_per_example,
     flat_norm,
@@ -37,6 +30,13 @@ from car_fl.privacy.mechanism import (
     privatize,
 )
 from car_fl.settings.compose import load_settings
+from car_fl.settings.dp_modes.adaptive import (
+    bound_noise_std,
+    geometric_clip,
+    linear_clip,
+    smoothed_norm,
+    update_noise_multiplier,
+)
 from tests.helpers import client_privacy, load_script
 from tests.reference import clip
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import csv
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -264,3 +266,10 @@ def test_a_head_and_mode_no_approach_names_still_report() -> None:
         _ = settings.approach
     assert approach_of(settings) == "moe head, adapter+classifier"
     assert approach_of(load_settings(["approach=adapter_car"])) == "adapter + classifier (CaR)"
+
+
+def test_reading_results_imports_no_torch() -> None:
+    """``car-fl report`` and the rows it reads stay light: no torch (docs/architecture.md)."""
+    code = "import sys, car_fl.results.report; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

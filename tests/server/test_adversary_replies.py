@@ -15,8 +15,7 @@ from car_fl.protocol.failures import Failure, failure_reply
 from car_fl.protocol.messages import decode, to_record
 from car_fl.results.rows import CLIENTS_CSV, ClientRow
 from car_fl.results.run import ResumePoint
-from car_fl.server.aggregation import build_strategy
-from car_fl.server.strategy import NormBound, ShardClaims
+from car_fl.server.strategy import GuardedStrategy, NormBound, ShardClaims
 from car_fl.settings.compose import load_settings
 from car_fl.settings.dp_plan import public_examples
 from car_fl.settings.schema import NormBoundMode
@@ -74,7 +73,7 @@ def test_the_adaptive_norm_bound_rejects_a_scaled_update_when_two_replies_are_va
     global_ = params(0)
     honest = {k: v + 0.1 * params(1)[k] for k, v in global_.items()}
     scaled = {k: v + 50 * (honest[k] - v) for k, v in global_.items()}  # `scale50`
-    strategy = build_strategy(settings, spec=SPEC)
+    strategy = GuardedStrategy.for_run(settings, spec=SPEC)
     nodes = list(range(1, clients + 1))
     configured(strategy, global_, nodes)
     replies = [reply(1, honest, 10), reply(clients, scaled, 10)]
@@ -125,7 +124,7 @@ def test_a_reply_the_norm_bound_rejects_does_not_pin_its_partition() -> None:
     honest = {k: v + 0.1 * params(1)[k] for k, v in global_.items()}
     huge = {k: v + 1000.0 for k, v in global_.items()}
     settings = load_settings("fl.clients=2")
-    strategy = build_strategy(settings, spec=SPEC, shard_sizes={0: 50, 1: 50})
+    strategy = GuardedStrategy.for_run(settings, spec=SPEC, shard_sizes={0: 50, 1: 50})
     strategy.norm_bound = NormBound(mode=NormBoundMode.FIXED, value=1.0)
     configured(strategy, global_, [5, 10])
     replies = [
@@ -149,7 +148,7 @@ def test_under_dp_a_hostile_nodes_train_figures_reach_no_file(tmp_path: Path) ->
     the MetricRecord ``GuardedStrategy.aggregate_train`` returns to Flower has its loss."""
     settings = load_settings("fl.rounds=1 dp=fixed dp.noise_multiplier=1.0")
     strategy, rounds = recorder_of(settings, tmp_path)
-    strategy.public_examples = public_examples(settings)  # as build_strategy sets it under DP
+    strategy.public_examples = public_examples(settings)  # as for_run sets it under DP
     claims = {k: v for k, v in honest_claims(settings, 1)[0].items() if k != "num-examples"}
     forged = {"train-loss": 0.001, "train-accuracy": 1.0, "train-seconds": 1e9}
     replies = [

@@ -25,13 +25,11 @@ from car_fl.privacy.accountant import epsilon as rdp_epsilon
 from car_fl.protocol.messages import decode, to_record
 from car_fl.results.rows import CLIENTS_CSV, ClientRow, RunSummary
 from car_fl.results.run import FEDERATED, ResumePoint, Run
-from car_fl.server.aggregation import build_strategy
 from car_fl.server.federation import RoundRecorder
 from car_fl.server.privacy_check import PrivacyCheck, disagreement
-from car_fl.server.strategy import ShardClaims
-from car_fl.settings.compose import load_settings
+from car_fl.server.strategy import GuardedStrategy, ShardClaims
+from car_fl.settings.compose import NodeInfo, load_settings
 from car_fl.settings.dp_plan import record_plan, round_release
-from car_fl.settings.flower import NodeInfo
 from car_fl.settings.schema import Mode, Settings
 from tests.helpers import reply
 from tests.reference import CaRFedAvg
@@ -333,7 +331,7 @@ def test_a_claimed_count_moves_neither_the_servers_epsilon_nor_the_weights(claim
         "fl.rounds=3 dp=fixed dp.granularity=step dp.noise_multiplier=1.0 "
         f"fl.max_examples_per_client={cap}"
     )
-    strategy = build_strategy(settings, spec=SPEC)
+    strategy = GuardedStrategy.for_run(settings, spec=SPEC)
     strategy.reference = {"w": np.zeros(3)}
     replies = [
         reply(1, {"w": np.full(3, 1.0, np.float32)}, claimed, **{"partition-id": 0}),
@@ -371,7 +369,7 @@ def test_a_node_reading_more_than_its_partition_is_not_reported_below_its_epsilo
     per-step DP its releases follow that n; the server used to account it with the partition
     size it had on record: ε 32.2 for a node whose true ε (500 records, 1 round) is 633.9."""
     settings = load_settings("fl.rounds=3 dp=fixed dp.granularity=step dp.noise_multiplier=1.0")
-    strategy = build_strategy(settings, spec=SPEC, shard_sizes={0: 10, 1: 10})
+    strategy = GuardedStrategy.for_run(settings, spec=SPEC, shard_sizes={0: 10, 1: 10})
     strategy.reference = {"w": np.zeros(3)}
     claims = honest_claims(settings, 1, examples=500)  # the node's own file: 500 records
     update = {"w": np.ones(3, np.float32)}

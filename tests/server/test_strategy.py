@@ -29,7 +29,7 @@ from car_fl.client.local_dp import ClientPrivacy
 from car_fl.model.retriever import build_retriever
 from car_fl.privacy.mechanism import privatize
 from car_fl.protocol.messages import decode, to_record
-from car_fl.server.aggregation import REGISTRY, build_strategy, flower_strategy
+from car_fl.server.aggregation import REGISTRY, flower_strategy
 from car_fl.server.strategy import (
     GuardedStrategy,
     NormBound,
@@ -248,7 +248,7 @@ def test_honest_fixed_dp_releases_pass_the_auto_bound_with_or_without_an_adapter
     the clipped update reaches √(C² + C_a²); no honest reply may be rejected for it."""
     settings = load_settings(["dp=fixed", "mode=adapter", "dp.noise_multiplier=0.5", *extra])
     record = to_record({name: torch.zeros(shape) for name, shape in shapes.items()})
-    bound = build_strategy(settings, spec=spec_of(record)).norm_bound  # as the server builds it
+    bound = GuardedStrategy.for_run(settings, spec=spec_of(record)).norm_bound  # the server's
     assert bound.mode == "dp"
     state = ClientPrivacy.initial_state(settings.dp)
     client = ClientPrivacy(settings.dp, num_clients=settings.fl.clients, client=0, state=state)
@@ -451,7 +451,7 @@ def test_every_strategy_runs_a_short_federation_end_to_end(
     assert (out / "checkpoints" / "final").exists()
 
 
-def test_build_strategy_wires_the_settings(make_settings) -> None:
+def test_the_run_strategy_wires_the_settings(make_settings) -> None:
     settings = make_settings(
         "strategy=krum",
         "fl.clients=4",
@@ -461,7 +461,7 @@ def test_build_strategy_wires_the_settings(make_settings) -> None:
         "fl.max_examples_per_client=99",
     )
     record = to_record({"w": torch.zeros(2, 3)})
-    strategy = build_strategy(settings, spec=spec_of(record), shard_sizes={0: 1})
+    strategy = GuardedStrategy.for_run(settings, spec=spec_of(record), shard_sizes={0: 1})
     assert isinstance(strategy.inner, Krum) and strategy.inner.num_malicious_nodes == 1
     assert strategy.sample_size(4) == 3
     assert (strategy.norm_bound.mode, strategy.norm_bound.action) == ("adaptive", "clip")

@@ -135,7 +135,7 @@ def test_groups_select_dataset_model_and_mode() -> None:
 
 
 def test_arxiv_searches_its_categories_by_their_names_not_their_codes() -> None:
-    from car_fl.heads.retrieval import label_documents
+    from car_fl.model.features import label_documents
 
     s = load_settings(["dataset=arxiv", "dataset.path=papers.jsonl"])
     names = ["cs.LG", "astro-ph.GA", "math.AP", "hep-th", "not-a-category"]

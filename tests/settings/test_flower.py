@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from car_fl.settings.compose import group_options, is_setting, load_settings, settings_to_yaml
-from car_fl.settings.flower import (
+from car_fl.settings.compose import (
     NODE_CONFIG,
     NODE_LOCAL_KEYS,
     RUN_CONFIG,
@@ -16,9 +15,13 @@ from car_fl.settings.flower import (
     NodeInfo,
     apply_node_config,
     fingerprint,
+    group_options,
+    is_setting,
+    load_settings,
     run_config_from_args,
     run_inputs,
     settings_from_run_config,
+    settings_to_yaml,
 )
 
 

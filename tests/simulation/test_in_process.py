@@ -19,7 +19,7 @@ from huggingface_hub import constants
 from car_fl.client.ledger import Ledger
 from car_fl.protocol.failures import Failure
 from car_fl.protocol.messages import COMMIT_KEY, CONFIG_KEY
-from car_fl.settings.flower import DATA_PATH, PRIVACY_POLICY
+from car_fl.settings.compose import DATA_PATH, PRIVACY_POLICY
 from car_fl.simulation.apps import import_app
 from car_fl.simulation.in_process import LocalGrid, run_local
 

@@ -11,7 +11,7 @@ from flwr.app import RecordDict
 
 from car_fl.client.node import Node
 from car_fl.privacy.mechanism import ADAPTER_WEIGHT
-from car_fl.settings.flower import NodeInfo
+from car_fl.settings.compose import NodeInfo
 from car_fl.settings.schema import Mode
 from car_fl.standalone.centralized import run_centralized
 from car_fl.training.train import keep_adapter, probe_round, round_settings
