@@ -11,6 +11,8 @@ from __future__ import annotations
 import ast
 import importlib
 import re
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -145,6 +147,18 @@ def test_a_package_init_imports_nothing() -> None:
         tree = ast.parse(init.read_text(encoding="utf-8"))
         assert not [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)], init
         assert ast.get_docstring(tree), f"{init} names its public parts in a docstring"
+
+
+def test_the_app_modules_load_no_torch_hydra_or_tqdm() -> None:
+    """Flower imports both apps in every process it starts: what they need loads when used."""
+    code = (
+        "import sys; sys.path.insert(0, '.'); import server_app, client_app; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'hydra', 'tqdm'}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]"
 
 
 @pytest.mark.parametrize(

@@ -17,8 +17,6 @@ import time
 from collections.abc import Iterable, Iterator, Sized
 from typing import TypeVar
 
-from tqdm.auto import tqdm
-
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -54,6 +52,8 @@ def on_terminal() -> bool:
 def bar(iterable: Iterable[T], *, desc: str, unit: str, enabled: bool = True) -> Iterable[T]:
     """``iterable`` with a bar when ``enabled`` and stderr is a terminal, else a heartbeat."""
     if enabled and on_terminal():
+        from tqdm.auto import tqdm  # here: an entry point that only logs loads no tqdm
+
         return tqdm(iterable, desc=desc, unit=unit, leave=False)
     return heartbeat(iterable, desc=desc, unit=unit)
 
