@@ -64,6 +64,12 @@ class HeadTraits(NamedTuple):
     from_documents: bool = False
     #: Linear probing (``fl.probe_rounds``, ``train.probe_epochs``) has this head to train alone.
     probe: bool = False
+    #: It scores with the training examples' features it remembers (kNN): a run hands them
+    #: over before it scores, so even with nothing to train they are encoded.
+    memory: bool = False
+    #: It is split into experts behind a gate: it needs a layout (the server's, or its own
+    #: clustering of the documents), and ``moe`` configures it.
+    experts: bool = False
 
 
 class HeadKind(Choice):
@@ -149,7 +155,7 @@ HEADS: dict[HeadKind, HeadSpec] = {
         },
     ),
     HeadKind.KNN: HeadSpec(
-        HeadTraits(adapts=False),
+        HeadTraits(adapts=False, memory=True),
         "car_fl.heads.retrieval:KNNScorer",
         {
             "knn": ApproachSpec(
@@ -189,7 +195,7 @@ HEADS: dict[HeadKind, HeadSpec] = {
         },
     ),
     HeadKind.MOE: HeadSpec(
-        HeadTraits(weights=True, from_documents=True),
+        HeadTraits(weights=True, from_documents=True, experts=True),
         "car_fl.heads.experts:MixtureScorer",
         {
             "moe": ApproachSpec(

@@ -30,7 +30,7 @@ from car_fl.heads.experts import MixtureHead, build_layout, experts_in
 from car_fl.heads.fusion import reciprocal_rank_fusion
 from car_fl.heads.lexical import LexicalIndex
 from car_fl.heads.retrieval import KNNScorer, MIPSScorer
-from car_fl.heads.scorer import Retrieval, Scorer, build_scorer, retrieve
+from car_fl.heads.scorer import Retrieval, Scorer, build_scorer, retrieve, scorer_class
 from car_fl.model.encoder import Encoder, load_encoder, pick_device
 from car_fl.model.features import document_features as embed_documents
 from car_fl.model.features import encode_documents, extract_features, trained_rows
@@ -73,11 +73,12 @@ def build_retriever(
     def get_encoder() -> Encoder:
         return loaded or load_encoder(settings.model, device=settings.device)
 
-    frozen_mips = kind is HeadKind.MIPS and mode is Mode.CLASSIFIER
+    # a head that encodes the documents for its index (MIPS): frozen, they are embedded once
+    frozen_index = scorer_class(kind).index_uses_adapter and mode is Mode.CLASSIFIER
     standardize = settings.model.standardize is Standardize.DOCUMENTS
     needs_documents = kind.traits.from_documents or standardize
-    if (needs_documents or frozen_mips) and document_features is None:
-        if documents is None and not frozen_mips:
+    if (needs_documents or frozen_index) and document_features is None:
+        if documents is None and not frozen_index:
             why = f"head.kind={kind}" if not standardize else "model.standardize=documents"
             raise ValueError(f"{why} needs the documents (texts or embeddings)")
         if documents is not None:  # the frozen documents' embeddings, through the cache
@@ -88,7 +89,7 @@ def build_retriever(
         scaler = Standardizer(int(document_features.shape[1]))
         trained = trained_rows(settings, num_labels)
         scaler.fit(document_features if trained is None else document_features[trained])
-    if kind is HeadKind.MOE and layout is None:  # clustered in the space the head scores in
+    if kind.traits.experts and layout is None:  # clustered in the space the head scores in
         assert document_features is not None
         space = document_features if scaler is None else scaler(document_features)
         layout = build_layout(space, settings.moe, seed=settings.seed)
@@ -107,7 +108,7 @@ def build_retriever(
     )
     if scaler is not None:
         model.standardizer.load(scaler)
-    if isinstance(model.head, MIPSScorer) and document_features is not None and frozen_mips:
+    if isinstance(model.head, MIPSScorer) and document_features is not None and frozen_index:
         model.head.set_document_features(document_features)
     elif isinstance(model.head, MIPSScorer) and documents is not None and model.has_encoder:
         model.set_documents(documents)  # re-encoded through the adapter while it trains

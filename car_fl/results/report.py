@@ -23,7 +23,7 @@ from car_fl.results.report_markdown import markdown_report
 from car_fl.results.rows import METRICS_JSON, MetricsFile, RoundRow, RunSummary, write_csv
 from car_fl.settings.compose import settings_from_yaml
 from car_fl.settings.dp_modes.registry import MODES
-from car_fl.settings.schema import APPROACHES, HeadKind, Settings
+from car_fl.settings.schema import APPROACHES, Settings
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +35,8 @@ SCENARIOS = ("centralised", *(spec.report_name for spec in MODES.values()))
 
 def approach_of(settings: Settings) -> str:
     """The retrieval approach of a run, as the method's MIPS comparison names it."""
-    if settings.head.kind is HeadKind.KNN:
-        return f"kNN (k={settings.head.knn_k})"
+    if settings.head.kind.traits.memory:  # how many remembered examples vote
+        return f"{settings.approach_label} (k={settings.head.knn_k})"
     return settings.approach_label
 
 

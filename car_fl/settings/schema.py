@@ -172,15 +172,20 @@ class Settings:
                 f"documents; dataset.reader={self.dataset.reader} has only its labels' texts. Use "
                 "a corpus (dataset=corpus) or model.standardize=none"
             )
-        if self.head.lexical is Lexical.BM25 and (
-            not corpus or kind is not HeadKind.DOCUMENT or self.train.mode is not Mode.CLASSIFIER
-        ):
-            raise ValueError(
-                "head.lexical=bm25 indexes a corpus's documents beside a document head trained "
-                "on cached features: use approach=fusion on a corpus (dataset=corpus), or "
-                "head.lexical=none"
+        if self.head.lexical is not Lexical.NONE:  # only where an approach registers it
+            adapter = self.train.mode is Mode.ADAPTER_CLASSIFIER
+            formed = (
+                a.adapter == adapter and a.lexical is self.head.lexical
+                for a in kind.spec.approaches.values()
             )
-        if kind is not HeadKind.MOE:
+            if not corpus or not any(formed):
+                named = [n for n, (_, a) in APPROACHES.items() if a.lexical is self.head.lexical]
+                raise ValueError(
+                    f"head.lexical={self.head.lexical} indexes a corpus's documents beside the "
+                    f"head of an approach that registers it: use approach={' or '.join(named)} "
+                    "on a corpus (dataset=corpus), or head.lexical=none"
+                )
+        if not kind.traits.experts:
             return
         if self.dp.enabled and self.moe.send is ExpertSending.ROUTED:
             raise ValueError(

@@ -28,7 +28,7 @@ from car_fl.results.run import (
 )
 from car_fl.serving.checkpoint import checkpoint_extra
 from car_fl.settings.dp_modes.registry import MODES
-from car_fl.settings.schema import HeadKind, Mode, Settings, nothing_to_train
+from car_fl.settings.schema import Mode, Settings, nothing_to_train
 from car_fl.training.train import HeldOut, LazyRetriever, make_optimizer, one_epoch, probe_head
 
 log = logging.getLogger(__name__)
@@ -84,10 +84,11 @@ def prepare(settings: Settings, *, probe: bool = True) -> Prepared:
     splits = load_splits(settings.dataset, seed=settings.seed)
     start = time.perf_counter()  # the features' time: reading the data is not in it
     lazy = LazyRetriever(settings, splits)
-    frozen_mips = nothing_to_train(settings) and settings.head.kind is HeadKind.MIPS
+    # nothing to train and nothing to remember (MIPS): no training query is encoded
+    queries_unused = nothing_to_train(settings) and not settings.head.kind.traits.memory
     train_data = (
         None
-        if frozen_mips
+        if queries_unused
         else prepare_for(
             settings,
             splits.train["text"],
@@ -105,7 +106,7 @@ def prepare(settings: Settings, *, probe: bool = True) -> Prepared:
         size = int(features.shape[1])
         labels = len(splits.label_map)
         model = build_retriever(settings, labels, hidden_size=size, documents=lazy.documents)
-    if model.kind is HeadKind.KNN:
+    if model.kind.traits.memory:
         assert train_data is not None and train_data.features is not None
         model.set_memory(train_data.features, train_data.labels)
     probed = (

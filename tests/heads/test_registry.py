@@ -10,6 +10,7 @@ import torch
 from car_fl.heads import scorer as registry
 from car_fl.heads.config import HEADS
 from car_fl.heads.document_head import DocumentHead
+from car_fl.heads.experts import MixtureHead
 from car_fl.heads.retrieval import KNNScorer, MIPSScorer, knn_scores
 from car_fl.heads.scorer import ClassifierHead, ClassifierScorer, build_scorer, scorer_class
 from car_fl.model.encoder import Encoder, load_encoder
@@ -27,9 +28,11 @@ def test_every_head_kind_has_one_scorer_and_its_traits() -> None:
     scorers = {kind: scorer_class(kind) for kind in HeadKind}
     assert all(scorer.kind is kind for kind, scorer in scorers.items())
     assert len(set(scorers.values())) == len(scorers)
-    # the traits agree with what the built scorers are: weights, documents
+    # the traits agree with what the built scorers are: weights, documents, experts, memory
     for kind, scorer in scorers.items():
         assert kind.traits.from_documents == issubclass(scorer, DocumentHead), kind
+        assert kind.traits.experts == issubclass(scorer, MixtureHead), kind
+        assert kind.traits.memory == hasattr(scorer, "set_memory"), kind
         if kind is not HeadKind.MOE:  # a mixture needs its layout to be built
             built = build_scorer(HeadConfig(kind=kind), dim=4, num_labels=3)
             assert kind.traits.weights == any(True for _ in built.parameters()), kind
