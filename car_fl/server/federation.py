@@ -246,8 +246,8 @@ class RoundRecorder:
     evaluate: Callable[[ArrayRecord], dict[str, float]]
     #: Rounds done before a resume: Flower counts from 1 again, the run's rows go on.
     round_offset: int = 0
-    #: The strategy's statistics of the round that just ended (see :meth:`receive`).
-    pending: RoundStats | None = None
+    #: What the strategy saw in each round of this process, the last one ended (its history).
+    rounds: list[RoundStats] = field(default_factory=list)
     #: Test metrics of a state, evaluated at the end (None: every round already has them).
     test: Callable[[dict[str, torch.Tensor]], dict[str, float]] | None = None
     #: Evaluate round r in a thread while round r + 1 trains.
@@ -273,18 +273,14 @@ class RoundRecorder:
         if self.run.client_rows is None:
             self.run.client_rows = []
 
-    def receive(self, stats: RoundStats) -> None:
-        """The strategy hands over each round's statistics (aggregated or not) before evaluation."""
-        self.pending = stats
-
     def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         self.schedule.flush()  # the previous round's evaluation, done while this round trained
         stats = None
         if server_round > 0:  # Flower's round 0 is the initial (or the resumed) state
-            stats, self.pending = self.pending, None
             expected = server_round + self.round_offset
+            stats = self.rounds[-1] if self.rounds else None
             if stats is None or stats.round != expected:
-                raise RuntimeError(f"round {expected}: the strategy handed over no statistics")
+                raise RuntimeError(f"round {expected}: the strategy recorded no statistics")
         job = Evaluation(server_round + self.round_offset, arrays, stats)
         if not self.background:
             metrics = self.evaluate(arrays)
@@ -450,7 +446,7 @@ def run_federation(grid: Grid, settings: Settings) -> dict[str, Any]:
     )
     recorder = round_recorder(settings, evaluator, output_dir)
     recorder.run.begin(point, data=evaluator.data_stats)
-    strategy.on_round = recorder.receive  # the strategy hands each round's statistics over
+    recorder.rounds = strategy.history  # each round's statistics, as the strategy saw it
     done = 0
     if point is not None:  # continue after the last complete round
         done = point.done

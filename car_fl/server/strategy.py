@@ -7,7 +7,7 @@ seeded client sampling; what a valid train reply is, checked on decoded values
 refused, and its count is capped by that partition's size or ``fl.max_examples_per_client``);
 the bound on a reply's update norm ‖θᵢ − θ‖ (:class:`NormBound`, ``fl.norm_bound``: replies
 above it are rejected or clipped); a minimum of valid replies; and what the round saw
-(:class:`RoundStats`), handed to the round recorder when it ends. Valid replies reach the
+(:class:`RoundStats`, its :attr:`history`, which the round recorder reads). Valid replies reach the
 wrapped strategy as float64 arrays in node order; its result is cast back to the global
 model's dtypes.
 
@@ -26,7 +26,7 @@ import math
 import random
 import statistics
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -398,8 +398,6 @@ class GuardedStrategy(Strategy):
         self.expected: dict[int, tuple[list[str], set[str]]] = {}
         self.current: RoundStats | None = None
         self.history: list[RoundStats] = []
-        #: Receives each round's statistics once the round is aggregated (the round recorder).
-        self.on_round: Callable[[RoundStats], None] | None = None
         #: The global model sent this round (float64), the reference of every update norm.
         self.reference: dict[str, np.ndarray[Any, Any]] | None = None
         #: Rounds already done before this ``start`` (a resumed run; Flower counts from 1).
@@ -498,15 +496,15 @@ class GuardedStrategy(Strategy):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """The aggregate of the valid replies (``None`` keeps the model); then ``on_round``."""
+        """The aggregate of the valid replies (``None`` keeps the model); the round's statistics
+        join :attr:`history` whatever happens (the round recorder reads them)."""
         server_round += self.round_offset
         stats = self.current or RoundStats(round=server_round, started=time.perf_counter())
         self.current = None
         try:
             return self._aggregate_train(server_round, replies, stats)
         finally:
-            if self.on_round is not None:
-                self.on_round(stats)
+            self.history.append(stats)
 
     def _aggregate_train(
         self, server_round: int, replies: Iterable[Message], stats: RoundStats
@@ -532,7 +530,6 @@ class GuardedStrategy(Strategy):
             record = next(iter(originals[node].content.array_records.values()))
             stats.bytes_received[node] = payload_bytes(record)
         stats.attribute_lost_replies()
-        self.history.append(stats)
         for node, reason in stats.rejected.items():
             log.error("round %d: rejected the reply of node %d: %s", server_round, node, reason)
         asked = max(len(stats.bytes_sent), len(valid) + len(stats.rejected) + len(stats.failed))

@@ -27,6 +27,7 @@ from car_fl.results.run import (
     write_config,
 )
 from car_fl.server.federation import RoundRecorder
+from car_fl.server.strategy import RoundStats
 from car_fl.settings.compose import settings_to_yaml
 from car_fl.settings.schema import Mode, Settings
 from tests.helpers import reply
@@ -219,7 +220,7 @@ def test_the_strategy_hands_its_round_statistics_to_the_recorder(
         evaluate=lambda arrays: next(evaluations),
     )
     strategy = CaRFedAvg(spec=SPEC)
-    strategy.on_round = rounds.receive
+    rounds.rounds = strategy.history
     # dp=fixed with σ₀ = 1 after one warm-up round: one Gaussian of μ = 0.5 per client in round 2.
     one = rdp_epsilon({0.5: 1}, settings.dp.delta)
     rounds(0, global_model())  # the initial model: no statistics needed
@@ -288,7 +289,7 @@ def test_a_hostile_clients_metrics_cannot_end_the_run_or_poison_epsilon(
         evaluate=lambda arrays: scores(0.5, 1.0, 0.5),
     )
     strategy = CaRFedAvg(spec=SPEC, max_examples=100)
-    strategy.on_round = rounds.receive
+    rounds.rounds = strategy.history
     honest = reply(11, {"w": np.ones(3, np.float32)}, 10, **{"dp-epsilon": 0.0})  # dp=none
     hostile = reply(10, {"w": np.ones(3, np.float32)}, 10, **{"partition-id": partition}, **metrics)
     arrays, _ = strategy.aggregate_train(1, [hostile, honest])  # the hostile reply first
@@ -302,13 +303,16 @@ def test_a_hostile_clients_metrics_cannot_end_the_run_or_poison_epsilon(
     assert all(math.isfinite(float(key)) for key in dp)
 
 
-def test_a_round_the_strategy_never_handed_over_is_an_error(make_settings, tmp_path: Path) -> None:
+def test_a_round_the_strategy_never_recorded_is_an_error(make_settings, tmp_path: Path) -> None:
     rounds = RoundRecorder(
         make_run(make_settings(), tmp_path),
         evaluate=lambda arrays: scores(0.5, 1.0, 0.5),
     )
-    with pytest.raises(RuntimeError, match="handed over no statistics"):
+    with pytest.raises(RuntimeError, match="round 1: the strategy recorded no statistics"):
         rounds(1, global_model())
+    rounds.rounds.append(RoundStats(round=1, started=0.0))  # the last round it saw is stale
+    with pytest.raises(RuntimeError, match="round 2: the strategy recorded no statistics"):
+        rounds(2, global_model())
 
 
 @pytest.mark.slow
@@ -370,7 +374,7 @@ def test_a_background_evaluation_lets_the_next_round_start_and_the_end_tests_bes
         background=True,
     )
     strategy = CaRFedAvg(spec=SPEC)
-    strategy.on_round = rounds.receive
+    rounds.rounds = strategy.history
     assert rounds(0, global_model()) is None  # returns at once: the evaluation waits
     gates[0].set()
     for r in (1, 2, 3):

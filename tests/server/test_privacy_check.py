@@ -148,7 +148,7 @@ def recorder_of(settings: Settings, out: Path) -> tuple[CaRFedAvg, RoundRecorder
         },
     )
     strategy = CaRFedAvg(spec=SPEC)
-    strategy.on_round = rounds.receive
+    rounds.rounds = strategy.history
     rounds(0, ArrayRecord())
     return strategy, rounds
 

@@ -126,7 +126,7 @@ def resumed(rounds: RoundRecorder, history: list, done: int) -> None:
 
 
 def record_round(rounds: RoundRecorder, number: int, *, aggregated: bool = True) -> None:
-    rounds.receive(RoundStats(round=number, started=0.0, aggregated=aggregated))
+    rounds.rounds.append(RoundStats(round=number, started=0.0, aggregated=aggregated))
     rounds(number - rounds.round_offset, global_model())
 
 
