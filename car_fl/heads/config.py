@@ -215,12 +215,20 @@ APPROACHES: dict[str, tuple[HeadKind, ApproachSpec]] = {
 }
 
 
-def approach_of(kind: HeadKind, adapter: bool, lexical: Lexical = Lexical.NONE) -> str:
+def formed_approach(kind: HeadKind, adapter: bool, lexical: Lexical = Lexical.NONE) -> str | None:
     """The name of the approach a head kind forms with or without the adapter and a lexical
-    index; ``ValueError`` when it forms none (a run that is valid all the same)."""
+    index, or ``None`` when it forms none."""
     for name, approach in HEADS[kind].approaches.items():
         if approach.adapter == adapter and approach.lexical == lexical:
             return name
+    return None
+
+
+def approach_of(kind: HeadKind, adapter: bool, lexical: Lexical = Lexical.NONE) -> str:
+    """:func:`formed_approach`; ``ValueError`` when it forms none (a run valid all the same)."""
+    name = formed_approach(kind, adapter, lexical)
+    if name is not None:
+        return name
     raise ValueError(
         f"head.kind={kind} with{'' if adapter else 'out'} the adapter and head.lexical="
         f"{lexical} is no approach of car-fl"

@@ -25,6 +25,7 @@ from car_fl.heads.config import (
     MoEConfig,
     Similarity,
     approach_of,
+    formed_approach,
 )
 from car_fl.settings.choices import (
     DEVICES,
@@ -174,11 +175,7 @@ class Settings:
             )
         if self.head.lexical is not Lexical.NONE:  # only where an approach registers it
             adapter = self.train.mode is Mode.ADAPTER_CLASSIFIER
-            formed = (
-                a.adapter == adapter and a.lexical is self.head.lexical
-                for a in kind.spec.approaches.values()
-            )
-            if not corpus or not any(formed):
+            if not corpus or formed_approach(kind, adapter, self.head.lexical) is None:
                 named = [n for n, (_, a) in APPROACHES.items() if a.lexical is self.head.lexical]
                 raise ValueError(
                     f"head.lexical={self.head.lexical} indexes a corpus's documents beside the "
@@ -212,10 +209,9 @@ class Settings:
         """What reports call this run's approach: its :attr:`approach`'s label, or, for a head
         and mode that form no approach (mixture of experts with the adapter), the head kind
         and the mode."""
-        try:
-            return APPROACHES[self.approach][1].label
-        except ValueError:
-            return f"{self.head.kind} head, {self.train.mode}"
+        adapter = self.train.mode is Mode.ADAPTER_CLASSIFIER
+        name = formed_approach(self.head.kind, adapter, self.head.lexical)
+        return APPROACHES[name][1].label if name else f"{self.head.kind} head, {self.train.mode}"
 
     def _check_aggregation(self) -> None:
         """Strategy and norm-bound settings that only make sense with the federation's size."""
