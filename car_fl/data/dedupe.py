@@ -1,10 +1,11 @@
-"""Duplicates over normalised text (NFKC, whitespace, case), so that no text lands in two splits.
+"""Duplicates over normalised text (NFKC, whitespace, case, punctuation), so that no text lands
+in two splits.
 
 Copies with one label collapse to the first; copies with conflicting labels are all dropped.
 ``canonical`` (``dataset.split=hash``) keeps each (normalised text, label) once as its
 normalised text and conflicting copies too, so one record changes the result by at most itself
-(record-level DP's unit); copies that differ in case then stay apart but share a split, since
-the hash placement reads :func:`duplicate_key`.
+(record-level DP's unit); copies that differ in case or punctuation then stay apart but share a
+split, since the hash placement reads :func:`duplicate_key`.
 """
 
 from __future__ import annotations
@@ -22,9 +23,12 @@ def normalize_text(text: str) -> str:
 
 
 def duplicate_key(text: str) -> str:
-    """What copies share: :func:`normalize_text`, case folded ("call later In meeting." is a
-    copy of "call later in meeting.")."""
-    return normalize_text(text).casefold()
+    """What copies share: :func:`normalize_text`, case folded, punctuation read as a space ("Call
+    later In meeting" and "Yup..." are copies of "call later in meeting." and "yup"); a text of
+    punctuation alone is its own key."""
+    folded = normalize_text(text).casefold()
+    words = "".join(" " if unicodedata.category(c).startswith("P") else c for c in folded).split()
+    return " ".join(words) or folded
 
 
 @dataclass

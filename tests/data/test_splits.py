@@ -31,10 +31,20 @@ def test_dedupe_collapses_copies_and_drops_conflicting_labels() -> None:
         Example("ok", "spam"),  # conflicting: both copies go
         Example("hello", "ham"),
         Example("Hello", "ham"),  # a copy in another case (SMS has one) is a copy too
+        Example("Hello...", "ham"),  # and in other punctuation (SMS has 24)
+        Example("win a prize!", "spam"),
+        Example("?!", "ham"),  # a text of punctuation alone is its own text,
+        Example(":)", "spam"),  # not a copy of another such text
     ]
     kept, stats = dedupe(examples)
-    assert kept == [Example("win a prize", "spam"), Example("hello", "ham")]
-    assert stats.duplicates_removed == 3 and stats.conflicting_removed == 2
+    assert kept == [
+        Example("win a prize", "spam"),
+        Example("hello", "ham"),
+        Example("?!", "ham"),
+        Example(":)", "spam"),
+    ]
+    assert stats.duplicates_removed == 5 and stats.conflicting_removed == 2
+    assert duplicate_key("I'll call later.In it") == duplicate_key("i'll call later in it")
 
 
 def _table(path: Path, rows: list[tuple[str, str]]) -> Path:
