@@ -26,10 +26,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from car_fl.data.splits import load_splits  # noqa: E402
 from car_fl.model.retriever import build_retriever  # noqa: E402
-from car_fl.privacy.dpsgd import per_example_gradients  # noqa: E402
 from car_fl.privacy.ghost import ghost_clipped_sum  # noqa: E402
 from car_fl.privacy.mechanism import clip_per_example  # noqa: E402
 from car_fl.settings.compose import load_settings  # noqa: E402
+from tests.reference import token_gradients  # noqa: E402  (the definition: one backward each)
 
 SMS = ROOT.parent / "shared" / "data" / "sms_spam" / "SMSSpamCollection.tsv"
 
@@ -70,7 +70,7 @@ def main() -> None:
     parts: dict[str, list[float]] = {}
 
     def loop() -> dict[str, torch.Tensor]:
-        grads, _, _ = per_example_gradients(model, params, labels, input_ids=ids)
+        grads, _, _ = token_gradients(model, params, labels, ids)
         for part, names in (
             ("adapter", ["adapter.weight"]),
             ("head", [k for k in grads if k != "adapter.weight"]),

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord
 from flwr.serverapp.strategy import FedAvg
+from torch import nn
+from torch.func import functional_call
 
 from car_fl.privacy.mechanism import State, clip_factor, flat_norm
 from car_fl.protocol.messages import decode, encode
@@ -41,3 +44,25 @@ class CaRFedAvg(GuardedStrategy):
 
     def __init__(self, *, min_clients: int = 1, spec: Spec, **guards: Any) -> None:
         super().__init__(FedAvg(), spec=spec, min_clients=min_clients, **guards)
+
+
+def token_gradients(
+    model: nn.Module,
+    params: Mapping[str, torch.Tensor],
+    labels: torch.Tensor,
+    input_ids: Sequence[torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """∇θ ℓ of each unpadded token-id example by its own backward (the definition DP-SGD's
+    batched paths are checked against): ``{name: (batch, *shape)}``, each loss, each argmax."""
+    leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+    rows, losses, predicted = [], [], []
+    for ids, y in zip(input_ids, labels, strict=True):
+        one = ids[None]
+        args = (one, torch.ones_like(one))
+        logits, loss = functional_call(model, leaves, args, {"labels": y[None]})
+        grads = torch.autograd.grad(loss, list(leaves.values()))
+        rows.append(dict(zip(leaves, grads, strict=True)))
+        losses.append(loss.detach())
+        predicted.append(logits.detach().argmax(dim=-1).flatten())
+    stacked = {k: torch.stack([r[k] for r in rows]) for k in params}
+    return stacked, torch.stack(losses), torch.cat(predicted)

@@ -46,18 +46,15 @@ def per_example_gradients(
     model: nn.Module,
     params: Mapping[str, torch.Tensor],
     labels: torch.Tensor,
-    *,
-    features: torch.Tensor | None = None,
-    input_ids: Sequence[torch.Tensor] | None = None,
+    features: torch.Tensor,
 ) -> tuple[Tensors, torch.Tensor, torch.Tensor]:
-    """∇θ ℓ for every example: ``{name: (batch, *shape)}``, plus each loss and each argmax.
-    ``model`` returns ``(logits, loss)``; give ``features`` ``(batch, d)`` or one token-id tensor
-    per example in ``input_ids``."""
+    """∇θ ℓ for every example of ``features`` ``(batch, d)``: ``{name: (batch, *shape)}``, plus
+    each loss and each argmax. ``model`` returns ``(logits, loss)``."""
 
-    def loss_of(
-        p: Mapping[str, torch.Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]
+    def one_feature(
+        p: Mapping[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        logits, loss = functional_call(model, dict(p), args, kwargs)
+        logits, loss = functional_call(model, dict(p), (), {"features": x[None], "labels": y[None]})
         return loss, (loss.detach(), logits.detach().argmax(dim=-1))
 
     device = next(iter(params.values())).device
@@ -66,33 +63,10 @@ def per_example_gradients(
             k: torch.zeros((0, *v.shape), dtype=v.dtype, device=device) for k, v in params.items()
         }
         return empty, torch.zeros(0, device=device), torch.zeros(0, dtype=torch.long, device=device)
-    if features is not None:
-
-        def one_feature(
-            p: Mapping[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor
-        ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-            return loss_of(p, (), {"features": x[None], "labels": y[None]})
-
-        grads, (losses, predicted) = vmap(
-            grad(one_feature, has_aux=True), in_dims=(None, 0, 0), randomness="different"
-        )(dict(params), features, labels)
-        return grads, losses, predicted.flatten()
-    if input_ids is None:
-        raise ValueError("per_example_gradients needs features or input_ids")
-    leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
-    rows: list[Tensors] = []
-    losses_list, predicted_list = [], []
-    for ids, y in zip(input_ids, labels, strict=True):
-        ids = ids.to(device)[None]  # (1, seq): unpadded, so no mask branch matters
-        loss, (value, pred) = loss_of(
-            leaves, (ids, torch.ones_like(ids)), {"labels": y.to(device)[None]}
-        )
-        g = torch.autograd.grad(loss, list(leaves.values()))
-        rows.append(dict(zip(leaves, g, strict=True)))
-        losses_list.append(value)
-        predicted_list.append(pred.flatten())
-    stacked = {k: torch.stack([r[k] for r in rows]) for k in params}
-    return stacked, torch.stack(losses_list), torch.cat(predicted_list)
+    grads, (losses, predicted) = vmap(
+        grad(one_feature, has_aux=True), in_dims=(None, 0, 0), randomness="different"
+    )(dict(params), features, labels)
+    return grads, losses, predicted.flatten()
 
 
 def noisy_gradient(
@@ -168,10 +142,7 @@ def clipped_gradient_sum(
     chunk = max(1, chunk_elements // max(size, 1))
     for start in range(0, len(labels), chunk):
         chunk_grads, loss_part, pred_part = per_example_gradients(
-            model,
-            params,
-            labels[start : start + chunk],
-            features=features[start : start + chunk],
+            model, params, labels[start : start + chunk], features[start : start + chunk]
         )
         clipped, _ = clip_per_example(chunk_grads, clip, adapter_clip)
         for k, g in clipped.items():

@@ -33,6 +33,7 @@ from car_fl.privacy.record_accounting import (
 from car_fl.settings.compose import load_settings
 from car_fl.settings.dp_plan import record_plan
 from car_fl.training.train import epoch_order, make_optimizer, train_epoch, train_epoch_dpsgd
+from tests.reference import token_gradients
 
 
 def dp_accounting_epsilon(
@@ -211,16 +212,15 @@ def test_vmap_per_example_gradients_equal_one_backward_per_example(make_settings
             torch.testing.assert_close(grads[name][i], ref, rtol=1e-12, atol=1e-12)
 
 
-def test_adapter_mode_per_example_gradients_through_the_frozen_encoder(make_settings) -> None:
+def test_the_reference_token_gradients_through_the_frozen_encoder(make_settings) -> None:
+    # The definition test_ghost.py checks DP-SGD's batched paths against.
     s = make_settings("mode=adapter")
     splits = load_splits(s.dataset, seed=s.seed)
     model = build_retriever(s, len(splits.label_map))
     texts, labels = splits.train["text"][:3], torch.tensor(splits.train["label"][:3])
     ids = [torch.tensor(t) for t in model.encoder.tokenize(texts).input_ids]
     params = dict(model.trainable_parameters())
-    grads, _, _ = per_example_gradients(
-        model, {k: p.detach() for k, p in params.items()}, labels, input_ids=ids
-    )
+    grads, _, _ = token_gradients(model, {k: p.detach() for k, p in params.items()}, labels, ids)
     assert set(grads) == set(params) and "adapter.weight" in grads
     for i in range(3):
         one = ids[i][None]

@@ -11,15 +11,11 @@ import torch
 
 from car_fl.data.splits import load_splits
 from car_fl.model.retriever import build_retriever
-from car_fl.privacy.dpsgd import (
-    clipped_gradient_sum,
-    dpsgd_step,
-    noisy_gradient,
-    per_example_gradients,
-)
+from car_fl.privacy.dpsgd import clipped_gradient_sum, dpsgd_step, noisy_gradient
 from car_fl.privacy.ghost import ghost_clipped_sum, supports_ghost
 from car_fl.privacy.mechanism import ADAPTER_WEIGHT, clip_per_example, record_part_bounds
 from car_fl.settings.schema import AdapterKind
+from tests.reference import token_gradients
 
 
 def adapter_model(make_settings, *overrides: str, dtype: torch.dtype = torch.float64):
@@ -52,7 +48,7 @@ def adapter_part(params):
 
 def loop_reference(model, params, ids, labels, clip, adapter_clip=None):
     """One backward per unpadded example, clipped and summed: the definition."""
-    grads, losses, predicted = per_example_gradients(model, params, labels, input_ids=ids)
+    grads, losses, predicted = token_gradients(model, params, labels, ids)
     clipped, norms = clip_per_example(grads, clip, adapter_clip)
     return {k: g.sum(dim=0) for k, g in clipped.items()}, losses, predicted, norms
 
