@@ -9,12 +9,12 @@ and optional ``split`` (all or none). Malformed input is a
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from car_fl.data.readers import DataFormatError, _csv_rows, _json_rows, _require_file
+from car_fl.data.readers import DataFormatError, table_rows
 
 SPLITS = ("train", "validation", "test")
 #: Accepted spellings of a split name.
@@ -43,18 +43,6 @@ class CorpusQuery:
     line: int = 0
 
 
-def _rows(path: Path) -> Iterator[tuple[int, dict[str, object]]]:
-    _require_file(path)
-    suffix = path.suffix.lower()
-    if suffix not in DOCUMENT_SUFFIXES:
-        raise DataFormatError(
-            path, f"unknown format {suffix!r}; use one of {', '.join(DOCUMENT_SUFFIXES)}"
-        )
-    if suffix in (".csv", ".tsv"):
-        return _csv_rows(path, delimiter="\t" if suffix == ".tsv" else ",")
-    return _json_rows(path)
-
-
 def _text(value: object) -> str:
     return "" if value is None else " ".join(str(value).split())
 
@@ -64,7 +52,7 @@ def read_documents(path: Path | str) -> list[Document]:
     path = Path(path)
     documents: list[Document] = []
     first_line: dict[str, int] = {}
-    for number, row in _rows(path):
+    for number, row in table_rows(path, DOCUMENT_SUFFIXES, "format"):
         missing = [key for key in ("id", "text") if key not in row]
         if missing:
             raise DataFormatError(
@@ -109,7 +97,7 @@ def read_queries(path: Path | str, documents: Sequence[Document]) -> list[Corpus
     queries: list[CorpusQuery] = []
     with_split: int | None = None
     without_split: int | None = None
-    for number, row in _rows(path):
+    for number, row in table_rows(path, DOCUMENT_SUFFIXES, "format"):
         doc_key = next((k for k in ("document_id", "doc_id") if k in row), None)
         if "query" not in row or doc_key is None:
             raise DataFormatError(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,15 +111,7 @@ def read_arxiv(path: Path | str) -> list[Example]:
     collapsed; the label the first of the space-separated ``categories``."""
     path = Path(path)
     examples = []
-    for number, line in _lines(path):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DataFormatError(path, f"invalid JSON ({err.msg})", number) from err
-        if not isinstance(record, dict):
-            raise DataFormatError(path, "expected a JSON object", number)
+    for number, record in _json_rows(path):
         missing = [key for key in ("title", "abstract", "categories") if key not in record]
         if missing:
             raise DataFormatError(path, f"missing field(s) {', '.join(missing)}", number)
@@ -140,21 +132,8 @@ TABLE_SUFFIXES = (".csv", ".tsv", ".jsonl", ".json", ".parquet")
 def read_table(path: Path | str, *, text_column: str, label_column: str) -> list[Example]:
     """Any CSV / TSV (with a header), JSON lines or Parquet file with a text and a label column."""
     path = Path(path)
-    _require_file(path)
-    suffix = path.suffix.lower()
-    if suffix not in TABLE_SUFFIXES:
-        raise DataFormatError(
-            path, f"unknown table format {suffix!r}; use one of {', '.join(TABLE_SUFFIXES)}"
-        )
-    rows: Iterator[tuple[int, dict[str, object]]]
-    if suffix in (".csv", ".tsv"):
-        rows = _csv_rows(path, delimiter="\t" if suffix == ".tsv" else ",")
-    elif suffix in (".jsonl", ".json"):
-        rows = _json_rows(path)
-    else:
-        rows = _parquet_rows(path)
     examples = []
-    for number, row in rows:
+    for number, row in table_rows(path, TABLE_SUFFIXES, "table format"):
         for column in (text_column, label_column):
             if column not in row:
                 raise DataFormatError(
@@ -170,6 +149,22 @@ def read_table(path: Path | str, *, text_column: str, label_column: str) -> list
     if not examples:
         raise DataFormatError(path, "contains no examples")
     return examples
+
+
+def table_rows(
+    path: Path, suffixes: Sequence[str], kind: str
+) -> Iterator[tuple[int, dict[str, object]]]:
+    """Each row of a CSV / TSV (with a header), JSON lines or Parquet file and its line number;
+    a file whose suffix is not in ``suffixes`` is refused as an unknown ``kind``."""
+    _require_file(path)
+    suffix = path.suffix.lower()
+    if suffix not in suffixes:
+        raise DataFormatError(path, f"unknown {kind} {suffix!r}; use one of {', '.join(suffixes)}")
+    if suffix in (".csv", ".tsv"):
+        return _csv_rows(path, delimiter="\t" if suffix == ".tsv" else ",")
+    if suffix in (".jsonl", ".json"):
+        return _json_rows(path)
+    return _parquet_rows(path)
 
 
 def _csv_rows(path: Path, *, delimiter: str) -> Iterator[tuple[int, dict[str, object]]]:
