@@ -12,20 +12,19 @@ File: ``<folder>/ledger.json`` = ``{"format", "records": {set id: [record key, .
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
 import time
 import unicodedata
-from collections.abc import Callable, Collection, Iterable, Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Callable, Collection, Iterable
+from contextlib import AbstractContextManager, suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from car_fl.client.failures import BudgetExhausted, LedgerError
-from car_fl.common.io import atomic_write_json
+from car_fl.common.io import atomic_write_json, exclusive_lock
 from car_fl.privacy.accountant import Accountant, Release, non_private_count
 
 LEDGER_FORMAT = "car-fl-ledger-v2"
@@ -167,16 +166,9 @@ class Ledger:
     def lock_path(self) -> Path:
         return self.folder / "ledger.lock"
 
-    @contextmanager
-    def locked(self) -> Iterator[None]:
-        """An exclusive lock on this ledger, across processes (``fcntl.flock``)."""
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
+    def locked(self) -> AbstractContextManager[None]:
+        """An exclusive lock on this ledger, across processes."""
+        return exclusive_lock(self.lock_path, mode=0o600)
 
     def _old_ledgers(self) -> list[Path]:
         """v1 ledgers (one per data file's bytes) not migrated yet."""

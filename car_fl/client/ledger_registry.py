@@ -7,27 +7,14 @@ owner's registry (``$CAR_FL_STATE``, else ``$XDG_STATE_HOME/car-fl``, else
 
 from __future__ import annotations
 
-import fcntl
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
-from car_fl.common.io import atomic_write_json, state_dir
+from car_fl.common.io import atomic_write_json, exclusive_lock, state_dir
 from car_fl.settings.compose import NodeConfigError
 
 REGISTRY_FORMAT = "car-fl-ledger-registry-v1"
 REGISTRY_FILE = "ledgers.json"
-
-
-@contextmanager
-def _locked(folder: Path) -> Iterator[None]:
-    with (folder / "ledgers.lock").open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _read(path: Path) -> dict[str, list[str]]:
@@ -52,7 +39,7 @@ def claim(ledger: Path, records: frozenset[str], *, data: str | Path) -> None:
     folder = state_dir()
     path = folder / REGISTRY_FILE
     mine = str(Path(ledger).expanduser().resolve())
-    with _locked(folder):
+    with exclusive_lock(folder / "ledgers.lock"):
         ledgers = _read(path)
         for other, covered in ledgers.items():
             if other == mine:

