@@ -7,6 +7,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from car_fl.commands.retrieve import shorten
+
 if TYPE_CHECKING:  # the command imports the model code only when it runs
     from car_fl.heads.scorer import Hit
 
@@ -76,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     offline_unless_reachable()  # no Hub: the loaders read the local cache, and fail in seconds
     from car_fl.serving.checkpoint import load_retriever
     from car_fl.serving.rag import INSTRUCTION, PLAIN_INSTRUCTION, load_generator
+    from car_fl.serving.retrieval_api import corpus_titles
 
     if args.k < 1:
         raise ValueError(f"-k must be >= 1, got {args.k}")
@@ -114,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     answer = generator.answer(
         args.question, hits, max_new_tokens=args.max_new_tokens, instruction=instruction
     )
-    titles = document_titles(args.checkpoint, args.documents)
+    titles = corpus_titles(retriever)  # with --documents, from that file
     if args.json:
         payload = {
             "question": args.question,
@@ -150,24 +153,11 @@ def check_corpus(checkpoint: str) -> None:
         )
 
 
-def document_titles(checkpoint: str, documents: str | None) -> dict[str, str]:
-    """Each document's title (id → title) of a corpus checkpoint, from its documents file
-    (``documents``, else the one its settings name); empty for a checkpoint of labels."""
-    from car_fl.data.corpus import read_documents
-    from car_fl.results.run import load_checkpoint
-
-    path = documents or load_checkpoint(checkpoint).settings.dataset.documents_path
-    if not path:
-        return {}
-    return {d.id: d.title for d in read_documents(path) if d.title}
-
-
 def source_lines(hits: Sequence[Hit], titles: Mapping[str, str], *, width: int = 80) -> list[str]:
     """One line per retrieved document, stated by car-fl itself whatever the generator wrote:
     rank, id, score and its title (else the start of its text)."""
     lines = []
     for rank, hit in enumerate(hits, 1):
-        name = titles.get(hit.id) or " ".join(hit.text.split())
-        name = name if len(name) <= width else name[: width - 1] + "…"
+        name = shorten(titles.get(hit.id) or hit.text, width)
         lines.append(f"  {rank:>2d}. {hit.id}\t{hit.score:.4f}\t{name}")
     return lines
