@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from car_fl.commands.retrieve import shorten
+from car_fl.settings.choices import DEVICES
 
 if TYPE_CHECKING:  # the command imports the model code only when it runs
     from car_fl.heads.scorer import Hit
@@ -55,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-new-tokens", type=int, default=128, help="most tokens generated (128)"
     )
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
+    parser.add_argument("--device", default="auto", choices=DEVICES)
     parser.add_argument(
         "--trust-remote-code",
         action="store_true",

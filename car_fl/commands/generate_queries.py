@@ -9,6 +9,8 @@ import random
 import time
 from pathlib import Path
 
+from car_fl.settings.choices import DEVICES
+
 NAME = "generate-queries"
 HELP = "write training queries for a corpus with the checkpoint's own causal LM (DSI-QG style)"
 
@@ -47,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the corpus's documents file, if not where the checkpoint's settings name it",
     )
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
+    parser.add_argument("--device", default="auto", choices=DEVICES)
 
 
 def run(args: argparse.Namespace) -> int:

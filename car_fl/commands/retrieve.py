@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from car_fl.settings.choices import DEVICES
+
 NAME = "retrieve"
 HELP = "top-K labels or documents (id, text, score, probability) for queries, from a checkpoint"
 
@@ -38,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a corpus's documents file, if not where the checkpoint's settings name it "
         "(it must hold the same documents)",
     )
-    parser.add_argument("--device", default=None, choices=["auto", "cpu", "cuda", "mps"])
+    parser.add_argument("--device", default=None, choices=DEVICES)
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 

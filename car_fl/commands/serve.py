@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from car_fl.serving.ray_app import add_serve_arguments, serve_config_values, serve_until_stopped
+from car_fl.settings.choices import DEVICES
 
 NAME = "serve"
 HELP = "serve a checkpoint's retriever as an HTTP endpoint (Ray Serve): top-k documents"
@@ -24,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         required=True,
         help="checkpoint folder, e.g. runs/<run>/checkpoints/best",
     )
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
+    parser.add_argument("--device", default="auto", choices=DEVICES)
     add_serve_arguments(parser, port=8300, token_env=TOKEN_ENV)
     parser.add_argument(
         "--max-batch-queries", type=int, default=256, help="queries per batch (many clients')"
