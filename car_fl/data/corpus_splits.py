@@ -4,8 +4,8 @@ Rules, in order (:func:`split_corpus`):
 
 1. **Splits.** Named splits are kept; otherwise a document's last query is test, the one before
    validation, the rest train.
-2. **Duplicates** (after NFKC, whitespace, case and punctuation folding) collapse when they
-   agree; a text with two documents or in two splits is dropped everywhere.
+2. **Duplicates** (:func:`~car_fl.data.dedupe.duplicate_key`: NFKC, whitespace, case, marks)
+   collapse when they agree; a text with two documents or in two splits is dropped everywhere.
 3. A validation or test query whose text is inside its own document is dropped.
 4. **New documents.** ``new_fraction`` of the documents (seeded) lose their training queries.
 5. **Pseudo-queries** and 6. **generated queries** join the training queries after the real

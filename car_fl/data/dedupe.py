@@ -1,10 +1,10 @@
-"""Duplicates over normalised text (NFKC, whitespace, case, punctuation), so that no text lands
-in two splits.
+"""Duplicates over normalised text (NFKC, whitespace, case, the marks around words), so that no
+text lands in two splits.
 
 Copies with one label collapse to the first; copies with conflicting labels are all dropped.
 ``canonical`` (``dataset.split=hash``) keeps each (normalised text, label) once as its
 normalised text and conflicting copies too, so one record changes the result by at most itself
-(record-level DP's unit); copies that differ in case or punctuation then stay apart but share a
+(record-level DP's unit); copies that differ in case or marks then stay apart but share a
 split, since the hash placement reads :func:`duplicate_key`.
 """
 
@@ -23,12 +23,20 @@ def normalize_text(text: str) -> str:
 
 
 def duplicate_key(text: str) -> str:
-    """What copies share: :func:`normalize_text`, case folded, punctuation read as a space ("Call
-    later In meeting" and "Yup..." are copies of "call later in meeting." and "yup"); a text of
-    punctuation alone is its own key."""
+    """What copies share: :func:`normalize_text`, case folded, with the marks that end or set off
+    words read as a space ("Yup..." is "yup", "Call later In meeting." is "call later in
+    meeting"). A mark inside a word ("I'll", "1.5", "e-mail") stays, as do brackets (":)" is
+    not ":("), dashes ("-5" is not "5") and ``# @ %``; a text of such marks alone is its own
+    key."""
     folded = normalize_text(text).casefold()
-    words = "".join(" " if unicodedata.category(c).startswith("P") else c for c in folded).split()
-    return " ".join(words) or folded
+    spaced = "".join(" " if _sets_off(folded, i) else c for i, c in enumerate(folded))
+    return " ".join(spaced.split()) or folded
+
+
+def _sets_off(text: str, i: int) -> bool:
+    if unicodedata.category(text[i]) not in ("Po", "Pi", "Pf", "Pc") or text[i] in "#@%":
+        return False
+    return not (0 < i < len(text) - 1 and text[i - 1].isalnum() and text[i + 1].isalnum())
 
 
 @dataclass

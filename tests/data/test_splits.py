@@ -31,20 +31,30 @@ def test_dedupe_collapses_copies_and_drops_conflicting_labels() -> None:
         Example("ok", "spam"),  # conflicting: both copies go
         Example("hello", "ham"),
         Example("Hello", "ham"),  # a copy in another case (SMS has one) is a copy too
-        Example("Hello...", "ham"),  # and in other punctuation (SMS has 24)
+        Example("Hello...", "ham"),  # and with other marks around its words (SMS has 47)
         Example("win a prize!", "spam"),
-        Example("?!", "ham"),  # a text of punctuation alone is its own text,
-        Example(":)", "spam"),  # not a copy of another such text
+        Example("?!", "ham"),  # a text of marks alone is its own text,
+        Example("...", "spam"),  # not a copy of another such text
+        Example("thanks :)", "ham"),  # emoticons' brackets are kept: no conflict
+        Example("thanks :(", "spam"),
     ]
     kept, stats = dedupe(examples)
     assert kept == [
         Example("win a prize", "spam"),
         Example("hello", "ham"),
         Example("?!", "ham"),
-        Example(":)", "spam"),
+        Example("...", "spam"),
+        Example("thanks :)", "ham"),
+        Example("thanks :(", "spam"),
     ]
     assert stats.duplicates_removed == 5 and stats.conflicting_removed == 2
-    assert duplicate_key("I'll call later.In it") == duplicate_key("i'll call later in it")
+
+
+def test_marks_inside_a_word_and_signs_are_part_of_the_text() -> None:
+    assert duplicate_key("Sorry, I'll call later.") == duplicate_key("sorry i'll call later")
+    for one, other in [("I'll", "Ill"), ("1.5", "15"), ("e-mail", "email"), ("-5", "5")]:
+        assert duplicate_key(one) != duplicate_key(other)
+    assert duplicate_key("#win 50%") != duplicate_key("win 50")
 
 
 def _table(path: Path, rows: list[tuple[str, str]]) -> Path:
