@@ -9,11 +9,13 @@ folder. ``car-fl run`` without ``--superlink flower`` uses :mod:`car_fl.deploy.o
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 #: What turns installation off: a command-line flag, or the variable in its environment.
 NO_INSTALL_FLAG = "--disable-runtime-dependency-installation"
 NO_INSTALL_VARIABLE = "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"
+LISTEN = "0A"  # a TCP socket's state in /proc/net/tcp
 
 
 def local_superlink_port() -> int:
@@ -23,64 +25,80 @@ def local_superlink_port() -> int:
     return int(LOCAL_SUPERLINK_HTTP_API_PORT)
 
 
-def listener_pid(port: int) -> int | None:
-    """The PID of this user's process listening on ``port``, or None (none, or not ours to
-    see); of those holding the socket, a ``flower-superlink`` first, then the lowest PID."""
-    import psutil
+def listening_inodes(port: int, proc: Path = Path("/proc")) -> set[str]:
+    """The inodes of the TCP sockets listening on ``port`` (IPv4 and IPv6)."""
+    inodes = set()
+    for table in ("tcp", "tcp6"):
+        path = proc / "net" / table
+        if not path.is_file():
+            continue
+        for line in path.read_text().splitlines()[1:]:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == LISTEN and int(fields[1].split(":")[1], 16) == port:
+                inodes.add(fields[9])
+    return inodes
 
-    try:
-        holders = {
-            c.pid
-            for c in psutil.net_connections(kind="tcp")
-            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid
-        }
-    except (psutil.Error, OSError):  # macOS lists sockets to root only
+
+def listener_pid(port: int, proc: Path = Path("/proc")) -> int | None:
+    """The PID of this user's process listening on ``port``, or None (none, or not Linux); of
+    those holding the socket, a ``flower-superlink`` first, then the lowest PID."""
+    inodes = {f"socket:[{inode}]" for inode in listening_inodes(port, proc)}
+    if not inodes:
         return None
+    holders = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if any(os.readlink(fd) in inodes for fd in (entry / "fd").iterdir()):
+                holders.append(int(entry.name))
+        except OSError:  # another user's process, or one that just ended
+            continue
 
     def rank(pid: int) -> tuple[bool, int]:
         try:
-            superlink = any("flower-superlink" in a for a in psutil.Process(pid).cmdline())
-        except psutil.Error:  # another user's process, or one that just ended
+            superlink = b"flower-superlink" in (proc / str(pid) / "cmdline").read_bytes()
+        except OSError:
             superlink = False
         return (not superlink, pid)
 
     return min(holders, key=rank, default=None)
 
 
-def installs_dependencies(pid: int) -> bool:
+def installs_dependencies(pid: int, proc: Path = Path("/proc")) -> bool:
     """Whether the SuperLink ``pid`` installs each run's dependencies (neither switch set)."""
-    import psutil
-
     try:
-        process = psutil.Process(pid)
-        args, environ = process.cmdline(), process.environ()
-    except psutil.Error:
+        args = (proc / str(pid) / "cmdline").read_bytes().split(b"\0")
+        environ = (proc / str(pid) / "environ").read_bytes().split(b"\0")
+    except OSError:
         return False  # gone, or not ours to read: nothing to say
-    return NO_INSTALL_FLAG not in args and environ.get(NO_INSTALL_VARIABLE) != "1"
+    off = f"{NO_INSTALL_VARIABLE}=1".encode()
+    return NO_INSTALL_FLAG.encode() not in args and off not in environ
 
 
-def environment(pid: int) -> tuple[Path, Path] | None:
+def environment(pid: int, proc: Path = Path("/proc")) -> tuple[Path, Path] | None:
     """The folder of the ``flower-superlink`` that ``pid`` runs (an environment's ``bin``) and
     its working folder (where its runs write their results), or None if unreadable."""
-    import psutil
-
     try:
-        process = psutil.Process(pid)
-        names, folder = [a for a in process.cmdline() if a] or [""], Path(process.cwd())
-    except psutil.Error:
+        args = (proc / str(pid) / "cmdline").read_bytes().split(b"\0")
+        folder = Path(os.readlink(proc / str(pid) / "cwd"))
+    except OSError:
         return None
+    names = [os.fsdecode(a) for a in args if a] or [""]
     script = next((a for a in names if Path(a).name == "flower-superlink"), names[0])
     return Path(script).absolute().parent, folder
 
 
-def check_local_superlink(app: Path | None = None, bin_folder: Path | None = None) -> None:
+def check_local_superlink(
+    app: Path | None = None, bin_folder: Path | None = None, proc: Path = Path("/proc")
+) -> None:
     """``RuntimeError`` naming the PID of Flower's local SuperLink if it installs dependencies,
     or runs another environment than ``bin_folder`` or in another folder than ``app``."""
     port = local_superlink_port()
-    pid = listener_pid(port)
+    pid = listener_pid(port, proc)
     if pid is None:
         return
-    if installs_dependencies(pid):
+    if installs_dependencies(pid, proc):
         raise RuntimeError(
             f"Flower's local SuperLink (PID {pid}, 127.0.0.1:{port}) was started by a plain "
             f"`flwr run` with runtime dependency installation on: each of its runs installs "
@@ -88,7 +106,7 @@ def check_local_superlink(app: Path | None = None, bin_folder: Path | None = Non
             f"run without --superlink flower (car-fl run starts a SuperLink of its own), or "
             f"stop it with `kill {pid}` and run this again"
         )
-    found = environment(pid)
+    found = environment(pid, proc)
     if found is None or app is None or bin_folder is None:
         return
     theirs, folder = found
