@@ -56,8 +56,9 @@ def token_gradients(
     batched paths are checked against): ``{name: (batch, *shape)}``, each loss, each argmax."""
     leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
     rows, losses, predicted = [], [], []
+    device = next(iter(params.values())).device
     for ids, y in zip(input_ids, labels, strict=True):
-        one = ids[None]
+        one, y = ids.to(device)[None], y.to(device)
         args = (one, torch.ones_like(one))
         logits, loss = functional_call(model, leaves, args, {"labels": y[None]})
         grads = torch.autograd.grad(loss, list(leaves.values()))
