@@ -10,6 +10,7 @@ split, since the hash placement reads :func:`duplicate_key`.
 
 from __future__ import annotations
 
+import re
 import unicodedata
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -29,8 +30,12 @@ def duplicate_key(text: str) -> str:
     not ":("), dashes ("-5" is not "5") and ``# @ %``; a text of such marks alone is its own
     key."""
     folded = normalize_text(text).casefold()
-    spaced = "".join(" " if _sets_off(folded, i) else c for i, c in enumerate(folded))
+    spaced = _MARK.sub(lambda m: " " if _sets_off(folded, m.start()) else m[0], folded)
     return " ".join(spaced.split()) or folded
+
+
+#: Where a mark may be (``\w`` is ``str.isalnum`` or ``_``): found in C, judged in Python.
+_MARK = re.compile(r"[^\w\s]|_")
 
 
 def _sets_off(text: str, i: int) -> bool:
