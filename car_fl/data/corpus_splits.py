@@ -6,7 +6,8 @@ Rules, in order (:func:`split_corpus`):
    validation, the rest train.
 2. **Duplicates** (:func:`~car_fl.data.dedupe.duplicate_key`: NFKC, whitespace, case, marks)
    collapse when they agree; a text with two documents or in two splits is dropped everywhere.
-3. A validation or test query whose text is inside its own document is dropped.
+3. A validation or test query whose words stand, in order and whole, in its own document is
+   dropped ("alpha beta" in "the alpha beta test", not "cat" in "education").
 4. **New documents.** ``new_fraction`` of the documents (seeded) lose their training queries.
 5. **Pseudo-queries** and 6. **generated queries** join the training queries after the real
    ones: none for a new document, none whose text is a kept query's or two documents share.
@@ -23,6 +24,12 @@ import numpy as np
 from car_fl.data.corpus import SPLITS, CorpusQuery, Document
 from car_fl.data.dedupe import duplicate_key
 from car_fl.data.pseudo_queries import DEFAULT_WORDS, extractive_queries
+
+
+def phrase_in(text: str, padded_key: str) -> bool:
+    """Whether ``text``'s words (:func:`~car_fl.data.dedupe.duplicate_key`) stand whole and in
+    order in the key padded by one space each side (rule 3)."""
+    return f" {duplicate_key(text)} " in padded_key
 
 
 def new_document_indices(count: int, *, new_fraction: float, seed: int) -> frozenset[int]:
@@ -80,10 +87,10 @@ def split_corpus(
             continue
         stats["duplicates_removed"] += len(occurrences) - 1
         kept.append(occurrences[0])
-    doc_keys = [duplicate_key(d.text) for d in documents]
-    inside = [(t, d, s) for t, d, s in kept if s != "train" and duplicate_key(t) in doc_keys[d]]
+    doc_keys = [f" {duplicate_key(d.text)} " for d in documents]
+    inside = {i for i, (t, d, s) in enumerate(kept) if s != "train" and phrase_in(t, doc_keys[d])}
     stats["heldout_in_document_removed"] = len(inside)
-    kept = [q for q in kept if not (q[2] != "train" and duplicate_key(q[0]) in doc_keys[q[1]])]
+    kept = [q for i, q in enumerate(kept) if i not in inside]
 
     new = new_document_indices(len(documents), new_fraction=new_fraction, seed=seed)
     stats["new_document_train_queries_removed"] = sum(
