@@ -17,6 +17,7 @@ split the latest model is "best" (it equals "final").
 
 from __future__ import annotations
 
+import csv
 import json
 import logging
 import math
@@ -48,6 +49,7 @@ from car_fl.settings.compose import (
     settings_from_yaml,
     settings_to_yaml,
 )
+from car_fl.settings.dp_modes.registry import MODES
 from car_fl.settings.flat import changed_keys, refuse_other_settings
 from car_fl.settings.schema import Settings, federated_part
 
@@ -390,8 +392,7 @@ def load_resume_point(run_dir: Path, settings: Settings, kind: Kind) -> ResumePo
                 f"resume={run_dir}: the run already has {done} {unit}s; raise "
                 f"{kind.steps_key} above it"
             )
-        clients = run_dir / CLIENTS_CSV
-        client_rows = ClientRow.read_csv(clients) if clients.is_file() else []
+        client_rows = read_client_rows(run_dir, kind, settings)
         return ResumePoint(
             done=done,
             checkpoint=checkpoint,
@@ -405,6 +406,22 @@ def load_resume_point(run_dir: Path, settings: Settings, kind: Kind) -> ResumePo
         f"resume={run_dir}: no complete {unit} checkpoint to continue from: the run was "
         f"stopped before its first {unit} ended; start it again"
     )
+
+
+def read_client_rows(run_dir: Path, kind: Kind, settings: Settings) -> list[ClientRow]:
+    """A federation's ``clients.csv`` (a centralised run has none); under DP its resume needs
+    it: the server's ε counts every reply it saw before."""
+    clients = run_dir / CLIENTS_CSV
+    if kind.name != FEDERATED.name or not (clients.exists() or MODES[settings.dp.mode].enabled):
+        return []
+    try:
+        return ClientRow.read_csv(clients)
+    except (OSError, csv.Error, ValueError, TypeError) as err:
+        raise ValueError(
+            f"resume={run_dir}: {CLIENTS_CSV} does not read ({type(err).__name__}: {err}); the "
+            "server's ε would lose the replies it saw before, so the run cannot go on: start a "
+            "new run"
+        ) from err
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from car_fl.data.labels import LabelMap
-from car_fl.results.rows import MetricsFile, RoundRow, RunSummary
+from car_fl.results.rows import ClientRow, MetricsFile, RoundRow, RunSummary
 from car_fl.results.run import (
     CENTRALIZED,
     FEDERATED,
@@ -137,3 +137,17 @@ def test_a_folder_with_no_checkpoint_that_loads_is_refused(
     with pytest.raises(ValueError, match="no complete round checkpoint to continue from"):
         resume(tmp_path, settings)
     assert json.loads((tmp_path / "metrics.json").read_text())["summary"]["complete"] is False
+
+
+def test_a_private_federation_resumes_only_with_a_clients_csv_that_reads(tmp_path: Path) -> None:
+    """The server's ε after a resume counts the replies clients.csv recorded: a DP run whose
+    file is gone or unreadable (a field past csv's limit) is refused, naming the file."""
+    private = load_settings(["fl.rounds=3", "dp=fixed"])
+    write_run(tmp_path, private, rounds=2)
+    with pytest.raises(ValueError, match=r"clients.csv does not read .*FileNotFoundError"):
+        resume(tmp_path, private)
+    (tmp_path / "clients.csv").write_text(f"round,node,status,reason\n1,3,failed,{'x' * 200_000}\n")
+    with pytest.raises(ValueError, match=r"clients.csv does not read .*field larger"):
+        resume(tmp_path, private)
+    ClientRow.write_csv(tmp_path / "clients.csv", [ClientRow(round=1, node=3, status="failed")])
+    assert [row.node for row in resume(tmp_path, private).client_rows] == [3]
