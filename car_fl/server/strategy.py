@@ -45,6 +45,7 @@ from car_fl.protocol.messages import (
     encode,
     payload_bytes,
 )
+from car_fl.results.rows import ClientRow, wire_key
 from car_fl.server.aggregation import flower_strategy
 from car_fl.server.expert_plan import ExpertPlan
 from car_fl.settings.dp_modes.registry import MODES
@@ -323,8 +324,25 @@ class NormBound:
 
 log = logging.getLogger(__name__)
 
-#: What an honest client sends only outside DP (car_fl.client.round: timing is a side channel).
-TRAIN_METRICS = frozenset({"train-loss", "train-accuracy", "train-seconds"})
+#: What an honest client sends only outside DP (car_fl.client.round: timing is a side channel),
+#: with the range an honest value lies in; a value outside it is dropped.
+TRAIN_METRICS: Mapping[str, tuple[float, float]] = {
+    "train-loss": (0.0, 1e9),
+    "train-accuracy": (0.0, 1.0),
+    "train-seconds": (0.0, 1e9),
+}
+#: The reply metrics the server reads (clients.csv's columns from the wire); others are dropped.
+REPLY_METRICS = frozenset(wire_key(column) for column in ClientRow.FROM_WIRE)
+#: The most characters of a reason that carries a node's text (its error, a value it claimed):
+#: clients.csv and the log stay readable (a CSV field reads back up to 131,072).
+MAX_REASON = 300
+
+
+def cut(text: str) -> str:
+    """``text`` within :data:`MAX_REASON` characters, saying how many more it had."""
+    if len(text) <= MAX_REASON:
+        return text
+    return f"{text[:MAX_REASON]}… ({len(text) - MAX_REASON} more characters)"
 
 
 class SampledGrid(Grid):
@@ -514,14 +532,14 @@ class GuardedStrategy(Strategy):
         for message in sorted(replies, key=lambda m: m.metadata.src_node_id):
             node = message.metadata.src_node_id
             if message.has_error():
-                stats.failed[node] = str(message.error.reason)
+                stats.failed[node] = cut(str(message.error.reason))
                 stats.failure_codes[node] = int(message.error.code)
-                log.error("round %d: node %d failed: %s", server_round, node, message.error.reason)
+                log.error("round %d: node %d failed: %s", server_round, node, stats.failed[node])
                 continue
             try:
                 checked_reply = self._check(node, message.content, stats, server_round)
             except Exception as err:  # whatever a client sends must not end the server's run
-                stats.rejected[node] = f"malformed reply ({type(err).__name__}: {err})"
+                stats.rejected[node] = cut(f"malformed reply ({type(err).__name__}: {err})")
                 checked_reply = None
             if checked_reply is not None:
                 checked[node], originals[node] = checked_reply, message
@@ -574,7 +592,7 @@ class GuardedStrategy(Strategy):
             claimed = metrics.get("partition-id")
             _, reason = self.claims.cap_for(node, claimed)
             if reason is not None:
-                stats.rejected[node] = reason
+                stats.rejected[node] = cut(reason)
                 del stats.client_metrics[node]
                 continue
             self.claims.pin(node, claimed)
@@ -591,10 +609,12 @@ class GuardedStrategy(Strategy):
         numbers = {
             k: float(v)
             for k, v in (metrics or {}).items()
-            if isinstance(v, int | float) and not math.isnan(v)
+            if k in REPLY_METRICS and isinstance(v, int | float) and not math.isnan(v)
         }
-        if self._private(server_round):  # one a hostile node sends anyway reaches no file
-            numbers = {k: v for k, v in numbers.items() if k not in TRAIN_METRICS}
+        private = self._private(server_round)  # one a hostile node sends anyway reaches no file
+        for key, (low, high) in TRAIN_METRICS.items():
+            if key in numbers and (private or not low <= numbers[key] <= high):
+                del numbers[key]
         stats.released[node] = numbers
         claimed = metrics.get("partition-id") if metrics is not None else None
         cap, reason = self.claims.cap_for(node, claimed)
@@ -603,7 +623,7 @@ class GuardedStrategy(Strategy):
         if reason is None:
             reason = validate_reply(content, spec, max_examples=cap, optional=optional)
         if reason is not None:
-            stats.rejected[node] = reason
+            stats.rejected[node] = cut(reason)
             return None
         assert metrics is not None
         record = next(iter(content.array_records.values()))

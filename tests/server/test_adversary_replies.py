@@ -9,13 +9,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from flwr.app import Message, RecordDict
+from flwr.app import Error, Message, RecordDict
 
 from car_fl.protocol.failures import Failure, failure_reply
 from car_fl.protocol.messages import decode, to_record
 from car_fl.results.rows import CLIENTS_CSV, ClientRow
 from car_fl.results.run import ResumePoint
-from car_fl.server.strategy import GuardedStrategy, NormBound, ShardClaims
+from car_fl.server.strategy import (
+    MAX_REASON,
+    REPLY_METRICS,
+    GuardedStrategy,
+    NormBound,
+    ShardClaims,
+)
 from car_fl.settings.compose import load_settings
 from car_fl.settings.dp_plan import public_examples
 from car_fl.settings.schema import NormBoundMode
@@ -49,6 +55,41 @@ def test_a_non_finite_partition_claim_does_not_crash_the_resume(tmp_path: Path) 
     resumed.run.begin(point, data={})
     resumed.resume(point)  # OverflowError: cannot convert float infinity to integer
     assert resumed.privacy.client_epsilon == {10: 0.0, 11: 0.0}
+
+
+def test_a_replys_long_text_and_junk_metrics_neither_break_the_resume_nor_grow_the_server(
+    tmp_path: Path,
+) -> None:
+    """A hostile node fails with 200,000 characters of reason, claims a partition as a list of
+    20,000 numbers (both land in clients.csv's reason, past csv's 131,072-character field: no
+    resume could read it), sends 5,000 metric keys of its own (kept in every round's stats)
+    and train metrics out of range (a loss that overflows the round's mean, accuracy −5·10⁶,
+    seconds ∞)."""
+    settings = load_settings("fl.rounds=3 dp=none")
+    strategy, rounds = recorder_of(settings, tmp_path)
+    strategy.claims = ShardClaims({0: EXAMPLES, 1: EXAMPLES})
+    set_task_identity()
+    instruction = Message(content=RecordDict(), dst_node_id=12, message_type="train")
+    ones = {"w": np.ones(3, np.float32)}
+    junk = {f"junk-{i}": float(i) for i in range(5_000)}
+    out_of_range = {"train-loss": 1e308, "train-accuracy": -5e6, "train-seconds": math.inf}
+    replies = [
+        reply(10, ones, EXAMPLES, **{"partition-id": 0, "train-loss": 1.0}),
+        reply(11, ones, EXAMPLES, **{"partition-id": [0.5] * 20_000}),  # type: ignore[dict-item]
+        Message(Error(code=0, reason="x" * 200_000), reply_to=instruction),
+        reply(13, ones, EXAMPLES, **{"partition-id": 1, **junk, **out_of_range}),
+    ]
+    strategy.aggregate_train(1, replies)
+    rounds(1, to_record({"w": torch.zeros(3)}))
+    stats = strategy.history[-1]
+    assert all(
+        len(r) <= MAX_REASON + 40 for r in [*stats.rejected.values(), *stats.failed.values()]
+    )
+    assert set(stats.rejected) == {11} and set(stats.failed) == {12}
+    assert all(set(m) <= REPLY_METRICS for m in stats.released.values())
+    assert stats.client_metrics[13] == {"num-examples": EXAMPLES, "partition-id": 1.0}
+    assert rounds.run.history[-1].train_loss == 1.0  # node 10's: node 13's were dropped
+    assert {row.node for row in ClientRow.read_csv(tmp_path / CLIENTS_CSV)} == {10, 11, 12, 13}
 
 
 def failed(node: int) -> Message:
