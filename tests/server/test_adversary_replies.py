@@ -75,7 +75,7 @@ def test_a_replys_long_text_and_junk_metrics_neither_break_the_resume_nor_grow_t
     out_of_range = {"train-loss": 1e308, "train-accuracy": -5e6, "train-seconds": math.inf}
     replies = [
         reply(10, ones, EXAMPLES, **{"partition-id": 0, "train-loss": 1.0}),
-        reply(11, ones, EXAMPLES, **{"partition-id": [0.5] * 20_000}),  # type: ignore[dict-item]
+        reply(11, ones, EXAMPLES, **{"partition-id": [0.5] * 20_000}),  # type: ignore[arg-type]
         Message(Error(code=0, reason="x" * 200_000), reply_to=instruction),
         reply(13, ones, EXAMPLES, **{"partition-id": 1, **junk, **out_of_range}),
     ]
