@@ -437,8 +437,13 @@ def fingerprint(settings: Settings) -> str:
 
 
 def check_fingerprint(mine: str, server: str | None) -> None:
-    """Refuse to train on a configuration other than the server's."""
-    if server is not None and server != mine:
+    """Refuse to train on a configuration other than the server's, or one it did not state."""
+    if server is None:
+        raise FingerprintMismatch(
+            "the train message states no configuration fingerprint: a car-fl server always "
+            "sends the fingerprint of its settings; a node trains only on settings it can match"
+        )
+    if server != mine:
         raise FingerprintMismatch(
             f"this client resolved a different configuration (fingerprint {mine}) from the "
             f"server's ({server}); install the same car-fl version and conf/ on "
@@ -592,6 +597,7 @@ def run_overrides(run_config: Mapping[str, Any]) -> list[str]:
                 f"a run config may not set Hydra's own options ({item}): they choose which "
                 "configuration files every node composes; set car-fl's settings only"
             )
+    refuse_config_paths([*items, *extra])
     given = {_override_key(item): item for item in items}
     for item in extra:
         if _override_key(item) in given:
@@ -600,6 +606,27 @@ def run_overrides(run_config: Mapping[str, Any]) -> list[str]:
                 f"run-config key and {item} in overrides; keep one"
             )
     return [*items, *extra]
+
+
+def refuse_config_paths(overrides: list[str]) -> None:
+    """``ValueError`` unless a run config names each config group's option by its name: a path
+    (``model=../../x``, ``+experiment=/tmp/x``) composes a YAML file of the run's choice on every
+    node, and its interpolations in the node's environment. Checked on the text, without
+    Hydra's parser (a cached round imports no Hydra): a name, or ``[name,name]``."""
+    groups = group_options()
+    for item in overrides:
+        key, _, value = item.partition("=")
+        group = _override_key(key).split("@")[0]
+        if group not in groups and "/" not in group:
+            continue
+        options = groups.get(group, [])
+        names = value[1:-1].split(",") if value.startswith("[") and value.endswith("]") else [value]
+        if key.startswith("~") or not all(name in options for name in names):
+            listing = ", ".join(options) or "none"
+            raise ValueError(
+                f"run config: {item} is not one of {group}'s configs ({listing}); a run config "
+                "names a config, never a file"
+            )
 
 
 def unknown_run_key(key: str) -> str:

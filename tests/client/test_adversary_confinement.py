@@ -31,7 +31,7 @@ from car_fl.client.worker_link import WorkerFailed
 from car_fl.model.retriever import build_retriever
 from car_fl.protocol.failures import Failure
 from car_fl.protocol.messages import to_record
-from car_fl.settings.compose import fingerprint, load_settings, settings_from_yaml
+from car_fl.settings.compose import conf_dir, fingerprint, load_settings, settings_from_yaml
 from car_fl.testing.tiny import synthetic_examples, write_tsv
 from tests.client.test_worker import serving
 from tests.helpers import NOBODY, NOGROUP, as_nobody
@@ -131,7 +131,8 @@ def test_a_confined_supernode_cannot_make_the_worker_run_a_model_folder_s_code(
     )
     node = {**NODE, "data-path": str(private_data), "privacy-policy": str(owner_policy)}
     with confined_worker(short_dir, node):
-        code = failure_code(short_dir, {"overrides": overrides}, train_content())
+        stated = fingerprint(load_settings(overrides))
+        code = failure_code(short_dir, {"overrides": overrides}, train_content(stated))
     stolen = as_nobody(lambda: loot.read_text())
     assert code == "POLICY_REFUSED", code  # the node's config does not say trust-remote-code
     assert private_data.read_text()[:20] not in stolen, (
@@ -143,10 +144,16 @@ def test_a_confined_supernode_cannot_make_the_worker_run_a_model_folder_s_code(
 # --------------------------------------------------- 2. configuration files the run config names
 @root_only  # Hydra warns of the file's name; a worker outside pytest does not stop for it
 @pytest.mark.filterwarnings("ignore:(?s).*validated against ConfigStore schema:UserWarning")
+@pytest.mark.parametrize("names_the_file", ["hydra.searchpath", "a group's option as a path"])
 def test_a_run_config_cannot_make_the_worker_compose_yaml_of_the_supernode_s_account(
-    short_dir: Path, open_dir: Path, monkeypatch: pytest.MonkeyPatch, owner_policy: Path
+    short_dir: Path,
+    open_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    owner_policy: Path,
+    names_the_file: str,
 ) -> None:
-    """``hydra.searchpath`` is accepted in a run config's overrides: the worker composes a
+    """``hydra.searchpath`` is accepted in a run config's overrides, and so is a config group's
+    option given as a relative path (``+experiment=../../tmp/x``): the worker composes a
     YAML the confined code wrote, whose ``${oc.env:...}`` (refused in a run config itself) then
     reads the worker's environment. Whether a guess of a variable is right shows in the fixed
     code (CONFIG_MISMATCH, or a round that went on): an oracle on the owner's secrets."""
@@ -166,7 +173,12 @@ def test_a_run_config_cannot_make_the_worker_compose_yaml_of_the_supernode_s_acc
 
     assert as_nobody(plant) == "planted"
     common = "dataset=tsv dataset.path=/nowhere.tsv fl.clients=2 progress=false approach=mips"
-    run_config = {"overrides": f"hydra.searchpath=[file://{conf}] {common}"}
+    planted = os.path.relpath(conf / "approach" / "mips", conf_dir() / "experiment")
+    run_config = {
+        "overrides": f"hydra.searchpath=[file://{conf}] {common}"
+        if names_the_file == "hydra.searchpath"
+        else f"{common} +experiment={planted}"
+    }
 
     def fingerprint_of(guess: str) -> str:  # the server's: approach=mips, the guess as a value
         plain = load_settings(common)
@@ -379,7 +391,9 @@ def test_a_confined_worker_reads_no_owner_file_that_the_run_config_names(
 
     settings = load_settings(overrides)
     initial = build_retriever(settings, len(LABELS)).trainable_state_dict()
-    config = ConfigRecord({"server-round": 1, "labels": LABELS})
+    config = ConfigRecord(
+        {"server-round": 1, "labels": LABELS, "fingerprint": fingerprint(settings)}
+    )
     content = RecordDict({"arrays": to_record(initial), "config": config})
 
     def released() -> str:

@@ -32,6 +32,13 @@ def test_node_config_paths_apply_and_fingerprints_must_match(make_settings, tmp_
         node_settings(other, {}, fingerprint(settings))
 
 
+def test_a_train_message_without_the_servers_fingerprint_is_refused() -> None:
+    # the node would train on whatever it composed, values the server never stated
+    run_config = {"settings": settings_to_yaml(load_settings("fl.rounds=3"))}
+    with pytest.raises(ValueError, match="states no configuration fingerprint"):
+        node_settings(run_config, {}, None)
+
+
 def test_node_settings_compose_once_per_process(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -44,17 +51,18 @@ def test_node_settings_compose_once_per_process(
         return real(run_config)
 
     monkeypatch.setattr(node_settings_module, "settings_from_run_config", counting)
-    run_config = {"settings": settings_to_yaml(load_settings("fl.rounds=3"))}
+    settings = load_settings("fl.rounds=3")
+    run_config, server = {"settings": settings_to_yaml(settings)}, fingerprint(settings)
     node = {"partition-id": 0, "cache-dir": str(tmp_path)}
-    first = node_settings(run_config, node, None, memory=memory)
+    first = node_settings(run_config, node, server, memory=memory)
     first.fl.rounds = 99  # a copy: the caller may change it
-    assert node_settings(run_config, dict(node), None, memory=memory).fl.rounds == 3
+    assert node_settings(run_config, dict(node), server, memory=memory).fl.rounds == 3
     assert len(calls) == 1
     # another node config (or another run) is another entry
-    node_settings(run_config, {**node, "partition-id": 1}, None, memory=memory)
+    node_settings(run_config, {**node, "partition-id": 1}, server, memory=memory)
     assert len(calls) == 2
     # a node without that memory (another Node, a new process) composes again
-    node_settings(run_config, node, None)
+    node_settings(run_config, node, server)
     assert len(calls) == 3
 
 

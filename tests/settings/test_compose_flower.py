@@ -160,6 +160,26 @@ def test_a_run_config_may_not_set_hydras_own_options(overrides: str) -> None:
 @pytest.mark.parametrize(
     "run_config",
     [
+        {"overrides": "+experiment=../../../tmp/x"},
+        {"overrides": "approach=../dp/fixed"},
+        {"overrides": "dp=choice(fixed,none)"},
+        {"overrides": "model/../x=minilm"},
+        {"overrides": "experiment='../sms_mips'"},
+        {"overrides": "~experiment"},
+        {"model": "../../.."},
+    ],
+)
+def test_a_run_config_names_a_groups_config_never_a_file(run_config: dict[str, str]) -> None:
+    # a path as a group's option composes a YAML of the server's choice on every node
+    with pytest.raises(ValueError, match=r"a run config names a config, never a file"):
+        run_inputs(run_config)
+    names = {"overrides": "dp=fixed approach=mips +experiment=[sms_mips] dataset.path=/d/x.tsv"}
+    assert "approach=mips" in run_inputs({**names, "model": "minilm"})[1]
+
+
+@pytest.mark.parametrize(
+    "run_config",
+    [
         {"overrides": "dataset.path=${oc.env:HOME}/data.tsv"},
         {"dataset.path": "${oc.env:HOME}"},
         {"overrides": "model.name_or_path=${package_model_dir:this}"},
