@@ -14,6 +14,7 @@ import os
 import secrets
 import socket
 import struct
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -87,15 +88,32 @@ def send_frame(sock: socket.socket, payload: bytes) -> None:
         sock.sendall(payload)
 
 
+#: A frame read under a socket timeout must arrive within it plus one second per this many
+#: bytes: a peer sending a byte at a time would hold the worker's round (a local socket
+#: carries gigabytes a second).
+MIN_BYTES_PER_SECOND = 2**20
+
+
 def _read_exactly(sock: socket.socket, size: int) -> bytearray:
-    """``size`` bytes, received into one buffer (never held twice)."""
+    """``size`` bytes, received into one buffer (never held twice); under a socket timeout,
+    ``TimeoutError`` unless all arrive within it plus ``size`` / :data:`MIN_BYTES_PER_SECOND`."""
     buffer = bytearray(size)
     view, got = memoryview(buffer), 0
-    while got < size:
-        received = sock.recv_into(view[got:], min(size - got, 2**20))
-        if not received:
-            raise ConnectionError("the other side closed the connection")
-        got += received
+    timeout = sock.gettimeout()
+    deadline = None if timeout is None else time.monotonic() + timeout + size / MIN_BYTES_PER_SECOND
+    try:
+        while got < size:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{got} of a frame's {size} bytes came in time")
+                sock.settimeout(min(timeout or left, left))
+            received = sock.recv_into(view[got:], min(size - got, 2**20))
+            if not received:
+                raise ConnectionError("the other side closed the connection")
+            got += received
+    finally:
+        sock.settimeout(timeout)
     return buffer
 
 

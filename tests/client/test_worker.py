@@ -36,7 +36,14 @@ from car_fl.client.worker import (
     listening,
     own_node_config,
 )
-from car_fl.client.worker_link import MAX_FRAME, MAX_HEADER, WorkerFailed, WorkerUnavailable
+from car_fl.client.worker_link import (
+    HANDSHAKE_TIMEOUT,
+    MAX_FRAME,
+    MAX_HEADER,
+    MIN_BYTES_PER_SECOND,
+    WorkerFailed,
+    WorkerUnavailable,
+)
 from car_fl.data.splits import load_splits
 from car_fl.model.retriever import build_retriever
 from car_fl.protocol import wire
@@ -504,3 +511,5 @@ def test_the_deployment_docs_state_the_workers_limits_as_the_code_sets_them() ->
     assert f"at most {MAX_CONNECTIONS} connections at once" in text
     assert f"headers up to {MAX_HEADER // 2**20} MiB" in text and MAX_HEADER % 2**20 == 0
     assert f"messages up to {MAX_FRAME // 2**30} GiB" in text and MAX_FRAME % 2**30 == 0
+    assert f"within {HANDSHAKE_TIMEOUT:.0f} s plus a second per MiB" in text
+    assert MIN_BYTES_PER_SECOND == 2**20

@@ -7,6 +7,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -93,6 +94,31 @@ def test_a_frame_over_the_limit_or_cut_short_is_refused() -> None:
         left.close()
         with pytest.raises(ConnectionError, match="closed"):
             worker_link.recv_frame(right)
+
+
+def test_a_body_trickled_a_byte_at_a_time_times_out_as_a_whole() -> None:
+    """Each byte within the socket's timeout is not enough: a peer that trickles a body would
+    hold the worker's round, which reads it under its one-round lock (found by a review)."""
+    left, right = socket.socketpair()
+    stop = threading.Event()
+
+    def trickle() -> None:
+        with contextlib.suppress(OSError):
+            left.sendall(struct.pack(">Q", 1000))
+            while not stop.wait(0.05):
+                left.sendall(b"x")
+
+    thread = threading.Thread(target=trickle)
+    thread.start()
+    with left, right:
+        right.settimeout(0.3)  # each byte comes well within it
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="of a frame's 1000 bytes came in time"):
+            worker_link.recv_body(right)
+        assert time.monotonic() - started < 1.0
+        assert right.gettimeout() == 0.3  # the socket's own timeout is left as it was
+        stop.set()
+        thread.join(5)
 
 
 def handshake(
