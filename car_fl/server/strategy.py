@@ -14,7 +14,8 @@ model's dtypes.
 Norm-bound modes: ``fixed`` (``fl.max_update_norm``), ``adaptive`` (``fl.norm_bound_factor``
 × the round's lower median update norm: of two replies the smaller, so a scaled update cannot
 raise its own bound), ``dp`` (under fixed DP per round: the clipped update's bound plus a high
-quantile of the noise norm, each part's with ``dp.adapter_clip``; no user input), ``off``;
+quantile of the noise norm; with ``dp.adapter_clip`` each part's, and each part within its
+own; no user input), ``off``;
 ``auto`` picks ``dp`` under fixed DP per round, else ``fixed`` when ``fl.max_update_norm`` is
 set, else ``off``.
 """
@@ -270,6 +271,10 @@ def resolve_mode(settings: Settings) -> NormBoundMode:
     return NormBoundMode.FIXED if settings.fl.max_update_norm is not None else NormBoundMode.OFF
 
 
+#: The parts of a reply :attr:`NormBound.part_values` bounds, in split_adapter's order.
+PARTS = ("adapter part", "head part")
+
+
 @dataclass(frozen=True)
 class NormBound:
     """How the server bounds ‖θᵢ − θ‖ in each round."""
@@ -283,6 +288,10 @@ class NormBound:
     from_round: int = 1
     #: Relative rounding of the wire dtype (``dp``: the bound allows for it).
     wire_eps: float = 0.0
+    #: ``dp`` with ``dp.adapter_clip`` and a head: the adapter's part and the head's, each
+    #: within its own clip plus its noise's quantile, as the client releases them (else the
+    #: joint bound's room could all go to one part: 100× an honest adapter's).
+    part_values: tuple[float, float] | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings, *, dim: int, adapter_dim: int = 0) -> NormBound:
@@ -290,12 +299,18 @@ class NormBound:
         of them the adapter's."""
         fl, dp = settings.fl, settings.dp
         mode = resolve_mode(settings)
-        value, from_round = fl.max_update_norm, 1
+        value, from_round, part_values = fl.max_update_norm, 1, None
         if mode is NormBoundMode.DP:  # the clipped update, plus the noise's quantile
             parts = released_parts(dp, dim=dim, adapter_dim=adapter_dim)
-            noise = gaussian_norm_quantile(parts=[p[1:] for p in parts], tail=fl.norm_bound_tail)
+            tail = fl.norm_bound_tail
+            noise = gaussian_norm_quantile(parts=[p[1:] for p in parts], tail=tail)
             value = math.sqrt(sum(clip**2 for clip, _, _ in parts)) + noise
             from_round = dp.warmup_rounds + 1
+            if len(parts) == 2:
+                adapter, head = (
+                    c + gaussian_norm_quantile(parts=[(std, d)], tail=tail) for c, std, d in parts
+                )
+                part_values = (adapter, head)
         return cls(
             mode=mode,
             value=value,
@@ -303,6 +318,7 @@ class NormBound:
             action=fl.norm_bound_action,
             from_round=from_round,
             wire_eps=float(np.finfo(np.dtype(settings.comm.dtype)).eps),
+            part_values=part_values,
         )
 
     def bound(
@@ -657,27 +673,55 @@ class GuardedStrategy(Strategy):
             return checked
         kept = {}
         for node, (arrays, count) in checked.items():
-            norm = norms[node]
-            if norm <= bound:
+            norm, own = norms[node], {k: reference[k] for k in arrays}
+            over = self._parts_over(arrays, own, server_round, reference_norm)
+            if norm <= bound and not over:
                 kept[node] = (arrays, count)
             elif self.norm_bound.action is NormBoundAction.CLIP and math.isfinite(norm):
-                own = {k: reference[k] for k in arrays}
+                for _, names, part_norm, part_bound in over:  # each part to its bound first
+                    part = clip_update(
+                        {k: arrays[k] for k in names},
+                        {k: own[k] for k in names},
+                        bound=part_bound,
+                        norm=part_norm,
+                    )
+                    arrays = {**arrays, **part}
+                norm = update_norm(arrays, own)
                 kept[node] = (clip_update(arrays, own, bound=bound, norm=norm), count)
                 stats.clipped.append(node)
                 log.warning(
                     "round %d: clipped the update of node %d from norm %.4g to %.4g",
                     server_round,
                     node,
-                    norm,
-                    bound,
+                    norms[node],
+                    min(norm, bound),
                 )
             else:
+                what, value, limit = (
+                    ("update", norm, bound) if norm > bound else (over[0][0], *over[0][2:])
+                )
                 stats.rejected[node] = (
-                    f"update norm {norm:.4g} exceeds the bound {bound:.4g} "
+                    f"{what} norm {value:.4g} exceeds the bound {limit:.4g} "
                     f"(fl.norm_bound={self.norm_bound.mode})"
                 )
                 del stats.client_metrics[node]
         return kept
+
+    def _parts_over(
+        self, arrays: Arrays, own: Arrays, server_round: int, reference_norm: float
+    ) -> list[tuple[str, tuple[str, ...], float, float]]:
+        """The parts whose own norm exceeds their bound (:attr:`NormBound.part_values`): each
+        part's label ("adapter" or "head" part), names, norm and bound."""
+        values = self.norm_bound.part_values
+        if values is None or server_round < self.norm_bound.from_round:
+            return []
+        over = []
+        for label, names, value in zip(PARTS, split_adapter(arrays), values, strict=True):
+            limit = value + self.norm_bound.wire_eps * (reference_norm + value)
+            norm = update_norm({k: arrays[k] for k in names}, {k: own[k] for k in names})
+            if names and norm > limit:
+                over.append((label, names, norm, limit))
+        return over
 
     def _combine(
         self,

@@ -11,6 +11,7 @@ import pytest
 import torch
 from flwr.app import Error, Message, RecordDict
 
+from car_fl.client.local_dp import ClientPrivacy
 from car_fl.protocol.failures import Failure, failure_reply
 from car_fl.protocol.messages import decode, to_record
 from car_fl.results.rows import CLIENTS_CSV, ClientRow
@@ -21,6 +22,7 @@ from car_fl.server.strategy import (
     GuardedStrategy,
     NormBound,
     ShardClaims,
+    spec_of,
 )
 from car_fl.settings.compose import load_settings
 from car_fl.settings.dp_plan import public_examples
@@ -206,3 +208,47 @@ def test_under_dp_a_hostile_nodes_train_figures_reach_no_file(tmp_path: Path) ->
     assert (hostile.train_loss, hostile.train_accuracy, hostile.train_seconds) == (None,) * 3
     # and the round's MetricRecord handed to Flower (its log, its Result) is the forged one
     assert "train-loss" not in summary and "train-accuracy" not in summary, dict(summary)
+
+
+@pytest.mark.parametrize("action", ["reject", "clip"])
+def test_under_an_adapter_clip_no_reply_puts_the_joint_bounds_room_in_the_adapter(
+    action: str,
+) -> None:
+    """With ``dp.adapter_clip`` a client clips the adapter at C_a and the head at C, each with
+    its share of the noise; the server's bound was one joint bound, so a noise-free update
+    of the joint bound's norm, all in the adapter, passed: 100× an honest adapter's move. Each
+    part is now bounded as the client releases it; honest releases still pass."""
+    dp = ["dp=fixed", "dp.noise_multiplier=0.1", "dp.adapter_clip=0.001"]
+    settings = load_settings(
+        [*dp, "mode=adapter", "fl.clients=3", f"fl.norm_bound_action={action}"]
+    )
+    before = {"adapter.weight": torch.zeros(64, 64), "head.weight": torch.zeros(4, 64)}
+    strategy = GuardedStrategy.for_run(settings, spec=spec_of(to_record(before)))
+    configured(strategy, {k: v.numpy() for k, v in before.items()}, [1, 2, 3])
+    bound = strategy.norm_bound
+    assert bound.value is not None and bound.part_values is not None
+    replies = []
+    for node in (1, 2):  # honest: trained far past both bounds, then clipped and noised
+        client = ClientPrivacy(
+            settings.dp, num_clients=3, client=node, state=ClientPrivacy.initial_state(settings.dp)
+        )
+        gen = torch.Generator().manual_seed(node)
+        after = {k: v + torch.randn(v.shape, generator=gen) for k, v in before.items()}
+        released = client.release(before, after, server_round=1)
+        replies.append(reply(node, {k: v.numpy() for k, v in released.items()}, EXAMPLES))
+    hostile = np.full((64, 64), 0.98 * bound.value / 64, np.float32)  # ‖·‖ = 0.98 × the bound
+    replies.append(
+        reply(3, {"adapter.weight": hostile, "head.weight": np.zeros((4, 64), np.float32)}, 5)
+    )
+    arrays, _ = strategy.aggregate_train(1, replies)
+    stats = strategy.history[-1]
+    assert bound.part_values[0] < 0.1 * bound.value  # the adapter's own room is far smaller
+    if action == "reject":
+        assert set(stats.rejected) == {3} and "adapter part norm" in stats.rejected[3]
+        return
+    assert stats.clipped == [3] and not stats.rejected
+    assert arrays is not None
+    mean = decode(arrays["adapter.weight"]).astype(np.float64)
+    honest = [decode(r.content.array_records["arrays"]["adapter.weight"]) for r in replies[:2]]
+    clipped = 3 * mean - sum(h.astype(np.float64) for h in honest)
+    assert np.linalg.norm(clipped) <= bound.part_values[0] * (1 + 1e-5)

@@ -27,7 +27,7 @@ from flwr.serverapp.strategy import (
 
 from car_fl.client.local_dp import ClientPrivacy
 from car_fl.model.retriever import build_retriever
-from car_fl.privacy.mechanism import privatize
+from car_fl.privacy.mechanism import privatize, split_adapter
 from car_fl.protocol.messages import decode, to_record
 from car_fl.server.aggregation import REGISTRY, flower_strategy
 from car_fl.server.strategy import (
@@ -253,15 +253,21 @@ def test_honest_fixed_dp_releases_pass_the_auto_bound_with_or_without_an_adapter
     state = ClientPrivacy.initial_state(settings.dp)
     client = ClientPrivacy(settings.dp, num_clients=settings.fl.clients, client=0, state=state)
     before = {name: torch.zeros(shape) for name, shape in shapes.items()}
-    norms = []
+    norms, part_norms = [], []
+    zero = {k: v.double().numpy() for k, v in before.items()}
     for seed in range(100):
         gen = torch.Generator().manual_seed(seed)
         after = {k: v + torch.randn(v.shape, generator=gen) for k, v in before.items()}
         released = client.release(before, after, server_round=1)
         as_np = {k: v.double().numpy() for k, v in released.items()}
-        norms.append(update_norm(as_np, {k: v.double().numpy() for k, v in before.items()}))
+        norms.append(update_norm(as_np, zero))
+        parts = split_adapter(as_np) if bound.part_values is not None else ()
+        part_norms.append([update_norm(as_np, {k: zero[k] for k in p}) for p in parts])
     limit = bound.bound(1, norms)
     assert limit is not None and max(norms) <= limit <= 2 * max(norms)  # not a vacuous bound
+    if bound.part_values is not None:  # each part within its own bound too, not vacuously
+        most = np.max(part_norms, axis=0)
+        assert all(most <= bound.part_values) and all(most >= np.divide(bound.part_values, 2))
 
 
 def test_under_fixed_dp_the_bound_is_c_plus_the_noise_quantile_without_user_input() -> None:
