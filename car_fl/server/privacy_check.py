@@ -104,9 +104,17 @@ class PrivacyCheck:
                     verdict.epsilon,
                 )
             claimed = metrics.get(wire_key("partition_id"))
-            self.keep(node, verdict, place=place_of(node, claimed, node in stats.client_metrics))
+            self.keep(
+                node, verdict, place=self.place_of(node, claimed, node in stats.client_metrics)
+            )
         self.last_epsilon = max(self.client_epsilon.values(), default=0.0)
         return self.last_epsilon
+
+    def place_of(self, node: int, claimed: float | None, valid: bool) -> int:
+        """:func:`place_of`, where the strategy pins partitions; else the node's id: with
+        ``fl.max_examples_per_client`` no claim is checked, and the first would take a row."""
+        pinned = self.settings.fl.max_examples_per_client is None
+        return place_of(node, claimed, valid) if pinned else node
 
     def keep(self, node: int, verdict: Verdict, *, place: int) -> None:
         """``node``'s ε after a reply and, under ``dp=record``, its row at ``place``
@@ -134,7 +142,7 @@ class PrivacyCheck:
             # a per-step run resumes with fl.max_examples_per_client as the bound, or ε = ∞
             seen = {wire_key("num_examples"): float(row.num_examples)}
             verdict = self.receive(row.round, row.node, seen)
-            place = place_of(row.node, row.partition_id, row.status == "ok")
+            place = self.place_of(row.node, row.partition_id, row.status == "ok")
             self.keep(row.node, verdict, place=place)
         delta = self.settings.dp.delta
         most = max(self.accountants.values(), key=lambda a: a.get_epsilon(delta), default=None)

@@ -156,6 +156,28 @@ def test_a_rejected_claim_does_not_take_the_partitions_dp_row(tmp_path: Path) ->
     assert rows[0].epsilon == pytest.approx(spent), {k: v.epsilon for k, v in rows.items()}
 
 
+def test_without_pinning_a_claim_takes_no_partitions_dp_row(tmp_path: Path) -> None:
+    """With ``fl.max_examples_per_client`` the strategy pins no partition (data-is-shard), so
+    no claim is checked: a hostile node with a lower id sent one valid reply claiming partition
+    0 and took its row in ``summary.dp_clients`` (1 step's ε), the real holder's 3 rounds filed
+    under its node id. Each node's row is now its node id's."""
+    settings = load_settings("fl.rounds=3 dp=record dp.target_epsilon=4")
+    settings.fl.max_examples_per_client = EXAMPLES
+    strategy, rounds = recorder_of(settings, tmp_path)
+    strategy.claims = ShardClaims(max_examples=EXAMPLES)
+    honest = [{**claim, "partition-id": 0.0} for claim in honest_claims(settings, 3)]
+    for server_round in (1, 2, 3):
+        replies = [reply(10, {"w": np.ones(3, np.float32)}, EXAMPLES, **honest[server_round - 1])]
+        if server_round == 1:  # valid, claiming the same partition: not refused without pins
+            replies.append(reply(5, {"w": np.ones(3, np.float32)}, EXAMPLES, **honest[0]))
+        strategy.aggregate_train(server_round, replies)
+        rounds(server_round, to_record({"w": torch.zeros(3)}))
+    rows = rounds.run.summary(complete=False).dp_clients
+    assert set(rows) == {5, 10}
+    assert rows[10].epsilon == pytest.approx(rounds.privacy.epsilon(10))
+    assert rows[10].epsilon > rows[5].epsilon == pytest.approx(rounds.privacy.epsilon(5))
+
+
 def test_a_reply_the_norm_bound_rejects_does_not_pin_its_partition() -> None:
     """docs/federation.md: "The server pins each node to the first partition id it claims in
     a *valid* reply" (and test_replies: "only a valid reply pins its partition"). The pin is
