@@ -108,7 +108,10 @@ def _read_exactly(sock: socket.socket, size: int) -> bytearray:
                 if left <= 0:
                     raise TimeoutError(f"{got} of a frame's {size} bytes came in time")
                 sock.settimeout(min(timeout or left, left))
-            received = sock.recv_into(view[got:], min(size - got, 2**20))
+            try:
+                received = sock.recv_into(view[got:], min(size - got, 2**20))
+            except TimeoutError:
+                raise TimeoutError(f"{got} of a frame's {size} bytes came in time") from None
             if not received:
                 raise ConnectionError("the other side closed the connection")
             got += received
