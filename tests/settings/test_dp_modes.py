@@ -68,6 +68,20 @@ def test_what_a_round_releases_is_the_modes_figure(
     )
 
 
+def test_a_warm_up_round_per_step_is_one_un_noised_release_as_the_policy_counts_rounds() -> None:
+    """The ledger counted a warm-up round under ``dp.granularity=step`` as its local steps,
+    un-noised: a run the policy admitted (``lifetime-unnoised-rounds`` counts rounds) was
+    then refused by the ledger; the client itself counts one release (found by a review)."""
+    settings = load_settings(
+        "dp=fixed dp.noise_multiplier=1.0 dp.granularity=step dp.warmup_rounds=1 "
+        "fl.max_examples_per_client=64 train.batch_size=8"
+    )
+    warm_up = round_release(settings, server_round=1, examples=64)
+    assert (warm_up.kind, warm_up.count) == (ReleaseKind.NON_PRIVATE, 1)
+    private = round_release(settings, server_round=2, examples=64)
+    assert (private.kind, private.count) == (ReleaseKind.GAUSSIAN, 8 * settings.fl.local_epochs)
+
+
 def test_adaptives_release_composes_the_update_and_the_indicator() -> None:
     settings = load_settings("dp=adaptive dp.noise_multiplier=0.05")
     spec = MODES[DPMode.ADAPTIVE]

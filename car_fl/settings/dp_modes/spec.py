@@ -122,9 +122,9 @@ class ClientLevel(DPModeSpec):
 
     def release(self, settings: Settings, *, server_round: int, examples: int) -> Release:
         dp = settings.dp
-        stepwise = self.per_step(dp)
-        count = local_steps(settings, accounted_examples(settings, examples)) if stepwise else 1
         active = server_round > dp.warmup_rounds
+        stepwise = self.per_step(dp) and active  # a warm-up round is one un-noised release
+        count = local_steps(settings, accounted_examples(settings, examples)) if stepwise else 1
         return self.releases(dp, settings.fl.clients, count, active=active)
 
     def releases(self, dp: DPConfig, num_clients: int, count: int, *, active: bool) -> Release:
