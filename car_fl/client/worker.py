@@ -253,7 +253,7 @@ class NodeWorker:
             self._connections.release()
 
     def _answer(self, conn: socket.socket, secret: bytes) -> None:
-        conn.settimeout(HANDSHAKE_TIMEOUT)  # a frame's: within it plus a second per MiB
+        conn.settimeout(HANDSHAKE_TIMEOUT)  # a frame: within it plus a second per MiB received
         try:
             check_client(conn, secret, greet(conn))
             header = recv_header(conn)

@@ -88,26 +88,26 @@ def send_frame(sock: socket.socket, payload: bytes) -> None:
         sock.sendall(payload)
 
 
-#: A frame read under a socket timeout must arrive within it plus one second per this many
-#: bytes: a peer sending a byte at a time would hold the worker's round (a local socket
-#: carries gigabytes a second).
+#: Past a socket's timeout, a frame read under it must keep arriving at this many bytes a
+#: second on average: a peer sending a byte at a time would hold the worker's round (a local
+#: socket carries gigabytes a second).
 MIN_BYTES_PER_SECOND = 2**20
 
 
 def _read_exactly(sock: socket.socket, size: int) -> bytearray:
     """``size`` bytes, received into one buffer (never held twice); under a socket timeout,
-    ``TimeoutError`` unless all arrive within it plus ``size`` / :data:`MIN_BYTES_PER_SECOND`."""
+    ``TimeoutError`` once the time taken passes it plus a second per
+    :data:`MIN_BYTES_PER_SECOND` bytes received (not announced: a peer cannot buy time)."""
     buffer = bytearray(size)
     view, got = memoryview(buffer), 0
-    timeout = sock.gettimeout()
-    deadline = None if timeout is None else time.monotonic() + timeout + size / MIN_BYTES_PER_SECOND
+    timeout, started = sock.gettimeout(), time.monotonic()
     try:
         while got < size:
-            if deadline is not None:
-                left = deadline - time.monotonic()
+            if timeout is not None:
+                left = started + timeout + got / MIN_BYTES_PER_SECOND - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"{got} of a frame's {size} bytes came in time")
-                sock.settimeout(min(timeout or left, left))
+                sock.settimeout(min(timeout, left))
             try:
                 received = sock.recv_into(view[got:], min(size - got, 2**20))
             except TimeoutError:
@@ -133,13 +133,11 @@ def recv_frame(sock: socket.socket, limit: int = MAX_HEADER) -> bytearray:
 
 
 def skip_body(sock: socket.socket) -> None:
-    """Read a body and keep none of it (a request answered without it)."""
+    """Read a body and keep none of it (a request answered without it), a MiB at a time, each
+    under :func:`_read_exactly`'s deadline."""
     left = _frame_size(sock, MAX_FRAME)
     while left:
-        chunk = sock.recv(min(left, 2**20))
-        if not chunk:
-            raise ConnectionError("the other side closed the connection")
-        left -= len(chunk)
+        left -= len(_read_exactly(sock, min(left, 2**20)))
 
 
 def send_message(sock: socket.socket, header: Mapping[str, Any], body: bytes = b"") -> None:

@@ -511,5 +511,5 @@ def test_the_deployment_docs_state_the_workers_limits_as_the_code_sets_them() ->
     assert f"at most {MAX_CONNECTIONS} connections at once" in text
     assert f"headers up to {MAX_HEADER // 2**20} MiB" in text and MAX_HEADER % 2**20 == 0
     assert f"messages up to {MAX_FRAME // 2**30} GiB" in text and MAX_FRAME % 2**30 == 0
-    assert f"within {HANDSHAKE_TIMEOUT:.0f} s plus a second per MiB" in text
+    assert f"within {HANDSHAKE_TIMEOUT:.0f} s plus a second per MiB received" in text
     assert MIN_BYTES_PER_SECOND == 2**20
