@@ -7,7 +7,8 @@ Rules, in order (:func:`split_corpus`):
 2. **Duplicates** (:func:`~car_fl.data.dedupe.duplicate_key`: NFKC, whitespace, case, marks)
    collapse when they agree; a text with two documents or in two splits is dropped everywhere.
 3. A validation or test query whose words stand, in order and whole, in its own document is
-   dropped ("alpha beta" in "the alpha beta test", not "cat" in "education").
+   dropped ("alpha beta" in "the alpha beta test", "bert" in "(BERT)", not "cat" in
+   "education").
 4. **New documents.** ``new_fraction`` of the documents (seeded) lose their training queries.
 5. **Pseudo-queries** and 6. **generated queries** join the training queries after the real
    ones: none for a new document, none whose text is a kept query's or two documents share.
@@ -15,6 +16,7 @@ Rules, in order (:func:`split_corpus`):
 
 from __future__ import annotations
 
+import re
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,10 +28,18 @@ from car_fl.data.dedupe import duplicate_key
 from car_fl.data.pseudo_queries import DEFAULT_WORDS, extractive_queries
 
 
-def phrase_in(text: str, padded_key: str) -> bool:
-    """Whether ``text``'s words (:func:`~car_fl.data.dedupe.duplicate_key`) stand whole and in
-    order in the key padded by one space each side (rule 3)."""
-    return f" {duplicate_key(text)} " in padded_key
+def words(text: str) -> str:
+    """``text``'s words (``\\w`` runs of :func:`~car_fl.data.dedupe.duplicate_key`, so "(BERT)"
+    and "cat-like" hold "bert" and "cat"), one space between, one at each end (rule 3)."""
+    return f" {' '.join(_WORD.findall(duplicate_key(text)))} "
+
+
+_WORD = re.compile(r"\w+")
+
+
+def phrase_in(text: str, document_words: str) -> bool:
+    """Whether ``text``'s words stand whole and in order in a document's :func:`words`."""
+    return words(text) in document_words
 
 
 def new_document_indices(count: int, *, new_fraction: float, seed: int) -> frozenset[int]:
@@ -87,7 +97,7 @@ def split_corpus(
             continue
         stats["duplicates_removed"] += len(occurrences) - 1
         kept.append(occurrences[0])
-    doc_keys = [f" {duplicate_key(d.text)} " for d in documents]
+    doc_keys = [words(d.text) for d in documents]
     inside = {i for i, (t, d, s) in enumerate(kept) if s != "train" and phrase_in(t, doc_keys[d])}
     stats["heldout_in_document_removed"] = len(inside)
     kept = [q for i, q in enumerate(kept) if i not in inside]
