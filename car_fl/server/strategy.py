@@ -674,7 +674,7 @@ class GuardedStrategy(Strategy):
         kept = {}
         for node, (arrays, count) in checked.items():
             norm, own = norms[node], {k: reference[k] for k in arrays}
-            over = self._parts_over(arrays, own, server_round, reference_norm)
+            over = self._parts_over(arrays, own, server_round)
             if norm <= bound and not over:
                 kept[node] = (arrays, count)
             elif self.norm_bound.action is NormBoundAction.CLIP and math.isfinite(norm):
@@ -708,7 +708,7 @@ class GuardedStrategy(Strategy):
         return kept
 
     def _parts_over(
-        self, arrays: Arrays, own: Arrays, server_round: int, reference_norm: float
+        self, arrays: Arrays, own: Arrays, server_round: int
     ) -> list[tuple[str, tuple[str, ...], float, float]]:
         """The parts whose own norm exceeds their bound (:attr:`NormBound.part_values`): each
         part's label ("adapter" or "head" part), names, norm and bound."""
@@ -717,8 +717,10 @@ class GuardedStrategy(Strategy):
             return []
         over = []
         for label, names, value in zip(PARTS, split_adapter(arrays), values, strict=True):
+            part = {k: own[k] for k in names}  # the wire's rounding: of this part's values
+            reference_norm = math.sqrt(sum(float(np.square(v).sum()) for v in part.values()))
             limit = value + self.norm_bound.wire_eps * (reference_norm + value)
-            norm = update_norm({k: arrays[k] for k in names}, {k: own[k] for k in names})
+            norm = update_norm({k: arrays[k] for k in names}, part)
             if names and norm > limit:
                 over.append((label, names, norm, limit))
         return over
