@@ -417,10 +417,14 @@ def read_client_rows(run_dir: Path, kind: Kind, settings: Settings) -> list[Clie
     try:
         return ClientRow.read_csv(clients)
     except (OSError, csv.Error, ValueError, TypeError) as err:
+        why = (
+            "the server's ε would lose the replies it saw before, so the run cannot go on"
+            if MODES[settings.dp.mode].enabled
+            else "it was changed by hand"
+        )
         raise ValueError(
-            f"resume={run_dir}: {CLIENTS_CSV} does not read ({type(err).__name__}: {err}); the "
-            "server's ε would lose the replies it saw before, so the run cannot go on: start a "
-            "new run"
+            f"resume={run_dir}: {CLIENTS_CSV} does not read ({type(err).__name__}: {err}); "
+            f"{why}: start a new run"
         ) from err
 
 
@@ -709,13 +713,14 @@ class Run:
         return summary
 
     def write(self, *, complete: bool) -> None:
-        """``metrics.json``/``.csv``, ``clients.csv`` and ``curves.png`` (while the run runs,
-        at most every :data:`PLOT_SECONDS`)."""
+        """``clients.csv``, ``metrics.json``/``.csv`` and ``curves.png`` (while the run runs,
+        at most every :data:`PLOT_SECONDS`). ``clients.csv`` first: a run stopped between the
+        two resumes from ``metrics.json``'s last row, with every reply the server saw by then."""
         assert self.output_dir is not None
         summary = self.summary(complete=complete)
-        MetricsFile(history=self.history, summary=summary).write(self.output_dir)
         if self.client_rows is not None:
             ClientRow.write_csv(self.output_dir / CLIENTS_CSV, self.client_rows)
+        MetricsFile(history=self.history, summary=summary).write(self.output_dir)
         now = time.monotonic()
         if self.plotted_at is not None and now - self.plotted_at < PLOT_SECONDS and not complete:
             return

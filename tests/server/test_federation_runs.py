@@ -16,6 +16,7 @@ import torch
 
 from car_fl.centralized import run_centralized
 from car_fl.privacy.accountant import epsilon
+from car_fl.results.rows import ClientRow, MetricsFile
 from car_fl.results.run import load_checkpoint
 from car_fl.settings.compose import load_settings, settings_to_yaml
 from car_fl.simulation.in_process import run_local
@@ -134,6 +135,39 @@ def test_a_resumed_run_matches_an_uninterrupted_one(
         )
     else:
         assert resumed["summary"]["epsilon"] > 0
+
+
+@pytest.mark.parametrize("stopped_in", ["clients.csv", "metrics.json"])
+def test_a_private_federation_stopped_while_writing_a_row_resumes_with_every_reply_counted(
+    base: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stopped_in: str
+) -> None:
+    """Stopped while writing round 2's clients.csv or its metrics.json row: the resume goes on
+    from round 1 and its ε is the uninterrupted run's. (metrics.json was written first: a stop
+    between them resumed from round 2 with a clients.csv that lacked it, and the server's ε
+    after the resume left round 2 out; found by a review.)"""
+    common = [*base, "dp=fixed", "dp.noise_multiplier=1.0", "fl.local_epochs=1", "fl.rounds=3"]
+    whole = federate([*common, f"output_dir={tmp_path / 'whole'}"])
+    real_metrics, real_clients = MetricsFile.write, ClientRow.write_csv
+
+    def metrics(self: MetricsFile, folder: Path) -> None:
+        if len(self.history) == 2 and stopped_in == "metrics.json":
+            raise KeyboardInterrupt
+        real_metrics(self, folder)
+
+    def clients(path: Path, rows: list[ClientRow]) -> None:
+        if max((row.round for row in rows), default=0) == 2 and stopped_in == "clients.csv":
+            raise KeyboardInterrupt
+        real_clients(path, rows)
+
+    run = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        patch.setattr(MetricsFile, "write", metrics)
+        patch.setattr(ClientRow, "write_csv", staticmethod(clients))
+        with pytest.raises(KeyboardInterrupt):
+            federate([*common, f"output_dir={run}"])
+    resumed = federate([*common, f"resume={run}"])
+    assert [row["round"] for row in resumed["history"]] == [1, 2, 3]
+    assert resumed["summary"]["epsilon"] == pytest.approx(whole["summary"]["epsilon"])
 
 
 def test_a_federation_stopped_in_its_end_is_ended_by_a_resume(
