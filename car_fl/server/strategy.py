@@ -302,7 +302,8 @@ class NormBound:
         value, from_round, part_values = fl.max_update_norm, 1, None
         if mode is NormBoundMode.DP:  # the clipped update, plus the noise's quantile
             parts = released_parts(dp, dim=dim, adapter_dim=adapter_dim)
-            tail = fl.norm_bound_tail
+            # with two parts, three checks (the whole and each part) share the tail
+            tail = fl.norm_bound_tail / (3 if len(parts) == 2 else 1)
             noise = gaussian_norm_quantile(parts=[p[1:] for p in parts], tail=tail)
             value = math.sqrt(sum(clip**2 for clip, _, _ in parts)) + noise
             from_round = dp.warmup_rounds + 1

@@ -34,6 +34,7 @@ from car_fl.server.strategy import (
     GuardedStrategy,
     NormBound,
     gaussian_norm_quantile,
+    released_parts,
     spec_of,
     update_norm,
 )
@@ -276,6 +277,18 @@ def test_under_fixed_dp_the_bound_is_c_plus_the_noise_quantile_without_user_inpu
     assert bound.mode == "dp"
     expected = 0.5 + 0.1 * (20 + math.sqrt(2 * math.log(1e6)))
     assert bound.value == pytest.approx(expected)
+    # with dp.adapter_clip: the whole and each part, three checks at a third of the tail each
+    two = load_settings(
+        ["dp=fixed", "dp.clip=0.5", "dp.noise_multiplier=0.2", "dp.adapter_clip=0.1"]
+    )
+    split = NormBound.from_settings(two, dim=400, adapter_dim=100)
+    parts = released_parts(two.dp, dim=400, adapter_dim=100)
+    third = two.fl.norm_bound_tail / 3
+    noise = gaussian_norm_quantile(parts=[p[1:] for p in parts], tail=third)
+    assert split.value == pytest.approx(math.sqrt(0.5**2 + 0.1**2) + noise)
+    assert split.part_values == pytest.approx(
+        [c + gaussian_norm_quantile(parts=[(std, d)], tail=third) for c, std, d in parts]
+    )
     assert NormBound.from_settings(load_settings(), dim=400).mode == "off"
     fixed = NormBound.from_settings(load_settings(["fl.max_update_norm=2.5"]), dim=400)
     assert (fixed.mode, fixed.value) == ("fixed", 2.5)
