@@ -106,15 +106,14 @@ def _read_exactly(sock: socket.socket, size: int) -> bytearray:
             if timeout is not None:
                 left = started + timeout + got / MIN_BYTES_PER_SECOND - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"{got} of a frame's {size} bytes came in time")
+                    raise TimeoutError
                 sock.settimeout(min(timeout, left))
-            try:
-                received = sock.recv_into(view[got:], min(size - got, 2**20))
-            except TimeoutError:
-                raise TimeoutError(f"{got} of a frame's {size} bytes came in time") from None
+            received = sock.recv_into(view[got:], min(size - got, 2**20))
             if not received:
                 raise ConnectionError("the other side closed the connection")
             got += received
+    except TimeoutError:  # the deadline, or one recv's timeout
+        raise TimeoutError(f"{got} of a frame's {size} bytes came in time") from None
     finally:
         sock.settimeout(timeout)
     return buffer

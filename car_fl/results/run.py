@@ -411,15 +411,15 @@ def load_resume_point(run_dir: Path, settings: Settings, kind: Kind) -> ResumePo
 def read_client_rows(run_dir: Path, kind: Kind, settings: Settings) -> list[ClientRow]:
     """A federation's ``clients.csv`` (a centralised run has none); under DP its resume needs
     it: the server's ε counts every reply it saw before."""
-    clients = run_dir / CLIENTS_CSV
-    if kind.name != FEDERATED.name or not (clients.exists() or MODES[settings.dp.mode].enabled):
+    clients, private = run_dir / CLIENTS_CSV, MODES[settings.dp.mode].enabled
+    if kind.name != FEDERATED.name or not (private or clients.exists()):
         return []
     try:
         return ClientRow.read_csv(clients)
     except (OSError, csv.Error, ValueError, TypeError) as err:
         why = (
             "the server's ε would lose the replies it saw before, so the run cannot go on"
-            if MODES[settings.dp.mode].enabled
+            if private
             else "it was changed by hand"
         )
         raise ValueError(

@@ -111,14 +111,19 @@ class PrivacyCheck:
         return self.last_epsilon
 
     def place_of(self, node: int, claimed: float | None, valid: bool) -> int:
-        """:func:`place_of`, where the strategy pins partitions; else the node's id: with
-        ``fl.max_examples_per_client`` no claim is checked, and the first would take a row."""
-        pinned = self.settings.fl.max_examples_per_client is None
-        return place_of(node, claimed, valid) if pinned else node
+        """Where a reply's ε row goes: the partition a *valid* reply claims, else the node's id
+        (a rejected reply, or a claim that is no partition id, takes no partition's row); the
+        node's id always with ``fl.max_examples_per_client``, where the strategy pins no
+        partition and checks no claim (the first would take a row)."""
+        if self.settings.fl.max_examples_per_client is not None or not valid:
+            return node
+        if claimed is not None and math.isfinite(claimed) and claimed == int(claimed):
+            return int(claimed)
+        return node
 
     def keep(self, node: int, verdict: Verdict, *, place: int) -> None:
         """``node``'s ε after a reply and, under ``dp=record``, its row at ``place``
-        (:func:`place_of`), or at its node id when another node's row holds ``place``."""
+        (:meth:`place_of`), or at its node id when another node's row holds ``place``."""
         self.client_epsilon[node] = verdict.epsilon
         if not MODES[self.settings.dp.mode].record_level:
             return
@@ -201,14 +206,6 @@ class PrivacyCheck:
             "partition sizes are not a bound: a node's owner may set its data), so the "
             "server reports ε = ∞; set fl.max_examples_per_client for a figure"
         )
-
-
-def place_of(node: int, claimed: float | None, valid: bool) -> int:
-    """Where a reply's ε row goes: the partition a *valid* reply claims, else the node's id
-    (a rejected reply, or a claim that is no partition id, takes no partition's row)."""
-    if valid and claimed is not None and math.isfinite(claimed) and claimed == int(claimed):
-        return int(claimed)
-    return node
 
 
 def client_rows_of(
